@@ -1,0 +1,39 @@
+"""Tier 0 (protocol, backends), with the tier-1 primitives and tier-2 factories users reach for.
+
+    from tierlm.backends import create_pytorch_backend             # tier 2: one call
+    from tierlm.backends import load_hf_model, create_adamw_optimizer, PyTorchTrainingBackend  # tiers 1 + 0
+"""
+
+from tierlm.backends.factory import create_backend_with_scheduler, create_pytorch_backend
+from tierlm.backends.protocol import TrainFuture, TrainingBackend
+from tierlm.backends.pytorch import PyTorchTrainingBackend, loss_sum_and_count
+from tierlm.primitives import (
+    compute_device_map_single_gpu,
+    create_adamw_optimizer,
+    create_cross_entropy_loss,
+    create_warmup_cosine_scheduler,
+    create_warmup_scheduler,
+    load_hf_model,
+    parse_dtype,
+    resolve_device,
+)
+
+__all__ = [
+    # tier 2
+    "create_backend_with_scheduler",
+    "create_pytorch_backend",
+    # tier 1
+    "compute_device_map_single_gpu",
+    "create_adamw_optimizer",
+    "create_cross_entropy_loss",
+    "create_warmup_cosine_scheduler",
+    "create_warmup_scheduler",
+    "load_hf_model",
+    "parse_dtype",
+    "resolve_device",
+    # tier 0
+    "PyTorchTrainingBackend",
+    "TrainFuture",
+    "TrainingBackend",
+    "loss_sum_and_count",
+]

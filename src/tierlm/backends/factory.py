@@ -1,0 +1,111 @@
+"""Tier 2: one call builds a ready backend for the common case.
+
+Each factory is a few tier-1 calls and one tier-0 constructor; drop to those whenever the
+defaults do not fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch  # noqa: F401  (used by the doctests)
+from torch.optim.lr_scheduler import LRScheduler
+
+from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.models import load_pretrained_model
+from tierlm.primitives.dtype_device import parse_dtype, resolve_device
+from tierlm.primitives.losses import create_cross_entropy_loss
+from tierlm.primitives.optim import create_adamw_optimizer
+from tierlm.primitives.schedules import create_warmup_scheduler
+
+
+def create_pytorch_backend(
+    model_name: str,
+    checkpoint_dir: Path,
+    device_type: str = "auto",
+    dtype: str = "bfloat16",
+    gpu_rank: int = 0,
+    learning_rate: float = 1e-4,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    loss_fn: Callable | None = None,
+    max_grad_norm: float = 1.0,
+    trust_remote_code: bool = False,
+) -> PyTorchTrainingBackend:
+    """Load a model (hub id, transformers folder or tierlm model folder), AdamW, cross-entropy.
+
+    `device_type` is "auto" | "cuda" | "cpu" | "mps"; asking for cuda without a GPU is a
+    `DeviceError`, not a crash.
+
+    >>> import tempfile; from pathlib import Path
+    >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
+    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16)),
+    ...                            Path(tempfile.mkdtemp()) / "tiny")
+    >>> backend = create_pytorch_backend(
+    ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), device_type="cpu", dtype="float32")
+    >>> batch = {"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2, 8))}
+    >>> metrics = backend.forward_backward(batch).wait()
+    >>> sorted(metrics), metrics["num_tokens"]
+    (['loss', 'num_tokens'], 16.0)
+    >>> sorted(backend.optim_step().wait())
+    ['grad_norm', 'loss', 'lr', 'num_tokens']
+    """
+    torch_dtype = parse_dtype(dtype)
+    device = resolve_device(device_type, gpu_rank)
+    model = load_pretrained_model(model_name, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
+    return PyTorchTrainingBackend(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn or create_cross_entropy_loss(),
+        checkpoint_dir=checkpoint_dir,
+        device=device,
+        max_grad_norm=max_grad_norm,
+    )
+
+
+def create_backend_with_scheduler(
+    model_name: str,
+    checkpoint_dir: Path,
+    num_training_steps: int,
+    warmup_ratio: float = 0.03,
+    device_type: str = "auto",
+    dtype: str = "bfloat16",
+    gpu_rank: int = 0,
+    learning_rate: float = 1e-4,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    decay_style: str = "cosine",
+    min_lr_ratio: float = 0.1,
+) -> tuple[PyTorchTrainingBackend, LRScheduler]:
+    """`create_pytorch_backend` plus a warmup-then-decay schedule attached to the backend.
+
+    `backend.optim_step()` steps the scheduler; the scheduler is returned for inspection, do not
+    step it yourself.
+
+    >>> import tempfile; from pathlib import Path
+    >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
+    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16)),
+    ...                            Path(tempfile.mkdtemp()) / "tiny")
+    >>> backend, scheduler = create_backend_with_scheduler(
+    ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), num_training_steps=100,
+    ...     warmup_ratio=0.1, device_type="cpu", dtype="float32", learning_rate=1e-3)
+    >>> backend.scheduler is scheduler, round(backend.optimizer.param_groups[0]["lr"], 6)
+    (True, 0.0001)
+    """
+    backend = create_pytorch_backend(
+        model_name=model_name,
+        checkpoint_dir=checkpoint_dir,
+        device_type=device_type,
+        dtype=dtype,
+        gpu_rank=gpu_rank,
+        learning_rate=learning_rate,
+        adam_betas=adam_betas,
+        weight_decay=weight_decay,
+    )
+    num_warmup_steps = max(1, int(num_training_steps * warmup_ratio))
+    backend.scheduler = create_warmup_scheduler(
+        backend.optimizer, num_warmup_steps, num_training_steps, decay_style=decay_style, min_lr_ratio=min_lr_ratio
+    )
+    return backend, backend.scheduler

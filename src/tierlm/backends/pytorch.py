@@ -1,0 +1,153 @@
+"""Tier 0: the single-device PyTorch backend."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tierlm import checkpoint
+from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.errors import CheckpointError
+from tierlm.models import forward_logits
+from tierlm.primitives.losses import count_loss_tokens, create_cross_entropy_loss
+
+
+def loss_sum_and_count(loss_fn: Callable, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `loss_fn` and return (summed loss, loss tokens).
+
+    A loss function may return `(sum, count)` itself (preferred: losses are sums). A scalar is
+    read as the mean over the batch's trained tokens, so it is multiplied back by their count.
+    """
+    out = loss_fn(logits, batch)
+    if isinstance(out, tuple):
+        total, count = out
+        return total, torch.as_tensor(count, dtype=torch.float32, device=total.device)
+    count = count_loss_tokens(batch).to(out.device)
+    return out * count, count
+
+
+class PyTorchTrainingBackend:
+    """One model on one device.
+
+    Gradients of each micro-batch are those of its *summed* loss; `optim_step` divides them by
+    the trained-token count of the whole step before clipping, so accumulating micro-batches of
+    uneven length gives exactly the gradient of one big batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable | None,
+        checkpoint_dir: str | Path,
+        device: torch.device | str,
+        scheduler: Any | None = None,
+        max_grad_norm: float = 1.0,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn or create_cross_entropy_loss()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.autocast_dtype = autocast_dtype
+        self.step = 0
+        self._reset_accumulators()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _reset_accumulators(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._num_tokens = torch.zeros((), device=self.device)
+        self._num_micro_batches = 0
+
+    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _params_with_grad(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def reduce_token_count(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Total trained tokens of the step across ranks (one process: itself)."""
+        return num_tokens
+
+    # -- protocol --------------------------------------------------------------------------
+    def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
+        self.model.train()
+        batch = self._to_device(batch)
+        with self._autocast():
+            logits = forward_logits(self.model, batch)  # (B, T, V)
+        total, count = loss_sum_and_count(loss_fn or self.loss_fn, logits, batch)
+        total.backward()
+        total, count = total.detach(), count.detach()
+        self._loss_sum += total
+        self._num_tokens += count
+        self._num_micro_batches += 1
+        return TrainFuture(lambda: {"loss": (total / count.clamp(min=1)).item(), "num_tokens": count.item()})
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
+        was_training = self.model.training
+        self.model.eval()
+        batch = self._to_device(batch)
+        with self._autocast():
+            logits = forward_logits(self.model, batch)
+        if fn is None:
+            total, count = loss_sum_and_count(self.loss_fn, logits, batch)
+            out = {"loss_sum": total, "num_tokens": count}
+        else:
+            out = fn(logits, batch)
+        self.model.train(was_training)
+        return TrainFuture(lambda: {k: float(v) for k, v in out.items()})
+
+    def optim_step(self) -> TrainFuture[dict[str, float]]:
+        assert self._num_micro_batches > 0, "optim_step() called without a forward_backward() since the last step"
+        num_tokens = self.reduce_token_count(self._num_tokens)
+        grads = self._params_with_grad()
+        if grads:
+            torch._foreach_mul_([p.grad for p in grads], 1.0 / num_tokens.clamp(min=1.0))
+        if self.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss_sum / num_tokens.clamp(min=1.0)
+        self.step += 1
+        self._reset_accumulators()
+        return TrainFuture(
+            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "num_tokens": num_tokens.item()}
+        )
+
+    def save_checkpoint(
+        self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None
+    ) -> TrainFuture[Path]:
+        state = {"backend_step": self.step, **(trainer_state or {})}
+        path = checkpoint.save_checkpoint(
+            self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler, state, write_extra
+        )
+        return TrainFuture.ready(path)
+
+    def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
+        if path is None:
+            path = checkpoint.find_latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                raise CheckpointError(f"no complete checkpoint under {self.checkpoint_dir}")
+        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step = state.get("backend_step", self.step)
+        return TrainFuture.ready(state)

@@ -1,0 +1,123 @@
+"""The `tierlm` command line.
+
+    tierlm pretrain --config configs/tiny_pretrain.yaml [section.key=value ...]
+    tierlm sft --config configs/tiny_sft.yaml [section.key=value ...]
+    tierlm sample --checkpoint runs/tiny_sft --prompt "What is 12 + 7?"
+    tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
+    tierlm config show [--config FILE] [section.key=value ...]
+
+A problem with the input (config, data, checkpoint, arguments) prints one line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tierlm.errors import TierlmError
+
+
+def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for stage, about in (("pretrain", "pretrain on text (next-token prediction)"), ("sft", "fine-tune on conversations (assistant tokens only)")):
+        _add_config_args(commands.add_parser(stage, help=about, description=about), required=False)
+
+    sample = commands.add_parser("sample", help="generate from a trained model")
+    sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
+    sample.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
+    sample.add_argument("--max-new-tokens", type=int, default=64)
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    sample.add_argument("--top-k", type=int, default=None)
+    sample.add_argument("--top-p", type=float, default=None)
+    sample.add_argument("--seed", type=int, default=0)
+    mode = sample.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="continue the prompt as plain text")
+    sample.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="tokenizer_command", required=True)
+    train = tokenizer.add_parser("train", help="train a byte-level BPE or character tokenizer")
+    train.add_argument("--data", required=True, action="append", help="text/JSONL file, folder or synthetic:<task> (repeatable)")
+    train.add_argument("--out", required=True, help="folder to save the tokenizer to")
+    train.add_argument("--kind", choices=["bpe", "char"], default="bpe")
+    train.add_argument("--vocab-size", type=int, default=512)
+    train.add_argument("--num-docs", type=int, default=20000, help="documents generated for synthetic tasks")
+
+    config = commands.add_parser("config", help="config tools").add_subparsers(dest="config_command", required=True)
+    _add_config_args(config.add_parser("show", help="print the resolved config"), required=False)
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from tierlm.config import TierlmConfig
+    from tierlm.recipes import run_stage
+
+    config = TierlmConfig.load(args.config, args.overrides)
+    summary = run_stage(config, args.command)
+    print(f"run directory: {summary['output_dir']}")
+    if "val_loss" in summary:
+        bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
+        print(f"final val loss: {summary['val_loss']:.4f}{bpb}")
+    print(f"model: {summary['model_dir']}  ({summary['step']} steps, {summary['elapsed_s']:.0f} s)")
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    from tierlm.checkpoint import resolve_model_folder
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+    from tierlm.primitives import resolve_device
+    from tierlm.recipes import TRAINING_META_FILE
+    from tierlm.rollout import generate
+
+    if args.max_new_tokens <= 0:
+        raise TierlmError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    location = resolve_model_folder(args.checkpoint) if Path(args.checkpoint).exists() else args.checkpoint
+    tokenizer = load_tokenizer(location)
+    model = load_pretrained_model(location, device=resolve_device(args.device_type))
+    meta_file = Path(location) / TRAINING_META_FILE
+    stage = json.loads(meta_file.read_text()).get("stage") if meta_file.is_file() else None
+    chat = args.chat if args.chat is not None else (stage == "sft" and tokenizer.has_chat_template)
+    if chat:
+        prompt_ids = tokenizer.render_for_completion([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = [tokenizer.document_separator_id] + tokenizer.encode(args.prompt)
+    new_ids = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, tokenizer.stop_ids, args.seed)
+    print(tokenizer.decode(new_ids, skip_special_tokens=True).strip())
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> None:
+    from tierlm.data import load_documents, train_bpe_tokenizer, train_char_tokenizer
+
+    texts = [doc for spec in args.data for doc in load_documents(spec, "train", args.num_docs, seed=0)]
+    tokenizer = train_char_tokenizer(texts) if args.kind == "char" else train_bpe_tokenizer(texts, args.vocab_size)
+    out = tokenizer.save(args.out)
+    print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")
+
+
+def cmd_config_show(args: argparse.Namespace) -> None:
+    from tierlm.config import TierlmConfig
+
+    print(TierlmConfig.load(args.config, args.overrides).to_yaml(), end="")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"pretrain": cmd_train, "sft": cmd_train, "sample": cmd_sample}
+    handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config_show}[args.command]
+    try:
+        handler(args)
+    except TierlmError as e:
+        print(f"tierlm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierlm: interrupted; the latest checkpoint is intact", file=sys.stderr)
+        return 130
+    return 0

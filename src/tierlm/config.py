@@ -1,0 +1,252 @@
+"""Typed config sections, loaded from YAML with dotted `key=value` overrides, validated once.
+
+OmegaConf reads the YAML and merges the command-line overrides (so `${...}` interpolation works);
+pydantic validates the result against the sections below. Every problem becomes one line that
+names the key: `training.learning_rate must be > 0, got -1`.
+
+>>> config = TierlmConfig.load(None, ["training.learning_rate=3e-4", "model.depth=2"])
+>>> config.training.learning_rate, config.model.depth
+(0.0003, 2)
+>>> TierlmConfig.load(None, ["training.learnig_rate=1"])
+Traceback (most recent call last):
+...
+tierlm.errors.ConfigError: unknown key training.learnig_rate (did you mean training.learning_rate?)
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tierlm.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    model_name_or_path: str | None = None
+    """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
+    architecture: str = "gpt"
+    """From scratch: "gpt" (the native GPT) or a transformers model_type such as "qwen3" or "llama"."""
+    depth: int = Field(4, gt=0)
+    """Native GPT: number of blocks; the width follows as depth * aspect_ratio."""
+    aspect_ratio: int = Field(64, gt=0)
+    """Native GPT: model width per block of depth."""
+    head_dim: int = Field(64, gt=0)
+    """Native GPT: attention head width."""
+    n_kv_head: int | None = Field(None, gt=0)
+    """Native GPT: key/value heads (grouped-query attention); None gives one per query head."""
+    mlp_ratio: float = Field(8 / 3, gt=0)
+    """Native GPT: SwiGLU hidden width as a multiple of the model width."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """Native GPT: rotary embedding base."""
+    tie_embeddings: bool = False
+    """Native GPT: share the input embedding with the output head."""
+    hf_config: dict[str, Any] = Field(default_factory=dict)
+    """From scratch with a transformers architecture: config fields (hidden_size, num_hidden_layers, ...)."""
+    tokenizer_name_or_path: str | None = None
+    """Tokenizer to use; None takes the model's own, or trains one (see the tokenizer section) from scratch."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype. For mixed precision keep float32 and set training.bf16."""
+    trust_remote_code: bool = False
+    """Allow a hub model to run its own Python code. Off unless you trust the source."""
+
+
+class TokenizerConfig(Section):
+    kind: Literal["bpe", "char"] = "bpe"
+    """Tokenizer trained when training from scratch without one: byte-level BPE or characters."""
+    vocab_size: int = Field(512, gt=0)
+    """BPE vocabulary size (includes 256 byte tokens and the special tokens)."""
+    num_train_docs: int = Field(20000, gt=0)
+    """How many training documents the tokenizer is trained on."""
+
+
+class DataConfig(Section):
+    dataset_name: str = "synthetic:arithmetic"
+    """Training data: "synthetic:<task>", a .txt/.jsonl file, or a folder of them."""
+    eval_dataset_name: str | None = None
+    """Validation data; None holds out data.val_fraction of the files (synthetic tasks have a disjoint val split)."""
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Share of file-based examples held out for validation when no eval dataset is given."""
+    num_synthetic_examples: int = Field(50000, gt=0)
+    """Training examples generated for a synthetic task."""
+    num_synthetic_eval_examples: int = Field(512, gt=0)
+    """Validation examples generated for a synthetic task."""
+    max_seq_length: int = Field(256, gt=1)
+    """Tokens per training row (model inputs; the labels are the same row shifted by one)."""
+    text_column: str = "text"
+    """JSONL field holding a pretraining document."""
+    messages_column: str = "messages"
+    """JSONL field holding a conversation (a list of {role, content})."""
+    prompt_column: str = "prompt"
+    """JSONL field holding a prompt (with completion_column, an alternative to messages)."""
+    completion_column: str = "completion"
+    """JSONL field holding the completion that answers prompt_column."""
+    train_on: Literal["all_assistant", "last_assistant", "everything"] = "all_assistant"
+    """SFT: which tokens carry loss."""
+    long_conversations: Literal["truncate", "drop"] = "truncate"
+    """SFT: what happens to a conversation longer than max_seq_length (counted in the metrics either way)."""
+
+
+class TrainingConfig(Section):
+    per_device_train_batch_size: int = Field(8, gt=0)
+    """Rows per micro-batch on each device."""
+    per_device_eval_batch_size: int = Field(16, gt=0)
+    """Rows per eval batch on each device."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches per optimizer step."""
+    learning_rate: float = Field(3e-4, gt=0, lt=1)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    decay_norms_and_embeddings: bool = False
+    """Apply weight decay to biases, norms and embeddings too (off: they are exempt)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    num_train_steps: int = Field(1000, gt=0)
+    """Optimizer steps to train for."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps (from 0.1x to 1x of the learning rate)."""
+    lr_scheduler_type: Literal["cosine", "linear", "constant", "warmdown"] = "cosine"
+    """Decay after warmup; warmdown holds the LR and decays linearly over the final warmdown_ratio."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+    warmdown_ratio: float = Field(0.2, ge=0, le=1)
+    """Warmdown: fraction of training spent decaying."""
+    bf16: bool = False
+    """Run forward passes under bf16 autocast (parameters and optimizer stay in their dtype)."""
+    save_steps: int = Field(0, ge=0)
+    """Checkpoint every N steps (0: only at the end)."""
+    save_total_limit: int = Field(0, ge=0)
+    """Keep only the newest N checkpoints (0 keeps all)."""
+    eval_steps: int = Field(100, ge=0)
+    """Evaluate every N steps, and before the first step and at the end (0: only at the end)."""
+    eval_batches: int = Field(8, gt=0)
+    """Batches per evaluation (a fixed set, the same every time)."""
+    logging_steps: int = Field(10, gt=0)
+    """Write a train line to metrics.jsonl every N steps."""
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    """Extra metric sinks besides metrics.jsonl."""
+    seed: int = 42
+    """Seed for initialisation, data order and sampling."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run directory."""
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "TrainingConfig":
+        if self.warmup_steps >= self.num_train_steps:
+            raise ValueError(f"training.warmup_steps ({self.warmup_steps}) must be < training.num_train_steps ({self.num_train_steps})")
+        return self
+
+
+class InfraConfig(Section):
+    output_dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/ and the final model/."""
+    device_type: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """Where to train; "cuda" on a machine without a GPU is an error, not a fallback."""
+    gpu_rank: int = Field(0, ge=0)
+    """Which GPU, for single-device runs."""
+    num_threads: int | None = Field(None, gt=0)
+    """CPU threads for torch (None: torch's default)."""
+    progress_bar: bool = True
+    """Show a progress bar when attached to a terminal (a log line every logging_steps otherwise)."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak TFLOP/s for the MFU estimate (default: known GPUs' bf16 peak, a measured matmul rate on CPU)."""
+    wandb_project: str = "tierlm"
+    """W&B project, when training.report_to includes wandb."""
+    wandb_run_name: str | None = None
+    """W&B run name (default: W&B picks one)."""
+
+
+class TierlmConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "TierlmConfig":
+        """Read `path` (YAML; None for the defaults), apply `key=value` overrides, validate."""
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        base = OmegaConf.create({})
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            try:
+                base = OmegaConf.load(path)
+            except (yaml.YAMLError, OmegaConfBaseException) as e:
+                raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from e
+            if not OmegaConf.is_dict(base):
+                raise ConfigError(f"{path} must hold a mapping of sections (model, data, training, infra, ...)")
+        for item in overrides:
+            if "=" not in item or item.startswith("="):
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+        try:
+            merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+            raw = OmegaConf.to_container(merged, resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"cannot apply overrides: {str(e).splitlines()[0]}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "TierlmConfig":
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ConfigError(_describe(e.errors()[0])) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TierlmConfig":
+        return cls.load(path)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of `model`, sections included ("training", "training.seed", ...)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(f"{prefix}{name}")
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys += _known_keys(annotation, f"{prefix}{name}.")
+    return keys
+
+
+def _describe(error: dict) -> str:
+    key = ".".join(str(part) for part in error["loc"])
+    value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        same_depth = [k for k in _known_keys(TierlmConfig) if k.count(".") == key.count(".")]
+        close = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
+        return f"unknown key {key}" + (f" (did you mean {close[0]}?)" if close else "")
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"{key} must be {bounds[kind]} {limit}, got {value!r}"
+    if kind == "literal_error":
+        return f"{key} must be one of {ctx.get('expected')}, got {value!r}"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    msg = error['msg']
+    return f"{key}: {msg[:1].lower() + msg[1:]}, got {value!r}"

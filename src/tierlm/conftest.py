@@ -1,0 +1,2 @@
+# Doctests of the package: keep `python -m tierlm` (which runs the CLI) out of collection.
+collect_ignore = ["__main__.py"]

@@ -1,0 +1,86 @@
+"""Synthetic tasks generated on the machine, so the main job needs no download.
+
+`ArithmeticTask` makes addition/subtraction problems with exact answers. The validation split
+is a fixed tenth of all possible problems, chosen by a stable hash, so validation problems
+never appear in training: val loss and pass@k measure generalisation, not recall.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def result(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def answer(self) -> str:
+        return f"{self.a} {self.op} {self.b} = {self.result}"
+
+    @property
+    def text(self) -> str:
+        """The problem as plain text, for pretraining."""
+        return f"{self.question} {self.answer}"
+
+    @property
+    def conversation(self) -> list[dict]:
+        """The problem as a chat, for SFT."""
+        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Problems `a op b` with 0 <= a, b <= max_operand and op in `ops`.
+
+    >>> task = ArithmeticTask(max_operand=9)
+    >>> [p.text for p in task.problems("train", 2, seed=0)]
+    ['What is 6 - 0? 6 - 0 = 6', 'What is 4 - 6? 4 - 6 = -2']
+    >>> task.score("... 3 + 4 = 7", Problem(3, "+", 4))
+    1.0
+    """
+
+    max_operand: int = 99
+    ops: str = "+-"
+    val_modulus: int = 10
+
+    def is_validation(self, problem: Problem) -> bool:
+        # A stable hash (Python's hash() of str is salted per process).
+        key = (problem.a * 7919 + problem.b * 104729 + ord(problem.op) * 1299709) % 2147483647
+        return key % self.val_modulus == 0
+
+    def problems(self, split: str, count: int, seed: int) -> list[Problem]:
+        """`count` problems of `split` ("train" | "val"), the same for the same seed."""
+        assert split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}"
+        rng = random.Random(seed * 2 + (split == "val"))
+        want_val, out = split == "val", []
+        while len(out) < count:
+            problem = Problem(rng.randint(0, self.max_operand), rng.choice(self.ops), rng.randint(0, self.max_operand))
+            if self.is_validation(problem) == want_val:
+                out.append(problem)
+        return out
+
+    @staticmethod
+    def extract_answer(completion: str) -> int | None:
+        """The last integer in a completion (the model's final answer), or None."""
+        numbers = re.findall(r"-?\d+", completion)
+        return int(numbers[-1]) if numbers else None
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """1.0 when the completion's final number is the exact result, else 0.0."""
+        return float(self.extract_answer(completion) == problem.result)
+
+
+SYNTHETIC_TASKS = {"arithmetic": ArithmeticTask}

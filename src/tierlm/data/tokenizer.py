@@ -1,0 +1,248 @@
+"""Tokenizers: train a byte-level BPE or a character-level one, or load any transformers tokenizer.
+
+Whatever the source, a `Tokenizer` wraps a transformers fast tokenizer, so it saves to a folder
+that `AutoTokenizer.from_pretrained` loads, chat template included. Conversations render through
+that template; the loss mask marks assistant content and its end-of-turn token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from tierlm.errors import DataError, ModelLoadError
+
+BOS = "<|bos|>"
+PAD = "<|pad|>"
+UNK = "<|unk|>"
+ROLES = ("system", "user", "assistant", "tool")
+# Tool-call tokens are reserved now so tokenizers trained today serve the RL tool-use work later.
+SPECIAL_TOKENS = [BOS, PAD, UNK] + [f"<|{role}_{edge}|>" for role in ROLES for edge in ("start", "end")] + [
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+]
+ASSISTANT_END = "<|assistant_end|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + message['role'] + '_end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}"
+)
+# GPT-4-style split, but every digit alone: arithmetic is learnable when numbers are digit sequences.
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+TRAIN_ON = ("all_assistant", "last_assistant", "everything")
+
+
+def _wrap(tokenizer_object) -> "Tokenizer":
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_object,
+        bos_token=BOS,
+        eos_token=ASSISTANT_END,
+        pad_token=PAD,
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return Tokenizer(hf)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> "Tokenizer":
+    """Train a byte-level BPE (the `tokenizers` library) with tierlm's chat special tokens.
+
+    >>> tok = train_bpe_tokenizer(["What is 12 + 7? 12 + 7 = 19."] * 20, vocab_size=300)
+    >>> tok.decode(tok.encode("What is 3 + 4?"))
+    'What is 3 + 4?'
+    """
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    floor = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < floor:
+        raise DataError(f"BPE vocab_size must be >= {floor} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(texts, trainer)
+    return _wrap(raw)
+
+
+def train_char_tokenizer(texts: Iterable[str]) -> "Tokenizer":
+    """A character-level tokenizer over the characters seen in `texts` (unknown ones map to <|unk|>).
+
+    >>> tok = train_char_tokenizer(["hello world"])
+    >>> len(tok.encode("hello")), tok.decode(tok.encode("hello"))
+    (5, 'hello')
+    """
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    chars = sorted(set().union(*(set(t) for t in texts)))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    raw = RawTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    tokenizer = _wrap(raw)
+    tokenizer.hf.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:]})
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str | Path, trust_remote_code: bool = False) -> "Tokenizer":
+    """Any transformers tokenizer by hub id or folder (including ones tierlm saved)."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first_line}") from e
+    if not getattr(hf, "is_fast", False):
+        raise ModelLoadError(f"tokenizer {str(name_or_path)!r} has no fast (Rust) version; tierlm needs one for offsets")
+    return Tokenizer(hf)
+
+
+class Tokenizer:
+    """A transformers fast tokenizer plus what training needs: BOS, stop tokens, chat masks, bytes per token."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self._token_bytes: torch.Tensor | None = None
+
+    # -- basics ----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def document_separator_id(self) -> int:
+        """The token that starts every pretraining document: BOS, else EOS (e.g. Qwen has no BOS)."""
+        token_id = self.hf.bos_token_id if self.hf.bos_token_id is not None else self.hf.eos_token_id
+        assert token_id is not None, "tokenizer has neither a BOS nor an EOS token"
+        return token_id
+
+    @property
+    def pad_id(self) -> int:
+        for token_id in (self.hf.pad_token_id, self.hf.eos_token_id, 0):
+            if token_id is not None:
+                return token_id
+        return 0
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Tokens that end a generated answer: end of turn / EOS, and BOS (a new document)."""
+        ids = {self.hf.eos_token_id, self.hf.bos_token_id}
+        ids |= {self.hf.convert_tokens_to_ids(t) for t in (ASSISTANT_END, "<|im_end|>", "<|eot_id|>") if t in self.hf.get_vocab()}
+        return sorted(i for i in ids if i is not None)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.hf(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.hf.save_pretrained(path)
+        return path
+
+    def token_bytes(self) -> torch.Tensor:
+        """UTF-8 bytes of each token (V,), 0 for special tokens: the denominator of bits per byte."""
+        if self._token_bytes is None:
+            special = set(self.hf.all_special_ids) | {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+            byte_level = type(self.hf.backend_tokenizer.decoder).__name__ == "ByteLevel"
+            counts = []
+            for token_id in range(self.vocab_size):
+                if token_id in special:
+                    counts.append(0)
+                elif byte_level:  # each character of a byte-level token stands for one byte
+                    counts.append(len(self.hf.convert_ids_to_tokens(token_id) or ""))
+                else:
+                    counts.append(len(self.hf.decode([token_id]).encode("utf-8")))
+            self._token_bytes = torch.tensor(counts, dtype=torch.int32)
+        return self._token_bytes
+
+    # -- chat ------------------------------------------------------------------------------
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render_conversation(self, messages: list[dict], train_on: str = "all_assistant") -> tuple[list[int], list[int]]:
+        """Token ids and a 0/1 mask of the tokens to train on.
+
+        Trained: each assistant message's content and its end-of-turn token (and with
+        `train_on="last_assistant"` only the last one's; with "everything" all tokens). The
+        rendering is the chat template's, so it is the same one sampling uses.
+
+        >>> tok = train_char_tokenizer(["What is 1+1? 2"])
+        >>> ids, mask = tok.render_conversation([{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}])
+        >>> [tok.decode([i]) for i, m in zip(ids, mask) if m]
+        ['2', '<|assistant_end|>']
+        """
+        check_conversation(messages)
+        if not self.has_chat_template:
+            raise DataError("this tokenizer has no chat template; SFT needs one (train a tierlm tokenizer or use a chat model's)")
+        if train_on not in TRAIN_ON:
+            raise DataError(f"train_on must be one of {list(TRAIN_ON)}, got {train_on!r}")
+        full = self._render(messages)
+        spans = []  # character spans of trained text
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prefix = self._render(messages[:i], add_generation_prompt=True) if i else self._render([], True)
+            upto = self._render(messages[: i + 1])
+            if not (upto.startswith(prefix) and full.startswith(upto)):
+                raise DataError("the chat template does not render conversations prefix-stably; cannot locate assistant turns")
+            spans.append((len(prefix), len(upto)))
+        if train_on == "last_assistant":
+            spans = spans[-1:]
+        elif train_on == "everything":
+            spans = [(0, len(full))]
+        encoding = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in encoding["offset_mapping"]]
+        return encoding["input_ids"], mask
+
+    def render_for_completion(self, messages: list[dict]) -> list[int]:
+        """Prompt ids that end with the assistant header, ready for the model to answer."""
+        check_conversation(messages, needs_assistant=False)
+        return self.hf(self._render(messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def check_conversation(messages: list[dict], needs_assistant: bool = True) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise DataError("a conversation must be a non-empty list of {role, content} messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DataError(f"message {i} must have 'role' and 'content', got {message!r:.80}")
+        if message["role"] not in ROLES:
+            raise DataError(f"message {i} has role {message['role']!r}; roles are {list(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"message {i} content must be a string, got {type(message['content']).__name__}")
+    if needs_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise DataError("a training conversation needs at least one assistant message")

@@ -1,0 +1,85 @@
+"""Metric sinks: JSONL always; TensorBoard and Weights & Biases when asked for."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tierlm.errors import ConfigError
+
+
+class JSONLSink:
+    """One JSON object per line in `<output_dir>/metrics.jsonl`; flushed every write."""
+
+    def __init__(self, path: str | Path, resume_from_step: int | None = None):
+        self.path = Path(path)
+        if resume_from_step is not None and self.path.exists():
+            self._truncate_after(resume_from_step)
+        self._file = open(self.path, "a")
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines logged after the checkpoint being resumed: the run repeats those steps."""
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError("report_to includes 'tensorboard' but it is not installed: pip install 'tierlm[tensorboard]'") from e
+        self.writer = SummaryWriter(str(log_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        prefix, step = record.get("type", "train"), record.get("step", 0)
+        for key, value in record.items():
+            if key not in ("type", "step") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, run_name: str | None, config: dict[str, Any], output_dir: Path):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ConfigError("report_to includes 'wandb' but it is not installed: pip install 'tierlm[wandb]'") from e
+        self.run = wandb.init(project=project, name=run_name, config=config, dir=str(output_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        prefix = record.get("type", "train")
+        self.run.log({f"{prefix}/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=record.get("step"))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Fans each record out to every sink."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

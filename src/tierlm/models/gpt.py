@@ -1,0 +1,260 @@
+"""The native GPT: one readable file, no distributed code.
+
+Depth-parameterised as nanochat: width = depth x aspect_ratio (rounded up to whole heads).
+Pre-norm blocks with RMSNorm, rotary position embeddings, QK-norm, grouped-query attention
+through `scaled_dot_product_attention`, and a SwiGLU MLP. The architecture is exactly Qwen3's
+(without biases or sliding windows), so `tierlm.models.hf_export` can write a folder that
+`transformers.AutoModelForCausalLM.from_pretrained` loads with the same logits.
+
+Build on the meta device, allocate, then initialise in one place:
+
+>>> config = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=64, max_seq_len=32)
+>>> with torch.device("meta"):
+...     model = GPT(config)
+>>> model = model.to_empty(device="cpu")
+>>> model.tie_weights()  # to_empty allocates every parameter anew; shared ones must be shared again
+>>> model.init_weights()
+>>> model(torch.randint(0, 64, (2, 8))).shape  # (B, T, V)
+torch.Size([2, 8, 64])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the native GPT. Every other size follows from `depth` and `aspect_ratio`."""
+
+    depth: int = 4
+    """Number of transformer blocks."""
+    aspect_ratio: int = 64
+    """Model width per layer of depth: n_embd = depth * aspect_ratio, rounded up to whole heads."""
+    head_dim: int = 64
+    """Width of one attention head."""
+    n_kv_head: int | None = None
+    """Key/value heads for grouped-query attention; None means one per query head."""
+    vocab_size: int = 32768
+    """Token vocabulary size (rows of the embedding and the LM head)."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary tables cover."""
+    mlp_ratio: float = 8 / 3
+    """SwiGLU hidden width as a multiple of n_embd (rounded up to a multiple of 32)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the LM head."""
+
+    @property
+    def n_embd(self) -> int:
+        return math.ceil(self.depth * self.aspect_ratio / self.head_dim) * self.head_dim
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def intermediate_size(self) -> int:
+        return math.ceil(self.mlp_ratio * self.n_embd / 32) * 32
+
+    def validate(self) -> list[str]:
+        """Problems with this config, as 'field: reason' strings (empty when valid)."""
+        problems = []
+        for name in ("depth", "aspect_ratio", "head_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
+            problems.append(f"n_kv_head ({self.n_kv_head}) must divide the number of heads ({self.n_head})")
+        if self.mlp_ratio <= 0:
+            problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        return problems
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def rotary_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., head_dim) for integer `positions`, in fp32, halves duplicated (as transformers)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (..., head_dim / 2)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask (B, 1, T, T) for packed rows: causal, and never across documents.
+
+    A new document starts wherever the position does not continue the previous one (as
+    transformers reads packed `position_ids`).
+
+    >>> document_causal_mask(torch.tensor([[0, 1, 0, 1]]))[0, 0].int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 0, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    B, T = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc_ids = starts.cumsum(dim=1)  # (B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :])).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by the position's angle; first and second halves pair up."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        # QK-norm keeps attention logits bounded, which lets tiny and large models share LRs.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = self.n_kv_head != self.n_head
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        problems = config.validate()
+        assert not problems, f"invalid GPTConfig: {'; '.join(problems)}"
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
+        # Rotary tables are derived, not learned: non-persistent, rebuilt by init_weights().
+        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when configured (again after `to_empty`, which unties)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The single source of initial values (nanochat's scheme)."""
+        c = self.config
+        self.init_rotary()
+        bound = math.sqrt(3.0 / c.n_embd)  # uniform with std 1/sqrt(n_embd)
+        for block in self.blocks:
+            for linear in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.mlp.gate_proj, block.mlp.up_proj):
+                nn.init.uniform_(linear.weight, -bound, bound)
+            # Zero output projections: every block starts as the identity on the residual stream.
+            nn.init.zeros_(block.attn.o_proj.weight)
+            nn.init.zeros_(block.mlp.down_proj.weight)
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        if c.tie_embeddings:
+            nn.init.normal_(self.embed.weight, std=c.n_embd**-0.5)
+        else:
+            nn.init.normal_(self.embed.weight, std=1.0)
+            nn.init.normal_(self.lm_head.weight, std=0.001)
+
+    @torch.no_grad()
+    def init_rotary(self) -> None:
+        positions = torch.arange(self.config.max_seq_len, device=self.rope_cos.device)
+        cos, sin = rotary_tables(self.config.head_dim, positions, self.config.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T).
+
+        `position_ids` (B, T) mark packed documents: positions restart at each one, and attention
+        stays inside each one, so a packed row computes what its documents would alone.
+        """
+        B, T = input_ids.shape
+        assert T <= self.config.max_seq_len, f"sequence length {T} > max_seq_len {self.config.max_seq_len}"
+        if position_ids is None:
+            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # (T, D), broadcast over (B, H)
+        else:
+            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
+            mask = document_causal_mask(position_ids)  # (B, 1, T, T)
+        x = self.embed(input_ids)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.config.tie_embeddings:
+            n -= self.embed.weight.numel()
+        return n
+
+
+def build_gpt(config: GPTConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    """Build on the meta device, allocate on `device`, initialise once.
+
+    >>> build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=10, max_seq_len=8)).num_params()
+    4496
+    """
+    with torch.device("meta"):
+        model = GPT(config)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights()
+    return model.to(dtype=dtype) if dtype != torch.float32 else model

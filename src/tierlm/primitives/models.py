@@ -1,0 +1,63 @@
+"""Tier 1: loading transformers causal LMs (hub id or local path), or building one from a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierlm.errors import ModelLoadError
+
+
+def load_hf_model(
+    model_name: str,
+    torch_dtype: torch.dtype,
+    device_map: dict[str, int] | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Load a transformers causal LM from a hub id or a local folder.
+
+    Remote code stays off unless asked for. A path that does not exist, or a hub id that cannot
+    be reached, is a `ModelLoadError` naming it.
+
+    >>> import tempfile
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> folder = tempfile.mkdtemp()
+    >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                      num_attention_heads=2, num_key_value_heads=1)
+    >>> LlamaForCausalLM(config).save_pretrained(folder)
+    >>> model = load_hf_model(folder, torch.float32, None)
+    >>> type(model).__name__, next(model.parameters()).dtype
+    ('LlamaForCausalLM', torch.float32)
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not model_name:
+        raise ModelLoadError("model_name is empty: give a hub id or a local model folder")
+    kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
+    except (OSError, ValueError) as e:
+        where = "local folder" if Path(model_name).exists() else "hub id or path"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load model {model_name!r} ({where}): {first_line}") from e
+
+
+def create_hf_model_from_config(model_type: str, torch_dtype: torch.dtype = torch.float32, **config_kwargs) -> nn.Module:
+    """A randomly initialised transformers causal LM of `model_type` (e.g. "qwen3", "llama").
+
+    >>> model = create_hf_model_from_config("qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    >>> type(model).__name__
+    'Qwen3ForCausalLM'
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(model_type, **config_kwargs)
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"unknown transformers model_type {model_type!r}: {e}") from e
+    return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)

@@ -1,0 +1,62 @@
+"""Sampling for one prompt, by full recompute: simple and exact (the KV-cache engine comes later)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierlm.models import forward_logits, model_max_seq_len
+
+
+def sample_next_token(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V). Temperature 0 is greedy.
+
+    >>> sample_next_token(torch.tensor([[0.1, 3.0, 0.2]]), temperature=0.0)
+    tensor([1])
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: list[int] | tuple[int, ...] = (),
+    seed: int = 0,
+) -> list[int]:
+    """New token ids after `prompt_ids`, ending at the first stop token (included) or the budget."""
+    assert max_new_tokens > 0, f"max_new_tokens must be > 0, got {max_new_tokens}"
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    context = model_max_seq_len(model) or 1 << 30
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = forward_logits(model, {"input_ids": ids[:, -context:]})[:, -1, :]  # (1, V)
+        token = sample_next_token(logits, temperature, top_k, top_p, generator)
+        new.append(int(token))
+        if new[-1] in stop_ids:
+            break
+        ids = torch.cat([ids, token[:, None]], dim=1)
+    model.train(was_training)
+    return new

@@ -1,0 +1,7 @@
+"""Strategies: what is optimised. Each supplies prepare_batch, compute_loss and compute_metrics."""
+
+from tierlm.strategies.base import CrossEntropyStrategy, TrainingStrategy
+from tierlm.strategies.pretrain import PretrainStrategy
+from tierlm.strategies.sft import SFTStrategy
+
+__all__ = ["CrossEntropyStrategy", "PretrainStrategy", "SFTStrategy", "TrainingStrategy"]

@@ -1,0 +1,158 @@
+"""The loop: loader -> strategy.prepare_batch -> backend.forward_backward -> backend.optim_step.
+
+`Trainer(backend, strategy)` decides when to evaluate, log, checkpoint and stop; the backend
+does the math and the strategy says what is optimised. It speaks only the tier-0 protocol, so
+it drives every backend the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from tqdm import tqdm
+
+from tierlm.backends.protocol import TrainingBackend
+from tierlm.checkpoint import find_latest_checkpoint, prune_checkpoints
+from tierlm.config import TrainingConfig
+from tierlm.data.loaders import eval_batches
+from tierlm.metrics import MetricsLogger
+from tierlm.strategies.base import TrainingStrategy
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    tokens_seen: int = 0
+    best_val_loss: float | None = None
+    elapsed_s: float = 0.0
+
+
+class Trainer:
+    def __init__(
+        self,
+        backend: TrainingBackend,
+        strategy: TrainingStrategy,
+        *,
+        train_loader,
+        config: TrainingConfig,
+        eval_loader=None,
+        logger: MetricsLogger | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        write_extra: Callable[[Path], None] | None = None,
+        progress_bar: bool = True,
+    ):
+        self.backend, self.strategy, self.config = backend, strategy, config
+        self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
+        self.eval_set = eval_batches(eval_loader, config.eval_batches) if eval_loader is not None else []
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.write_extra, self.progress_bar = write_extra, progress_bar
+        self.state = LoopState()
+        self.last_eval: dict[str, float] = {}
+
+    # -- one step, one eval, one save ------------------------------------------------------
+    def train_step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
+        """Accumulate gradients over `micro_batches`, then one optimizer step. Returns its metrics."""
+        input_tokens = 0
+        for batch in micro_batches:
+            prepared = self.strategy.prepare_batch(batch)
+            input_tokens += prepared["input_ids"].numel()
+            self.backend.forward_backward(prepared, loss_fn=self.strategy.compute_loss)
+        return {**self.backend.optim_step().wait(), "input_tokens": input_tokens}
+
+    def evaluate(self) -> dict[str, float]:
+        totals: dict[str, float] = defaultdict(float)
+        for batch in self.eval_set:
+            out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
+            for key, value in out.items():
+                totals[key] += value
+        self.last_eval = self.strategy.summarize(totals)
+        val_loss = self.last_eval["val_loss"]
+        if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
+            self.state.best_val_loss = val_loss
+        self.logger.log({"type": "eval", "step": self.state.step, **self.last_eval})
+        return self.last_eval
+
+    def save(self) -> Path:
+        trainer_state = {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
+        path = self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra).wait()
+        prune_checkpoints(path.parent, self.config.save_total_limit)
+        return path
+
+    def resume(self) -> Path | None:
+        """Continue from the latest checkpoint of the backend's checkpoint_dir, if there is one."""
+        latest = find_latest_checkpoint(self.backend.checkpoint_dir)
+        if latest is None:
+            return None
+        trainer_state = self.backend.load_checkpoint(latest).wait()
+        self.state = LoopState(**trainer_state["loop"])
+        self.train_loader.load_state_dict(trainer_state["loader"])
+        return latest
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg, state = self.config, self.state
+        due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
+        bar = tqdm(total=cfg.num_train_steps, initial=state.step, disable=not (self.progress_bar and sys.stderr.isatty()),
+                   dynamic_ncols=True, desc="train")
+        if self.eval_set and state.step == 0:
+            self.evaluate()
+        start = time.perf_counter() - state.elapsed_s
+        while state.step < cfg.num_train_steps:
+            step_start = time.perf_counter()
+            metrics = self.train_step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
+            step_s = time.perf_counter() - step_start
+            state.step += 1
+            state.tokens_seen += metrics["input_tokens"]
+            state.elapsed_s = time.perf_counter() - start
+            record = self._train_record(metrics, step_s)
+            bar.update(1)
+            bar.set_postfix_str(self._postfix(record), refresh=False)
+            if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
+                self.logger.log(record)
+                if bar.disable:
+                    print(self._log_line(record), file=sys.stderr, flush=True)
+            if self.eval_set and (due(cfg.eval_steps) or state.step == cfg.num_train_steps):
+                self.evaluate()
+                bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
+            if due(cfg.save_steps) or state.step == cfg.num_train_steps:
+                self.save()
+        bar.close()
+        if self.eval_set and not self.last_eval:  # resumed at the last step: report where it stands
+            self.evaluate()
+        return {"step": state.step, "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s, **self.last_eval}
+
+    # -- reporting -------------------------------------------------------------------------
+    def _train_record(self, metrics: dict[str, float], step_s: float) -> dict[str, Any]:
+        tokens_per_sec = metrics["input_tokens"] / step_s
+        record = {
+            "type": "train",
+            "step": self.state.step,
+            "loss": metrics["loss"],
+            "lr": metrics["lr"],
+            "grad_norm": metrics["grad_norm"],
+            "tokens_per_sec": tokens_per_sec,
+            "trained_tokens_per_sec": metrics["num_tokens"] / step_s,
+            "tokens_seen": self.state.tokens_seen,
+            "elapsed_s": self.state.elapsed_s,
+        }
+        if self.flops_per_token and self.peak_flops:
+            record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+        return record
+
+    def _eta_s(self) -> float:
+        done = max(self.state.step, 1)
+        return self.state.elapsed_s / done * (self.config.num_train_steps - self.state.step)
+
+    @staticmethod
+    def _postfix(r: dict[str, Any]) -> str:
+        mfu = f" mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+        return f"loss {r['loss']:.4f} lr {r['lr']:.2e} {r['tokens_per_sec']:,.0f} tok/s{mfu}"
+
+    def _log_line(self, r: dict[str, Any]) -> str:
+        return f"step {r['step']}/{self.config.num_train_steps} | {self._postfix(r)} | eta {self._eta_s():.0f}s"

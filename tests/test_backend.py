@@ -1,0 +1,132 @@
+"""The tier-0 backend: accumulation normalised over the whole step, optimizer stepping, checkpoints."""
+
+import asyncio
+
+import pytest
+import torch
+
+from tierlm.backends import PyTorchTrainingBackend, TrainFuture, TrainingBackend, create_cross_entropy_loss
+from tierlm.models import build_gpt
+from tierlm.primitives import cross_entropy_sum
+
+
+def _backend(config, tmp_path, optimizer_cls=torch.optim.SGD, **kwargs):
+    torch.manual_seed(0)
+    model = build_gpt(config)
+    with torch.no_grad():  # move off the zero-initialised projections so every parameter has a gradient
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    optimizer = optimizer_cls(model.parameters(), lr=1.0)
+    return PyTorchTrainingBackend(model, optimizer, create_cross_entropy_loss(), tmp_path / "ckpt", "cpu", **kwargs)
+
+
+def _micro_batches(vocab, lengths=(7, 12, 3, 9), valid=(7, 2, 3, 5), seq=12):
+    """Micro-batches of one row each, with uneven numbers of trained tokens."""
+    batches = []
+    for length, n_valid in zip(lengths, valid):
+        ids = torch.randint(0, vocab, (1, seq))
+        labels = torch.randint(0, vocab, (1, seq))
+        labels[:, n_valid:] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+@pytest.mark.parametrize("loss_style", ["mean", "sum"])
+def test_accumulation_equals_one_big_batch(tiny_gpt_config, tmp_path, loss_style):
+    """4 micro-batches with 7, 2, 3 and 5 trained tokens == one batch holding all 4 rows (fp32, <= 1e-6)."""
+    micro = _micro_batches(tiny_gpt_config.vocab_size)
+    big = {k: torch.cat([b[k] for b in micro]) for k in ("input_ids", "labels")}
+    loss_fn = None if loss_style == "mean" else (lambda logits, batch: cross_entropy_sum(logits, batch["labels"]))
+
+    accumulated = _backend(tiny_gpt_config, tmp_path / "a", max_grad_norm=0.0)
+    for batch in micro:
+        accumulated.forward_backward(batch, loss_fn=loss_fn)
+    m_acc = accumulated.optim_step().wait()
+
+    single = _backend(tiny_gpt_config, tmp_path / "b", max_grad_norm=0.0)
+    single.forward_backward(big, loss_fn=loss_fn)
+    m_one = single.optim_step().wait()
+
+    assert m_acc["num_tokens"] == m_one["num_tokens"] == 17
+    assert abs(m_acc["loss"] - m_one["loss"]) < 1e-6
+    assert abs(m_acc["grad_norm"] - m_one["grad_norm"]) < 1e-6
+    # SGD with lr=1: the parameter change is exactly minus the gradient.
+    for (name, a), b in zip(accumulated.model.named_parameters(), single.model.parameters()):
+        assert (a - b).abs().max().item() <= 1e-6, name
+
+
+def test_micro_batch_means_would_differ(tiny_gpt_config, tmp_path):
+    """The control: averaging per-micro-batch means is a different (wrong) update."""
+    micro = _micro_batches(tiny_gpt_config.vocab_size)
+    backend = _backend(tiny_gpt_config, tmp_path, max_grad_norm=0.0)
+    means = [backend.forward_backward(b).wait()["loss"] for b in micro]
+    step = backend.optim_step().wait()
+    assert abs(sum(means) / len(means) - step["loss"]) > 1e-3
+
+
+def test_optim_step_clips_steps_scheduler_and_zeros(tiny_gpt_config, tmp_path):
+    backend = _backend(tiny_gpt_config, tmp_path, max_grad_norm=0.5)
+    backend.scheduler = torch.optim.lr_scheduler.LambdaLR(backend.optimizer, lambda step: 1.0 / (step + 1))
+    for expected_lr in (1.0, 0.5):
+        backend.forward_backward(_micro_batches(tiny_gpt_config.vocab_size)[0])
+        metrics = backend.optim_step().wait()
+        assert metrics["lr"] == expected_lr
+        assert all(p.grad is None for p in backend.model.parameters())
+    assert metrics["grad_norm"] > 0.5  # reported before clipping
+    with pytest.raises(AssertionError, match="without a forward_backward"):
+        backend.optim_step()
+
+
+def test_protocol_and_futures(tiny_gpt_config, tmp_path):
+    backend = _backend(tiny_gpt_config, tmp_path)
+    assert isinstance(backend, TrainingBackend)
+
+    async def loop():
+        metrics = await backend.forward_backward(_micro_batches(tiny_gpt_config.vocab_size)[0]).result()
+        step = await backend.optim_step()
+        return metrics, step
+
+    metrics, step = asyncio.run(loop())
+    assert set(metrics) == {"loss", "num_tokens"} and metrics["num_tokens"] == 7
+    assert {"grad_norm", "lr", "loss", "num_tokens"} <= set(step)
+    assert TrainFuture.ready(3).wait() == 3
+
+
+def test_bf16_autocast_on_cpu(tiny_gpt_config, tmp_path):
+    backend = _backend(tiny_gpt_config, tmp_path, autocast_dtype=torch.bfloat16, optimizer_cls=torch.optim.AdamW)
+    loss = backend.forward_backward(_micro_batches(tiny_gpt_config.vocab_size)[0]).wait()["loss"]
+    assert torch.isfinite(torch.tensor(loss))
+    assert next(backend.model.parameters()).dtype == torch.float32  # autocast leaves parameters alone
+    backend.optim_step().wait()
+
+
+def test_checkpoint_round_trip_continues_identically(tiny_gpt_config, tmp_path):
+    """Save after 2 steps, load into a fresh backend, and the next 2 steps match the uninterrupted run."""
+    batches = [_micro_batches(tiny_gpt_config.vocab_size)[i % 4] for i in range(4)]
+
+    def make(path):
+        b = _backend(tiny_gpt_config, path, optimizer_cls=torch.optim.AdamW)
+        b.scheduler = torch.optim.lr_scheduler.LambdaLR(b.optimizer, lambda s: 0.01 / (s + 1))
+        return b
+
+    straight = make(tmp_path / "straight")
+    losses = []
+    for batch in batches:
+        straight.forward_backward(batch)
+        losses.append(straight.optim_step().wait()["loss"])
+
+    first = make(tmp_path / "resumed")
+    for batch in batches[:2]:
+        first.forward_backward(batch)
+        first.optim_step().wait()
+    path = first.save_checkpoint(2, {"note": "x"}).wait()
+    second = make(tmp_path / "resumed")
+    assert second.load_checkpoint().wait()["note"] == "x"
+    resumed = []
+    for batch in batches[2:]:
+        second.forward_backward(batch)
+        resumed.append(second.optim_step().wait()["loss"])
+    assert resumed == losses[2:]
+    for a, b in zip(straight.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    assert (path / "model" / "model.safetensors").is_file()

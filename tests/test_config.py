@@ -1,0 +1,71 @@
+"""Config: YAML + dotted overrides, validation once, one-line errors with exit code 2."""
+
+import pytest
+
+from conftest import REPO, run_cli
+from tierlm.config import TierlmConfig
+from tierlm.errors import ConfigError
+
+
+def test_yaml_overrides_and_round_trip(tmp_path):
+    config = TierlmConfig.load(REPO / "configs" / "tiny_pretrain.yaml", ["training.learning_rate=1e-3", "model.depth=3"])
+    assert config.training.learning_rate == 1e-3 and config.model.depth == 3
+    assert config.data.dataset_name == "synthetic:arithmetic"
+    config.to_yaml(tmp_path / "c.yaml")
+    assert TierlmConfig.from_yaml(tmp_path / "c.yaml") == config
+
+
+def test_every_field_is_documented():
+    from tierlm.config import DataConfig, InfraConfig, ModelConfig, TokenizerConfig, TrainingConfig
+
+    for section in (ModelConfig, TokenizerConfig, DataConfig, TrainingConfig, InfraConfig):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no docstring"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["training.learning_rate=-1"], "training.learning_rate must be > 0.0, got -1"),
+        (["training.num_train_steps=ten"], "training.num_train_steps: input should be a valid integer"),
+        (["training.lr_scheduler_type=step"], "training.lr_scheduler_type must be one of"),
+        (["trainig.learning_rate=1"], "unknown key trainig (did you mean training?)"),
+        (["training.learnin_rate=1"], "unknown key training.learnin_rate (did you mean training.learning_rate?)"),
+        (["training.warmup_steps=5000"], "training.warmup_steps (5000) must be < training.num_train_steps"),
+        (["model.depth"], "override 'model.depth' must look like section.key=value"),
+    ],
+)
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        TierlmConfig.load(None, overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    (tmp_path / "bad.yaml").write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TierlmConfig.load(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        TierlmConfig.load(tmp_path / "none.yaml")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.learning_rate=-1"],
+        ["sft", "--config", "configs/tiny_sft.yaml", "training.bogus=1"],
+        ["pretrain", "--config", "no/such.yaml"],
+        ["pretrain", "infra.device_type=cuda", "infra.output_dir=/nonexistent/should/not/be/made"],
+        ["sample", "--checkpoint", "/definitely/not/here", "--prompt", "hi"],
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(args):
+    import torch
+
+    if "infra.device_type=cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_cli(*args, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tierlm: error: "), result.stderr
+    assert "Traceback" not in result.stderr

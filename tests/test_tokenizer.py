@@ -1,0 +1,86 @@
+"""Tokenizers and chat rendering: exact masks on hand-written conversations."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from tierlm.data import load_tokenizer, train_char_tokenizer
+from tierlm.errors import DataError
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "6"},
+]
+
+
+def _trained(tokenizer, ids, mask):
+    return tokenizer.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_bpe_round_trip_and_digits_split(tiny_tokenizer):
+    text = "What is 123 + 45? 123 + 45 = 168"
+    ids = tiny_tokenizer.encode(text)
+    assert tiny_tokenizer.decode(ids) == text
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode("168")[:1]) == "1"  # every digit is its own token
+
+
+def test_masks_exactly_assistant_content_and_end_of_turn(tiny_tokenizer):
+    ids, mask = tiny_tokenizer.render_conversation(CONVERSATION)
+    pieces = [tiny_tokenizer.decode([i]) for i in ids]
+    trained = [p for p, m in zip(pieces, mask) if m]
+    assert trained == ["4", "<|assistant_end|>", "6", "<|assistant_end|>"]
+    # Everything else, including both assistant_start headers, is masked.
+    assert pieces.count("<|assistant_start|>") == 2 and all(
+        not m for p, m in zip(pieces, mask) if p in ("<|assistant_start|>", "<|bos|>", "<|user_end|>")
+    )
+
+
+def test_train_on_settings(tiny_tokenizer):
+    ids, mask = tiny_tokenizer.render_conversation(CONVERSATION, train_on="last_assistant")
+    assert _trained(tiny_tokenizer, ids, mask) == "6<|assistant_end|>"
+    ids, mask = tiny_tokenizer.render_conversation(CONVERSATION, train_on="everything")
+    assert all(mask)
+
+
+def test_sampling_prompt_is_a_prefix_of_the_training_rendering(tiny_tokenizer):
+    ids, _ = tiny_tokenizer.render_conversation(CONVERSATION[:3])
+    prompt = tiny_tokenizer.render_for_completion(CONVERSATION[:2])
+    assert ids[: len(prompt)] == prompt and tiny_tokenizer.decode(ids[len(prompt):]) == "4<|assistant_end|>"
+
+
+def test_saved_folder_loads_in_transformers_with_chat_template(tiny_tokenizer, tmp_path):
+    tiny_tokenizer.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True).endswith("<|assistant_start|>")
+    again = load_tokenizer(tmp_path)
+    assert again.render_conversation(CONVERSATION) == tiny_tokenizer.render_conversation(CONVERSATION)
+
+
+def test_char_tokenizer_and_token_bytes():
+    tok = train_char_tokenizer(["hello wörld, é"])
+    ids = tok.encode("hello")
+    assert len(ids) == 5 and tok.decode(ids) == "hello"
+    nbytes = tok.token_bytes()
+    assert nbytes[tok.encode("é")[0]] == 2 and nbytes[tok.bos_id] == 0
+
+
+def test_bpe_token_bytes(tiny_tokenizer):
+    nbytes = tiny_tokenizer.token_bytes()
+    text = "What is 12 + 7?"
+    assert sum(int(nbytes[i]) for i in tiny_tokenizer.encode(text)) == len(text.encode())
+
+
+@pytest.mark.parametrize(
+    "conversation,match",
+    [
+        ([], "non-empty"),
+        ([{"role": "user", "content": "hi"}], "at least one assistant"),
+        ([{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}], "role 'robot'"),
+        ([{"role": "user"}], "'role' and 'content'"),
+    ],
+)
+def test_bad_conversations(tiny_tokenizer, conversation, match):
+    with pytest.raises(DataError, match=match):
+        tiny_tokenizer.render_conversation(conversation)

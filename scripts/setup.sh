@@ -17,10 +17,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv --system-site-packages .venv
 fi
 VPY=.venv/bin/python
+# This machine's pip config lists index folders that may not exist; pip warns once per package.
+quiet_pip() { "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] no torch found: installing torch==$TORCH_DEFAULT" >&2
-  "$VPY" -m pip install --quiet "torch==$TORCH_DEFAULT"
+  quiet_pip install --quiet "torch==$TORCH_DEFAULT"
 fi
 TORCH_VERSION=$("$VPY" -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==$TORCH_VERSION" > .venv/torch-constraint.txt
@@ -28,7 +30,7 @@ echo "torch==$TORCH_VERSION" > .venv/torch-constraint.txt
 # Skip the (slow, networked) install when the package and its extras are already in place.
 STAMP=.venv/.tierlm-installed-$EXTRAS
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-  PIP_CONSTRAINT=.venv/torch-constraint.txt "$VPY" -m pip install --quiet -e ".[$EXTRAS]"
+  PIP_CONSTRAINT=.venv/torch-constraint.txt quiet_pip install --quiet -e ".[$EXTRAS]"
   touch "$STAMP"
 fi
 echo "[setup] ready: $("$VPY" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')" >&2

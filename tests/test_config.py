@@ -55,17 +55,18 @@ def test_bad_yaml_and_missing_file(tmp_path):
         ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.learning_rate=-1"],
         ["sft", "--config", "configs/tiny_sft.yaml", "training.bogus=1"],
         ["pretrain", "--config", "no/such.yaml"],
-        ["pretrain", "infra.device_type=cuda", "infra.output_dir=/nonexistent/should/not/be/made"],
+        ["pretrain", "infra.device_type=cuda", "infra.output_dir={tmp}/run"],
         ["sample", "--checkpoint", "/definitely/not/here", "--prompt", "hi"],
     ],
 )
-def test_cli_errors_are_one_line_exit_2(args):
+def test_cli_errors_are_one_line_exit_2(args, tmp_path):
     import torch
 
     if "infra.device_type=cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = run_cli(*args, timeout=120)
+    result = run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args], timeout=120)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("tierlm: error: "), result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists(), "a failed start must not write a run directory"

@@ -85,3 +85,30 @@ def test_resume_never_refuses_to_reuse_a_run(tmp_path):
     (tmp_path / "checkpoints" / "step_1" / "meta.json").write_text("{}")
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         run_stage(_config(tmp_path, 10, **{"training.resume": "never"}), "pretrain")
+
+
+def test_transformers_architecture_from_scratch_with_tensorboard(tmp_path):
+    """model.architecture=llama trains from a config; the folder reloads in transformers; TensorBoard gets events."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = ["model.architecture=llama", "model.hf_config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,"
+          " num_attention_heads: 2, num_key_value_heads: 1, max_position_embeddings: 128}", "training.report_to=[tensorboard]"]
+    config = TierlmConfig.load("configs/tiny_pretrain.yaml", [*TINY, *hf, "training.num_train_steps=4", "training.eval_steps=2",
+                                                              "training.warmup_steps=0", f"infra.output_dir={tmp_path}"])
+    summary = run_stage(config, "pretrain")
+    assert summary["step"] == 4 and "val_loss" in summary
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert AutoTokenizer.from_pretrained(tmp_path / "model").chat_template
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_cli_tokenizer_train(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"line {i} of some text, with words and numbers {i * 7}" for i in range(200)))
+    result = run_cli("tokenizer", "train", "--data", corpus, "--out", tmp_path / "tok", "--vocab-size", "300", timeout=120)
+    assert result.returncode == 0, result.stderr
+    from tierlm.data import load_tokenizer
+
+    tok = load_tokenizer(tmp_path / "tok")
+    assert tok.vocab_size == 300 and tok.decode(tok.encode("line 12 of")) == "line 12 of"

@@ -32,3 +32,13 @@ class ModelLoadError(TierlmError, OSError):
 
 class DeviceError(TierlmError, RuntimeError):
     """The requested device is not available on this machine."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (or its type), for one-line user errors.
+
+    >>> first_line(OSError("no such file\\nlong details..."))
+    'no such file'
+    """
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

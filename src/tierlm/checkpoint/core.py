@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tierlm.errors import CheckpointError
+from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import is_native_folder, load_model_state, save_model_folder
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -184,8 +184,7 @@ def load_checkpoint(
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, RuntimeError, ValueError, KeyError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} cannot be loaded: {first_line}") from e
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {first_line(e)}") from e
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from tierlm.errors import DataError, ModelLoadError
+from tierlm.errors import DataError, ModelLoadError, first_line
 
 BOS = "<|bos|>"
 PAD = "<|pad|>"
@@ -110,8 +110,7 @@ def load_tokenizer(name_or_path: str | Path, trust_remote_code: bool = False) ->
     try:
         hf = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first_line}") from e
+        raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first_line(e)}") from e
     if not getattr(hf, "is_fast", False):
         raise ModelLoadError(f"tokenizer {str(name_or_path)!r} has no fast (Rust) version; tierlm needs one for offsets")
     return Tokenizer(hf)

@@ -9,45 +9,46 @@ import re
 
 from tierlm.models.gpt import GPTConfig
 
-# native name pattern -> transformers name (Qwen3ForCausalLM)
-_RENAMES = [
-    (r"^embed\.", "model.embed_tokens."),
-    (r"^norm\.", "model.norm."),
-    (r"^blocks\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^blocks\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^blocks\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
-    (r"^blocks\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
-]
-_INVERSE = [
-    (r"^model\.embed_tokens\.", "embed."),
-    (r"^model\.norm\.", "norm."),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blocks.\1.attn_norm."),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blocks.\1.mlp_norm."),
-    (r"^model\.layers\.(\d+)\.self_attn\.", r"blocks.\1.attn."),
-    (r"^model\.layers\.(\d+)\.mlp\.", r"blocks.\1.mlp."),
+# (native prefix, transformers prefix); {i} is the block index. lm_head.weight is the same on both sides.
+_PREFIXES = [
+    ("embed.", "model.embed_tokens."),
+    ("norm.", "model.norm."),
+    ("blocks.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
+    ("blocks.{i}.mlp_norm.", "model.layers.{i}.post_attention_layernorm."),
+    ("blocks.{i}.attn.", "model.layers.{i}.self_attn."),
+    ("blocks.{i}.mlp.", "model.layers.{i}.mlp."),
 ]
 
 
-def _rename(name: str, rules: list[tuple[str, str]]) -> str:
+def _rule(source: str, target: str) -> tuple[re.Pattern, str]:
+    pattern = "^" + re.escape(source).replace(re.escape("{i}"), r"(\d+)")
+    return re.compile(pattern), target.replace("{i}", r"\1")
+
+
+_TO_HF = [_rule(native, hf) for native, hf in _PREFIXES]
+_FROM_HF = [_rule(hf, native) for native, hf in _PREFIXES]
+
+
+def _rename(name: str, rules: list[tuple[re.Pattern, str]]) -> str:
     for pattern, replacement in rules:
-        new, count = re.subn(pattern, replacement, name)
+        new, count = pattern.subn(replacement, name)
         if count:
             return new
-    return name  # lm_head.weight is the same on both sides
+    return name
 
 
 def to_hf_name(name: str) -> str:
     """>>> to_hf_name("blocks.3.attn.q_norm.weight")
     'model.layers.3.self_attn.q_norm.weight'
     """
-    return _rename(name, _RENAMES)
+    return _rename(name, _TO_HF)
 
 
 def from_hf_name(name: str) -> str:
     """>>> from_hf_name("model.layers.0.post_attention_layernorm.weight")
     'blocks.0.mlp_norm.weight'
     """
-    return _rename(name, _INVERSE)
+    return _rename(name, _FROM_HF)
 
 
 def to_hf_config(config: GPTConfig):

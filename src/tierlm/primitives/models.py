@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierlm.errors import ModelLoadError
+from tierlm.errors import ModelLoadError, first_line
 
 
 def load_hf_model(
@@ -42,8 +42,7 @@ def load_hf_model(
         return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
     except (OSError, ValueError) as e:
         where = "local folder" if Path(model_name).exists() else "hub id or path"
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"cannot load model {model_name!r} ({where}): {first_line}") from e
+        raise ModelLoadError(f"cannot load model {model_name!r} ({where}): {first_line(e)}") from e
 
 
 def create_hf_model_from_config(model_type: str, torch_dtype: torch.dtype = torch.float32, **config_kwargs) -> nn.Module:

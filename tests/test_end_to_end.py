@@ -112,3 +112,55 @@ def test_cli_tokenizer_train(tmp_path):
 
     tok = load_tokenizer(tmp_path / "tok")
     assert tok.vocab_size == 300 and tok.decode(tok.encode("line 12 of")) == "line 12 of"
+
+
+def _conversation_file(path, count=48):
+    from tierlm.data import ArithmeticTask
+
+    rows = [{"messages": p.conversation} for p in ArithmeticTask().problems("train", count, seed=9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sft_on_a_jsonl_file_and_a_mixture(tmp_path):
+    """data.dataset_name=my.jsonl just works; so does a weighted mixture; packed SFT logs its row fill."""
+    data = _conversation_file(tmp_path / "my.jsonl")
+    base = [*TINY, "training.num_train_steps=3", "training.eval_steps=0", "training.warmup_steps=0"]
+    config = TierlmConfig.load("configs/tiny_sft.yaml", [*base, "model.model_name_or_path=null", f"data.dataset_name={data}",
+                                                          f"infra.output_dir={tmp_path / 'a'}"])
+    summary = run_stage(config, "sft")
+    assert summary["step"] == 3 and summary["val_loss"] > 0
+    train = [r for r in _lines(tmp_path / "a" / "metrics.jsonl") if r["type"] == "train"]
+    assert 0 < train[-1]["data_fill"] <= 1 and train[-1]["rss_mb"] > 0
+
+    mixture = f"data.mixture=[{{dataset_name: '{data}', weight: 2}}, {{dataset_name: 'synthetic:arithmetic', weight: 0.5}}]"
+    config = TierlmConfig.load("configs/tiny_sft.yaml", [*base, "model.model_name_or_path=null", mixture,
+                                                          f"infra.output_dir={tmp_path / 'b'}"])
+    assert run_stage(config, "sft")["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"messages": []}\n', "bad.jsonl:1: a conversation must be a non-empty list"),
+        ('{"text": "not a chat"}\n', "bad.jsonl:1: needs a 'messages' list or 'prompt'/'completion' fields; fields present: ['text']"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{oops\n',
+         "bad.jsonl:2: malformed JSON"),
+    ],
+)
+def test_cli_bad_data_is_one_line_exit_2(tmp_path, content, message):
+    (tmp_path / "bad.jsonl").write_text(content)
+    result = run_cli("sft", "--config", "configs/tiny_sft.yaml", "model.model_name_or_path=null",
+                     f"data.dataset_name={tmp_path / 'bad.jsonl'}", f"infra.output_dir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_token_file_beyond_vocab_is_one_line_exit_2(tmp_path, tiny_tokenizer):
+    import numpy as np
+
+    tiny_tokenizer.save(tmp_path / "tok")
+    np.array([0, 5, 6, tiny_tokenizer.vocab_size + 3], dtype=np.uint16).tofile(tmp_path / "t.bin")
+    result = run_cli("pretrain", f"data.dataset_name={tmp_path / 't.bin'}", f"model.tokenizer_name_or_path={tmp_path / 'tok'}",
+                     f"infra.output_dir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 2 and f">= vocab size {tiny_tokenizer.vocab_size}" in result.stderr, result.stderr

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from tierlm.data import SFTLoader
+from tierlm.data import Documents, ListExamples, PackedLoader, chat_documents
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 
 CONVERSATIONS = [
@@ -15,7 +15,8 @@ CONVERSATIONS = [
 
 
 def _sft_batch(tokenizer):
-    return SFTLoader(CONVERSATIONS, tokenizer, batch_size=2, max_seq_len=64, shuffle=False).next_batch()
+    docs = Documents(ListExamples(CONVERSATIONS), chat_documents(tokenizer))
+    return PackedLoader(docs, batch_size=1, seq_len=63, mode="pad", shuffle=False, pad_id=tokenizer.pad_id).next_batch()
 
 
 def test_sft_loss_ignores_non_assistant_targets(tiny_tokenizer):

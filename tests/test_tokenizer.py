@@ -84,3 +84,32 @@ def test_bpe_token_bytes(tiny_tokenizer):
 def test_bad_conversations(tiny_tokenizer, conversation, match):
     with pytest.raises(DataError, match=match):
         tiny_tokenizer.render_conversation(conversation)
+
+
+def test_guardrail_end_of_turn_must_be_labelled(tiny_tokenizer):
+    """A template that never closes the assistant's turn would train a model that never stops."""
+    import copy
+
+    broken = copy.deepcopy(tiny_tokenizer)
+    broken.hf.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '_start|>' + m['content'] }}"
+        "{% if m['role'] != 'assistant' %}{{ '<|' + m['role'] + '_end|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}"
+    )
+    with pytest.raises(DataError, match="no labelled end-of-turn token"):
+        broken.render_conversation(CONVERSATION)
+
+
+def test_guardrail_training_and_sampling_prompts_agree(tiny_tokenizer, monkeypatch):
+    """If the prompt tokenises differently alone than inside the conversation, sampling would see other ids."""
+    original = tiny_tokenizer.hf.__call__
+
+    def drifting(text, *args, **kwargs):  # tokenises a prompt that ends in a header one token short
+        out = original(text, *args, **kwargs)
+        if isinstance(text, str) and text.endswith("<|assistant_start|>") and "return_offsets_mapping" not in kwargs:
+            out["input_ids"] = out["input_ids"][:-1]
+        return out
+
+    monkeypatch.setattr(type(tiny_tokenizer.hf), "__call__", lambda self, *a, **k: drifting(*a, **k))
+    with pytest.raises(DataError, match="training and sampling render different prompt tokens"):
+        tiny_tokenizer.render_conversation(CONVERSATION)

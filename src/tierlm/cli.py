@@ -94,9 +94,12 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
-    from tierlm.data import load_documents, train_bpe_tokenizer, train_char_tokenizer
+    from tierlm.data import SourceOptions, open_examples, train_bpe_tokenizer, train_char_tokenizer
 
-    texts = [doc for spec in args.data for doc in load_documents(spec, "train", args.num_docs, seed=0)]
+    texts = []
+    for spec in args.data:
+        examples = open_examples(spec, SourceOptions(synthetic_count=args.num_docs))
+        texts += examples.fetch(range(len(examples)))
     tokenizer = train_char_tokenizer(texts) if args.kind == "char" else train_bpe_tokenizer(texts, args.vocab_size)
     out = tokenizer.save(args.out)
     print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")

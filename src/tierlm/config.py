@@ -67,11 +67,20 @@ class TokenizerConfig(Section):
     """How many training documents the tokenizer is trained on."""
 
 
+class MixtureComponent(Section):
+    dataset_name: str
+    """A source, as data.dataset_name."""
+    weight: float = Field(1.0, gt=0)
+    """Passes over this source per mixture epoch: 2 repeats it twice, 0.5 takes a random half."""
+
+
 class DataConfig(Section):
     dataset_name: str = "synthetic:arithmetic"
-    """Training data: "synthetic:<task>", a .txt/.jsonl file, or a folder of them."""
+    """Training data: "synthetic:<task>", a .txt/.jsonl/.parquet/.bin/.npy file, a folder of them, a saved HF dataset, or a hub dataset name."""
+    mixture: list[MixtureComponent] = Field(default_factory=list)
+    """Train on several sources instead of dataset_name: a list of {dataset_name, weight}."""
     eval_dataset_name: str | None = None
-    """Validation data; None holds out data.val_fraction of the files (synthetic tasks have a disjoint val split)."""
+    """Validation data; None holds out data.val_fraction of the training data (synthetic tasks have a disjoint val split)."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
     """Share of file-based examples held out for validation when no eval dataset is given."""
     num_synthetic_examples: int = Field(50000, gt=0)
@@ -92,6 +101,14 @@ class DataConfig(Section):
     """SFT: which tokens carry loss."""
     long_conversations: Literal["truncate", "drop"] = "truncate"
     """SFT: what happens to a conversation longer than max_seq_length (counted in the metrics either way)."""
+    isolate_documents: bool | None = None
+    """Packed documents get their own positions and never attend to each other. None: on for SFT, off for pretraining (nanochat)."""
+    packing_buffer: int = Field(1000, gt=0)
+    """Documents held for best-fit packing: more fills rows better and costs memory."""
+    on_bad_line: Literal["error", "skip"] = "error"
+    """A malformed JSONL line: stop with its file:line, or skip it and count it."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of headerless .bin token files (llm.c shards with a header are detected)."""
 
 
 class TrainingConfig(Section):

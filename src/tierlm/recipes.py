@@ -13,14 +13,18 @@ from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint, resolve_model_folder
 from tierlm.config import TierlmConfig
 from tierlm.data import (
+    Documents,
+    Examples,
     Fields,
-    PretrainLoader,
-    SFTLoader,
+    Mixture,
+    PackedLoader,
+    SourceOptions,
     Tokenizer,
-    load_conversations,
-    load_documents,
+    chat_documents,
+    holdout_split,
     load_tokenizer,
-    split_holdout,
+    open_examples,
+    text_documents,
     train_bpe_tokenizer,
     train_char_tokenizer,
 )
@@ -46,27 +50,55 @@ def _fields(config: TierlmConfig) -> Fields:
     return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column)
 
 
-def load_examples(config: TierlmConfig, stage: str) -> tuple[list, list]:
-    """(train, val) documents (pretrain) or conversations (sft)."""
-    d, seed = config.data, config.training.seed
-    load = load_documents if stage == "pretrain" else load_conversations
-    train = load(d.dataset_name, "train", d.num_synthetic_examples, seed, _fields(config))
-    if d.eval_dataset_name:
-        return train, load(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, seed, _fields(config))
-    if d.dataset_name.startswith("synthetic:"):
-        return train, load(d.dataset_name, "val", d.num_synthetic_eval_examples, seed, _fields(config))
-    return split_holdout(train, d.val_fraction)
+def _options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
+    d = config.data
+    return SourceOptions(
+        split=split, kind="text" if stage == "pretrain" else "chat", seed=config.training.seed,
+        synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
+        fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
+        separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
+    )
 
 
-def build_tokenizer(config: TierlmConfig, train_examples: list, stage: str, pretrained: Path | str | None) -> Tokenizer:
-    m, t = config.model, config.tokenizer
+def _components(config: TierlmConfig) -> list[tuple[str, float]]:
+    return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
+
+
+def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> list[tuple[Examples, Examples, float]]:
+    """(train, val, weight) for each data source; val comes from data.eval_dataset_name when set."""
+    d, out = config.data, []
+    for name, weight in _components(config):
+        train = open_examples(name, _options(config, stage, "train", tokenizer))
+        if d.eval_dataset_name:
+            val = open_examples(d.eval_dataset_name, _options(config, stage, "val", tokenizer))
+        elif name.startswith("synthetic:"):
+            val = open_examples(name, _options(config, stage, "val", tokenizer))
+        else:
+            train, val = holdout_split(train, d.val_fraction)
+        out.append((train, val, weight))
+        if d.eval_dataset_name:
+            break  # one eval set, not one per component
+    return out
+
+
+def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> Tokenizer | None:
+    m = config.model
     if m.tokenizer_name_or_path:
         return load_tokenizer(m.tokenizer_name_or_path, m.trust_remote_code)
     if pretrained is not None:
         return load_tokenizer(pretrained, m.trust_remote_code)
-    texts = train_examples[: t.num_train_docs]
-    if stage == "sft":  # train on the conversations' words
-        texts = [msg["content"] for conv in texts for msg in conv]
+    return None
+
+
+def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
+    """A new tokenizer, trained on the first tokenizer.num_train_docs examples of each source."""
+    t, texts = config.tokenizer, []
+    for name, _ in _components(config):
+        if Path(name).suffix in (".bin", ".npy"):
+            raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
+        examples = open_examples(name, _options(config, stage, "train", None))
+        for example in examples.fetch(range(min(len(examples), t.num_train_docs))):
+            texts.extend([example] if isinstance(example, str) else [m["content"] for m in example])
     return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 
 
@@ -104,23 +136,24 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
     return model
 
 
-def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, train: list, val: list):
+def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> tuple[PackedLoader, PackedLoader]:
+    """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents)."""
     d, tr = config.data, config.training
-    if stage == "pretrain":
-        sep = tokenizer.document_separator_id
-        encode = lambda docs: [[sep] + ids for ids in tokenizer.encode_batch(docs)]  # noqa: E731
-        train_docs, val_docs = encode(train), encode(val)
-        too_big = max((max(ids) for ids in train_docs + val_docs if ids), default=0)
-        if too_big >= tokenizer.vocab_size:
-            raise DataError(f"token id {too_big} >= vocab size {tokenizer.vocab_size}: the data was not made by this tokenizer")
-        return (
-            PretrainLoader(train_docs, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed),
-            PretrainLoader(val_docs, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
-        )
-    common = dict(tokenizer=tokenizer, max_seq_len=d.max_seq_length, train_on=d.train_on, long_conversations=d.long_conversations)
+    convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
+    splits = open_splits(config, stage, tokenizer)
+    if len(splits) == 1 and splits[0][2] == 1.0:
+        train, val = Documents(splits[0][0], convert), Documents(splits[0][1], convert)
+    else:
+        train = Mixture([(Documents(t, convert), w) for t, _, w in splits], seed=tr.seed)
+        val = Mixture([(Documents(v, convert), 1.0) for _, v, _ in splits], seed=tr.seed)
+    isolate = d.isolate_documents if d.isolate_documents is not None else stage == "sft"
+    common = dict(
+        mode="crop" if stage == "pretrain" else "pad", pad_id=tokenizer.pad_id, buffer_docs=d.packing_buffer,
+        long_documents=d.long_conversations, document_positions=isolate,
+    )
     return (
-        SFTLoader(train, batch_size=tr.per_device_train_batch_size, seed=tr.seed, **common),
-        SFTLoader(val, batch_size=tr.per_device_eval_batch_size, shuffle=False, **common),
+        PackedLoader(train, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed, **common),
+        PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, **common),
     )
 
 
@@ -147,11 +180,10 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
     seed_everything(tr.seed)
     device = resolve_device(infra.device_type, infra.gpu_rank)
 
-    train, val = load_examples(config, stage)
     pretrained = pretrained_location(config)
-    tokenizer = build_tokenizer(config, train, stage, pretrained)
+    tokenizer = existing_tokenizer(config, pretrained) or train_tokenizer(config, stage)
     model = build_model(config, tokenizer, device, pretrained)
-    train_loader, eval_loader = build_loaders(config, stage, tokenizer, train, val)
+    train_loader, eval_loader = build_loaders(config, stage, tokenizer)
     optimizer = create_adamw_optimizer(
         model, tr.learning_rate, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.weight_decay,
         exclude_norms_biases_embeddings=not tr.decay_norms_and_embeddings,

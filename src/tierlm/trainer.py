@@ -19,8 +19,9 @@ from tqdm import tqdm
 from tierlm.backends.protocol import TrainingBackend
 from tierlm.checkpoint import find_latest_checkpoint, prune_checkpoints
 from tierlm.config import TrainingConfig
-from tierlm.data.loaders import eval_batches
+from tierlm.data.packing import eval_batches
 from tierlm.metrics import MetricsLogger
+from tierlm.metrics.memory import memory_record
 from tierlm.strategies.base import TrainingStrategy
 
 
@@ -143,6 +144,9 @@ class Trainer:
         }
         if self.flops_per_token and self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
+        if hasattr(self.train_loader, "stats"):
+            record.update(self.train_loader.stats())
+        record.update(memory_record(self.backend.device))
         return record
 
     def _eta_s(self) -> float:

@@ -1,7 +1,15 @@
-"""Data: sources, tokenizers, synthetic tasks and resumable loaders."""
+"""Data: sources, tokenizers, chat rendering, synthetic tasks, best-fit packing with exact resume."""
 
-from tierlm.data.loaders import PretrainLoader, SFTLoader, eval_batches
-from tierlm.data.sources import Fields, load_conversations, load_documents, split_holdout
+from tierlm.data.packing import (
+    Document,
+    Documents,
+    Mixture,
+    PackedLoader,
+    chat_documents,
+    eval_batches,
+    text_documents,
+)
+from tierlm.data.sources import Examples, Fields, ListExamples, SourceOptions, holdout_split, open_examples
 from tierlm.data.synthetic import ArithmeticTask, Problem
 from tierlm.data.tokenizer import (
     Tokenizer,
@@ -12,16 +20,22 @@ from tierlm.data.tokenizer import (
 
 __all__ = [
     "ArithmeticTask",
+    "Document",
+    "Documents",
+    "Examples",
     "Fields",
-    "PretrainLoader",
+    "ListExamples",
+    "Mixture",
+    "PackedLoader",
     "Problem",
-    "SFTLoader",
+    "SourceOptions",
     "Tokenizer",
+    "chat_documents",
     "eval_batches",
-    "load_conversations",
-    "load_documents",
+    "holdout_split",
     "load_tokenizer",
-    "split_holdout",
+    "open_examples",
+    "text_documents",
     "train_bpe_tokenizer",
     "train_char_tokenizer",
 ]

@@ -1,8 +1,17 @@
-"""Where examples come from: the package's synthetic tasks, plain text files, JSONL files.
+"""Where examples come from, as random-access collections that never need the corpus in memory.
 
-`dataset_name` is `synthetic:<task>`, a file, or a folder of files. Plain text is split into
-documents at blank lines. JSONL rows carry a `text` field (pretraining), a `messages` list of
-{role, content} turns, or a `prompt`/`completion` pair (field names configurable).
+`open_examples(spec, ...)` takes `synthetic:<task>`, a file, or a folder of files:
+
+| source | example | held in memory |
+|---|---|---|
+| synthetic task | generated from (seed, split, index) | nothing |
+| .txt / .md | a paragraph (documents are split at blank lines) | byte offsets |
+| .jsonl | a `text` string, or a conversation (`messages`, or `prompt`/`completion`) | byte offsets |
+| .parquet, a saved HF dataset folder, a hub dataset name | a row, as with JSONL | Arrow memory map |
+| .bin / .npy token file | a token array (documents split at the separator token) | document offsets |
+
+Every collection has `len()` and `fetch(indices)`, so loaders shuffle, shard by rank and resume
+by index. Bad data fails at open time with one line: `file:line`, the fields that exist, ...
 """
 
 from __future__ import annotations
@@ -10,18 +19,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
 
 from tierlm.data.synthetic import SYNTHETIC_TASKS
 from tierlm.data.tokenizer import check_conversation
-from tierlm.errors import DataError
+from tierlm.errors import DataError, first_line
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+TOKEN_SUFFIXES = (".bin", ".npy")
+LLMC_MAGIC = 20240520  # llm.c .bin shards: a 256 x int32 header, then uint16 tokens
+LLMC_HEADER_BYTES = 256 * 4
 
 
 @dataclass(frozen=True)
 class Fields:
-    """Names of the JSONL fields to read."""
+    """Names of the fields to read from JSONL, parquet and HF dataset rows."""
 
     text: str = "text"
     messages: str = "messages"
@@ -29,65 +45,21 @@ class Fields:
     completion: str = "completion"
 
 
-def _files(spec: str) -> list[Path]:
-    path = Path(spec)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
-        if not files:
-            raise DataError(f"folder {spec} has no .txt, .md or .jsonl files")
-        return files
-    raise DataError(f"dataset {spec!r} is neither an existing file or folder nor 'synthetic:<task>' ({', '.join(SYNTHETIC_TASKS)})")
+@dataclass
+class ReadStats:
+    """What opening a source skipped (malformed lines when `on_bad_line="skip"`)."""
+
+    bad_lines_skipped: int = 0
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}") from e
+# -- example kinds -------------------------------------------------------------------------
+def row_to_text(row: dict, fields: Fields, where: str) -> str:
+    if fields.text not in row:
+        raise DataError(f"{where}: no {fields.text!r} field; fields present: {sorted(row)} (set data.text_column)")
+    return str(row[fields.text])
 
 
-def iter_jsonl(path: Path):
-    """(line number, row) for each non-empty line; a malformed line names file:line."""
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg}); fix or remove that line") from e
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        yield lineno, row
-
-
-def _synthetic(spec: str):
-    name = spec.split(":", 1)[1]
-    if name not in SYNTHETIC_TASKS:
-        raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
-    return SYNTHETIC_TASKS[name]()
-
-
-def load_documents(spec: str, split: str, count: int, seed: int, fields: Fields = Fields()) -> list[str]:
-    """Pretraining documents. Synthetic tasks make `count` of them; files give all they hold."""
-    if spec.startswith("synthetic:"):
-        return [p.text for p in _synthetic(spec).problems(split, count, seed)]
-    docs = []
-    for path in _files(spec):
-        if path.suffix in JSONL_SUFFIXES:
-            for lineno, row in iter_jsonl(path):
-                if fields.text not in row:
-                    raise DataError(f"{path}:{lineno}: no {fields.text!r} field; fields present: {sorted(row)} (set data.text_column)")
-                docs.append(str(row[fields.text]))
-        else:
-            docs.extend(d.strip() for d in _read_text(path).split("\n\n") if d.strip())
-    if not docs:
-        raise DataError(f"dataset {spec} holds no documents")
-    return docs
-
-
-def _conversation(row: dict, fields: Fields, where: str) -> list[dict]:
+def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
     if fields.messages in row:
         messages = row[fields.messages]
     elif fields.prompt in row and fields.completion in row:
@@ -104,23 +76,326 @@ def _conversation(row: dict, fields: Fields, where: str) -> list[dict]:
     return messages
 
 
-def load_conversations(spec: str, split: str, count: int, seed: int, fields: Fields = Fields()) -> list[list[dict]]:
-    """SFT conversations from a synthetic task or JSONL files."""
+# -- collections ---------------------------------------------------------------------------
+class Examples:
+    """A random-access collection of examples."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> Any:
+        return self.fetch([index])[0]
+
+
+class ListExamples(Examples):
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        return [self.items[i] for i in indices]
+
+
+class SyntheticExamples(Examples):
+    def __init__(self, task, split: str, count: int, seed: int, kind: str):
+        self.task, self.split, self.count, self.seed, self.kind = task, split, count, seed, kind
+
+    def __len__(self) -> int:
+        return self.count
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        problems = [self.task.problem(self.split, int(i), self.seed) for i in indices]
+        return [p.text if self.kind == "text" else p.conversation for p in problems]
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from e
+
+
+class JSONLExamples(Examples):
+    """Rows of a JSONL file, read on demand at their byte offsets (validated once, at open)."""
+
+    def __init__(self, path: Path, kind: str, fields: Fields, on_bad_line: str, stats: ReadStats):
+        self.path, self.kind, self.fields = path, kind, fields
+        offsets, lines = [], []
+        with open(path, "rb") as f:
+            offset = 0
+            for lineno, raw in enumerate(f, start=1):
+                start, offset = offset, offset + len(raw)
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(raw)
+                    if not isinstance(row, dict):
+                        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                except (ValueError, UnicodeDecodeError) as e:
+                    if on_bad_line == "skip":
+                        stats.bad_lines_skipped += 1
+                        continue
+                    reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                    raise DataError(f"{where}: malformed JSON ({reason}); fix or remove that line, or set data.on_bad_line=skip") from e
+                self._convert(row, where)  # every row is checked up front, not mid-run
+                offsets.append(start)
+                lines.append(lineno)
+        self.offsets, self.lines = np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64)
+
+    def _convert(self, row: dict, where: str) -> Any:
+        return row_to_text(row, self.fields, where) if self.kind == "text" else row_to_conversation(row, self.fields, where)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        out = []
+        with open(self.path, "rb") as f:
+            for i in indices:
+                f.seek(int(self.offsets[i]))
+                out.append(self._convert(json.loads(f.readline()), f"{self.path}:{self.lines[i]}"))
+        return out
+
+
+class TextExamples(Examples):
+    """Paragraphs of a text file (split at blank lines), read on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        spans, start, offset = [], None, 0
+        try:
+            with open(path, "rb") as f:
+                for raw in f:
+                    if raw.strip():
+                        start = offset if start is None else start
+                    elif start is not None:
+                        spans.append((start, offset))
+                        start = None
+                    offset += len(raw)
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror or e}") from e
+        if start is not None:
+            spans.append((start, offset))
+        self.spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def fetch(self, indices: Sequence[int]) -> list[str]:
+        out = []
+        with open(self.path, "rb") as f:
+            for i in indices:
+                start, end = self.spans[i]
+                f.seek(int(start))
+                try:
+                    out.append(f.read(int(end - start)).decode("utf-8").strip())
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{self.path}: not UTF-8 text near byte {start}") from e
+        return out
+
+
+class ArrowExamples(Examples):
+    """Rows of a `datasets.Dataset` (memory-mapped Arrow): parquet files, saved folders, hub datasets."""
+
+    def __init__(self, dataset, kind: str, fields: Fields, name: str):
+        self.dataset, self.kind, self.fields, self.name = dataset, kind, fields, name
+        if len(dataset):
+            self._convert(dataset[0], f"{name} row 0")  # fail at open on a missing column
+
+    def _convert(self, row: dict, where: str) -> Any:
+        return row_to_text(row, self.fields, where) if self.kind == "text" else row_to_conversation(row, self.fields, where)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        rows = self.dataset[[int(i) for i in indices]]  # columnar: {field: [values]}
+        keys = list(rows)
+        return [self._convert({k: rows[k][j] for k in keys}, f"{self.name} row {i}") for j, i in enumerate(indices)]
+
+
+class TokenFileExamples(Examples):
+    """Documents of a pre-tokenized file: a flat uint16/uint32 array, split at `separator_id`.
+
+    The file is read through short-lived memory maps (one per scan chunk or fetch), as nanoGPT
+    does, so resident memory stays flat however large the file is.
+    """
+
+    CHUNK_TOKENS = 1 << 24
+
+    def __init__(self, path: Path, dtype: str, separator_id: int, vocab_size: int):
+        self.path = path
+        self.dtype, self.offset, self.num_tokens = self._layout(path, np.dtype(dtype))
+        starts = [np.zeros(1, dtype=np.int64)]
+        for lo in range(0, self.num_tokens, self.CHUNK_TOKENS):
+            chunk = np.asarray(self._map()[lo : lo + self.CHUNK_TOKENS])
+            top = int(chunk.max()) if len(chunk) else 0
+            if top >= vocab_size:
+                at = lo + int(np.argmax(chunk >= vocab_size))
+                raise DataError(f"{path}: token id {top} at position {at} >= vocab size {vocab_size}; the file was made with another tokenizer")
+            starts.append(np.flatnonzero(chunk == separator_id).astype(np.int64) + lo)
+        bounds = np.unique(np.concatenate(starts + [np.asarray([self.num_tokens], dtype=np.int64)]))
+        self.bounds = bounds  # document i is tokens [bounds[i], bounds[i + 1])
+
+    @staticmethod
+    def _layout(path: Path, dtype: np.dtype) -> tuple[np.dtype, int, int]:
+        if path.suffix == ".npy":
+            array = np.load(path, mmap_mode="r")
+            if array.ndim != 1 or array.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
+                raise DataError(f"{path}: expected a 1-D integer token array, got {array.dtype} with shape {array.shape}")
+            return array.dtype, array.offset, len(array)
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(8), dtype=np.int32) if size >= LLMC_HEADER_BYTES else np.zeros(2, np.int32)
+        if len(header) == 2 and header[0] == LLMC_MAGIC:
+            return np.dtype(np.uint16), LLMC_HEADER_BYTES, (size - LLMC_HEADER_BYTES) // 2
+        if size % dtype.itemsize:
+            raise DataError(f"{path}: size {size} is not a whole number of {dtype} tokens; set data.token_dtype")
+        return dtype, 0, size // dtype.itemsize
+
+    def _map(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,))
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def fetch(self, indices: Sequence[int]) -> list[np.ndarray]:
+        tokens = self._map()
+        out = [np.array(tokens[self.bounds[i] : self.bounds[i + 1]], dtype=np.int64) for i in indices]
+        del tokens  # unmap: pages read so far leave this process's resident set
+        return out
+
+
+# -- opening -------------------------------------------------------------------------------
+def _files(spec: str) -> list[Path]:
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES + TOKEN_SUFFIXES
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
+        if not files:
+            raise DataError(f"folder {spec} has no .txt, .jsonl, .parquet, .bin or .npy files")
+        return files
+    raise DataError(f"dataset {spec!r} is neither an existing file or folder nor 'synthetic:<task>' ({', '.join(SYNTHETIC_TASKS)})")
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _load_arrow(spec: str, split: str):
+    import datasets
+
+    try:
+        if _is_saved_dataset(Path(spec)):
+            loaded = datasets.load_from_disk(spec)
+        elif Path(spec).suffix in PARQUET_SUFFIXES:
+            loaded = datasets.Dataset.from_parquet(spec)
+        else:
+            loaded = datasets.load_dataset(spec)
+    except Exception as e:  # datasets raises many types; all mean "cannot open this"
+        raise DataError(f"cannot open dataset {spec!r}: {first_line(e)}") from e
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded and "train" not in loaded:
+            raise DataError(f"dataset {spec!r} has splits {list(loaded)}; none is {split!r} or 'train'")
+        loaded = loaded[split] if split in loaded else loaded["train"]
+    return loaded
+
+
+class ConcatExamples(Examples):
+    """Several collections, one after another."""
+
+    def __init__(self, parts: list[Examples]):
+        self.parts = [p for p in parts if len(p)]
+        self.ends = np.cumsum([len(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        which = np.searchsorted(self.ends, np.asarray(indices), side="right")
+        starts = np.concatenate([[0], self.ends[:-1]])
+        out: list[Any] = [None] * len(indices)
+        for part in np.unique(which):
+            positions = np.flatnonzero(which == part)
+            local = [int(indices[p] - starts[part]) for p in positions]
+            for p, value in zip(positions, self.parts[part].fetch(local)):
+                out[p] = value
+        return out
+
+
+@dataclass
+class SourceOptions:
+    """How to read a source (mirrors the data section of the config)."""
+
+    split: str = "train"
+    kind: str = "text"  # "text" (pretraining documents) or "chat" (conversations)
+    seed: int = 0
+    synthetic_count: int = 1000
+    fields: Fields = Fields()
+    on_bad_line: str = "error"
+    token_dtype: str = "uint16"
+    separator_id: int | None = None
+    vocab_size: int | None = None
+
+
+def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = None) -> Examples:
+    """A random-access collection of `options.kind` examples from `spec` (see the module docstring)."""
+    stats = stats if stats is not None else ReadStats()
+    assert options.kind in ("text", "chat"), f"kind must be 'text' or 'chat', got {options.kind!r}"
     if spec.startswith("synthetic:"):
-        return [p.conversation for p in _synthetic(spec).problems(split, count, seed)]
-    conversations = []
-    for path in _files(spec):
-        if path.suffix not in JSONL_SUFFIXES:
-            raise DataError(f"{path}: SFT data must be JSONL with {fields.messages!r} or {fields.prompt!r}/{fields.completion!r}")
-        conversations.extend(_conversation(row, fields, f"{path}:{lineno}") for lineno, row in iter_jsonl(path))
-    if not conversations:
-        raise DataError(f"dataset {spec} holds no conversations")
-    return conversations
+        name = spec.split(":", 1)[1]
+        if name not in SYNTHETIC_TASKS:
+            raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
+        return SyntheticExamples(SYNTHETIC_TASKS[name](), options.split, options.synthetic_count, options.seed, options.kind)
+    path = Path(spec)
+    if not path.exists() and not spec.startswith((".", "/")) and spec.count("/") == 1:
+        return ArrowExamples(_load_arrow(spec, options.split), options.kind, options.fields, spec)  # a hub dataset name
+    if _is_saved_dataset(path):
+        return ArrowExamples(_load_arrow(spec, options.split), options.kind, options.fields, spec)
+    parts: list[Examples] = []
+    for file in _files(spec):
+        if file.suffix in JSONL_SUFFIXES:
+            parts.append(JSONLExamples(file, options.kind, options.fields, options.on_bad_line, stats))
+        elif file.suffix in PARQUET_SUFFIXES:
+            parts.append(ArrowExamples(_load_arrow(str(file), options.split), options.kind, options.fields, str(file)))
+        elif file.suffix in TOKEN_SUFFIXES:
+            if options.kind != "text":
+                raise DataError(f"{file}: a token file holds pretraining documents, not conversations")
+            assert options.separator_id is not None and options.vocab_size is not None, "token files need separator_id and vocab_size"
+            parts.append(TokenFileExamples(file, options.token_dtype, options.separator_id, options.vocab_size))
+        else:
+            if options.kind != "text":
+                raise DataError(f"{file}: SFT data must be JSONL, parquet or a dataset with conversations, not plain text")
+            parts.append(TextExamples(file))
+    examples = parts[0] if len(parts) == 1 else ConcatExamples(parts)
+    if not len(examples):
+        raise DataError(f"dataset {spec} holds no examples")
+    return examples
 
 
-def split_holdout(items: list, val_fraction: float) -> tuple[list, list]:
-    """(train, val): the last `val_fraction` of items (at least one) is held out."""
-    if len(items) < 2:
-        raise DataError(f"need at least 2 examples to hold some out for validation, got {len(items)}; set data.eval_dataset_name")
-    n_val = max(1, int(len(items) * val_fraction))
-    return items[:-n_val], items[-n_val:]
+def holdout_split(examples: Examples, val_fraction: float) -> tuple[Examples, Examples]:
+    """(train, val) views: the last `val_fraction` of the examples (at least one) is held out."""
+    n = len(examples)
+    if n < 2:
+        raise DataError(f"need at least 2 examples to hold some out for validation, got {n}; set data.eval_dataset_name")
+    n_val = max(1, int(n * val_fraction))
+    return Subset(examples, np.arange(n - n_val)), Subset(examples, np.arange(n - n_val, n))
+
+
+class Subset(Examples):
+    def __init__(self, base: Examples, indices: np.ndarray):
+        self.base, self.indices = base, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def fetch(self, indices: Sequence[int]) -> list[Any]:
+        return self.base.fetch([int(self.indices[i]) for i in indices])

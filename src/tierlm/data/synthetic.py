@@ -47,7 +47,7 @@ class ArithmeticTask:
 
     >>> task = ArithmeticTask(max_operand=9)
     >>> [p.text for p in task.problems("train", 2, seed=0)]
-    ['What is 6 - 0? 6 - 0 = 6', 'What is 4 - 6? 4 - 6 = -2']
+    ['What is 4 - 7? 4 - 7 = -3', 'What is 2 + 7? 2 + 7 = 9']
     >>> task.score("... 3 + 4 = 7", Problem(3, "+", 4))
     1.0
     """
@@ -61,16 +61,18 @@ class ArithmeticTask:
         key = (problem.a * 7919 + problem.b * 104729 + ord(problem.op) * 1299709) % 2147483647
         return key % self.val_modulus == 0
 
-    def problems(self, split: str, count: int, seed: int) -> list[Problem]:
-        """`count` problems of `split` ("train" | "val"), the same for the same seed."""
+    def problem(self, split: str, index: int, seed: int) -> Problem:
+        """Problem `index` of `split` ("train" | "val"): a pure function of (seed, split, index)."""
         assert split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}"
-        rng = random.Random(seed * 2 + (split == "val"))
-        want_val, out = split == "val", []
-        while len(out) < count:
+        rng = random.Random(f"{seed}/{split}/{index}")  # str seeds hash with SHA-512: stable everywhere
+        while True:
             problem = Problem(rng.randint(0, self.max_operand), rng.choice(self.ops), rng.randint(0, self.max_operand))
-            if self.is_validation(problem) == want_val:
-                out.append(problem)
-        return out
+            if self.is_validation(problem) == (split == "val"):
+                return problem
+
+    def problems(self, split: str, count: int, seed: int) -> list[Problem]:
+        """The first `count` problems of `split`."""
+        return [self.problem(split, i, seed) for i in range(count)]
 
     @staticmethod
     def extract_answer(completion: str) -> int | None:

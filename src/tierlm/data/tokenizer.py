@@ -210,22 +210,38 @@ class Tokenizer:
         if train_on not in TRAIN_ON:
             raise DataError(f"train_on must be one of {list(TRAIN_ON)}, got {train_on!r}")
         full = self._render(messages)
-        spans = []  # character spans of trained text
+        spans = []  # character spans of assistant turns (content + end of turn), with their prompt
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prefix = self._render(messages[:i], add_generation_prompt=True) if i else self._render([], True)
+            prefix = self._render(messages[:i], add_generation_prompt=True)
             upto = self._render(messages[: i + 1])
             if not (upto.startswith(prefix) and full.startswith(upto)):
                 raise DataError("the chat template does not render conversations prefix-stably; cannot locate assistant turns")
-            spans.append((len(prefix), len(upto)))
-        if train_on == "last_assistant":
-            spans = spans[-1:]
-        elif train_on == "everything":
-            spans = [(0, len(full))]
+            spans.append((len(prefix), len(upto), prefix))
         encoding = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in encoding["offset_mapping"]]
-        return encoding["input_ids"], mask
+        ids, starts = encoding["input_ids"], [start for start, _ in encoding["offset_mapping"]]
+        trained = spans[-1:] if train_on == "last_assistant" else spans
+        if train_on == "everything":
+            mask = [1] * len(ids)
+        else:
+            mask = [int(any(lo <= start < hi for lo, hi, _ in trained)) for start in starts]
+        self._check_turns(ids, starts, mask, trained)
+        return ids, mask
+
+    def _check_turns(self, ids: list[int], starts: list[int], mask: list[int], spans: list) -> None:
+        """Guardrails: each trained turn's end-of-turn token is labelled, and the ids before each
+        turn are exactly what sampling would feed the model (`render_for_completion`)."""
+        stops = set(self.stop_ids)
+        for lo, hi, prefix in spans:
+            turn = [i for i, start in enumerate(starts) if lo <= start < hi]
+            if not any(ids[i] in stops and mask[i] for i in turn):
+                raise DataError("an assistant turn has no labelled end-of-turn token: the model would never learn to stop; "
+                                "check the tokenizer's chat template and eos token")
+            prompt = self.hf(prefix, add_special_tokens=False)["input_ids"]
+            if turn and ids[: turn[0]] != prompt:
+                raise DataError("training and sampling render different prompt tokens for an assistant turn; "
+                                "the chat template or tokenizer is not prefix-stable")
 
     def render_for_completion(self, messages: list[dict]) -> list[int]:
         """Prompt ids that end with the assistant header, ready for the model to answer."""

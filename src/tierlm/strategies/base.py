@@ -7,7 +7,7 @@ from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 
-from tierlm.primitives.losses import cross_entropy_sum, get_labels, per_token_cross_entropy, token_weights
+from tierlm.primitives.losses import IGNORE_INDEX, cross_entropy_sum, get_labels, per_token_cross_entropy, token_weights
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -38,7 +38,24 @@ class CrossEntropyStrategy:
         self.token_bytes = token_bytes
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Packed rows (B, T+1) -> `input_ids` (B, T) and `labels` (B, T), the next tokens.
+
+        A label is -100 where the loader's `mask` says not to train, and, when rows carry
+        `position_ids`, at the last token of each document: it never predicts the next one.
+        A batch that already has `input_ids` is passed through.
+        """
+        if "input_ids" in batch:
+            return dict(batch)
+        tokens = batch["tokens"]
+        labels = tokens[:, 1:].clone()
+        if "mask" in batch:
+            labels[batch["mask"][:, 1:] == 0] = IGNORE_INDEX
+        out = {"input_ids": tokens[:, :-1], "labels": labels}
+        if "position_ids" in batch:
+            positions = batch["position_ids"]
+            labels[positions[:, 1:] == 0] = IGNORE_INDEX
+            out["position_ids"] = positions[:, :-1]
+        return out
 
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return cross_entropy_sum(logits, get_labels(batch), batch.get("loss_mask"))

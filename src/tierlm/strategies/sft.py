@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.strategies.base import Batch, CrossEntropyStrategy
 
 
@@ -20,8 +19,5 @@ class SFTStrategy(CrossEntropyStrategy):
     """
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
-        if "input_ids" in batch:
-            return dict(batch)
-        tokens, mask = batch["tokens"], batch["mask"]  # (B, T+1) each
-        labels = tokens[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
-        return {"input_ids": tokens[:, :-1], "labels": labels}
+        assert "input_ids" in batch or "mask" in batch, "SFT batches need the loader's loss mask"
+        return super().prepare_batch(batch)

@@ -55,6 +55,22 @@ def test_resume_yields_identical_batches(mode):
         assert all(_same(resumed.next_batch(), e) for e in expected[stop:])
 
 
+def test_prefetcher_hands_out_the_same_batches_and_resumable_state():
+    from tierlm.data import Prefetcher
+
+    kwargs = dict(batch_size=3, seq_len=16, mode="pad", seed=5, buffer_docs=8)
+    plain = PackedLoader(_docs(), **kwargs)
+    expected = [plain.next_batch() for _ in range(12)]
+    prefetched = Prefetcher(PackedLoader(_docs(), **kwargs), depth=3)
+    got = [prefetched.next_batch() for _ in range(5)]
+    state = prefetched.state_dict()  # the queue already holds later batches; the state is of these 5
+    prefetched.close()
+    assert all(_same(a, b) for a, b in zip(got, expected))
+    resumed = PackedLoader(_docs(), **kwargs)
+    resumed.load_state_dict(state)
+    assert all(_same(resumed.next_batch(), e) for e in expected[5:])
+
+
 def test_rows_open_with_the_oldest_document_then_fill_best_fit():
     """Documents of 11, 6, 4, 3 and 13 tokens (unshuffled, then again next epoch) into rows of 16."""
     docs = Documents(ListExamples([[9] + [1] * n for n in (10, 5, 3, 2, 12)]), lambda xs: [Document(np.asarray(x)) for x in xs])

@@ -101,15 +101,25 @@ def test_guardrail_end_of_turn_must_be_labelled(tiny_tokenizer):
 
 
 def test_guardrail_training_and_sampling_prompts_agree(tiny_tokenizer, monkeypatch):
-    """If the prompt tokenises differently alone than inside the conversation, sampling would see other ids."""
-    original = tiny_tokenizer.hf.__call__
+    """If the prompt tokenises differently alone than inside the conversation, sampling would see other ids.
 
-    def drifting(text, *args, **kwargs):  # tokenises a prompt that ends in a header one token short
-        out = original(text, *args, **kwargs)
-        if isinstance(text, str) and text.endswith("<|assistant_start|>") and "return_offsets_mapping" not in kwargs:
+    The header here ends in plain text ("A:"), which is what gets re-encoded; a tokenizer that encodes
+    that text one token short on its own stands in for one whose merges cross the boundary."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.hf.chat_template = tok.hf.chat_template.replace("'<|assistant_start|>'", "'<|assistant_start|>A:'").replace(
+        "'<|' + message['role'] + '_start|>'", "'<|' + message['role'] + '_start|>' + ('A:' if message['role'] == 'assistant' else '')")
+    ids, mask = tok.render_conversation(CONVERSATION)  # consistent tokenizer: passes
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "4<|assistant_end|>6<|assistant_end|>"
+    original = type(tok.hf).__call__
+
+    def drifting(self, text, *args, **kwargs):
+        out = original(self, text, *args, **kwargs)
+        if isinstance(text, str) and text.endswith("A:") and "return_offsets_mapping" not in kwargs:
             out["input_ids"] = out["input_ids"][:-1]
         return out
 
-    monkeypatch.setattr(type(tiny_tokenizer.hf), "__call__", lambda self, *a, **k: drifting(*a, **k))
+    monkeypatch.setattr(type(tok.hf), "__call__", drifting)
     with pytest.raises(DataError, match="training and sampling render different prompt tokens"):
-        tiny_tokenizer.render_conversation(CONVERSATION)
+        tok.render_conversation(CONVERSATION)

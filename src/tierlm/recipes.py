@@ -18,6 +18,7 @@ from tierlm.data import (
     Fields,
     Mixture,
     PackedLoader,
+    Prefetcher,
     SourceOptions,
     Tokenizer,
     chat_documents,
@@ -211,10 +212,14 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
     )
     resumed = trainer.resume() if latest is not None else None
     trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
+    if config.data.prefetch_batches:  # started after resuming, so it starts from the resumed position
+        trainer.train_loader = Prefetcher(train_loader, config.data.prefetch_batches)
     try:
         summary = trainer.train()
     finally:
         trainer.logger.close()
+        if isinstance(trainer.train_loader, Prefetcher):
+            trainer.train_loader.close()
     final = output_dir / "model"
     save_model_folder(model, final)
     write_extra(output_dir)

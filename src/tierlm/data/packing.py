@@ -290,3 +290,58 @@ def eval_batches(loader: PackedLoader, max_batches: int) -> list[dict[str, torch
         if len(batches) == max_batches:
             break
     return batches
+
+
+class Prefetcher:
+    """Builds the next batches on a background thread while the model trains on the current one.
+
+    Each queued batch carries the loader state taken right after it was made, so `state_dict()`
+    describes exactly the batches handed out: resuming from it never skips or repeats one.
+    The queue is bounded (`depth` batches), and an error in the thread is raised in the caller.
+    """
+
+    def __init__(self, loader: PackedLoader, depth: int = 4):
+        import queue
+        import threading
+
+        assert depth > 0, f"depth must be > 0, got {depth}"
+        self.loader, self._state = loader, loader.state_dict()
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tierlm-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self.loader.next_batch()
+                self._put((batch, self.loader.state_dict(), self.loader.stats()))
+        except BaseException as error:  # handed to the consumer, never lost in the thread
+            self._put(error)
+
+    def _put(self, item) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        batch, self._state, self._stats = item
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def stats(self) -> dict[str, float]:
+        return getattr(self, "_stats", self.loader.stats())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

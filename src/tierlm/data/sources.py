@@ -223,8 +223,10 @@ class ArrowExamples(Examples):
 class TokenFileExamples(Examples):
     """Documents of a pre-tokenized file: a flat uint16/uint32 array, split at `separator_id`.
 
-    The file is read through short-lived memory maps (one per scan chunk or fetch), as nanoGPT
-    does, so resident memory stays flat however large the file is.
+    The document index is built once through short-lived memory maps, a chunk at a time. Documents
+    are then read with positional reads, not through a map: on this kernel a map puts the whole
+    page-cache folio (up to 2 MB) around every document touched into our resident set (measured:
+    +1.3 GB for 1,000 random documents of a 2 GB file), while a read copies only the document.
     """
 
     CHUNK_TOKENS = 1 << 24
@@ -266,9 +268,12 @@ class TokenFileExamples(Examples):
         return len(self.bounds) - 1
 
     def fetch(self, indices: Sequence[int]) -> list[np.ndarray]:
-        tokens = self._map()
-        out = [np.array(tokens[self.bounds[i] : self.bounds[i + 1]], dtype=np.int64) for i in indices]
-        del tokens  # unmap: pages read so far leave this process's resident set
+        out, itemsize = [], self.dtype.itemsize
+        with open(self.path, "rb") as f:
+            for i in indices:
+                start, end = int(self.bounds[i]), int(self.bounds[i + 1])
+                f.seek(self.offset + start * itemsize)
+                out.append(np.fromfile(f, dtype=self.dtype, count=end - start).astype(np.int64))
         return out
 
 

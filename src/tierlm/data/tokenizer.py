@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from tierlm.errors import DataError, ModelLoadError, first_line
@@ -47,6 +48,7 @@ def _wrap(tokenizer_object) -> "Tokenizer":
         eos_token=ASSISTANT_END,
         pad_token=PAD,
         unk_token=UNK,
+        extra_special_tokens=SPECIAL_TOKENS[3:],  # chat and tool markers: skipped when decoding for people
         chat_template=CHAT_TEMPLATE,
     )
     return Tokenizer(hf)
@@ -98,9 +100,7 @@ def train_char_tokenizer(texts: Iterable[str]) -> "Tokenizer":
     raw = RawTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     raw.decoder = decoders.Fuse()
-    tokenizer = _wrap(raw)
-    tokenizer.hf.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:]})
-    return tokenizer
+    return _wrap(raw)
 
 
 def load_tokenizer(name_or_path: str | Path, trust_remote_code: bool = False) -> "Tokenizer":
@@ -122,6 +122,7 @@ class Tokenizer:
     def __init__(self, hf):
         self.hf = hf
         self._token_bytes: torch.Tensor | None = None
+        self._stop_ids: list[int] | None = None
 
     # -- basics ----------------------------------------------------------------------------
     @property
@@ -149,9 +150,11 @@ class Tokenizer:
     @property
     def stop_ids(self) -> list[int]:
         """Tokens that end a generated answer: end of turn / EOS, and BOS (a new document)."""
-        ids = {self.hf.eos_token_id, self.hf.bos_token_id}
-        ids |= {self.hf.convert_tokens_to_ids(t) for t in (ASSISTANT_END, "<|im_end|>", "<|eot_id|>") if t in self.hf.get_vocab()}
-        return sorted(i for i in ids if i is not None)
+        if self._stop_ids is None:
+            vocab = self.hf.get_vocab()
+            ids = {self.hf.eos_token_id, self.hf.bos_token_id} | {vocab[t] for t in (ASSISTANT_END, "<|im_end|>", "<|eot_id|>") if t in vocab}
+            self._stop_ids = sorted(i for i in ids if i is not None)
+        return self._stop_ids
 
     @property
     def has_chat_template(self) -> bool:
@@ -220,26 +223,35 @@ class Tokenizer:
                 raise DataError("the chat template does not render conversations prefix-stably; cannot locate assistant turns")
             spans.append((len(prefix), len(upto), prefix))
         encoding = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, starts = encoding["input_ids"], [start for start, _ in encoding["offset_mapping"]]
+        ids = encoding["input_ids"]
+        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        starts = offsets[:, 0]
         trained = spans[-1:] if train_on == "last_assistant" else spans
-        if train_on == "everything":
-            mask = [1] * len(ids)
-        else:
-            mask = [int(any(lo <= start < hi for lo, hi, _ in trained)) for start in starts]
-        self._check_turns(ids, starts, mask, trained)
-        return ids, mask
+        mask = np.ones(len(ids), dtype=np.int64) if train_on == "everything" else np.zeros(len(ids), dtype=np.int64)
+        turns = []  # token index ranges of the trained turns
+        for lo, hi, _ in trained:
+            first, last = np.searchsorted(starts, lo, "left"), np.searchsorted(starts, hi, "left")
+            mask[first:last] = 1
+            turns.append((int(first), int(last)))
+        self._check_turns(ids, offsets, mask, trained, turns)
+        return ids, mask.tolist()
 
-    def _check_turns(self, ids: list[int], starts: list[int], mask: list[int], spans: list) -> None:
+    def _check_turns(self, ids: list[int], offsets: np.ndarray, mask: np.ndarray, spans: list, turns: list) -> None:
         """Guardrails: each trained turn's end-of-turn token is labelled, and the ids before each
-        turn are exactly what sampling would feed the model (`render_for_completion`)."""
-        stops = set(self.stop_ids)
-        for lo, hi, prefix in spans:
-            turn = [i for i, start in enumerate(starts) if lo <= start < hi]
-            if not any(ids[i] in stops and mask[i] for i in turn):
+        turn are exactly what sampling would feed the model (`render_for_completion`).
+
+        Special tokens split the text before BPE runs, so only the text after the last special
+        token of the prompt can tokenise differently; that tail is what gets re-encoded.
+        """
+        stops, special = set(self.stop_ids), set(self.hf.added_tokens_decoder)  # added tokens split the text
+        for (_, _, prefix), (first, last) in zip(spans, turns):
+            if not any(ids[i] in stops and mask[i] for i in range(first, last)):
                 raise DataError("an assistant turn has no labelled end-of-turn token: the model would never learn to stop; "
                                 "check the tokenizer's chat template and eos token")
-            prompt = self.hf(prefix, add_special_tokens=False)["input_ids"]
-            if turn and ids[: turn[0]] != prompt:
+            k = max((i for i in range(first - 1, -1, -1) if ids[i] in special), default=-1)
+            tail_start = int(offsets[k, 1]) if k >= 0 else 0
+            tail = self.hf(prefix[tail_start:], add_special_tokens=False)["input_ids"] if tail_start < len(prefix) else []
+            if ids[k + 1 : first] != tail:
                 raise DataError("training and sampling render different prompt tokens for an assistant turn; "
                                 "the chat template or tokenizer is not prefix-stable")
 

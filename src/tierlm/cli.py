@@ -5,6 +5,8 @@
     tierlm sample --checkpoint runs/tiny_sft --prompt "What is 12 + 7?"
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE] [section.key=value ...]
+    tierlm export CHECKPOINT OUT_DIR
+    tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
 
 A problem with the input (config, data, checkpoint, arguments) prints one line and exits with 2.
 """
@@ -28,7 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT.")
     commands = parser.add_subparsers(dest="command", required=True)
     for stage, about in (("pretrain", "pretrain on text (next-token prediction)"), ("sft", "fine-tune on conversations (assistant tokens only)")):
-        _add_config_args(commands.add_parser(stage, help=about, description=about), required=False)
+        stage_parser = commands.add_parser(stage, help=about, description=about)
+        _add_config_args(stage_parser, required=False)
+        stage_parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)")
+
+    export = commands.add_parser("export", help="write a checkpoint as a transformers model folder")
+    export.add_argument("checkpoint", help="a checkpoint, run directory or model folder")
+    export.add_argument("out_dir", help="new folder for the model (weights, config, tokenizer)")
+    average = commands.add_parser("average", help="average the weights of several checkpoints")
+    average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
+    average.add_argument("--out", required=True, help="new folder for the averaged model")
 
     sample = commands.add_parser("sample", help="generate from a trained model")
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
@@ -60,7 +71,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.recipes import run_stage
 
-    config = TierlmConfig.load(args.config, args.overrides)
+    overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
+    config = TierlmConfig.load(args.config, overrides)
     summary = run_stage(config, args.command)
     print(f"run directory: {summary['output_dir']}")
     if "val_loss" in summary:
@@ -105,6 +117,18 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from tierlm.checkpoint import export_checkpoint
+
+    print(f"exported to {export_checkpoint(args.checkpoint, args.out_dir)}")
+
+
+def cmd_average(args: argparse.Namespace) -> None:
+    from tierlm.checkpoint import average_checkpoints
+
+    print(f"averaged {len(args.checkpoints)} checkpoints into {average_checkpoints(args.checkpoints, args.out)}")
+
+
 def cmd_config_show(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
 
@@ -113,7 +137,7 @@ def cmd_config_show(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": cmd_train, "sft": cmd_train, "sample": cmd_sample}
+    handlers = {"pretrain": cmd_train, "sft": cmd_train, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config_show}[args.command]
     try:
         handler(args)

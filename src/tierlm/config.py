@@ -149,7 +149,13 @@ class TrainingConfig(Section):
     save_steps: int = Field(0, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = Field(0, ge=0)
-    """Keep only the newest N checkpoints (0 keeps all)."""
+    """Keep only the newest N checkpoints (0 keeps all); the best by val loss is kept as well."""
+    async_save: bool = False
+    """Copy the state to CPU at each save and write it on a background thread while training goes on."""
+    average_last_n: int = Field(0, ge=0)
+    """At the end, also write <output_dir>/model_averaged: the mean weights of the last N checkpoints (0: off)."""
+    max_consecutive_nonfinite: int = Field(5, gt=0)
+    """Steps whose loss or gradient norm is NaN/Inf are skipped; this many in a row stops the run."""
     eval_steps: int = Field(100, ge=0)
     """Evaluate every N steps, and before the first step and at the end (0: only at the end)."""
     eval_batches: int = Field(8, gt=0)

@@ -34,6 +34,10 @@ class DeviceError(TierlmError, RuntimeError):
     """The requested device is not available on this machine."""
 
 
+class TrainingDiverged(TierlmError, RuntimeError):
+    """The loss or gradients stayed NaN/Inf for too many consecutive steps."""
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (or its type), for one-line user errors.
 

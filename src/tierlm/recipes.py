@@ -10,7 +10,13 @@ import numpy as np
 import torch
 
 from tierlm.backends.pytorch import PyTorchTrainingBackend
-from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint, resolve_model_folder
+from tierlm.checkpoint import (
+    CHECKPOINTS_DIRNAME,
+    average_checkpoints,
+    find_latest_checkpoint,
+    list_checkpoints,
+    resolve_model_folder,
+)
 from tierlm.config import TierlmConfig
 from tierlm.data import (
     Documents,
@@ -193,7 +199,8 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
         optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio, tr.warmdown_ratio
     )
     backend = PyTorchTrainingBackend(
-        model, optimizer, None, checkpoint_dir, device, scheduler, tr.max_grad_norm, torch.bfloat16 if tr.bf16 else None
+        model, optimizer, None, checkpoint_dir, device, scheduler, tr.max_grad_norm, torch.bfloat16 if tr.bf16 else None,
+        async_save=tr.async_save,
     )
     strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
 
@@ -223,6 +230,10 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
     final = output_dir / "model"
     save_model_folder(model, final)
     write_extra(output_dir)
+    if tr.average_last_n:
+        recent = list_checkpoints(checkpoint_dir)[-tr.average_last_n :]
+        if len(recent) >= 2:
+            summary["averaged_model_dir"] = str(average_checkpoints(recent, output_dir / "model_averaged"))
     summary.update(stage=stage, output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None)
     (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -17,9 +17,10 @@ from typing import Any, Callable, Iterable
 from tqdm import tqdm
 
 from tierlm.backends.protocol import TrainingBackend
-from tierlm.checkpoint import find_latest_checkpoint, prune_checkpoints
+from tierlm.checkpoint import find_latest_checkpoint, prune_checkpoints, resume_candidates
 from tierlm.config import TrainingConfig
 from tierlm.data.packing import eval_batches
+from tierlm.errors import CheckpointError, TrainingDiverged
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.memory import memory_record
 from tierlm.strategies.base import TrainingStrategy
@@ -31,6 +32,8 @@ class LoopState:
     tokens_seen: int = 0
     best_val_loss: float | None = None
     elapsed_s: float = 0.0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
 
 
 class Trainer:
@@ -55,6 +58,7 @@ class Trainer:
         self.write_extra, self.progress_bar = write_extra, progress_bar
         self.state = LoopState()
         self.last_eval: dict[str, float] = {}
+        self.last_eval_step = -1
 
     # -- one step, one eval, one save ------------------------------------------------------
     def train_step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
@@ -72,7 +76,7 @@ class Trainer:
             out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
             for key, value in out.items():
                 totals[key] += value
-        self.last_eval = self.strategy.summarize(totals)
+        self.last_eval, self.last_eval_step = self.strategy.summarize(totals), self.state.step
         val_loss = self.last_eval["val_loss"]
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
             self.state.best_val_loss = val_loss
@@ -81,19 +85,45 @@ class Trainer:
 
     def save(self) -> Path:
         trainer_state = {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
-        path = self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra).wait()
-        prune_checkpoints(path.parent, self.config.save_total_limit)
+        metric = self.last_eval.get("val_loss") if self.last_eval_step == self.state.step else None
+        future = self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra, metric)
+        path = self.backend.checkpoint_dir / f"step_{self.state.step}"
+        if not getattr(self.backend, "async_save", False):
+            future.wait()
+            prune_checkpoints(path.parent, self.config.save_total_limit)
         return path
 
     def resume(self) -> Path | None:
-        """Continue from the latest checkpoint of the backend's checkpoint_dir, if there is one."""
-        latest = find_latest_checkpoint(self.backend.checkpoint_dir)
-        if latest is None:
-            return None
-        trainer_state = self.backend.load_checkpoint(latest).wait()
-        self.state = LoopState(**trainer_state["loop"])
-        self.train_loader.load_state_dict(trainer_state["loader"])
-        return latest
+        """Continue from the newest loadable checkpoint; a damaged one is reported in one line and skipped."""
+        candidates = resume_candidates(self.backend.checkpoint_dir)
+        for path in candidates:
+            try:
+                trainer_state = self.backend.load_checkpoint(path).wait()
+            except CheckpointError as error:
+                print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
+                continue
+            self.state = LoopState(**trainer_state["loop"])
+            self.train_loader.load_state_dict(trainer_state["loader"])
+            return path
+        if candidates:
+            raise CheckpointError(f"no checkpoint in {self.backend.checkpoint_dir} can be loaded; move them away to start fresh")
+        return None
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        if not metrics.get("skipped"):
+            self.state.consecutive_skips = 0
+            return
+        self.state.skipped_steps += 1
+        self.state.consecutive_skips += 1
+        print(f"tierlm: warning: step {self.state.step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']}"
+              " is not finite; the update was skipped", file=sys.stderr)
+        if self.state.consecutive_skips >= self.config.max_consecutive_nonfinite:
+            latest = find_latest_checkpoint(self.backend.checkpoint_dir)
+            raise TrainingDiverged(
+                f"loss or gradients were NaN/Inf for {self.state.consecutive_skips} consecutive steps (up to step "
+                f"{self.state.step}); stopped. Last good checkpoint: {latest or 'none'}. Lower training.learning_rate "
+                "or check the data"
+            )
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -111,6 +141,7 @@ class Trainer:
             state.step += 1
             state.tokens_seen += metrics["input_tokens"]
             state.elapsed_s = time.perf_counter() - start
+            self._check_finite(metrics)
             record = self._train_record(metrics, step_s)
             bar.update(1)
             bar.set_postfix_str(self._postfix(record), refresh=False)
@@ -124,6 +155,9 @@ class Trainer:
             if due(cfg.save_steps) or state.step == cfg.num_train_steps:
                 self.save()
         bar.close()
+        if hasattr(self.backend, "wait_for_save"):
+            self.backend.wait_for_save()
+            prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
         if self.eval_set and not self.last_eval:  # resumed at the last step: report where it stands
             self.evaluate()
         return {"step": state.step, "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s, **self.last_eval}
@@ -141,6 +175,7 @@ class Trainer:
             "trained_tokens_per_sec": metrics["num_tokens"] / step_s,
             "tokens_seen": self.state.tokens_seen,
             "elapsed_s": self.state.elapsed_s,
+            "skipped_steps": self.state.skipped_steps,
         }
         if self.flops_per_token and self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops

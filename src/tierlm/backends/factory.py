@@ -49,7 +49,7 @@ def create_pytorch_backend(
     >>> sorted(metrics), metrics["num_tokens"]
     (['loss', 'num_tokens'], 16.0)
     >>> sorted(backend.optim_step().wait())
-    ['grad_norm', 'loss', 'lr', 'num_tokens']
+    ['grad_norm', 'loss', 'lr', 'num_tokens', 'skipped']
     """
     torch_dtype = parse_dtype(dtype)
     device = resolve_device(device_type, gpu_rank)

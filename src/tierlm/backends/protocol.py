@@ -85,8 +85,13 @@ class TrainingBackend(Protocol):
         ...
 
     def save_checkpoint(
-        self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None
+        self,
+        step: int,
+        trainer_state: dict | None = None,
+        write_extra: Callable[[Path], None] | None = None,
+        metric: float | None = None,
     ) -> TrainFuture[Path]:
+        """Write checkpoint `step_<step>`; `metric` (lower is better) marks the best one for retention."""
         ...
 
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +49,7 @@ class PyTorchTrainingBackend:
         scheduler: Any | None = None,
         max_grad_norm: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
+        async_save: bool = False,
     ):
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.device = torch.device(device)
@@ -59,7 +61,10 @@ class PyTorchTrainingBackend:
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
+        self.async_save = async_save
         self.step = 0
+        self._save_thread: threading.Thread | None = None
+        self._save_error: BaseException | None = None
         self._reset_accumulators()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -123,25 +128,57 @@ class PyTorchTrainingBackend:
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses
-        self.optimizer.step()
+        loss = self._loss_sum / num_tokens.clamp(min=1.0)
+        # A NaN/Inf loss or gradient would poison the weights and the optimizer state: skip the
+        # update (one host sync per step; the schedule still advances, as the step still counts).
+        finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
+        if finite:
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss_sum / num_tokens.clamp(min=1.0)
         self.step += 1
         self._reset_accumulators()
         return TrainFuture(
-            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "num_tokens": num_tokens.item()}
+            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "num_tokens": num_tokens.item(),
+                     "skipped": float(not finite)}
         )
 
     def save_checkpoint(
-        self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None
+        self,
+        step: int,
+        trainer_state: dict | None = None,
+        write_extra: Callable[[Path], None] | None = None,
+        metric: float | None = None,
     ) -> TrainFuture[Path]:
+        """Save now, or with `async_save` copy the state to CPU now and write it on a background
+        thread (the next save, `wait_for_save()` or the future's result waits for it)."""
+        self.wait_for_save()
         state = {"backend_step": self.step, **(trainer_state or {})}
-        path = checkpoint.save_checkpoint(
-            self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler, state, write_extra
-        )
-        return TrainFuture.ready(path)
+        snapshot = checkpoint.take_snapshot(self.model, self.optimizer, self.scheduler)
+        path = self.checkpoint_dir / f"step_{step}"
+
+        def write() -> None:
+            try:
+                checkpoint.write_snapshot(self.checkpoint_dir, step, snapshot, state, write_extra, metric)
+            except BaseException as error:  # re-raised in the training thread by wait_for_save()
+                self._save_error = error
+
+        if not self.async_save:
+            checkpoint.write_snapshot(self.checkpoint_dir, step, snapshot, state, write_extra, metric)
+            return TrainFuture.ready(path)
+        self._save_thread = threading.Thread(target=write, name=f"tierlm-save-{step}")
+        self._save_thread.start()
+        return TrainFuture(lambda: (self.wait_for_save(), path)[1])
+
+    def wait_for_save(self) -> None:
+        """Block until a background save has finished; raise its error if it failed."""
+        if self._save_thread is not None:
+            self._save_thread.join()
+            self._save_thread = None
+        if self._save_error is not None:
+            error, self._save_error = self._save_error, None
+            raise error
 
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
         if path is None:

@@ -6,7 +6,8 @@
         model/                a model folder (transformers-loadable; tokenizer beside the weights)
         train_state.pt        optimizer, scheduler and RNG states (tensors and plain types only)
         trainer_state.json    loop and data-loader state
-        meta.json             written last: its presence marks the checkpoint complete
+        meta.json             written last: its presence marks the checkpoint complete; it records
+                            every file's size (a truncated file is caught) and the eval metric
 
 A checkpoint is written into a hidden temporary folder, flushed to disk, renamed into place,
 and only then does `latest` move (itself replaced atomically). A crash leaves the old
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,6 +86,38 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+@dataclass
+class Snapshot:
+    """Everything a checkpoint holds, as CPU tensors and plain values: safe to write from another thread."""
+
+    model: nn.Module
+    model_state: dict[str, torch.Tensor]
+    train_state: dict[str, Any]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None = None) -> Snapshot:
+    """A CPU copy of the model, optimizer, scheduler and RNG states, taken now."""
+    return Snapshot(
+        model=model,
+        model_state=_to_cpu(model.state_dict()),
+        train_state={
+            "optimizer": _to_cpu(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": capture_rng_state(),
+        },
+    )
+
+
 def save_checkpoint(
     checkpoint_dir: str | Path,
     step: int,
@@ -90,31 +126,38 @@ def save_checkpoint(
     scheduler: Any | None = None,
     trainer_state: dict[str, Any] | None = None,
     write_extra: Callable[[Path], None] | None = None,
+    metric: float | None = None,
 ) -> Path:
     """Write `step_<step>` atomically and point `latest` at it. Returns the checkpoint path.
 
-    `write_extra(folder)` adds files (tokenizer, resolved config) before the folder is sealed.
+    `write_extra(folder)` adds files (tokenizer, resolved config) before the folder is sealed;
+    `metric` (lower is better, e.g. the val loss) lets retention keep the best checkpoint.
     """
+    return write_snapshot(checkpoint_dir, step, take_snapshot(model, optimizer, scheduler), trainer_state, write_extra, metric)
+
+
+def write_snapshot(
+    checkpoint_dir: str | Path,
+    step: int,
+    snapshot: Snapshot,
+    trainer_state: dict[str, Any] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+    metric: float | None = None,
+) -> Path:
     root = Path(checkpoint_dir)
     final = root / f"step_{step}"
-    tmp = root / f".tmp_step_{step}_{os.getpid()}"
+    tmp = root / f".tmp_step_{step}_{os.getpid()}_{threading.get_ident()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_model_folder(model, tmp / "model")
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": capture_rng_state(),
-            },
-            tmp / "train_state.pt",
-        )
+        save_model_folder(snapshot.model, tmp / "model", state_dict=snapshot.model_state)
+        torch.save(snapshot.train_state, tmp / "train_state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=1) + "\n")
         if write_extra is not None:
             write_extra(tmp)
-        meta = {"step": step, "saved_at": time.time(), "native": is_native_folder(tmp / "model")}
+        sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {"step": step, "saved_at": time.time(), "metric": metric, "native": is_native_folder(tmp / "model"), "files": sizes}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step: swap, never delete the only good copy first
@@ -132,6 +175,20 @@ def save_checkpoint(
     return final
 
 
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when the checkpoint is complete and every file has the size it was written with, else why not."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return f"{path.name} has no readable {META_FILE}"
+    for name, size in meta.get("files", {}).items():
+        actual = (path / name).stat().st_size if (path / name).is_file() else None
+        if actual != size:
+            return f"{path.name}/{name} is {'missing' if actual is None else f'{actual} bytes, expected {size}'}"
+    return None
+
+
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     """Complete checkpoints (those with meta.json), oldest first."""
     root = Path(checkpoint_dir)
@@ -145,24 +202,40 @@ def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def resume_candidates(checkpoint_dir: str | Path) -> list[Path]:
+    """Checkpoints to resume from, best first: the one `latest` names, then the others newest first."""
+    root = Path(checkpoint_dir)
+    complete = list_checkpoints(root)[::-1]
+    pointer = root / LATEST_FILE
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    return sorted(complete, key=lambda p: p != named)
+
+
 def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
-    root = Path(checkpoint_dir)
-    pointer = root / LATEST_FILE
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / META_FILE).is_file():
-            return candidate
-    complete = list_checkpoints(root)
-    return complete[-1] if complete else None
+    candidates = resume_candidates(checkpoint_dir)
+    return candidates[0] if candidates else None
+
+
+def checkpoint_metric(path: Path) -> float | None:
+    try:
+        return json.loads((path / META_FILE).read_text()).get("metric")
+    except (OSError, ValueError):
+        return None
+
+
+def find_best_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the lowest recorded metric (e.g. val loss), if any has one."""
+    scored = [(m, p) for p in list_checkpoints(checkpoint_dir) if (m := checkpoint_metric(p)) is not None]
+    return min(scored, key=lambda mp: mp[0])[1] if scored else None
 
 
 def prune_checkpoints(checkpoint_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (never the one `latest` names)."""
+    """Delete all but the newest `keep` complete checkpoints; `latest` and the best are always kept."""
     if keep <= 0:
         return []
-    latest = find_latest_checkpoint(checkpoint_dir)
-    doomed = [p for p in list_checkpoints(checkpoint_dir)[:-keep] if p != latest]
+    protected = {find_latest_checkpoint(checkpoint_dir), find_best_checkpoint(checkpoint_dir)}
+    doomed = [p for p in list_checkpoints(checkpoint_dir)[:-keep] if p not in protected]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -177,13 +250,15 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into `model` (and optimizer, scheduler, RNG); return its trainer state."""
     path = Path(path)
-    if not (path / META_FILE).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {META_FILE}); pick another or start fresh")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
         load_model_state(model, path / "model")
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, RuntimeError, ValueError, KeyError) as e:
+    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        # weights_only refuses any pickle that is not plain tensors and containers: nothing executes.
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {first_line(e)}") from e
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -210,3 +285,45 @@ def resolve_model_folder(path: str | Path) -> Path:
         if latest is not None:
             return latest / "model"
     raise CheckpointError(f"{path} holds no model: expected a model folder, a run directory or a checkpoint")
+
+
+def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
+    """Average the model weights of several checkpoints (or model folders) into a new model folder.
+
+    Tokenizer, config and the native description are taken from the last one; every weight must
+    have the same name and shape in all of them.
+    """
+    from safetensors.torch import load_file, save_file
+
+    if len(paths) < 2:
+        raise CheckpointError(f"averaging needs at least 2 checkpoints, got {len(paths)}")
+    folders = [resolve_model_folder(p) for p in paths]
+    states = []
+    for folder in folders:
+        try:
+            states.append(load_file(folder / "model.safetensors"))
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read {folder / 'model.safetensors'}: {first_line(e)}") from e
+    keys = states[0].keys()
+    for folder, state in zip(folders[1:], states[1:]):
+        if state.keys() != keys or any(state[k].shape != states[0][k].shape for k in keys):
+            raise CheckpointError(f"{folder} does not have the same weights as {folders[0]}; only the same model can be averaged")
+    average = {k: (sum(s[k].double() for s in states) / len(states)).to(states[0][k].dtype) for k in keys}
+    out = Path(out_dir)
+    shutil.copytree(folders[-1], out, dirs_exist_ok=True)
+    save_file(average, out / "model.safetensors", metadata={"format": "pt", "averaged_from": ",".join(str(f) for f in folders)})
+    return out
+
+
+def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
+    """Copy a checkpoint's model folder (weights, config, tokenizer) to `out_dir`.
+
+    The folder loads with `transformers.AutoModelForCausalLM.from_pretrained` and
+    `AutoTokenizer.from_pretrained`; a native GPT is written as the equivalent Qwen3 model.
+    """
+    folder = resolve_model_folder(path)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    return out

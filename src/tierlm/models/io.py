@@ -26,19 +26,23 @@ def is_native_folder(path: str | Path) -> bool:
     return (Path(path) / NATIVE_CONFIG_FILE).is_file()
 
 
-def save_model_folder(model: nn.Module, path: str | Path) -> Path:
-    """Write `model` as a transformers-loadable folder (native GPTs are written as Qwen3)."""
+def save_model_folder(model: nn.Module, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `model` as a transformers-loadable folder (native GPTs are written as Qwen3).
+
+    `state_dict` (e.g. a CPU copy taken earlier) is written instead of the model's live weights.
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    state_dict = state_dict if state_dict is not None else model.state_dict()
     if isinstance(model, GPT):
-        state = {to_hf_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        state = {to_hf_name(k): v.detach().contiguous().cpu() for k, v in state_dict.items()}
         if model.config.tie_embeddings:
             state.pop("lm_head.weight")  # transformers re-ties it from embed_tokens
         save_file(state, path / WEIGHTS_FILE, metadata={"format": "pt"})
         to_hf_config(model.config).save_pretrained(path)
         (path / NATIVE_CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     else:
-        model.save_pretrained(path, safe_serialization=True)
+        model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     return path
 
 

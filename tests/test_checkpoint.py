@@ -108,9 +108,8 @@ def _backend(tmp_path, **kwargs):
     return PyTorchTrainingBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path / "ckpt", "cpu", **kwargs)
 
 
-def _batch(nan=False):
-    batch = {"input_ids": torch.randint(0, 40, (2, 8)), "labels": torch.randint(0, 40, (2, 8))}
-    return batch
+def _batch():
+    return {"input_ids": torch.randint(0, 40, (2, 8)), "labels": torch.randint(0, 40, (2, 8))}
 
 
 class Evil:

@@ -76,6 +76,11 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
     return messages
 
 
+def convert_row(row: dict, kind: str, fields: Fields, where: str) -> Any:
+    """A JSON or Arrow row as a pretraining text (kind "text") or a conversation (kind "chat")."""
+    return row_to_text(row, fields, where) if kind == "text" else row_to_conversation(row, fields, where)
+
+
 # -- collections ---------------------------------------------------------------------------
 class Examples:
     """A random-access collection of examples."""
@@ -143,13 +148,10 @@ class JSONLExamples(Examples):
                         continue
                     reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
                     raise DataError(f"{where}: malformed JSON ({reason}); fix or remove that line, or set data.on_bad_line=skip") from e
-                self._convert(row, where)  # every row is checked up front, not mid-run
+                convert_row(row, kind, fields, where)  # every row is checked up front, not mid-run
                 offsets.append(start)
                 lines.append(lineno)
         self.offsets, self.lines = np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64)
-
-    def _convert(self, row: dict, where: str) -> Any:
-        return row_to_text(row, self.fields, where) if self.kind == "text" else row_to_conversation(row, self.fields, where)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -159,7 +161,7 @@ class JSONLExamples(Examples):
         with open(self.path, "rb") as f:
             for i in indices:
                 f.seek(int(self.offsets[i]))
-                out.append(self._convert(json.loads(f.readline()), f"{self.path}:{self.lines[i]}"))
+                out.append(convert_row(json.loads(f.readline()), self.kind, self.fields, f"{self.path}:{self.lines[i]}"))
         return out
 
 
@@ -206,10 +208,7 @@ class ArrowExamples(Examples):
     def __init__(self, dataset, kind: str, fields: Fields, name: str):
         self.dataset, self.kind, self.fields, self.name = dataset, kind, fields, name
         if len(dataset):
-            self._convert(dataset[0], f"{name} row 0")  # fail at open on a missing column
-
-    def _convert(self, row: dict, where: str) -> Any:
-        return row_to_text(row, self.fields, where) if self.kind == "text" else row_to_conversation(row, self.fields, where)
+            convert_row(dataset[0], kind, fields, f"{name} row 0")  # fail at open on a missing column
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -217,7 +216,8 @@ class ArrowExamples(Examples):
     def fetch(self, indices: Sequence[int]) -> list[Any]:
         rows = self.dataset[[int(i) for i in indices]]  # columnar: {field: [values]}
         keys = list(rows)
-        return [self._convert({k: rows[k][j] for k in keys}, f"{self.name} row {i}") for j, i in enumerate(indices)]
+        return [convert_row({k: rows[k][j] for k in keys}, self.kind, self.fields, f"{self.name} row {i}")
+                for j, i in enumerate(indices)]
 
 
 class TokenFileExamples(Examples):

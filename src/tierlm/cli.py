@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="folder to save the tokenizer to")
     train.add_argument("--kind", choices=["bpe", "char"], default="bpe")
     train.add_argument("--vocab-size", type=int, default=512)
-    train.add_argument("--num-docs", type=int, default=20000, help="documents generated for synthetic tasks")
+    train.add_argument("--num-docs", type=int, default=20000, help="documents read from each source (generated, for synthetic tasks)")
 
     config = commands.add_parser("config", help="config tools").add_subparsers(dest="config_command", required=True)
     _add_config_args(config.add_parser("show", help="print the resolved config"), required=False)
@@ -109,9 +109,9 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from tierlm.data import SourceOptions, open_examples, train_bpe_tokenizer, train_char_tokenizer
 
     texts = []
-    for spec in args.data:
+    for spec in args.data:  # the first --num-docs documents of each source, never a whole corpus
         examples = open_examples(spec, SourceOptions(synthetic_count=args.num_docs))
-        texts += examples.fetch(range(len(examples)))
+        texts += examples.fetch(range(min(len(examples), args.num_docs)))
     tokenizer = train_char_tokenizer(texts) if args.kind == "char" else train_bpe_tokenizer(texts, args.vocab_size)
     out = tokenizer.save(args.out)
     print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")

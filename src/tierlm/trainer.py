@@ -146,6 +146,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix_str(self._postfix(record), refresh=False)
             if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
+                record.update(self._slow_stats())
                 self.logger.log(record)
                 if bar.disable:
                     print(self._log_line(record), file=sys.stderr, flush=True)
@@ -179,10 +180,12 @@ class Trainer:
         }
         if self.flops_per_token and self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
-        if hasattr(self.train_loader, "stats"):
-            record.update(self.train_loader.stats())
-        record.update(memory_record(self.backend.device))
         return record
+
+    def _slow_stats(self) -> dict[str, float]:
+        """Data and memory figures, read only for logged steps."""
+        stats = self.train_loader.stats() if hasattr(self.train_loader, "stats") else {}
+        return {**stats, **memory_record(self.backend.device)}
 
     def _eta_s(self) -> float:
         done = max(self.state.step, 1)

@@ -139,6 +139,17 @@ def test_sft_on_a_jsonl_file_and_a_mixture(tmp_path):
     assert run_stage(config, "sft")["step"] == 3
 
 
+def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
+    from tierlm.recipes import open_splits
+
+    data = _conversation_file(tmp_path / "my.jsonl", count=48)
+    held_out = _conversation_file(tmp_path / "val.jsonl", count=10)
+    mixture = f"data.mixture=[{{dataset_name: '{data}', weight: 1}}, {{dataset_name: 'synthetic:arithmetic', weight: 1}}]"
+    config = TierlmConfig.load("configs/tiny_sft.yaml", [*TINY, mixture, f"data.eval_dataset_name={held_out}"])
+    trains, vals = open_splits(config, "sft", None)
+    assert [len(t) for t, _ in trains] == [48, 3000] and [len(v) for v in vals] == [10]
+
+
 @pytest.mark.parametrize(
     "content,message",
     [

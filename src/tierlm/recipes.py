@@ -71,21 +71,26 @@ def _components(config: TierlmConfig) -> list[tuple[str, float]]:
     return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
 
 
-def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> list[tuple[Examples, Examples, float]]:
-    """(train, val, weight) for each data source; val comes from data.eval_dataset_name when set."""
-    d, out = config.data, []
+def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
+    """([(train, weight)] for each data source, [val sets]).
+
+    Validation is data.eval_dataset_name when set (one set for the whole mixture); otherwise each
+    source's own val split (synthetic tasks) or held-out tail.
+    """
+    d, trains, vals = config.data, [], []
     for name, weight in _components(config):
         train = open_examples(name, _options(config, stage, "train", tokenizer))
         if d.eval_dataset_name:
-            val = open_examples(d.eval_dataset_name, _options(config, stage, "val", tokenizer))
+            pass  # one shared eval set, opened below
         elif name.startswith("synthetic:"):
-            val = open_examples(name, _options(config, stage, "val", tokenizer))
+            vals.append(open_examples(name, _options(config, stage, "val", tokenizer)))
         else:
             train, val = holdout_split(train, d.val_fraction)
-        out.append((train, val, weight))
-        if d.eval_dataset_name:
-            break  # one eval set, not one per component
-    return out
+            vals.append(val)
+        trains.append((train, weight))
+    if d.eval_dataset_name:
+        vals = [open_examples(d.eval_dataset_name, _options(config, stage, "val", tokenizer))]
+    return trains, vals
 
 
 def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> Tokenizer | None:
@@ -147,12 +152,12 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> tup
     """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents)."""
     d, tr = config.data, config.training
     convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
-    splits = open_splits(config, stage, tokenizer)
-    if len(splits) == 1 and splits[0][2] == 1.0:
-        train, val = Documents(splits[0][0], convert), Documents(splits[0][1], convert)
+    trains, vals = open_splits(config, stage, tokenizer)
+    if len(trains) == 1 and trains[0][1] == 1.0:
+        train = Documents(trains[0][0], convert)
     else:
-        train = Mixture([(Documents(t, convert), w) for t, _, w in splits], seed=tr.seed)
-        val = Mixture([(Documents(v, convert), 1.0) for _, v, _ in splits], seed=tr.seed)
+        train = Mixture([(Documents(t, convert), w) for t, w in trains], seed=tr.seed)
+    val = Documents(vals[0], convert) if len(vals) == 1 else Mixture([(Documents(v, convert), 1.0) for v in vals], seed=tr.seed)
     isolate = d.isolate_documents if d.isolate_documents is not None else stage == "sft"
     common = dict(
         mode="crop" if stage == "pretrain" else "pad", pad_id=tokenizer.pad_id, buffer_docs=d.packing_buffer,

@@ -86,11 +86,11 @@ class Trainer:
     def save(self) -> Path:
         trainer_state = {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
         metric = self.last_eval.get("val_loss") if self.last_eval_step == self.state.step else None
-        future = self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra, metric)
         path = self.backend.checkpoint_dir / f"step_{self.state.step}"
-        if not getattr(self.backend, "async_save", False):
-            future.wait()
-            prune_checkpoints(path.parent, self.config.save_total_limit)
+        self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra, metric)
+        # Retention only ever sees complete checkpoints, so a save still being written in the
+        # background is simply not counted yet.
+        prune_checkpoints(path.parent, self.config.save_total_limit)
         return path
 
     def resume(self) -> Path | None:

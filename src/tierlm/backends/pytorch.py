@@ -165,7 +165,8 @@ class PyTorchTrainingBackend:
                 self._save_error = error
 
         if not self.async_save:
-            checkpoint.write_snapshot(self.checkpoint_dir, step, snapshot, state, write_extra, metric)
+            write()
+            self.wait_for_save()  # raises the write's error here, in the caller
             return TrainFuture.ready(path)
         self._save_thread = threading.Thread(target=write, name=f"tierlm-save-{step}")
         self._save_thread.start()

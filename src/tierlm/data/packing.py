@@ -305,7 +305,7 @@ class Prefetcher:
         import threading
 
         assert depth > 0, f"depth must be > 0, got {depth}"
-        self.loader, self._state = loader, loader.state_dict()
+        self.loader, self._state, self._stats = loader, loader.state_dict(), loader.stats()
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierlm-prefetch", daemon=True)
@@ -340,7 +340,7 @@ class Prefetcher:
         return self._state
 
     def stats(self) -> dict[str, float]:
-        return getattr(self, "_stats", self.loader.stats())
+        return self._stats
 
     def close(self) -> None:
         self._stop.set()

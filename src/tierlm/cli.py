@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,6 +75,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
     config = TierlmConfig.load(args.config, overrides)
     summary = run_stage(config, args.command)
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 reports for the job
     print(f"run directory: {summary['output_dir']}")
     if "val_loss" in summary:
         bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
@@ -135,6 +138,11 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     print(TierlmConfig.load(args.config, args.overrides).to_yaml(), end="")
 
 
+def _rank_prefix() -> str:
+    """"[rank N] " inside a multi-rank torchrun job, so an error says which rank raised it."""
+    return f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler(args)
     except TierlmError as e:
-        print(f"tierlm: error: {e}", file=sys.stderr)
+        print(f"tierlm: error: {_rank_prefix()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tierlm: interrupted; the latest checkpoint is intact", file=sys.stderr)

@@ -145,7 +145,8 @@ class TrainingConfig(Section):
     warmdown_ratio: float = Field(0.2, ge=0, le=1)
     """Warmdown: fraction of training spent decaying."""
     bf16: bool = False
-    """Run forward passes under bf16 autocast (parameters and optimizer stay in their dtype)."""
+    """Compute in bf16: autocast for one process and DDP; for FSDP, bf16 parameters in forward and
+    backward with fp32 master shards, optimizer state and gradient reduction."""
     save_steps: int = Field(0, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = Field(0, ge=0)
@@ -189,6 +190,17 @@ class InfraConfig(Section):
     """Show a progress bar when attached to a terminal (a log line every logging_steps otherwise)."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak TFLOP/s for the MFU estimate (default: known GPUs' bf16 peak, a measured matmul rate on CPU)."""
+    distributed_type: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    """Data parallelism under torchrun: "fsdp" (FSDP2, sharded), "ddp" (replicated), "none" (one
+    process); "auto" is fsdp when torchrun started more than one rank, else none."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile each transformer block (slow to start; worth it on GPUs)."""
+    cpu_offload: bool = False
+    """FSDP only: keep parameter shards, gradients and optimizer state in CPU memory."""
+    dist_timeout_s: float = Field(600.0, gt=0)
+    """How long a collective waits for a silent rank before the job fails (instead of hanging)."""
     wandb_project: str = "tierlm"
     """W&B project, when training.report_to includes wandb."""
     wandb_run_name: str | None = None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.checkpoint import (
     CHECKPOINTS_DIRNAME,
@@ -25,6 +27,7 @@ from tierlm.data import (
     Mixture,
     PackedLoader,
     Prefetcher,
+    RankSlice,
     SourceOptions,
     Tokenizer,
     chat_documents,
@@ -39,6 +42,14 @@ from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink, flops_per_token, peak_flops
 from tierlm.models import GPTConfig, build_gpt, load_pretrained_model, model_max_seq_len, save_model_folder
 from tierlm.primitives import create_adamw_optimizer, create_hf_model_from_config, create_warmup_scheduler, parse_dtype, resolve_device
+from tierlm.primitives.parallel import (
+    DistributedContext,
+    apply_activation_checkpointing,
+    apply_compile,
+    init_distributed,
+    launched_distributed,
+    shutdown_distributed,
+)
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.trainer import Trainer
 
@@ -148,8 +159,11 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
     return model
 
 
-def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> tuple[PackedLoader, PackedLoader]:
-    """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents)."""
+def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
+    """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents).
+
+    The train loader packs the global batch (world_size x per-device rows); see `RankSlice`.
+    """
     d, tr = config.data, config.training
     convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
     trains, vals = open_splits(config, stage, tokenizer)
@@ -164,7 +178,7 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> tup
         long_documents=d.long_conversations, document_positions=isolate,
     )
     return (
-        PackedLoader(train, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed, **common),
+        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),
         PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, **common),
     )
 
@@ -178,8 +192,100 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
     return MetricsLogger(sinks)
 
 
+def distributed_context(config: TierlmConfig) -> DistributedContext | None:
+    """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
+    infra, tr = config.infra, config.training
+    kind = infra.distributed_type
+    if kind == "auto":
+        kind = "fsdp" if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1 else "none"
+    if kind == "none":
+        if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but infra.distributed_type=none; use fsdp or ddp")
+        return None
+    if tr.async_save:
+        raise ConfigError("training.async_save is for one process; distributed runs save sharded checkpoints synchronously")
+    if tr.average_last_n:
+        raise ConfigError("training.average_last_n needs full checkpoints; under torchrun, `tierlm export` them and `tierlm average`")
+    return init_distributed(infra.device_type, infra.dist_timeout_s)
+
+
+def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
+    if ctx is None:
+        return "none"
+    return "fsdp" if config.infra.distributed_type in ("auto", "fsdp") else "ddp"
+
+
+def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, device: torch.device,
+                  ctx: DistributedContext | None) -> PyTorchTrainingBackend:
+    """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
+    tr, infra = config.training, config.infra
+
+    def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return create_adamw_optimizer(
+            m, tr.learning_rate, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.weight_decay,
+            exclude_norms_biases_embeddings=not tr.decay_norms_and_embeddings,
+        )
+
+    def scheduler_fn(optimizer: torch.optim.Optimizer):
+        return create_warmup_scheduler(optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio, tr.warmdown_ratio)
+
+    bf16 = torch.bfloat16 if tr.bf16 else None
+    kind = distributed_kind(config, ctx)
+    if kind == "fsdp":
+        return FSDPTrainingBackend(
+            model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
+            activation_checkpointing=infra.activation_checkpointing, compile=infra.compile, cpu_offload=infra.cpu_offload,
+        )
+    if infra.cpu_offload:
+        raise ConfigError("infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off")
+    if kind == "ddp":
+        return DDPTrainingBackend(
+            model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, bf16,
+            tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile,
+        )
+    if infra.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if infra.compile:
+        apply_compile(model)
+    optimizer = optimizer_fn(model)
+    return PyTorchTrainingBackend(
+        model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save
+    )
+
+
+def shared_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None) -> Tokenizer:
+    """The existing tokenizer, or a new one: trained by rank 0 and read by the others from the run directory."""
+    tokenizer = existing_tokenizer(config, pretrained)
+    if tokenizer is not None:
+        return tokenizer
+    if ctx is None:
+        return train_tokenizer(config, stage)
+    folder = Path(config.infra.output_dir) / "tokenizer"
+    if ctx.is_main:
+        train_tokenizer(config, stage).save(folder)
+    torch.distributed.barrier()
+    return load_tokenizer(folder)
+
+
+def save_final_model(model: torch.nn.Module, folder: Path, ctx: DistributedContext | None) -> None:
+    """Write the trained weights as one model folder (under FSDP, gathered to rank 0 first)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tierlm.models import unwrap_model
+
+    if ctx is None:
+        save_model_folder(model, folder)
+        return
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        save_model_folder(unwrap_model(model), folder, state_dict=state)
+
+
 def run_stage(config: TierlmConfig, stage: str) -> dict:
-    """Train one stage ("pretrain" | "sft") as the config says; returns the run summary."""
+    """Train one stage ("pretrain" | "sft") as the config says; returns the run summary.
+
+    Under torchrun every rank calls this; rank 0 writes the logs and the final model.
+    """
     assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
     tr, infra = config.training, config.infra
     output_dir = Path(infra.output_dir)
@@ -189,28 +295,32 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
         raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
-    seed_everything(tr.seed)
-    device = resolve_device(infra.device_type, infra.gpu_rank)
+    ctx = distributed_context(config)
+    summary = _run_stage(config, stage, ctx, latest)
+    if ctx is not None:  # only after success: a failed rank just exits, and torchrun stops the others
+        shutdown_distributed()
+    return summary
+
+
+def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None, latest: Path | None) -> dict:
+    tr, infra = config.training, config.infra
+    output_dir = Path(infra.output_dir)
+    is_main = ctx is None or ctx.is_main
+    seed_everything(tr.seed)  # the same on every rank: identical initial weights
+    device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
 
     pretrained = pretrained_location(config)
-    tokenizer = existing_tokenizer(config, pretrained) or train_tokenizer(config, stage)
+    tokenizer = shared_tokenizer(config, stage, pretrained, ctx)
     model = build_model(config, tokenizer, device, pretrained)
-    train_loader, eval_loader = build_loaders(config, stage, tokenizer)
-    optimizer = create_adamw_optimizer(
-        model, tr.learning_rate, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.weight_decay,
-        exclude_norms_biases_embeddings=not tr.decay_norms_and_embeddings,
-    )
-    scheduler = create_warmup_scheduler(
-        optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio, tr.warmdown_ratio
-    )
-    backend = PyTorchTrainingBackend(
-        model, optimizer, None, checkpoint_dir, device, scheduler, tr.max_grad_norm, torch.bfloat16 if tr.bf16 else None,
-        async_save=tr.async_save,
-    )
+    flops = flops_per_token(model, config.data.max_seq_length)
+    world_size = ctx.world_size if ctx is not None else 1
+    train_loader, eval_loader = build_loaders(config, stage, tokenizer, world_size)
+    backend = build_backend(config, model, output_dir / CHECKPOINTS_DIRNAME, device, ctx)
     strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
-
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config.to_yaml(output_dir / "config.yaml")
+    if is_main:
+        config.to_yaml(output_dir / "config.yaml")
 
     def write_extra(folder: Path) -> None:
         tokenizer.save(folder / "model")
@@ -218,14 +328,15 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
         (folder / "model" / TRAINING_META_FILE).write_text(json.dumps({"stage": stage}) + "\n")
 
     trainer = Trainer(
-        backend, strategy, train_loader=train_loader, eval_loader=eval_loader, config=tr,
-        flops_per_token=flops_per_token(model, config.data.max_seq_length),
+        backend, strategy, train_loader=RankSlice(train_loader, ctx.rank, world_size) if ctx else train_loader,
+        eval_loader=eval_loader, config=tr, flops_per_token=flops,
         peak_flops=peak_flops(device, infra.peak_tflops), write_extra=write_extra, progress_bar=infra.progress_bar,
     )
     resumed = trainer.resume() if latest is not None else None
-    trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
+    if is_main:
+        trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
     if config.data.prefetch_batches:  # started after resuming, so it starts from the resumed position
-        trainer.train_loader = Prefetcher(train_loader, config.data.prefetch_batches)
+        trainer.train_loader = Prefetcher(trainer.train_loader, config.data.prefetch_batches)
     try:
         summary = trainer.train()
     finally:
@@ -233,12 +344,15 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
         if isinstance(trainer.train_loader, Prefetcher):
             trainer.train_loader.close()
     final = output_dir / "model"
-    save_model_folder(model, final)
+    save_final_model(backend.model, final, ctx)
+    summary.update(stage=stage, output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None,
+                   world_size=world_size, distributed_type=distributed_kind(config, ctx))
+    if not is_main:
+        return summary
     write_extra(output_dir)
     if tr.average_last_n:
-        recent = list_checkpoints(checkpoint_dir)[-tr.average_last_n :]
+        recent = list_checkpoints(output_dir / CHECKPOINTS_DIRNAME)[-tr.average_last_n :]
         if len(recent) >= 2:
             summary["averaged_model_dir"] = str(average_checkpoints(recent, output_dir / "model_averaged"))
-    summary.update(stage=stage, output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None)
     (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary

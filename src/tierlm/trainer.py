@@ -59,6 +59,9 @@ class Trainer:
         self.state = LoopState()
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
+        # Data-parallel backends say where this process sits; rank 0 reports and prunes.
+        self.rank, self.world_size = getattr(backend, "rank", 0), getattr(backend, "world_size", 1)
+        self.is_main = self.rank == 0
 
     # -- one step, one eval, one save ------------------------------------------------------
     def train_step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
@@ -71,11 +74,19 @@ class Trainer:
         return {**self.backend.optim_step().wait(), "input_tokens": input_tokens}
 
     def evaluate(self) -> dict[str, float]:
+        """Metrics over the fixed eval set. Ranks share its batches and sum their totals, so the
+        result does not depend on the world size; every rank runs the same number of forwards
+        (a rank short of batches repeats one with weight 0), as FSDP's collectives require."""
         totals: dict[str, float] = defaultdict(float)
-        for batch in self.eval_set:
+        mine = self.eval_set[self.rank :: self.world_size]
+        rounds = -(-len(self.eval_set) // self.world_size)
+        for i in range(rounds):
+            batch, weight = (mine[i], 1.0) if i < len(mine) else (self.eval_set[0], 0.0)
             out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
             for key, value in out.items():
-                totals[key] += value
+                totals[key] += weight * value
+        if self.world_size > 1:
+            totals = self.backend.all_reduce_sums(dict(totals))
         self.last_eval, self.last_eval_step = self.strategy.summarize(totals), self.state.step
         val_loss = self.last_eval["val_loss"]
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
@@ -90,7 +101,8 @@ class Trainer:
         self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra, metric)
         # Retention only ever sees complete checkpoints, so a save still being written in the
         # background is simply not counted yet.
-        prune_checkpoints(path.parent, self.config.save_total_limit)
+        if self.is_main:
+            prune_checkpoints(path.parent, self.config.save_total_limit)
         return path
 
     def resume(self) -> Path | None:
@@ -100,7 +112,8 @@ class Trainer:
             try:
                 trainer_state = self.backend.load_checkpoint(path).wait()
             except CheckpointError as error:
-                print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
+                if self.is_main:
+                    print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
                 continue
             self.state = LoopState(**trainer_state["loop"])
             self.train_loader.load_state_dict(trainer_state["loader"])
@@ -115,8 +128,9 @@ class Trainer:
             return
         self.state.skipped_steps += 1
         self.state.consecutive_skips += 1
-        print(f"tierlm: warning: step {self.state.step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']}"
-              " is not finite; the update was skipped", file=sys.stderr)
+        if self.is_main:
+            print(f"tierlm: warning: step {self.state.step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']}"
+                  " is not finite; the update was skipped", file=sys.stderr)
         if self.state.consecutive_skips >= self.config.max_consecutive_nonfinite:
             latest = find_latest_checkpoint(self.backend.checkpoint_dir)
             raise TrainingDiverged(
@@ -129,7 +143,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg, state = self.config, self.state
         due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
-        bar = tqdm(total=cfg.num_train_steps, initial=state.step, disable=not (self.progress_bar and sys.stderr.isatty()),
+        bar = tqdm(total=cfg.num_train_steps, initial=state.step, disable=not (self.progress_bar and self.is_main and sys.stderr.isatty()),
                    dynamic_ncols=True, desc="train")
         if self.eval_set and state.step == 0:
             self.evaluate()
@@ -148,17 +162,19 @@ class Trainer:
             if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
                 record.update(self._slow_stats())
                 self.logger.log(record)
-                if bar.disable:
+                if bar.disable and self.is_main:
                     print(self._log_line(record), file=sys.stderr, flush=True)
             if self.eval_set and (due(cfg.eval_steps) or state.step == cfg.num_train_steps):
                 self.evaluate()
-                bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
+                if self.is_main:
+                    bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
             if due(cfg.save_steps) or state.step == cfg.num_train_steps:
                 self.save()
         bar.close()
         if hasattr(self.backend, "wait_for_save"):
             self.backend.wait_for_save()
-            prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
+            if self.is_main:
+                prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
         if self.eval_set and not self.last_eval:  # resumed at the last step: report where it stands
             self.evaluate()
         return {"step": state.step, "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s, **self.last_eval}
@@ -185,7 +201,8 @@ class Trainer:
     def _slow_stats(self) -> dict[str, float]:
         """Data and memory figures, read only for logged steps."""
         stats = self.train_loader.stats() if hasattr(self.train_loader, "stats") else {}
-        return {**stats, **memory_record(self.backend.device)}
+        model_bytes = self.backend.memory_stats() if hasattr(self.backend, "memory_stats") else {}
+        return {**stats, **model_bytes, **memory_record(self.backend.device)}
 
     def _eta_s(self) -> float:
         done = max(self.state.step, 1)

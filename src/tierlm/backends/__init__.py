@@ -4,7 +4,8 @@
     from tierlm.backends import load_hf_model, create_adamw_optimizer, PyTorchTrainingBackend  # tiers 1 + 0
 """
 
-from tierlm.backends.factory import create_backend_with_scheduler, create_pytorch_backend
+from tierlm.backends.distributed import DDPTrainingBackend, DistributedTrainingBackend, FSDPTrainingBackend
+from tierlm.backends.factory import create_backend_with_scheduler, create_ddp_backend, create_fsdp_backend, create_pytorch_backend
 from tierlm.backends.protocol import TrainFuture, TrainingBackend
 from tierlm.backends.pytorch import PyTorchTrainingBackend, loss_sum_and_count
 from tierlm.primitives import (
@@ -21,6 +22,8 @@ from tierlm.primitives import (
 __all__ = [
     # tier 2
     "create_backend_with_scheduler",
+    "create_ddp_backend",
+    "create_fsdp_backend",
     "create_pytorch_backend",
     # tier 1
     "compute_device_map_single_gpu",
@@ -32,6 +35,9 @@ __all__ = [
     "parse_dtype",
     "resolve_device",
     # tier 0
+    "DDPTrainingBackend",
+    "DistributedTrainingBackend",
+    "FSDPTrainingBackend",
     "PyTorchTrainingBackend",
     "TrainFuture",
     "TrainingBackend",

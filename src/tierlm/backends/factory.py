@@ -9,14 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import torch  # noqa: F401  (used by the doctests)
+import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.models import load_pretrained_model
 from tierlm.primitives.dtype_device import parse_dtype, resolve_device
 from tierlm.primitives.losses import create_cross_entropy_loss
 from tierlm.primitives.optim import create_adamw_optimizer
+from tierlm.primitives.parallel import init_distributed
 from tierlm.primitives.schedules import create_warmup_scheduler
 
 
@@ -109,3 +111,70 @@ def create_backend_with_scheduler(
         backend.optimizer, num_warmup_steps, num_training_steps, decay_style=decay_style, min_lr_ratio=min_lr_ratio
     )
     return backend, backend.scheduler
+
+
+def create_fsdp_backend(
+    model_name: str,
+    checkpoint_dir: Path,
+    device_type: str = "auto",
+    learning_rate: float = 1e-4,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    loss_fn: Callable | None = None,
+    max_grad_norm: float = 1.0,
+    bf16: bool = True,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    cpu_offload: bool = False,
+    trust_remote_code: bool = False,
+) -> FSDPTrainingBackend:
+    """`create_pytorch_backend` for a torchrun job: joins the process group, loads the model on
+    every rank, shards it with FSDP2 (bf16 compute, fp32 master weights and reduction) and
+    builds AdamW over the shards. Run the script with `torchrun --nproc_per_node=N script.py`.
+
+        backend = create_fsdp_backend("Qwen/Qwen3-0.6B", Path("ckpt"))
+        backend.forward_backward(batch); backend.optim_step()   # batch: this rank's rows
+    """
+    ctx = init_distributed(device_type)
+    model = load_pretrained_model(model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return FSDPTrainingBackend(
+        model,
+        lambda m: create_adamw_optimizer(m, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay),
+        loss_fn or create_cross_entropy_loss(),
+        checkpoint_dir,
+        ctx.device,
+        max_grad_norm=max_grad_norm,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        cpu_offload=cpu_offload,
+    )
+
+
+def create_ddp_backend(
+    model_name: str,
+    checkpoint_dir: Path,
+    device_type: str = "auto",
+    learning_rate: float = 1e-4,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    loss_fn: Callable | None = None,
+    max_grad_norm: float = 1.0,
+    bf16: bool = True,
+    gradient_accumulation_steps: int = 1,
+    trust_remote_code: bool = False,
+) -> DDPTrainingBackend:
+    """`create_fsdp_backend`, replicated instead of sharded: DistributedDataParallel with bf16
+    autocast; call `forward_backward` `gradient_accumulation_steps` times per `optim_step`."""
+    ctx = init_distributed(device_type)
+    model = load_pretrained_model(model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return DDPTrainingBackend(
+        model,
+        lambda m: create_adamw_optimizer(m, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay),
+        loss_fn or create_cross_entropy_loss(),
+        checkpoint_dir,
+        ctx.device,
+        max_grad_norm=max_grad_norm,
+        autocast_dtype=torch.bfloat16 if bf16 else None,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )

@@ -15,6 +15,7 @@ from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.errors import CheckpointError
 from tierlm.models import forward_logits
 from tierlm.primitives.losses import count_loss_tokens, create_cross_entropy_loss
+from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
 
 
 def loss_sum_and_count(loss_fn: Callable, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +54,7 @@ class PyTorchTrainingBackend:
     ):
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        self.model = self._place(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn or create_cross_entropy_loss()
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -68,6 +69,14 @@ class PyTorchTrainingBackend:
         self._reset_accumulators()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _place(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    @property
+    def eval_model(self) -> nn.Module:
+        """The module `forward` runs (a DDP backend skips its wrapper)."""
+        return self.model
+
     def _reset_accumulators(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device)
         self._num_tokens = torch.zeros((), device=self.device)
@@ -84,9 +93,25 @@ class PyTorchTrainingBackend:
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
 
-    def reduce_token_count(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Total trained tokens of the step across ranks (one process: itself)."""
-        return num_tokens
+    # One process; the distributed backends override these four.
+    rank, world_size = 0, 1
+
+    def reduce_step_totals(self, totals: torch.Tensor) -> torch.Tensor:
+        """[loss sum, trained tokens] of the step summed over ranks (one process: itself)."""
+        return totals
+
+    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum metric totals over ranks (evaluation shards its batches across ranks)."""
+        return values
+
+    def _grad_divisor(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """What the accumulated gradients are divided by: the step's trained tokens."""
+        return num_tokens.clamp(min=1.0)
+
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's parameter and optimizer-state bytes (shards only, when sharded)."""
+        params, states = parameter_and_optimizer_bytes(self.model, self.optimizer)
+        return {"param_bytes": float(params), "optimizer_bytes": float(states)}
 
     # -- protocol --------------------------------------------------------------------------
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
@@ -104,31 +129,33 @@ class PyTorchTrainingBackend:
 
     @torch.no_grad()
     def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
-        was_training = self.model.training
-        self.model.eval()
+        model = self.eval_model
+        was_training = model.training
+        model.eval()
         batch = self._to_device(batch)
         with self._autocast():
-            logits = forward_logits(self.model, batch)
+            logits = forward_logits(model, batch)
         if fn is None:
             total, count = loss_sum_and_count(self.loss_fn, logits, batch)
             out = {"loss_sum": total, "num_tokens": count}
         else:
             out = fn(logits, batch)
-        self.model.train(was_training)
+        model.train(was_training)
         return TrainFuture(lambda: {k: float(v) for k, v in out.items()})
 
     def optim_step(self) -> TrainFuture[dict[str, float]]:
         assert self._num_micro_batches > 0, "optim_step() called without a forward_backward() since the last step"
-        num_tokens = self.reduce_token_count(self._num_tokens)
+        loss_sum, num_tokens = self.reduce_step_totals(torch.stack([self._loss_sum, self._num_tokens]))
         grads = self._params_with_grad()
         if grads:
-            torch._foreach_mul_([p.grad for p in grads], 1.0 / num_tokens.clamp(min=1.0))
+            torch._foreach_div_([p.grad for p in grads], float(self._grad_divisor(num_tokens)))
         if self.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+        grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor; the same value on every rank
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses
-        loss = self._loss_sum / num_tokens.clamp(min=1.0)
+        loss = loss_sum / num_tokens.clamp(min=1.0)
         # A NaN/Inf loss or gradient would poison the weights and the optimizer state: skip the
         # update (one host sync per step; the schedule still advances, as the step still counts).
         finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))

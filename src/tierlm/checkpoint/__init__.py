@@ -3,6 +3,7 @@
 from tierlm.checkpoint.core import (
     CHECKPOINTS_DIRNAME,
     Snapshot,
+    is_sharded_checkpoint,
     average_checkpoints,
     export_checkpoint,
     find_best_checkpoint,
@@ -13,6 +14,7 @@ from tierlm.checkpoint.core import (
     resolve_model_folder,
     resume_candidates,
     save_checkpoint,
+    save_sharded_checkpoint,
     take_snapshot,
     verify_checkpoint,
     write_snapshot,
@@ -21,6 +23,7 @@ from tierlm.checkpoint.core import (
 __all__ = [
     "CHECKPOINTS_DIRNAME",
     "Snapshot",
+    "is_sharded_checkpoint",
     "average_checkpoints",
     "export_checkpoint",
     "find_best_checkpoint",
@@ -31,6 +34,7 @@ __all__ = [
     "resolve_model_folder",
     "resume_candidates",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "take_snapshot",
     "verify_checkpoint",
     "write_snapshot",

@@ -5,6 +5,9 @@
       step_200/
         model/                a model folder (transformers-loadable; tokenizer beside the weights)
         train_state.pt        optimizer, scheduler and RNG states (tensors and plain types only)
+        state/                (sharded checkpoints, from distributed runs) weights and optimizer
+                            state as torch.distributed.checkpoint shards; model/ then holds only
+                            the config and tokenizer
         trainer_state.json    loop and data-loader state
         meta.json             written last: its presence marks the checkpoint complete; it records
                             every file's size (a truncated file is caught) and the eval metric
@@ -12,6 +15,9 @@
 A checkpoint is written into a hidden temporary folder, flushed to disk, renamed into place,
 and only then does `latest` move (itself replaced atomically). A crash leaves the old
 checkpoint or the new one whole, never a `latest` that points at a partial folder.
+
+Optimizer state is keyed by parameter name (torch.distributed.checkpoint's state-dict API), so
+either kind of checkpoint loads into a plain, DDP or FSDP2 model at any world size.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ import torch
 from torch import nn
 
 from tierlm.errors import CheckpointError, first_line
-from tierlm.models.io import is_native_folder, load_model_state, save_model_folder
+from tierlm.models.io import WEIGHTS_FILE, is_native_folder, read_model_state, save_model_folder
 
 CHECKPOINTS_DIRNAME = "checkpoints"
+STATE_DIRNAME = "state"
 LATEST_FILE = "latest"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -105,16 +112,22 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def train_state(optimizer_state: dict | None, scheduler: Any | None) -> dict[str, Any]:
+    return {
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": capture_rng_state(),
+    }
+
+
 def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None = None) -> Snapshot:
-    """A CPU copy of the model, optimizer, scheduler and RNG states, taken now."""
+    """A CPU copy of the model, optimizer (keyed by parameter name), scheduler and RNG states, taken now."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     return Snapshot(
         model=model,
         model_state=_to_cpu(model.state_dict()),
-        train_state={
-            "optimizer": _to_cpu(optimizer.state_dict()),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": capture_rng_state(),
-        },
+        train_state=train_state(_to_cpu(get_optimizer_state_dict(model, optimizer)), scheduler),
     )
 
 
@@ -145,7 +158,6 @@ def write_snapshot(
     metric: float | None = None,
 ) -> Path:
     root = Path(checkpoint_dir)
-    final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}_{os.getpid()}_{threading.get_ident()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -153,11 +165,71 @@ def write_snapshot(
         tmp.mkdir()
         save_model_folder(snapshot.model, tmp / "model", state_dict=snapshot.model_state)
         torch.save(snapshot.train_state, tmp / "train_state.pt")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {root / f'step_{step}'}: {e.strerror or e}; older checkpoints are untouched") from e
+    return seal_checkpoint(tmp, root, step, trainer_state, write_extra, metric)
+
+
+def save_sharded_checkpoint(
+    checkpoint_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    trainer_state: dict[str, Any] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+    metric: float | None = None,
+) -> Path:
+    """Collective: every rank writes its shards of the weights and optimizer state into `state/`;
+    rank 0 writes the model config, scheduler, trainer state and extras and seals the folder
+    atomically, as `write_snapshot` does. The checkpoint directory must be shared by all ranks.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tierlm.models import unwrap_model
+    from tierlm.models.io import save_model_config
+
+    root, is_main = Path(checkpoint_dir), dist.get_rank() == 0
+    tmp = root / f".tmp_step_{step}_sharded"
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / STATE_DIRNAME).mkdir(parents=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / STATE_DIRNAME))
+    final = root / f"step_{step}"
+    if is_main:
+        try:
+            save_model_config(unwrap_model(model), tmp / "model")
+            torch.save(train_state(None, scheduler), tmp / "train_state.pt")
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched") from e
+        seal_checkpoint(tmp, root, step, trainer_state, write_extra, metric)
+    dist.barrier()
+    return final
+
+
+def seal_checkpoint(
+    tmp: Path,
+    checkpoint_dir: Path,
+    step: int,
+    trainer_state: dict[str, Any] | None,
+    write_extra: Callable[[Path], None] | None,
+    metric: float | None,
+) -> Path:
+    """Finish a checkpoint written into `tmp`: trainer state, extras, meta.json, fsync, rename, `latest`."""
+    root, final = Path(checkpoint_dir), Path(checkpoint_dir) / f"step_{step}"
+    try:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=1) + "\n")
         if write_extra is not None:
             write_extra(tmp)
         sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        meta = {"step": step, "saved_at": time.time(), "metric": metric, "native": is_native_folder(tmp / "model"), "files": sizes}
+        meta = {"step": step, "saved_at": time.time(), "metric": metric, "native": is_native_folder(tmp / "model"),
+                "sharded": (tmp / STATE_DIRNAME).is_dir(), "files": sizes}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step: swap, never delete the only good copy first
@@ -248,25 +320,65 @@ def load_checkpoint(
     scheduler: Any | None = None,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
-    """Load a checkpoint into `model` (and optimizer, scheduler, RNG); return its trainer state."""
+    """Load a checkpoint into `model` (and optimizer, scheduler, RNG); return its trainer state.
+
+    `model` may be plain, DDP-wrapped or FSDP2-sharded, and the checkpoint full or sharded from
+    any number of ranks: torch.distributed.checkpoint's state-dict API places every tensor (in
+    a job, every rank calls this).
+    """
     path = Path(path)
     problem = verify_checkpoint(path)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
-        load_model_state(model, path / "model")
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
+        if (path / STATE_DIRNAME).is_dir():
+            load_sharded_state(path / STATE_DIRNAME, model, optimizer)
+        else:
+            load_full_state(path, model, optimizer, state["optimizer"])
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
         # weights_only refuses any pickle that is not plain tensors and containers: nothing executes.
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {first_line(e)}") from e
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
         restore_rng_state(state["rng"])
     return trainer_state
+
+
+def load_full_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, optimizer_state: dict | None) -> None:
+    """Load a full checkpoint's weights (model/) and optimizer state; a sharded `model` takes its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    from tierlm.models import unwrap_model
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, read_model_state(unwrap_model(model), path / "model"), options=full)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
+
+
+def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load torch.distributed.checkpoint shards, resharding to this job's ranks (or one process)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+    wanted = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        wanted["optim"] = get_optimizer_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # "loading in a single process" is what we mean without a job
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(wanted, checkpoint_id=str(state_dir))
+    set_model_state_dict(model, wanted["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, wanted["optim"])
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / STATE_DIRNAME).is_dir()
 
 
 def resolve_model_folder(path: str | Path) -> Path:
@@ -277,6 +389,8 @@ def resolve_model_folder(path: str | Path) -> Path:
     """
     path = Path(path)
     if (path / "config.json").is_file() or is_native_folder(path):
+        if not (path / WEIGHTS_FILE).is_file() and is_sharded_checkpoint(path.parent):
+            raise CheckpointError(f"{path.parent} is a sharded checkpoint: run `tierlm export {path.parent} OUT_DIR` for a model folder")
         return path
     if (path / "model").is_dir():
         return resolve_model_folder(path / "model")
@@ -321,9 +435,32 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     The folder loads with `transformers.AutoModelForCausalLM.from_pretrained` and
     `AutoTokenizer.from_pretrained`; a native GPT is written as the equivalent Qwen3 model.
     """
-    folder = resolve_model_folder(path)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
-    shutil.copytree(folder, out, dirs_exist_ok=True)
+    path = Path(path)
+    sharded = next((p for p in (path, path / CHECKPOINTS_DIRNAME) if is_sharded_checkpoint(p)), None)
+    if sharded is None and not (path / "model" / WEIGHTS_FILE).is_file():
+        latest = find_latest_checkpoint(path / CHECKPOINTS_DIRNAME) or find_latest_checkpoint(path)
+        sharded = latest if latest is not None and is_sharded_checkpoint(latest) else None
+    if sharded is None:
+        shutil.copytree(resolve_model_folder(path), out, dirs_exist_ok=True)
+        return out
+    return export_sharded_checkpoint(sharded, out)
+
+
+def export_sharded_checkpoint(path: Path, out: Path) -> Path:
+    """Gather a sharded checkpoint's weights (one process, no job needed) into a full model folder."""
+    from tierlm.models import build_model_from_folder_config
+
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    try:
+        model = build_model_from_folder_config(path / "model")
+        load_sharded_state(path / STATE_DIRNAME, model)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be exported: {first_line(e)}") from e
+    shutil.copytree(path / "model", out, dirs_exist_ok=True)  # config, tokenizer, training meta
+    save_model_folder(model, out)
     return out

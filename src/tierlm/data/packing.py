@@ -280,6 +280,41 @@ class PackedLoader:
                 return
 
 
+class RankSlice:
+    """Rank `rank`'s rows of every global batch: the loader packs `world_size` x B rows, identically
+    on every rank, and each rank trains on its own B.
+
+    The data order and the loader state then depend only on the global batch, not on how many
+    ranks share it: 2 ranks x 8 rows see the batches 1 process x 16 rows sees, and a checkpoint
+    resumes exactly at another world size with the same global batch.
+
+    >>> class Rows:
+    ...     def next_batch(self): return {"tokens": torch.arange(8).view(4, 2)}
+    >>> RankSlice(Rows(), rank=1, world_size=2).next_batch()["tokens"].tolist()
+    [[4, 5], [6, 7]]
+    """
+
+    def __init__(self, loader, rank: int, world_size: int):
+        assert 0 <= rank < world_size, f"rank {rank} not in [0, {world_size})"
+        self.loader, self.rank, self.world_size = loader, rank, world_size
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        batch = self.loader.next_batch()
+        rows = next(iter(batch.values())).shape[0]
+        assert rows % self.world_size == 0, f"a global batch of {rows} rows does not split into {self.world_size} ranks"
+        per_rank = rows // self.world_size
+        return {k: v[self.rank * per_rank : (self.rank + 1) * per_rank] for k, v in batch.items()}
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def stats(self) -> dict[str, float]:
+        return self.loader.stats()
+
+
 def eval_batches(loader: PackedLoader, max_batches: int) -> list[dict[str, torch.Tensor]]:
     """Up to `max_batches` batches of one unshuffled pass from the start: a fixed eval set."""
     loader.rewind()

@@ -39,11 +39,32 @@ def save_model_folder(model: nn.Module, path: str | Path, state_dict: dict[str, 
         if model.config.tie_embeddings:
             state.pop("lm_head.weight")  # transformers re-ties it from embed_tokens
         save_file(state, path / WEIGHTS_FILE, metadata={"format": "pt"})
-        to_hf_config(model.config).save_pretrained(path)
-        (path / NATIVE_CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        save_model_config(model, path)
     else:
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     return path
+
+
+def save_model_config(model: nn.Module, path: str | Path) -> Path:
+    """Write only the description of `model` (config.json, and tierlm_model.json for a native GPT)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, GPT):
+        to_hf_config(model.config).save_pretrained(path)
+        (path / NATIVE_CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    else:
+        model.config.save_pretrained(path)
+    return path
+
+
+def build_model_from_folder_config(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An untrained model of the architecture a model folder describes (weights are loaded separately)."""
+    path = Path(path)
+    if is_native_folder(path):
+        return build_gpt(GPTConfig(**json.loads((path / NATIVE_CONFIG_FILE).read_text())), dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
 
 
 def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
@@ -64,15 +85,31 @@ def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtyp
     return model
 
 
-def load_model_state(model: nn.Module, path: str | Path) -> None:
-    """Load weights from a model folder into an existing model of the same architecture, in place."""
-    path = Path(path)
+def read_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
+    """A model folder's weights (CPU), named as `model.state_dict()` names them."""
+    state = load_file(Path(path) / WEIGHTS_FILE, device="cpu")
     if isinstance(model, GPT):
-        state = {from_hf_name(k): v for k, v in load_file(path / WEIGHTS_FILE, device="cpu").items()}
+        state = {from_hf_name(k): v for k, v in state.items()}
         if model.config.tie_embeddings:
             state.setdefault("lm_head.weight", state["embed.weight"])
-        model.load_state_dict(state)
     else:
-        from safetensors.torch import load_model
+        for name, tied in _tied_names(model).items():
+            if name not in state and tied in state:
+                state[name] = state[tied]
+    return state
 
-        load_model(model, path / WEIGHTS_FILE, strict=False)
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """{name: name it shares storage with} for parameters `state_dict()` lists twice."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied_to = first.setdefault(id(param), name)
+        if tied_to != name:
+            tied[name] = tied_to
+    return tied
+
+
+def load_model_state(model: nn.Module, path: str | Path) -> None:
+    """Load weights from a model folder into an existing (unsharded) model of the same architecture, in place."""
+    model.load_state_dict(read_model_state(model, path))

@@ -1,0 +1,152 @@
+"""Tier 0: data-parallel backends on PyTorch's own engine (DDP and FSDP2), launched by torchrun.
+
+Both keep `PyTorchTrainingBackend`'s arithmetic: each rank back-propagates the *sum* of its
+micro-batches' losses; `optim_step` all-reduces [loss sum, trained tokens] once and divides the
+(rank-averaged) gradients so that the update is the gradient of the global token-mean loss.
+N ranks and one process on the same global batch therefore compute the same update.
+
+Checkpoints are sharded (`torch.distributed.checkpoint`): every rank writes its shards, rank 0
+seals the folder. They load at any world size, or in one process (see `tierlm.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierlm import checkpoint
+from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], object]
+
+
+class DistributedTrainingBackend(PyTorchTrainingBackend):
+    """What DDP and FSDP2 share: reductions across ranks and sharded checkpoints."""
+
+    def __init__(self, model: nn.Module, optimizer_fn: OptimizerFactory, scheduler_fn: SchedulerFactory | None, **kwargs):
+        assert dist.is_initialized(), "join the process group first (tierlm.primitives.parallel.init_distributed, under torchrun)"
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        optimizer = optimizer_fn(model)  # after wrapping: FSDP2's parameters are DTensor shards
+        super().__init__(model, optimizer, scheduler=scheduler_fn(optimizer) if scheduler_fn else None, **kwargs)
+
+    def reduce_step_totals(self, totals: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(totals)
+        return totals
+
+    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        keys = sorted(values)
+        summed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return dict(zip(keys, summed.tolist()))
+
+    def _grad_divisor(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        # DDP and FSDP2 average gradients over ranks; ours are sums, so undo the 1/world_size.
+        return num_tokens.clamp(min=1.0) / self.world_size
+
+    def save_checkpoint(self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None,
+                        metric: float | None = None) -> TrainFuture[Path]:
+        """Every rank writes its shards; rank 0 adds config, tokenizer and trainer state and seals it."""
+        state = {"backend_step": self.step, **(trainer_state or {})}
+        path = checkpoint.save_sharded_checkpoint(
+            self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler, state, write_extra, metric
+        )
+        return TrainFuture.ready(path)
+
+
+class DDPTrainingBackend(DistributedTrainingBackend):
+    """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets during backward.
+
+    With gradient accumulation, only the last of `gradient_accumulation_steps` micro-batches
+    synchronises (the others run under `no_sync`), so a step costs one all-reduce.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_fn: OptimizerFactory,
+        loss_fn: Callable | None,
+        checkpoint_dir: str | Path,
+        device: torch.device | str,
+        scheduler_fn: SchedulerFactory | None = None,
+        max_grad_norm: float = 1.0,
+        autocast_dtype: torch.dtype | None = None,
+        gradient_accumulation_steps: int = 1,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+    ):
+        assert gradient_accumulation_steps >= 1, f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        device = torch.device(device)
+        model = model.to(device)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if compile:
+            apply_compile(model)
+        super().__init__(
+            apply_ddp(model, device), optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir,
+            device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype,
+        )
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.model.module  # evaluation needs no gradient synchronisation
+
+    def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
+        sync = (self._num_micro_batches + 1) % self.gradient_accumulation_steps == 0
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            return super().forward_backward(batch, loss_fn)
+
+    def optim_step(self) -> TrainFuture[dict[str, float]]:
+        assert self._num_micro_batches == self.gradient_accumulation_steps, (
+            f"DDP synchronises gradients on micro-batch {self.gradient_accumulation_steps} of each step; "
+            f"got {self._num_micro_batches} before optim_step()"
+        )
+        return super().optim_step()
+
+
+class FSDPTrainingBackend(DistributedTrainingBackend):
+    """FSDP2: parameters, gradients and optimizer state sharded across ranks (`fully_shard` per block, then the root).
+
+    `param_dtype=torch.bfloat16` computes in bf16 while the fp32 shards and optimizer state stay
+    fp32 and gradients are reduced in `reduce_dtype`. Activation checkpointing, per-block
+    `torch.compile` and CPU offload are applied here, outside the model code.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_fn: OptimizerFactory,
+        loss_fn: Callable | None,
+        checkpoint_dir: str | Path,
+        device: torch.device | str,
+        scheduler_fn: SchedulerFactory | None = None,
+        max_grad_norm: float = 1.0,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        cpu_offload: bool = False,
+    ):
+        device = torch.device(device)
+        model = model.to(device)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if compile:
+            apply_compile(model)
+        apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload)
+        self.cpu_offload = cpu_offload
+        super().__init__(
+            model, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
+            max_grad_norm=max_grad_norm,
+        )
+
+    def _place(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard placed the shards (on the CPU, with offload)

@@ -1,0 +1,100 @@
+"""Runs under torchrun (or in-process for the single-process reference) for tests/test_distributed.py.
+
+    torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N]
+
+MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3). Every run trains the same tiny
+GPT on the same global batches (4 rows x 2 micro-batches per step, uneven trained tokens);
+rank r takes rows [2r, 2r+2) of each micro-batch. Rank 0 writes per-step loss and grad norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tierlm.backends import PyTorchTrainingBackend, create_adamw_optimizer
+from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
+from tierlm.models import GPTConfig, build_gpt
+from tierlm.primitives.parallel import init_distributed, shutdown_distributed
+
+CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=32)
+ROWS, SEQ, ACCUM = 4, 16, 2
+
+
+def global_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    """The same data for every world size: seeded by the step, with rows of uneven trained length."""
+    g = torch.Generator().manual_seed(1000 + step)
+    batches = []
+    for _ in range(ACCUM):
+        ids = torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ), generator=g)
+        labels = torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ), generator=g)
+        valid = torch.randint(1, SEQ + 1, (ROWS, 1), generator=g)
+        labels[torch.arange(SEQ).expand(ROWS, SEQ) >= valid] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False):
+    torch.manual_seed(0)
+    model = build_gpt(CONFIG)
+    with torch.no_grad():  # off the zero-initialised projections, so every weight gets a gradient
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    optimizer_fn = lambda m: create_adamw_optimizer(m, lr=3e-3, weight_decay=0.1)  # noqa: E731
+    scheduler_fn = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))  # noqa: E731
+    common = dict(loss_fn=None, checkpoint_dir=checkpoint_dir, device="cpu", scheduler_fn=scheduler_fn, max_grad_norm=0.5)
+    if mode == "single":
+        optimizer = optimizer_fn(model)
+        return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, "cpu", scheduler_fn(optimizer), 0.5)
+    if mode == "ddp":
+        return DDPTrainingBackend(model, optimizer_fn, gradient_accumulation_steps=ACCUM, **common)
+    return FSDPTrainingBackend(model, optimizer_fn, activation_checkpointing=activation_checkpointing, **common)
+
+
+def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: int | None, checkpoint_dir: Path,
+        activation_checkpointing: bool = False) -> None:
+    distributed = mode != "single"
+    ctx = init_distributed("cpu", timeout_s=60) if distributed else None
+    rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
+    backend = build(mode, checkpoint_dir, activation_checkpointing)
+    if load:
+        backend.load_checkpoint(load).wait()
+    per_rank = ROWS // world
+    records = []
+    for step in range(first, last):
+        if mode == "fsdp_raise" and rank == 1 and step == 3:
+            raise RuntimeError("injected failure on rank 1 at step 3")
+        for batch in global_micro_batches(step):
+            backend.forward_backward({k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()})
+        metrics = backend.optim_step().wait()
+        records.append({"step": step + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"]})
+        if save_at is not None and step + 1 == save_at:
+            backend.save_checkpoint(step + 1, {"note": "test"}).wait()
+    memory = backend.memory_stats()
+    if rank == 0:
+        out.write_text(json.dumps({"steps": records, "memory": memory, "world_size": world}))
+    if distributed:
+        shutdown_distributed()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", default="0:10", help="first:last optimizer steps (0-based, last excluded)")
+    parser.add_argument("--load", default=None, help="checkpoint to continue from")
+    parser.add_argument("--save-at", type=int, default=None)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--activation-checkpointing", type=int, default=0, help="FSDP: recompute each block in backward")
+    args = parser.parse_args(argv)
+    first, last = map(int, args.steps.split(":"))
+    run(args.mode, args.out, first, last, args.load, args.save_at,
+        args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

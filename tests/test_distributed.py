@@ -1,0 +1,198 @@
+"""DDP and FSDP2 with real processes (torchrun, gloo on CPU, one thread per rank).
+
+References: a single process on the same global batch (the worker's "single" mode), and a run
+that never stopped. Each torchrun launch costs a few seconds, so the cases share launches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, run_cli
+
+WORKER = REPO / "tests" / "distributed_worker.py"
+
+
+def torchrun(*args, nproc: int = 2, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def run_worker(mode: str, out: Path, nproc: int = 2, **options) -> dict:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    if mode == "single":
+        from tests.distributed_worker import main
+
+        main([mode, str(out), *flags])
+    else:
+        result = torchrun(WORKER, mode, out, *flags, nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def assert_same_steps(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= tol, (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= tol, (x, y)
+        assert x["lr"] == y["lr"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    return {**run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt"), "step_5": out / "ckpt" / "step_5"}
+
+
+def test_ddp_matches_one_process(single, tmp_path):
+    """2 ranks x 2 rows, 2 micro-batches with uneven trained tokens == 1 process x 4 rows, 10 steps (1e-5)."""
+    ddp = run_worker("ddp", tmp_path / "ddp.json")
+    assert_same_steps(ddp["steps"], single["steps"])
+    assert single["steps"][-1]["loss"] < single["steps"][0]["loss"]  # it trained
+
+
+def test_fsdp_matches_one_process_and_shards_memory(single, tmp_path):
+    fsdp = run_worker("fsdp", tmp_path / "fsdp.json")
+    assert_same_steps(fsdp["steps"], single["steps"])
+    # Parameter and optimizer bytes per rank <= 1/N of one process's + 10%.
+    for key in ("param_bytes", "optimizer_bytes"):
+        assert fsdp["memory"][key] <= single["memory"][key] / 2 * 1.10, (key, fsdp["memory"], single["memory"])
+
+
+def test_sharded_checkpoint_resumes_at_one_rank_as_if_never_stopped(single, tmp_path):
+    """Save at 2 ranks (step 5) -> load in one process -> steps 6..10 equal the run that never stopped."""
+    run_worker("fsdp", tmp_path / "first.json", steps="0:5", save_at=5, checkpoint_dir=tmp_path / "ckpt")
+    checkpoint = tmp_path / "ckpt" / "step_5"
+    assert (checkpoint / "state").is_dir() and not (checkpoint / "model" / "model.safetensors").exists()
+    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=checkpoint, checkpoint_dir=tmp_path / "c1")
+    assert_same_steps(resumed["steps"], single["steps"][5:])
+
+
+def test_full_checkpoint_resumes_at_two_ranks(single, tmp_path):
+    """A one-process checkpoint (step 5) continued by 2 FSDP ranks (with activation checkpointing)
+    equals the run that never stopped."""
+    assert (single["step_5"] / "model" / "model.safetensors").is_file()
+    resumed = run_worker("fsdp", tmp_path / "resumed.json", steps="5:10", load=single["step_5"], checkpoint_dir=tmp_path / "c2",
+                         activation_checkpointing=1)
+    assert_same_steps(resumed["steps"], single["steps"][5:])
+
+
+def test_a_rank_that_raises_ends_the_job_naming_it(tmp_path):
+    start = time.monotonic()
+    result = torchrun(WORKER, "fsdp_raise", tmp_path / "x.json", timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "injected failure on rank 1" in result.stderr and "rank      : 1" in result.stderr, result.stderr[-2000:]
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find a rank's process")
+def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
+    """SIGKILL rank 1 of a 2-rank DDP CLI run mid-training: torchrun stops the job, non-zero, < 60 s, naming rank 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm",
+               "pretrain", "--config", "configs/tiny_pretrain.yaml", f"infra.output_dir={out}", "training.num_train_steps=100000",
+               "training.warmup_steps=1", "training.logging_steps=1", "training.eval_steps=0", "data.num_synthetic_examples=3000",
+               "infra.progress_bar=false", "infra.distributed_type=ddp"]
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.5)
+        pid = _rank_pid(job.pid, 1)
+        assert pid is not None, "rank 1's process not found"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+        assert time.monotonic() - killed < 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert "rank      : 1" in stderr and "SIGKILL" in stderr, stderr[-2000:]
+
+
+def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
+    """`torchrun -m tierlm pretrain` at 2 ranks == 1 process at the same global batch; its sharded
+    checkpoint resumes in one process (same losses), and `tierlm export` gathers it into a full folder."""
+    common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=12", "training.warmup_steps=2",
+              "training.save_steps=6", "training.eval_steps=6", "training.logging_steps=3", "data.num_synthetic_examples=3000",
+              "infra.progress_bar=false"]
+    two = tmp_path / "two"
+    result = torchrun("-m", "tierlm", *common, f"infra.output_dir={two}", "training.per_device_train_batch_size=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("run directory:") == 1  # rank 0 reports
+    one = tmp_path / "one"
+    result = run_cli(*common, f"infra.output_dir={one}", "training.per_device_train_batch_size=16")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def lines(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def key(r: dict) -> float:
+        return r["loss"] if r["type"] == "train" else r["val_loss"]
+
+    a, b = lines(two), lines(one)
+    assert [(r["type"], r["step"]) for r in a] == [(r["type"], r["step"]) for r in b]
+    assert all(abs(key(x) - key(y)) < 1e-4 for x, y in zip(a, b)), list(zip(map(key, a), map(key, b)))
+    last_a, last_b = (next(r for r in reversed(rs) if r["type"] == "train") for rs in (a, b))
+    assert last_a["param_bytes"] < 0.55 * last_b["param_bytes"] and last_a["optimizer_bytes"] < 0.55 * last_b["optimizer_bytes"]
+
+    # Resume the 2-rank run's step-6 checkpoint in one process.
+    import shutil
+
+    shutil.rmtree(two / "checkpoints" / "step_12")
+    (two / "checkpoints" / "latest").write_text("step_6\n")
+    result = run_cli(*common, f"infra.output_dir={two}", "training.per_device_train_batch_size=16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    c = lines(two)
+    assert [(r["type"], r["step"]) for r in c] == [(r["type"], r["step"]) for r in b]
+    assert all(abs(key(x) - key(y)) < 1e-4 for x, y in zip(c, b))
+
+    # Export a sharded checkpoint: transformers loads it, with the weights the run ended with.
+    result = torchrun("-m", "tierlm", *common, f"infra.output_dir={tmp_path / 'three'}", "training.per_device_train_batch_size=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli("export", tmp_path / "three" / "checkpoints" / "step_12", tmp_path / "exported")
+    assert result.returncode == 0, result.stderr
+    exported, final = load_file(tmp_path / "exported" / "model.safetensors"), load_file(tmp_path / "three" / "model" / "model.safetensors")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    # A sharded checkpoint is not a model folder: sampling from it says to export first.
+    result = run_cli("sample", "--checkpoint", tmp_path / "three" / "checkpoints" / "step_12", "--prompt", "1 + 1")
+    assert result.returncode == 2 and "tierlm export" in result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp_bf16_on_one_gpu(tmp_path):
+    result = torchrun("-m", "tierlm", "pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=20",
+                      "training.warmup_steps=2", "training.bf16=true", "infra.distributed_type=fsdp", "infra.device_type=cuda",
+                      f"infra.output_dir={tmp_path}", nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]

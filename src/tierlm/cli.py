@@ -2,6 +2,8 @@
 
     tierlm pretrain --config configs/tiny_pretrain.yaml [section.key=value ...]
     tierlm sft --config configs/tiny_sft.yaml [section.key=value ...]
+    tierlm rl --config configs/tiny_rl.yaml [section.key=value ...]
+    tierlm dpo --config configs/tiny_dpo.yaml [section.key=value ...]
     tierlm sample --checkpoint runs/tiny_sft --prompt "What is 12 + 7?"
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE] [section.key=value ...]
@@ -28,9 +30,11 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT.")
+    parser = argparse.ArgumentParser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT, DPO, RL.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for stage, about in (("pretrain", "pretrain on text (next-token prediction)"), ("sft", "fine-tune on conversations (assistant tokens only)")):
+    for stage, about in (("pretrain", "pretrain on text (next-token prediction)"), ("sft", "fine-tune on conversations (assistant tokens only)"),
+                         ("dpo", "preference-optimise a chat model on chosen/rejected pairs"),
+                         ("rl", "reinforcement learning on rewarded tasks (REINFORCE / GRPO / PPO), with pass@k evals")):
         stage_parser = commands.add_parser(stage, help=about, description=about)
         _add_config_args(stage_parser, required=False)
         stage_parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)")
@@ -74,10 +78,19 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
     config = TierlmConfig.load(args.config, overrides)
-    summary = run_stage(config, args.command)
+    if args.command == "rl":
+        from tierlm.recipes import run_rl
+
+        summary = run_rl(config)
+    else:
+        summary = run_stage(config, args.command)
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 reports for the job
     print(f"run directory: {summary['output_dir']}")
+    if "pass@1" in summary:
+        print(f"held-out pass@1 {summary['pass@1']:.3f}, pass@{summary['k']} {summary['pass@k']:.3f} ({summary['eval_problems']} problems)")
+    if "pref_acc" in summary:
+        print(f"held-out preference accuracy {summary['policy_pref_acc']:.3f} (implicit reward: {summary['pref_acc']:.3f})")
     if "val_loss" in summary:
         bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
         print(f"final val loss: {summary['val_loss']:.4f}{bpb}")
@@ -85,12 +98,15 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
+    import torch
+
     from tierlm.checkpoint import resolve_model_folder
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
     from tierlm.recipes import TRAINING_META_FILE
-    from tierlm.rollout import generate
+    from tierlm.rollout.engine import Engine, readable_text
+    from tierlm.rollout.tools import Calculator
 
     if args.max_new_tokens <= 0:
         raise TierlmError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
@@ -99,13 +115,16 @@ def cmd_sample(args: argparse.Namespace) -> None:
     model = load_pretrained_model(location, device=resolve_device(args.device_type))
     meta_file = Path(location) / TRAINING_META_FILE
     stage = json.loads(meta_file.read_text()).get("stage") if meta_file.is_file() else None
-    chat = args.chat if args.chat is not None else (stage == "sft" and tokenizer.has_chat_template)
+    chat = args.chat if args.chat is not None else (stage in ("sft", "dpo", "rl") and tokenizer.has_chat_template)
     if chat:
         prompt_ids = tokenizer.render_for_completion([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = [tokenizer.document_separator_id] + tokenizer.encode(args.prompt)
-    new_ids = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, tokenizer.stop_ids, args.seed)
-    print(tokenizer.decode(new_ids, skip_special_tokens=True).strip())
+    tools = [Calculator()] if chat and "<|tool_call_start|>" in tokenizer.hf.get_vocab() else []
+    engine = Engine(model, tokenizer.stop_ids, tokenizer, tools)
+    generator = torch.Generator(device=engine.device).manual_seed(args.seed)
+    completion = engine.generate(prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator)[0]
+    print(readable_text(tokenizer, completion.tokens))
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
@@ -145,7 +164,7 @@ def _rank_prefix() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": cmd_train, "sft": cmd_train, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
+    handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config_show}[args.command]
     try:
         handler(args)

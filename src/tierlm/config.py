@@ -207,12 +207,57 @@ class InfraConfig(Section):
     """W&B run name (default: W&B picks one)."""
 
 
+class RLConfig(Section):
+    algorithm: Literal["reinforce", "grpo", "ppo"] = "reinforce"
+    """reinforce: nanochat's on-policy REINFORCE with a group-mean baseline; grpo: advantages divided
+    by the group std, clipped ratio; ppo: clipped ratio over stored old log-probs for ppo_epochs."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt (the group whose mean reward is the baseline)."""
+    prompts_per_step: int = Field(8, gt=0)
+    """Prompts per optimizer step (each sampled group_size times)."""
+    max_new_tokens: int = Field(32, gt=0)
+    """Generation budget per sample."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature for rollouts (log-probs are taken under the same temperature)."""
+    top_k: int | None = Field(None, gt=0)
+    """Sample only from the k most likely tokens (None: all)."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling threshold (None: off)."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Optimizer steps per rollout batch; after the first, the clipped ratio against the stored old log-probs applies."""
+    clip_range: float = Field(0.2, gt=0)
+    """PPO/GRPO ratio clip epsilon."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the frozen starting model (0: no reference model is kept)."""
+    normalize_std: bool | None = None
+    """Divide advantages by the group's std (None: true for grpo, false otherwise)."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
+    tools: list[Literal["calculator"]] = Field(default_factory=list)
+    """Tools the model may call during generation (results are spliced in and masked from the loss)."""
+    eval_problems: int = Field(100, gt=0)
+    """Held-out problems for pass@k."""
+    eval_k: int = Field(4, gt=0)
+    """Samples per held-out problem: pass@1 is their mean accuracy, pass@k whether any is right."""
+    eval_temperature: float = Field(1.0, ge=0)
+    """Sampling temperature for pass@k (0: greedy, then pass@1 == pass@k)."""
+
+
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL constraint: rewards are beta * (policy - reference) log-probs."""
+    reference: Literal["frozen", "precomputed"] = "frozen"
+    """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp / ref_rejected_logp."""
+
+
 class TierlmConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "TierlmConfig":

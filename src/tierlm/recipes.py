@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
-from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
 from tierlm.checkpoint import (
     CHECKPOINTS_DIRNAME,
     average_checkpoints,
@@ -50,10 +51,12 @@ from tierlm.primitives.parallel import (
     launched_distributed,
     shutdown_distributed,
 )
+from tierlm.data.preferences import PairLoader, open_preferences
 from tierlm.strategies import PretrainStrategy, SFTStrategy
+from tierlm.strategies.dpo import DPOStrategy
 from tierlm.trainer import Trainer
 
-STAGES = ("pretrain", "sft")
+STAGES = ("pretrain", "sft", "dpo")
 TRAINING_META_FILE = "training_meta.json"
 
 
@@ -183,6 +186,33 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
     )
 
 
+def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer) -> tuple[PairLoader, PairLoader]:
+    """Preference pairs: data.dataset_name for training; data.eval_dataset_name, the synthetic val
+    split, or a held-out data.val_fraction tail for evaluation."""
+    d, tr = config.data, config.training
+    train = open_preferences(d.dataset_name, "train", d.num_synthetic_examples, tr.seed)
+    if d.eval_dataset_name:
+        val = open_preferences(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
+    elif d.dataset_name.startswith("synthetic:"):
+        val = open_preferences(d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
+    else:
+        n_val = max(1, int(len(train) * d.val_fraction))
+        if n_val >= len(train):
+            raise DataError(f"{d.dataset_name} has {len(train)} pairs: too few to hold out {n_val} for evaluation")
+        train, val = train[:-n_val], train[-n_val:]
+    return (
+        PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed),
+        PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
+    )
+
+
+def single_process_only(config: TierlmConfig, stage: str) -> None:
+    if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
+        raise ConfigError(f"tierlm {stage} runs in one process for now; start it without torchrun (or with one rank)")
+    if config.infra.distributed_type in ("ddp", "fsdp"):
+        raise ConfigError(f"tierlm {stage} runs in one process for now; set infra.distributed_type=none")
+
+
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
     sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
     if "tensorboard" in config.training.report_to:
@@ -282,7 +312,7 @@ def save_final_model(model: torch.nn.Module, folder: Path, ctx: DistributedConte
 
 
 def run_stage(config: TierlmConfig, stage: str) -> dict:
-    """Train one stage ("pretrain" | "sft") as the config says; returns the run summary.
+    """Train one stage ("pretrain" | "sft" | "dpo") as the config says; returns the run summary.
 
     Under torchrun every rank calls this; rank 0 writes the logs and the final model.
     """
@@ -295,6 +325,8 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
         raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
+    if stage == "dpo":
+        single_process_only(config, stage)
     ctx = distributed_context(config)
     summary = _run_stage(config, stage, ctx, latest)
     if ctx is not None:  # only after success: a failed rank just exits, and torchrun stops the others
@@ -312,13 +344,20 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
         output_dir.mkdir(parents=True, exist_ok=True)
 
     pretrained = pretrained_location(config)
+    if stage == "dpo" and pretrained is None:
+        raise ConfigError("dpo starts from a trained model: set model.model_name_or_path (e.g. runs/tiny_sft)")
     tokenizer = shared_tokenizer(config, stage, pretrained, ctx)
     model = build_model(config, tokenizer, device, pretrained)
     flops = flops_per_token(model, config.data.max_seq_length)
     world_size = ctx.world_size if ctx is not None else 1
-    train_loader, eval_loader = build_loaders(config, stage, tokenizer, world_size)
+    if stage == "dpo":
+        reference = FrozenReference(copy.deepcopy(model), device) if config.dpo.reference == "frozen" else None
+        train_loader, eval_loader = build_pair_loaders(config, tokenizer)
+        strategy = DPOStrategy(config.dpo.beta, reference)
+    else:
+        train_loader, eval_loader = build_loaders(config, stage, tokenizer, world_size)
+        strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
     backend = build_backend(config, model, output_dir / CHECKPOINTS_DIRNAME, device, ctx)
-    strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
     if is_main:
         config.to_yaml(output_dir / "config.yaml")
 
@@ -335,7 +374,7 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
     resumed = trainer.resume() if latest is not None else None
     if is_main:
         trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
-    if config.data.prefetch_batches:  # started after resuming, so it starts from the resumed position
+    if config.data.prefetch_batches and stage != "dpo":  # started after resuming, so it starts from the resumed position
         trainer.train_loader = Prefetcher(trainer.train_loader, config.data.prefetch_batches)
     try:
         summary = trainer.train()
@@ -354,5 +393,71 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
         recent = list_checkpoints(output_dir / CHECKPOINTS_DIRNAME)[-tr.average_last_n :]
         if len(recent) >= 2:
             summary["averaged_model_dir"] = str(average_checkpoints(recent, output_dir / "model_averaged"))
+    (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def run_rl(config: TierlmConfig) -> dict:
+    """Reinforcement learning from a trained chat model: sample groups, reward, policy-gradient updates."""
+    from tierlm.rl.loop import RLTrainer
+    from tierlm.rl.tasks import open_task, split_task
+    from tierlm.rollout.engine import Engine
+    from tierlm.rollout.tools import Calculator
+    from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy
+
+    tr, infra, rl, d = config.training, config.infra, config.rl, config.data
+    single_process_only(config, "rl")
+    output_dir = Path(infra.output_dir)
+    checkpoint_dir = output_dir / CHECKPOINTS_DIRNAME
+    latest = find_latest_checkpoint(checkpoint_dir)
+    if latest is not None and tr.resume == "never":
+        raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
+    pretrained = pretrained_location(config)
+    if pretrained is None:
+        raise ConfigError("rl starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)")
+    train_task = open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed)
+    if d.eval_dataset_name:
+        eval_task = open_task(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
+    elif d.dataset_name.startswith("synthetic:"):
+        eval_task = open_task(d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
+    else:
+        train_task, eval_task = split_task(train_task, d.val_fraction)
+    if infra.num_threads:
+        torch.set_num_threads(infra.num_threads)
+    seed_everything(tr.seed)
+    device = resolve_device(infra.device_type, infra.gpu_rank)
+    tokenizer = existing_tokenizer(config, pretrained)
+    if not tokenizer.has_chat_template:
+        raise ConfigError(f"{pretrained} has no chat template: rl needs a chat model (run tierlm sft first)")
+    model = build_model(config, tokenizer, device, pretrained)
+    reference = FrozenReference(copy.deepcopy(model), device) if rl.kl_coef > 0 else None
+    backend = build_backend(config, model, checkpoint_dir, device, None)
+    normalize = rl.normalize_std if rl.normalize_std is not None else rl.algorithm == "grpo"
+    strategy = {
+        "reinforce": lambda: ReinforceStrategy(rl.temperature, rl.kl_coef),
+        "grpo": lambda: GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature),
+        "ppo": lambda: PPOStrategy(rl.kl_coef, rl.clip_range, normalize, rl.temperature),
+    }[rl.algorithm]()
+    engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in rl.tools else [])
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config.to_yaml(output_dir / "config.yaml")
+
+    def write_extra(folder: Path) -> None:
+        tokenizer.save(folder / "model")
+        config.to_yaml(folder / "config.yaml")
+        (folder / "model" / TRAINING_META_FILE).write_text(json.dumps({"stage": "rl"}) + "\n")
+
+    trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, tr, reference=reference, write_extra=write_extra)
+    resumed = trainer.resume() if latest is not None else None
+    trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.logger.close()
+    final = output_dir / "model"
+    save_model_folder(model, final)
+    write_extra(output_dir)
+    summary.update(stage="rl", output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None)
     (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -7,7 +7,7 @@
 from tierlm.backends.distributed import DDPTrainingBackend, DistributedTrainingBackend, FSDPTrainingBackend
 from tierlm.backends.factory import create_backend_with_scheduler, create_ddp_backend, create_fsdp_backend, create_pytorch_backend
 from tierlm.backends.protocol import TrainFuture, TrainingBackend
-from tierlm.backends.pytorch import PyTorchTrainingBackend, loss_sum_and_count
+from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, loss_sum_and_count
 from tierlm.primitives import (
     compute_device_map_single_gpu,
     create_adamw_optimizer,
@@ -38,6 +38,7 @@ __all__ = [
     "DDPTrainingBackend",
     "DistributedTrainingBackend",
     "FSDPTrainingBackend",
+    "FrozenReference",
     "PyTorchTrainingBackend",
     "TrainFuture",
     "TrainingBackend",

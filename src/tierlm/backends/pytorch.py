@@ -32,6 +32,32 @@ def loss_sum_and_count(loss_fn: Callable, logits: torch.Tensor, batch: Batch) ->
     return out * count, count
 
 
+def _to_host(value: Any) -> float | torch.Tensor:
+    """A scalar metric as a float; a per-row or per-token tensor (e.g. log-probs) as a CPU tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        return value.detach().float().cpu()
+    return float(value)
+
+
+class FrozenReference:
+    """A model that only evaluates (the `forward` half of the protocol): a DPO or KL reference.
+
+    Its weights never change and take no gradients; `forward(batch, fn)` returns `fn(logits, batch)`.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None):
+        self.device, self.autocast_dtype = torch.device(device), autocast_dtype
+        self.model = model.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, fn: Callable) -> TrainFuture[dict]:
+        batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        ctx = torch.autocast(self.device.type, self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            out = fn(forward_logits(self.model, batch), batch)
+        return TrainFuture(lambda: {k: _to_host(v) for k, v in out.items()})
+
+
 class PyTorchTrainingBackend:
     """One model on one device.
 
@@ -141,7 +167,7 @@ class PyTorchTrainingBackend:
         else:
             out = fn(logits, batch)
         model.train(was_training)
-        return TrainFuture(lambda: {k: float(v) for k, v in out.items()})
+        return TrainFuture(lambda: {k: _to_host(v) for k, v in out.items()})
 
     def optim_step(self) -> TrainFuture[dict[str, float]]:
         assert self._num_micro_batches > 0, "optim_step() called without a forward_backward() since the last step"

@@ -355,7 +355,11 @@ def load_full_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, read_model_state(unwrap_model(model), path / "model"), options=full)
-    if optimizer is not None:
+    if optimizer is None:
+        return
+    if all(isinstance(k, int) for k in optimizer_state["state"]):  # written by tierlm <= 0.1: keyed by position
+        optimizer.load_state_dict(optimizer_state)
+    else:
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
 
 

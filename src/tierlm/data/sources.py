@@ -114,8 +114,9 @@ class SyntheticExamples(Examples):
         return self.count
 
     def fetch(self, indices: Sequence[int]) -> list[Any]:
-        problems = [self.task.problem(self.split, int(i), self.seed) for i in indices]
-        return [p.text if self.kind == "text" else p.conversation for p in problems]
+        if self.kind == "text":
+            return [self.task.problem(self.split, int(i), self.seed).text for i in indices]
+        return [self.task.conversation(self.split, int(i), self.seed) for i in indices]
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -40,6 +40,14 @@ class Problem:
         """The problem as a chat, for SFT."""
         return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
 
+    @property
+    def tool_conversation(self) -> list[dict]:
+        """The chat where the assistant asks the calculator first, then answers (nanochat's tool
+        format: the call is trained, the result between <|tool_start|> and <|tool_end|> is not)."""
+        expression = f"{self.a} {self.op} {self.b}"
+        content = f"<|tool_call_start|>{expression}<|tool_call_end|><|tool_start|>{self.result}<|tool_end|>{self.answer}"
+        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": content}]
+
 
 @dataclass(frozen=True)
 class ArithmeticTask:
@@ -55,6 +63,8 @@ class ArithmeticTask:
     max_operand: int = 99
     ops: str = "+-"
     val_modulus: int = 10
+    tool_fraction: float = 0.5
+    """Share of chat examples that use the calculator tool (the rest answer directly)."""
 
     def is_validation(self, problem: Problem) -> bool:
         # A stable hash (Python's hash() of str is salted per process).
@@ -69,6 +79,12 @@ class ArithmeticTask:
             problem = Problem(rng.randint(0, self.max_operand), rng.choice(self.ops), rng.randint(0, self.max_operand))
             if self.is_validation(problem) == (split == "val"):
                 return problem
+
+    def conversation(self, split: str, index: int, seed: int) -> list[dict]:
+        """Problem `index` as a chat; a stable `tool_fraction` of them call the calculator."""
+        problem = self.problem(split, index, seed)
+        uses_tool = random.Random(f"{seed}/{split}/{index}/tool").random() < self.tool_fraction
+        return problem.tool_conversation if uses_tool else problem.conversation
 
     def problems(self, split: str, count: int, seed: int) -> list[Problem]:
         """The first `count` problems of `split`."""

@@ -234,7 +234,25 @@ class Tokenizer:
             mask[first:last] = 1
             turns.append((int(first), int(last)))
         self._check_turns(ids, offsets, mask, trained, turns)
+        if train_on != "everything":
+            self._mask_tool_results(ids, mask)
         return ids, mask.tolist()
+
+    def _mask_tool_results(self, ids: list[int], mask: np.ndarray) -> None:
+        """Tool results inside assistant turns (<|tool_start|> ... <|tool_end|>) come from the tool,
+        not the model: never trained on (the engine splices them in at sampling time)."""
+        vocab = self.hf.get_vocab()
+        start, end = vocab.get("<|tool_start|>"), vocab.get("<|tool_end|>")
+        if start is None or end is None:
+            return
+        inside = False
+        for i, token in enumerate(ids):
+            if token == start:
+                inside = True
+            if inside:
+                mask[i] = 0
+            if token == end:
+                inside = False
 
     def _check_turns(self, ids: list[int], offsets: np.ndarray, mask: np.ndarray, spans: list, turns: list) -> None:
         """Guardrails: each trained turn's end-of-turn token is labelled, and the ids before each

@@ -123,6 +123,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+class LayerCache:
+    """One layer's keys and values for incremental decoding, preallocated to `max_len` positions."""
+
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T new positions; return all cached keys and values (B, Hkv, length, D)."""
+        end = self.length + k.shape[2]
+        assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def repeat(self, n: int) -> None:
+        """Copy each row n times (a prompt prefilled once, then sampled n ways)."""
+        self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
+
+
+class KVCache:
+    """Keys and values of every layer of a native GPT, for `GPT.forward(..., cache=...)`."""
+
+    def __init__(self, config: "GPTConfig", batch: int, max_len: int, device, dtype=torch.float32):
+        assert max_len <= config.max_seq_len, f"max_len {max_len} > the model's max_seq_len {config.max_seq_len}"
+        self.layers = [LayerCache(batch, config.num_kv_heads, max_len, config.head_dim, device, dtype) for _ in range(config.depth)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def repeat(self, n: int) -> None:
+        for layer in self.layers:
+            layer.repeat(n)
+
+
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -135,13 +173,18 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.n_kv_head != self.n_head
+        if cache is not None:  # decoding: attend to everything cached so far plus these T tokens
+            k, v = cache.append(k, v)
+        if mask is None and k.shape[2] != T:  # T new queries after cached keys: causal, offset by the cache
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
@@ -168,8 +211,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -221,22 +265,25 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T).
 
         `position_ids` (B, T) mark packed documents: positions restart at each one, and attention
         stays inside each one, so a packed row computes what its documents would alone.
+        With a `cache`, the T tokens continue the cached ones (incremental decoding).
         """
         B, T = input_ids.shape
-        assert T <= self.config.max_seq_len, f"sequence length {T} > max_seq_len {self.config.max_seq_len}"
+        start = cache.length if cache is not None else 0
+        assert start + T <= self.config.max_seq_len, f"sequence length {start + T} > max_seq_len {self.config.max_seq_len}"
+        assert cache is None or position_ids is None, "a KV cache decodes one sequence per row: no packed position_ids"
         if position_ids is None:
-            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # (T, D), broadcast over (B, H)
+            cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
         else:
             cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
             mask = document_causal_mask(position_ids)  # (B, 1, T, T)
         x = self.embed(input_ids)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, cos, sin, mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)
         return self.lm_head(self.norm(x))
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -1,0 +1,152 @@
+"""Preference pairs for DPO: JSONL rows or synthetic arithmetic pairs, rendered through the chat
+template, batched as N chosen rows then N rejected rows.
+
+JSONL forms (one pair per line):
+  {"prompt": "...", "chosen": "...", "rejected": "..."}                  strings: one user turn, one reply
+  {"chosen": [messages...], "rejected": [messages...]}                   conversations ending in the reply
+Optional "ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierlm.data.synthetic import ArithmeticTask
+from tierlm.data.tokenizer import Tokenizer
+from tierlm.errors import DataError
+from tierlm.primitives.losses import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    chosen: list[dict]
+    rejected: list[dict]
+    ref_chosen_logp: float | None = None
+    ref_rejected_logp: float | None = None
+
+
+def synthetic_arithmetic_pairs(split: str, count: int, seed: int) -> list[PreferencePair]:
+    """An answer checked with the calculator preferred over a direct one that is off by 1..10.
+
+    (The calculator's result inside the chosen reply is masked, as in SFT: the preference is
+    for calling the tool and answering with its result.)
+    """
+    task, pairs = ArithmeticTask(), []
+    for i in range(count):
+        problem = task.problem(split, i, seed)
+        rng = random.Random(f"{seed}/dpo/{split}/{i}")
+        wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
+        user = {"role": "user", "content": problem.question}
+        pairs.append(PreferencePair(
+            problem.tool_conversation,
+            [user, {"role": "assistant", "content": f"{problem.a} {problem.op} {problem.b} = {wrong}"}],
+        ))
+    return pairs
+
+
+def load_preference_jsonl(path: str | Path) -> list[PreferencePair]:
+    path, pairs = Path(path), []
+    if not path.is_file():
+        raise DataError(f"{path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                chosen, rejected = row["chosen"], row["rejected"]
+                if isinstance(chosen, str):
+                    user = {"role": "user", "content": row["prompt"]}
+                    chosen, rejected = [user, {"role": "assistant", "content": chosen}], [user, {"role": "assistant", "content": rejected}]
+                if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+                    raise ValueError("chosen and rejected must end with an assistant turn")
+                pairs.append(PreferencePair(chosen, rejected, row.get("ref_chosen_logp"), row.get("ref_rejected_logp")))
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise DataError(f"{path}:{line_no}: expected prompt/chosen/rejected strings or chosen/rejected conversations ({e})") from e
+    if not pairs:
+        raise DataError(f"{path} holds no preference pairs")
+    return pairs
+
+
+def open_preferences(spec: str, split: str, count: int, seed: int) -> list[PreferencePair]:
+    if spec == "synthetic:arithmetic":
+        return synthetic_arithmetic_pairs(split, count, seed)
+    if spec.startswith("synthetic:"):
+        raise DataError(f"unknown synthetic preference set {spec!r}; use synthetic:arithmetic or a JSONL file")
+    return load_preference_jsonl(spec)
+
+
+class PairLoader:
+    """Batches of `batch_size` pairs, shuffled per epoch, padded to the longest row; resumable.
+
+    Each row is a whole rendered conversation; labels mark only the final assistant reply (and
+    its end-of-turn token). Pairs longer than `max_len` tokens are dropped and counted.
+    """
+
+    def __init__(self, pairs: list[PreferencePair], tokenizer: Tokenizer, batch_size: int, max_len: int, seed: int = 0,
+                 shuffle: bool = True):
+        self.rows, self.dropped = [], 0
+        for pair in pairs:
+            rendered = [tokenizer.render_conversation(c, train_on="last_assistant") for c in (pair.chosen, pair.rejected)]
+            if max(len(ids) for ids, _ in rendered) > max_len + 1:
+                self.dropped += 1
+                continue
+            refs = (pair.ref_chosen_logp, pair.ref_rejected_logp)
+            self.rows.append((rendered, None if None in refs else refs))
+        if not self.rows:
+            raise DataError(f"no preference pair fits in {max_len} tokens")
+        self.batch_size, self.pad_id, self.seed, self.shuffle = batch_size, tokenizer.pad_id, seed, shuffle
+        self.epoch, self.cursor, self.repeat = 0, 0, True
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self.cursor >= len(self.rows):
+            if not self.repeat:
+                raise StopIteration
+            self.epoch, self.cursor = self.epoch + 1, 0
+        picked = [self.rows[i] for i in self._order()[self.cursor : self.cursor + self.batch_size]]
+        self.cursor += self.batch_size
+        sequences = [r[0][0] for r in picked] + [r[0][1] for r in picked]  # chosen rows, then rejected rows
+        width = max(len(ids) for ids, _ in sequences) - 1
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (ids, mask) in enumerate(sequences):
+            n = len(ids) - 1
+            input_ids[row, :n] = torch.tensor(ids[:-1])
+            labels[row, :n] = torch.tensor([t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])])
+        batch = {"input_ids": input_ids, "labels": labels}
+        if all(r[1] is not None for r in picked):
+            batch["ref_logps"] = torch.tensor([r[1][0] for r in picked] + [r[1][1] for r in picked])
+        return batch
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.next_batch()
+            except StopIteration:
+                return
+
+    def rewind(self) -> None:
+        self.epoch, self.cursor = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+    def stats(self) -> dict[str, float]:
+        return {"pairs_dropped": float(self.dropped)}

@@ -1,0 +1,1 @@
+"""Reinforcement learning: tasks and rewards, the RL loop and pass@k."""

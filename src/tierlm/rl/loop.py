@@ -1,0 +1,231 @@
+"""The RL loop: sample groups -> score -> advantages -> policy-gradient updates, with pass@k evals.
+
+It speaks to the policy only through the tier-0 protocol (`forward`, `forward_backward`,
+`optim_step`, `save_checkpoint`, `load_checkpoint`); generation goes through an `Engine` that
+shares the policy's weights.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tierlm.checkpoint import prune_checkpoints, resume_candidates
+from tierlm.config import RLConfig, TrainingConfig
+from tierlm.data.tokenizer import Tokenizer
+from tierlm.errors import CheckpointError
+from tierlm.metrics import MetricsLogger
+from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.rl.tasks import Task
+from tierlm.rollout.engine import Completion, Engine, answer_text
+from tierlm.strategies.rl import PolicyGradientStrategy
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion: Completion
+    reward: float
+    text: str
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k).
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 4)
+    (0.25, 1.0, 0.0)
+    """
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of prompt + completion: labels only on tokens the model sampled (prompt, tool results and
+    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels."""
+    width = max(len(r.prompt_ids) + len(r.completion.tokens) for r in rollouts) - 1
+    n = len(rollouts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+    sampler = torch.zeros(n, width)
+    for row, r in enumerate(rollouts):
+        ids = r.prompt_ids + r.completion.tokens
+        input_ids[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+        start = len(r.prompt_ids) - 1  # position whose next token is the first completion token
+        for j, (token, trained, logp) in enumerate(zip(r.completion.tokens, r.completion.mask, r.completion.logprobs)):
+            if trained:
+                labels[row, start + j] = token
+                sampler[row, start + j] = logp
+    return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
+
+
+@dataclass
+class RLState:
+    step: int = 0
+    elapsed_s: float = 0.0
+    best_pass_at_1: float | None = None
+    rollout_tokens: int = 0
+
+
+@dataclass
+class RLTrainer:
+    backend: Any
+    strategy: PolicyGradientStrategy
+    engine: Engine
+    tokenizer: Tokenizer
+    train_task: Task
+    eval_task: Task
+    rl: RLConfig
+    config: TrainingConfig
+    logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
+    reference: Any = None
+    write_extra: Callable[[Path], None] | None = None
+    state: RLState = field(default_factory=RLState)
+
+    # -- rollouts --------------------------------------------------------------------------
+    def _prompt(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.render_for_completion(messages)
+
+    def _generator(self, *salt: int) -> torch.Generator:
+        return torch.Generator(device=self.engine.device).manual_seed(hash((self.config.seed, *salt)) % 2**62)
+
+    def collect(self, examples: list, generator: torch.Generator) -> list[list[Rollout]]:
+        """`rl.group_size` samples of each example, scored by the task's reward."""
+        groups = []
+        for example in examples:
+            prompt = self._prompt(example.messages)
+            completions = self.engine.generate(prompt, self.rl.group_size, self.rl.max_new_tokens, self.rl.temperature,
+                                               self.rl.top_k, self.rl.top_p, generator)
+            group = []
+            for c in completions:
+                text = answer_text(self.tokenizer, c.tokens)
+                group.append(Rollout(prompt, c, self.train_task.reward(example.prompt, text, example.reference), text))
+            groups.append(group)
+        return groups
+
+    def _indices(self, step: int) -> list[int]:
+        """The prompts of `step`: a fresh permutation of the task per epoch, a pure function of (seed, step)."""
+        n, per = len(self.train_task), self.rl.prompts_per_step
+        orders: dict[int, np.ndarray] = {}
+        out = []
+        for k in range(step * per, (step + 1) * per):
+            epoch, pos = divmod(k, n)
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([self.config.seed, epoch]).permutation(n)
+            out.append(int(orders[epoch][pos]))
+        return out
+
+    def _micro(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        size = self.rl.micro_batch_size
+        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
+
+    # -- one step --------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        examples = [self.train_task.example(i) for i in self._indices(self.state.step)]
+        groups = self.collect(examples, self._generator(self.state.step))
+        t1 = time.perf_counter()
+        rollouts = [r for g in groups for r in g]
+        rewards = torch.tensor([r.reward for r in rollouts])
+        batch = rollout_batch(rollouts, self.strategy.advantages(rewards, self.rl.group_size), self.tokenizer.pad_id)
+        micro = self._micro(batch)
+        # Trainer-side log-probs of the sampled tokens: the old log-probs for clipping, and the parity check.
+        for mb in micro:
+            mb["old_logprobs"] = self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+            if self.reference is not None:
+                mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+        trained = batch["labels"] != IGNORE_INDEX
+        old = torch.cat([mb["old_logprobs"] for mb in micro])
+        parity = ((old - batch["sampler_logprobs"]).abs() * trained).sum() / trained.sum().clamp(min=1)
+        t2 = time.perf_counter()
+        for _ in range(self.rl.ppo_epochs):
+            for mb in micro:
+                self.backend.forward_backward({k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss)
+            update = self.backend.optim_step().wait()
+        t3 = time.perf_counter()
+        tokens = sum(len(r.completion.tokens) for r in rollouts)
+        self.state.rollout_tokens += tokens
+        return {
+            "loss": update["loss"], "lr": update["lr"], "grad_norm": update["grad_norm"], "skipped": update["skipped"],
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "groups_with_signal": float(np.mean([len({r.reward for r in g}) > 1 for g in groups])),
+            "logprob_abs_diff": float(parity),
+            "completion_len": tokens / len(rollouts), "finished_frac": float(np.mean([r.completion.finished for r in rollouts])),
+            "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
+            "time_generation_s": t1 - t0, "time_scoring_s": t2 - t1, "time_training_s": t3 - t2,  # scoring: rewards + log-probs
+            "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),
+        }
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """pass@1 and pass@k over the first `rl.eval_problems` held-out problems, k samples each."""
+        k, n = self.rl.eval_k, min(self.rl.eval_problems, len(self.eval_task))
+        generator = self._generator(-1)  # the same samples' randomness at every eval
+        p1, pk, rewards, tool_rows = [], [], [], 0
+        for index in range(n):
+            example = self.eval_task.example(index)
+            completions = self.engine.generate(self._prompt(example.messages), k, self.rl.max_new_tokens, self.rl.eval_temperature,
+                                               self.rl.top_k, self.rl.top_p, generator)
+            scores = [self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference) for c in completions]
+            correct = sum(s > 0.5 for s in scores)
+            tool_rows += sum(c.tool_calls > 0 for c in completions)
+            p1.append(pass_at_k(k, correct, 1))
+            pk.append(pass_at_k(k, correct, k))
+            rewards.extend(scores)
+        result = {"pass@1": float(np.mean(p1)), "pass@k": float(np.mean(pk)), "k": k, "eval_problems": n,
+                  "eval_reward_mean": float(np.mean(rewards)), "eval_tool_use": tool_rows / (n * k)}
+        if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
+            self.state.best_pass_at_1 = result["pass@1"]
+        self.logger.log({"type": "eval", "step": self.state.step, **result})
+        return result
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, metric: float | None) -> None:
+        self.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, self.write_extra, metric)
+        if hasattr(self.backend, "wait_for_save"):
+            self.backend.wait_for_save()
+        prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
+
+    def resume(self) -> Path | None:
+        for path in resume_candidates(self.backend.checkpoint_dir):
+            try:
+                state = self.backend.load_checkpoint(path).wait()
+            except CheckpointError as error:
+                print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
+                continue
+            self.state = RLState(**state["loop"])
+            return path
+        return None
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg, state = self.config, self.state
+        due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
+        last_eval = self.evaluate() if state.step == 0 else {}  # before the first update
+        start = time.perf_counter() - state.elapsed_s
+        while state.step < cfg.num_train_steps:
+            metrics = self.train_step()
+            state.step += 1
+            state.elapsed_s = time.perf_counter() - start
+            if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
+                self.logger.log({"type": "train", "step": state.step, **metrics, "rollout_tokens": state.rollout_tokens,
+                                 "elapsed_s": state.elapsed_s})
+                print(f"step {state.step}/{cfg.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss {metrics['loss']:.4f} | "
+                      f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
+                      f"train {metrics['time_training_s']:.1f}s", file=sys.stderr, flush=True)
+            is_eval = due(cfg.eval_steps) or state.step == cfg.num_train_steps
+            if is_eval:
+                last_eval = self.evaluate()
+                print(f"step {state.step}: pass@1 {last_eval['pass@1']:.3f}, pass@{last_eval['k']} {last_eval['pass@k']:.3f}",
+                      file=sys.stderr, flush=True)
+            if due(cfg.save_steps) or state.step == cfg.num_train_steps:
+                # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
+                self.save(1.0 - last_eval["pass@1"] if is_eval else None)
+        return {"step": state.step, "elapsed_s": state.elapsed_s, **last_eval}

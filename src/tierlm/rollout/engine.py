@@ -1,0 +1,169 @@
+"""Batched generation with a KV cache, for the native GPT and transformers models.
+
+`Engine.generate(prompt_ids, num_samples)` prefills the prompt once, copies its cache to
+`num_samples` rows, then decodes one token per row per step: temperature / top-k / top-p,
+stop tokens, and the log-probability of every sampled token under the distribution it was
+drawn from. A row that calls a tool (`<|tool_call_start|> 23 + 45 <|tool_call_end|>`) gets the
+result spliced in as forced tokens (`<|tool_start|>68<|tool_end|>`), marked so training masks
+them. All rows advance together (forced tokens replace samples), so the cache stays rectangular.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tierlm.models import unwrap_model
+from tierlm.models.gpt import GPT, KVCache
+from tierlm.rollout.sampling import sample_next_token
+from tierlm.rollout.tools import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, Tool
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    tokens: list[int] = field(default_factory=list)
+    """New tokens, up to and including the stop token; tool results included."""
+    logprobs: list[float] = field(default_factory=list)
+    """Sampler log-prob of each token (0.0 for forced tool-result tokens)."""
+    mask: list[int] = field(default_factory=list)
+    """1 where the model chose the token (trained), 0 where the engine forced it (tool result)."""
+    finished: bool = False
+    """True when a stop token ended it (False: it ran out of budget)."""
+    tool_calls: int = 0
+
+
+class Engine:
+    """Sampling for one model: a native `GPT` (our cache) or a transformers causal LM (its cache).
+
+    `tokenizer` is needed only for tools (to read the call and encode the result).
+    """
+
+    def __init__(self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()):
+        self.model = unwrap_model(model)
+        self.stop_ids = set(stop_ids)
+        self.tokenizer, self.tools = tokenizer, {t.name: t for t in tools}
+        self.device = next(self.model.parameters()).device
+        if self.tools:
+            assert tokenizer is not None, "tools need the tokenizer to read calls and write results"
+            vocab = tokenizer.hf.get_vocab()
+            missing = [t for t in (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END) if t not in vocab]
+            assert not missing, f"the tokenizer lacks the tool tokens {missing}"
+            self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
+            self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
+
+    # -- the model step, with a cache ------------------------------------------------------
+    def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):
+        if isinstance(self.model, GPT):
+            cache = KVCache(self.model.config, ids.shape[0], max_len, self.device, self.model.embed.weight.dtype)
+            logits = self.model(ids, cache=cache)[:, -1]
+            cache.repeat(num_samples)
+        else:
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            cache.batch_repeat_interleave(num_samples)
+        return logits.repeat_interleave(num_samples, dim=0), cache
+
+    def _decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        if isinstance(self.model, GPT):
+            return self.model(tokens[:, None], cache=cache)[:, -1]
+        return self.model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+
+    def _max_len(self) -> int:
+        if isinstance(self.model, GPT):
+            return self.model.config.max_seq_len
+        return getattr(self.model.config, "max_position_embeddings", 1 << 30)
+
+    # -- tools -----------------------------------------------------------------------------
+    def _tool_result(self, call_tokens: list[int]) -> list[int]:
+        request = self.tokenizer.decode(call_tokens, skip_special_tokens=True)
+        name, _, argument = request.partition(":") if ":" in request.split(" ")[0] else ("calculator", "", request)
+        tool = self.tools.get(name.strip())
+        result = tool(argument) if tool is not None else f"error: no tool named {name.strip()!r}"
+        return [self.result_start, *self.tokenizer.encode(result), self.result_end]
+
+    # -- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        num_samples: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> list[Completion]:
+        assert prompt_ids, "the prompt is empty"
+        assert num_samples >= 1 and max_new_tokens >= 1, f"num_samples={num_samples}, max_new_tokens={max_new_tokens}"
+        max_len = min(len(prompt_ids) + max_new_tokens, self._max_len())
+        assert len(prompt_ids) < max_len, f"the prompt ({len(prompt_ids)} tokens) leaves no room in {max_len}"
+        was_training = self.model.training
+        self.model.eval()
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        logits, cache = self._prefill(ids, num_samples, max_len)
+        out = [Completion() for _ in range(num_samples)]
+        forced: list[list[int]] = [[] for _ in range(num_samples)]
+        call_open: list[int | None] = [None] * num_samples  # where a row's open tool call began
+        for _ in range(max_len - len(prompt_ids)):
+            sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
+            scaled = logits.float() / temperature if temperature > 0 else logits.float()
+            logprobs = torch.log_softmax(scaled, dim=-1).gather(1, sampled[:, None]).squeeze(1)
+            step = sampled.clone()
+            for row, completion in enumerate(out):
+                if completion.finished:
+                    continue
+                if forced[row]:
+                    step[row] = forced[row].pop(0)
+                    completion.tokens.append(int(step[row]))
+                    completion.logprobs.append(0.0)
+                    completion.mask.append(0)
+                    continue
+                token = int(sampled[row])
+                completion.tokens.append(token)
+                completion.logprobs.append(float(logprobs[row]))
+                completion.mask.append(1)
+                if token in self.stop_ids:
+                    completion.finished = True
+                elif self.tools and token == self.call_start:
+                    call_open[row] = len(completion.tokens)
+                elif self.tools and token == self.call_end and call_open[row] is not None:
+                    forced[row] = self._tool_result(completion.tokens[call_open[row] : -1])
+                    call_open[row] = None
+                    completion.tool_calls += 1
+            if all(c.finished for c in out):
+                break
+            logits = self._decode(step, cache)
+        self.model.train(was_training)
+        return out
+
+
+def answer_text(tokenizer, tokens: list[int]) -> str:
+    """What the model answered, for rewards: the text after its last tool result (all of it without tools)."""
+    vocab = tokenizer.hf.get_vocab()
+    end = vocab.get(TOOL_RESULT_END)
+    last = max((i for i, t in enumerate(tokens) if t == end), default=-1) if end is not None else -1
+    return tokenizer.decode(tokens[last + 1 :], skip_special_tokens=True)
+
+
+def readable_text(tokenizer, tokens: list[int]) -> str:
+    """A completion for people: tool calls shown as [calculator: 23 + 45 -> 68], other markers dropped.
+
+    >>> from tierlm.data import train_char_tokenizer
+    >>> tok = train_char_tokenizer(["0123456789 +="])
+    >>> ids = tok.encode("<|tool_call_start|>2 + 3<|tool_call_end|><|tool_start|>5<|tool_end|>2 + 3 = 5<|assistant_end|>")
+    >>> readable_text(tok, ids)
+    '[calculator: 2 + 3 -> 5] 2 + 3 = 5'
+    """
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    for marker, shown in ((TOOL_CALL_START, "[calculator: "), (TOOL_CALL_END, " -> "), (TOOL_RESULT_START, ""), (TOOL_RESULT_END, "] ")):
+        text = text.replace(marker, shown)
+    special = set(tokenizer.hf.all_special_tokens) | set(getattr(tokenizer.hf, "extra_special_tokens", None) or [])
+    for token in special:
+        text = text.replace(token, "")
+    return text.strip()

@@ -1,0 +1,74 @@
+"""Tools a model may call while it generates. The calculator evaluates arithmetic from its syntax
+tree (numbers and + - * / // % ** and parentheses only): no `eval`, no names, no calls, bounded size.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from typing import Callable, Protocol
+
+TOOL_CALL_START, TOOL_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+TOOL_RESULT_START, TOOL_RESULT_END = "<|tool_start|>", "<|tool_end|>"
+
+_BINARY: dict[type, Callable] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class Tool(Protocol):
+    name: str
+
+    def __call__(self, request: str) -> str:
+        """The text to splice back for the model's request (an error message is a valid answer)."""
+        ...
+
+
+class Calculator:
+    """Arithmetic on integers and decimals.
+
+    >>> calc = Calculator()
+    >>> calc("23 + 45"), calc("(7 - 10) * 3"), calc("7 / 2"), calc("2 ** 10")
+    ('68', '-9', '3.5', '1024')
+    >>> calc("__import__('os')"), calc("1 / 0"), calc("9 ** 9 ** 9")
+    ('error: not arithmetic', 'error: division by zero', 'error: number too large')
+    """
+
+    name = "calculator"
+
+    def __init__(self, max_chars: int = 200, max_abs: float = 1e15):
+        self.max_chars, self.max_abs = max_chars, max_abs
+
+    def __call__(self, request: str) -> str:
+        if len(request) > self.max_chars:
+            return "error: expression too long"
+        try:
+            value = self._eval(ast.parse(request.strip(), mode="eval").body)
+        except ZeroDivisionError:
+            return "error: division by zero"
+        except OverflowError:
+            return "error: number too large"
+        except (SyntaxError, ValueError, TypeError):
+            return "error: not arithmetic"
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return str(round(value, 6) if isinstance(value, float) else value)
+
+    def _eval(self, node: ast.AST) -> int | float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return self._bounded(node.value)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](self._eval(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = self._eval(node.left), self._eval(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise OverflowError
+            return self._bounded(_BINARY[type(node.op)](left, right))
+        raise ValueError("not arithmetic")
+
+    def _bounded(self, value: int | float) -> int | float:
+        if abs(value) > self.max_abs:
+            raise OverflowError
+        return value

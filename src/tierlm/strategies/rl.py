@@ -1,0 +1,142 @@
+"""Policy-gradient strategies: REINFORCE with a group-mean baseline (nanochat's default), GRPO
+(advantages optionally divided by the group's std) and PPO-style clipping over stored old
+log-probs, each with an optional KL penalty to a frozen reference.
+
+A rollout batch holds `input_ids`/`labels` (labels are the next tokens, -100 on prompt, tool
+results and padding), `advantages` (B,), and optionally `old_logprobs` and `ref_logprobs` (B, T).
+The loss is summed over trained tokens and counted in tokens, so the backend normalises it by
+the tokens of the whole step (token-level, DAPO style).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from tierlm.primitives.losses import IGNORE_INDEX
+
+Batch = Mapping[str, torch.Tensor]
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(label) at every position (B, T) under softmax(logits / temperature); 0 where unlabelled.
+
+    >>> lp = token_logprobs(torch.log(torch.tensor([[[0.25, 0.75]]])), torch.tensor([[1]]))
+    >>> round(lp.exp().item(), 4)
+    0.75
+    """
+    scaled = logits.float() / temperature if temperature not in (0.0, 1.0) else logits.float()
+    logp = torch.log_softmax(scaled, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logp * (labels != IGNORE_INDEX)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """Reward minus its group's mean (groups: consecutive `group_size` samples of one prompt);
+    GRPO also divides by the group's standard deviation.
+
+    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1.]), group_size=3).tolist()
+    [0.6666666865348816, -0.3333333432674408, -0.3333333432674408, -0.6666666865348816, 0.3333333432674408, 0.3333333432674408]
+    >>> group_advantages(torch.tensor([1., 1., 1.]), group_size=3, normalize_std=True).tolist()  # no signal
+    [0.0, 0.0, 0.0]
+    """
+    assert rewards.numel() % group_size == 0, f"{rewards.numel()} rewards do not split into groups of {group_size}"
+    groups = rewards.float().view(-1, group_size)
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    if normalize_std:
+        advantages = advantages / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return advantages.view(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate k3 = exp(r - p) - (r - p) - 1 (>= 0, unbiased)."""
+    delta = ref_logprobs - logprobs
+    return delta.exp() - delta - 1.0
+
+
+def policy_gradient_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    clip_range: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(summed loss, trained tokens, statistics) of the clipped surrogate.
+
+    Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = p / p_old, plus
+    `kl_coef` * KL. Without `old_logprobs` the ratio is 1 with the gradient of log p: REINFORCE.
+    Without `clip_range` nothing is clipped.
+    """
+    mask = mask.float()
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    ratio = torch.exp(logprobs - old)
+    adv = advantages.float()[:, None].expand_as(logprobs)
+    surrogate = ratio * adv
+    if clip_range is not None:
+        clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv
+        per_token = -torch.minimum(surrogate, clipped)
+    else:
+        per_token = -surrogate
+    stats = {}
+    if ref_logprobs is not None and kl_coef:
+        kl = kl_penalty(logprobs, ref_logprobs)
+        per_token = per_token + kl_coef * kl
+        stats["kl_sum"] = (kl.detach() * mask).sum()
+    if clip_range is not None:
+        outside = ((ratio < 1.0 - clip_range) | (ratio > 1.0 + clip_range)).float()
+        stats["clipped_sum"] = (outside.detach() * mask).sum()
+    return (per_token * mask).sum(), mask.sum(), stats
+
+
+class PolicyGradientStrategy:
+    """What the RL loop optimises, as a strategy: `compute_loss` for updates, `compute_metrics`
+    for the trainer-side log-probs of a rollout batch (old log-probs and the parity check)."""
+
+    def __init__(self, clip_range: float | None = None, kl_coef: float = 0.0, normalize_std: bool = False, temperature: float = 1.0):
+        assert clip_range is None or clip_range > 0, f"clip_range must be > 0, got {clip_range}"
+        assert kl_coef >= 0, f"kl_coef must be >= 0, got {kl_coef}"
+        self.clip_range, self.kl_coef, self.normalize_std, self.temperature = clip_range, kl_coef, normalize_std, temperature
+
+    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        return group_advantages(rewards, group_size, self.normalize_std)
+
+    def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return dict(batch)
+
+    def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = batch["labels"]
+        logprobs = token_logprobs(logits, labels, self.temperature)
+        total, count, _ = policy_gradient_loss(
+            logprobs, batch["advantages"], labels != IGNORE_INDEX, batch.get("old_logprobs"), self.clip_range,
+            batch.get("ref_logprobs"), self.kl_coef,
+        )
+        return total, count
+
+    def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"logprobs": token_logprobs(logits, batch["labels"], self.temperature)}
+
+
+class ReinforceStrategy(PolicyGradientStrategy):
+    """nanochat's simplified GRPO: on-policy, advantage = reward - group mean, no clipping (and by default no KL)."""
+
+    def __init__(self, temperature: float = 1.0, kl_coef: float = 0.0):
+        super().__init__(clip_range=None, kl_coef=kl_coef, normalize_std=False, temperature=temperature)
+
+
+class GRPOStrategy(PolicyGradientStrategy):
+    """Group-relative advantages divided by the group's std, clipped ratio, optional KL."""
+
+    def __init__(self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0):
+        super().__init__(clip_range, kl_coef, normalize_std, temperature)
+
+
+class PPOStrategy(PolicyGradientStrategy):
+    """PPO-style clipping over stored old log-probs for several inner epochs, KL to a frozen reference.
+
+    (Critic-free: the baseline is the group mean, as in GRPO.)
+    """
+
+    def __init__(self, kl_coef: float = 0.1, clip_range: float = 0.2, normalize_std: bool = False, temperature: float = 1.0):
+        super().__init__(clip_range, kl_coef, normalize_std, temperature)

@@ -16,10 +16,13 @@ echo "== pretrain (configs/tiny_pretrain.yaml)" >&2
 $TIERLM pretrain --config configs/tiny_pretrain.yaml
 echo "== sft (configs/tiny_sft.yaml)" >&2
 $TIERLM sft --config configs/tiny_sft.yaml | tee runs/tiny_sft.summary
+echo "== rl (configs/tiny_rl.yaml)" >&2
+$TIERLM rl --config configs/tiny_rl.yaml | tee runs/tiny_rl.summary
 echo "== sample" >&2
-ANSWER=$($TIERLM sample --checkpoint runs/tiny_sft --prompt "$PROMPT")
+ANSWER=$($TIERLM sample --checkpoint runs/tiny_rl --prompt "$PROMPT")
 
 echo
-echo "run directories: runs/tiny_pretrain, runs/tiny_sft"
+echo "run directories: runs/tiny_pretrain, runs/tiny_sft, runs/tiny_rl"
 grep "final val loss" runs/tiny_sft.summary | sed 's/^/sft /'
+grep "held-out pass@1" runs/tiny_rl.summary | sed 's/^/rl /'
 echo "sample: $PROMPT -> $ANSWER"

@@ -48,6 +48,31 @@ def test_cli_pretrain_sft_sample(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), "the model answered nothing"
 
+    # RL and DPO start from the SFT run: eval lines before the first update and at the end.
+    rl = tmp_path / "rl"
+    result = run_cli("rl", "--config", "configs/tiny_rl.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",
+                     "training.num_train_steps=2", "training.eval_steps=2", "training.logging_steps=1", "rl.eval_problems=3",
+                     "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", f"infra.output_dir={rl}", "infra.device_type=cpu")
+    assert result.returncode == 0, result.stderr
+    assert "held-out pass@1" in result.stdout
+    records = _lines(rl / "metrics.jsonl")
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2] and all({"pass@1", "pass@k", "k"} <= set(r) and r["k"] == 4 for r in evals)
+    train = [r for r in records if r["type"] == "train"]
+    assert all({"logprob_abs_diff", "time_generation_s", "time_scoring_s", "time_training_s", "rollout_tokens_per_sec"} <= set(r)
+               for r in train)
+    assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # sampler and trainer agree on the sampled tokens
+    assert (rl / "model" / "model.safetensors").is_file()
+
+    dpo = tmp_path / "dpo"
+    result = run_cli("dpo", "--config", "configs/tiny_dpo.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",
+                     "data.num_synthetic_examples=64", "data.num_synthetic_eval_examples=16", "training.num_train_steps=3",
+                     "training.eval_steps=3", "training.warmup_steps=0", f"infra.output_dir={dpo}", "infra.device_type=cpu")
+    assert result.returncode == 0, result.stderr
+    evals = [r for r in _lines(dpo / "metrics.jsonl") if r["type"] == "eval"]
+    assert evals[0]["pref_acc"] == 0.5 and evals[0]["reward_margin"] == 0.0  # policy == reference at step 0
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+
 
 def _config(tmp_path, steps, **extra):
     overrides = TINY + [f"training.num_train_steps={steps}", "training.eval_steps=0", "training.save_steps=5",

@@ -88,7 +88,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         return  # rank 0 reports for the job
     print(f"run directory: {summary['output_dir']}")
     if "pass@1" in summary:
-        print(f"held-out pass@1 {summary['pass@1']:.3f}, pass@{summary['k']} {summary['pass@k']:.3f} ({summary['eval_problems']} problems)")
+        start = f"{summary['initial_pass@1']:.3f} -> " if summary.get("initial_pass@1") is not None else ""
+        print(f"held-out pass@1 {start}{summary['pass@1']:.3f}, pass@{summary['k']} {summary['pass@k']:.3f} "
+              f"({summary['eval_problems']} problems)")
     if "pref_acc" in summary:
         print(f"held-out preference accuracy {summary['policy_pref_acc']:.3f} (implicit reward: {summary['pref_acc']:.3f})")
     if "val_loss" in summary:

@@ -71,6 +71,7 @@ class RLState:
     step: int = 0
     elapsed_s: float = 0.0
     best_pass_at_1: float | None = None
+    initial_pass_at_1: float | None = None
     rollout_tokens: int = 0
 
 
@@ -181,6 +182,8 @@ class RLTrainer:
             rewards.extend(scores)
         result = {"pass@1": float(np.mean(p1)), "pass@k": float(np.mean(pk)), "k": k, "eval_problems": n,
                   "eval_reward_mean": float(np.mean(rewards)), "eval_tool_use": tool_rows / (n * k)}
+        if self.state.step == 0:
+            self.state.initial_pass_at_1 = result["pass@1"]
         if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
             self.state.best_pass_at_1 = result["pass@1"]
         self.logger.log({"type": "eval", "step": self.state.step, **result})
@@ -228,4 +231,4 @@ class RLTrainer:
             if due(cfg.save_steps) or state.step == cfg.num_train_steps:
                 # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
                 self.save(1.0 - last_eval["pass@1"] if is_eval else None)
-        return {"step": state.step, "elapsed_s": state.elapsed_s, **last_eval}
+        return {"step": state.step, "elapsed_s": state.elapsed_s, "initial_pass@1": state.initial_pass_at_1, **last_eval}

@@ -35,8 +35,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
     """Reward minus its group's mean (groups: consecutive `group_size` samples of one prompt);
     GRPO also divides by the group's standard deviation.
 
-    >>> group_advantages(torch.tensor([1., 0., 0., 0., 1., 1.]), group_size=3).tolist()
-    [0.6666666865348816, -0.3333333432674408, -0.3333333432674408, -0.6666666865348816, 0.3333333432674408, 0.3333333432674408]
+    >>> group_advantages(torch.tensor([1., 0., 0., 1., 1., 1., 1., 0.]), group_size=4).tolist()
+    [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]
     >>> group_advantages(torch.tensor([1., 1., 1.]), group_size=3, normalize_std=True).tolist()  # no signal
     [0.0, 0.0, 0.0]
     """

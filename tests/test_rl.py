@@ -1,0 +1,228 @@
+"""Generation engine, tools, policy-gradient losses, DPO, rewards: each against a hand-written or naive reference."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from tierlm.backends import PyTorchTrainingBackend
+from tierlm.errors import DataError
+from tierlm.models import build_gpt, forward_logits
+from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.rl.loop import Rollout, pass_at_k, rollout_batch
+from tierlm.rl.tasks import MathJSONLTask, exact_number_reward
+from tierlm.rollout import generate
+from tierlm.rollout.engine import Engine, answer_text
+from tierlm.rollout.tools import Calculator
+from tierlm.strategies.dpo import DPOStrategy, dpo_loss
+from tierlm.strategies.rl import ReinforceStrategy, group_advantages, kl_penalty, policy_gradient_loss, token_logprobs
+
+
+def _models(tiny_gpt_config):
+    torch.manual_seed(0)
+    gpt = build_gpt(tiny_gpt_config)
+    with torch.no_grad():  # off the zero init so greedy decoding is not trivially constant
+        for p in gpt.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=tiny_gpt_config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)).eval()
+    return {"native": gpt, "transformers": hf}
+
+
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+def test_engine_greedy_equals_full_recompute(tiny_gpt_config, kind):
+    model = _models(tiny_gpt_config)[kind]
+    prompt = [3, 14, 15, 92, 65]
+    reference = generate(model, prompt, max_new_tokens=24, temperature=0.0)  # full recompute, no cache
+    completions = Engine(model).generate(prompt, num_samples=3, max_new_tokens=24, temperature=0.0)
+    assert all(c.tokens == reference for c in completions)
+    # The sampler's log-probs are the model's, recomputed over the whole sequence.
+    ids = torch.tensor([prompt + reference])
+    full = torch.log_softmax(forward_logits(model, {"input_ids": ids}).float(), -1)[0, len(prompt) - 1 : -1]
+    expected = full.gather(1, torch.tensor(reference)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(completions[0].logprobs), expected, atol=2e-5, rtol=0)
+
+
+def test_engine_sampling_is_seeded_and_stops(tiny_gpt_config):
+    model = _models(tiny_gpt_config)["native"]
+    engine = Engine(model, stop_ids=[7])
+    a = engine.generate([1, 2, 3], 4, 20, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))
+    b = engine.generate([1, 2, 3], 4, 20, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    for c in a:
+        assert c.finished == (7 in c.tokens) and (not c.finished or c.tokens[-1] == 7)
+
+
+class ScriptedEngine(Engine):
+    """The model's choices come from a script (one entry per step, forced steps included), so the
+    tool path is exercised exactly; the cache and sampling code around it is the real one."""
+
+    def __init__(self, script: list[int], vocab_size: int, **kwargs):
+        super().__init__(torch.nn.Linear(1, 1), **kwargs)
+        self.script, self.vocab_size, self.calls = script, vocab_size, 0
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        logits = torch.full((rows, self.vocab_size), -30.0)
+        logits[:, self.script[min(self.calls, len(self.script) - 1)]] = 30.0
+        self.calls += 1
+        return logits
+
+    def _prefill(self, ids, num_samples, max_len):
+        return self._logits(num_samples), None
+
+    def _decode(self, tokens, cache):
+        return self._logits(tokens.shape[0])
+
+    def _max_len(self):
+        return 256
+
+
+def test_calculator_result_is_spliced_in_and_masked(tiny_tokenizer):
+    tok = tiny_tokenizer
+    vocab = tok.hf.get_vocab()
+    call = [vocab["<|tool_call_start|>"], *tok.encode("17 + 25"), vocab["<|tool_call_end|>"]]
+    result = [vocab["<|tool_start|>"], *tok.encode("42"), vocab["<|tool_end|>"]]
+    answer = [*tok.encode("17 + 25 = 42"), vocab["<|assistant_end|>"]]
+    filler = [tok.encode("9")[0]] * len(result)  # what the model "wanted" while the engine forced the result
+    engine = ScriptedEngine(call + filler + answer, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()])
+    [completion] = engine.generate([1, 2], 1, 64, temperature=0.0)
+    assert completion.tokens == call + result + answer and completion.finished and completion.tool_calls == 1
+    assert completion.mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert all(lp == 0.0 for lp, m in zip(completion.logprobs, completion.mask) if not m)
+    assert answer_text(tok, completion.tokens).strip() == "17 + 25 = 42"
+
+    # In the training batch the prompt and the tool result carry no label.
+    batch = rollout_batch([Rollout([1, 2], completion, 1.0, "")], torch.tensor([0.5]), tok.pad_id)
+    labelled = [int(t) for t in batch["labels"][0] if t != IGNORE_INDEX]
+    assert labelled == call + answer
+    assert batch["labels"][0, 0] == IGNORE_INDEX  # predicting the prompt's second token: not trained
+
+
+def test_group_advantages_against_hand_computation():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    adv = group_advantages(rewards, group_size=4)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, -0.75, 0.25]))
+    std = group_advantages(rewards, group_size=4, normalize_std=True)
+    torch.testing.assert_close(std[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(std[4:], (rewards[4:] - 0.75) / math.sqrt(0.1875), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("ratio", "advantage", "zero_grad"), [
+    (1.5, 1.0, True),    # above 1 + eps with A > 0: clipped, no gradient
+    (0.5, -1.0, True),   # below 1 - eps with A < 0: clipped, no gradient
+    (1.1, 1.0, False),   # inside the region: the gradient of ratio * A
+    (0.5, 1.0, False),   # below 1 - eps with A > 0: the unclipped term is the minimum, gradient flows
+    (1.5, -1.0, False),  # above 1 + eps with A < 0: likewise
+])
+def test_clipping_gradient_is_zero_outside_the_clip_region(ratio, advantage, zero_grad):
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - math.log(ratio)]])
+    loss, count, stats = policy_gradient_loss(logp, torch.tensor([advantage]), torch.ones(1, 1), old, clip_range=0.2)
+    loss.backward()
+    if zero_grad:
+        assert logp.grad.abs().item() == 0.0 and stats["clipped_sum"] == 1
+    else:
+        assert logp.grad.item() == pytest.approx(-ratio * advantage, rel=1e-5)
+
+
+def test_reinforce_gradient_is_nanochats_objective():
+    """Without old log-probs: d loss / d logp = -A per trained token, as -(logp * A).sum()."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv = torch.tensor([0.5, -0.25])
+    loss, count, _ = policy_gradient_loss(logp, adv, mask)
+    loss.backward()
+    reference = logp.detach().clone().requires_grad_(True)
+    (-(reference * adv[:, None] * mask).sum()).backward()
+    assert count == 5 and torch.equal(logp.grad, reference.grad)
+
+
+def test_kl_penalty_is_the_exact_kl_in_expectation():
+    """E_{x~p}[k3(x)] = KL(p || r) for categorical p and r."""
+    p = torch.tensor([0.5, 0.3, 0.2])
+    r = torch.tensor([0.2, 0.5, 0.3])
+    expected = (p * (p / r).log()).sum()
+    k3 = kl_penalty(p.log(), r.log())
+    assert (k3 >= 0).all()
+    torch.testing.assert_close((p * k3).sum(), expected)
+    # And the loss adds kl_coef * KL per token.
+    logp = p.log()[None]
+    with_kl, _, stats = policy_gradient_loss(logp, torch.zeros(1), torch.ones(1, 3), ref_logprobs=r.log()[None], kl_coef=0.1)
+    torch.testing.assert_close(with_kl, 0.1 * k3.sum())
+
+
+def test_masked_tokens_get_no_gradient(tiny_gpt_config):
+    model = _models(tiny_gpt_config)["native"]
+    ids = torch.randint(0, tiny_gpt_config.vocab_size, (2, 10))
+    labels = ids.roll(-1, dims=1).clone()
+    labels[:, :4] = IGNORE_INDEX  # prompt
+    labels[0, 6:8] = IGNORE_INDEX  # a tool result
+    batch = {"input_ids": ids, "labels": labels, "advantages": torch.tensor([1.0, -0.5])}
+    strategy = ReinforceStrategy()
+    logits = forward_logits(model, batch).detach().requires_grad_(True)
+    total, count = strategy.compute_loss(logits, batch)
+    total.backward()
+    assert count == (labels != IGNORE_INDEX).sum()
+    assert logits.grad[labels == IGNORE_INDEX].abs().max() == 0
+    assert logits.grad[labels != IGNORE_INDEX].abs().max() > 0
+
+
+def test_parity_of_trainer_and_sampler_logprobs_through_the_backend(tiny_gpt_config, tmp_path):
+    model = _models(tiny_gpt_config)["native"]
+    backend = PyTorchTrainingBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), None, tmp_path, "cpu")
+    engine = Engine(model)
+    prompt = [5, 6, 7]
+    completions = engine.generate(prompt, 3, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    batch = rollout_batch([Rollout(prompt, c, 0.0, "") for c in completions], torch.zeros(3), 0)
+    trainer_logprobs = backend.forward(batch, ReinforceStrategy().compute_metrics).wait()["logprobs"]
+    trained = batch["labels"] != IGNORE_INDEX
+    assert (trainer_logprobs - batch["sampler_logprobs"]).abs()[trained].max() < 2e-5
+
+
+def test_dpo_loss_against_the_formula(tiny_gpt_config):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 5, tiny_gpt_config.vocab_size)
+    labels = torch.randint(0, tiny_gpt_config.vocab_size, (4, 5))
+    labels[:, :2] = IGNORE_INDEX
+    ref = torch.tensor([-9.0, -11.0, -10.5, -8.0])
+    beta = 0.3
+    strategy = DPOStrategy(beta=beta)
+    total, count = strategy.compute_loss(logits, {"labels": labels, "ref_logps": ref})
+    logp = [sum(math.log(torch.softmax(logits[r, t], -1)[labels[r, t]].item()) for t in range(2, 5)) for r in range(4)]
+    expected = [math.log(1 + math.exp(-beta * ((logp[i] - ref[i].item()) - (logp[i + 2] - ref[i + 2].item())))) for i in range(2)]
+    assert count == 2
+    assert total.item() == pytest.approx(sum(expected), rel=1e-5)
+    loss, chosen, rejected = dpo_loss(torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), 0.1)
+    assert loss.item() == pytest.approx(math.log(2))
+
+
+def test_token_logprobs_match_cross_entropy():
+    logits = torch.randn(2, 3, 11)
+    labels = torch.tensor([[1, 2, IGNORE_INDEX], [4, IGNORE_INDEX, 6]])
+    ce = torch.nn.functional.cross_entropy(logits.view(-1, 11), labels.view(-1), reduction="none", ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(token_logprobs(logits, labels).view(-1), -ce)
+
+
+def test_rewards_and_gsm8k_style_jsonl(tmp_path):
+    assert exact_number_reward("", "so the answer is 1,234", 1234) == 1.0
+    assert exact_number_reward("", "#### -7", -7) == 1.0 and exact_number_reward("", "6", 7) == 0.0
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n")
+    task = MathJSONLTask(path)
+    assert len(task) == 1 and task.example(0).reference == 4.0 and task.reward("", "it is 4", 4.0) == 1.0
+    path.write_text(json.dumps({"question": "?", "answer": "none"}) + "\n")
+    with pytest.raises(DataError, match="gsm.jsonl:1"):
+        MathJSONLTask(path)
+
+
+def test_pass_at_k_against_enumeration():
+    import itertools
+
+    n, c, k = 5, 2, 3
+    draws = list(itertools.combinations([1] * c + [0] * (n - c), k))
+    assert pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws))
+

@@ -50,19 +50,31 @@ def test_cli_pretrain_sft_sample(tmp_path):
 
     # RL and DPO start from the SFT run: eval lines before the first update and at the end.
     rl = tmp_path / "rl"
-    result = run_cli("rl", "--config", "configs/tiny_rl.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",
-                     "training.num_train_steps=2", "training.eval_steps=2", "training.logging_steps=1", "rl.eval_problems=3",
-                     "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", f"infra.output_dir={rl}", "infra.device_type=cpu")
+    rl_args = ["rl", "--config", "configs/tiny_rl.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",
+               "training.num_train_steps=4", "training.eval_steps=2", "training.save_steps=2", "training.logging_steps=1",
+               "rl.eval_problems=3", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", f"infra.output_dir={rl}",
+               "infra.device_type=cpu"]
+    result = run_cli(*rl_args)
     assert result.returncode == 0, result.stderr
     assert "held-out pass@1" in result.stdout
     records = _lines(rl / "metrics.jsonl")
     evals = [r for r in records if r["type"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 2] and all({"pass@1", "pass@k", "k"} <= set(r) and r["k"] == 4 for r in evals)
+    assert [r["step"] for r in evals] == [0, 2, 4] and all({"pass@1", "pass@k", "k"} <= set(r) and r["k"] == 4 for r in evals)
     train = [r for r in records if r["type"] == "train"]
     assert all({"logprob_abs_diff", "time_generation_s", "time_scoring_s", "time_training_s", "rollout_tokens_per_sec"} <= set(r)
                for r in train)
     assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # sampler and trainer agree on the sampled tokens
     assert (rl / "model" / "model.safetensors").is_file()
+    # Rewound to step 2 and resumed, RL repeats steps 3 and 4 exactly (rollouts are seeded by step).
+    import shutil
+
+    shutil.rmtree(rl / "checkpoints" / "step_4")
+    (rl / "checkpoints" / "latest").write_text("step_2\n")
+    result = run_cli(*rl_args)
+    assert result.returncode == 0, result.stderr
+    again = [r for r in _lines(rl / "metrics.jsonl") if r["type"] == "train"]
+    keys = ("step", "loss", "reward_mean", "grad_norm", "completion_len")
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in train]
 
     dpo = tmp_path / "dpo"
     result = run_cli("dpo", "--config", "configs/tiny_dpo.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",

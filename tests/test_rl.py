@@ -77,7 +77,7 @@ class ScriptedEngine(Engine):
     def _decode(self, tokens, cache):
         return self._logits(tokens.shape[0])
 
-    def _max_len(self):
+    def max_len(self):
         return 256
 
 
@@ -226,3 +226,30 @@ def test_pass_at_k_against_enumeration():
     draws = list(itertools.combinations([1] * c + [0] * (n - c), k))
     assert pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws))
 
+
+
+def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_tokenizer):
+    from tierlm.config import RLConfig, TrainingConfig
+    from tierlm.rl.loop import RLTrainer
+    from tierlm.rl.tasks import ArithmeticChain
+
+    tok = tiny_tokenizer
+    peek = ArithmeticChain("val", 4, seed=0)
+    messages = peek.reset(2)
+    first, second = peek.expected
+    end = tok.hf.get_vocab()["<|assistant_end|>"]
+    reply1, reply2 = f"{messages[0]['content'][8:-1]} = {first}", f"{second}"
+    turn1, turn2 = tok.encode(reply1) + [end], tok.encode(reply2) + [end]
+    engine = ScriptedEngine(turn1 + turn2, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok)
+    trainer = RLTrainer(None, ReinforceStrategy(), engine, tok, None, None, RLConfig(max_new_tokens=16), TrainingConfig())
+    rollout = trainer.run_episode(ArithmeticChain("val", 4, seed=0), 2, 1.0, torch.Generator().manual_seed(0))
+    assert rollout.reward == 1.0  # both turns right
+    c = rollout.completion
+    bridge = len(c.tokens) - len(turn1) - len(turn2)
+    assert bridge > 0 and c.tokens[: len(turn1)] == turn1 and c.tokens[-len(turn2):] == turn2
+    assert c.mask == [1] * len(turn1) + [0] * bridge + [1] * len(turn2)
+    # The episode's tokens are exactly the chat template's rendering of the whole conversation.
+    conversation = [messages[0], {"role": "assistant", "content": reply1},
+                    {"role": "user", "content": peek.next_question}, {"role": "assistant", "content": reply2}]
+    ids, _ = tok.render_conversation(conversation)
+    assert rollout.prompt_ids + c.tokens == ids

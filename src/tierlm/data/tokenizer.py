@@ -273,6 +273,17 @@ class Tokenizer:
                 raise DataError("training and sampling render different prompt tokens for an assistant turn; "
                                 "the chat template or tokenizer is not prefix-stable")
 
+    def continuation_ids(self, history: list[dict], new_messages: list[dict]) -> list[int]:
+        """Ids that follow a rendered `history` (ending with an assistant turn) when `new_messages`
+        arrive, through the next assistant header: how a multi-turn episode continues the tokens
+        the model already produced, without re-tokenising them."""
+        check_conversation(history + new_messages, needs_assistant=False)
+        before = self._render(history)
+        after = self._render(history + new_messages, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise DataError("the chat template does not render conversations prefix-stably; cannot continue an episode")
+        return self.hf(after[len(before) :], add_special_tokens=False)["input_ids"]
+
     def render_for_completion(self, messages: list[dict]) -> list[int]:
         """Prompt ids that end with the assistant header, ready for the model to answer."""
         check_conversation(messages, needs_assistant=False)

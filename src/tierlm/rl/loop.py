@@ -23,7 +23,7 @@ from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import CheckpointError
 from tierlm.metrics import MetricsLogger
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rl.tasks import Task
+from tierlm.rl.tasks import Environment, Task, is_environment
 from tierlm.rollout.engine import Completion, Engine, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy
 
@@ -81,8 +81,8 @@ class RLTrainer:
     strategy: PolicyGradientStrategy
     engine: Engine
     tokenizer: Tokenizer
-    train_task: Task
-    eval_task: Task
+    train_task: Task | Environment
+    eval_task: Task | Environment
     rl: RLConfig
     config: TrainingConfig
     logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
@@ -111,6 +111,38 @@ class RLTrainer:
             groups.append(group)
         return groups
 
+    def run_episode(self, env: Environment, index: int, temperature: float, generator: torch.Generator) -> Rollout:
+        """One multi-turn episode, sampled turn by turn. The tokens between the model's turns (the
+        environment's messages and the next assistant header) join the completion as forced tokens,
+        so the model's own tokens are kept exactly as sampled and only they are trained on."""
+        messages = env.reset(index)
+        prompt = self._prompt(messages)
+        sequence, episode, total = list(prompt), Completion(), 0.0
+        while True:
+            room = self.engine.max_len() - len(sequence)
+            if room < 2:
+                break
+            turn = self.engine.generate(sequence, 1, min(self.rl.max_new_tokens, room - 1), temperature, self.rl.top_k, self.rl.top_p,
+                                        generator)[0]
+            for name in ("tokens", "logprobs", "mask"):
+                getattr(episode, name).extend(getattr(turn, name))
+            episode.tool_calls += turn.tool_calls
+            sequence += turn.tokens
+            reply = answer_text(self.tokenizer, turn.tokens)
+            observation, reward = env.step(reply)
+            total += reward
+            if observation is None or not turn.finished:
+                break
+            history = messages + [{"role": "assistant", "content": self.tokenizer.decode(turn.tokens[:-1])}]
+            bridge = self.tokenizer.continuation_ids(history, [observation])
+            episode.tokens += bridge
+            episode.logprobs += [0.0] * len(bridge)
+            episode.mask += [0] * len(bridge)
+            sequence += bridge
+            messages = history + [observation]
+        episode.finished = True
+        return Rollout(prompt, episode, total, self.tokenizer.decode(episode.tokens, skip_special_tokens=True))
+
     def _indices(self, step: int) -> list[int]:
         """The prompts of `step`: a fresh permutation of the task per epoch, a pure function of (seed, step)."""
         n, per = len(self.train_task), self.rl.prompts_per_step
@@ -130,8 +162,12 @@ class RLTrainer:
     # -- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        examples = [self.train_task.example(i) for i in self._indices(self.state.step)]
-        groups = self.collect(examples, self._generator(self.state.step))
+        indices, generator = self._indices(self.state.step), self._generator(self.state.step)
+        if is_environment(self.train_task):
+            groups = [[self.run_episode(self.train_task, i, self.rl.temperature, generator) for _ in range(self.rl.group_size)]
+                      for i in indices]
+        else:
+            groups = self.collect([self.train_task.example(i) for i in indices], generator)
         t1 = time.perf_counter()
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward for r in rollouts])
@@ -166,16 +202,21 @@ class RLTrainer:
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """pass@1 and pass@k over the first `rl.eval_problems` held-out problems, k samples each."""
+        """pass@1 and pass@k over the first `rl.eval_problems` held-out problems (or episodes), k samples each."""
         k, n = self.rl.eval_k, min(self.rl.eval_problems, len(self.eval_task))
         generator = self._generator(-1)  # the same samples' randomness at every eval
         p1, pk, rewards, tool_rows = [], [], [], 0
         for index in range(n):
-            example = self.eval_task.example(index)
-            completions = self.engine.generate(self._prompt(example.messages), k, self.rl.max_new_tokens, self.rl.eval_temperature,
-                                               self.rl.top_k, self.rl.top_p, generator)
-            scores = [self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference) for c in completions]
-            correct = sum(s > 0.5 for s in scores)
+            if is_environment(self.eval_task):
+                episodes = [self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)]
+                completions, scores = [e.completion for e in episodes], [e.reward for e in episodes]
+            else:
+                example = self.eval_task.example(index)
+                completions = self.engine.generate(self._prompt(example.messages), k, self.rl.max_new_tokens, self.rl.eval_temperature,
+                                                   self.rl.top_k, self.rl.top_p, generator)
+                scores = [self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference)
+                          for c in completions]
+            correct = sum(s >= 1.0 - 1e-6 for s in scores)  # full marks (every turn right, for episodes)
             tool_rows += sum(c.tool_calls > 0 for c in completions)
             p1.append(pass_at_k(k, correct, 1))
             pk.append(pass_at_k(k, correct, k))

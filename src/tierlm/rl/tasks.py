@@ -9,6 +9,7 @@ new user turn) or ends the episode with a reward; `SingleTurn` wraps a task as o
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,11 +123,18 @@ class MathJSONLTask:
 
 class Environment(Protocol):
     """Multi-turn episodes: `reset` gives the opening messages; `step` takes the assistant's reply
-    and returns (next user message or None when the episode ends, reward for this turn)."""
+    and returns (next user message or None when the episode ends, reward for this turn). The
+    episode's reward is the sum of its turns'. One episode at a time per instance."""
+
+    def __len__(self) -> int: ...
 
     def reset(self, index: int) -> list[dict]: ...
 
     def step(self, reply: str) -> tuple[dict | None, float]: ...
+
+
+def is_environment(task) -> bool:
+    return hasattr(task, "reset") and hasattr(task, "step")
 
 
 class SingleTurn:
@@ -134,6 +142,9 @@ class SingleTurn:
 
     def __init__(self, task: Task):
         self.task, self.current = task, None
+
+    def __len__(self) -> int:
+        return len(self.task)
 
     def reset(self, index: int) -> list[dict]:
         self.current = self.task.example(index)
@@ -144,12 +155,43 @@ class SingleTurn:
         return None, self.task.reward(self.current.prompt, reply, self.current.reference)
 
 
-def open_task(spec: str, split: str, count: int, seed: int) -> Task:
-    """`synthetic:arithmetic` or a GSM8K-style JSONL file."""
+class ArithmeticChain:
+    """A two-turn environment: "What is a + b?", then "Now subtract c. What do you get?".
+
+    The episode's reward is the mean correctness of the two replies (the second must carry on
+    from the true first result).
+    """
+
+    def __init__(self, split: str, count: int, seed: int):
+        self.task, self.split, self.count, self.seed = ArithmeticTask(), split, count, seed
+        self.turn, self.expected = 0, []
+
+    def __len__(self) -> int:
+        return self.count
+
+    def reset(self, index: int) -> list[dict]:
+        first = self.task.problem(self.split, index, self.seed)
+        c = random.Random(f"{self.seed}/chain/{self.split}/{index}").randint(0, 9)
+        self.turn, self.expected, self.next_question = 0, [first.result, first.result - c], f"Now subtract {c}. What do you get?"
+        return [{"role": "user", "content": first.question}]
+
+    def step(self, reply: str) -> tuple[dict | None, float]:
+        correct = exact_number_reward("", reply, self.expected[self.turn]) / len(self.expected)
+        self.turn += 1
+        if self.turn == len(self.expected):
+            return None, correct
+        return {"role": "user", "content": self.next_question}, correct
+
+
+def open_task(spec: str, split: str, count: int, seed: int) -> Task | Environment:
+    """`synthetic:arithmetic`, `synthetic:arithmetic_chain` (two turns) or a GSM8K-style JSONL file."""
     if spec == "synthetic:arithmetic":
         return ArithmeticRLTask(split, count, seed)
+    if spec == "synthetic:arithmetic_chain":
+        return ArithmeticChain(split, count, seed)
     if spec.startswith("synthetic:"):
-        raise DataError(f"unknown synthetic task {spec!r}; the RL tasks are synthetic:arithmetic or a question/answer JSONL file")
+        raise DataError(f"unknown synthetic task {spec!r}; the RL tasks are synthetic:arithmetic, synthetic:arithmetic_chain "
+                        "or a question/answer JSONL file")
     return MathJSONLTask(spec)
 
 

@@ -74,7 +74,8 @@ class Engine:
             return self.model(tokens[:, None], cache=cache)[:, -1]
         return self.model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
 
-    def _max_len(self) -> int:
+    def max_len(self) -> int:
+        """The longest sequence (prompt + completion) the model takes."""
         if isinstance(self.model, GPT):
             return self.model.config.max_seq_len
         return getattr(self.model.config, "max_position_embeddings", 1 << 30)
@@ -101,7 +102,7 @@ class Engine:
     ) -> list[Completion]:
         assert prompt_ids, "the prompt is empty"
         assert num_samples >= 1 and max_new_tokens >= 1, f"num_samples={num_samples}, max_new_tokens={max_new_tokens}"
-        max_len = min(len(prompt_ids) + max_new_tokens, self._max_len())
+        max_len = min(len(prompt_ids) + max_new_tokens, self.max_len())
         assert len(prompt_ids) < max_len, f"the prompt ({len(prompt_ids)} tokens) leaves no room in {max_len}"
         was_training = self.model.training
         self.model.eval()

@@ -253,3 +253,16 @@ def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_
                     {"role": "user", "content": peek.next_question}, {"role": "assistant", "content": reply2}]
     ids, _ = tok.render_conversation(conversation)
     assert rollout.prompt_ids + c.tokens == ids
+
+
+def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
+    from tierlm.rollout.sampling import sample_next_token
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    freq = torch.bincount(sample_next_token(logits, 1.0, generator=g), minlength=4).float() / 20000
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.01, rtol=0)
+    top2 = torch.bincount(sample_next_token(logits, 1.0, top_k=2, generator=g), minlength=4).float() / 20000
+    torch.testing.assert_close(top2, torch.tensor([0.0, 1.0, 2.0, -1.0])[[1, 2]].softmax(-1).new_tensor([0, 0.2689, 0.7311, 0]),
+                               atol=0.01, rtol=0)
+    assert set(sample_next_token(logits, 1.0, top_p=0.5, generator=g).tolist()) == {2}  # the top token alone covers 0.64

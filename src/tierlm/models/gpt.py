@@ -183,6 +183,9 @@ class Attention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         if cache is not None:  # decoding: attend to everything cached so far plus these T tokens
             k, v = cache.append(k, v)
+        if T == 1 and cache is not None:  # one new token attends to everything cached: no mask at all
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if mask is None and k.shape[2] != T:  # T new queries after cached keys: causal, offset by the cache
             mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
         if mask is None:

@@ -111,23 +111,25 @@ class Engine:
         out = [Completion() for _ in range(num_samples)]
         forced: list[list[int]] = [[] for _ in range(num_samples)]
         call_open: list[int | None] = [None] * num_samples  # where a row's open tool call began
-        for _ in range(max_len - len(prompt_ids)):
+        steps = max_len - len(prompt_ids)
+        for i in range(steps):
             sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
             logprobs = torch.log_softmax(scaled, dim=-1).gather(1, sampled[:, None]).squeeze(1)
-            step = sampled.clone()
+            step = sampled.tolist()  # one host sync per step, not one per row
+            logprob_list = logprobs.tolist()
             for row, completion in enumerate(out):
                 if completion.finished:
                     continue
                 if forced[row]:
                     step[row] = forced[row].pop(0)
-                    completion.tokens.append(int(step[row]))
+                    completion.tokens.append(step[row])
                     completion.logprobs.append(0.0)
                     completion.mask.append(0)
                     continue
-                token = int(sampled[row])
+                token = step[row]
                 completion.tokens.append(token)
-                completion.logprobs.append(float(logprobs[row]))
+                completion.logprobs.append(logprob_list[row])
                 completion.mask.append(1)
                 if token in self.stop_ids:
                     completion.finished = True
@@ -137,9 +139,9 @@ class Engine:
                     forced[row] = self._tool_result(completion.tokens[call_open[row] : -1])
                     call_open[row] = None
                     completion.tool_calls += 1
-            if all(c.finished for c in out):
+            if i == steps - 1 or all(c.finished for c in out):
                 break
-            logits = self._decode(step, cache)
+            logits = self._decode(torch.tensor(step, device=self.device), cache)
         self.model.train(was_training)
         return out
 

@@ -28,7 +28,11 @@ def sample_next_token(
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    # Inverse-CDF sampling: one uniform number per row and a binary search over the cumulative
+    # probabilities (torch.multinomial and Gumbel noise draw a random number per vocabulary entry).
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
 @torch.no_grad()

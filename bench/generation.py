@@ -1,0 +1,99 @@
+"""Generation speed: tierlm's engine (KV cache, prefill once) against transformers `generate`.
+
+    .venv/bin/python bench/generation.py [--repeats 3] [--new-tokens 128]
+
+The same weights for every contender: a native GPT (depth 4, width 256, vocab 4096), exported
+to the equivalent transformers Qwen3 model. Sampling at temperature 1 with no stop token, so
+every contender generates exactly batch x new-tokens tokens; the prompt is 16 tokens.
+  - tierlm-native: `Engine` on the native GPT;
+  - tierlm-hf: `Engine` on the transformers model (its own cache);
+  - transformers: `model.generate(do_sample=True)`, the prompt repeated per row.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import parser, run  # noqa: E402
+
+MODEL_DIR = Path(tempfile.gettempdir()) / "tierlm_bench_generation_model"
+
+
+def model_folder() -> Path:
+    from tierlm.models import GPTConfig, build_gpt, save_model_folder
+
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        torch.manual_seed(0)
+        gpt = build_gpt(GPTConfig(depth=4, aspect_ratio=64, head_dim=64, n_kv_head=2, vocab_size=4096, max_seq_len=1024))
+        with torch.no_grad():  # trained-looking weights: non-degenerate distributions
+            for p in gpt.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        save_model_folder(gpt, MODEL_DIR)
+    return MODEL_DIR
+
+
+def _time(fn, batch: int, new_tokens: int) -> dict:
+    fn()  # warm-up (allocations, first-call paths)
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    return {"tokens_per_sec": batch * new_tokens / elapsed, "seconds": elapsed}
+
+
+def tierlm(args, hf: bool) -> dict:
+    from tierlm.models import load_native_model
+    from tierlm.rollout.engine import Engine
+
+    if hf:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_folder()).eval()
+    else:
+        model = load_native_model(model_folder()).eval()
+    engine, prompt = Engine(model), list(range(10, 26))
+    g = torch.Generator().manual_seed(0)
+
+    def go():
+        out = engine.generate(prompt, args.batch, args.new_tokens, temperature=1.0, generator=g)
+        assert all(len(c.tokens) == args.new_tokens for c in out)
+
+    return _time(go, args.batch, args.new_tokens)
+
+
+def transformers_generate(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder()).eval()
+    ids = torch.arange(10, 26)[None].repeat(args.batch, 1)
+
+    @torch.no_grad()
+    def go():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+        assert out.shape == (args.batch, 16 + args.new_tokens)
+
+    return _time(go, args.batch, args.new_tokens)
+
+
+CONTENDERS = {
+    "tierlm-native": lambda a: tierlm(a, hf=False),
+    "tierlm-hf": lambda a: tierlm(a, hf=True),
+    "transformers": transformers_generate,
+}
+
+if __name__ == "__main__":
+    p = parser(__doc__)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    args = p.parse_args()
+    argv = [f"--batch={args.batch}", f"--new-tokens={args.new_tokens}", f"--threads={args.threads}"]
+    if args.contender is None:
+        model_folder()
+        print(f"generation, batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads", file=sys.stderr)
+    run(CONTENDERS, args, argv, "tokens_per_sec", "transformers")

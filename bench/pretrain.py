@@ -90,7 +90,7 @@ def tierlm(args) -> dict:
         f"training.num_train_steps={total}", f"training.warmup_steps={WARMUP}", "training.lr_scheduler_type=cosine",
         "training.min_lr_ratio=0.0", "training.max_grad_norm=1.0", "training.eval_steps=0", "training.eval_batches=1",
         f"training.logging_steps={WARMUP}", "training.save_steps=0", f"infra.output_dir={out}", "infra.device_type=cpu",
-        "infra.progress_bar=false",
+        "infra.progress_bar=false", *args.overrides,
     ])
     run_stage(config, "pretrain")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -164,8 +164,10 @@ CONTENDERS = {"tierlm": tierlm, "hand-loop": hand_loop, "hf-trainer": hf_trainer
 if __name__ == "__main__":
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
+    p.add_argument("--overrides", nargs="*", default=[], help="extra tierlm config overrides (section.key=value)")
     args = p.parse_args()
     if args.contender is None:
         prepare()
         print(f"pretrain, batch {BATCH} x {SEQ} tokens, {args.steps} timed steps, {args.threads} threads", file=sys.stderr)
-    run(CONTENDERS, args, [f"--steps={args.steps}", f"--threads={args.threads}"], "tokens_per_sec", "hand-loop")
+    argv = [f"--steps={args.steps}", f"--threads={args.threads}", "--overrides", *args.overrides]
+    run(CONTENDERS, args, argv, "tokens_per_sec", "hand-loop")

@@ -94,7 +94,8 @@ def _config(tmp_path, steps, **extra):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
-    """A run rewound to its step-5 checkpoint and resumed ends exactly as the uninterrupted run (CPU fp32)."""
+    """A run rewound to its step-5 checkpoint and resumed (with a prefetching loader) ends exactly as
+    the uninterrupted run (CPU fp32)."""
     import shutil
 
     from safetensors.torch import load_file
@@ -106,7 +107,7 @@ def test_resume_continues_exactly(tmp_path):
     shutil.rmtree(resumed / "model")
     (resumed / "checkpoints" / "latest").write_text("step_5\n")
 
-    summary = run_stage(_config(resumed, 10), "pretrain")
+    summary = run_stage(_config(resumed, 10, **{"data.prefetch_batches": 2}), "pretrain")  # the background loader too
     assert summary["resumed_from"].endswith("step_5") and summary["step"] == 10
 
     def losses(run):

@@ -46,19 +46,20 @@ def _model():
     return nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 20))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("exclude", [False, True])
-def test_adamw_matches_torch(exclude):
+def test_adamw_matches_torch(exclude, fused):
     ours_model = _model()
     ref_model = copy.deepcopy(ours_model)
     ours = create_adamw_optimizer(ours_model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  exclude_norms_biases_embeddings=exclude)
+                                  exclude_norms_biases_embeddings=exclude, fused=fused)
     if exclude:
         decay = [ref_model[1].weight, ref_model[3].weight]
         no_decay = [ref_model[0].weight, ref_model[1].bias, ref_model[2].weight, ref_model[2].bias, ref_model[3].bias]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     else:
         groups = [{"params": list(ref_model.parameters())}]
-    ref = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused or None)
     for step in range(5):
         x = torch.randint(0, 20, (4, 6))
         for model, opt in ((ours_model, ours), (ref_model, ref)):
@@ -67,6 +68,22 @@ def test_adamw_matches_torch(exclude):
             opt.step()
         for a, b in zip(ours_model.parameters(), ref_model.parameters()):
             assert torch.equal(a, b), f"step {step}: parameters diverged"
+
+
+def test_adamw_is_fused_by_default_and_matches_the_loop_kernel():
+    fused_model = _model()
+    loop_model = copy.deepcopy(fused_model)
+    fused = create_adamw_optimizer(fused_model, lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"]
+    loop = torch.optim.AdamW(loop_model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    for _ in range(5):
+        x = torch.randint(0, 20, (4, 6))
+        for model, opt in ((fused_model, fused), (loop_model, loop)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_adamw_groups_exempt_norms_biases_embeddings():

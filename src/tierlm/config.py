@@ -105,8 +105,9 @@ class DataConfig(Section):
     """Packed documents get their own positions and never attend to each other. None: on for SFT, off for pretraining (nanochat)."""
     packing_buffer: int = Field(1000, gt=0)
     """Documents held for best-fit packing: more fills rows better and costs memory."""
-    prefetch_batches: int = Field(2, ge=0)
-    """Training batches built ahead on a background thread while the model trains (0: none)."""
+    prefetch_batches: int | None = Field(None, ge=0)
+    """Batches a background thread builds ahead of training (None: 2 on a GPU, 0 on CPU, where the
+    thread would only compete with the model for the cores: -10% tokens/s, bench/pretrain.py)."""
     on_bad_line: Literal["error", "skip"] = "error"
     """A malformed JSONL line: stop with its file:line, or skip it and count it."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"

@@ -374,8 +374,9 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
     resumed = trainer.resume() if latest is not None else None
     if is_main:
         trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
-    if config.data.prefetch_batches and stage != "dpo":  # started after resuming, so it starts from the resumed position
-        trainer.train_loader = Prefetcher(trainer.train_loader, config.data.prefetch_batches)
+    prefetch = config.data.prefetch_batches if config.data.prefetch_batches is not None else (2 if device.type != "cpu" else 0)
+    if prefetch and stage != "dpo":  # started after resuming, so it starts from the resumed position
+        trainer.train_loader = Prefetcher(trainer.train_loader, prefetch)
     try:
         summary = trainer.train()
     finally:

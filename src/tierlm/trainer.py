@@ -7,6 +7,7 @@ it drives every backend the same way.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections import defaultdict
@@ -148,11 +149,16 @@ class Trainer:
         if self.eval_set and state.step == 0:
             self.evaluate()
         start = time.perf_counter() - state.elapsed_s
+        gc_frozen = False
         while state.step < cfg.num_train_steps:
             step_start = time.perf_counter()
             metrics = self.train_step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
             step_s = time.perf_counter() - step_start
             state.step += 1
+            if not gc_frozen:  # after the first step, everything alive stays: stop the GC from rescanning it
+                gc.collect()
+                gc.freeze()
+                gc_frozen = True
             state.tokens_seen += metrics["input_tokens"]
             state.elapsed_s = time.perf_counter() - start
             self._check_finite(metrics)

@@ -159,6 +159,7 @@ class PackedLoader:
         self.epoch, self.cursor = 0, 0
         self.buffer_ids: list[int] = []
         self.buffer: list[Document] = []
+        self.buffer_lengths: list[int] = []  # len(doc.ids) of each buffered document, for the best-fit search
         self.counts = {"tokens_in": 0, "tokens_cropped": 0, "tokens_placed": 0, "tokens_padding": 0, "truncated": 0, "dropped": 0}
         self._order_epoch = -1
 
@@ -170,6 +171,7 @@ class PackedLoader:
         self.counts = {k: int(v) for k, v in state["counts"].items()}
         self.buffer_ids = [int(i) for i in state["buffer"]]
         self.buffer = [self._admit(doc, count=False) for doc in self.documents.fetch(self.buffer_ids)]
+        self.buffer_lengths = [len(doc.ids) for doc in self.buffer]
 
     def stats(self) -> dict[str, float]:
         """Data metrics for the logs: cropped share (pretraining), padding share, long conversations."""
@@ -217,10 +219,12 @@ class PackedLoader:
                     self.counts["tokens_in"] += len(doc.ids)
                     self.buffer_ids.append(index)
                     self.buffer.append(doc)
+                    self.buffer_lengths.append(len(doc.ids))
 
     # -- rows and batches ------------------------------------------------------------------
     def _take(self, j: int) -> Document:
         self.buffer_ids.pop(j)
+        self.buffer_lengths.pop(j)
         return self.buffer.pop(j)
 
     def _next_row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -233,7 +237,7 @@ class PackedLoader:
             if not self.buffer:
                 break
             room = self.row_len - filled
-            lengths = np.fromiter((len(d.ids) for d in self.buffer), dtype=np.int64, count=len(self.buffer))
+            lengths = np.asarray(self.buffer_lengths, dtype=np.int64)
             fits = np.flatnonzero(lengths <= room)
             if filled == 0:  # the oldest document opens the row (cropped to it if longer than a row)
                 doc = self._take(0)

@@ -222,6 +222,26 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
     return MetricsLogger(sinks)
 
 
+def existing_checkpoint(config: TierlmConfig) -> Path | None:
+    """The checkpoint a run would resume from; an error when training.resume=never forbids reusing the directory."""
+    output_dir = Path(config.infra.output_dir)
+    latest = find_latest_checkpoint(output_dir / CHECKPOINTS_DIRNAME)
+    if latest is not None and config.training.resume == "never":
+        raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
+    return latest
+
+
+def extras_writer(config: TierlmConfig, tokenizer: Tokenizer, stage: str):
+    """What every checkpoint and the run directory carry besides weights: tokenizer, config, stage."""
+
+    def write_extra(folder: Path) -> None:
+        tokenizer.save(folder / "model")
+        config.to_yaml(folder / "config.yaml")
+        (folder / "model" / TRAINING_META_FILE).write_text(json.dumps({"stage": stage}) + "\n")
+
+    return write_extra
+
+
 def distributed_context(config: TierlmConfig) -> DistributedContext | None:
     """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
     infra, tr = config.infra, config.training
@@ -317,12 +337,8 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
     Under torchrun every rank calls this; rank 0 writes the logs and the final model.
     """
     assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
-    tr, infra = config.training, config.infra
-    output_dir = Path(infra.output_dir)
-    checkpoint_dir = output_dir / CHECKPOINTS_DIRNAME
-    latest = find_latest_checkpoint(checkpoint_dir)
-    if latest is not None and tr.resume == "never":
-        raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
+    infra = config.infra
+    latest = existing_checkpoint(config)
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
     if stage == "dpo":
@@ -361,11 +377,7 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
     if is_main:
         config.to_yaml(output_dir / "config.yaml")
 
-    def write_extra(folder: Path) -> None:
-        tokenizer.save(folder / "model")
-        config.to_yaml(folder / "config.yaml")
-        (folder / "model" / TRAINING_META_FILE).write_text(json.dumps({"stage": stage}) + "\n")
-
+    write_extra = extras_writer(config, tokenizer, stage)
     trainer = Trainer(
         backend, strategy, train_loader=RankSlice(train_loader, ctx.rank, world_size) if ctx else train_loader,
         eval_loader=eval_loader, config=tr, flops_per_token=flops,
@@ -410,9 +422,7 @@ def run_rl(config: TierlmConfig) -> dict:
     single_process_only(config, "rl")
     output_dir = Path(infra.output_dir)
     checkpoint_dir = output_dir / CHECKPOINTS_DIRNAME
-    latest = find_latest_checkpoint(checkpoint_dir)
-    if latest is not None and tr.resume == "never":
-        raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
+    latest = existing_checkpoint(config)
     pretrained = pretrained_location(config)
     if pretrained is None:
         raise ConfigError("rl starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)")
@@ -444,11 +454,7 @@ def run_rl(config: TierlmConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     config.to_yaml(output_dir / "config.yaml")
 
-    def write_extra(folder: Path) -> None:
-        tokenizer.save(folder / "model")
-        config.to_yaml(folder / "config.yaml")
-        (folder / "model" / TRAINING_META_FILE).write_text(json.dumps({"stage": "rl"}) + "\n")
-
+    write_extra = extras_writer(config, tokenizer, "rl")
     trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, tr, reference=reference, write_extra=write_extra)
     resumed = trainer.resume() if latest is not None else None
     trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)

@@ -37,6 +37,21 @@ class LoopState:
     consecutive_skips: int = 0
 
 
+def resume_backend(backend: TrainingBackend, warn: bool = True) -> tuple[Path, dict] | None:
+    """Load the newest loadable checkpoint into `backend`: (its path, its trainer state), or None
+    when there is none. A damaged checkpoint is reported in one line and the previous one tried."""
+    candidates = resume_candidates(backend.checkpoint_dir)
+    for path in candidates:
+        try:
+            return path, backend.load_checkpoint(path).wait()
+        except CheckpointError as error:
+            if warn:
+                print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
+    if candidates:
+        raise CheckpointError(f"no checkpoint in {backend.checkpoint_dir} can be loaded; move them away to start fresh")
+    return None
+
+
 class Trainer:
     def __init__(
         self,
@@ -108,20 +123,13 @@ class Trainer:
 
     def resume(self) -> Path | None:
         """Continue from the newest loadable checkpoint; a damaged one is reported in one line and skipped."""
-        candidates = resume_candidates(self.backend.checkpoint_dir)
-        for path in candidates:
-            try:
-                trainer_state = self.backend.load_checkpoint(path).wait()
-            except CheckpointError as error:
-                if self.is_main:
-                    print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
-                continue
-            self.state = LoopState(**trainer_state["loop"])
-            self.train_loader.load_state_dict(trainer_state["loader"])
-            return path
-        if candidates:
-            raise CheckpointError(f"no checkpoint in {self.backend.checkpoint_dir} can be loaded; move them away to start fresh")
-        return None
+        found = resume_backend(self.backend, warn=self.is_main)
+        if found is None:
+            return None
+        path, trainer_state = found
+        self.state = LoopState(**trainer_state["loop"])
+        self.train_loader.load_state_dict(trainer_state["loader"])
+        return path
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         if not metrics.get("skipped"):

@@ -17,15 +17,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tierlm.checkpoint import prune_checkpoints, resume_candidates
+from tierlm.checkpoint import prune_checkpoints
 from tierlm.config import RLConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
-from tierlm.errors import CheckpointError
 from tierlm.metrics import MetricsLogger
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rl.tasks import Environment, Task, is_environment
 from tierlm.rollout.engine import Completion, Engine, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy
+from tierlm.trainer import resume_backend
 
 
 @dataclass
@@ -238,15 +238,12 @@ class RLTrainer:
         prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
 
     def resume(self) -> Path | None:
-        for path in resume_candidates(self.backend.checkpoint_dir):
-            try:
-                state = self.backend.load_checkpoint(path).wait()
-            except CheckpointError as error:
-                print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
-                continue
-            self.state = RLState(**state["loop"])
-            return path
-        return None
+        found = resume_backend(self.backend)
+        if found is None:
+            return None
+        path, state = found
+        self.state = RLState(**state["loop"])
+        return path
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

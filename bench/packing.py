@@ -26,8 +26,8 @@ from tierlm.strategies import SFTStrategy
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def long_tailed_conversations(text: str, count: int, seed: int) -> list[list[dict]]:
-    """User and assistant turns of log-normal length in words (median ~60 and ~120, long tail)."""
+def long_tailed_conversations(text: str, count: int, seed: int, user_words: float = 60, assistant_words: float = 120) -> list[list[dict]]:
+    """User and assistant turns of log-normal length in words (median `user_words` and `assistant_words`, long tail)."""
     words, rng = text.split(), np.random.default_rng(seed)
 
     def span(median: float) -> str:
@@ -40,7 +40,7 @@ def long_tailed_conversations(text: str, count: int, seed: int) -> list[list[dic
         turns = int(rng.choice([1, 1, 1, 2, 3]))
         conversation = []
         for _ in range(turns):
-            conversation += [{"role": "user", "content": span(60)}, {"role": "assistant", "content": span(120)}]
+            conversation += [{"role": "user", "content": span(user_words)}, {"role": "assistant", "content": span(assistant_words)}]
         conversations.append(conversation)
     return conversations
 

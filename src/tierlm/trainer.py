@@ -31,6 +31,7 @@ from tierlm.strategies.base import TrainingStrategy
 class LoopState:
     step: int = 0
     tokens_seen: int = 0
+    trained_tokens: int = 0
     best_val_loss: float | None = None
     elapsed_s: float = 0.0
     skipped_steps: int = 0
@@ -168,6 +169,7 @@ class Trainer:
                 gc.freeze()
                 gc_frozen = True
             state.tokens_seen += metrics["input_tokens"]
+            state.trained_tokens += int(metrics["num_tokens"])
             state.elapsed_s = time.perf_counter() - start
             self._check_finite(metrics)
             record = self._train_record(metrics, step_s)
@@ -205,6 +207,7 @@ class Trainer:
             "tokens_per_sec": tokens_per_sec,
             "trained_tokens_per_sec": metrics["num_tokens"] / step_s,
             "tokens_seen": self.state.tokens_seen,
+            "trained_tokens": self.state.trained_tokens,
             "elapsed_s": self.state.elapsed_s,
             "skipped_steps": self.state.skipped_steps,
         }

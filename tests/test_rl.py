@@ -266,3 +266,30 @@ def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
     torch.testing.assert_close(top2, torch.tensor([0.0, 1.0, 2.0, -1.0])[[1, 2]].softmax(-1).new_tensor([0, 0.2689, 0.7311, 0]),
                                atol=0.01, rtol=0)
     assert set(sample_next_token(logits, 1.0, top_p=0.5, generator=g).tolist()) == {2}  # the top token alone covers 0.64
+
+
+def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_path):
+    import copy
+
+    from tierlm.backends import FrozenReference
+    from tierlm.config import RLConfig, TrainingConfig
+    from tierlm.models import GPTConfig
+    from tierlm.rl.loop import RLTrainer
+    from tierlm.rl.tasks import ArithmeticRLTask
+    from tierlm.strategies.rl import PPOStrategy
+
+    tok = tiny_tokenizer
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=tok.vocab_size, max_seq_len=64))
+    reference = FrozenReference(copy.deepcopy(model), "cpu")
+    backend = PyTorchTrainingBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path, "cpu")
+    rl = RLConfig(algorithm="ppo", group_size=2, prompts_per_step=2, max_new_tokens=4, ppo_epochs=3, kl_coef=0.1)
+    trainer = RLTrainer(backend, PPOStrategy(kl_coef=0.1, clip_range=0.2), Engine(model, tok.stop_ids, tok), tok,
+                        ArithmeticRLTask("train", 50, 0), ArithmeticRLTask("val", 10, 0), rl, TrainingConfig(), reference=reference)
+    first = trainer.train_step()
+    assert backend.step == 3  # one optimizer step per inner epoch
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # before any update the policy is the reference
+    trainer.state.step += 1
+    second = trainer.train_step()
+    assert backend.step == 6 and second["kl"] > 0 and math.isfinite(second["loss"])
+    assert second["logprob_abs_diff"] < 1e-4

@@ -442,7 +442,9 @@ def run_rl(config: TierlmConfig) -> dict:
         raise ConfigError(f"{pretrained} has no chat template: rl needs a chat model (run tierlm sft first)")
     model = build_model(config, tokenizer, device, pretrained)
     reference = FrozenReference(copy.deepcopy(model), device) if rl.kl_coef > 0 else None
-    backend = build_backend(config, model, checkpoint_dir, device, None)
+    # Each RL step makes rl.ppo_epochs optimizer steps: the LR schedule counts optimizer steps.
+    schedule = tr.model_copy(update={"num_train_steps": tr.num_train_steps * rl.ppo_epochs, "warmup_steps": tr.warmup_steps * rl.ppo_epochs})
+    backend = build_backend(config.model_copy(update={"training": schedule}), model, checkpoint_dir, device, None)
     normalize = rl.normalize_std if rl.normalize_std is not None else rl.algorithm == "grpo"
     strategy = {
         "reinforce": lambda: ReinforceStrategy(rl.temperature, rl.kl_coef),

@@ -24,7 +24,7 @@ from tierlm.metrics import MetricsLogger
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rl.tasks import Environment, Task, is_environment
 from tierlm.rollout.engine import Completion, Engine, answer_text
-from tierlm.strategies.rl import PolicyGradientStrategy
+from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
 from tierlm.trainer import resume_backend
 
 
@@ -181,6 +181,10 @@ class RLTrainer:
         trained = batch["labels"] != IGNORE_INDEX
         old = torch.cat([mb["old_logprobs"] for mb in micro])
         parity = ((old - batch["sampler_logprobs"]).abs() * trained).sum() / trained.sum().clamp(min=1)
+        kl = None
+        if self.reference is not None:  # KL(policy || reference) on the sampled tokens, before this step's update
+            ref = torch.cat([mb["ref_logprobs"] for mb in micro])
+            kl = float((kl_penalty(old, ref) * trained).sum() / trained.sum().clamp(min=1))
         t2 = time.perf_counter()
         for _ in range(self.rl.ppo_epochs):
             for mb in micro:
@@ -198,6 +202,7 @@ class RLTrainer:
             "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
             "time_generation_s": t1 - t0, "time_scoring_s": t2 - t1, "time_training_s": t3 - t2,  # scoring: rewards + log-probs
             "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),
+            **({"kl": kl} if kl is not None else {}),
         }
 
     # -- evaluation ------------------------------------------------------------------------

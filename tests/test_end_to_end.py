@@ -65,6 +65,11 @@ def test_cli_pretrain_sft_sample(tmp_path):
                for r in train)
     assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # sampler and trainer agree on the sampled tokens
     assert (rl / "model" / "model.safetensors").is_file()
+    # `tierlm eval` reproduces the run's last pass@k eval (the same seeded samples) without training.
+    result = run_cli("eval", "--checkpoint", rl, "--config", "configs/tiny_rl.yaml", "data.max_seq_length=64", "rl.eval_problems=3",
+                     "rl.max_new_tokens=8", "infra.device_type=cpu")
+    assert result.returncode == 0, result.stderr
+    assert f"pass@1 {evals[-1]['pass@1']:.3f}, pass@4 {evals[-1]['pass@k']:.3f} over 3 held-out problems" in result.stdout
     # Rewound to step 2 and resumed, RL repeats steps 3 and 4 exactly (rollouts are seeded by step).
     import shutil
 

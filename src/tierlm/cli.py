@@ -5,6 +5,7 @@
     tierlm rl --config configs/tiny_rl.yaml [section.key=value ...]
     tierlm dpo --config configs/tiny_dpo.yaml [section.key=value ...]
     tierlm sample --checkpoint runs/tiny_sft --prompt "What is 12 + 7?"
+    tierlm eval --checkpoint runs/tiny_rl --config configs/tiny_rl.yaml
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE] [section.key=value ...]
     tierlm export CHECKPOINT OUT_DIR
@@ -45,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     average = commands.add_parser("average", help="average the weights of several checkpoints")
     average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
     average.add_argument("--out", required=True, help="new folder for the averaged model")
+
+    evaluate = commands.add_parser("eval", help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings)")
+    evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    _add_config_args(evaluate, required=False)
 
     sample = commands.add_parser("sample", help="generate from a trained model")
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
@@ -97,6 +102,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
         print(f"final val loss: {summary['val_loss']:.4f}{bpb}")
     print(f"model: {summary['model_dir']}  ({summary['step']} steps, {summary['elapsed_s']:.0f} s)")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from tierlm.config import TierlmConfig
+    from tierlm.recipes import run_eval
+
+    config = TierlmConfig.load(args.config, args.overrides)
+    result = run_eval(config, args.checkpoint)
+    tools = " with the calculator" if "calculator" in config.rl.tools else ""
+    print(f"pass@1 {result['pass@1']:.3f}, pass@{result['k']} {result['pass@k']:.3f} over {result['eval_problems']} held-out problems"
+          f"{tools} (tool use {result['eval_tool_use']:.3f})")
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
@@ -166,7 +182,7 @@ def _rank_prefix() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
+    handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config_show}[args.command]
     try:
         handler(args)

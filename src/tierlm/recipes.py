@@ -410,6 +410,34 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
     return summary
 
 
+def _eval_task(config: TierlmConfig):
+    from tierlm.rl.tasks import open_task, split_task
+
+    d, tr = config.data, config.training
+    if d.eval_dataset_name:
+        return open_task(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
+    if d.dataset_name.startswith("synthetic:"):
+        return open_task(d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
+    return split_task(open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed), d.val_fraction)[1]
+
+
+def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
+    """pass@1 / pass@k of a chat model on the held-out problems the RL config names (no training)."""
+    from tierlm.rl.loop import RLTrainer
+    from tierlm.rollout.engine import Engine
+    from tierlm.rollout.tools import Calculator
+
+    location = resolve_model_folder(checkpoint) if Path(checkpoint).exists() else checkpoint
+    tokenizer = load_tokenizer(location, config.model.trust_remote_code)
+    if not tokenizer.has_chat_template:
+        raise ConfigError(f"{checkpoint} has no chat template: pass@k evaluates chat models")
+    torch.manual_seed(config.training.seed)
+    model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
+    engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in config.rl.tools else [])
+    trainer = RLTrainer(None, None, engine, tokenizer, None, _eval_task(config), config.rl, config.training)
+    return trainer.evaluate()
+
+
 def run_rl(config: TierlmConfig) -> dict:
     """Reinforcement learning from a trained chat model: sample groups, reward, policy-gradient updates."""
     from tierlm.rl.loop import RLTrainer
@@ -427,12 +455,9 @@ def run_rl(config: TierlmConfig) -> dict:
     if pretrained is None:
         raise ConfigError("rl starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)")
     train_task = open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed)
-    if d.eval_dataset_name:
-        eval_task = open_task(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
-    elif d.dataset_name.startswith("synthetic:"):
-        eval_task = open_task(d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
-    else:
-        train_task, eval_task = split_task(train_task, d.val_fraction)
+    if not d.eval_dataset_name and not d.dataset_name.startswith("synthetic:"):
+        train_task = split_task(train_task, d.val_fraction)[0]  # the held-out tail is _eval_task's
+    eval_task = _eval_task(config)
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
     seed_everything(tr.seed)

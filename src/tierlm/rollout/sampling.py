@@ -1,4 +1,5 @@
-"""Sampling for one prompt, by full recompute: simple and exact (the KV-cache engine comes later)."""
+"""Token sampling, and `generate`: one prompt by full recompute, the slow exact reference the
+KV-cache `Engine` is tested against."""
 
 from __future__ import annotations
 

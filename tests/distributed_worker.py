@@ -81,16 +81,37 @@ def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: 
         shutdown_distributed()
 
 
+def factories(out: Path, model_folder: str) -> None:
+    """The tier-2 factories: FSDP2 and DDP from a model folder, 3 steps each on the same data."""
+    from tierlm.backends import create_ddp_backend, create_fsdp_backend
+
+    losses = {}
+    for name, create in (("fsdp", create_fsdp_backend), ("ddp", create_ddp_backend)):
+        backend = create(model_folder, out.parent / f"ckpt_factory_{name}", device_type="cpu", learning_rate=1e-3, bf16=False)
+        per_rank = ROWS // backend.world_size
+        losses[name] = []
+        for _ in range(3):
+            batch = global_micro_batches(0)[0]  # the same batch: the loss must fall
+            backend.forward_backward({k: v[backend.rank * per_rank : (backend.rank + 1) * per_rank] for k, v in batch.items()})
+            losses[name].append(backend.optim_step().wait()["loss"])
+        if backend.rank == 0:
+            out.write_text(json.dumps(losses))
+    shutdown_distributed()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise"])
+    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "factories"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", default="0:10", help="first:last optimizer steps (0-based, last excluded)")
     parser.add_argument("--load", default=None, help="checkpoint to continue from")
     parser.add_argument("--save-at", type=int, default=None)
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--activation-checkpointing", type=int, default=0, help="FSDP: recompute each block in backward")
+    parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     args = parser.parse_args(argv)
+    if args.mode == "factories":
+        return factories(args.out, args.model_folder)
     first, last = map(int, args.steps.split(":"))
     run(args.mode, args.out, first, last, args.load, args.save_at,
         args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing))

@@ -88,6 +88,20 @@ def test_full_checkpoint_resumes_at_two_ranks(single, tmp_path):
     assert_same_steps(resumed["steps"], single["steps"][5:])
 
 
+def test_tier2_factories_train_the_same_steps(tmp_path):
+    """`create_fsdp_backend` and `create_ddp_backend` from one model folder compute the same 3 updates."""
+    from tests.distributed_worker import CONFIG
+    from tierlm.models import build_gpt, save_model_folder
+
+    torch.manual_seed(0)
+    folder = save_model_folder(build_gpt(CONFIG), tmp_path / "model")
+    result = torchrun(WORKER, "factories", tmp_path / "f.json", f"--model-folder={folder}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads((tmp_path / "f.json").read_text())
+    assert len(losses["fsdp"]) == 3 and losses["fsdp"][-1] < losses["fsdp"][0]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses["fsdp"], losses["ddp"]))
+
+
 def test_a_rank_that_raises_ends_the_job_naming_it(tmp_path):
     start = time.monotonic()
     result = torchrun(WORKER, "fsdp_raise", tmp_path / "x.json", timeout=120)

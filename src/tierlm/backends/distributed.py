@@ -28,6 +28,16 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 
 
+def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool) -> nn.Module:
+    """On the device, with per-block activation checkpointing and compile if asked (before any wrapping)."""
+    model = model.to(device)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    return model
+
+
 class DistributedTrainingBackend(PyTorchTrainingBackend):
     """What DDP and FSDP2 share: reductions across ranks and sharded checkpoints."""
 
@@ -85,11 +95,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         assert gradient_accumulation_steps >= 1, f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
         self.gradient_accumulation_steps = gradient_accumulation_steps
         device = torch.device(device)
-        model = model.to(device)
-        if activation_checkpointing:
-            apply_activation_checkpointing(model)
-        if compile:
-            apply_compile(model)
+        model = prepare_model(model, device, activation_checkpointing, compile)
         super().__init__(
             apply_ddp(model, device), optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir,
             device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype,
@@ -136,11 +142,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         cpu_offload: bool = False,
     ):
         device = torch.device(device)
-        model = model.to(device)
-        if activation_checkpointing:
-            apply_activation_checkpointing(model)
-        if compile:
-            apply_compile(model)
+        model = prepare_model(model, device, activation_checkpointing, compile)
         apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(

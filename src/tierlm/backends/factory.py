@@ -113,6 +113,18 @@ def create_backend_with_scheduler(
     return backend, backend.scheduler
 
 
+def _model_on_this_rank(model_name: str, device_type: str, trust_remote_code: bool) -> tuple[torch.nn.Module, torch.device]:
+    """Join torchrun's process group and load the (fp32) model onto this rank's device."""
+    ctx = init_distributed(device_type)
+    model = load_pretrained_model(model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return model, ctx.device
+
+
+def _adamw(learning_rate: float, betas: tuple[float, float], weight_decay: float):
+    """AdamW built after wrapping (FSDP2's parameters are the shards)."""
+    return lambda model: create_adamw_optimizer(model, lr=learning_rate, betas=betas, weight_decay=weight_decay)
+
+
 def create_fsdp_backend(
     model_name: str,
     checkpoint_dir: Path,
@@ -135,14 +147,13 @@ def create_fsdp_backend(
         backend = create_fsdp_backend("Qwen/Qwen3-0.6B", Path("ckpt"))
         backend.forward_backward(batch); backend.optim_step()   # batch: this rank's rows
     """
-    ctx = init_distributed(device_type)
-    model = load_pretrained_model(model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model, device = _model_on_this_rank(model_name, device_type, trust_remote_code)
     return FSDPTrainingBackend(
         model,
-        lambda m: create_adamw_optimizer(m, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay),
+        _adamw(learning_rate, adam_betas, weight_decay),
         loss_fn or create_cross_entropy_loss(),
         checkpoint_dir,
-        ctx.device,
+        device,
         max_grad_norm=max_grad_norm,
         param_dtype=torch.bfloat16 if bf16 else None,
         activation_checkpointing=activation_checkpointing,
@@ -166,14 +177,13 @@ def create_ddp_backend(
 ) -> DDPTrainingBackend:
     """`create_fsdp_backend`, replicated instead of sharded: DistributedDataParallel with bf16
     autocast; call `forward_backward` `gradient_accumulation_steps` times per `optim_step`."""
-    ctx = init_distributed(device_type)
-    model = load_pretrained_model(model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model, device = _model_on_this_rank(model_name, device_type, trust_remote_code)
     return DDPTrainingBackend(
         model,
-        lambda m: create_adamw_optimizer(m, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay),
+        _adamw(learning_rate, adam_betas, weight_decay),
         loss_fn or create_cross_entropy_loss(),
         checkpoint_dir,
-        ctx.device,
+        device,
         max_grad_norm=max_grad_norm,
         autocast_dtype=torch.bfloat16 if bf16 else None,
         gradient_accumulation_steps=gradient_accumulation_steps,

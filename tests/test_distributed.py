@@ -210,3 +210,26 @@ def test_fsdp_bf16_on_one_gpu(tmp_path):
                       "training.warmup_steps=2", "training.bf16=true", "infra.distributed_type=fsdp", "infra.device_type=cuda",
                       f"infra.output_dir={tmp_path}", nproc=1)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_rl_under_torchrun_with_ddp(tmp_path):
+    """`torchrun -m tierlm rl`: each rank samples its share of the prompts, DDP sums the gradients,
+    pass@k problems are shared out and summed; rank 0 writes the logs and the model."""
+    sft = tmp_path / "sft"
+    tiny = ["model.depth=2", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "data.max_seq_length=64",
+            "data.num_synthetic_examples=2000", "data.num_synthetic_eval_examples=32", "training.eval_batches=1",
+            "infra.device_type=cpu", "infra.progress_bar=false"]
+    result = run_cli("sft", "--config", "configs/tiny_sft.yaml", "model.model_name_or_path=null", "model.architecture=gpt", *tiny,
+                     "training.num_train_steps=20", "training.eval_steps=0", f"infra.output_dir={sft}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rl = tmp_path / "rl"
+    result = torchrun("-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", f"model.model_name_or_path={sft}", *tiny,
+                      "training.num_train_steps=2", "training.eval_steps=2", "training.logging_steps=1", "rl.eval_problems=4",
+                      "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.micro_batch_size=2", f"infra.output_dir={rl}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("held-out pass@1") == 1
+    records = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2]
+    train = [r for r in records if r["type"] == "train"]
+    assert len(train) == 2 and all(r["completion_len"] > 0 and r["logprob_abs_diff"] < 1e-4 for r in train)
+    assert (rl / "checkpoints" / "step_2" / "state").is_dir() and (rl / "model" / "model.safetensors").is_file()

@@ -447,7 +447,8 @@ def run_rl(config: TierlmConfig) -> dict:
     from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy
 
     tr, infra, rl, d = config.training, config.infra, config.rl, config.data
-    single_process_only(config, "rl")
+    if infra.distributed_type == "fsdp":
+        raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun")
     output_dir = Path(infra.output_dir)
     checkpoint_dir = output_dir / CHECKPOINTS_DIRNAME
     latest = existing_checkpoint(config)
@@ -460,16 +461,30 @@ def run_rl(config: TierlmConfig) -> dict:
     eval_task = _eval_task(config)
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
+    # Under torchrun: DDP, each rank sampling its share of the step's prompts.
+    ddp = config.model_copy(update={"infra": infra.model_copy(update={"distributed_type": "ddp"})})
+    if infra.distributed_type == "none":
+        ctx = distributed_context(config)  # None, or the one-line error for a multi-rank launch
+    else:
+        ctx = distributed_context(ddp) if infra.distributed_type == "ddp" or launched_distributed() else None
+    world = ctx.world_size if ctx is not None else 1
+    if rl.prompts_per_step % world:
+        raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
     seed_everything(tr.seed)
-    device = resolve_device(infra.device_type, infra.gpu_rank)
+    device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
     tokenizer = existing_tokenizer(config, pretrained)
     if not tokenizer.has_chat_template:
         raise ConfigError(f"{pretrained} has no chat template: rl needs a chat model (run tierlm sft first)")
     model = build_model(config, tokenizer, device, pretrained)
     reference = FrozenReference(copy.deepcopy(model), device) if rl.kl_coef > 0 else None
-    # Each RL step makes rl.ppo_epochs optimizer steps: the LR schedule counts optimizer steps.
-    schedule = tr.model_copy(update={"num_train_steps": tr.num_train_steps * rl.ppo_epochs, "warmup_steps": tr.warmup_steps * rl.ppo_epochs})
-    backend = build_backend(config.model_copy(update={"training": schedule}), model, checkpoint_dir, device, None)
+    # Each RL step makes rl.ppo_epochs optimizer steps (the LR schedule counts optimizer steps), each
+    # over this rank's rollouts in micro-batches (DDP synchronises on the last of them).
+    rows = rl.prompts_per_step // world * rl.group_size
+    schedule = tr.model_copy(update={
+        "num_train_steps": tr.num_train_steps * rl.ppo_epochs, "warmup_steps": tr.warmup_steps * rl.ppo_epochs,
+        "gradient_accumulation_steps": -(-rows // rl.micro_batch_size),
+    })
+    backend = build_backend(ddp.model_copy(update={"training": schedule}), model, checkpoint_dir, device, ctx)
     normalize = rl.normalize_std if rl.normalize_std is not None else rl.algorithm == "grpo"
     strategy = {
         "reinforce": lambda: ReinforceStrategy(rl.temperature, rl.kl_coef),
@@ -478,20 +493,27 @@ def run_rl(config: TierlmConfig) -> dict:
     }[rl.algorithm]()
     engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in rl.tools else [])
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config.to_yaml(output_dir / "config.yaml")
+    is_main = ctx is None or ctx.is_main
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        config.to_yaml(output_dir / "config.yaml")
 
     write_extra = extras_writer(config, tokenizer, "rl")
     trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, tr, reference=reference, write_extra=write_extra)
     resumed = trainer.resume() if latest is not None else None
-    trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
+    if is_main:
+        trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
     try:
         summary = trainer.train()
     finally:
         trainer.logger.close()
     final = output_dir / "model"
-    save_model_folder(model, final)
-    write_extra(output_dir)
-    summary.update(stage="rl", output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None)
-    (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    summary.update(stage="rl", output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None,
+                   world_size=world)
+    if is_main:
+        save_model_folder(model, final)
+        write_extra(output_dir)
+        (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    if ctx is not None:
+        shutdown_distributed()
     return summary

@@ -90,12 +90,24 @@ class RLTrainer:
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
 
+    @property
+    def rank(self) -> int:
+        return getattr(self.backend, "rank", 0)
+
+    @property
+    def world_size(self) -> int:
+        return getattr(self.backend, "world_size", 1)
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        return self.backend.all_reduce_sums(values) if self.world_size > 1 else values
+
     # -- rollouts --------------------------------------------------------------------------
     def _prompt(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.render_for_completion(messages)
 
     def _generator(self, *salt: int) -> torch.Generator:
-        return torch.Generator(device=self.engine.device).manual_seed(hash((self.config.seed, *salt)) % 2**62)
+        key = (self.config.seed, *salt) if self.world_size == 1 else (self.config.seed, self.rank, *salt)  # ranks sample apart
+        return torch.Generator(device=self.engine.device).manual_seed(hash(key) % 2**62)
 
     def collect(self, examples: list, generator: torch.Generator) -> list[list[Rollout]]:
         """`rl.group_size` samples of each example, scored by the task's reward."""
@@ -162,7 +174,8 @@ class RLTrainer:
     # -- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        indices, generator = self._indices(self.state.step), self._generator(self.state.step)
+        # This rank's share of the step's prompts (DDP: the backend sums gradients and tokens over ranks).
+        indices, generator = self._indices(self.state.step)[self.rank :: self.world_size], self._generator(self.state.step)
         if is_environment(self.train_task):
             groups = [[self.run_episode(self.train_task, i, self.rl.temperature, generator) for _ in range(self.rl.group_size)]
                       for i in indices]
@@ -191,17 +204,23 @@ class RLTrainer:
                 self.backend.forward_backward({k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss)
             update = self.backend.optim_step().wait()
         t3 = time.perf_counter()
-        tokens = sum(len(r.completion.tokens) for r in rollouts)
-        self.state.rollout_tokens += tokens
+        totals = self._sum_over_ranks({  # statistics of the whole step, over every rank's rollouts
+            "rows": len(rollouts), "groups": len(groups), "reward": float(rewards.sum()), "reward_sq": float((rewards**2).sum()),
+            "signal": float(sum(len({r.reward for r in g}) > 1 for g in groups)), "tokens": sum(len(r.completion.tokens) for r in rollouts),
+            "finished": float(sum(r.completion.finished for r in rollouts)), "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
+        })
+        n, tokens = totals["rows"], totals["tokens"]
+        self.state.rollout_tokens += int(tokens)
+        reward_mean = totals["reward"] / n
         return {
             "loss": update["loss"], "lr": update["lr"], "grad_norm": update["grad_norm"], "skipped": update["skipped"],
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "groups_with_signal": float(np.mean([len({r.reward for r in g}) > 1 for g in groups])),
+            "reward_mean": reward_mean, "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
+            "groups_with_signal": totals["signal"] / totals["groups"],
             "logprob_abs_diff": float(parity),
-            "completion_len": tokens / len(rollouts), "finished_frac": float(np.mean([r.completion.finished for r in rollouts])),
-            "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
+            "completion_len": tokens / n, "finished_frac": totals["finished"] / n,
+            "tool_calls": totals["tool_calls"],
             "time_generation_s": t1 - t0, "time_scoring_s": t2 - t1, "time_training_s": t3 - t2,  # scoring: rewards + log-probs
-            "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),
+            "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
             **({"kl": kl} if kl is not None else {}),
         }
 
@@ -211,7 +230,7 @@ class RLTrainer:
         k, n = self.rl.eval_k, min(self.rl.eval_problems, len(self.eval_task))
         generator = self._generator(-1)  # the same samples' randomness at every eval
         p1, pk, rewards, tool_rows = [], [], [], 0
-        for index in range(n):
+        for index in range(self.rank, n, self.world_size):  # ranks share the problems
             if is_environment(self.eval_task):
                 episodes = [self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)]
                 completions, scores = [e.completion for e in episodes], [e.reward for e in episodes]
@@ -226,8 +245,9 @@ class RLTrainer:
             p1.append(pass_at_k(k, correct, 1))
             pk.append(pass_at_k(k, correct, k))
             rewards.extend(scores)
-        result = {"pass@1": float(np.mean(p1)), "pass@k": float(np.mean(pk)), "k": k, "eval_problems": n,
-                  "eval_reward_mean": float(np.mean(rewards)), "eval_tool_use": tool_rows / (n * k)}
+        sums = self._sum_over_ranks({"p1": float(sum(p1)), "pk": float(sum(pk)), "reward": float(sum(rewards)), "tool": float(tool_rows)})
+        result = {"pass@1": sums["p1"] / n, "pass@k": sums["pk"] / n, "k": k, "eval_problems": n,
+                  "eval_reward_mean": sums["reward"] / (n * k), "eval_tool_use": sums["tool"] / (n * k)}
         if self.state.step == 0:
             self.state.initial_pass_at_1 = result["pass@1"]
         if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
@@ -240,10 +260,11 @@ class RLTrainer:
         self.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, self.write_extra, metric)
         if hasattr(self.backend, "wait_for_save"):
             self.backend.wait_for_save()
-        prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
+        if self.rank == 0:
+            prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
 
     def resume(self) -> Path | None:
-        found = resume_backend(self.backend)
+        found = resume_backend(self.backend, warn=self.rank == 0)
         if found is None:
             return None
         path, state = found
@@ -263,14 +284,16 @@ class RLTrainer:
             if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
                 self.logger.log({"type": "train", "step": state.step, **metrics, "rollout_tokens": state.rollout_tokens,
                                  "elapsed_s": state.elapsed_s})
-                print(f"step {state.step}/{cfg.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss {metrics['loss']:.4f} | "
-                      f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
-                      f"train {metrics['time_training_s']:.1f}s", file=sys.stderr, flush=True)
+                if self.rank == 0:
+                    print(f"step {state.step}/{cfg.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss {metrics['loss']:.4f} | "
+                          f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
+                          f"train {metrics['time_training_s']:.1f}s", file=sys.stderr, flush=True)
             is_eval = due(cfg.eval_steps) or state.step == cfg.num_train_steps
             if is_eval:
                 last_eval = self.evaluate()
-                print(f"step {state.step}: pass@1 {last_eval['pass@1']:.3f}, pass@{last_eval['k']} {last_eval['pass@k']:.3f}",
-                      file=sys.stderr, flush=True)
+                if self.rank == 0:
+                    print(f"step {state.step}: pass@1 {last_eval['pass@1']:.3f}, pass@{last_eval['k']} {last_eval['pass@k']:.3f}",
+                          file=sys.stderr, flush=True)
             if due(cfg.save_steps) or state.step == cfg.num_train_steps:
                 # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
                 self.save(1.0 - last_eval["pass@1"] if is_eval else None)

@@ -57,6 +57,12 @@ def test_bad_yaml_and_missing_file(tmp_path):
         ["pretrain", "--config", "no/such.yaml"],
         ["pretrain", "infra.device_type=cuda", "infra.output_dir={tmp}/run"],
         ["sample", "--checkpoint", "/definitely/not/here", "--prompt", "hi"],
+        # A missing earlier stage is a one-line error at once, never a hub download with retries.
+        ["sft", "--config", "configs/tiny_sft.yaml", "model.model_name_or_path=./no_such_run", "infra.output_dir={tmp}/run"],
+        ["rl", "--config", "configs/tiny_rl.yaml", "model.model_name_or_path=tests/no_such_run", "infra.output_dir={tmp}/run"],
+        ["rl", "--config", "configs/tiny_rl.yaml", "rl.prompts_per_step=0", "infra.output_dir={tmp}/run"],
+        ["eval", "--checkpoint", "./no_such_run", "--config", "configs/tiny_rl.yaml"],
+        ["dpo", "--config", "configs/tiny_dpo.yaml", "dpo.beta=0", "infra.output_dir={tmp}/run"],
     ],
 )
 def test_cli_errors_are_one_line_exit_2(args, tmp_path):

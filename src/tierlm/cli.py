@@ -118,7 +118,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_sample(args: argparse.Namespace) -> None:
     import torch
 
-    from tierlm.checkpoint import resolve_model_folder
+    from tierlm.checkpoint import resolve_model_location
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
@@ -128,7 +128,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     if args.max_new_tokens <= 0:
         raise TierlmError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    location = resolve_model_folder(args.checkpoint) if Path(args.checkpoint).exists() else args.checkpoint
+    location = resolve_model_location(args.checkpoint)
     tokenizer = load_tokenizer(location)
     model = load_pretrained_model(location, device=resolve_device(args.device_type))
     meta_file = Path(location) / TRAINING_META_FILE

@@ -18,7 +18,7 @@ from tierlm.checkpoint import (
     average_checkpoints,
     find_latest_checkpoint,
     list_checkpoints,
-    resolve_model_folder,
+    resolve_model_location,
 )
 from tierlm.config import TierlmConfig
 from tierlm.data import (
@@ -133,7 +133,7 @@ def pretrained_location(config: TierlmConfig) -> Path | str | None:
     name = config.model.model_name_or_path
     if name is None:
         return None
-    return resolve_model_folder(name) if Path(name).exists() else name
+    return resolve_model_location(name)
 
 
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
@@ -356,9 +356,6 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
     is_main = ctx is None or ctx.is_main
     seed_everything(tr.seed)  # the same on every rank: identical initial weights
     device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
-    if is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-
     pretrained = pretrained_location(config)
     if stage == "dpo" and pretrained is None:
         raise ConfigError("dpo starts from a trained model: set model.model_name_or_path (e.g. runs/tiny_sft)")
@@ -374,7 +371,8 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
         train_loader, eval_loader = build_loaders(config, stage, tokenizer, world_size)
         strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
     backend = build_backend(config, model, output_dir / CHECKPOINTS_DIRNAME, device, ctx)
-    if is_main:
+    if is_main:  # the first write: every input is known good by now
+        output_dir.mkdir(parents=True, exist_ok=True)
         config.to_yaml(output_dir / "config.yaml")
 
     write_extra = extras_writer(config, tokenizer, stage)
@@ -427,7 +425,7 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     from tierlm.rollout.engine import Engine
     from tierlm.rollout.tools import Calculator
 
-    location = resolve_model_folder(checkpoint) if Path(checkpoint).exists() else checkpoint
+    location = resolve_model_location(checkpoint)
     tokenizer = load_tokenizer(location, config.model.trust_remote_code)
     if not tokenizer.has_chat_template:
         raise ConfigError(f"{checkpoint} has no chat template: pass@k evaluates chat models")

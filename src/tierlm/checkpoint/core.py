@@ -385,6 +385,20 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return (Path(path) / STATE_DIRNAME).is_dir()
 
 
+def resolve_model_location(name: str) -> Path | str:
+    """A local run, checkpoint or model folder resolved to its model folder, or a hub id as it is.
+
+    A name that is clearly a local path but does not exist is an error, not a hub download: one
+    that starts with /, ./, ../ or ~, or whose first component is a local folder (`runs/x` when
+    `runs/` exists).
+    """
+    if Path(name).expanduser().exists():
+        return resolve_model_folder(Path(name).expanduser())
+    if name.startswith(("/", "./", "../", "~")) or Path(Path(name).parts[0]).is_dir():
+        raise CheckpointError(f"{name} does not exist (train that stage first, or fix the path)")
+    return name
+
+
 def resolve_model_folder(path: str | Path) -> Path:
     """The model folder inside a run directory, a checkpoints directory or a checkpoint.
 

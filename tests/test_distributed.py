@@ -212,9 +212,10 @@ def test_fsdp_bf16_on_one_gpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_rl_under_torchrun_with_ddp(tmp_path):
+def test_rl_and_dpo_under_torchrun(tmp_path):
     """`torchrun -m tierlm rl`: each rank samples its share of the prompts, DDP sums the gradients,
-    pass@k problems are shared out and summed; rank 0 writes the logs and the model."""
+    pass@k problems are shared out and summed; rank 0 writes the logs and the model. `tierlm dpo`
+    under torchrun (FSDP) matches one process on the same global batch."""
     sft = tmp_path / "sft"
     tiny = ["model.depth=2", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "data.max_seq_length=64",
             "data.num_synthetic_examples=2000", "data.num_synthetic_eval_examples=32", "training.eval_batches=1",
@@ -233,3 +234,18 @@ def test_rl_under_torchrun_with_ddp(tmp_path):
     train = [r for r in records if r["type"] == "train"]
     assert len(train) == 2 and all(r["completion_len"] > 0 and r["logprob_abs_diff"] < 1e-4 for r in train)
     assert (rl / "checkpoints" / "step_2" / "state").is_dir() and (rl / "model" / "model.safetensors").is_file()
+
+    # DPO at 2 ranks x 4 pairs computes what 1 process x 8 pairs does (pairs are never split across ranks).
+    dpo = ["dpo", "--config", "configs/tiny_dpo.yaml", f"model.model_name_or_path={sft}", *tiny, "data.num_synthetic_examples=64",
+           "data.num_synthetic_eval_examples=16", "training.num_train_steps=4", "training.eval_steps=2", "training.logging_steps=1",
+           "training.warmup_steps=0", "training.per_device_eval_batch_size=4", "training.eval_batches=4"]
+    result = torchrun("-m", "tierlm", *dpo, "training.per_device_train_batch_size=4", f"infra.output_dir={tmp_path / 'dpo2'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli(*dpo, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'dpo1'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    two, one = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("dpo2", "dpo1"))
+    assert [(r["type"], r["step"]) for r in two] == [(r["type"], r["step"]) for r in one]
+    for a, b in zip(two, one):
+        for key in ("loss", "val_loss", "pref_acc", "reward_margin"):
+            if key in a:
+                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)

@@ -186,7 +186,7 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
     )
 
 
-def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer) -> tuple[PairLoader, PairLoader]:
+def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, ctx: DistributedContext | None = None) -> tuple[PairLoader, PairLoader]:
     """Preference pairs: data.dataset_name for training; data.eval_dataset_name, the synthetic val
     split, or a held-out data.val_fraction tail for evaluation."""
     d, tr = config.data, config.training
@@ -200,17 +200,15 @@ def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer) -> tuple[Pair
         if n_val >= len(train):
             raise DataError(f"{d.dataset_name} has {len(train)} pairs: too few to hold out {n_val} for evaluation")
         train, val = train[:-n_val], train[-n_val:]
+    world = ctx.world_size if ctx else 1
+    if len(train) < tr.per_device_train_batch_size * world:
+        raise DataError(f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
+                        "ranks; lower training.per_device_train_batch_size")
     return (
-        PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed),
+        PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed,
+                   rank=ctx.rank if ctx else 0, world_size=world),
         PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
     )
-
-
-def single_process_only(config: TierlmConfig, stage: str) -> None:
-    if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
-        raise ConfigError(f"tierlm {stage} runs in one process for now; start it without torchrun (or with one rank)")
-    if config.infra.distributed_type in ("ddp", "fsdp"):
-        raise ConfigError(f"tierlm {stage} runs in one process for now; set infra.distributed_type=none")
 
 
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
@@ -341,8 +339,6 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
     latest = existing_checkpoint(config)
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
-    if stage == "dpo":
-        single_process_only(config, stage)
     ctx = distributed_context(config)
     summary = _run_stage(config, stage, ctx, latest)
     if ctx is not None:  # only after success: a failed rank just exits, and torchrun stops the others
@@ -365,7 +361,7 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
     world_size = ctx.world_size if ctx is not None else 1
     if stage == "dpo":
         reference = FrozenReference(copy.deepcopy(model), device) if config.dpo.reference == "frozen" else None
-        train_loader, eval_loader = build_pair_loaders(config, tokenizer)
+        train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
         strategy = DPOStrategy(config.dpo.beta, reference)
     else:
         train_loader, eval_loader = build_loaders(config, stage, tokenizer, world_size)
@@ -377,7 +373,7 @@ def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None,
 
     write_extra = extras_writer(config, tokenizer, stage)
     trainer = Trainer(
-        backend, strategy, train_loader=RankSlice(train_loader, ctx.rank, world_size) if ctx else train_loader,
+        backend, strategy, train_loader=RankSlice(train_loader, ctx.rank, world_size) if ctx and stage != "dpo" else train_loader,
         eval_loader=eval_loader, config=tr, flops_per_token=flops,
         peak_flops=peak_flops(device, infra.peak_tflops), write_extra=write_extra, progress_bar=infra.progress_bar,
     )

@@ -83,14 +83,15 @@ def open_preferences(spec: str, split: str, count: int, seed: int) -> list[Prefe
 
 
 class PairLoader:
-    """Batches of `batch_size` pairs, shuffled per epoch, padded to the longest row; resumable.
+    """Batches of `batch_size` pairs, shuffled per epoch, padded to the longest row; resumable; with
+    `world_size` > 1, each rank's share of a global batch (pairs are never split across ranks).
 
     Each row is a whole rendered conversation; labels mark only the final assistant reply (and
     its end-of-turn token). Pairs longer than `max_len` tokens are dropped and counted.
     """
 
     def __init__(self, pairs: list[PreferencePair], tokenizer: Tokenizer, batch_size: int, max_len: int, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, rank: int = 0, world_size: int = 1):
         self.rows, self.dropped = [], 0
         for pair in pairs:
             rendered = [tokenizer.render_conversation(c, train_on="last_assistant") for c in (pair.chosen, pair.rejected)]
@@ -101,7 +102,9 @@ class PairLoader:
             self.rows.append((rendered, None if None in refs else refs))
         if not self.rows:
             raise DataError(f"no preference pair fits in {max_len} tokens")
+        assert 0 <= rank < world_size, f"rank {rank} not in [0, {world_size})"
         self.batch_size, self.pad_id, self.seed, self.shuffle = batch_size, tokenizer.pad_id, seed, shuffle
+        self.rank, self.world_size = rank, world_size
         self.epoch, self.cursor, self.repeat = 0, 0, True
 
     def __len__(self) -> int:
@@ -113,12 +116,17 @@ class PairLoader:
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        if self.cursor >= len(self.rows):
+        """This rank's `batch_size` pairs of the next global batch (`batch_size` x `world_size` pairs,
+        the same on every rank). Training never wraps a batch across epochs: a tail too short for a
+        whole global batch is skipped; a single pass (`repeat=False`) hands it out."""
+        step = self.batch_size * self.world_size
+        if self.cursor >= len(self.rows) or (self.repeat and self.cursor + step > len(self.rows)):
             if not self.repeat:
                 raise StopIteration
             self.epoch, self.cursor = self.epoch + 1, 0
-        picked = [self.rows[i] for i in self._order()[self.cursor : self.cursor + self.batch_size]]
-        self.cursor += self.batch_size
+        start = self.cursor + self.rank * self.batch_size
+        picked = [self.rows[i] for i in self._order()[start : start + self.batch_size]]
+        self.cursor += step
         sequences = [r[0][0] for r in picked] + [r[0][1] for r in picked]  # chosen rows, then rejected rows
         width = max(len(ids) for ids, _ in sequences) - 1
         input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)

@@ -84,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
     config = TierlmConfig.load(args.config, overrides)
     if args.command == "rl":
-        from tierlm.recipes import run_rl
+        from tierlm.rl.recipe import run_rl
 
         summary = run_rl(config)
     else:
@@ -106,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_eval
+    from tierlm.rl.recipe import run_eval
 
     config = TierlmConfig.load(args.config, args.overrides)
     result = run_eval(config, args.checkpoint)

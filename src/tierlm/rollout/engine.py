@@ -82,8 +82,11 @@ class Engine:
 
     # -- tools -----------------------------------------------------------------------------
     def _tool_result(self, call_tokens: list[int]) -> list[int]:
+        """`name: argument` calls the tool of that name; a bare request goes to the first tool."""
         request = self.tokenizer.decode(call_tokens, skip_special_tokens=True)
-        name, _, argument = request.partition(":") if ":" in request.split(" ")[0] else ("calculator", "", request)
+        name, colon, argument = request.partition(":")
+        if not (colon and name.strip().isidentifier()):
+            name, argument = next(iter(self.tools)), request
         tool = self.tools.get(name.strip())
         result = tool(argument) if tool is not None else f"error: no tool named {name.strip()!r}"
         return [self.result_start, *self.tokenizer.encode(result), self.result_end]

@@ -77,8 +77,6 @@ def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: 
     memory = backend.memory_stats()
     if rank == 0:
         out.write_text(json.dumps({"steps": records, "memory": memory, "world_size": world}))
-    if distributed:
-        shutdown_distributed()
 
 
 def factories(out: Path, model_folder: str) -> None:
@@ -96,7 +94,6 @@ def factories(out: Path, model_folder: str) -> None:
             losses[name].append(backend.optim_step().wait()["loss"])
         if backend.rank == 0:
             out.write_text(json.dumps(losses))
-    shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,10 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     args = parser.parse_args(argv)
     if args.mode == "factories":
-        return factories(args.out, args.model_folder)
-    first, last = map(int, args.steps.split(":"))
-    run(args.mode, args.out, first, last, args.load, args.save_at,
-        args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing))
+        factories(args.out, args.model_folder)
+    else:
+        first, last = map(int, args.steps.split(":"))
+        run(args.mode, args.out, first, last, args.load, args.save_at,
+            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing))
+    shutdown_distributed()  # after the backends are out of scope (see its docstring)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,8 @@ class Trainer:
             if due(cfg.save_steps) or state.step == cfg.num_train_steps:
                 self.save()
         bar.close()
+        if gc_frozen:  # the run's objects may be collected again (a process group held by a cycle must go before exit)
+            gc.unfreeze()
         if hasattr(self.backend, "wait_for_save"):
             self.backend.wait_for_save()
             if self.is_main:

@@ -8,6 +8,7 @@ All of it is PyTorch's own engine; launch with `torchrun`.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -68,9 +69,16 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dis
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group. The barrier first: gloo aborts a process that tears down while a peer still talks."""
+    """Leave the process group: a barrier, then collect, then destroy.
+
+    The barrier first, since gloo aborts a process that tears down while a peer still talks. Call
+    it after the models are out of scope: a DDP reducer or FSDP state left in a reference cycle keeps
+    the process group alive past `destroy_process_group`, and a gloo group destroyed during
+    interpreter finalization can abort the process after its work is done.
+    """
     if dist.is_initialized():
         dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -61,6 +61,12 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
 
 def run_rl(config: TierlmConfig) -> dict:
     """Reinforcement learning from a trained chat model: sample groups, reward, policy-gradient updates."""
+    summary = _run_rl(config)
+    shutdown_distributed()  # after the models are out of scope (a no-op in one process); a failed rank just exits
+    return summary
+
+
+def _run_rl(config: TierlmConfig) -> dict:
     tr, infra, rl, d = config.training, config.infra, config.rl, config.data
     if infra.distributed_type == "fsdp":
         raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun")
@@ -129,6 +135,4 @@ def run_rl(config: TierlmConfig) -> dict:
         save_model_folder(model, final)
         write_extra(output_dir)
         (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    if ctx is not None:
-        shutdown_distributed()
     return summary

@@ -3,7 +3,8 @@
 A bench script defines `CONTENDERS = {name: function(args) -> dict of figures}` and calls
 `main(CONTENDERS, ...)`. The parent runs `python SCRIPT --contender NAME ...` for every
 (repeat, contender) pair in turn (contender order rotates each repeat), each child pinned to the
-same thread count, and prints a table of medians and ratios against the reference contender.
+same thread count, and prints a table of medians and ratios against the reference contender,
+with each contender's peak resident memory (its whole process: Python, torch, model, data).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,9 @@ def run(contenders: dict[str, Callable[[argparse.Namespace], dict]], args: argpa
         import torch
 
         torch.set_num_threads(args.threads)
-        print("RESULT " + json.dumps(contenders[args.contender](args)), flush=True)
+        figures = contenders[args.contender](args)
+        figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        print("RESULT " + json.dumps(figures), flush=True)
         return {}
     names = args.only.split(",") if args.only else list(contenders)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore",

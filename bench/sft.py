@@ -9,7 +9,9 @@ template (turns of median 15 and 30 words: median ~190 tokens a conversation, a 
 thousands), with rows of at most 512 tokens, 8 rows per step, fp32, AdamW (lr 1e-4), 5 warm-up
 steps. The figure is trained tokens/s: tokens that carry loss (never padding) over the steps after
 the first 5.
-  - tierlm: `tierlm sft` (best-fit packing, padding-free rows, loss on assistant tokens);
+  - tierlm: `tierlm sft` (best-fit packing, padding-free rows, loss on assistant tokens) on the
+    same weights as a native GPT (the LM head fused into the loss: no (B, T, V) logits);
+  - tierlm-hf-model: the same, training the transformers model itself (logits, then the loss);
   - hf-trainer-padded: transformers `Trainer`, one conversation per row padded to the longest in
     the batch, loss on assistant tokens;
   - trl-defaults: TRL `SFTTrainer` with its defaults (no packing; loss on every token);
@@ -44,8 +46,9 @@ GENERATION_TEMPLATE = (
 
 
 def setup() -> tuple[Path, Path, Path]:
-    """(tokenizer, transformers model folder, conversations JSONL), made once."""
-    from tierlm.models import GPTConfig, build_gpt
+    """(tokenizer, transformers model folder, conversations JSONL), made once; the same weights as
+    a native GPT folder in WORK / "native"."""
+    from tierlm.models import GPTConfig, build_gpt, save_model_folder
     from tierlm.models.hf_export import to_hf_config
 
     tok_dir, _ = prepare()
@@ -64,6 +67,7 @@ def setup() -> tuple[Path, Path, Path]:
 
         hf.load_state_dict({to_hf_name(k): v for k, v in gpt.state_dict().items()}, strict=False)
         hf.save_pretrained(model_dir)
+        save_model_folder(gpt, WORK / "native")
         with open(data, "w") as f:
             # Turns of median 15 and 30 words: conversations of median ~190 tokens with a tail far past a row.
             for conversation in long_tailed_conversations(DATA.read_text(), CONVERSATIONS, seed=0, user_words=15, assistant_words=30):
@@ -75,11 +79,12 @@ def rate(times: dict[int, float], trained: dict[int, int], total: int) -> dict:
     return {"trained_tokens_per_sec": (trained[total] - trained[WARMUP]) / (times[total] - times[WARMUP]), "timed_steps": total - WARMUP}
 
 
-def tierlm(args) -> dict:
+def tierlm(args, native: bool) -> dict:
     from tierlm.config import TierlmConfig
     from tierlm.recipes import run_stage
 
     tok_dir, model_dir, data = setup()
+    model_dir = WORK / "native" if native else model_dir
     out, total = Path(tempfile.mkdtemp(prefix="tierlm_bench_sft_")), WARMUP + args.steps
     config = TierlmConfig.load(None, [
         f"model.model_name_or_path={model_dir}", f"model.tokenizer_name_or_path={tok_dir}", f"data.dataset_name={data}",
@@ -190,7 +195,8 @@ def trl(args, packed: bool) -> dict:
 
 
 CONTENDERS = {
-    "tierlm": tierlm,
+    "tierlm": lambda a: tierlm(a, native=True),
+    "tierlm-hf-model": lambda a: tierlm(a, native=False),
     "hf-trainer-padded": hf_trainer_padded,
     "trl-defaults": lambda a: trl(a, packed=False),
     "trl-packed": lambda a: trl(a, packed=True),

@@ -130,3 +130,36 @@ def test_checkpoint_round_trip_continues_identically(tiny_gpt_config, tmp_path):
     for a, b in zip(straight.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
     assert (path / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_cross_entropy_equals_logits_then_loss(tiny_gpt_config, tmp_path, bf16):
+    """The LM head fused into the loss (the default for the native GPT) == logits, then cross-entropy:
+    the same loss, gradient norm, update and eval metrics (fp32 1e-6; bf16 autocast 1e-2)."""
+    from tierlm.strategies import CrossEntropyStrategy
+
+    strategy = CrossEntropyStrategy(token_bytes=torch.arange(tiny_gpt_config.vocab_size) % 3)
+    batch = _micro_batches(tiny_gpt_config.vocab_size)[1]
+    batch["loss_mask"] = (torch.rand(batch["labels"].shape) > 0.3).float()
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    kwargs = dict(autocast_dtype=torch.bfloat16 if bf16 else None)  # SGD, lr 1: the update is the gradient
+    runs = {}
+    for fused in (True, False):
+        backend = _backend(tiny_gpt_config, tmp_path / str(fused), fused_cross_entropy=fused, **kwargs)
+        seen = {}
+        original = backend.model.lm_head.forward
+        backend.model.lm_head.forward = lambda x: seen.setdefault("logits", True) and original(x)
+        backend.forward_backward(batch, loss_fn=strategy.compute_loss)
+        step = backend.optim_step().wait()
+        metrics = backend.forward(batch, strategy.compute_metrics).wait()
+        assert ("logits" in seen) != fused  # the fused path never ran the LM head on its own
+        runs[fused] = step, metrics, [p.detach().clone() for p in backend.model.parameters()]
+    tol = 1e-2 if bf16 else 1e-6
+    (step_f, metrics_f, params_f), (step_p, metrics_p, params_p) = runs[True], runs[False]
+    assert step_f["num_tokens"] == step_p["num_tokens"]
+    assert abs(step_f["loss"] - step_p["loss"]) <= tol * max(1.0, step_p["loss"])
+    assert abs(step_f["grad_norm"] - step_p["grad_norm"]) <= tol * max(1.0, step_p["grad_norm"])
+    for key in metrics_p:
+        assert abs(metrics_f[key] - metrics_p[key]) <= tol * max(1.0, abs(metrics_p[key])), key
+    if not bf16:
+        assert max((a - b).abs().max().item() for a, b in zip(params_f, params_p)) <= 1e-6

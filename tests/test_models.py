@@ -49,3 +49,22 @@ def test_export_reloads_in_transformers_with_equal_logits(tmp_path, tie):
         assert (alone - packed).abs().max().item() <= 1e-5
         reloaded = load_pretrained_model(folder)
         assert isinstance(reloaded, GPT) and torch.equal(reloaded(ids), model(ids))
+
+
+def test_documents_attended_one_by_one_equal_the_document_mask():
+    """The CPU path for packed rows (causal attention per document) == one SDPA call under the
+    document mask: outputs and gradients, with grouped-query heads and rows of 1 to 3 documents."""
+    import torch.nn.functional as F
+
+    from tierlm.models.gpt import attend_documents, document_causal_mask, document_lengths
+
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])
+    q = torch.randn(3, 4, 8, 16, requires_grad=True)
+    k, v = torch.randn(3, 2, 8, 16, requires_grad=True), torch.randn(3, 2, 8, 16, requires_grad=True)
+    assert document_lengths(positions) == [[8], [3, 4, 1], [2, 6]]
+    ours = attend_documents(q, k, v, document_lengths(positions))
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(positions), enable_gqa=True)
+    assert (ours - reference).abs().max().item() <= 1e-5
+    weights = torch.randn_like(reference)
+    for a, b in zip(torch.autograd.grad((ours * weights).sum(), (q, k, v)), torch.autograd.grad((reference * weights).sum(), (q, k, v))):
+        assert (a - b).abs().max().item() <= 1e-5

@@ -174,3 +174,30 @@ def test_scheduler_validation():
         create_warmup_scheduler(_optimizer(), 10, 10)
     with pytest.raises(ConfigError, match="decay_style"):
         create_warmup_scheduler(_optimizer(), 0, 10, decay_style="step")
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_linear_cross_entropy_equals_head_then_torch_loss(chunk_rows):
+    """Fused LM head + CE == `F.cross_entropy(h @ W.T)`: value, per-token losses, d/dh and d/dW; weighted rows;
+    rows in chunks; and the GPU path (every row computed, the untrained ones weighted 0)."""
+    from tierlm.primitives.losses import _LinearCrossEntropy, linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    labels = torch.randint(0, 37, (10,))
+    labels[[1, 4, 5]] = -100
+    weights = torch.rand(10)
+    per_token = torch.nn.functional.cross_entropy(h @ w.T, labels, ignore_index=-100, reduction="none")
+    reference = (per_token * weights).sum()
+    ref_grads = torch.autograd.grad(reference, (h, w))
+    total, losses = linear_cross_entropy(h, w, labels, weights, chunk_rows=chunk_rows)
+    assert torch.allclose(total, reference, atol=1e-5) and torch.allclose(losses, per_token, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(2.0 * total, (h, w)), ref_grads):  # the upstream gradient scales
+        assert torch.allclose(got, 2.0 * want, atol=1e-5)
+    all_rows, _ = _LinearCrossEntropy.apply(h, w, labels, weights * (labels != -100), chunk_rows or 64, True)
+    assert torch.allclose(all_rows, reference, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(all_rows, (h, w)), ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():  # eval: the value alone
+        assert torch.allclose(linear_cross_entropy(h, w, labels, weights)[0], reference, atol=1e-5)

@@ -266,7 +266,7 @@ def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> st
 def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, device: torch.device,
                   ctx: DistributedContext | None) -> PyTorchTrainingBackend:
     """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
-    tr, infra = config.training, config.infra
+    tr = config.training
 
     def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:
         return create_adamw_optimizer(
@@ -278,6 +278,13 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         return create_warmup_scheduler(optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio, tr.warmdown_ratio)
 
     bf16 = torch.bfloat16 if tr.bf16 else None
+    backend = _build_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16)
+    backend.fused_cross_entropy = tr.fused_cross_entropy
+    return backend
+
+
+def _build_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16) -> PyTorchTrainingBackend:
+    tr, infra = config.training, config.infra
     kind = distributed_kind(config, ctx)
     if kind == "fsdp":
         return FSDPTrainingBackend(

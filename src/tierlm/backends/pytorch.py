@@ -13,8 +13,14 @@ from torch import nn
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.errors import CheckpointError
-from tierlm.models import forward_logits
-from tierlm.primitives.losses import count_loss_tokens, create_cross_entropy_loss
+from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy
+from tierlm.primitives.losses import (
+    count_loss_tokens,
+    create_cross_entropy_loss,
+    get_labels,
+    reads_label_cross_entropy_only,
+    token_weights,
+)
 from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
 
 
@@ -77,6 +83,7 @@ class PyTorchTrainingBackend:
         max_grad_norm: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
         async_save: bool = False,
+        fused_cross_entropy: bool = True,
     ):
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.device = torch.device(device)
@@ -89,6 +96,7 @@ class PyTorchTrainingBackend:
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
         self.async_save = async_save
+        self.fused_cross_entropy = fused_cross_entropy
         self.step = 0
         self._save_thread: threading.Thread | None = None
         self._save_error: BaseException | None = None
@@ -115,6 +123,10 @@ class PyTorchTrainingBackend:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _fuses(self, model: nn.Module, fn: Callable) -> bool:
+        """Compute `fn` from a fused LM head + cross-entropy instead of the (B, T, V) logits?"""
+        return self.fused_cross_entropy and reads_label_cross_entropy_only(fn) and fuses_cross_entropy(model)
 
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
@@ -143,9 +155,16 @@ class PyTorchTrainingBackend:
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
         self.model.train()
         batch = self._to_device(batch)
-        with self._autocast():
-            logits = forward_logits(self.model, batch)  # (B, T, V)
-        total, count = loss_sum_and_count(loss_fn or self.loss_fn, logits, batch)
+        loss_fn = loss_fn or self.loss_fn
+        if self._fuses(self.model, loss_fn):  # the loss is token cross-entropy: no (B, T, V) logits
+            weights = token_weights(get_labels(batch), batch.get("loss_mask"))
+            with self._autocast():
+                total, _ = forward_cross_entropy(self.model, batch, weights)
+            count = weights.sum()
+        else:
+            with self._autocast():
+                logits = forward_logits(self.model, batch)  # (B, T, V)
+            total, count = loss_sum_and_count(loss_fn, logits, batch)
         total.backward()
         total, count = total.detach(), count.detach()
         self._loss_sum += total
@@ -160,7 +179,10 @@ class PyTorchTrainingBackend:
         model.eval()
         batch = self._to_device(batch)
         with self._autocast():
-            logits = forward_logits(model, batch)
+            if self._fuses(model, fn or self.loss_fn):  # per-token losses (B, T) stand in for the logits
+                logits = forward_cross_entropy(model, batch)[1]
+            else:
+                logits = forward_logits(model, batch)
         if fn is None:
             total, count = loss_sum_and_count(self.loss_fn, logits, batch)
             out = {"loss_sum": total, "num_tokens": count}

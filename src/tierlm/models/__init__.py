@@ -49,6 +49,30 @@ def forward_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch
     return out.logits
 
 
+def fuses_cross_entropy(model: nn.Module) -> bool:
+    """True when the model computes its loss with the LM head fused in (`forward_cross_entropy`)."""
+    return isinstance(unwrap_model(model), GPT)
+
+
+def forward_cross_entropy(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of `weights` x cross-entropy, per-token cross-entropy (B, T)) of the batch's labels,
+    without the (B, T, V) logits; for models where `fuses_cross_entropy` holds.
+
+    >>> from tierlm.models import GPTConfig, build_gpt
+    >>> gpt = build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=10, max_seq_len=8))
+    >>> batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[2, 3, -100]])}
+    >>> total, per_token = forward_cross_entropy(gpt, batch)
+    >>> reference = torch.nn.functional.cross_entropy(forward_logits(gpt, batch)[0], batch["labels"][0], reduction="sum")
+    >>> torch.allclose(total, reference), per_token.shape
+    (True, torch.Size([1, 3]))
+    """
+    assert fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no fused LM head and loss"
+    labels = batch["labels"] if "labels" in batch else batch["targets"]
+    return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=labels, loss_weights=weights)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The model inside a DistributedDataParallel wrapper (FSDP2 and compile keep the class)."""
     return getattr(model, "module", model)
@@ -67,7 +91,9 @@ __all__ = [
     "GPTConfig",
     "build_gpt",
     "build_model_from_folder_config",
+    "forward_cross_entropy",
     "forward_logits",
+    "fuses_cross_entropy",
     "is_native_folder",
     "load_model_state",
     "load_native_model",

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierlm.primitives.losses import linear_cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -116,6 +118,34 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :])).unsqueeze(1)
 
 
+def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
+    """For each packed row, the lengths of its documents (a document starts where positions restart).
+
+    >>> document_lengths(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+    [[3, 2], [5]]
+    """
+    B, T = position_ids.shape
+    restarts = torch.ones_like(position_ids, dtype=torch.bool)
+    restarts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    lengths = []
+    for starts in (row.nonzero().squeeze(1).tolist() for row in restarts):
+        lengths.append([end - start for start, end in zip(starts, starts[1:] + [T])])
+    return lengths
+
+
+def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
+    """Causal attention inside each document of each row, (B, H, T, D): what the document mask
+    computes, without the (T, T) mask or the work of its empty blocks (a row of n equal documents
+    costs ~1/n of the masked call). Split and concatenated, so the backward is one concatenation."""
+    gqa = k.shape[1] != q.shape[1]
+    rows = []
+    for qb, kb, vb, row in zip(q.unbind(0), k.unbind(0), v.unbind(0), lengths):  # (H, T, D) each
+        parts = [F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, enable_gqa=gqa)  # 4-D: the flash kernel
+                 for qd, kd, vd in zip(qb.split(row, dim=1), kb.split(row, dim=1), vb.split(row, dim=1))]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return torch.cat(rows)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, D) by the position's angle; first and second halves pair up."""
     half = x.shape[-1] // 2
@@ -173,8 +203,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | list | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
+        """`mask`: None (causal), a boolean (B, 1, T, T) mask, or each row's `document_lengths`."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
@@ -186,6 +217,8 @@ class Attention(nn.Module):
         if T == 1 and cache is not None:  # one new token attends to everything cached: no mask at all
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        if isinstance(mask, list):  # packed documents, attended one by one
+            return self.o_proj(attend_documents(q, k, v, mask).transpose(1, 2).reshape(B, T, -1))
         if mask is None and k.shape[2] != T:  # T new queries after cached keys: causal, offset by the cache
             mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
         if mask is None:
@@ -214,7 +247,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | list | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
@@ -268,12 +301,16 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for token ids (B, T).
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None):
+        """Logits (B, T, V) for token ids (B, T); with `labels`, the loss instead.
 
         `position_ids` (B, T) mark packed documents: positions restart at each one, and attention
         stays inside each one, so a packed row computes what its documents would alone.
         With a `cache`, the T tokens continue the cached ones (incremental decoding).
+        With `labels` (B, T; -100 not trained) and optional `loss_weights` (B, T), returns
+        (sum of weighted cross-entropy, per-token cross-entropy (B, T)) from the LM head fused
+        into the loss (`linear_cross_entropy`): the (B, T, V) logits never exist at once.
         """
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
@@ -283,11 +320,19 @@ class GPT(nn.Module):
             cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
         else:
             cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
-            mask = document_causal_mask(position_ids)  # (B, 1, T, T)
+            # Packed documents: on the CPU each is attended alone (no mask, no work across documents);
+            # on a GPU, finding the documents would cost a host sync, so one call with the document mask.
+            on_cpu = position_ids.device.type == "cpu"
+            mask = document_lengths(position_ids) if on_cpu else document_causal_mask(position_ids)  # (B, 1, T, T)
         x = self.embed(input_ids)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if labels is None:
+            return self.lm_head(x)
+        weights = loss_weights.flatten() if loss_weights is not None else None
+        total, losses = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
+        return total, losses.view(labels.shape)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

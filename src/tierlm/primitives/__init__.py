@@ -7,6 +7,8 @@ from tierlm.primitives.losses import (
     create_cross_entropy_loss,
     cross_entropy_sum,
     get_labels,
+    label_cross_entropy_only,
+    linear_cross_entropy,
     per_token_cross_entropy,
 )
 from tierlm.primitives.models import create_hf_model_from_config, load_hf_model
@@ -28,6 +30,8 @@ __all__ = [
     "create_warmup_scheduler",
     "cross_entropy_sum",
     "get_labels",
+    "label_cross_entropy_only",
+    "linear_cross_entropy",
     "load_hf_model",
     "lr_multiplier",
     "parse_dtype",

@@ -43,7 +43,13 @@ def count_loss_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of every position (B, T) in fp32; 0 where the label is -100."""
+    """Cross-entropy of every position (B, T) in fp32; 0 where the label is -100.
+
+    Given per-token losses (B, T) already (a fused LM head computed them, see
+    `label_cross_entropy_only`), returns them as they are.
+    """
+    if logits.dim() == labels.dim():
+        return logits
     vocab_size = logits.shape[-1]
     losses = F.cross_entropy(
         logits.float().reshape(-1, vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
@@ -68,6 +74,105 @@ def cross_entropy_sum(
     return (per_token_cross_entropy(logits, labels) * weights).sum(), weights.sum()
 
 
+def label_cross_entropy_only(fn: Callable) -> Callable:
+    """Mark a loss or metrics function that reads the logits only through `per_token_cross_entropy`
+    of the batch's labels, weighted by `token_weights`: as a loss it is `cross_entropy_sum`.
+
+    A backend may then skip the (B, T, V) logits: it computes the loss with the LM head fused
+    into the cross-entropy (`linear_cross_entropy`), and passes metrics functions the per-token
+    losses (B, T) in place of the logits.
+    """
+    fn.label_cross_entropy_only = True
+    return fn
+
+
+def reads_label_cross_entropy_only(fn: Callable | None) -> bool:
+    """True for a function marked by `label_cross_entropy_only` (bound methods included)."""
+    return bool(getattr(fn, "label_cross_entropy_only", False))
+
+
+def _chunk_rows(vocab_size: int, budget_elements: int = 1 << 25) -> int:
+    """Rows per chunk so one chunk's fp32 logits stay near `budget_elements` (128 MB)."""
+    return max(64, budget_elements // vocab_size)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W.T, y_i), one chunk of rows at a time; see `linear_cross_entropy`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_rows, with_grad):
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        want_hidden, want_weight = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
+        token_losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        w = weight.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_rows):
+                end = min(start + chunk_rows, hidden.shape[0])
+                h, y, rw = hidden[start:end].to(dtype), labels[start:end].clamp(min=0)[:, None], weights[start:end, None]
+                logits = (h @ w.t()).float()  # (n, V): the only vocabulary-sized tensor, one chunk at a time
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                token_losses[start:end] = (lse - logits.gather(1, y)).squeeze(1) * (rw.squeeze(1) != 0)
+                if want_hidden or want_weight:  # d(w * CE)/d logits = w * (softmax - onehot), computed now
+                    grad = logits.sub_(lse).exp_()
+                    grad.scatter_add_(1, y, torch.full_like(rw, -1.0))
+                    grad = grad.mul_(rw).to(dtype)
+                    if want_hidden:
+                        grad_hidden[start:end] = (grad @ w).to(hidden.dtype)
+                    if want_weight:
+                        grad_weight += (grad.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(token_losses)
+        return (token_losses * weights).sum(), token_losses
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_token_losses):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden = grad_hidden * grad_sum.to(grad_hidden.dtype) if grad_hidden is not None else None
+        grad_weight = (grad_weight * grad_sum).to(ctx.weight_dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head and the cross-entropy fused: never the whole (N, V) logits at once.
+
+    `hidden` (N, C) are final hidden states, `weight` (V, C) the LM head, `labels` (N,) the
+    targets (-100: not trained), `weights` (N,) per-token loss weights (default: 1 where
+    trained). Returns (sum_i weights_i * CE_i, the per-token losses (N,) with 0 where not
+    trained). Rows are processed `chunk_rows` at a time (default: ~128 MB of fp32 logits) and the
+    gradients of each chunk are computed in the forward pass (as Liger's fused linear
+    cross-entropy), so memory is one chunk of logits instead of the logits, their fp32 copy and
+    their gradient; on CPU the rows that are not trained are dropped first (on a GPU, finding
+    them would cost a host sync, so there they are computed and weighted 0). The matmuls follow
+    autocast; the softmax is fp32. Equal to `F.cross_entropy` on `hidden @ weight.T`:
+
+    >>> h, w, y = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True), torch.tensor([1, 2, -100, 4, 5, 6])
+    >>> total, per_token = linear_cross_entropy(h, w, y)
+    >>> reference = F.cross_entropy(h @ w.T, y, ignore_index=-100, reduction="sum")
+    >>> torch.allclose(total, reference), per_token[2].item()
+    (True, 0.0)
+    >>> g = torch.autograd.grad(total, (h, w)); r = torch.autograd.grad(reference, (h, w))
+    >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g, r))
+    True
+    """
+    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
+    trained = labels != IGNORE_INDEX
+    weights = trained.float() if weights is None else weights.float() * trained
+    chunk_rows = chunk_rows or _chunk_rows(weight.shape[0])
+    with_grad = torch.is_grad_enabled()  # under no_grad (eval) no gradient is precomputed
+    if hidden.device.type == "cpu":
+        rows = trained.nonzero().squeeze(1)
+        total, losses = _LinearCrossEntropy.apply(hidden[rows], weight, labels[rows], weights[rows], chunk_rows, with_grad)
+        return total, torch.zeros(labels.shape, dtype=losses.dtype, device=losses.device).index_copy_(0, rows, losses)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_rows, with_grad)
+
+
 def create_cross_entropy_loss() -> LossFn:
     """A `loss_fn(logits, batch) -> scalar`: mean cross-entropy over the batch's trained tokens.
 
@@ -83,6 +188,7 @@ def create_cross_entropy_loss() -> LossFn:
     True
     """
 
+    @label_cross_entropy_only
     def cross_entropy_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         total, num_tokens = cross_entropy_sum(logits, get_labels(batch), batch.get("loss_mask"))
         return total / num_tokens.clamp(min=1.0)

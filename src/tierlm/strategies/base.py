@@ -7,7 +7,14 @@ from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 
-from tierlm.primitives.losses import IGNORE_INDEX, cross_entropy_sum, get_labels, per_token_cross_entropy, token_weights
+from tierlm.primitives.losses import (
+    IGNORE_INDEX,
+    cross_entropy_sum,
+    get_labels,
+    label_cross_entropy_only,
+    per_token_cross_entropy,
+    token_weights,
+)
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -57,9 +64,11 @@ class CrossEntropyStrategy:
             out["position_ids"] = positions[:, :-1]
         return out
 
+    @label_cross_entropy_only
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return cross_entropy_sum(logits, get_labels(batch), batch.get("loss_mask"))
 
+    @label_cross_entropy_only
     def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         labels = get_labels(batch)
         weights = token_weights(labels, batch.get("loss_mask"))  # (B, T)

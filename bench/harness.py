@@ -67,5 +67,9 @@ def table(results: dict[str, list[dict]], metric: str, reference: str) -> None:
     print("|---|---|---|" + "---|" * len(keys))
     for name, runs in results.items():
         ratio = medians[name] / medians[reference] if reference in medians else float("nan")
-        extra = " | ".join(f"{statistics.median(r[k] for r in runs if k in r):,.3g}" if any(k in r for r in runs) else "" for k in keys)
+        extra = " | ".join(_number(statistics.median(r[k] for r in runs if k in r)) if any(k in r for r in runs) else "" for k in keys)
         print(f"| {name} | {medians[name]:,.1f} | {ratio:.2f}x | {extra} |")
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"

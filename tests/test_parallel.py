@@ -1,5 +1,7 @@
 """Parallelism applied from outside the model: activation checkpointing keeps names and gradients."""
 
+import copy
+
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -31,3 +33,23 @@ def test_block_list_finds_transformers_layers():
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     assert block_list(model) is model.model.layers
+
+
+def test_compiled_blocks_trace_once_for_every_layout_of_packed_documents():
+    """Eager, packed documents on CPU are attended one by one; compiled blocks use the document mask
+    instead, so new document lengths never retrace (dynamo's trace, no code generation: fast)."""
+    import torch._dynamo
+
+    from tierlm.models import GPTConfig, build_gpt
+    from tierlm.primitives.parallel import apply_compile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=97, max_seq_len=64))
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled, backend="eager")
+    torch._dynamo.utils.counters.clear()
+    for lengths in ([30, 34], [10, 54], [64], [5, 5, 54], [20, 44]):
+        ids, positions = torch.randint(0, 97, (1, 64)), torch.cat([torch.arange(n) for n in lengths])[None]
+        assert torch.allclose(compiled(ids, position_ids=positions), eager(ids, position_ids=positions), atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -133,6 +133,15 @@ def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
     return lengths
 
 
+@dataclass
+class PackedDocuments:
+    """Where the documents of packed rows lie: their `position_ids` (B, T), and each row's
+    document lengths, read on the host (free on CPU)."""
+
+    position_ids: torch.Tensor
+    lengths: list[list[int]]
+
+
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
     """Causal attention inside each document of each row, (B, H, T, D): what the document mask
     computes, without the (T, T) mask or the work of its empty blocks (a row of n equal documents
@@ -203,9 +212,11 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | list | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PackedDocuments | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        """`mask`: None (causal), a boolean (B, 1, T, T) mask, or each row's `document_lengths`."""
+        """`mask`: None (causal), a boolean (B, 1, T, T) mask, or `PackedDocuments` (attended one by
+        one in eager mode; under `torch.compile` the document mask, so the graph does not depend on
+        the documents' lengths)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
@@ -217,8 +228,10 @@ class Attention(nn.Module):
         if T == 1 and cache is not None:  # one new token attends to everything cached: no mask at all
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-        if isinstance(mask, list):  # packed documents, attended one by one
-            return self.o_proj(attend_documents(q, k, v, mask).transpose(1, 2).reshape(B, T, -1))
+        if isinstance(mask, PackedDocuments):
+            if not torch.compiler.is_compiling():  # eager: each document alone
+                return self.o_proj(attend_documents(q, k, v, mask.lengths).transpose(1, 2).reshape(B, T, -1))
+            mask = document_causal_mask(mask.position_ids)  # compiled: one graph for every layout of documents
         if mask is None and k.shape[2] != T:  # T new queries after cached keys: causal, offset by the cache
             mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
         if mask is None:
@@ -247,7 +260,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | list | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PackedDocuments | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
@@ -323,7 +336,10 @@ class GPT(nn.Module):
             # Packed documents: on the CPU each is attended alone (no mask, no work across documents);
             # on a GPU, finding the documents would cost a host sync, so one call with the document mask.
             on_cpu = position_ids.device.type == "cpu"
-            mask = document_lengths(position_ids) if on_cpu else document_causal_mask(position_ids)  # (B, 1, T, T)
+            if on_cpu:
+                mask = PackedDocuments(position_ids, document_lengths(position_ids))
+            else:
+                mask = document_causal_mask(position_ids)  # (B, 1, T, T)
         x = self.embed(input_ids)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)

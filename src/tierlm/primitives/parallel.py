@@ -114,10 +114,11 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
-    """`torch.compile` each block in place (the blocks are identical, so one graph is reused)."""
+def apply_compile(model: nn.Module, **options) -> nn.Module:
+    """`torch.compile` each block in place (the blocks are identical, so one graph is reused);
+    `options` go to `torch.compile` (e.g. `mode`, or `backend="eager"` to trace without code generation)."""
     for block in block_list(model):
-        block.compile()
+        block.compile(**options)
     return model
 
 

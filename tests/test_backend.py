@@ -163,3 +163,46 @@ def test_fused_cross_entropy_equals_logits_then_loss(tiny_gpt_config, tmp_path, 
         assert abs(metrics_f[key] - metrics_p[key]) <= tol * max(1.0, abs(metrics_p[key])), key
     if not bf16:
         assert max((a - b).abs().max().item() for a, b in zip(params_f, params_p)) <= 1e-6
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
+    """A transformers model of a plain-head type gets the fused head too: the same loss, gradient and
+    update as its own logits; a wrapped one (DDP here) or a soft-capped head computes logits."""
+    import transformers
+
+    from tierlm.models import fuses_cross_entropy
+    from tierlm.strategies import CrossEntropyStrategy
+
+    shape = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    config_cls, model_cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[architecture]
+    strategy = CrossEntropyStrategy()
+    batch = _micro_batches(61)[1]
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**shape))
+        assert fuses_cross_entropy(model)
+        backend = PyTorchTrainingBackend(model, torch.optim.SGD(model.parameters(), lr=1.0), None, tmp_path / str(fused), "cpu",
+                                         fused_cross_entropy=fused)
+        calls = []
+        model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+        backend.forward_backward(batch, loss_fn=strategy.compute_loss)
+        assert bool(calls) != fused  # fused: the head never ran on its own
+        step = backend.optim_step().wait()
+        runs[fused] = step, [p.detach().clone() for p in model.parameters()]
+    assert abs(runs[True][0]["loss"] - runs[False][0]["loss"]) <= 1e-6
+    assert abs(runs[True][0]["grad_norm"] - runs[False][0]["grad_norm"]) <= 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(runs[True][1], runs[False][1])) <= 1e-6
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape))  # soft-capped logits
+    assert not fuses_cross_entropy(gemma)
+
+    class Wrapped(torch.nn.Module):  # what DDP looks like from outside: the model under .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    assert not fuses_cross_entropy(Wrapped(model_cls(config_cls(**shape))))

@@ -21,6 +21,7 @@ from tierlm.models.io import (
     save_model_config,
     save_model_folder,
 )
+from tierlm.primitives.losses import linear_cross_entropy
 from tierlm.primitives.models import load_hf_model
 
 
@@ -49,9 +50,25 @@ def forward_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch
     return out.logits
 
 
+# transformers model types whose logits are exactly `lm_head(last hidden state)`: no soft-capping,
+# scaling or bias after the head, so the head may be fused into the loss.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "smollm3"})
+
+
 def fuses_cross_entropy(model: nn.Module) -> bool:
-    """True when the model computes its loss with the LM head fused in (`forward_cross_entropy`)."""
-    return isinstance(unwrap_model(model), GPT)
+    """True when the model's loss can be computed with the LM head fused in (`forward_cross_entropy`):
+    the native GPT always; a transformers model of a plain-head type run as it is (a DDP or FSDP
+    wrapper must see the whole forward, so wrapped transformers models compute logits)."""
+    if isinstance(unwrap_model(model), GPT):
+        return True
+    from torch.distributed.fsdp import FSDPModule
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return (
+        unwrap_model(model) is model and not isinstance(model, FSDPModule)
+        and getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+        and isinstance(head, nn.Linear) and head.bias is None
+    )
 
 
 def forward_cross_entropy(
@@ -68,9 +85,15 @@ def forward_cross_entropy(
     >>> torch.allclose(total, reference), per_token.shape
     (True, torch.Size([1, 3]))
     """
-    assert fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no fused LM head and loss"
+    assert fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no LM head that can be fused into the loss"
     labels = batch["labels"] if "labels" in batch else batch["targets"]
-    return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=labels, loss_weights=weights)
+    input_ids, position_ids = batch["input_ids"], batch.get("position_ids")
+    if isinstance(unwrap_model(model), GPT):
+        return model(input_ids, position_ids=position_ids, labels=labels, loss_weights=weights)
+    hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    flat_weights = weights.flatten() if weights is not None else None
+    total, losses = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight, labels.flatten(), flat_weights)
+    return total, losses.view(labels.shape)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

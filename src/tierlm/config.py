@@ -149,8 +149,9 @@ class TrainingConfig(Section):
     """Compute in bf16: autocast for one process and DDP; for FSDP, bf16 parameters in forward and
     backward with fp32 master shards, optimizer state and gradient reduction."""
     fused_cross_entropy: bool = True
-    """Native GPT, cross-entropy stages: the LM head fused into the loss, a chunk of rows at a time
-    (trained rows only on CPU), so the (B, T, V) logits never exist; off: logits, then the loss."""
+    """Cross-entropy stages: the LM head fused into the loss, a chunk of rows at a time (trained rows
+    only on CPU), so the (B, T, V) logits never exist. The native GPT, and transformers models with a
+    plain head (Llama, Qwen, ...) outside DDP/FSDP; off: logits, then the loss."""
     save_steps: int = Field(0, ge=0)
     """Checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = Field(0, ge=0)

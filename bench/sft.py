@@ -11,7 +11,8 @@ steps. The figure is trained tokens/s: tokens that carry loss (never padding) ov
 the first 5.
   - tierlm: `tierlm sft` (best-fit packing, padding-free rows, loss on assistant tokens) on the
     same weights as a native GPT (the LM head fused into the loss: no (B, T, V) logits);
-  - tierlm-hf-model: the same, training the transformers model itself (logits, then the loss);
+  - tierlm-hf-model: the same, training the transformers model itself (its own attention; the
+    head fused into the loss as well);
   - hf-trainer-padded: transformers `Trainer`, one conversation per row padded to the longest in
     the batch, loss on assistant tokens;
   - trl-defaults: TRL `SFTTrainer` with its defaults (no packing; loss on every token);

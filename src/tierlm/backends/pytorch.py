@@ -97,6 +97,7 @@ class PyTorchTrainingBackend:
         self.autocast_dtype = autocast_dtype
         self.async_save = async_save
         self.fused_cross_entropy = fused_cross_entropy
+        self._model_fuses: dict[int, bool] = {}
         self.step = 0
         self._save_thread: threading.Thread | None = None
         self._save_error: BaseException | None = None
@@ -126,7 +127,11 @@ class PyTorchTrainingBackend:
 
     def _fuses(self, model: nn.Module, fn: Callable) -> bool:
         """Compute `fn` from a fused LM head + cross-entropy instead of the (B, T, V) logits?"""
-        return self.fused_cross_entropy and reads_label_cross_entropy_only(fn) and fuses_cross_entropy(model)
+        if not (self.fused_cross_entropy and reads_label_cross_entropy_only(fn)):
+            return False
+        if id(model) not in self._model_fuses:  # the model (or DDP's inner one) never changes: ask once
+            self._model_fuses[id(model)] = fuses_cross_entropy(model)
+        return self._model_fuses[id(model)]
 
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]

@@ -335,8 +335,7 @@ class GPT(nn.Module):
             cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
             # Packed documents: on the CPU each is attended alone (no mask, no work across documents);
             # on a GPU, finding the documents would cost a host sync, so one call with the document mask.
-            on_cpu = position_ids.device.type == "cpu"
-            if on_cpu:
+            if position_ids.device.type == "cpu":
                 mask = PackedDocuments(position_ids, document_lengths(position_ids))
             else:
                 mask = document_causal_mask(position_ids)  # (B, 1, T, T)

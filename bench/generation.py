@@ -12,6 +12,7 @@ every contender generates exactly batch x new-tokens tokens; the prompt is 16 to
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 import time
@@ -38,11 +39,15 @@ def model_folder() -> Path:
     return MODEL_DIR
 
 
-def _time(fn, batch: int, new_tokens: int) -> dict:
-    fn()  # warm-up (allocations, first-call paths)
-    start = time.perf_counter()
+def _time(fn, batch: int, new_tokens: int, calls: int = 5) -> dict:
+    """Median of `calls` generations after one warm-up (allocations, first-call paths)."""
     fn()
-    elapsed = time.perf_counter() - start
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    elapsed = statistics.median(times)
     return {"tokens_per_sec": batch * new_tokens / elapsed, "seconds": elapsed}
 
 

@@ -206,3 +206,13 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
             self.module = inner
 
     assert not fuses_cross_entropy(Wrapped(model_cls(config_cls(**shape))))
+
+
+def test_fused_cross_entropy_setting_reaches_the_backend(tiny_gpt_config, tmp_path):
+    from tierlm.config import TierlmConfig
+    from tierlm.recipes import build_backend
+
+    for value in (True, False):
+        config = TierlmConfig.load(None, [f"training.fused_cross_entropy={str(value).lower()}"])
+        backend = build_backend(config, build_gpt(tiny_gpt_config), tmp_path / str(value), torch.device("cpu"), None)
+        assert backend.fused_cross_entropy is value

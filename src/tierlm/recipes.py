@@ -266,7 +266,7 @@ def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> st
 def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, device: torch.device,
                   ctx: DistributedContext | None) -> PyTorchTrainingBackend:
     """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
-    tr = config.training
+    tr, infra = config.training, config.infra
 
     def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:
         return create_adamw_optimizer(
@@ -278,25 +278,19 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         return create_warmup_scheduler(optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio, tr.warmdown_ratio)
 
     bf16 = torch.bfloat16 if tr.bf16 else None
-    backend = _build_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16)
-    backend.fused_cross_entropy = tr.fused_cross_entropy
-    return backend
-
-
-def _build_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16) -> PyTorchTrainingBackend:
-    tr, infra = config.training, config.infra
     kind = distributed_kind(config, ctx)
     if kind == "fsdp":
         return FSDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
             activation_checkpointing=infra.activation_checkpointing, compile=infra.compile, cpu_offload=infra.cpu_offload,
+            fused_cross_entropy=tr.fused_cross_entropy,
         )
     if infra.cpu_offload:
         raise ConfigError("infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off")
     if kind == "ddp":
         return DDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, bf16,
-            tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile,
+            tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile, tr.fused_cross_entropy,
         )
     if infra.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -304,7 +298,8 @@ def _build_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, sch
         apply_compile(model)
     optimizer = optimizer_fn(model)
     return PyTorchTrainingBackend(
-        model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save
+        model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,
+        fused_cross_entropy=tr.fused_cross_entropy,
     )
 
 

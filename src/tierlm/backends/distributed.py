@@ -91,6 +91,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         gradient_accumulation_steps: int = 1,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        fused_cross_entropy: bool = True,
     ):
         assert gradient_accumulation_steps >= 1, f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -98,7 +99,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         model = prepare_model(model, device, activation_checkpointing, compile)
         super().__init__(
             apply_ddp(model, device), optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir,
-            device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype,
+            device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype, fused_cross_entropy=fused_cross_entropy,
         )
 
     @property
@@ -140,6 +141,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         activation_checkpointing: bool = False,
         compile: bool = False,
         cpu_offload: bool = False,
+        fused_cross_entropy: bool = True,
     ):
         device = torch.device(device)
         model = prepare_model(model, device, activation_checkpointing, compile)
@@ -147,7 +149,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         self.cpu_offload = cpu_offload
         super().__init__(
             model, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
-            max_grad_norm=max_grad_norm,
+            max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy,
         )
 
     def _place(self, model: nn.Module) -> nn.Module:

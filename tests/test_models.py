@@ -68,3 +68,6 @@ def test_documents_attended_one_by_one_equal_the_document_mask():
     weights = torch.randn_like(reference)
     for a, b in zip(torch.autograd.grad((ours * weights).sum(), (q, k, v)), torch.autograd.grad((reference * weights).sum(), (q, k, v))):
         assert (a - b).abs().max().item() <= 1e-5
+    whole = torch.arange(8).expand(3, 8)  # one document a row: the single-call path
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(whole), enable_gqa=True)
+    assert (attend_documents(q, k, v, document_lengths(whole)) - reference).abs().max().item() <= 1e-5

@@ -147,6 +147,8 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     computes, without the (T, T) mask or the work of its empty blocks (a row of n equal documents
     costs ~1/n of the masked call). Split and concatenated, so the backward is one concatenation."""
     gqa = k.shape[1] != q.shape[1]
+    if all(len(row) == 1 for row in lengths):  # one document a row: plain causal attention, one call
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     rows = []
     for qb, kb, vb, row in zip(q.unbind(0), k.unbind(0), v.unbind(0), lengths):  # (H, T, D) each
         parts = [F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, enable_gqa=gqa)  # 4-D: the flash kernel

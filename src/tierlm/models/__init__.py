@@ -21,7 +21,7 @@ from tierlm.models.io import (
     save_model_config,
     save_model_folder,
 )
-from tierlm.primitives.losses import linear_cross_entropy
+from tierlm.primitives.losses import get_labels, linear_cross_entropy
 from tierlm.primitives.models import load_hf_model
 
 
@@ -86,7 +86,7 @@ def forward_cross_entropy(
     (True, torch.Size([1, 3]))
     """
     assert fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no LM head that can be fused into the loss"
-    labels = batch["labels"] if "labels" in batch else batch["targets"]
+    labels = get_labels(batch)
     input_ids, position_ids = batch["input_ids"], batch.get("position_ids")
     if isinstance(unwrap_model(model), GPT):
         return model(input_ids, position_ids=position_ids, labels=labels, loss_weights=weights)

@@ -46,6 +46,17 @@ def _model():
     return nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 20))
 
 
+def _steps_side_by_side(*pairs, steps: int = 5):
+    """Step every (model, optimizer) pair on the same random batches; yields the step after each."""
+    for step in range(steps):
+        x = torch.randint(0, 20, (4, 6))
+        for model, opt in pairs:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        yield step
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("exclude", [False, True])
 def test_adamw_matches_torch(exclude, fused):
@@ -60,12 +71,7 @@ def test_adamw_matches_torch(exclude, fused):
     else:
         groups = [{"params": list(ref_model.parameters())}]
     ref = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused or None)
-    for step in range(5):
-        x = torch.randint(0, 20, (4, 6))
-        for model, opt in ((ours_model, ours), (ref_model, ref)):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
+    for step in _steps_side_by_side((ours_model, ours), (ref_model, ref)):
         for a, b in zip(ours_model.parameters(), ref_model.parameters()):
             assert torch.equal(a, b), f"step {step}: parameters diverged"
 
@@ -76,12 +82,8 @@ def test_adamw_is_fused_by_default_and_matches_the_loop_kernel():
     fused = create_adamw_optimizer(fused_model, lr=1e-2, weight_decay=0.1)
     assert fused.defaults["fused"]
     loop = torch.optim.AdamW(loop_model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    for _ in range(5):
-        x = torch.randint(0, 20, (4, 6))
-        for model, opt in ((fused_model, fused), (loop_model, loop)):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
+    for _ in _steps_side_by_side((fused_model, fused), (loop_model, loop)):
+        pass
     for a, b in zip(fused_model.parameters(), loop_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 

@@ -112,6 +112,13 @@ def _batch():
     return {"input_ids": torch.randint(0, 40, (2, 8)), "labels": torch.randint(0, 40, (2, 8))}
 
 
+def forge_meta(checkpoint_path):
+    """What an attacker who edits a checkpoint can also do: record the new files' sizes and hashes."""
+    meta = json.loads((checkpoint_path / "meta.json").read_text())
+    meta.update(checkpoint.file_manifest(checkpoint_path, exclude=("meta.json",)))
+    (checkpoint_path / "meta.json").write_text(json.dumps(meta))
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, (f"touch {Evil.marker}",))
@@ -124,9 +131,9 @@ def test_malicious_pickle_is_never_executed(tmp_path):
     path = backend.save_checkpoint(1).wait()
     Evil.marker = tmp_path / "pwned"
     (path / "train_state.pt").write_bytes(pickle.dumps(Evil()))
-    meta = json.loads((path / "meta.json").read_text())  # an attacker can fix up the recorded sizes too
-    meta["files"]["train_state.pt"] = (path / "train_state.pt").stat().st_size
-    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="is damaged"):  # the recorded size and hash catch the change...
+        backend.load_checkpoint(path).wait()
+    forge_meta(path)  # ...but an attacker can rewrite meta.json too: the reader itself must refuse
     with pytest.raises(CheckpointError, match="cannot be loaded"):
         backend.load_checkpoint(path).wait()
     assert not Evil.marker.exists()

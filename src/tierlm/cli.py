@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from tierlm.errors import TierlmError
+from tierlm.signals import RunInterrupted
 
 
 def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -118,21 +120,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_sample(args: argparse.Namespace) -> None:
     import torch
 
-    from tierlm.checkpoint import resolve_model_location
+    from tierlm.checkpoint.core import MODEL_META_FILE, resolve_model_location, verified_model_folder
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
-    from tierlm.recipes import TRAINING_META_FILE
     from tierlm.rollout.engine import Engine, readable_text
     from tierlm.rollout.tools import Calculator
 
     if args.max_new_tokens <= 0:
         raise TierlmError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     location = resolve_model_location(args.checkpoint)
+    location = verified_model_folder(location) if not isinstance(location, str) else location
     tokenizer = load_tokenizer(location)
     model = load_pretrained_model(location, device=resolve_device(args.device_type))
-    meta_file = Path(location) / TRAINING_META_FILE
-    stage = json.loads(meta_file.read_text()).get("stage") if meta_file.is_file() else None
+    meta_file = Path(location) / MODEL_META_FILE
+    try:
+        stage = json.loads(meta_file.read_text()).get("stage") if meta_file.is_file() else None
+    except (OSError, ValueError, AttributeError) as e:
+        raise TierlmError(f"{meta_file} is not readable JSON ({e}); restore it or delete it") from None
     chat = args.chat if args.chat is not None else (stage in ("sft", "dpo", "rl") and tokenizer.has_chat_template)
     if chat:
         prompt_ids = tokenizer.render_for_completion([{"role": "user", "content": args.prompt}])
@@ -148,12 +153,23 @@ def cmd_sample(args: argparse.Namespace) -> None:
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from tierlm.data import SourceOptions, open_examples, train_bpe_tokenizer, train_char_tokenizer
 
+    from tierlm.checkpoint.core import check_new_folder, publish_folder, staging_folder
+
+    if args.vocab_size <= 0 or args.num_docs <= 0:
+        raise TierlmError(f"--vocab-size and --num-docs must be > 0, got {args.vocab_size} and {args.num_docs}")
+    check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith("synthetic:")])
     texts = []
     for spec in args.data:  # the first --num-docs documents of each source, never a whole corpus
         examples = open_examples(spec, SourceOptions(synthetic_count=args.num_docs))
         texts += examples.fetch(range(min(len(examples), args.num_docs)))
     tokenizer = train_char_tokenizer(texts) if args.kind == "char" else train_bpe_tokenizer(texts, args.vocab_size)
-    out = tokenizer.save(args.out)
+    tmp = staging_folder(Path(args.out))
+    try:
+        out = publish_folder(tokenizer.save(tmp), Path(args.out))
+    except OSError as e:
+        raise TierlmError(f"could not write {args.out}: {e.strerror or e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")
 
 
@@ -189,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except TierlmError as e:
         print(f"tierlm: error: {_rank_prefix()}{e}", file=sys.stderr)
         return 2
+    except RunInterrupted as stop:
+        print(f"tierlm: {_rank_prefix()}{stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("tierlm: interrupted; the latest checkpoint is intact", file=sys.stderr)
         return 130

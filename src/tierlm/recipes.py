@@ -1,25 +1,17 @@
-"""Tier 3: assemble a run (tokenizer, model, loaders, backend, strategy, trainer) from a config."""
+"""Tier 3: the pieces a pretrain, SFT or DPO run is assembled from (model, loaders, backend, strategy)
+and `run_stage`, which puts them on the run skeleton of `tierlm.run`."""
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import random
+import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
-from tierlm.checkpoint import (
-    CHECKPOINTS_DIRNAME,
-    average_checkpoints,
-    find_latest_checkpoint,
-    list_checkpoints,
-    resolve_model_location,
-)
+from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
 from tierlm.data import (
     Documents,
@@ -33,37 +25,22 @@ from tierlm.data import (
     Tokenizer,
     chat_documents,
     holdout_split,
-    load_tokenizer,
     open_examples,
     text_documents,
     train_bpe_tokenizer,
     train_char_tokenizer,
 )
-from tierlm.errors import ConfigError, DataError
-from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink, flops_per_token, peak_flops
-from tierlm.models import GPTConfig, build_gpt, load_pretrained_model, model_max_seq_len, save_model_folder
-from tierlm.primitives import create_adamw_optimizer, create_hf_model_from_config, create_warmup_scheduler, parse_dtype, resolve_device
-from tierlm.primitives.parallel import (
-    DistributedContext,
-    apply_activation_checkpointing,
-    apply_compile,
-    init_distributed,
-    launched_distributed,
-    shutdown_distributed,
-)
 from tierlm.data.preferences import PairLoader, open_preferences
+from tierlm.errors import ConfigError, DataError
+from tierlm.metrics import flops_per_token, peak_flops
+from tierlm.metrics.memory import check_fits
+from tierlm.models import GPTConfig, build_gpt, load_pretrained_model, model_max_seq_len
+from tierlm.primitives import create_adamw_optimizer, create_hf_model_from_config, create_warmup_scheduler, parse_dtype
+from tierlm.primitives.parallel import DistributedContext, apply_activation_checkpointing, apply_compile, shutdown_distributed
+from tierlm.run import Run, distributed_kind, extras_writer, prepare_run
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.dpo import DPOStrategy
 from tierlm.trainer import Trainer
-
-STAGES = ("pretrain", "sft", "dpo")
-TRAINING_META_FILE = "training_meta.json"
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _fields(config: TierlmConfig) -> Fields:
@@ -107,15 +84,6 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
     return trains, vals
 
 
-def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> Tokenizer | None:
-    m = config.model
-    if m.tokenizer_name_or_path:
-        return load_tokenizer(m.tokenizer_name_or_path, m.trust_remote_code)
-    if pretrained is not None:
-        return load_tokenizer(pretrained, m.trust_remote_code)
-    return None
-
-
 def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
     """A new tokenizer, trained on the first tokenizer.num_train_docs examples of each source."""
     t, texts = config.tokenizer, []
@@ -128,31 +96,38 @@ def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
     return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 
 
-def pretrained_location(config: TierlmConfig) -> Path | str | None:
-    """A local model folder (resolved from a run or checkpoint folder), a hub id, or None (from scratch)."""
-    name = config.model.model_name_or_path
-    if name is None:
-        return None
-    return resolve_model_location(name)
+def native_gpt_config(config: TierlmConfig, vocab_size: int) -> GPTConfig:
+    m = config.model
+    gpt_config = GPTConfig(
+        depth=m.depth, aspect_ratio=m.aspect_ratio, head_dim=m.head_dim, n_kv_head=m.n_kv_head,
+        vocab_size=vocab_size, max_seq_len=max(2048, config.data.max_seq_length), mlp_ratio=m.mlp_ratio,
+        rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
+    )
+    problems = gpt_config.validate()
+    if problems:
+        raise ConfigError(f"model.{problems[0]}")
+    return gpt_config
+
+
+def _new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype) -> torch.nn.Module:
+    m = config.model
+    if m.architecture == "gpt":
+        if torch.device(device).type == "meta":
+            from tierlm.models import GPT
+
+            return GPT(native_gpt_config(config, vocab_size))
+        return build_gpt(native_gpt_config(config, vocab_size), device=device, dtype=dtype)
+    with torch.device(device) if torch.device(device).type == "meta" else torch.device("cpu"):
+        model = create_hf_model_from_config(m.architecture, torch_dtype=dtype, **{"vocab_size": vocab_size, **m.hf_config})
+    return model if torch.device(device).type == "meta" else model.to(device)
 
 
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
     m, dtype = config.model, parse_dtype(config.model.dtype)
     if pretrained is not None:
         model = load_pretrained_model(pretrained, device=device, dtype=dtype, trust_remote_code=m.trust_remote_code)
-    elif m.architecture == "gpt":
-        gpt_config = GPTConfig(
-            depth=m.depth, aspect_ratio=m.aspect_ratio, head_dim=m.head_dim, n_kv_head=m.n_kv_head,
-            vocab_size=tokenizer.vocab_size, max_seq_len=max(2048, config.data.max_seq_length), mlp_ratio=m.mlp_ratio,
-            rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
-        )
-        problems = gpt_config.validate()
-        if problems:
-            raise ConfigError(f"model.{problems[0]}")
-        model = build_gpt(gpt_config, device=device, dtype=dtype)
     else:
-        hf_kwargs = {"vocab_size": tokenizer.vocab_size, **m.hf_config}
-        model = create_hf_model_from_config(m.architecture, torch_dtype=dtype, **hf_kwargs).to(device)
+        model = _new_model(config, tokenizer.vocab_size, device, dtype)
     vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has {vocab}; use a matching tokenizer")
@@ -160,6 +135,43 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
     if max_len is not None and config.data.max_seq_length > max_len:
         raise ConfigError(f"data.max_seq_length ({config.data.max_seq_length}) exceeds the model's maximum ({max_len})")
     return model
+
+
+def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_documents: int, world_size: int = 1,
+                 copies: int = 1) -> dict[str, tuple[float, str]]:
+    """Lower bounds of what a run will hold, by consumer, for the pre-flight check (`check_fits`):
+    training state (weights, gradients, AdamW moments; sharded under FSDP), frozen copies
+    (`copies` - 1: a DPO or KL reference), buffers, one micro-batch's activations and logits, and
+    the loader's document index. Each is at most what the run takes, so a refusal is certain."""
+    m, d, tr = config.model, config.data, config.training
+    rows, T = tr.per_device_train_batch_size, d.max_seq_length
+    width = layers = 0
+    if pretrained is None:
+        meta = _new_model(config, vocab_size, "meta", torch.float32)
+        params = sum(p.numel() for p in meta.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+        hf = getattr(meta, "config", None)
+        width = getattr(hf, "n_embd", None) or getattr(hf, "hidden_size", 0)
+        layers = getattr(hf, "depth", None) or getattr(hf, "num_hidden_layers", 0)
+    elif isinstance(pretrained, Path):
+        params, buffers = sum(f.stat().st_size for f in pretrained.glob("*.safetensors")) // 4, 0
+    else:
+        params, buffers = 0, 0  # a hub id: its size is not known before the download
+    shard = world_size if distributed_kind(config, None) != "none" or world_size > 1 else 1
+    needs = {
+        "the weights, gradients and AdamW state": (16 * params / shard, "use a smaller model, or shard it with FSDP across more ranks"),
+        f"the model's buffers (rotary tables for {max(2048, T):,} positions)": (buffers, "lower data.max_seq_length"),
+        f"activations of one micro-batch ({rows} x {T:,} tokens)": (
+            6 * 4 * rows * T * width * layers,
+            "lower data.max_seq_length or training.per_device_train_batch_size (raise gradient_accumulation_steps), "
+            "or set infra.activation_checkpointing=true"),
+        f"the data loader's index of {num_documents:,} documents": (16 * num_documents, "lower data.num_synthetic_examples or use less data"),
+    }
+    if copies > 1:
+        needs["the frozen reference model"] = (4 * params * (copies - 1), "use dpo.reference=precomputed, or rl.kl_coef=0")
+    if not tr.fused_cross_entropy:
+        needs[f"logits of one micro-batch ({rows} x {T:,} x {vocab_size:,})"] = (4 * rows * T * vocab_size, "set training.fused_cross_entropy=true")
+    return needs
 
 
 def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
@@ -211,58 +223,6 @@ def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, ctx: Distribu
     )
 
 
-def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
-    sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
-    if "tensorboard" in config.training.report_to:
-        sinks.append(TensorBoardSink(output_dir / "tensorboard"))
-    if "wandb" in config.training.report_to:
-        sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir))
-    return MetricsLogger(sinks)
-
-
-def existing_checkpoint(config: TierlmConfig) -> Path | None:
-    """The checkpoint a run would resume from; an error when training.resume=never forbids reusing the directory."""
-    output_dir = Path(config.infra.output_dir)
-    latest = find_latest_checkpoint(output_dir / CHECKPOINTS_DIRNAME)
-    if latest is not None and config.training.resume == "never":
-        raise ConfigError(f"{output_dir} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
-    return latest
-
-
-def extras_writer(config: TierlmConfig, tokenizer: Tokenizer, stage: str):
-    """What every checkpoint and the run directory carry besides weights: tokenizer, config, stage."""
-
-    def write_extra(folder: Path) -> None:
-        tokenizer.save(folder / "model")
-        config.to_yaml(folder / "config.yaml")
-        (folder / "model" / TRAINING_META_FILE).write_text(json.dumps({"stage": stage}) + "\n")
-
-    return write_extra
-
-
-def distributed_context(config: TierlmConfig) -> DistributedContext | None:
-    """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
-    infra, tr = config.infra, config.training
-    kind = infra.distributed_type
-    if kind == "auto":
-        kind = "fsdp" if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1 else "none"
-    if kind == "none":
-        if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but infra.distributed_type=none; use fsdp or ddp")
-        return None
-    if tr.async_save:
-        raise ConfigError("training.async_save is for one process; distributed runs save sharded checkpoints synchronously")
-    if tr.average_last_n:
-        raise ConfigError("training.average_last_n needs full checkpoints; under torchrun, `tierlm export` them and `tierlm average`")
-    return init_distributed(infra.device_type, infra.dist_timeout_s)
-
-
-def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
-    if ctx is None:
-        return "none"
-    return "fsdp" if config.infra.distributed_type in ("auto", "fsdp") else "ddp"
-
-
 def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, device: torch.device,
                   ctx: DistributedContext | None) -> PyTorchTrainingBackend:
     """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
@@ -303,104 +263,57 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
     )
 
 
-def shared_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None) -> Tokenizer:
-    """The existing tokenizer, or a new one: trained by rank 0 and read by the others from the run directory."""
-    tokenizer = existing_tokenizer(config, pretrained)
-    if tokenizer is not None:
-        return tokenizer
-    if ctx is None:
-        return train_tokenizer(config, stage)
-    folder = Path(config.infra.output_dir) / "tokenizer"
-    if ctx.is_main:
-        train_tokenizer(config, stage).save(folder)
-    torch.distributed.barrier()
-    return load_tokenizer(folder)
-
-
-def save_final_model(model: torch.nn.Module, folder: Path, ctx: DistributedContext | None) -> None:
-    """Write the trained weights as one model folder (under FSDP, gathered to rank 0 first)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from tierlm.models import unwrap_model
-
-    if ctx is None:
-        save_model_folder(model, folder)
-        return
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if ctx.is_main:
-        save_model_folder(unwrap_model(model), folder, state_dict=state)
-
-
 def run_stage(config: TierlmConfig, stage: str) -> dict:
     """Train one stage ("pretrain" | "sft" | "dpo") as the config says; returns the run summary.
 
     Under torchrun every rank calls this; rank 0 writes the logs and the final model.
     """
-    assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
-    infra = config.infra
-    latest = existing_checkpoint(config)
-    if infra.num_threads:
-        torch.set_num_threads(infra.num_threads)
-    ctx = distributed_context(config)
-    summary = _run_stage(config, stage, ctx, latest)
-    if ctx is not None:  # only after success: a failed rank just exits, and torchrun stops the others
+    assert stage in ("pretrain", "sft", "dpo"), f"stage must be pretrain, sft or dpo, got {stage!r}"
+    run = prepare_run(config, stage)
+    summary = _train_stage(run)
+    if run.ctx is not None:  # only after success: a failed rank just exits, and torchrun stops the others
         shutdown_distributed()
     return summary
 
 
-def _run_stage(config: TierlmConfig, stage: str, ctx: DistributedContext | None, latest: Path | None) -> dict:
-    tr, infra = config.training, config.infra
-    output_dir = Path(infra.output_dir)
-    is_main = ctx is None or ctx.is_main
-    seed_everything(tr.seed)  # the same on every rank: identical initial weights
-    device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
-    pretrained = pretrained_location(config)
-    if stage == "dpo" and pretrained is None:
-        raise ConfigError("dpo starts from a trained model: set model.model_name_or_path (e.g. runs/tiny_sft)")
-    tokenizer = shared_tokenizer(config, stage, pretrained, ctx)
-    model = build_model(config, tokenizer, device, pretrained)
-    flops = flops_per_token(model, config.data.max_seq_length)
-    world_size = ctx.world_size if ctx is not None else 1
-    if stage == "dpo":
-        reference = FrozenReference(copy.deepcopy(model), device) if config.dpo.reference == "frozen" else None
+def _train_stage(run: Run) -> dict:
+    config, stage, tokenizer, ctx = run.config, run.stage, run.tokenizer, run.ctx
+    if stage == "dpo":  # pairs are rendered when opened: check the memory first
+        documents = config.data.num_synthetic_examples if config.data.dataset_name.startswith("synthetic:") else 0
+        copies = 2 if config.dpo.reference == "frozen" else 1
+        check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, documents, run.world_size, copies), run.device)
         train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
+    else:
+        train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
+        check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_loader.documents), run.world_size), run.device)
+    model = build_model(config, tokenizer, run.device, run.pretrained)
+    if stage == "dpo":
+        reference = FrozenReference(copy.deepcopy(model), run.device) if config.dpo.reference == "frozen" else None
         strategy = DPOStrategy(config.dpo.beta, reference)
     else:
-        train_loader, eval_loader = build_loaders(config, stage, tokenizer, world_size)
+        train_loader = RankSlice(train_loader, ctx.rank, run.world_size) if ctx else train_loader
         strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
-    backend = build_backend(config, model, output_dir / CHECKPOINTS_DIRNAME, device, ctx)
-    if is_main:  # the first write: every input is known good by now
-        output_dir.mkdir(parents=True, exist_ok=True)
-        config.to_yaml(output_dir / "config.yaml")
-
-    write_extra = extras_writer(config, tokenizer, stage)
+    backend = build_backend(config, model, run.checkpoint_dir, run.device, ctx)
     trainer = Trainer(
-        backend, strategy, train_loader=RankSlice(train_loader, ctx.rank, world_size) if ctx and stage != "dpo" else train_loader,
-        eval_loader=eval_loader, config=tr, flops_per_token=flops,
-        peak_flops=peak_flops(device, infra.peak_tflops), write_extra=write_extra, progress_bar=infra.progress_bar,
+        backend, strategy, train_loader=train_loader, eval_loader=eval_loader, config=config.training,
+        flops_per_token=flops_per_token(model, config.data.max_seq_length), peak_flops=peak_flops(run.device, config.infra.peak_tflops),
+        write_extra=extras_writer(config, tokenizer, stage), progress_bar=config.infra.progress_bar,
     )
-    resumed = trainer.resume() if latest is not None else None
-    if is_main:
-        trainer.logger = build_logger(config, output_dir, trainer.state.step if resumed else None)
-    prefetch = config.data.prefetch_batches if config.data.prefetch_batches is not None else (2 if device.type != "cpu" else 0)
+    run.begin(trainer)
+    prefetch = config.data.prefetch_batches if config.data.prefetch_batches is not None else (2 if run.device.type != "cpu" else 0)
     if prefetch and stage != "dpo":  # started after resuming, so it starts from the resumed position
         trainer.train_loader = Prefetcher(trainer.train_loader, prefetch)
     try:
-        summary = trainer.train()
+        summary = run.train(trainer)
     finally:
-        trainer.logger.close()
         if isinstance(trainer.train_loader, Prefetcher):
             trainer.train_loader.close()
-    final = output_dir / "model"
-    save_final_model(backend.model, final, ctx)
-    summary.update(stage=stage, output_dir=str(output_dir), model_dir=str(final), resumed_from=str(resumed) if resumed else None,
-                   world_size=world_size, distributed_type=distributed_kind(config, ctx))
-    if not is_main:
-        return summary
-    write_extra(output_dir)
-    if tr.average_last_n:
-        recent = list_checkpoints(output_dir / CHECKPOINTS_DIRNAME)[-tr.average_last_n :]
+    run.finish(backend.model, summary)
+    tr = config.training
+    if run.is_main and tr.average_last_n:
+        recent = list_checkpoints(run.checkpoint_dir)[-tr.average_last_n :]
         if len(recent) >= 2:
-            summary["averaged_model_dir"] = str(average_checkpoints(recent, output_dir / "model_averaged"))
-    (final / TRAINING_META_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+            averaged = run.output_dir / "model_averaged"
+            shutil.rmtree(averaged, ignore_errors=True)  # this run's own output, rewritten at each finish
+            summary["averaged_model_dir"] = str(average_checkpoints(recent, averaged))
     return summary

@@ -24,6 +24,7 @@ from tierlm.data.packing import eval_batches
 from tierlm.errors import CheckpointError, TrainingDiverged
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.memory import memory_record
+from tierlm.signals import GracefulStop, RunInterrupted
 from tierlm.strategies.base import TrainingStrategy
 
 
@@ -74,6 +75,7 @@ class Trainer:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.write_extra, self.progress_bar = write_extra, progress_bar
         self.state = LoopState()
+        self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
         # Data-parallel backends say where this process sits; rank 0 reports and prunes.
@@ -132,6 +134,17 @@ class Trainer:
         self.train_loader.load_state_dict(trainer_state["loader"])
         return path
 
+    def check_stop(self, saved: bool) -> None:
+        """After a step: when a stop signal arrived (on any rank), save unless just saved, then raise `RunInterrupted`."""
+        if self.stop is None:
+            return
+        signum = self.stop.agreed_signal(self.backend.all_reduce_sums if self.world_size > 1 else None)
+        if signum:
+            path = self.backend.checkpoint_dir / f"step_{self.state.step}" if saved else self.save()
+            if hasattr(self.backend, "wait_for_save"):
+                self.backend.wait_for_save()
+            raise RunInterrupted(signum, self.state.step, path)
+
     def _check_finite(self, metrics: dict[str, float]) -> None:
         if not metrics.get("skipped"):
             self.state.consecutive_skips = 0
@@ -159,36 +172,41 @@ class Trainer:
             self.evaluate()
         start = time.perf_counter() - state.elapsed_s
         gc_frozen = False
-        while state.step < cfg.num_train_steps:
-            step_start = time.perf_counter()
-            metrics = self.train_step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
-            step_s = time.perf_counter() - step_start
-            state.step += 1
-            if not gc_frozen:  # after the first step, everything alive stays: stop the GC from rescanning it
-                gc.collect()
-                gc.freeze()
-                gc_frozen = True
-            state.tokens_seen += metrics["input_tokens"]
-            state.trained_tokens += int(metrics["num_tokens"])
-            state.elapsed_s = time.perf_counter() - start
-            self._check_finite(metrics)
-            record = self._train_record(metrics, step_s)
-            bar.update(1)
-            bar.set_postfix_str(self._postfix(record), refresh=False)
-            if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
-                record.update(self._slow_stats())
-                self.logger.log(record)
-                if bar.disable and self.is_main:
-                    print(self._log_line(record), file=sys.stderr, flush=True)
-            if self.eval_set and (due(cfg.eval_steps) or state.step == cfg.num_train_steps):
-                self.evaluate()
-                if self.is_main:
-                    bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
-            if due(cfg.save_steps) or state.step == cfg.num_train_steps:
-                self.save()
-        bar.close()
-        if gc_frozen:  # the run's objects may be collected again (a process group held by a cycle must go before exit)
-            gc.unfreeze()
+        try:
+            while state.step < cfg.num_train_steps:
+                step_start = time.perf_counter()
+                metrics = self.train_step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
+                step_s = time.perf_counter() - step_start
+                state.step += 1
+                if not gc_frozen:  # after the first step, everything alive stays: stop the GC from rescanning it
+                    gc.collect()
+                    gc.freeze()
+                    gc_frozen = True
+                state.tokens_seen += metrics["input_tokens"]
+                state.trained_tokens += int(metrics["num_tokens"])
+                state.elapsed_s = time.perf_counter() - start
+                self._check_finite(metrics)
+                record = self._train_record(metrics, step_s)
+                bar.update(1)
+                bar.set_postfix_str(self._postfix(record), refresh=False)
+                if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
+                    record.update(self._slow_stats())
+                    self.logger.log(record)
+                    if bar.disable and self.is_main:
+                        print(self._log_line(record), file=sys.stderr, flush=True)
+                if self.eval_set and (due(cfg.eval_steps) or state.step == cfg.num_train_steps):
+                    self.evaluate()
+                    if self.is_main:
+                        bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
+                saved = due(cfg.save_steps) or state.step == cfg.num_train_steps
+                if saved:
+                    self.save()
+                if state.step < cfg.num_train_steps:
+                    self.check_stop(saved)
+        finally:
+            bar.close()
+            if gc_frozen:  # the run's objects may be collected again (a process group held by a cycle must go before exit)
+                gc.unfreeze()
         if hasattr(self.backend, "wait_for_save"):
             self.backend.wait_for_save()
             if self.is_main:

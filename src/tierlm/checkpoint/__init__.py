@@ -2,7 +2,11 @@
 
 from tierlm.checkpoint.core import (
     CHECKPOINTS_DIRNAME,
+    MODEL_META_FILE,
     Snapshot,
+    clean_stale_temporaries,
+    file_manifest,
+    verified_model_folder,
     is_sharded_checkpoint,
     average_checkpoints,
     export_checkpoint,
@@ -23,6 +27,10 @@ from tierlm.checkpoint.core import (
 
 __all__ = [
     "CHECKPOINTS_DIRNAME",
+    "MODEL_META_FILE",
+    "clean_stale_temporaries",
+    "file_manifest",
+    "verified_model_folder",
     "Snapshot",
     "is_sharded_checkpoint",
     "average_checkpoints",

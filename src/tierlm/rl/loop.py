@@ -25,6 +25,7 @@ from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rl.tasks import Environment, Task, is_environment
 from tierlm.rollout.engine import Completion, Engine, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
+from tierlm.signals import GracefulStop, RunInterrupted
 from tierlm.trainer import resume_backend
 
 
@@ -89,6 +90,7 @@ class RLTrainer:
     reference: Any = None
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
+    stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
 
     @property
     def rank(self) -> int:
@@ -294,7 +296,14 @@ class RLTrainer:
                 if self.rank == 0:
                     print(f"step {state.step}: pass@1 {last_eval['pass@1']:.3f}, pass@{last_eval['k']} {last_eval['pass@k']:.3f}",
                           file=sys.stderr, flush=True)
-            if due(cfg.save_steps) or state.step == cfg.num_train_steps:
-                # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
-                self.save(1.0 - last_eval["pass@1"] if is_eval else None)
+            saved = due(cfg.save_steps) or state.step == cfg.num_train_steps
+            # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
+            metric = 1.0 - last_eval["pass@1"] if is_eval else None
+            if saved:
+                self.save(metric)
+            signum = self.stop.agreed_signal(self._sum_over_ranks if self.world_size > 1 else None) if self.stop else 0
+            if signum and state.step < cfg.num_train_steps:
+                if not saved:
+                    self.save(metric)
+                raise RunInterrupted(signum, state.step, self.backend.checkpoint_dir / f"step_{state.step}")
         return {"step": state.step, "elapsed_s": state.elapsed_s, "initial_pass@1": state.initial_pass_at_1, **last_eval}

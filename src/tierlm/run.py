@@ -1,0 +1,362 @@
+"""Tier 3: the one run skeleton every stage (pretrain, SFT, DPO, RL) goes through.
+
+    run = prepare_run(config, stage)     # check, then set up; nothing is written yet
+    ...the stage builds its model, data, strategy, backend and loop from run...
+    run.begin(trainer)                   # run directory, run.json, resume, logging
+    summary = run.train(trainer)         # the loop, stopping cleanly on SIGTERM/SIGINT/SIGUSR1
+    run.finish(model, summary)           # the final model/ folder, written atomically
+
+The guarantees live here once, for every stage:
+
+- **A run directory belongs to one run.** `run.json` records the stage and a fingerprint of what
+  must not change on resume (model shape, tokenizer, data source). Another stage or another
+  fingerprint in the same `infra.output_dir` is refused with one line naming the difference; so is
+  an output path that is a file, or a non-empty folder that is not a tierlm run.
+- **Nothing is written before every input is checked**; a resumed run takes its tokenizer from the
+  checkpoint; a fresh start in a run directory never appends to the old `metrics.jsonl` (it is
+  kept beside, renamed); hidden folders of interrupted saves are removed at the next start.
+- **Final model folders appear whole**: written into a hidden folder, flushed, renamed into place,
+  with the tokenizer, a `generation_config.json` that stops at the end-of-turn token, and a
+  manifest (sizes and SHA-256) that `export`, `average` and `sample` verify.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint, list_checkpoints
+from tierlm.checkpoint.core import (
+    MODEL_META_FILE,
+    _fsync_dir,
+    _fsync_tree,
+    clean_stale_temporaries,
+    file_manifest,
+    resolve_model_location,
+    verified_model_folder,
+)
+from tierlm.config import TierlmConfig
+from tierlm.data import Tokenizer, load_tokenizer
+from tierlm.errors import ConfigError, DataError
+from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
+from tierlm.models import save_model_folder, unwrap_model
+from tierlm.primitives import resolve_device
+from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
+from tierlm.signals import GracefulStop
+
+RUN_FILE = "run.json"
+STAGES = ("pretrain", "sft", "dpo", "rl")
+
+
+# -- what a run directory records -----------------------------------------------------------
+def fingerprint(config: TierlmConfig, stage: str) -> dict[str, Any]:
+    """What must stay the same for a run to continue in its directory, keyed by config key.
+
+    >>> fp = fingerprint(TierlmConfig.load(None, ["model.depth=2"]), "pretrain")
+    >>> fp["stage"], fp["model.depth"], fp["data.dataset_name"]
+    ('pretrain', 2, 'synthetic:arithmetic')
+    """
+    m, t, d = config.model, config.tokenizer, config.data
+    out: dict[str, Any] = {"stage": stage, "model.model_name_or_path": m.model_name_or_path,
+                           "model.tokenizer_name_or_path": m.tokenizer_name_or_path}
+    if m.model_name_or_path is None:  # from scratch: the shape comes from the config
+        out["model.architecture"] = m.architecture
+        if m.architecture == "gpt":
+            out.update({f"model.{k}": getattr(m, k) for k in ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "tie_embeddings")})
+        else:
+            out["model.hf_config"] = m.hf_config
+        if m.tokenizer_name_or_path is None:  # a tokenizer trained for this run
+            out.update({"tokenizer.kind": t.kind, "tokenizer.vocab_size": t.vocab_size})
+    if d.mixture:
+        out["data.mixture"] = [[c.dataset_name, c.weight] for c in d.mixture]
+    else:
+        out["data.dataset_name"] = d.dataset_name
+    return out
+
+
+def recorded_run(output_dir: Path) -> dict[str, Any] | None:
+    """The fingerprint a run directory records: its run.json, or (runs from before run.json) the one
+    its latest checkpoint's config implies; None for a folder that holds no tierlm run."""
+    try:
+        recorded = json.loads((output_dir / RUN_FILE).read_text())
+        return recorded["fingerprint"]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{output_dir / RUN_FILE} is not readable ({e}); restore it or choose a new infra.output_dir") from None
+    latest = find_latest_checkpoint(output_dir / CHECKPOINTS_DIRNAME)
+    if latest is None:
+        return None
+    try:
+        stage = json.loads((latest / "model" / MODEL_META_FILE).read_text())["stage"]
+        return fingerprint(TierlmConfig.from_yaml(latest / "config.yaml"), stage)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # a run whose checkpoint does not say what it was: nothing to compare
+
+
+def check_run_directory(config: TierlmConfig, stage: str) -> Path | None:
+    """Refuse an output directory this run must not use; return the checkpoint to resume, if any."""
+    out = Path(config.infra.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"infra.output_dir {out} is a file; give a folder for the run")
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    recorded = recorded_run(out)
+    if recorded is None:
+        raise ConfigError(f"infra.output_dir {out} is not empty and holds no tierlm run; choose a new or empty folder")
+    mine = fingerprint(config, stage) if recorded else {}
+    if recorded and recorded.get("stage") != stage:
+        raise ConfigError(f"{out} holds a {recorded.get('stage')} run, not {stage}: use a new infra.output_dir "
+                          f"(and model.model_name_or_path={out} to start from it)")
+    for key in sorted(set(mine) | set(recorded)):
+        if mine.get(key) != recorded.get(key):
+            raise ConfigError(f"{out} was run with {key}={recorded.get(key)!r}, this command has {mine.get(key)!r}; "
+                              "resume with the same value or use a new infra.output_dir")
+    latest = find_latest_checkpoint(out / CHECKPOINTS_DIRNAME)
+    if latest is not None and config.training.resume == "never":
+        raise ConfigError(f"{out} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
+    return latest
+
+
+# -- the pieces every stage sets up ---------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def distributed_context(config: TierlmConfig) -> DistributedContext | None:
+    """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
+    infra, tr = config.infra, config.training
+    kind = infra.distributed_type
+    if kind == "auto":
+        kind = "fsdp" if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1 else "none"
+    if kind == "none":
+        if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but infra.distributed_type=none; use fsdp or ddp")
+        return None
+    if tr.async_save:
+        raise ConfigError("training.async_save is for one process; distributed runs save sharded checkpoints synchronously")
+    if tr.average_last_n:
+        raise ConfigError("training.average_last_n needs full checkpoints; under torchrun, `tierlm export` them and `tierlm average`")
+    return init_distributed(infra.device_type, infra.dist_timeout_s)
+
+
+def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
+    if ctx is None:
+        return "none"
+    return "fsdp" if config.infra.distributed_type in ("auto", "fsdp") else "ddp"
+
+
+def pretrained_location(config: TierlmConfig) -> Path | str | None:
+    """A local model folder (resolved from a run or checkpoint folder, verified), a hub id, or None (from scratch)."""
+    name = config.model.model_name_or_path
+    if name is None:
+        return None
+    location = resolve_model_location(name)
+    return verified_model_folder(location) if isinstance(location, Path) else location
+
+
+def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> Tokenizer | None:
+    m = config.model
+    if m.tokenizer_name_or_path:
+        return load_tokenizer(m.tokenizer_name_or_path, m.trust_remote_code)
+    if pretrained is not None:
+        return load_tokenizer(pretrained, m.trust_remote_code)
+    return None
+
+
+def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
+    sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
+    if "tensorboard" in config.training.report_to:
+        sinks.append(TensorBoardSink(output_dir / "tensorboard"))
+    if "wandb" in config.training.report_to:
+        sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir))
+    return MetricsLogger(sinks)
+
+
+def write_model_extras(folder: Path, tokenizer: Tokenizer, meta: dict[str, Any]) -> None:
+    """Beside a model's weights: its tokenizer, a generation config that stops where tierlm stops
+    (the end-of-turn token), and training_meta.json."""
+    from transformers import GenerationConfig
+
+    tokenizer.save(folder)
+    stops = tokenizer.stop_ids
+    GenerationConfig(eos_token_id=stops if len(stops) > 1 else stops[0], bos_token_id=tokenizer.bos_id,
+                     pad_token_id=tokenizer.pad_id).save_pretrained(folder)
+    (folder / MODEL_META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def extras_writer(config: TierlmConfig, tokenizer: Tokenizer, stage: str):
+    """What every checkpoint carries besides weights: tokenizer, generation config, config, stage."""
+
+    def write_extra(folder: Path) -> None:
+        write_model_extras(folder / "model", tokenizer, {"stage": stage})
+        config.to_yaml(folder / "config.yaml")
+
+    return write_extra
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename `path` to a free `<stem>.<UTC time>[.<n>]<suffix>` beside it, so a new file starts empty."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target, n = path.with_name(f"{path.stem}.{stamp}{path.suffix}"), 1
+    while target.exists():
+        target, n = path.with_name(f"{path.stem}.{stamp}.{n}{path.suffix}"), n + 1
+    path.rename(target)
+    return target
+
+
+# -- the skeleton ---------------------------------------------------------------------------
+@dataclass
+class Run:
+    """A prepared run: everything a stage needs to build its model, data and loop."""
+
+    config: TierlmConfig
+    stage: str
+    ctx: DistributedContext | None
+    device: torch.device
+    pretrained: Path | str | None
+    latest: Path | None  # the checkpoint this run resumes from
+    kind: str = "none"  # "none" | "ddp" | "fsdp"
+    tokenizer: Tokenizer | None = None
+    stop: GracefulStop = field(default_factory=GracefulStop)
+    resumed: Path | None = None
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.infra.output_dir)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / CHECKPOINTS_DIRNAME
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx is None or self.ctx.is_main
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size if self.ctx is not None else 1
+
+    def begin(self, trainer) -> Path | None:
+        """Everything is checked: create the run directory, record the run, resume, start logging."""
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            stale = clean_stale_temporaries(self.checkpoint_dir)
+            if stale:
+                print(f"tierlm: warning: removed {len(stale)} unfinished save(s) of an interrupted run", file=sys.stderr)
+            shutil.rmtree(self.output_dir / ".model.tmp", ignore_errors=True)
+            run_file = {"stage": self.stage, "fingerprint": fingerprint(self.config, self.stage)}
+            (self.output_dir / RUN_FILE).write_text(json.dumps(run_file, indent=1) + "\n")
+            self.config.to_yaml(self.output_dir / "config.yaml")
+        self.resumed = trainer.resume() if self.latest is not None else None
+        if self.is_main:
+            metrics = self.output_dir / "metrics.jsonl"
+            if self.resumed is None and metrics.exists():  # a fresh start never appends to an old run's lines
+                print(f"tierlm: warning: no checkpoint to resume; the earlier metrics are kept as {_move_aside(metrics).name}",
+                      file=sys.stderr)
+            trainer.logger = build_logger(self.config, self.output_dir, trainer.state.step if self.resumed else None)
+        trainer.stop = self.stop
+        return self.resumed
+
+    def train(self, trainer) -> dict[str, Any]:
+        """The stage's loop, with the stop signals caught (they end it after a saved step)."""
+        try:
+            with self.stop:
+                return trainer.train()
+        finally:
+            trainer.logger.close()
+
+    def finish(self, model: torch.nn.Module, summary: dict[str, Any]) -> dict[str, Any]:
+        """Write the final model folder atomically (gathered to rank 0 under FSDP); returns the summary."""
+        final = self.output_dir / "model"
+        summary.update(stage=self.stage, output_dir=str(self.output_dir), model_dir=str(final),
+                       resumed_from=str(self.resumed) if self.resumed else None, world_size=self.world_size,
+                       distributed_type=self.kind)
+        state = None
+        if self.ctx is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.is_main:
+            return summary
+        tmp = self.output_dir / ".model.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model_folder(unwrap_model(model), tmp, state_dict=state)
+        assert self.tokenizer is not None, "a run's tokenizer is set in prepare_run"
+        write_model_extras(tmp, self.tokenizer, summary)
+        meta = {**summary, "manifest": file_manifest(tmp, exclude=(MODEL_META_FILE,))}
+        (tmp / MODEL_META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        _fsync_tree(tmp)
+        if final.exists():  # a finished run re-run: swap, never delete the only good copy first
+            old = self.output_dir / ".model.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.output_dir)
+        return summary
+
+
+def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None, latest: Path | None) -> Tokenizer:
+    """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
+    or a new one trained on the data (by rank 0, read by the others from the run directory)."""
+    from tierlm.recipes import train_tokenizer
+
+    if latest is not None:
+        return load_tokenizer(latest / "model", config.model.trust_remote_code)
+    tokenizer = existing_tokenizer(config, pretrained)
+    if tokenizer is not None:
+        return tokenizer
+    if ctx is None:
+        return train_tokenizer(config, stage)
+    folder = Path(config.infra.output_dir) / "tokenizer"
+    if ctx.is_main:
+        train_tokenizer(config, stage).save(folder)
+    torch.distributed.barrier()
+    return load_tokenizer(folder)
+
+
+def rl_parallelism(config: TierlmConfig) -> TierlmConfig:
+    """RL shards data, not the model: under torchrun each rank samples its share of the prompts (DDP)."""
+    kind = config.infra.distributed_type
+    if kind == "fsdp":
+        raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun")
+    if kind == "auto":
+        kind = "ddp" if launched_distributed() else "none"
+    return config.model_copy(update={"infra": config.infra.model_copy(update={"distributed_type": kind})})
+
+
+def prepare_run(config: TierlmConfig, stage: str) -> Run:
+    """Check the run directory and the starting model, join torchrun's group, seed, pick the device,
+    get the tokenizer. Writes nothing (but a new tokenizer shared across ranks)."""
+    assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
+    latest = check_run_directory(config, stage)
+    pretrained = pretrained_location(config)
+    if stage in ("dpo", "rl") and pretrained is None:
+        raise ConfigError(f"{stage} starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)")
+    infra = config.infra
+    if infra.num_threads:
+        torch.set_num_threads(infra.num_threads)
+    parallel = rl_parallelism(config) if stage == "rl" else config
+    ctx = distributed_context(parallel)
+    seed_everything(config.training.seed)  # the same on every rank: identical initial weights
+    device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
+    run = Run(config, stage, ctx, device, pretrained, latest, kind=distributed_kind(parallel, ctx))
+    run.tokenizer = run_tokenizer(config, stage, pretrained, ctx, latest)
+    if stage in ("rl",) and not run.tokenizer.has_chat_template:
+        raise DataError(f"{pretrained} has no chat template: {stage} needs a chat model (run tierlm sft first)")
+    return run

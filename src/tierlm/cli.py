@@ -27,13 +27,51 @@ from tierlm.errors import TierlmError
 from tierlm.signals import RunInterrupted
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported as the one line every tierlm error is (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"tierlm: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _temperature(text: str) -> float:
+    value = _float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT, DPO, RL.")
+    parser = _Parser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT, DPO, RL.")
     commands = parser.add_subparsers(dest="command", required=True)
     for stage, about in (("pretrain", "pretrain on text (next-token prediction)"), ("sft", "fine-tune on conversations (assistant tokens only)"),
                          ("dpo", "preference-optimise a chat model on chosen/rejected pairs"),
@@ -56,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="generate from a trained model")
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
     sample.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
-    sample.add_argument("--max-new-tokens", type=int, default=64)
-    sample.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    sample.add_argument("--top-k", type=int, default=None)
-    sample.add_argument("--top-p", type=float, default=None)
+    sample.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    sample.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy")
+    sample.add_argument("--top-k", type=_positive_int, default=None)
+    sample.add_argument("--top-p", type=_probability, default=None)
     sample.add_argument("--seed", type=int, default=0)
     mode = sample.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")
@@ -71,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", required=True, action="append", help="text/JSONL file, folder or synthetic:<task> (repeatable)")
     train.add_argument("--out", required=True, help="folder to save the tokenizer to")
     train.add_argument("--kind", choices=["bpe", "char"], default="bpe")
-    train.add_argument("--vocab-size", type=int, default=512)
-    train.add_argument("--num-docs", type=int, default=20000, help="documents read from each source (generated, for synthetic tasks)")
+    train.add_argument("--vocab-size", type=_positive_int, default=512)
+    train.add_argument("--num-docs", type=_positive_int, default=20000, help="documents read from each source (generated, for synthetic tasks)")
 
     config = commands.add_parser("config", help="config tools").add_subparsers(dest="config_command", required=True)
     _add_config_args(config.add_parser("show", help="print the resolved config"), required=False)
@@ -127,8 +165,6 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tierlm.rollout.engine import Engine, readable_text
     from tierlm.rollout.tools import Calculator
 
-    if args.max_new_tokens <= 0:
-        raise TierlmError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     location = resolve_model_location(args.checkpoint)
     location = verified_model_folder(location) if not isinstance(location, str) else location
     tokenizer = load_tokenizer(location)
@@ -155,8 +191,6 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
     from tierlm.checkpoint.core import check_new_folder, publish_folder, staging_folder
 
-    if args.vocab_size <= 0 or args.num_docs <= 0:
-        raise TierlmError(f"--vocab-size and --num-docs must be > 0, got {args.vocab_size} and {args.num_docs}")
     check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith("synthetic:")])
     texts = []
     for spec in args.data:  # the first --num-docs documents of each source, never a whole corpus

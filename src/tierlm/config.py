@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tierlm.errors import ConfigError
+from tierlm.errors import ConfigError, first_line
 
 
 class Section(BaseModel):
@@ -170,7 +170,7 @@ class TrainingConfig(Section):
     """Write a train line to metrics.jsonl every N steps."""
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Extra metric sinks besides metrics.jsonl."""
-    seed: int = 42
+    seed: int = Field(42, ge=0, lt=2**63)
     """Seed for initialisation, data order and sampling."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run directory."""
@@ -273,22 +273,31 @@ class TierlmConfig(Section):
         base = OmegaConf.create({})
         if path is not None:
             path = Path(path)
+            if path.is_dir():
+                raise ConfigError(f"config {path} is a folder, not a file")
             if not path.is_file():
                 raise ConfigError(f"config file {path} does not exist")
             try:
-                base = OmegaConf.load(path)
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); a config is a YAML file") from None
+            except OSError as e:
+                raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+            try:
+                parsed = yaml.safe_load(text)
+                if parsed is not None and not isinstance(parsed, dict):
+                    raise ConfigError(f"{path} must hold a mapping of sections (model, data, training, infra, ...)")
+                base = OmegaConf.create(text) if parsed else OmegaConf.create({})  # OmegaConf's YAML: 3e-4 is a float
             except (yaml.YAMLError, OmegaConfBaseException) as e:
-                raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from e
-            if not OmegaConf.is_dict(base):
-                raise ConfigError(f"{path} must hold a mapping of sections (model, data, training, infra, ...)")
+                raise ConfigError(f"{path} is not valid YAML: {first_line(e)}") from None
         for item in overrides:
             if "=" not in item or item.startswith("="):
                 raise ConfigError(f"override {item!r} must look like section.key=value")
         try:
             merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
             raw = OmegaConf.to_container(merged, resolve=True)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"cannot apply overrides: {str(e).splitlines()[0]}") from e
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+            raise ConfigError(f"cannot apply overrides {' '.join(overrides)}: {first_line(e)}") from None
         return cls.from_dict(raw)
 
     @classmethod

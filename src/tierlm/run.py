@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,11 +105,23 @@ def recorded_run(output_dir: Path) -> dict[str, Any] | None:
         return {}  # a run whose checkpoint does not say what it was: nothing to compare
 
 
+def check_writable(folder: Path) -> None:
+    """Refuse a folder this process cannot create files in (probed by making and removing one)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tierlm-probe-", dir=existing))
+    except OSError as e:
+        raise ConfigError(f"cannot write in {existing} (for infra.output_dir {folder}): {e.strerror or e}") from None
+
+
 def check_run_directory(config: TierlmConfig, stage: str) -> Path | None:
     """Refuse an output directory this run must not use; return the checkpoint to resume, if any."""
     out = Path(config.infra.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"infra.output_dir {out} is a file; give a folder for the run")
+    check_writable(out.absolute())
     if not out.exists() or not any(out.iterdir()):
         return None
     recorded = recorded_run(out)

@@ -90,8 +90,7 @@ class PyTorchTrainingBackend:
         self.model = self._place(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn or create_cross_entropy_loss()
-        self.checkpoint_dir = Path(checkpoint_dir)
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = Path(checkpoint_dir)  # created by the first save, not before
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype

@@ -458,6 +458,8 @@ def resolve_model_folder(path: str | Path) -> Path:
     to the model of its latest checkpoint.
     """
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
     if (path / "config.json").is_file() or is_native_folder(path):
         if not (path / WEIGHTS_FILE).is_file() and is_sharded_checkpoint(path.parent):
             raise CheckpointError(f"{path.parent} is a sharded checkpoint: run `tierlm export {path.parent} OUT_DIR` for a model folder")

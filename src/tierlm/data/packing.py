@@ -207,6 +207,9 @@ class PackedLoader:
         while len(self.buffer) < target:
             order = self._order()
             if self.cursor >= len(order):
+                if self.counts["tokens_in"] == 0 and self.counts["dropped"]:  # a whole pass and nothing kept: never a batch
+                    raise DataError(f"all {self.counts['dropped']} documents are longer than a row ({self.row_len} tokens) and "
+                                    "data.long_conversations=drop drops them; raise data.max_seq_length or use truncate")
                 if not self.repeat:
                     return
                 self.epoch, self.cursor = self.epoch + 1, 0

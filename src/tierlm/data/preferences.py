@@ -9,7 +9,6 @@ Optional "ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierlm.data.sources import read_jsonl
 from tierlm.data.synthetic import ArithmeticTask
-from tierlm.data.tokenizer import Tokenizer
+from tierlm.data.tokenizer import Tokenizer, check_conversation
 from tierlm.errors import DataError
 from tierlm.primitives.losses import IGNORE_INDEX
 
@@ -54,21 +54,19 @@ def load_preference_jsonl(path: str | Path) -> list[PreferencePair]:
     path, pairs = Path(path), []
     if not path.is_file():
         raise DataError(f"{path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                chosen, rejected = row["chosen"], row["rejected"]
-                if isinstance(chosen, str):
-                    user = {"role": "user", "content": row["prompt"]}
-                    chosen, rejected = [user, {"role": "assistant", "content": chosen}], [user, {"role": "assistant", "content": rejected}]
-                if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+    for line_no, row in read_jsonl(path):
+        try:
+            chosen, rejected = row["chosen"], row["rejected"]
+            if isinstance(chosen, str):
+                user = {"role": "user", "content": row["prompt"]}
+                chosen, rejected = [user, {"role": "assistant", "content": chosen}], [user, {"role": "assistant", "content": rejected}]
+            for conversation in (chosen, rejected):
+                check_conversation(conversation)
+                if conversation[-1]["role"] != "assistant":
                     raise ValueError("chosen and rejected must end with an assistant turn")
-                pairs.append(PreferencePair(chosen, rejected, row.get("ref_chosen_logp"), row.get("ref_rejected_logp")))
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                raise DataError(f"{path}:{line_no}: expected prompt/chosen/rejected strings or chosen/rejected conversations ({e})") from e
+            pairs.append(PreferencePair(chosen, rejected, row.get("ref_chosen_logp"), row.get("ref_rejected_logp")))
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise DataError(f"{path}:{line_no}: expected prompt/chosen/rejected strings or chosen/rejected conversations ({e})") from None
     if not pairs:
         raise DataError(f"{path} holds no preference pairs")
     return pairs

@@ -81,6 +81,41 @@ def convert_row(row: dict, kind: str, fields: Fields, where: str) -> Any:
     return row_to_text(row, fields, where) if kind == "text" else row_to_conversation(row, fields, where)
 
 
+def parse_json_object(raw: bytes | str, where: str) -> dict:
+    """One JSONL line as a dict, or a DataError naming `where` (bad UTF-8, bad JSON, too deeply
+    nested, not an object). Every JSONL reader goes through this one.
+
+    >>> parse_json_object(b'{"a": 1}', "f.jsonl:1")
+    {'a': 1}
+    >>> parse_json_object(b"[" * 100000, "f.jsonl:2")
+    Traceback (most recent call last):
+    ...
+    tierlm.errors.DataError: f.jsonl:2: malformed JSON (nested too deeply); fix or remove that line
+    """
+    try:
+        row = json.loads(raw)
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not UTF-8 text; fix or remove that line") from None
+    except RecursionError:
+        raise DataError(f"{where}: malformed JSON (nested too deeply); fix or remove that line") from None
+    except ValueError as e:
+        raise DataError(f"{where}: malformed JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e}); fix or remove that line") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}; fix or remove that line")
+    return row
+
+
+def read_jsonl(path: Path):
+    """(line number, object) for each non-blank line of a JSONL file; errors name `file:line`."""
+    try:
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield line_no, parse_json_object(raw, f"{path}:{line_no}")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from e
+
+
 # -- collections ---------------------------------------------------------------------------
 class Examples:
     """A random-access collection of examples."""
@@ -140,15 +175,12 @@ class JSONLExamples(Examples):
                     continue
                 where = f"{path}:{lineno}"
                 try:
-                    row = json.loads(raw)
-                    if not isinstance(row, dict):
-                        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-                except (ValueError, UnicodeDecodeError) as e:
+                    row = parse_json_object(raw, where)
+                except DataError as e:
                     if on_bad_line == "skip":
                         stats.bad_lines_skipped += 1
                         continue
-                    reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-                    raise DataError(f"{where}: malformed JSON ({reason}); fix or remove that line, or set data.on_bad_line=skip") from e
+                    raise DataError(f"{e}, or set data.on_bad_line=skip") from None
                 convert_row(row, kind, fields, where)  # every row is checked up front, not mid-run
                 offsets.append(start)
                 lines.append(lineno)
@@ -239,6 +271,9 @@ class TokenFileExamples(Examples):
         for lo in range(0, self.num_tokens, self.CHUNK_TOKENS):
             chunk = np.asarray(self._map()[lo : lo + self.CHUNK_TOKENS])
             top = int(chunk.max()) if len(chunk) else 0
+            if len(chunk) and int(chunk.min()) < 0:
+                at = lo + int(np.argmax(chunk < 0))
+                raise DataError(f"{path}: negative token id {int(chunk.min())} at position {at}; token ids are >= 0")
             if top >= vocab_size:
                 at = lo + int(np.argmax(chunk >= vocab_size))
                 raise DataError(f"{path}: token id {top} at position {at} >= vocab size {vocab_size}; the file was made with another tokenizer")
@@ -249,7 +284,10 @@ class TokenFileExamples(Examples):
     @staticmethod
     def _layout(path: Path, dtype: np.dtype) -> tuple[np.dtype, int, int]:
         if path.suffix == ".npy":
-            array = np.load(path, mmap_mode="r")
+            try:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)  # never unpickle: object arrays are refused
+            except (ValueError, OSError, EOFError) as e:
+                raise DataError(f"{path}: not a readable token array ({first_line(e)}); save a 1-D integer array with numpy.save") from None
             if array.ndim != 1 or array.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
                 raise DataError(f"{path}: expected a 1-D integer token array, got {array.dtype} with shape {array.shape}")
             return array.dtype, array.offset, len(array)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,21 @@ class JSONLSink:
         self._file = open(self.path, "a")
 
     def _truncate_after(self, step: int) -> None:
-        """Drop lines logged after the checkpoint being resumed: the run repeats those steps."""
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        """Drop lines logged after the checkpoint being resumed: the run repeats those steps. A line
+        that is not a JSON object (the last one, cut short by a kill mid-write) is dropped with a warning."""
+        kept, broken = [], 0
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                broken += bool(line.strip())
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        if broken:
+            print(f"tierlm: warning: {self.path}: ignored {broken} unreadable line(s) (a write cut short)", file=sys.stderr)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)

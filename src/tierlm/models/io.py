@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tierlm.errors import ModelLoadError
+from tierlm.errors import ModelLoadError, first_line
 from tierlm.models.gpt import GPT, GPTConfig, build_gpt
 from tierlm.models.hf_export import from_hf_name, to_hf_config, to_hf_name
 
@@ -77,9 +77,12 @@ def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtyp
         raise ModelLoadError(f"cannot read native model folder {path}: {e}") from e
     model = build_gpt(config, device=device, dtype=dtype)
     state = {from_hf_name(k): v for k, v in hf_state.items()}
-    if config.tie_embeddings:
+    if config.tie_embeddings and "embed.weight" in state:
         state.setdefault("lm_head.weight", state["embed.weight"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that differ from the config
+        raise ModelLoadError(f"{path / WEIGHTS_FILE} does not match its config ({first_line(e)}: {str(e).splitlines()[1].strip()})") from None
     if missing or unexpected:
         raise ModelLoadError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
     return model

@@ -40,7 +40,7 @@ def load_hf_model(
         kwargs["device_map"] = device_map
     try:
         return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights whose shapes differ from the config
         where = "local folder" if Path(model_name).exists() else "hub id or path"
         raise ModelLoadError(f"cannot load model {model_name!r} ({where}): {first_line(e)}") from e
 

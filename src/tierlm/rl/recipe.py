@@ -12,15 +12,15 @@ from tierlm.backends.pytorch import FrozenReference
 from tierlm.checkpoint.core import verified_model_folder, resolve_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
-from tierlm.errors import ConfigError
+from tierlm.errors import ConfigError, DataError
 from tierlm.metrics.memory import check_fits
-from tierlm.models import load_pretrained_model
+from tierlm.models import load_pretrained_model, model_max_seq_len
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import shutdown_distributed
 from tierlm.recipes import build_backend, build_model, memory_needs
 from tierlm.run import Run, extras_writer, prepare_run, rl_parallelism
 from tierlm.rl.loop import RLTrainer
-from tierlm.rl.tasks import open_task, split_task
+from tierlm.rl.tasks import is_environment, open_task, split_task
 from tierlm.rollout.engine import Engine
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy
@@ -49,6 +49,18 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     return trainer.evaluate()
 
 
+def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, name: str) -> None:
+    """Every prompt of a file task must leave room to answer (synthetic prompts are short by construction)."""
+    if max_len is None or name.startswith("synthetic:") or is_environment(train_task):
+        return
+    for task in (train_task, eval_task):
+        for i in range(len(task)):
+            length = len(tokenizer.render_for_completion(task.example(i).messages))
+            if length + 1 > max_len:
+                raise DataError(f"{name}: example {i}'s prompt is {length} tokens, longer than the model's context of {max_len} "
+                                "leaves room to answer; shorten or drop it")
+
+
 def run_rl(config: TierlmConfig) -> dict:
     """Reinforcement learning from a trained chat model: sample groups, reward, policy-gradient updates."""
     summary = _run_rl(prepare_run(config, "rl"))
@@ -70,6 +82,7 @@ def _run_rl(run: Run) -> dict:
     check_fits(memory_needs(config_for_memory, tokenizer.vocab_size, run.pretrained, len(train_task), run.world_size,
                             2 if rl.kl_coef > 0 else 1), run.device)
     model = build_model(config, tokenizer, run.device, run.pretrained)
+    check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
     reference = FrozenReference(copy.deepcopy(model), run.device) if rl.kl_coef > 0 else None
     # Each RL step makes rl.ppo_epochs optimizer steps (the LR schedule counts optimizer steps), each
     # over this rank's rollouts in micro-batches (DDP synchronises on the last of them).

@@ -8,13 +8,13 @@ new user turn) or ends the episode with a reward; `SingleTurn` wraps a task as o
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from tierlm.data.sources import read_jsonl
 from tierlm.data.synthetic import ArithmeticTask
 from tierlm.errors import DataError
 
@@ -95,19 +95,13 @@ class MathJSONLTask:
         self.path, self.examples = Path(path), []
         if not self.path.is_file():
             raise DataError(f"{self.path} does not exist")
-        with open(self.path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    question, answer = row[question_field], str(row[answer_field])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise DataError(f"{self.path}:{line_no}: expected JSON with '{question_field}' and '{answer_field}' ({e})") from e
-                reference = extract_final_number(answer)
-                if reference is None:
-                    raise DataError(f"{self.path}:{line_no}: the answer has no final number")
-                self.examples.append(TaskExample([{"role": "user", "content": question}], reference))
+        for line_no, row in read_jsonl(self.path):
+            if not isinstance(row.get(question_field), str) or answer_field not in row:
+                raise DataError(f"{self.path}:{line_no}: expected a '{question_field}' string and an '{answer_field}'; fields present: {sorted(row)}")
+            reference = extract_final_number(str(row[answer_field]))
+            if reference is None:
+                raise DataError(f"{self.path}:{line_no}: the answer has no final number")
+            self.examples.append(TaskExample([{"role": "user", "content": row[question_field]}], reference))
         if not self.examples:
             raise DataError(f"{self.path} holds no examples")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tierlm.errors import DataError
 from tierlm.models import unwrap_model
 from tierlm.models.gpt import GPT, KVCache
 from tierlm.rollout.sampling import sample_next_token
@@ -106,7 +107,9 @@ class Engine:
         assert prompt_ids, "the prompt is empty"
         assert num_samples >= 1 and max_new_tokens >= 1, f"num_samples={num_samples}, max_new_tokens={max_new_tokens}"
         max_len = min(len(prompt_ids) + max_new_tokens, self.max_len())
-        assert len(prompt_ids) < max_len, f"the prompt ({len(prompt_ids)} tokens) leaves no room in {max_len}"
+        if len(prompt_ids) >= max_len:
+            raise DataError(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {self.max_len()} "
+                            "leaves room for; shorten it")
         was_training = self.model.training
         self.model.eval()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)

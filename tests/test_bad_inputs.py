@@ -1,0 +1,341 @@
+"""Every bad input is one line, exit 2, nothing written — over every command.
+
+Each case runs `tierlm.cli.main(argv)` in this process (a traceback would fail the test as an
+error) inside an empty working folder, after an optional setup that writes the bad input. It
+asserts exit code 2, exactly one stderr line `tierlm: error: ...` matching what the case names,
+and that neither the working folder nor the shared trained runs changed by a single byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from tierlm.cli import main
+
+TINY = [
+    "model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",
+    "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16", "data.max_seq_length=32",
+    "training.num_train_steps=2", "training.warmup_steps=0", "training.eval_steps=0", "training.eval_batches=1", "training.per_device_train_batch_size=4",
+    "infra.progress_bar=false", "infra.device_type=cpu", "infra.output_dir=out",
+]
+CHAT = ["data.max_seq_length=64", "training.num_train_steps=2", "training.warmup_steps=0", "training.eval_steps=0", "training.eval_batches=1",
+        "training.per_device_train_batch_size=4", "infra.progress_bar=false", "infra.device_type=cpu", "infra.output_dir=out",
+        "data.num_synthetic_examples=64", "data.num_synthetic_eval_examples=8"]
+RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "rl.eval_k=2", "rl.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """A tiny pretrain run and an SFT run from it, shared (read-only) by the cases."""
+    from tierlm.config import TierlmConfig
+    from tierlm.recipes import run_stage
+
+    root = tmp_path_factory.mktemp("runs")
+    pre, sft = root / "pre", root / "sft"
+    run_stage(TierlmConfig.load("configs/tiny_pretrain.yaml", [*TINY, "training.num_train_steps=3", f"infra.output_dir={pre}"]), "pretrain")
+    run_stage(TierlmConfig.load("configs/tiny_sft.yaml", [*CHAT, f"model.model_name_or_path={pre}", f"infra.output_dir={sft}"]), "sft")
+    return root
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry under `root`: a file's SHA-256, a link's target, a folder's mark (links never followed)."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                out[key] = "link:" + os.readlink(path)
+            elif path.is_dir():
+                out[key] = "dir"
+            else:
+                out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+# -- setups: each writes a bad input into the working folder w (r: the shared runs) ---------
+def write(name: str, data: str | bytes) -> Callable[[Path, Path], None]:
+    def setup(w: Path, r: Path) -> None:
+        (w / name).parent.mkdir(parents=True, exist_ok=True)
+        (w / name).write_bytes(data.encode() if isinstance(data, str) else data)
+
+    return setup
+
+
+def copy_run(name: str, then: Callable[[Path], None] | None = None) -> Callable[[Path, Path], None]:
+    def setup(w: Path, r: Path) -> None:
+        shutil.copytree(r / name, w / name, symlinks=True)
+        if then is not None:
+            then(w / name)
+
+    return setup
+
+
+def both(*setups):
+    def setup(w: Path, r: Path) -> None:
+        for s in setups:
+            s(w, r)
+
+    return setup
+
+
+def latest_checkpoint(run: Path) -> Path:
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+
+
+NESTED = "[" * 100_000 + "]" * 100_000
+NON_UTF8 = b"\xff\xfe\x00bad \x80\x81 bytes\n"
+LONG_CHAT = json.dumps({"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok " * 400}]})
+GOOD_CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+
+
+def npy(array) -> Callable[[Path, Path], None]:
+    def setup(w: Path, r: Path) -> None:
+        np.save(w / "tokens.npy", array, allow_pickle=True)
+
+    return setup
+
+
+def flip_byte(relative: str):
+    def then(run: Path) -> None:
+        path = run / relative
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    return then
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]
+    expect: str
+    setup: Callable[[Path, Path], None] | None = None
+
+
+PRE, SFT_CFG, DPO_CFG, RL_CFG = "configs/tiny_pretrain.yaml", "configs/tiny_sft.yaml", "configs/tiny_dpo.yaml", "configs/tiny_rl.yaml"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cfg(name: str) -> str:
+    return str(REPO / name)
+
+
+CASES = [
+    # -- config files and overrides (through `config show` and the stages) ---------------
+    Case("config-missing-file", ["config", "show", "--config", "nope.yaml"], "does not exist"),
+    Case("config-yaml-syntax", ["config", "show", "--config", "c.yaml"], "not valid YAML", write("c.yaml", "model: [1, 2\n")),
+    Case("config-not-utf8", ["config", "show", "--config", "c.yaml"], "UTF-8|not valid YAML", write("c.yaml", NON_UTF8)),
+    Case("config-binary", ["config", "show", "--config", "c.yaml"], "not valid YAML|UTF-8|mapping", write("c.yaml", bytes(range(256)))),
+    Case("config-scalar", ["config", "show", "--config", "c.yaml"], "must hold a mapping", write("c.yaml", "42\n")),
+    Case("config-list", ["config", "show", "--config", "c.yaml"], "must hold a mapping", write("c.yaml", "- a\n- b\n")),
+    Case("config-is-a-folder", ["config", "show", "--config", "d"], "not a file|does not exist", lambda w, r: (w / "d").mkdir()),
+    Case("config-unknown-section", ["config", "show", "--config", "c.yaml"], "unknown key foo", write("c.yaml", "foo: {}\n")),
+    Case("config-section-not-mapping", ["config", "show", "training=5"], "training"),
+    Case("override-without-equals", ["config", "show", "training.seed"], "must look like section.key=value"),
+    Case("override-yaml-syntax", ["config", "show", "training.learning_rate=[1,"], "training.learning_rate"),
+    Case("override-unknown-key", ["config", "show", "training.learnin_rate=1"], "did you mean training.learning_rate"),
+    Case("override-wrong-type", ["config", "show", "training.seed=abc"], "training.seed"),
+    Case("override-bad-interpolation", ["config", "show", "training.seed=${nope}"], "cannot apply overrides|interpolat"),
+    Case("seed-negative", ["pretrain", "--config", cfg(PRE), *TINY, "training.seed=-1"], "training.seed must be >= 0"),
+    Case("seed-huge", ["pretrain", "--config", cfg(PRE), *TINY, "training.seed=100000000000000000000000"], "training.seed must be <"),
+    Case("learning-rate-negative", ["pretrain", "--config", cfg(PRE), *TINY, "training.learning_rate=-1"], "learning_rate must be > 0"),
+    Case("warmup-too-long", ["pretrain", "--config", cfg(PRE), *TINY, "training.warmup_steps=5"], "warmup_steps"),
+    # -- pretrain ------------------------------------------------------------------------------
+    Case("pretrain-missing-data", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=nope.txt"], "nope.txt"),
+    Case("pretrain-unknown-synthetic", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=synthetic:nope"], "unknown synthetic task"),
+    Case("pretrain-text-not-utf8", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=d.txt"], "not UTF-8", write("d.txt", NON_UTF8)),
+    Case("pretrain-empty-text", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=d.txt"], "no examples", write("d.txt", "\n\n")),
+    Case("pretrain-jsonl-not-utf8", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=d.jsonl"], "d.jsonl:1", write("d.jsonl", NON_UTF8)),
+    Case("pretrain-jsonl-nested", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=d.jsonl"], "d.jsonl:1.*nested",
+         write("d.jsonl", NESTED + "\n")),
+    Case("pretrain-jsonl-array", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=d.jsonl"], "expected a JSON object",
+         write("d.jsonl", "[1, 2]\n")),
+    Case("pretrain-jsonl-no-text", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=d.jsonl"], "no 'text' field",
+         write("d.jsonl", '{"body": "x"}\n')),
+    Case("pretrain-npy-pickled", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=tokens.npy", "model.tokenizer_name_or_path={pre}/model"],
+         "tokens.npy", npy(np.array([{"a": 1}], dtype=object))),
+    Case("pretrain-npy-garbage", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=tokens.npy", "model.tokenizer_name_or_path={pre}/model"],
+         "tokens.npy", write("tokens.npy", b"\x93NUMPY garbage here")),
+    Case("pretrain-npy-negative-ids", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=tokens.npy",
+                                       "model.tokenizer_name_or_path={pre}/model"], "negative token id", npy(np.array([0, 5, -3, 7], dtype=np.int32))),
+    Case("pretrain-npy-2d", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=tokens.npy", "model.tokenizer_name_or_path={pre}/model"],
+         "1-D integer", npy(np.zeros((3, 3), dtype=np.int32))),
+    Case("pretrain-bin-odd-size", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=t.bin", "model.tokenizer_name_or_path={pre}/model"],
+         "whole number", write("t.bin", b"\x01\x00\x02")),
+    Case("pretrain-token-file-no-tokenizer", ["pretrain", "--config", cfg(PRE), *TINY, "data.dataset_name=tokens.npy"], "already tokenized",
+         npy(np.arange(10, dtype=np.int32))),
+    Case("pretrain-synthetic-1e12", ["pretrain", "--config", cfg(PRE), *TINY, "data.num_synthetic_examples=1e12"], "needs at least .*index"),
+    Case("pretrain-seq-len-1e8", ["pretrain", "--config", cfg(PRE), *TINY, "data.max_seq_length=100000000"], "needs at least"),
+    Case("pretrain-unknown-architecture", ["pretrain", "--config", cfg(PRE), *TINY, "model.architecture=nonesuch"], "nonesuch"),
+    Case("pretrain-bad-kv-heads", ["pretrain", "--config", cfg(PRE), *TINY, "model.n_kv_head=3"], "n_kv_head"),
+    Case("pretrain-tiny-vocab", ["pretrain", "--config", cfg(PRE), *TINY, "tokenizer.vocab_size=10"], "vocab_size must be >="),
+    Case("pretrain-missing-model", ["pretrain", "--config", cfg(PRE), *TINY, "model.model_name_or_path=./nope"], "does not exist"),
+    Case("pretrain-missing-mixture-part", ["pretrain", "--config", cfg(PRE), *TINY, "data.mixture=[{dataset_name: nope.jsonl}]"], "nope.jsonl"),
+    Case("pretrain-missing-eval-data", ["pretrain", "--config", cfg(PRE), *TINY, "data.eval_dataset_name=nope.jsonl"], "nope.jsonl"),
+    Case("pretrain-output-is-a-file", ["pretrain", "--config", cfg(PRE), *TINY], "is a file", write("out", "x")),
+    Case("pretrain-output-not-a-run", ["pretrain", "--config", cfg(PRE), *TINY], "holds no tierlm run", write("out/notes.txt", "mine")),
+    Case("pretrain-output-not-writable", ["pretrain", "--config", cfg(PRE), *TINY, "infra.output_dir=/proc/tierlm_run"], "cannot write"),
+    Case("pretrain-other-shape-same-dir", ["pretrain", "--config", cfg(PRE), *TINY, "infra.output_dir=pre", "model.depth=2"],
+         "model.depth=1.*2", copy_run("pre")),
+    Case("pretrain-other-data-same-dir", ["pretrain", "--config", cfg(PRE), *TINY, "infra.output_dir=pre", "data.dataset_name=d.jsonl"],
+         "data.dataset_name", both(copy_run("pre"), write("d.jsonl", '{"text": "x"}\n'))),
+    Case("pretrain-bad-tokenizer-json", ["pretrain", "--config", cfg(PRE), *TINY, "model.tokenizer_name_or_path=tok"], "tokenizer",
+         write("tok/tokenizer.json", "{not json")),
+    Case("pretrain-corrupt-run-json", ["pretrain", "--config", cfg(PRE), *TINY, "infra.output_dir=pre"], "run.json",
+         copy_run("pre", lambda run: (run / "run.json").write_text("{oops"))),
+    # -- SFT -----------------------------------------------------------------------------------
+    Case("sft-into-pretrain-run", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "infra.output_dir=pre"],
+         "holds a pretrain run", copy_run("pre")),
+    Case("sft-plain-text", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.txt"],
+         "SFT data must be", write("d.txt", "hello\n")),
+    Case("sft-jsonl-not-utf8", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl"],
+         "d.jsonl:1", write("d.jsonl", NON_UTF8)),
+    Case("sft-jsonl-nested", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl"],
+         "d.jsonl:1.*nested", write("d.jsonl", NESTED + "\n")),
+    Case("sft-messages-not-list", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl"],
+         "non-empty list", write("d.jsonl", '{"messages": "hi"}\n')),
+    Case("sft-bad-role", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl"],
+         "role 'wizard'", write("d.jsonl", '{"messages": [{"role": "wizard", "content": "x"}]}\n')),
+    Case("sft-drop-every-conversation", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl",
+                                         "data.long_conversations=drop"], "longer than", write("d.jsonl", (LONG_CHAT + "\n") * 30)),
+    Case("sft-bad-train-on", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.train_on=some"], "data.train_on"),
+    Case("sft-corrupt-weights", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path=pre"], "damaged.*model.safetensors",
+         copy_run("pre", flip_byte("model/model.safetensors"))),
+    Case("sft-different-model-weights", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path=pre/model"], "pre/model",
+         copy_run("pre", lambda run: _swap_weights(run))),
+    # -- DPO -----------------------------------------------------------------------------------
+    Case("dpo-without-model", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path=null"], "starts from a trained"),
+    Case("dpo-missing-chosen", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.dataset_name=p.jsonl"],
+         "p.jsonl:1", write("p.jsonl", '{"prompt": "a", "rejected": "b"}\n')),
+    Case("dpo-not-utf8", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.dataset_name=p.jsonl"],
+         "p.jsonl", write("p.jsonl", NON_UTF8)),
+    Case("dpo-nested", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.dataset_name=p.jsonl"],
+         "p.jsonl:1", write("p.jsonl", NESTED + "\n")),
+    Case("dpo-longer-than-context", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.dataset_name=p.jsonl"],
+         "fits in", write("p.jsonl", (json.dumps({"prompt": "w " * 300, "chosen": "a", "rejected": "b"}) + "\n") * 40)),
+    Case("dpo-beta-zero", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "dpo.beta=0"], "dpo.beta must be > 0"),
+    Case("dpo-synthetic-1e12", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
+         "needs at least"),
+    # -- RL and eval ---------------------------------------------------------------------------
+    Case("rl-without-model", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path=null"], "starts from a trained"),
+    Case("rl-missing-question", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.dataset_name=q.jsonl"],
+         "q.jsonl:1", write("q.jsonl", '{"answer": "#### 3"}\n' * 4)),
+    Case("rl-not-utf8", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.dataset_name=q.jsonl"],
+         "q.jsonl", write("q.jsonl", NON_UTF8)),
+    Case("rl-nested", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.dataset_name=q.jsonl"],
+         "q.jsonl:1", write("q.jsonl", NESTED + "\n")),
+    Case("rl-prompt-longer-than-context", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.dataset_name=q.jsonl"],
+         "longer than", write("q.jsonl", (json.dumps({"question": "w " * 3000, "answer": "#### 3"}) + "\n") * 4)),
+    Case("rl-group-of-one", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.group_size=1"], "rl.group_size"),
+    Case("rl-synthetic-1e12", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
+         "needs at least"),
+    Case("eval-missing-checkpoint", ["eval", "--checkpoint", "./nope", "--config", cfg(RL_CFG)], "does not exist"),
+    Case("eval-checkpoint-is-file", ["eval", "--checkpoint", "f.txt", "--config", cfg(RL_CFG)], "holds no model|not a", write("f.txt", "x")),
+    Case("eval-bad-override", ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "rl.eval_k=0"], "rl.eval_k must be > 0"),
+    # -- sample --------------------------------------------------------------------------------
+    Case("sample-missing-checkpoint", ["sample", "--checkpoint", "./nope", "--prompt", "hi"], "does not exist"),
+    Case("sample-zero-tokens", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    Case("sample-negative-temperature", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    Case("sample-top-p-above-one", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--top-p", "2"], "top-p"),
+    Case("sample-top-k-zero", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--top-k", "0"], "top-k"),
+    Case("sample-prompt-longer-than-context", ["sample", "--checkpoint", "{sft}", "--prompt", "w " * 3000], "longer than"),
+    Case("sample-not-an-int", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--max-new-tokens", "many"], "whole number"),
+    Case("sample-bad-device", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--device-type", "tpu"], "invalid choice"),
+    Case("sample-corrupt-weights", ["sample", "--checkpoint", "pre", "--prompt", "hi"], "damaged.*model.safetensors",
+         copy_run("pre", flip_byte("model/model.safetensors"))),
+    Case("sample-corrupt-tokenizer", ["sample", "--checkpoint", "pre", "--prompt", "hi"], "damaged.*tokenizer.json",
+         copy_run("pre", flip_byte("model/tokenizer.json"))),
+    Case("sample-corrupt-training-meta", ["sample", "--checkpoint", "pre", "--prompt", "hi"], "training_meta.json",
+         copy_run("pre", lambda run: (run / "model" / "training_meta.json").write_text("{broken"))),
+    Case("sample-corrupt-checkpoint", ["sample", "--checkpoint", "ck", "--prompt", "hi"], "damaged",
+         lambda w, r: (shutil.copytree(latest_checkpoint(r / "pre"), w / "ck"), flip_byte("model/model.safetensors")(w / "ck"))),
+    Case("unknown-command", ["fly"], "invalid choice"),
+    Case("missing-required-argument", ["sample", "--prompt", "hi"], "required"),
+    # -- export --------------------------------------------------------------------------------
+    Case("export-missing", ["export", "./nope", "out"], "does not exist"),
+    Case("export-target-not-empty", ["export", "{pre}", "out"], "not empty", write("out/x.txt", "mine")),
+    Case("export-target-is-file", ["export", "{pre}", "out"], "is a file", write("out", "x")),
+    Case("export-into-its-input", ["export", "pre", "pre/exported"], "overlaps the input", copy_run("pre")),
+    Case("export-symlink-inside", ["export", "pre", "out"], "symbolic link",
+         copy_run("pre", lambda run: (run / "model" / "model.safetensors").unlink() or os.symlink("/etc/hostname", run / "model" / "model.safetensors"))),
+    Case("export-unwritable-target", ["export", "{pre}", "/proc/tierlm_export"], "could not write|cannot write"),
+    # -- average -------------------------------------------------------------------------------
+    Case("average-one-input", ["average", "{pre}", "--out", "avg"], "at least 2"),
+    Case("average-missing-input", ["average", "{pre}", "./nope", "--out", "avg"], "does not exist"),
+    Case("average-target-not-empty", ["average", "{pre}", "{pre}", "--out", "avg"], "not empty", write("avg/x", "mine")),
+    Case("average-into-an-input", ["average", "pre", "pre", "--out", "pre/avg"], "overlaps the input", copy_run("pre")),
+    Case("average-different-models", ["average", "{pre}", "pre", "--out", "avg"], "same weights",
+         copy_run("pre", lambda run: _swap_weights(run))),
+    Case("average-corrupt-input", ["average", "pre", "{pre}", "--out", "avg"], "damaged", copy_run("pre", flip_byte("model/model.safetensors"))),
+    # -- tokenizer -----------------------------------------------------------------------------
+    Case("tokenizer-missing-data", ["tokenizer", "train", "--data", "nope.txt", "--out", "tok"], "nope.txt"),
+    Case("tokenizer-target-not-empty", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--num-docs", "50"],
+         "not empty", write("tok/x", "mine")),
+    Case("tokenizer-target-is-file", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--num-docs", "50"],
+         "is a file", write("tok", "x")),
+    Case("tokenizer-vocab-too-small", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--vocab-size", "10",
+                                       "--num-docs", "50"], "vocab_size must be >="),
+    Case("tokenizer-negative-docs", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--num-docs", "-5"], "must be > 0"),
+    Case("tokenizer-bad-kind", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--kind", "word"], "invalid choice"),
+    Case("tokenizer-not-utf8", ["tokenizer", "train", "--data", "d.txt", "--out", "tok"], "not UTF-8", write("d.txt", NON_UTF8)),
+    Case("tokenizer-into-its-input", ["tokenizer", "train", "--data", "data", "--out", "data/tok"], "overlaps the input",
+         write("data/d.txt", "hello world\n")),
+]
+
+
+def _swap_weights(run: Path) -> None:
+    """Replace a run's weights with another model's (other shapes), recording them as its own."""
+    from safetensors.torch import save_file
+
+    from tierlm.checkpoint import file_manifest
+    from tierlm.models import GPTConfig, build_gpt
+
+    other = build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=50, max_seq_len=16))
+    from tierlm.models.hf_export import to_hf_name
+
+    save_file({to_hf_name(k): v.contiguous() for k, v in other.state_dict().items()}, run / "model" / "model.safetensors")
+    meta = json.loads((run / "model" / "training_meta.json").read_text())
+    meta["manifest"] = file_manifest(run / "model", exclude=("training_meta.json",))
+    (run / "model" / "training_meta.json").write_text(json.dumps(meta))
+
+
+def test_the_table_is_broad():
+    commands = {c.argv[0] for c in CASES}
+    assert len(CASES) >= 60, len(CASES)
+    assert {"pretrain", "sft", "dpo", "rl", "eval", "sample", "export", "average", "tokenizer", "config"} <= commands
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(case, runs, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "w"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    if case.setup is not None:
+        case.setup(work, runs)
+    before, shared = snapshot(work), snapshot(runs)
+    capsys.readouterr()
+    argv = [a.replace("{pre}", str(runs / "pre")).replace("{sft}", str(runs / "sft")) for a in case.argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, f"exit {code}; stderr:\n{err}"
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert lines[0].startswith("tierlm: error: "), lines[0]
+    assert re.search(case.expect, lines[0], re.IGNORECASE), f"{lines[0]!r} does not match {case.expect!r}"
+    assert snapshot(work) == before, "the command changed the working folder"
+    assert snapshot(runs) == shared, "the command changed a shared run"

@@ -22,29 +22,12 @@ import pytest
 
 from tierlm.cli import main
 
-TINY = [
-    "model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",
-    "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16", "data.max_seq_length=32",
-    "training.num_train_steps=2", "training.warmup_steps=0", "training.eval_steps=0", "training.eval_batches=1", "training.per_device_train_batch_size=4",
-    "infra.progress_bar=false", "infra.device_type=cpu", "infra.output_dir=out",
-]
-CHAT = ["data.max_seq_length=64", "training.num_train_steps=2", "training.warmup_steps=0", "training.eval_steps=0", "training.eval_batches=1",
-        "training.per_device_train_batch_size=4", "infra.progress_bar=false", "infra.device_type=cpu", "infra.output_dir=out",
-        "data.num_synthetic_examples=64", "data.num_synthetic_eval_examples=8"]
-RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "rl.eval_k=2", "rl.max_new_tokens=4"]
+from conftest import CHAT, RL, TINY
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """A tiny pretrain run and an SFT run from it, shared (read-only) by the cases."""
-    from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_stage
-
-    root = tmp_path_factory.mktemp("runs")
-    pre, sft = root / "pre", root / "sft"
-    run_stage(TierlmConfig.load("configs/tiny_pretrain.yaml", [*TINY, "training.num_train_steps=3", f"infra.output_dir={pre}"]), "pretrain")
-    run_stage(TierlmConfig.load("configs/tiny_sft.yaml", [*CHAT, f"model.model_name_or_path={pre}", f"infra.output_dir={sft}"]), "sft")
-    return root
+def runs(tiny_runs):
+    return tiny_runs
 
 
 def snapshot(root: Path) -> dict[str, str]:

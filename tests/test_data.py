@@ -258,7 +258,7 @@ def _write(tmp_path, name, content):
         ("d.jsonl", '{"text": "ok"}\n{"text": oops}\n', "text", r"d.jsonl:2: malformed JSON"),
         ("d.jsonl", '{"body": "x", "id": 1}\n', "text", r"d.jsonl:1: no 'text' field; fields present: \['body', 'id'\]"),
         ("d.jsonl", '{"question": "x"}\n', "chat", r"fields present: \['question'\]"),
-        ("d.jsonl", '[1, 2]\n', "text", r"d.jsonl:1: malformed JSON \(expected a JSON object"),
+        ("d.jsonl", '[1, 2]\n', "text", r"d.jsonl:1: expected a JSON object, got list"),
         ("d.jsonl", "\n\n", "text", "holds no examples"),
         ("d.txt", b"\xff\xfe bad bytes", "text", "not UTF-8"),
         ("d.txt", "plain text", "chat", "SFT data must be JSONL"),

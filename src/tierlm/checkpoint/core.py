@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from tierlm.errors import CheckpointError, first_line
@@ -381,7 +382,7 @@ def load_checkpoint(
             load_sharded_state(path / STATE_DIRNAME, model, optimizer)
         else:
             load_full_state(path, model, optimizer, state["optimizer"])
-    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError) as e:
         # weights_only refuses any pickle that is not plain tensors and containers: nothing executes.
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {first_line(e)}") from e
     if scheduler is not None and state["scheduler"] is not None:
@@ -416,8 +417,9 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from tierlm.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from tierlm.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
+    read_dcp_metadata(state_dir)  # refuse a bad index here, in one line, before DCP's own logging of it
     wanted = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         wanted["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -427,7 +429,8 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
             dcp.load(wanted, storage_reader=SafeFileSystemReader(state_dir), planner=SafeLoadPlanner())
     except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): hand on the first as what it is
         failure = next(iter(e.failures.values()))[0] if e.failures else RuntimeError(str(e))
-        raise (failure if isinstance(failure, Exception) else RuntimeError(first_line(failure))) from None
+        raise (failure if isinstance(failure, (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError))
+               else RuntimeError(first_line(failure))) from None
     set_model_state_dict(model, wanted["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, wanted["optim"])
@@ -480,9 +483,28 @@ def verified_model_folder(name: str | Path) -> Path:
     folder = resolve_model_folder(name)
     checkpoint = folder.parent if (folder.parent / META_FILE).is_file() and folder.name == "model" else None
     problem = verify_checkpoint(checkpoint) if checkpoint is not None else verify_model_folder(folder)
+    problem = problem or check_file_formats(folder)
     if problem is not None:
         raise CheckpointError(f"{checkpoint or folder} is damaged: {problem}")
     return folder
+
+
+def check_file_formats(folder: Path) -> str | None:
+    """None when the weights open as safetensors and every JSON file parses (read, never executed); else why not."""
+    from safetensors import safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(weights, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return f"{weights.name} is not a safetensors file ({first_line(e)})"
+    for name in sorted(folder.glob("*.json")):
+        try:
+            json.loads(name.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            return f"{name.name} is not valid JSON ({first_line(e)})"
+    return None
 
 
 def verify_model_folder(folder: Path) -> str | None:
@@ -551,7 +573,7 @@ def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
     for folder in folders:
         try:
             states.append(load_file(folder / WEIGHTS_FILE))
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, SafetensorError) as e:
             raise CheckpointError(f"cannot read {folder / WEIGHTS_FILE}: {first_line(e)}") from e
     keys = states[0].keys()
     for folder, state in zip(folders[1:], states[1:]):
@@ -606,7 +628,7 @@ def export_sharded_checkpoint(path: Path, out: Path) -> Path:
     try:
         model = build_model_from_folder_config(path / "model")
         load_sharded_state(path / STATE_DIRNAME, model)
-    except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as e:
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be exported: {first_line(e)}") from e
     shutil.copytree(path / "model", out, dirs_exist_ok=True)  # config, tokenizer, training meta
     save_model_folder(model, out)

@@ -82,8 +82,7 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata read by `read_dcp_metadata` (no arbitrary unpickling)."""
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        assert kwargs.get("rank") is None, "tierlm writes one .metadata per checkpoint, not one per rank"
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never falls back to per-rank metadata files
         metadata = read_dcp_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -73,7 +74,7 @@ def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtyp
     try:
         config = GPTConfig(**json.loads((path / NATIVE_CONFIG_FILE).read_text()))
         hf_state = load_file(path / WEIGHTS_FILE, device=str(device))
-    except (OSError, TypeError, ValueError) as e:
+    except (OSError, TypeError, ValueError, SafetensorError) as e:
         raise ModelLoadError(f"cannot read native model folder {path}: {e}") from e
     model = build_gpt(config, device=device, dtype=dtype)
     state = {from_hf_name(k): v for k, v in hf_state.items()}

@@ -31,6 +31,7 @@ def load_hf_model(
     >>> type(model).__name__, next(model.parameters()).dtype
     ('LlamaForCausalLM', torch.float32)
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     if not model_name:
@@ -40,7 +41,7 @@ def load_hf_model(
         kwargs["device_map"] = device_map
     try:
         return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights whose shapes differ from the config
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # RuntimeError: weights whose shapes differ from the config
         where = "local folder" if Path(model_name).exists() else "hub id or path"
         raise ModelLoadError(f"cannot load model {model_name!r} ({where}): {first_line(e)}") from e
 

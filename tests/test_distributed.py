@@ -124,21 +124,31 @@ def _rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
+_JOB_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _start_training_job(out: Path, *overrides: str) -> subprocess.Popen:
+    """A 2-rank DDP `tierlm pretrain` under torchrun, returned once it has logged a few training steps."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm",
+               "pretrain", "--config", "configs/tiny_pretrain.yaml", f"infra.output_dir={out}", "training.warmup_steps=1",
+               "training.logging_steps=1", "training.eval_steps=0", "data.num_synthetic_examples=3000", "infra.progress_bar=false",
+               "infra.distributed_type=ddp", *overrides]
+    job = subprocess.Popen(command, cwd=REPO, env=_JOB_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            raise AssertionError(f"the job did not start training: {job.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return job
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find a rank's process")
 def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
     """SIGKILL rank 1 of a 2-rank DDP CLI run mid-training: torchrun stops the job, non-zero, < 60 s, naming rank 1."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm",
-               "pretrain", "--config", "configs/tiny_pretrain.yaml", f"infra.output_dir={out}", "training.num_train_steps=100000",
-               "training.warmup_steps=1", "training.logging_steps=1", "training.eval_steps=0", "data.num_synthetic_examples=3000",
-               "infra.progress_bar=false", "infra.distributed_type=ddp"]
-    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = _start_training_job(out, "training.num_train_steps=100000")
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
-            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
-            time.sleep(0.5)
         pid = _rank_pid(job.pid, 1)
         assert pid is not None, "rank 1's process not found"
         os.kill(pid, signal.SIGKILL)
@@ -249,3 +259,32 @@ def test_rl_and_dpo_under_torchrun(tmp_path):
         for key in ("loss", "val_loss", "pref_acc", "reward_margin"):
             if key in a:
                 assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find a rank's process")
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Only rank 1 is signalled: the ranks agree at the next step boundary, write one complete sharded
+    checkpoint together, exit 143, and the same command resumes from it to the end."""
+    out = tmp_path / "run"
+    job = _start_training_job(out, "training.num_train_steps=60", "training.save_steps=0", "model.depth=2", "model.aspect_ratio=32",
+                              "data.max_seq_length=64")
+    try:
+        pid = _rank_pid(job.pid, 1)
+        assert pid is not None, "rank 1's process not found"
+        os.kill(pid, signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    stopped = [line.split("after step ")[1].split(";")[0] for line in stderr.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stopped) == 2 and stopped[0] == stopped[1], stderr[-3000:]  # both ranks, the same step
+    from tierlm.checkpoint import find_latest_checkpoint, verify_checkpoint
+
+    latest = find_latest_checkpoint(out / "checkpoints")
+    assert latest is not None and latest.name == f"step_{stopped[0]}" and verify_checkpoint(latest) is None
+    assert int(stopped[0]) < 60
+    result = subprocess.run(job.args, cwd=REPO, env=_JOB_ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "model" / "training_meta.json").read_text())
+    assert summary["resumed_from"].endswith(f"step_{stopped[0]}") and summary["step"] == 60

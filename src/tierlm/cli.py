@@ -231,6 +231,9 @@ def _rank_prefix() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Loading a local folder needs no download bars; errors stay one line. (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.)
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config_show}[args.command]

@@ -16,19 +16,15 @@ from tierlm.config import TierlmConfig
 from tierlm.data import (
     Documents,
     Examples,
-    Fields,
     Mixture,
     PackedLoader,
     Prefetcher,
     RankSlice,
-    SourceOptions,
     Tokenizer,
     chat_documents,
     holdout_split,
     open_examples,
     text_documents,
-    train_bpe_tokenizer,
-    train_char_tokenizer,
 )
 from tierlm.data.preferences import PairLoader, open_preferences
 from tierlm.errors import ConfigError, DataError
@@ -37,29 +33,10 @@ from tierlm.metrics.memory import check_fits
 from tierlm.models import GPTConfig, build_gpt, load_pretrained_model, model_max_seq_len
 from tierlm.primitives import create_adamw_optimizer, create_hf_model_from_config, create_warmup_scheduler, parse_dtype
 from tierlm.primitives.parallel import DistributedContext, apply_activation_checkpointing, apply_compile, shutdown_distributed
-from tierlm.run import Run, distributed_kind, extras_writer, prepare_run
+from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.dpo import DPOStrategy
 from tierlm.trainer import Trainer
-
-
-def _fields(config: TierlmConfig) -> Fields:
-    d = config.data
-    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column)
-
-
-def _options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
-    d = config.data
-    return SourceOptions(
-        split=split, kind="text" if stage == "pretrain" else "chat", seed=config.training.seed,
-        synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
-        fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
-        separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
-    )
-
-
-def _components(config: TierlmConfig) -> list[tuple[str, float]]:
-    return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
 
 
 def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
@@ -69,31 +46,19 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
     source's own val split (synthetic tasks) or held-out tail.
     """
     d, trains, vals = config.data, [], []
-    for name, weight in _components(config):
-        train = open_examples(name, _options(config, stage, "train", tokenizer))
+    for name, weight in data_components(config):
+        train = open_examples(name, source_options(config, stage, "train", tokenizer))
         if d.eval_dataset_name:
             pass  # one shared eval set, opened below
         elif name.startswith("synthetic:"):
-            vals.append(open_examples(name, _options(config, stage, "val", tokenizer)))
+            vals.append(open_examples(name, source_options(config, stage, "val", tokenizer)))
         else:
             train, val = holdout_split(train, d.val_fraction)
             vals.append(val)
         trains.append((train, weight))
     if d.eval_dataset_name:
-        vals = [open_examples(d.eval_dataset_name, _options(config, stage, "val", tokenizer))]
+        vals = [open_examples(d.eval_dataset_name, source_options(config, stage, "val", tokenizer))]
     return trains, vals
-
-
-def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
-    """A new tokenizer, trained on the first tokenizer.num_train_docs examples of each source."""
-    t, texts = config.tokenizer, []
-    for name, _ in _components(config):
-        if Path(name).suffix in (".bin", ".npy"):
-            raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
-        examples = open_examples(name, _options(config, stage, "train", None))
-        for example in examples.fetch(range(min(len(examples), t.num_train_docs))):
-            texts.extend([example] if isinstance(example, str) else [m["content"] for m in example])
-    return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 
 
 def native_gpt_config(config: TierlmConfig, vocab_size: int) -> GPTConfig:
@@ -138,13 +103,14 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
 
 
 def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_documents: int, world_size: int = 1,
-                 copies: int = 1) -> dict[str, tuple[float, str]]:
+                 copies: int = 1, rows: int | None = None, row_tokens: int | None = None) -> dict[str, tuple[float, str]]:
     """Lower bounds of what a run will hold, by consumer, for the pre-flight check (`check_fits`):
     training state (weights, gradients, AdamW moments; sharded under FSDP), frozen copies
     (`copies` - 1: a DPO or KL reference), buffers, one micro-batch's activations and logits, and
-    the loader's document index. Each is at most what the run takes, so a refusal is certain."""
-    m, d, tr = config.model, config.data, config.training
-    rows, T = tr.per_device_train_batch_size, d.max_seq_length
+    the loader's document index. Each is at most what the run takes, so a refusal is certain.
+    A micro-batch is `rows` x `row_tokens` (default: the training batch and data.max_seq_length)."""
+    d, tr = config.data, config.training
+    rows, T = rows or tr.per_device_train_batch_size, row_tokens or d.max_seq_length
     width = layers = 0
     if pretrained is None:
         meta = _new_model(config, vocab_size, "meta", torch.float32)

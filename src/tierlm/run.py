@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint, list_checkpoints
+from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
 from tierlm.checkpoint.core import (
     MODEL_META_FILE,
     _fsync_dir,
@@ -47,7 +47,7 @@ from tierlm.checkpoint.core import (
     verified_model_folder,
 )
 from tierlm.config import TierlmConfig
-from tierlm.data import Tokenizer, load_tokenizer
+from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
 from tierlm.models import save_model_folder, unwrap_model
@@ -230,6 +230,38 @@ def _move_aside(path: Path) -> Path:
     return target
 
 
+# -- data sources, as the config names them --------------------------------------------------
+def _fields(config: TierlmConfig) -> Fields:
+    d = config.data
+    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column)
+
+
+def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
+    d = config.data
+    return SourceOptions(
+        split=split, kind="text" if stage == "pretrain" else "chat", seed=config.training.seed,
+        synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
+        fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
+        separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
+    )
+
+
+def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
+    return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
+
+
+def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
+    """A new tokenizer, trained on the first tokenizer.num_train_docs examples of each source."""
+    t, texts = config.tokenizer, []
+    for name, _ in data_components(config):
+        if Path(name).suffix in (".bin", ".npy"):
+            raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
+        examples = open_examples(name, source_options(config, stage, "train", None))
+        for example in examples.fetch(range(min(len(examples), t.num_train_docs))):
+            texts.extend([example] if isinstance(example, str) else [m["content"] for m in example])
+    return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
+
+
 # -- the skeleton ---------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -327,8 +359,6 @@ class Run:
 def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None, latest: Path | None) -> Tokenizer:
     """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
     or a new one trained on the data (by rank 0, read by the others from the run directory)."""
-    from tierlm.recipes import train_tokenizer
-
     if latest is not None:
         return load_tokenizer(latest / "model", config.model.trust_remote_code)
     tokenizer = existing_tokenizer(config, pretrained)

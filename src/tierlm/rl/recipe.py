@@ -77,10 +77,9 @@ def _run_rl(run: Run) -> dict:
     eval_task = _eval_task(config)
     if rl.prompts_per_step % run.world_size:
         raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {run.world_size} ranks")
-    rollout_tokens = rl.prompts_per_step * rl.group_size * (rl.max_new_tokens + 1)
-    config_for_memory = config.model_copy(update={"data": d.model_copy(update={"max_seq_length": max(1, rollout_tokens // rl.prompts_per_step)})})
-    check_fits(memory_needs(config_for_memory, tokenizer.vocab_size, run.pretrained, len(train_task), run.world_size,
-                            2 if rl.kl_coef > 0 else 1), run.device)
+    rows = min(rl.micro_batch_size, rl.prompts_per_step // run.world_size * rl.group_size)  # rollouts per forward/backward
+    check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_task), run.world_size, 2 if rl.kl_coef > 0 else 1,
+                            rows=rows, row_tokens=rl.max_new_tokens), run.device)
     model = build_model(config, tokenizer, run.device, run.pretrained)
     check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
     reference = FrozenReference(copy.deepcopy(model), run.device) if rl.kl_coef > 0 else None

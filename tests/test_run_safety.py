@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHAT, REPO, RL, TINY
+from conftest import CHAT, REPO, TINY
 from tierlm import checkpoint
 from tierlm.cli import main
 from tierlm.errors import CheckpointError
@@ -114,6 +114,8 @@ def test_a_payload_in_a_sharded_checkpoint_never_runs(target, sharded, tiny_runs
     export = main(["export", str(sharded), str(tmp_path / "exported")])
     assert export == (0 if target == "train_state.pt" else 2)  # export reads weights, not the optimizer state
     assert main(["sample", "--checkpoint", str(sharded), "--prompt", "hi"]) == 2  # sharded: "export it first"
+    assert main(["eval", "--checkpoint", str(sharded), "--config", str(REPO / "configs/tiny_rl.yaml")]) == 2
+    assert main(["average", str(sharded), str(sharded), "--out", str(tmp_path / "averaged")]) == 2
     assert not marker.exists(), f"the payload in {target} ran"
 
 
@@ -161,7 +163,7 @@ def test_a_payload_in_a_run_never_runs_on_resume_export_average_sample_or_eval(t
         ["average", str(latest(run)), str(tiny_runs / "pre"), "--out", str(tmp_path / "averaged")],
         ["sample", "--checkpoint", str(run), "--prompt", "hi"],
         ["sample", "--checkpoint", str(latest(run)), "--prompt", "hi"],
-        ["eval", "--checkpoint", str(run), "--config", str(REPO / "configs/tiny_rl.yaml"), *RL[:0], "rl.eval_problems=2", "rl.eval_k=1"],
+        ["eval", "--checkpoint", str(run), "--config", str(REPO / "configs/tiny_rl.yaml"), "rl.eval_problems=2", "rl.eval_k=1"],
     ]
     for argv in commands:
         code = main(argv)
@@ -355,3 +357,20 @@ def test_signals_at_random_moments_save_and_resume_bit_for_bit(tmp_path):
         assert torch.equal(mine[name], theirs[name]), f"{name} differs after resuming at steps {stops}"
     train = lambda r: {(x["step"], x["loss"]) for x in map(json.loads, (r / "metrics.jsonl").read_text().splitlines()) if x["type"] == "train"}  # noqa: E731
     assert train(run) == train(reference)
+
+
+# -- the pre-flight check ------------------------------------------------------------------------------
+def test_the_preflight_only_describes_the_model(tmp_path):
+    """Sizing a run builds its model on the meta device: no memory, and no draw from the RNG that
+    initialises the real model (a fresh run's weights are the same with or without the check)."""
+    from tierlm.config import TierlmConfig
+    from tierlm.metrics.memory import rss_mb
+    from tierlm.recipes import memory_needs
+
+    config = TierlmConfig.load(REPO / "configs/tiny_pretrain.yaml", ["data.max_seq_length=100000000", "model.depth=8"])
+    torch.manual_seed(0)
+    before_rng, before_mb = torch.get_rng_state(), rss_mb()
+    needs = memory_needs(config, 512, None, 1000)
+    assert torch.equal(torch.get_rng_state(), before_rng)
+    assert rss_mb() - before_mb < 200
+    assert needs["the model's buffers (rotary tables for 100,000,000 positions)"][0] == 2 * 4 * 64 * 100_000_000

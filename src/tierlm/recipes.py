@@ -75,16 +75,19 @@ def native_gpt_config(config: TierlmConfig, vocab_size: int) -> GPTConfig:
 
 
 def _new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype) -> torch.nn.Module:
+    """A model built from the config: initialised on `device`, or only described on "meta" (no memory, no RNG)."""
     m = config.model
+    on_meta = torch.device(device).type == "meta"
     if m.architecture == "gpt":
-        if torch.device(device).type == "meta":
+        if on_meta:
             from tierlm.models import GPT
 
-            return GPT(native_gpt_config(config, vocab_size))
+            with torch.device("meta"):
+                return GPT(native_gpt_config(config, vocab_size))
         return build_gpt(native_gpt_config(config, vocab_size), device=device, dtype=dtype)
-    with torch.device(device) if torch.device(device).type == "meta" else torch.device("cpu"):
+    with torch.device("meta" if on_meta else "cpu"):
         model = create_hf_model_from_config(m.architecture, torch_dtype=dtype, **{"vocab_size": vocab_size, **m.hf_config})
-    return model if torch.device(device).type == "meta" else model.to(device)
+    return model if on_meta else model.to(device)
 
 
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:

@@ -373,4 +373,4 @@ def test_the_preflight_only_describes_the_model(tmp_path):
     needs = memory_needs(config, 512, None, 1000)
     assert torch.equal(torch.get_rng_state(), before_rng)
     assert rss_mb() - before_mb < 200
-    assert needs["the model's buffers (rotary tables for 100,000,000 positions)"][0] == 2 * 4 * 64 * 100_000_000
+    assert needs["the model's buffers (rotary tables for 100,000,000 positions)"][0] == 2 * 4 * config.model.head_dim * 100_000_000

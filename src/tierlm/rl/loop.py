@@ -74,6 +74,7 @@ class RLState:
     best_pass_at_1: float | None = None
     initial_pass_at_1: float | None = None
     rollout_tokens: int = 0
+    last_eval: dict = field(default_factory=dict)  # the latest eval's figures: a run resumed at its end reports them
 
 
 @dataclass
@@ -254,6 +255,7 @@ class RLTrainer:
             self.state.initial_pass_at_1 = result["pass@1"]
         if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
             self.state.best_pass_at_1 = result["pass@1"]
+        self.state.last_eval = result
         self.logger.log({"type": "eval", "step": self.state.step, **result})
         return result
 
@@ -277,7 +279,7 @@ class RLTrainer:
     def train(self) -> dict[str, Any]:
         cfg, state = self.config, self.state
         due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
-        last_eval = self.evaluate() if state.step == 0 else {}  # before the first update
+        last_eval = self.evaluate() if state.step == 0 else dict(state.last_eval)  # before the first update
         start = time.perf_counter() - state.elapsed_s
         while state.step < cfg.num_train_steps:
             metrics = self.train_step()

@@ -172,7 +172,7 @@ def test_retention_keeps_newest_and_best(tmp_path):
 
 def test_average_equals_hand_computed_mean(tmp_path):
     from tierlm.models import save_model_folder
-    from tierlm.models.io import load_native_model
+    from tierlm.models import load_native_model
 
     config = GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=40, max_seq_len=16)
     models = [build_gpt(config) for _ in range(3)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -277,7 +278,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0
-    stopped = [line.split("after step ")[1].split(";")[0] for line in stderr.splitlines() if "stopped by SIGTERM after step" in line]
+    stopped = re.findall(r"\] stopped by SIGTERM after step (\d+);", stderr)
     assert len(stopped) == 2 and stopped[0] == stopped[1], stderr[-3000:]  # both ranks, the same step
     from tierlm.checkpoint import find_latest_checkpoint, verify_checkpoint
 

@@ -209,8 +209,14 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from tierlm.checkpoint import export_checkpoint
+    from tierlm.models import family_for_folder, is_native_folder
 
-    print(f"exported to {export_checkpoint(args.checkpoint, args.out_dir)}")
+    out = export_checkpoint(args.checkpoint, args.out_dir)
+    if is_native_folder(out) and not (out / "config.json").is_file():
+        print(f"exported to {out}: a tierlm model folder (transformers has no class for this {family_for_folder(out).name} model; "
+              "tierlm loads it)")
+    else:
+        print(f"exported to {out}")
 
 
 def cmd_average(args: argparse.Namespace) -> None:
@@ -230,6 +236,12 @@ def _rank_prefix() -> str:
     return f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write, so the lines of several ranks sharing it never interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     # Loading a local folder needs no download bars; errors stay one line. (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.)
     if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
@@ -240,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler(args)
     except TierlmError as e:
-        print(f"tierlm: error: {_rank_prefix()}{e}", file=sys.stderr)
+        _say(f"tierlm: error: {_rank_prefix()}{e}")
         return 2
     except RunInterrupted as stop:
-        print(f"tierlm: {_rank_prefix()}{stop}", file=sys.stderr)
+        _say(f"tierlm: {_rank_prefix()}{stop}")
         return stop.exit_code
     except KeyboardInterrupt:
         print("tierlm: interrupted; the latest checkpoint is intact", file=sys.stderr)

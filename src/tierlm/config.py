@@ -33,13 +33,17 @@ class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
     architecture: str = "gpt"
-    """From scratch: "gpt" (the native GPT) or a transformers model_type such as "qwen3" or "llama"."""
+    """From scratch: a tierlm family ("gpt": the native GPT, "gpt2": GPT-2) or a transformers model_type such as "qwen3" or "llama"."""
     depth: int = Field(4, gt=0)
-    """Native GPT: number of blocks; the width follows as depth * aspect_ratio."""
+    """Native families: number of blocks; the width follows as depth * aspect_ratio."""
     aspect_ratio: int = Field(64, gt=0)
-    """Native GPT: model width per block of depth."""
+    """Native families: model width per block of depth (rounded up to whole heads)."""
     head_dim: int = Field(64, gt=0)
-    """Native GPT: attention head width."""
+    """Native families: attention head width."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """GPT-2: dropout on embeddings, attention weights and residual branches while training."""
+    bias: bool = True
+    """GPT-2: biases in linear layers and LayerNorms (off: no transformers twin; saved as a tierlm folder)."""
     n_kv_head: int | None = Field(None, gt=0)
     """Native GPT: key/value heads (grouped-query attention); None gives one per query head."""
     mlp_ratio: float = Field(8 / 3, gt=0)

@@ -30,8 +30,8 @@ from tierlm.data.preferences import PairLoader, open_preferences
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import check_fits
-from tierlm.models import GPTConfig, build_gpt, load_pretrained_model, model_max_seq_len
-from tierlm.primitives import create_adamw_optimizer, create_hf_model_from_config, create_warmup_scheduler, parse_dtype
+from tierlm.models import family_named, is_native_folder, load_pretrained_model, model_max_seq_len
+from tierlm.primitives import create_adamw_optimizer, create_warmup_scheduler, parse_dtype
 from tierlm.primitives.parallel import DistributedContext, apply_activation_checkpointing, apply_compile, shutdown_distributed
 from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
 from tierlm.strategies import PretrainStrategy, SFTStrategy
@@ -61,41 +61,25 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
     return trains, vals
 
 
-def native_gpt_config(config: TierlmConfig, vocab_size: int) -> GPTConfig:
+def new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A model of the config's family (`model.architecture`), initialised on `device`; on "meta" only
+    described (no memory, no draw from the RNG), for sizing."""
     m = config.model
-    gpt_config = GPTConfig(
-        depth=m.depth, aspect_ratio=m.aspect_ratio, head_dim=m.head_dim, n_kv_head=m.n_kv_head,
-        vocab_size=vocab_size, max_seq_len=max(2048, config.data.max_seq_length), mlp_ratio=m.mlp_ratio,
-        rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
-    )
-    problems = gpt_config.validate()
-    if problems:
-        raise ConfigError(f"model.{problems[0]}")
-    return gpt_config
-
-
-def _new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype) -> torch.nn.Module:
-    """A model built from the config: initialised on `device`, or only described on "meta" (no memory, no RNG)."""
-    m = config.model
-    on_meta = torch.device(device).type == "meta"
-    if m.architecture == "gpt":
-        if on_meta:
-            from tierlm.models import GPT
-
-            with torch.device("meta"):
-                return GPT(native_gpt_config(config, vocab_size))
-        return build_gpt(native_gpt_config(config, vocab_size), device=device, dtype=dtype)
-    with torch.device("meta" if on_meta else "cpu"):
-        model = create_hf_model_from_config(m.architecture, torch_dtype=dtype, **{"vocab_size": vocab_size, **m.hf_config})
-    return model if on_meta else model.to(device)
+    return family_named(m.architecture).build(m, vocab_size, max(2048, config.data.max_seq_length), device, dtype)
 
 
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
     m, dtype = config.model, parse_dtype(config.model.dtype)
-    if pretrained is not None:
+    family = family_named(m.architecture)
+    imported = None
+    if pretrained is not None and family.native and isinstance(pretrained, Path) and not is_native_folder(pretrained):
+        imported = family.import_transformers(pretrained, device, dtype)  # e.g. transformers GPT-2 weights as tierlm's gpt2
+    if imported is not None:
+        model = imported
+    elif pretrained is not None:
         model = load_pretrained_model(pretrained, device=device, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
-        model = _new_model(config, tokenizer.vocab_size, device, dtype)
+        model = new_model(config, tokenizer.vocab_size, device, dtype)
     vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has {vocab}; use a matching tokenizer")
@@ -116,12 +100,10 @@ def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_document
     rows, T = rows or tr.per_device_train_batch_size, row_tokens or d.max_seq_length
     width = layers = 0
     if pretrained is None:
-        meta = _new_model(config, vocab_size, "meta", torch.float32)
+        meta = new_model(config, vocab_size, "meta")
         params = sum(p.numel() for p in meta.parameters())
         buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
-        hf = getattr(meta, "config", None)
-        width = getattr(hf, "n_embd", None) or getattr(hf, "hidden_size", 0)
-        layers = getattr(hf, "depth", None) or getattr(hf, "num_hidden_layers", 0)
+        layers, width = family_named(config.model.architecture).attention_shape(meta)
     elif isinstance(pretrained, Path):
         params, buffers = sum(f.stat().st_size for f in pretrained.glob("*.safetensors")) // 4, 0
     else:

@@ -50,7 +50,7 @@ from tierlm.config import TierlmConfig
 from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
-from tierlm.models import save_model_folder, unwrap_model
+from tierlm.models import family_named, save_model_folder, unwrap_model
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
 from tierlm.signals import GracefulStop
@@ -70,12 +70,9 @@ def fingerprint(config: TierlmConfig, stage: str) -> dict[str, Any]:
     m, t, d = config.model, config.tokenizer, config.data
     out: dict[str, Any] = {"stage": stage, "model.model_name_or_path": m.model_name_or_path,
                            "model.tokenizer_name_or_path": m.tokenizer_name_or_path}
-    if m.model_name_or_path is None:  # from scratch: the shape comes from the config
+    if m.model_name_or_path is None:  # from scratch: the shape comes from the config, as the family reads it
         out["model.architecture"] = m.architecture
-        if m.architecture == "gpt":
-            out.update({f"model.{k}": getattr(m, k) for k in ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "tie_embeddings")})
-        else:
-            out["model.hf_config"] = m.hf_config
+        out.update(family_named(m.architecture).config_fields(m))
         if m.tokenizer_name_or_path is None:  # a tokenizer trained for this run
             out.update({"tokenizer.kind": t.kind, "tokenizer.vocab_size": t.vocab_size})
     if d.mixture:

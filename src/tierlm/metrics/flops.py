@@ -20,16 +20,9 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     >>> flops_per_token(model, 64)
     777984.0
     """
-    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-    params = sum(p.numel() for p in model.parameters()) - embedding
-    config = getattr(model, "config", None)
-    if hasattr(config, "depth"):  # native GPT
-        layers, width = config.depth, config.n_head * config.head_dim
-    else:
-        layers = getattr(config, "num_hidden_layers", 0)
-        heads = getattr(config, "num_attention_heads", 0)
-        width = heads * (getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1))
-    return float(6 * params + 12 * layers * width * seq_len)
+    from tierlm.models import family_of, unwrap_model
+
+    return family_of(model).flops_per_token(unwrap_model(model), seq_len)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,5 @@
-"""Models: the native GPT and adapters that make any transformers causal LM look the same.
+"""Models: the native families (GPT, GPT-2) and any transformers causal LM, behind one adapter each
+(`tierlm.models.registry`). The functions here ask a model's family; nothing checks model types.
 
 Nothing here knows about distribution; backends apply sharding, compile and checkpointing.
 """
@@ -11,18 +12,25 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from tierlm.models import gpt2_family, gpt_family  # noqa: F401  (each registers its family)
 from tierlm.models.gpt import GPT, GPTConfig, build_gpt
 from tierlm.models.io import (
     build_model_from_folder_config,
     is_native_folder,
     load_model_state,
-    load_native_model,
     read_model_state,
     save_model_config,
     save_model_folder,
 )
-from tierlm.primitives.losses import get_labels, linear_cross_entropy
-from tierlm.primitives.models import load_hf_model
+from tierlm.models.registry import (
+    FAMILIES,
+    PLAIN_HEAD_MODEL_TYPES,
+    ModelFamily,
+    family_for_folder,
+    family_named,
+    family_of,
+    register_family,
+)
 
 
 def load_pretrained_model(
@@ -31,44 +39,25 @@ def load_pretrained_model(
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
 ) -> nn.Module:
-    """A native GPT folder (written by tierlm) or any transformers causal LM (hub id or folder)."""
-    if is_native_folder(name_or_path):
-        return load_native_model(name_or_path, device=device, dtype=dtype)
-    model = load_hf_model(str(name_or_path), dtype, None, trust_remote_code=trust_remote_code)
-    return model.to(device)
+    """A native model folder (written by tierlm) or any transformers causal LM (hub id or folder)."""
+    return family_for_folder(name_or_path).load(name_or_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Rebuild a native model from a folder written by `save_model_folder`."""
+    assert is_native_folder(path), f"{path} is not a native model folder (no tierlm_model.json)"
+    return load_pretrained_model(path, device, dtype)
 
 
 def forward_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Logits (B, T, V) of a native or transformers model for `batch["input_ids"]`.
-
-    Optional `position_ids` restart positions per packed document.
-    """
-    input_ids, position_ids = batch["input_ids"], batch.get("position_ids")
-    if isinstance(unwrap_model(model), GPT):
-        return model(input_ids, position_ids=position_ids)
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    return out.logits
-
-
-# transformers model types whose logits are exactly `lm_head(last hidden state)`: no soft-capping,
-# scaling or bias after the head, so the head may be fused into the loss.
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "smollm3"})
+    """Logits (B, T, V) of any model for `batch["input_ids"]`; optional `position_ids` restart positions
+    per packed document."""
+    return family_of(model).logits(model, batch)
 
 
 def fuses_cross_entropy(model: nn.Module) -> bool:
-    """True when the model's loss can be computed with the LM head fused in (`forward_cross_entropy`):
-    the native GPT always; a transformers model of a plain-head type run as it is (a DDP or FSDP
-    wrapper must see the whole forward, so wrapped transformers models compute logits)."""
-    if isinstance(unwrap_model(model), GPT):
-        return True
-    from torch.distributed.fsdp import FSDPModule
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return (
-        unwrap_model(model) is model and not isinstance(model, FSDPModule)
-        and getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEAD_MODEL_TYPES
-        and isinstance(head, nn.Linear) and head.bias is None
-    )
+    """True when the model's loss can be computed with the LM head fused in (`forward_cross_entropy`)."""
+    return family_of(model).fuses_cross_entropy(model)
 
 
 def forward_cross_entropy(
@@ -85,15 +74,9 @@ def forward_cross_entropy(
     >>> torch.allclose(total, reference), per_token.shape
     (True, torch.Size([1, 3]))
     """
-    assert fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no LM head that can be fused into the loss"
-    labels = get_labels(batch)
-    input_ids, position_ids = batch["input_ids"], batch.get("position_ids")
-    if isinstance(unwrap_model(model), GPT):
-        return model(input_ids, position_ids=position_ids, labels=labels, loss_weights=weights)
-    hidden = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    flat_weights = weights.flatten() if weights is not None else None
-    total, losses = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight, labels.flatten(), flat_weights)
-    return total, losses.view(labels.shape)
+    family = family_of(model)
+    assert family.fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no LM head that can be fused into the loss"
+    return family.cross_entropy(model, batch, weights)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -103,17 +86,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def model_max_seq_len(model: nn.Module) -> int | None:
     """The longest sequence the model was built for, when it says."""
-    model = unwrap_model(model)
-    if isinstance(model, GPT):
-        return model.config.max_seq_len
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return family_of(model).max_seq_len(unwrap_model(model))
 
 
 __all__ = [
+    "FAMILIES",
     "GPT",
     "GPTConfig",
+    "ModelFamily",
+    "PLAIN_HEAD_MODEL_TYPES",
     "build_gpt",
     "build_model_from_folder_config",
+    "family_for_folder",
+    "family_named",
+    "family_of",
     "forward_cross_entropy",
     "forward_logits",
     "fuses_cross_entropy",
@@ -123,6 +109,7 @@ __all__ = [
     "load_pretrained_model",
     "model_max_seq_len",
     "read_model_state",
+    "register_family",
     "save_model_config",
     "save_model_folder",
     "unwrap_model",

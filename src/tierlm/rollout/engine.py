@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from tierlm.errors import DataError
-from tierlm.models import unwrap_model
-from tierlm.models.gpt import GPT, KVCache
+from tierlm.models import family_of, unwrap_model
 from tierlm.rollout.sampling import sample_next_token
 from tierlm.rollout.tools import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, Tool
 
@@ -38,13 +37,14 @@ class Completion:
 
 
 class Engine:
-    """Sampling for one model: a native `GPT` (our cache) or a transformers causal LM (its cache).
+    """Sampling for one model of any family (the family's KV cache: ours for native models, transformers' own).
 
     `tokenizer` is needed only for tools (to read the call and encode the result).
     """
 
     def __init__(self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()):
         self.model = unwrap_model(model)
+        self.family = family_of(self.model)
         self.stop_ids = set(stop_ids)
         self.tokenizer, self.tools = tokenizer, {t.name: t for t in tools}
         self.device = next(self.model.parameters()).device
@@ -56,30 +56,18 @@ class Engine:
             self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
             self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
 
-    # -- the model step, with a cache ------------------------------------------------------
+    # -- the model step, with a cache (the model's family knows its cache) -----------------------
     def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):
-        if isinstance(self.model, GPT):
-            cache = KVCache(self.model.config, ids.shape[0], max_len, self.device, self.model.embed.weight.dtype)
-            logits = self.model(ids, cache=cache)[:, -1]
-            cache.repeat(num_samples)
-        else:
-            from transformers import DynamicCache
-
-            cache = DynamicCache()
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-            cache.batch_repeat_interleave(num_samples)
+        logits, cache = self.family.prefill(self.model, ids, max_len)
+        self.family.repeat_cache(cache, num_samples)
         return logits.repeat_interleave(num_samples, dim=0), cache
 
     def _decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
-        if isinstance(self.model, GPT):
-            return self.model(tokens[:, None], cache=cache)[:, -1]
-        return self.model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        return self.family.decode(self.model, tokens, cache)
 
     def max_len(self) -> int:
         """The longest sequence (prompt + completion) the model takes."""
-        if isinstance(self.model, GPT):
-            return self.model.config.max_seq_len
-        return getattr(self.model.config, "max_position_embeddings", 1 << 30)
+        return self.family.max_seq_len(self.model) or 1 << 30
 
     # -- tools -----------------------------------------------------------------------------
     def _tool_result(self, call_tokens: list[int]) -> list[int]:

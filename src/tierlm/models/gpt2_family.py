@@ -1,0 +1,129 @@
+"""GPT-2 as a model family (`model.architecture: gpt2`).
+
+Shape from the `model` section: `depth` blocks, width `depth x aspect_ratio` rounded up to whole
+heads of `head_dim` (the 124M model: depth 12, aspect_ratio 64, head_dim 64), `dropout`, `bias`.
+Folders hold the weights under transformers' `GPT2LMHeadModel` names (its `Conv1D` weights are
+the transpose of our `nn.Linear` ones), so they load in transformers and transformers' GPT-2
+weights load here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierlm.errors import ConfigError
+from tierlm.models.gpt import KVCache
+from tierlm.models.gpt2 import GPT2, GPT2Config
+from tierlm.models.native import NativeFamily
+from tierlm.models.registry import WEIGHTS_FILE, register_family
+from tierlm.primitives.losses import get_labels
+
+SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias")
+_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
+
+
+class GPT2Family(NativeFamily):
+    name = "gpt2"
+    model_class = GPT2
+    config_class = GPT2Config
+
+    def config_fields(self, model_config) -> dict[str, Any]:
+        return {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
+
+    def gpt2_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPT2Config:
+        m = model_config
+        width = math.ceil(m.depth * m.aspect_ratio / m.head_dim) * m.head_dim
+        config = GPT2Config(n_layer=m.depth, n_head=width // m.head_dim, n_embd=width, vocab_size=vocab_size, block_size=max_seq_len,
+                            dropout=m.dropout, bias=m.bias)
+        problems = config.validate()
+        if problems:
+            raise ConfigError(f"model ({self.name}): {problems[0]}")
+        return config
+
+    def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
+        return self.build_from_config(self.gpt2_config(model_config, vocab_size, max_seq_len), device, dtype)
+
+    # -- running ---------------------------------------------------------------------------
+    def logits(self, model, batch):
+        return model(batch["input_ids"], position_ids=batch.get("position_ids"))
+
+    def fuses_cross_entropy(self, model):
+        return True
+
+    def cross_entropy(self, model, batch, weights):
+        return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
+
+    def prefill(self, model, ids, max_len):
+        cache = KVCache(model.config, ids.shape[0], max_len, ids.device, model.wte.weight.dtype)
+        return model(ids, cache=cache)[:, -1], cache
+
+    def decode(self, model, tokens, cache):
+        return model(tokens[:, None], cache=cache)[:, -1]
+
+    def repeat_cache(self, cache, n):
+        cache.repeat(n)
+
+    def max_seq_len(self, model):
+        return model.config.block_size
+
+    def attention_shape(self, model):
+        return model.config.n_layer, model.config.n_embd
+
+    def blocks(self, model) -> nn.ModuleList:
+        return model.h
+
+    # -- the transformers twin: GPT2LMHeadModel --------------------------------------------------
+    def hf_config(self, config: GPT2Config):
+        if not config.bias:
+            return None  # transformers' GPT-2 always has biases
+        from transformers import GPT2Config as HFGPT2Config
+
+        return HFGPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+            n_head=config.n_head, resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+            layer_norm_epsilon=config.layer_norm_eps, activation_function="gelu_new", tie_word_embeddings=True,
+            architectures=["GPT2LMHeadModel"],
+        )
+
+    def import_transformers(self, folder, device="cpu", dtype=torch.float32) -> GPT2:
+        """A transformers GPT-2 folder (`GPT2LMHeadModel`'s config.json and safetensors) as a native GPT2."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(folder)
+        if hf.model_type != "gpt2":
+            raise ConfigError(f"{folder} holds a {hf.model_type!r} model, not GPT-2; drop model.architecture=gpt2 to train it as it is")
+        config = GPT2Config(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, vocab_size=hf.vocab_size, block_size=hf.n_positions,
+                            dropout=hf.resid_pdrop, layer_norm_eps=hf.layer_norm_epsilon)
+        model = self.build_from_config(config, device, dtype)
+        state = self.from_hf_state(model, load_file(Path(folder) / WEIGHTS_FILE, device=str(device)))
+        model.load_state_dict({k: v for k, v in state.items()}, strict=True)
+        return model
+
+    def to_hf_state(self, model, state):
+        out = {}
+        for name, tensor in state.items():
+            if name == "lm_head.weight":
+                continue  # tied: transformers re-ties it from wte
+            out[f"transformer.{name}"] = tensor.t() if _CONV1D.match(name) else tensor
+        return out
+
+    def from_hf_state(self, model, state):
+        out = {}
+        for name, tensor in state.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # causal-mask buffers of older transformers versions
+            native = name.removeprefix("transformer.")
+            out[native] = tensor.t() if _CONV1D.match(native) else tensor
+        if "wte.weight" in out:
+            out["lm_head.weight"] = out["wte.weight"]
+        return out
+
+
+GPT2_FAMILY = register_family(GPT2Family())

@@ -1,0 +1,86 @@
+"""The native GPT as a model family (`model.architecture: gpt`): built from `model.depth` and
+`model.aspect_ratio`, run with the fused head + loss and its own KV cache, saved under
+transformers Qwen3 names (it is Qwen3 without biases or sliding windows)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierlm.errors import ConfigError
+from tierlm.models.gpt import GPT, GPTConfig, KVCache
+from tierlm.models.hf_export import from_hf_name, to_hf_config, to_hf_name
+from tierlm.models.native import NativeFamily
+from tierlm.models.registry import register_family
+from tierlm.primitives.losses import get_labels
+
+SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings")
+
+
+class GPTFamily(NativeFamily):
+    name = "gpt"
+    model_class = GPT
+    config_class = GPTConfig
+
+    def config_fields(self, model_config) -> dict[str, Any]:
+        return {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
+
+    def gpt_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPTConfig:
+        config = GPTConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, **{k: getattr(model_config, k) for k in SHAPE_FIELDS})
+        problems = config.validate()
+        if problems:
+            raise ConfigError(f"model.{problems[0]}")
+        return config
+
+    def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
+        return self.build_from_config(self.gpt_config(model_config, vocab_size, max_seq_len), device, dtype)
+
+    # -- running ---------------------------------------------------------------------------
+    def logits(self, model, batch):
+        return model(batch["input_ids"], position_ids=batch.get("position_ids"))
+
+    def fuses_cross_entropy(self, model):
+        return True
+
+    def cross_entropy(self, model, batch, weights):
+        return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
+
+    def prefill(self, model, ids, max_len):
+        cache = KVCache(model.config, ids.shape[0], max_len, ids.device, model.embed.weight.dtype)
+        return model(ids, cache=cache)[:, -1], cache
+
+    def decode(self, model, tokens, cache):
+        return model(tokens[:, None], cache=cache)[:, -1]
+
+    def repeat_cache(self, cache, n):
+        cache.repeat(n)
+
+    def max_seq_len(self, model):
+        return model.config.max_seq_len
+
+    def attention_shape(self, model):
+        return model.config.depth, model.config.n_head * model.config.head_dim
+
+    def blocks(self, model) -> nn.ModuleList:
+        return model.blocks
+
+    # -- the transformers twin: Qwen3 ------------------------------------------------------
+    def hf_config(self, config):
+        return to_hf_config(config)
+
+    def to_hf_state(self, model, state):
+        out = {to_hf_name(k): v for k, v in state.items()}
+        if model.config.tie_embeddings:
+            out.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens
+        return out
+
+    def from_hf_state(self, model, state):
+        out = {from_hf_name(k): v for k, v in state.items()}
+        if model.config.tie_embeddings and "embed.weight" in out:
+            out.setdefault("lm_head.weight", out["embed.weight"])
+        return out
+
+
+GPT_FAMILY = register_family(GPTFamily())

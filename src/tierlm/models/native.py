@@ -1,0 +1,111 @@
+"""What every family tierlm builds itself shares: its folder format.
+
+A native model folder is what `transformers.AutoModelForCausalLM.from_pretrained` loads when the
+family has a transformers twin (`config.json` and `model.safetensors` under transformers' names),
+plus `tierlm_model.json` — {"family": name, **the family's config} — from which tierlm rebuilds
+the native module. A family whose variant transformers cannot represent writes the same folder
+without `config.json`; tierlm still loads it, and `tierlm export` says why transformers cannot.
+Loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tierlm.errors import ModelLoadError, first_line
+from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, ModelFamily, native_description
+
+
+class NativeFamily(ModelFamily):
+    """A family with its own `nn.Module` (`model_class`) and dataclass config (`config_class`)."""
+
+    native = True
+    model_class: type[nn.Module]
+    config_class: type
+
+    def owns(self, model: nn.Module) -> bool:
+        return isinstance(model, self.model_class)
+
+    def build_from_config(self, config, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+        """Build on the meta device, allocate on `device`, initialise once (device "meta": described only)."""
+        with torch.device("meta"):
+            model = self.model_class(config)
+        if torch.device(device).type == "meta":
+            return model
+        model = model.to_empty(device=device)
+        model.tie_weights()  # to_empty allocates every parameter anew; shared ones must be shared again
+        model.init_weights()
+        return model.to(dtype=dtype) if dtype != torch.float32 else model
+
+    # -- names and configs on the transformers side (identity: a family without a twin) -----------
+    def to_hf_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(state)
+
+    def from_hf_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(state)
+
+    def hf_config(self, config):
+        """The transformers config of the same architecture, or None when there is none."""
+        return None
+
+    def import_transformers(self, folder: Path, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module | None:
+        """A transformers folder of this family's twin as a native model (None: not supported)."""
+        return None
+
+    def exportable(self, model: nn.Module) -> str | None:
+        return None if self.hf_config(model.config) is not None else f"transformers has no class for this {self.name} model"
+
+    # -- folders ---------------------------------------------------------------------------
+    def save(self, model, folder, state_dict=None):
+        state = state_dict if state_dict is not None else model.state_dict()
+        hf_state = {k: v.detach().contiguous().cpu() for k, v in self.to_hf_state(model, state).items()}
+        save_file(hf_state, Path(folder) / WEIGHTS_FILE, metadata={"format": "pt"})
+        self.save_config(model, folder)
+
+    def save_config(self, model, folder):
+        folder = Path(folder)
+        hf_config = self.hf_config(model.config)
+        if hf_config is not None:
+            hf_config.save_pretrained(folder)
+        description = {"family": self.name, **dataclasses.asdict(model.config)}
+        (folder / NATIVE_CONFIG_FILE).write_text(json.dumps(description, indent=2) + "\n")
+
+    def config_from_folder(self, folder: Path):
+        description = dict(native_description(folder) or {})
+        description.pop("family", None)
+        try:
+            return self.config_class(**description)
+        except TypeError as e:
+            raise ModelLoadError(f"{Path(folder) / NATIVE_CONFIG_FILE} does not describe a {self.name} model: {e}") from None
+
+    def build_from_folder(self, folder, dtype=torch.float32):
+        return self.build_from_config(self.config_from_folder(Path(folder)), dtype=dtype)
+
+    def read_state(self, model, folder):
+        return self.from_hf_state(model, load_file(Path(folder) / WEIGHTS_FILE, device="cpu"))
+
+    def load(self, folder, device="cpu", dtype=torch.float32, trust_remote_code=False):
+        folder = Path(folder)
+        config = self.config_from_folder(folder)
+        problems = config.validate() if hasattr(config, "validate") else []
+        if problems:
+            raise ModelLoadError(f"{folder / NATIVE_CONFIG_FILE}: {problems[0]}")
+        model = self.build_from_config(config, device=device, dtype=dtype)
+        try:
+            state = self.from_hf_state(model, load_file(folder / WEIGHTS_FILE, device=str(device)))
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except (OSError, ValueError, SafetensorError) as e:
+            raise ModelLoadError(f"cannot read native model folder {folder}: {first_line(e)}") from None
+        except RuntimeError as e:  # shapes that differ from the config
+            detail = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else first_line(e)
+            raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config ({detail})") from None
+        if missing or unexpected:
+            raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
+        return model

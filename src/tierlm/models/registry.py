@@ -1,0 +1,284 @@
+"""Model families behind one adapter (torchtitan's "train spec", in our size).
+
+A family answers everything the rest of tierlm asks of a model: how to build it from the config
+(on the meta device, then one `init_weights()`), how to run it (logits, the fused head + loss,
+KV-cache prefill and decode for the engine), its FLOPs per token, its repeated blocks (for FSDP,
+activation checkpointing and compile), and how it is saved, loaded and exported. The trainer,
+backends, engine, metrics and checkpoints ask `family_of(model)` (or `family_for_folder(path)`,
+`family_named(model.architecture)`) and never check a model's type.
+
+Adding a family is one module with a `ModelFamily` subclass and one `register_family(...)` line
+(see `tierlm.models.gpt2` and the README's walk-through). Any architecture name that is not a
+registered family is a transformers `model_type` ("qwen3", "llama", ...), served by
+`TransformersFamily`.
+
+>>> sorted(FAMILIES)
+['gpt', 'gpt2']
+>>> family_named("qwen3").name
+'transformers'
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from tierlm.errors import ConfigError, ModelLoadError, first_line
+from tierlm.primitives.losses import get_labels, linear_cross_entropy
+
+NATIVE_CONFIG_FILE = "tierlm_model.json"  # in a native model folder: {"family": name, **its config}
+WEIGHTS_FILE = "model.safetensors"
+
+
+class ModelFamily:
+    """The adapter protocol; each method has the transformers behaviour unless a family overrides it."""
+
+    name = "base"
+    native = False
+    """True for families tierlm builds itself (their folders carry tierlm_model.json)."""
+
+    def owns(self, model: nn.Module) -> bool:
+        """Is `model` (unwrapped) one of this family's?"""
+        raise NotImplementedError
+
+    # -- building --------------------------------------------------------------------------
+    def config_fields(self, model_config) -> dict[str, Any]:
+        """The `model.*` fields that set this family's shape (they enter a run's fingerprint)."""
+        raise NotImplementedError
+
+    def build(self, model_config, vocab_size: int, max_seq_len: int, device="cpu", dtype=torch.float32) -> nn.Module:
+        """A new model from the `model` config section: on the meta device, then `init_weights()` on
+        `device` (device "meta": only described, for sizing)."""
+        raise NotImplementedError
+
+    # -- running ---------------------------------------------------------------------------
+    def logits(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Logits (B, T, V); optional `position_ids` restart per packed document."""
+        out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
+        return out.logits
+
+    def fuses_cross_entropy(self, model: nn.Module) -> bool:
+        return False
+
+    def cross_entropy(self, model: nn.Module, batch: Mapping[str, torch.Tensor], weights: torch.Tensor | None):
+        """(sum of weighted cross-entropy, per-token cross-entropy (B, T)) without the (B, T, V) logits."""
+        raise NotImplementedError
+
+    def prefill(self, model: nn.Module, ids: torch.Tensor, max_len: int) -> tuple[torch.Tensor, Any]:
+        """Logits of the last position (B, V) and a cache holding the prompt."""
+        raise NotImplementedError
+
+    def decode(self, model: nn.Module, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """Logits (B, V) of one new token per row, continuing `cache`."""
+        raise NotImplementedError
+
+    def repeat_cache(self, cache, n: int) -> None:
+        """Copy each row of `cache` n times (one prompt prefilled, sampled n ways)."""
+        raise NotImplementedError
+
+    def max_seq_len(self, model: nn.Module) -> int | None:
+        return None
+
+    def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x non-embedding params + 12 x layers x attention width x T (PaLM, appendix B)."""
+        layers, width = self.attention_shape(model)
+        embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        params = sum(p.numel() for p in model.parameters()) - embedding
+        return float(6 * params + 12 * layers * width * seq_len)
+
+    def attention_shape(self, model: nn.Module) -> tuple[int, int]:
+        """(layers, heads x head width), for the attention term of the FLOPs."""
+        raise NotImplementedError
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        """The repeated transformer blocks (wrapped one by one by FSDP, checkpointing, compile)."""
+        from tierlm.primitives.parallel import block_list
+
+        return block_list(model)
+
+    # -- folders ---------------------------------------------------------------------------
+    def save(self, model: nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        raise NotImplementedError
+
+    def save_config(self, model: nn.Module, folder: Path) -> None:
+        raise NotImplementedError
+
+    def build_from_folder(self, folder: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """An untrained model of the shape a folder describes (weights are loaded separately)."""
+        raise NotImplementedError
+
+    def load(self, folder: Path | str, device="cpu", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
+        raise NotImplementedError
+
+    def read_state(self, model: nn.Module, folder: Path) -> dict[str, torch.Tensor]:
+        """A folder's weights (CPU), named as `model.state_dict()` names them."""
+        raise NotImplementedError
+
+    def exportable(self, model: nn.Module) -> str | None:
+        """None when the saved folder loads in transformers as it is; else the reason it cannot."""
+        return None
+
+
+# -- the registry ----------------------------------------------------------------------------
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Make `family` known by its name (its `model.architecture`)."""
+    assert family.name and family.name != TransformersFamily.name, f"a family needs its own name, got {family.name!r}"
+    FAMILIES[family.name] = family
+    return family
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DistributedDataParallel; FSDP2 and compile keep the class
+
+
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family of a (possibly DDP-wrapped) model: a registered one that owns it, else transformers."""
+    inner = _unwrap(model)
+    return next((f for f in FAMILIES.values() if f.owns(inner)), TRANSFORMERS)
+
+
+def family_named(architecture: str) -> ModelFamily:
+    """The family `model.architecture` names: a registered family, else transformers' `model_type`."""
+    return FAMILIES.get(architecture, TRANSFORMERS)
+
+
+def native_description(folder: Path | str) -> dict | None:
+    """The tierlm_model.json of a native model folder (None for other folders)."""
+    path = Path(folder) / NATIVE_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        description = json.loads(path.read_text())
+        assert isinstance(description, dict), "tierlm_model.json must hold an object"
+    except (OSError, ValueError, AssertionError) as e:
+        raise ModelLoadError(f"cannot read {path}: {first_line(e)}") from None
+    return description
+
+
+def family_for_folder(folder: Path | str) -> ModelFamily:
+    """The family that wrote a model folder: its tierlm_model.json's "family" (folders from before
+    families were named hold the native GPT), else transformers."""
+    description = native_description(folder)
+    if description is None:
+        return TRANSFORMERS
+    name = description.get("family", "gpt")
+    if name not in FAMILIES:
+        raise ModelLoadError(f"{folder} holds a {name!r} model, a family this tierlm does not know (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+# -- transformers models ---------------------------------------------------------------------
+# Model types whose logits are exactly `lm_head(last hidden state)`: no soft-capping, scaling or
+# bias after the head, so the head may be fused into the loss.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "smollm3"})
+
+
+class TransformersFamily(ModelFamily):
+    """Any transformers causal LM, by its `model_type`."""
+
+    name = "transformers"
+
+    def owns(self, model: nn.Module) -> bool:
+        return hasattr(getattr(model, "config", None), "model_type")
+
+    def config_fields(self, model_config) -> dict[str, Any]:
+        return {"model.hf_config": model_config.hf_config}
+
+    def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
+        from tierlm.primitives.models import create_hf_model_from_config
+
+        on_meta = torch.device(device).type == "meta"
+        with torch.device("meta" if on_meta else "cpu"):
+            model = create_hf_model_from_config(model_config.architecture, torch_dtype=dtype,
+                                                **{"vocab_size": vocab_size, **model_config.hf_config})
+        return model if on_meta else model.to(device)
+
+    def fuses_cross_entropy(self, model: nn.Module) -> bool:
+        """A plain-head type run as it is (a DDP or FSDP wrapper must see the whole forward)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return (
+            _unwrap(model) is model and not isinstance(model, FSDPModule)
+            and getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+            and isinstance(head, nn.Linear) and head.bias is None
+        )
+
+    def cross_entropy(self, model, batch, weights):
+        labels = get_labels(batch)
+        hidden = model.base_model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+        flat_weights = weights.flatten() if weights is not None else None
+        total, losses = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight, labels.flatten(), flat_weights)
+        return total, losses.view(labels.shape)
+
+    def prefill(self, model, ids, max_len):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1], cache
+
+    def decode(self, model, tokens, cache):
+        return model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+
+    def repeat_cache(self, cache, n: int) -> None:
+        cache.batch_repeat_interleave(n)
+
+    def max_seq_len(self, model):
+        return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+    def attention_shape(self, model):
+        config = getattr(model, "config", None)
+        layers = getattr(config, "num_hidden_layers", 0)
+        heads = getattr(config, "num_attention_heads", 0)
+        return layers, heads * (getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1))
+
+    def save(self, model, folder, state_dict=None):
+        model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+
+    def save_config(self, model, folder):
+        model.config.save_pretrained(folder)
+
+    def build_from_folder(self, folder, dtype=torch.float32):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+
+    def load(self, folder, device="cpu", dtype=torch.float32, trust_remote_code=False):
+        from tierlm.primitives.models import load_hf_model
+
+        return load_hf_model(str(folder), dtype, None, trust_remote_code=trust_remote_code).to(device)
+
+    def read_state(self, model, folder):
+        from safetensors.torch import load_file
+
+        state = load_file(Path(folder) / WEIGHTS_FILE, device="cpu")
+        for name, tied in _tied_names(model).items():
+            if name not in state and tied in state:
+                state[name] = state[tied]
+        return state
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """{name: name it shares storage with} for parameters `state_dict()` lists twice."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied_to = first.setdefault(id(param), name)
+        if tied_to != name:
+            tied[name] = tied_to
+    return tied
+
+
+TRANSFORMERS = TransformersFamily()
+
+
+def unknown_architecture(architecture: str) -> ConfigError:
+    return ConfigError(f"model.architecture {architecture!r} is neither a tierlm family ({', '.join(FAMILIES)}) "
+                       "nor a transformers model_type")

@@ -1,0 +1,182 @@
+"""Model families behind one adapter: GPT-2 against transformers' own GPT-2, and a toy family that
+the CLI trains, samples and saves without any other change to tierlm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, TINY
+from tierlm.cli import main
+from tierlm.models import FAMILIES, family_for_folder, family_named, forward_cross_entropy, forward_logits, load_pretrained_model, save_model_folder
+from tierlm.models.gpt2 import GPT2Config
+from tierlm.models.gpt2_family import GPT2_FAMILY
+from tierlm.models.native import NativeFamily
+from tierlm.models.registry import register_family
+
+
+def _hf_gpt2(tmp_path: Path):
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(HFConfig(vocab_size=61, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    return model, tmp_path / "hf"
+
+
+def test_gpt2_loads_transformers_weights_with_the_same_logits_and_loss(tmp_path):
+    hf, folder = _hf_gpt2(tmp_path)
+    ours = GPT2_FAMILY.import_transformers(folder).eval()
+    ids = torch.randint(0, 61, (3, 20))
+    with torch.no_grad():
+        reference = hf(ids, labels=ids)
+        assert torch.allclose(ours(ids), reference.logits, atol=1e-5)
+        labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], dim=1)  # our labels are already shifted
+        total, _ = forward_cross_entropy(ours, {"input_ids": ids, "labels": labels})
+    assert torch.allclose(total / (labels != -100).sum(), reference.loss, atol=1e-6)
+
+
+def test_gpt2_exports_to_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=24)).eval()
+    folder = save_model_folder(model, tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, model(ids), atol=1e-5)
+    again = load_pretrained_model(folder)  # and tierlm rebuilds its own module from the same folder
+    assert type(again).__name__ == "GPT2" and torch.equal(again(ids), model(ids))
+
+
+def test_gpt2_without_biases_saves_a_tierlm_folder(tmp_path):
+    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8, bias=False))
+    folder = save_model_folder(model, tmp_path / "m")
+    assert not (folder / "config.json").exists() and family_for_folder(folder).name == "gpt2"
+    assert GPT2_FAMILY.exportable(model) is not None
+    ids = torch.randint(0, 20, (1, 8))
+    assert torch.equal(load_pretrained_model(folder)(ids), model(ids))
+
+
+def test_gpt2_packed_documents_compute_what_they_would_alone():
+    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16)).eval()
+    a, b = torch.randint(0, 50, (1, 5)), torch.randint(0, 50, (1, 7))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        together = forward_logits(model, {"input_ids": packed, "position_ids": positions})
+        assert torch.allclose(together[:, :5], model(a), atol=1e-5)
+        assert torch.allclose(together[:, 5:], model(b), atol=1e-5)
+
+
+def test_gpt2_cached_greedy_decoding_equals_recomputation():
+    from tierlm.rollout.engine import Engine
+
+    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=32)).eval()
+    prompt = [3, 14, 15, 9]
+    tokens = Engine(model).generate(prompt, 1, 10, temperature=0.0)[0].tokens
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert tokens == ids[len(prompt):]
+
+
+def test_gpt2_trains_through_the_cli_and_beats_the_unigram_level(tmp_path):
+    run = tmp_path / "gpt2"
+    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.dropout=0.1",
+                 "training.num_train_steps=40", "training.learning_rate=3e-3", "training.eval_steps=40", f"infra.output_dir={run}"])
+    assert code == 0
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["val_loss"] < 0.75 * evals[0]["val_loss"]
+    assert type(load_pretrained_model(run / "model")).__name__ == "GPT2"
+
+
+# -- a family added from outside: one class, one registry line --------------------------------------
+class Bigram(nn.Module):
+    """Each token predicts the next from a table: the smallest language model there is."""
+
+    def __init__(self, config: "BigramConfig"):
+        super().__init__()
+        self.config = config
+        self.table = nn.Embedding(config.vocab_size, config.vocab_size)
+
+    def tie_weights(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.table.weight, std=0.02)
+
+    def forward(self, input_ids, position_ids=None):
+        return self.table(input_ids)
+
+
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class BigramConfig:
+    vocab_size: int = 16
+    max_seq_len: int = 64
+
+
+class BigramFamily(NativeFamily):
+    name = "toy_bigram"
+    model_class = Bigram
+    config_class = BigramConfig
+
+    def config_fields(self, model_config):
+        return {}
+
+    def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
+        return self.build_from_config(BigramConfig(vocab_size, max_seq_len), device, dtype)
+
+    def logits(self, model, batch):
+        return model(batch["input_ids"])
+
+    def prefill(self, model, ids, max_len):
+        return model(ids)[:, -1], None  # a bigram needs no cache: the last token is all it reads
+
+    def decode(self, model, tokens, cache):
+        return model(tokens[:, None])[:, -1]
+
+    def repeat_cache(self, cache, n):
+        pass
+
+    def max_seq_len(self, model):
+        return model.config.max_seq_len
+
+    def attention_shape(self, model):
+        return 0, 0
+
+
+@pytest.fixture
+def toy_family():
+    register_family(BigramFamily())
+    yield FAMILIES["toy_bigram"]
+    del FAMILIES["toy_bigram"]
+
+
+def test_a_registered_family_trains_samples_and_saves_through_the_cli(toy_family, tmp_path, capsys):
+    run = tmp_path / "toy"
+    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=toy_bigram",
+                 "training.num_train_steps=30", "training.learning_rate=0.1", "training.eval_steps=30", f"infra.output_dir={run}"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((run / "model" / "tierlm_model.json").read_text())["family"] == "toy_bigram"
+    model = load_pretrained_model(run / "model")
+    assert isinstance(model, Bigram) and family_named("toy_bigram") is toy_family
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(run), "--prompt", "What is 1 + 1?", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["export", str(run), str(tmp_path / "exported")]) == 0
+    assert "transformers has no class for this toy_bigram model" in capsys.readouterr().out

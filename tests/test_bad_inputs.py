@@ -118,6 +118,8 @@ def cfg(name: str) -> str:
 CASES = [
     # -- config files and overrides (through `config show` and the stages) ---------------
     Case("config-missing-file", ["config", "show", "--config", "nope.yaml"], "does not exist"),
+    Case("config-unknown-preset", ["config", "show", "--config", "gpt2-nonesuch"], "neither a file nor a preset"),
+    Case("unknown-builtin-corpus", ["pretrain", "--config", "tiny_pretrain", *TINY, "data.dataset_name=builtin:nope"], "unknown corpus"),
     Case("config-yaml-syntax", ["config", "show", "--config", "c.yaml"], "not valid YAML", write("c.yaml", "model: [1, 2\n")),
     Case("config-not-utf8", ["config", "show", "--config", "c.yaml"], "UTF-8|not valid YAML", write("c.yaml", NON_UTF8)),
     Case("config-binary", ["config", "show", "--config", "c.yaml"], "not valid YAML|UTF-8|mapping", write("c.yaml", bytes(range(256)))),

@@ -7,7 +7,8 @@
     tierlm sample --checkpoint runs/tiny_sft --prompt "What is 12 + 7?"
     tierlm eval --checkpoint runs/tiny_rl --config configs/tiny_rl.yaml
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
-    tierlm config show [--config FILE] [section.key=value ...]
+    tierlm config show [--config FILE_OR_PRESET] [section.key=value ...]
+    tierlm config list
     tierlm export CHECKPOINT OUT_DIR
     tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
 
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="config tools").add_subparsers(dest="config_command", required=True)
     _add_config_args(config.add_parser("show", help="print the resolved config"), required=False)
+    config.add_parser("list", help="list the presets shipped with tierlm (use one as --config NAME)")
     return parser
 
 
@@ -191,7 +193,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
     from tierlm.checkpoint.core import check_new_folder, publish_folder, staging_folder
 
-    check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith("synthetic:")])
+    check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith(("synthetic:", "builtin:"))])
     texts = []
     for spec in args.data:  # the first --num-docs documents of each source, never a whole corpus
         examples = open_examples(spec, SourceOptions(synthetic_count=args.num_docs))
@@ -225,9 +227,15 @@ def cmd_average(args: argparse.Namespace) -> None:
     print(f"averaged {len(args.checkpoints)} checkpoints into {average_checkpoints(args.checkpoints, args.out)}")
 
 
-def cmd_config_show(args: argparse.Namespace) -> None:
-    from tierlm.config import TierlmConfig
+def cmd_config(args: argparse.Namespace) -> None:
+    from tierlm.config import TierlmConfig, list_presets
 
+    if args.config_command == "list":
+        presets = list_presets()
+        width = max(map(len, presets))
+        for name, about in presets.items():
+            print(f"{name:<{width}}  {about}")
+        return
     print(TierlmConfig.load(args.config, args.overrides).to_yaml(), end="")
 
 
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
-    handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config_show}[args.command]
+    handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)
     except TierlmError as e:

@@ -103,6 +103,10 @@ class DataConfig(Section):
     """JSONL field holding the completion that answers prompt_column."""
     train_on: Literal["all_assistant", "last_assistant", "everything"] = "all_assistant"
     """SFT: which tokens carry loss."""
+    long_documents: Literal["auto", "crop", "split"] = "auto"
+    """Pretraining: a document longer than the room left in a row is cropped (the rest dropped,
+    nanochat's BOS-aligned rows) or split (its rest opens the next row: nothing dropped). auto: split
+    for plain text files, shipped corpora and token files, crop for everything else."""
     long_conversations: Literal["truncate", "drop"] = "truncate"
     """SFT: what happens to a conversation longer than max_seq_length (counted in the metrics either way)."""
     isolate_documents: bool | None = None
@@ -276,7 +280,7 @@ class TierlmConfig(Section):
 
         base = OmegaConf.create({})
         if path is not None:
-            path = Path(path)
+            path = resolve_config_path(path)
             if path.is_dir():
                 raise ConfigError(f"config {path} is a folder, not a file")
             if not path.is_file():
@@ -320,6 +324,35 @@ class TierlmConfig(Section):
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def list_presets() -> dict[str, str]:
+    """{preset name: its first comment line} for the YAML configs shipped inside the package.
+
+    >>> "tiny_pretrain" in list_presets()
+    True
+    """
+    presets = {}
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        first = path.read_text(encoding="utf-8").splitlines()[0] if path.stat().st_size else ""
+        presets[path.stem] = first.lstrip("# ").strip()
+    return presets
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A config file as given, or else the shipped preset of that name (`--config gpt2-shakespeare-char`)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    preset = PRESETS_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if path.parent == Path(".") and preset.is_file():
+        return preset
+    if path.parent == Path(".") and path.suffix != ".yaml":
+        raise ConfigError(f"config {name} is neither a file nor a preset; presets: {', '.join(list_presets())} (tierlm config list)")
+    return path
 
 
 def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:

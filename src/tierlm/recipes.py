@@ -125,6 +125,14 @@ def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_document
     return needs
 
 
+def splits_long_documents(config: TierlmConfig) -> bool:
+    """data.long_documents, with auto resolved: split when every source is plain text or tokens
+    (a corpus whose "documents" are paragraphs or a stream), crop otherwise."""
+    if config.data.long_documents != "auto":
+        return config.data.long_documents == "split"
+    return all(name.startswith("builtin:") or Path(name).suffix in (".txt", ".md", ".bin", ".npy") for name, _ in data_components(config))
+
+
 def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
     """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents).
 
@@ -141,7 +149,7 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
     isolate = d.isolate_documents if d.isolate_documents is not None else stage == "sft"
     common = dict(
         mode="crop" if stage == "pretrain" else "pad", pad_id=tokenizer.pad_id, buffer_docs=d.packing_buffer,
-        long_documents=d.long_conversations, document_positions=isolate,
+        long_documents=d.long_conversations, document_positions=isolate, split_long=stage == "pretrain" and splits_long_documents(config),
     )
     return (
         PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),

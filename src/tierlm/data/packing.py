@@ -8,7 +8,9 @@ of the row is filled best-fit: the largest buffered document that still fits goe
 nothing fits:
 
 - pretraining ("crop"): the shortest buffered document is cropped to fill the row exactly, and
-  the cropped-off tokens are counted (nanochat's BOS-aligned best-fit);
+  the cropped-off tokens are counted (nanochat's BOS-aligned best-fit); with `split_long` nothing
+  is cropped: a document longer than the room fills it and its rest opens the next row, so every
+  token of a small corpus (a text file of long paragraphs) is trained on once per epoch;
 - SFT ("pad"): the rest of the row is padding, so no token of a conversation is ever dropped.
 
 With `document_positions`, each row carries `position_ids` that restart at every document; the
@@ -122,6 +124,13 @@ class Mixture:
         return out
 
 
+def _tail(doc: Document, offset: int) -> Document:
+    """The document from token `offset` on (a split document's continuation)."""
+    if offset == 0:
+        return doc
+    return Document(doc.ids[offset:], None if doc.mask is None else doc.mask[offset:])
+
+
 class PackedLoader:
     """Batches of best-fit packed rows: `tokens` (B, T+1), `mask` (B, T+1), optional `position_ids` (B, T+1)."""
 
@@ -140,6 +149,7 @@ class PackedLoader:
         buffer_docs: int = 1000,
         long_documents: str = "truncate",
         document_positions: bool = False,
+        split_long: bool = False,
     ):
         assert mode in ("crop", "pad"), f"mode must be 'crop' or 'pad', got {mode!r}"
         assert long_documents in ("truncate", "drop"), f"long_documents must be truncate|drop, got {long_documents!r}"
@@ -151,6 +161,8 @@ class PackedLoader:
         self.mode, self.pad_id, self.seed, self.shuffle = mode, pad_id, seed, shuffle
         self.rank, self.world_size, self.buffer_docs = rank, world_size, buffer_docs
         self.long_documents, self.document_positions = long_documents, document_positions
+        assert not split_long or mode == "crop", "split_long is a pretraining (crop mode) option"
+        self.split_long = split_long  # crop mode: a document longer than the room goes on in the next row instead of being cut
         self.repeat = True  # False: one pass, then stop (evaluation)
         self.rewind()
 
@@ -158,19 +170,23 @@ class PackedLoader:
     def rewind(self) -> None:
         self.epoch, self.cursor = 0, 0
         self.buffer_ids: list[int] = []
+        self.buffer_offsets: list[int] = []  # where each buffered document resumes (split_long continuations)
         self.buffer: list[Document] = []
         self.buffer_lengths: list[int] = []  # len(doc.ids) of each buffered document, for the best-fit search
         self.counts = {"tokens_in": 0, "tokens_cropped": 0, "tokens_placed": 0, "tokens_padding": 0, "truncated": 0, "dropped": 0}
         self._order_epoch = -1
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": list(self.buffer_ids), "counts": dict(self.counts)}
+        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": list(self.buffer_ids), "offsets": list(self.buffer_offsets),
+                "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.counts = {k: int(v) for k, v in state["counts"].items()}
         self.buffer_ids = [int(i) for i in state["buffer"]]
-        self.buffer = [self._admit(doc, count=False) for doc in self.documents.fetch(self.buffer_ids)]
+        self.buffer_offsets = [int(o) for o in state.get("offsets", [0] * len(self.buffer_ids))]
+        docs = [self._admit(doc, count=False) for doc in self.documents.fetch(self.buffer_ids)]
+        self.buffer = [_tail(doc, offset) for doc, offset in zip(docs, self.buffer_offsets)]
         self.buffer_lengths = [len(doc.ids) for doc in self.buffer]
 
     def stats(self) -> dict[str, float]:
@@ -221,14 +237,26 @@ class PackedLoader:
                 if doc is not None:
                     self.counts["tokens_in"] += len(doc.ids)
                     self.buffer_ids.append(index)
+                    self.buffer_offsets.append(0)
                     self.buffer.append(doc)
                     self.buffer_lengths.append(len(doc.ids))
 
     # -- rows and batches ------------------------------------------------------------------
-    def _take(self, j: int) -> Document:
-        self.buffer_ids.pop(j)
+    def _take(self, j: int, room: int) -> Document:
+        """Buffered document j, to be placed in `room` tokens. Longer than the room: with split_long its
+        rest goes back to the front of the buffer (it opens the next row); otherwise the rest is cropped."""
+        index, offset = self.buffer_ids.pop(j), self.buffer_offsets.pop(j)
         self.buffer_lengths.pop(j)
-        return self.buffer.pop(j)
+        doc = self.buffer.pop(j)
+        if len(doc.ids) > room:
+            if self.split_long:
+                self.buffer_ids.insert(0, index)
+                self.buffer_offsets.insert(0, offset + room)
+                self.buffer_lengths.insert(0, len(doc.ids) - room)
+                self.buffer.insert(0, _tail(doc, room))
+            else:
+                self.counts["tokens_cropped"] += len(doc.ids) - room
+        return doc
 
     def _next_row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         tokens = np.full(self.row_len, self.pad_id, dtype=np.int64)
@@ -242,16 +270,14 @@ class PackedLoader:
             room = self.row_len - filled
             lengths = np.asarray(self.buffer_lengths, dtype=np.int64)
             fits = np.flatnonzero(lengths <= room)
-            if filled == 0:  # the oldest document opens the row (cropped to it if longer than a row)
-                doc = self._take(0)
-                self.counts["tokens_cropped"] += max(0, len(doc.ids) - room)
+            if filled == 0:  # the oldest document opens the row (cropped or split if longer than a row)
+                doc = self._take(0, room)
             elif len(fits):
-                doc = self._take(int(fits[np.argmax(lengths[fits])]))
+                doc = self._take(int(fits[np.argmax(lengths[fits])]), room)
             elif self.mode == "pad":
                 break
-            else:  # nothing fits: crop the shortest document to fill the row exactly
-                doc = self._take(int(np.argmin(lengths)))
-                self.counts["tokens_cropped"] += len(doc.ids) - room
+            else:  # nothing fits: the shortest document fills the row exactly (cropped, or split)
+                doc = self._take(int(np.argmin(lengths)), room)
             n = min(len(doc.ids), room)
             tokens[filled : filled + n] = doc.ids[:n]
             mask[filled : filled + n] = 1 if doc.mask is None else doc.mask[:n]

@@ -375,6 +375,23 @@ class ConcatExamples(Examples):
         return out
 
 
+CORPORA_DIR = Path(__file__).parent / "corpora"
+
+
+def builtin_corpus(spec: str) -> Path:
+    """The text shipped inside the package that `builtin:<name>` names (e.g. builtin:tinyshakespeare).
+
+    >>> builtin_corpus("builtin:tinyshakespeare").stat().st_size
+    1115394
+    """
+    name = spec.split(":", 1)[1]
+    path = CORPORA_DIR / f"{name}.txt"
+    if not path.is_file():
+        known = ", ".join(f"builtin:{p.stem}" for p in sorted(CORPORA_DIR.glob("*.txt")))
+        raise DataError(f"unknown corpus {spec!r}; shipped: {known}")
+    return path
+
+
 @dataclass
 class SourceOptions:
     """How to read a source (mirrors the data section of the config)."""
@@ -399,6 +416,7 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
         if name not in SYNTHETIC_TASKS:
             raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
         return SyntheticExamples(SYNTHETIC_TASKS[name](), options.split, options.synthetic_count, options.seed, options.kind)
+    spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
     path = Path(spec)
     if not path.exists() and not spec.startswith((".", "/")) and spec.count("/") == 1:
         return ArrowExamples(_load_arrow(spec, options.split), options.kind, options.fields, spec)  # a hub dataset name

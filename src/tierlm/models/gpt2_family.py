@@ -88,6 +88,7 @@ class GPT2Family(NativeFamily):
             vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
             n_head=config.n_head, resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
             layer_norm_epsilon=config.layer_norm_eps, activation_function="gelu_new", tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=None,  # the tokenizer's, in generation_config.json (GPT-2's 50256 may not exist here)
             architectures=["GPT2LMHeadModel"],
         )
 

@@ -1,0 +1,46 @@
+"""Presets ship inside the package: listed by `tierlm config list`, used as `--config NAME`, found
+by an installed wheel (not only a clone), with the corpus `gpt2-shakespeare-char` trains on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from tierlm.cli import main
+from tierlm.config import TierlmConfig, list_presets
+
+
+def test_presets_are_listed_and_loaded_by_name(capsys):
+    assert main(["config", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gpt2-shakespeare-char", "tiny_pretrain", "tiny_sft", "tiny_dpo", "tiny_rl"):
+        assert name in out and name in list_presets()
+    config = TierlmConfig.load("gpt2-shakespeare-char", ["training.num_train_steps=700"])
+    assert config.model.architecture == "gpt2" and config.training.num_train_steps == 700
+    assert TierlmConfig.load("tiny_pretrain") == TierlmConfig.load(REPO / "configs" / "tiny_pretrain.yaml")
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_finds_its_presets_and_corpus(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(REPO)],
+                   check=True, capture_output=True, timeout=300)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *map(str, wheels.glob("*.whl"))],
+                   check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
+    work = tmp_path / "elsewhere"  # no configs/ folder, no source tree
+    work.mkdir()
+    where = subprocess.run([sys.executable, "-c", "import tierlm; print(tierlm.__file__)"], cwd=work, env=env, capture_output=True, text=True)
+    assert where.stdout.startswith(str(site)), f"the test must run the installed wheel, got {where.stdout}"
+    listed = subprocess.run([sys.executable, "-m", "tierlm", "config", "list"], cwd=work, env=env, capture_output=True, text=True)
+    assert "gpt2-shakespeare-char" in listed.stdout, listed.stderr
+    run = subprocess.run([sys.executable, "-m", "tierlm", "pretrain", "--config", "gpt2-shakespeare-char", "training.num_train_steps=20", "training.warmup_steps=2",
+                          "training.eval_steps=20", "training.eval_batches=2", "infra.progress_bar=false", "infra.output_dir=run"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (work / "run" / "model" / "config.json").is_file() and "final val loss" in run.stdout

@@ -44,3 +44,11 @@ def test_an_installed_wheel_finds_its_presets_and_corpus(tmp_path):
                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (work / "run" / "model" / "config.json").is_file() and "final val loss" in run.stdout
+
+
+def test_every_preset_is_a_valid_config():
+    for name in list_presets():
+        TierlmConfig.load(name)  # raises ConfigError naming the key if a preset went stale
+    baseline = TierlmConfig.load("gpt2-vanilla-baseline")
+    tokens_per_step = baseline.training.per_device_train_batch_size * baseline.training.gradient_accumulation_steps * baseline.data.max_seq_length
+    assert (baseline.model.depth, baseline.model.depth * baseline.model.aspect_ratio, tokens_per_step) == (12, 768, 16 * 4 * 1024)

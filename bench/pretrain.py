@@ -1,9 +1,12 @@
 """Pretraining speed: tierlm against a minimal hand-written PyTorch loop and transformers `Trainer`.
 
-    .venv/bin/python bench/pretrain.py [--repeats 3] [--steps 30]
+    .venv/bin/python bench/pretrain.py [--repeats 3] [--steps 30] [--shape default|small]
 
-Every contender trains the same model (the native GPT: depth 4, width 256, vocab 4096, from the
-same seed) on the same pre-tokenized tinyshakespeare, with the same global batch (8 x 256 tokens),
+Every contender trains the same model from the same seed on the same pre-tokenized
+tinyshakespeare. `--shape default`: the native GPT (depth 4, width 256, vocab 4096 BPE), batch
+8 x 256 tokens. `--shape small`: the `gpt2-shakespeare-char` shape, GPT-2 with 4 layers, 4 heads,
+128 wide (~0.8M parameters), characters, batch 12 x 64 tokens, where a step's arithmetic is small and
+per-step overheads show. Both: the same global batch,
 fp32, AdamW (lr 1e-3, betas 0.9/0.95, no weight decay), 5 warm-up steps then cosine decay, and
 gradient clipping at 1.0. Tokens/s are over the steps after the first 5 (compilation of nothing,
 allocator warm-up); evaluation, logging and checkpointing sit outside that window.
@@ -29,19 +32,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import parser, run  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-WORK = Path(tempfile.gettempdir()) / "tierlm_bench_pretrain"
-BATCH, SEQ, WARMUP, LR = 8, 256, 5, 1e-3
+SHAPES = {"default": {"batch": 8, "seq": 256, "tokenizer": "bpe"}, "small": {"batch": 12, "seq": 64, "tokenizer": "char"}}
+WARMUP, LR = 5, 1e-3
+SHAPE = "default"
+BATCH, SEQ = SHAPES[SHAPE]["batch"], SHAPES[SHAPE]["seq"]
+
+
+def use_shape(name: str) -> None:
+    global SHAPE, BATCH, SEQ
+    SHAPE, BATCH, SEQ = name, SHAPES[name]["batch"], SHAPES[name]["seq"]
+
+
+def work() -> Path:
+    return Path(tempfile.gettempdir()) / f"tierlm_bench_pretrain_{SHAPE}"
 
 
 def prepare() -> tuple[Path, Path]:
-    """A 4,096-token BPE trained on tinyshakespeare and the text as a uint16 token file (paragraphs as documents)."""
-    from tierlm.data import load_tokenizer, train_bpe_tokenizer
+    """A tokenizer trained on tinyshakespeare (4,096-token BPE, or characters) and the text as a uint16
+    token file (paragraphs as documents)."""
+    from tierlm.data import load_tokenizer, train_bpe_tokenizer, train_char_tokenizer
 
-    tok_dir, bin_path = WORK / "tokenizer", WORK / "shakespeare.bin"
+    tok_dir, bin_path = work() / "tokenizer", work() / "shakespeare.bin"
     if not bin_path.is_file():
-        WORK.mkdir(parents=True, exist_ok=True)
+        work().mkdir(parents=True, exist_ok=True)
         paragraphs = [p for p in DATA.read_text().split("\n\n") if p.strip()]
-        tokenizer = train_bpe_tokenizer(paragraphs, 4096)
+        tokenizer = train_char_tokenizer(paragraphs) if SHAPES[SHAPE]["tokenizer"] == "char" else train_bpe_tokenizer(paragraphs, 4096)
         tokenizer.save(tok_dir)
         tokenizer = load_tokenizer(tok_dir)
         ids = []
@@ -53,9 +68,19 @@ def prepare() -> tuple[Path, Path]:
 
 def gpt(vocab: int):
     from tierlm.models import GPTConfig, build_gpt
+    from tierlm.models.gpt2 import GPT2Config
+    from tierlm.models.gpt2_family import GPT2_FAMILY
 
     torch.manual_seed(0)
+    if SHAPE == "small":
+        return GPT2_FAMILY.build_from_config(GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=vocab, block_size=2048))
     return build_gpt(GPTConfig(depth=4, aspect_ratio=64, head_dim=64, n_kv_head=2, vocab_size=vocab, max_seq_len=SEQ))
+
+
+def model_overrides() -> list[str]:
+    if SHAPE == "small":
+        return ["model.architecture=gpt2", "model.depth=4", "model.aspect_ratio=32", "model.head_dim=32"]
+    return ["model.architecture=gpt", "model.depth=4", "model.aspect_ratio=64", "model.head_dim=64", "model.n_kv_head=2"]
 
 
 def schedule(total: int):
@@ -84,8 +109,7 @@ def tierlm(args) -> dict:
     out = Path(tempfile.mkdtemp(prefix="tierlm_bench_run_"))
     total = WARMUP + args.steps
     config = TierlmConfig.load(None, [
-        "model.architecture=gpt", "model.depth=4", "model.aspect_ratio=64", "model.head_dim=64", "model.n_kv_head=2",
-        f"model.tokenizer_name_or_path={tok_dir}", f"data.dataset_name={bin_path}", f"data.max_seq_length={SEQ}",
+        *model_overrides(), f"model.tokenizer_name_or_path={tok_dir}", f"data.dataset_name={bin_path}", f"data.max_seq_length={SEQ}",
         f"training.per_device_train_batch_size={BATCH}", f"training.learning_rate={LR}", "training.adam_beta2=0.95",
         f"training.num_train_steps={total}", f"training.warmup_steps={WARMUP}", "training.lr_scheduler_type=cosine",
         "training.min_lr_ratio=0.0", "training.max_grad_norm=1.0", "training.eval_steps=0", "training.eval_batches=1",
@@ -164,10 +188,12 @@ CONTENDERS = {"tierlm": tierlm, "hand-loop": hand_loop, "hf-trainer": hf_trainer
 if __name__ == "__main__":
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
+    p.add_argument("--shape", choices=list(SHAPES), default="default", help="model and batch (see the docstring)")
     p.add_argument("--overrides", nargs="*", default=[], help="extra tierlm config overrides (section.key=value)")
     args = p.parse_args()
+    use_shape(args.shape)
     if args.contender is None:
         prepare()
-        print(f"pretrain, batch {BATCH} x {SEQ} tokens, {args.steps} timed steps, {args.threads} threads", file=sys.stderr)
-    argv = [f"--steps={args.steps}", f"--threads={args.threads}", "--overrides", *args.overrides]
+        print(f"pretrain ({SHAPE}), batch {BATCH} x {SEQ} tokens, {args.steps} timed steps, {args.threads} threads", file=sys.stderr)
+    argv = [f"--steps={args.steps}", f"--threads={args.threads}", f"--shape={args.shape}", "--overrides", *args.overrides]
     run(CONTENDERS, args, argv, "tokens_per_sec", "hand-loop")

@@ -30,7 +30,7 @@ from tierlm.data.preferences import PairLoader, open_preferences
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import check_fits
-from tierlm.models import family_named, is_native_folder, load_pretrained_model, model_max_seq_len
+from tierlm.models import family_named, family_of, is_native_folder, load_pretrained_model, model_max_seq_len
 from tierlm.primitives import create_adamw_optimizer, create_warmup_scheduler, parse_dtype
 from tierlm.primitives.parallel import DistributedContext, apply_activation_checkpointing, apply_compile, shutdown_distributed
 from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
@@ -211,10 +211,11 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, bf16,
             tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile, tr.fused_cross_entropy,
         )
+    blocks = family_of(model).blocks(model)
     if infra.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, blocks)
     if infra.compile:
-        apply_compile(model)
+        apply_compile(model, blocks)
     optimizer = optimizer_fn(model)
     return PyTorchTrainingBackend(
         model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,

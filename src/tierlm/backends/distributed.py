@@ -22,6 +22,7 @@ from torch import nn
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.models import family_of
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -31,10 +32,11 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool) -> nn.Module:
     """On the device, with per-block activation checkpointing and compile if asked (before any wrapping)."""
     model = model.to(device)
+    blocks = family_of(model).blocks(model)  # the family says which modules are its repeated blocks
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, blocks)
     if compile:
-        apply_compile(model)
+        apply_compile(model, blocks)
     return model
 
 
@@ -145,7 +147,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
     ):
         device = torch.device(device)
         model = prepare_model(model, device, activation_checkpointing, compile)
-        apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload)
+        apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload, family_of(model).blocks(model))
         self.cpu_offload = cpu_offload
         super().__init__(
             model, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,

@@ -101,23 +101,24 @@ def block_list(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, blocks: nn.ModuleList | None = None) -> nn.Module:
     """Recompute each block's activations in the backward pass instead of storing them.
 
+    `blocks` (default: `block_list(model)`) is the model family's list of repeated blocks.
     Parameter names are unchanged in `state_dict()` (the wrapper strips its prefix).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    blocks = block_list(model)
+    blocks = blocks if blocks is not None else block_list(model)
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     return model
 
 
-def apply_compile(model: nn.Module, **options) -> nn.Module:
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None = None, **options) -> nn.Module:
     """`torch.compile` each block in place (the blocks are identical, so one graph is reused);
     `options` go to `torch.compile` (e.g. `mode`, or `backend="eager"` to trace without code generation)."""
-    for block in block_list(model):
+    for block in blocks if blocks is not None else block_list(model):
         block.compile(**options)
     return model
 
@@ -129,8 +130,10 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     cpu_offload: bool = False,
+    blocks: nn.ModuleList | None = None,
 ) -> nn.Module:
-    """FSDP2: `fully_shard` every block, then the root (embeddings, final norm, head).
+    """FSDP2: `fully_shard` every block (`blocks`, default `block_list(model)`), then the root
+    (embeddings, final norm, head).
 
     `param_dtype` (e.g. bf16) is what forward and backward compute in, `reduce_dtype` what
     gradients are reduced in; the sharded master weights and optimizer state stay fp32.
@@ -142,7 +145,7 @@ def apply_fsdp(
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = list(block_list(model))
+    blocks = list(blocks if blocks is not None else block_list(model))
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)

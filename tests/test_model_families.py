@@ -180,3 +180,79 @@ def test_a_registered_family_trains_samples_and_saves_through_the_cli(toy_family
     assert capsys.readouterr().out.strip()
     assert main(["export", str(run), str(tmp_path / "exported")]) == 0
     assert "transformers has no class for this toy_bigram model" in capsys.readouterr().out
+
+
+# -- GPT-2 research variants -------------------------------------------------------------------
+def _gpt2(**variant):
+    torch.manual_seed(0)
+    return GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16, **variant)).eval()
+
+
+def test_unified_ra_scores_are_the_gated_sum_of_the_two_slices():
+    """The attention output of an RA layer against the formula written plainly."""
+    model = _gpt2(ra_r=4, ra_per_head=True)
+    attn = model.h[0].attn
+    with torch.no_grad():
+        attn.ra.w_std.copy_(torch.tensor([0.7, 1.3]))
+        attn.ra.w_rec.copy_(torch.tensor([2.0, 0.1]))
+        x = torch.randn(1, 6, 32)
+        q, k, v = (t.view(1, 6, 2, 16).transpose(1, 2) for t in attn.c_attn(x).split(32, dim=2))
+        ws, wr = attn.ra.w_std[None, :, None, None], attn.ra.w_rec[None, :, None, None]
+        scores = (ws * q[..., :12] @ k[..., :12].transpose(-1, -2) + wr * q[..., 12:] @ k[..., 12:].transpose(-1, -2)) / 16**0.5
+        scores = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+        expected = attn.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 32))
+        assert torch.allclose(attn(x, None), expected, atol=1e-6)
+
+
+def test_variants_reduce_to_v0_with_their_gates_neutral():
+    v0 = _gpt2()
+    ids = torch.randint(0, 50, (2, 10))
+    for variant in ({"ra_r": 4}, {"ra_r": 8, "ra_per_head": True}, {"ra_r": 4, "self_restart": True}):
+        model = _gpt2(**variant)
+        missing, unexpected = model.load_state_dict(v0.state_dict(), strict=False)
+        assert not unexpected and all("ra." in k or "restart." in k for k in missing)
+        with torch.no_grad():
+            for block in model.h:
+                if block.attn.ra is not None:
+                    block.attn.ra.w_std.fill_(1.0)
+                    block.attn.ra.w_rec.fill_(1.0)
+                if block.attn.restart is not None:
+                    block.attn.restart.alpha.zero_()
+            assert torch.equal(model(ids), v0(ids)), variant
+
+
+def test_ra_off_is_v0_exactly():
+    from tierlm.config import ModelConfig
+
+    def build(**fields):
+        torch.manual_seed(0)
+        return GPT2_FAMILY.build(ModelConfig(architecture="gpt2", depth=2, aspect_ratio=16, head_dim=16, **fields), 50, 16).eval()
+
+    ids = torch.randint(0, 50, (2, 10))
+    v0, off = build(variant="V0"), build(variant="V1", ra={"r": 0})
+    assert v0.state_dict().keys() == off.state_dict().keys()
+    assert torch.equal(v0(ids), off(ids))
+
+
+@pytest.mark.parametrize("variant", ["V0", "V1", "V2", "V7", "V8", "V9"])
+def test_each_variant_trains_20_steps(variant, tmp_path):
+    run = tmp_path / variant
+    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.head_dim=16",
+                 f"model.variant={variant}", "training.num_train_steps=20", "training.learning_rate=3e-3", "training.logging_steps=10",
+                 "training.eval_steps=20", f"infra.output_dir={run}"])
+    assert code == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if r["type"] == "eval"]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    gated = variant != "V0"
+    assert ("ra_w_rec_mean" in lines[-1]) == gated and ("ra_w_rec_mean" in evals[-1]) == gated
+    if variant in ("V2", "V8"):
+        assert 0.0 <= lines[-1]["self_restart_alpha_min"] and lines[-1]["self_restart_alpha_max"] <= 0.5 + 0.1
+    assert type(load_pretrained_model(run / "model")).__name__ == "GPT2"
+
+
+def test_a_variant_not_built_yet_is_one_line(capsys):
+    code = main(["config", "show", "model.architecture=gpt2", "model.variant=V3"])
+    assert code == 0  # the config is valid; building the model refuses it
+    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.variant=V3"])
+    assert code == 2 and "model.variant 'V3' is not built yet" in capsys.readouterr().err

@@ -29,6 +29,17 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+class RAConfig(Section):
+    """GPT-2 attention variants (None: what model.variant says, off without one)."""
+
+    r: int | None = Field(None, ge=0)
+    """Unified RA: reciprocal dimensions of each head (0: plain attention)."""
+    per_head_gates: bool | None = None
+    """Unified RA: one (w_std, w_rec) gate pair per head instead of per layer."""
+    self_restart: bool | None = None
+    """Self-restart: each head mixes back a learned share (init 0.05, at most 0.5) of its value vector."""
+
+
 class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
@@ -44,6 +55,10 @@ class ModelConfig(Section):
     """GPT-2: dropout on embeddings, attention weights and residual branches while training."""
     bias: bool = True
     """GPT-2: biases in linear layers and LayerNorms (off: no transformers twin; saved as a tierlm folder)."""
+    variant: str | None = None
+    """GPT-2: a step of seed 003's V-series ("V0", "V1", "V2", "V7", "V8", "V9" so far); model.ra.* override it."""
+    ra: RAConfig = Field(default_factory=RAConfig)
+    """GPT-2: Unified RA and self-restart (see tierlm.models.gpt2_ra)."""
     n_kv_head: int | None = Field(None, gt=0)
     """Native GPT: key/value heads (grouped-query attention); None gives one per query head."""
     mlp_ratio: float = Field(8 / 3, gt=0)

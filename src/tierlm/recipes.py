@@ -211,11 +211,10 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, bf16,
             tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile, tr.fused_cross_entropy,
         )
-    blocks = family_of(model).blocks(model)
     if infra.activation_checkpointing:
-        apply_activation_checkpointing(model, blocks)
+        apply_activation_checkpointing(model, family_of(model).blocks(model))
     if infra.compile:
-        apply_compile(model, blocks)
+        apply_compile(model, family_of(model).blocks(model))
     optimizer = optimizer_fn(model)
     return PyTorchTrainingBackend(
         model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,

@@ -24,6 +24,7 @@ from tierlm.data.packing import eval_batches
 from tierlm.errors import CheckpointError, TrainingDiverged
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.memory import memory_record
+from tierlm.models import family_of, unwrap_model
 from tierlm.signals import GracefulStop, RunInterrupted
 from tierlm.strategies.base import TrainingStrategy
 
@@ -110,7 +111,7 @@ class Trainer:
         val_loss = self.last_eval["val_loss"]
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
             self.state.best_val_loss = val_loss
-        self.logger.log({"type": "eval", "step": self.state.step, **self.last_eval})
+        self.logger.log({"type": "eval", "step": self.state.step, **self.last_eval, **self._model_figures()})
         return self.last_eval
 
     def save(self) -> Path:
@@ -239,7 +240,12 @@ class Trainer:
         """Data and memory figures, read only for logged steps."""
         stats = self.train_loader.stats() if hasattr(self.train_loader, "stats") else {}
         model_bytes = self.backend.memory_stats() if hasattr(self.backend, "memory_stats") else {}
-        return {**stats, **model_bytes, **memory_record(self.backend.device)}
+        return {**stats, **model_bytes, **memory_record(self.backend.device), **self._model_figures()}
+
+    def _model_figures(self) -> dict[str, float]:
+        """What the model's family reports about the model itself (e.g. the GPT-2 variants' gates)."""
+        model = self.backend.model
+        return family_of(model).diagnostics(unwrap_model(model))
 
     def _eta_s(self) -> float:
         done = max(self.state.step, 1)

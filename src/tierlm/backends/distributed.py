@@ -32,11 +32,10 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool) -> nn.Module:
     """On the device, with per-block activation checkpointing and compile if asked (before any wrapping)."""
     model = model.to(device)
-    blocks = family_of(model).blocks(model)  # the family says which modules are its repeated blocks
-    if activation_checkpointing:
-        apply_activation_checkpointing(model, blocks)
+    if activation_checkpointing:  # the family says which modules are its repeated blocks
+        apply_activation_checkpointing(model, family_of(model).blocks(model))
     if compile:
-        apply_compile(model, blocks)
+        apply_compile(model, family_of(model).blocks(model))
     return model
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.models.gpt import KVCache, LayerCache, PackedDocuments, attend_documents, document_causal_mask, document_lengths
+from tierlm.models.gpt2_ra import ReciprocalGates, SelfRestart
 from tierlm.primitives.losses import linear_cross_entropy
 
 
@@ -51,6 +52,12 @@ class GPT2Config:
     """Biases in every linear layer and LayerNorm (GPT-2 has them; transformers needs them to load it)."""
     layer_norm_eps: float = 1e-5
     """LayerNorm epsilon."""
+    ra_r: int = 0
+    """Unified RA: reciprocal dimensions R of each head (0: plain attention). See `gpt2_ra`."""
+    ra_per_head: bool = False
+    """Unified RA: one (w_std, w_rec) gate pair per head instead of per layer."""
+    self_restart: bool = False
+    """Self-restart: each head's output mixes back a learned share of its value vector."""
 
     # What the shared KV cache reads.
     @property
@@ -77,6 +84,8 @@ class GPT2Config:
             problems.append(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if not problems and self.ra_r and not 0 < self.ra_r < self.head_dim:
+            problems.append(f"ra.r must be between 1 and head_dim - 1 ({self.head_dim - 1}), got {self.ra_r}")
         return problems
 
     def to_dict(self) -> dict:
@@ -90,10 +99,16 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # Research variants (gpt2_ra): None in plain GPT-2.
+        self.ra = ReciprocalGates(config.n_head, config.head_dim, config.ra_r, config.ra_per_head) if config.ra_r else None
+        self.restart = SelfRestart(config.n_head) if config.self_restart else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedDocuments | None, cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))  # (B, H, T, D)
+        if self.ra is not None:
+            q, k = self.ra(q, k)
+        new_v = v
         if cache is not None:
             k, v = cache.append(k, v)
         p = self.dropout if self.training else 0.0
@@ -108,6 +123,8 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        if self.restart is not None:
+            y = self.restart(y, new_v)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
@@ -164,6 +181,8 @@ class GPT2(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
+            if isinstance(module, (ReciprocalGates, SelfRestart)):
+                module.init_weights()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 labels: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None):

@@ -24,7 +24,34 @@ from tierlm.models.native import NativeFamily
 from tierlm.models.registry import WEIGHTS_FILE, register_family
 from tierlm.primitives.losses import get_labels
 
-SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias")
+SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias", "variant")
+
+# Seed 003's V-series (`../shared/specs/gpt2-family.md`): a step name sets the variant's fields;
+# explicit `model.ra.*` values override it. The other steps (R-MLP, delayed activation, KV pruning)
+# are not built yet and are refused by name.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "V0": {},
+    "V1": {"r": 4},
+    "V2": {"r": 4, "self_restart": True},
+    "V7": {"r": 8},
+    "V8": {"r": 8, "self_restart": True},
+    "V9": {"r": 2},
+}
+
+
+def variant_fields(model_config) -> dict[str, Any]:
+    """The RA fields of `model.variant`, overridden by explicit `model.ra.*` values.
+
+    >>> from tierlm.config import ModelConfig
+    >>> variant_fields(ModelConfig(architecture="gpt2", variant="V2", ra={"per_head_gates": True}))
+    {'r': 4, 'self_restart': True, 'per_head_gates': True}
+    """
+    name = model_config.variant
+    if name is not None and name not in VARIANTS:
+        raise ConfigError(f"model.variant {name!r} is not built yet; available: {', '.join(VARIANTS)}")
+    fields = dict(VARIANTS.get(name, {}))
+    fields.update({k: v for k, v in model_config.ra.model_dump().items() if v is not None})
+    return fields
 _CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
 
 
@@ -34,13 +61,22 @@ class GPT2Family(NativeFamily):
     config_class = GPT2Config
 
     def config_fields(self, model_config) -> dict[str, Any]:
-        return {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
+        fields = {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
+        fields["model.ra"] = model_config.ra.model_dump()
+        return fields
+
+    def diagnostics(self, model) -> dict[str, float]:
+        from tierlm.models.gpt2_ra import gate_summary
+
+        return gate_summary(model)
 
     def gpt2_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPT2Config:
         m = model_config
         width = math.ceil(m.depth * m.aspect_ratio / m.head_dim) * m.head_dim
+        ra = variant_fields(m)
         config = GPT2Config(n_layer=m.depth, n_head=width // m.head_dim, n_embd=width, vocab_size=vocab_size, block_size=max_seq_len,
-                            dropout=m.dropout, bias=m.bias)
+                            dropout=m.dropout, bias=m.bias, ra_r=ra.get("r", 0), ra_per_head=ra.get("per_head_gates", False),
+                            self_restart=ra.get("self_restart", False))
         problems = config.validate()
         if problems:
             raise ConfigError(f"model ({self.name}): {problems[0]}")
@@ -80,8 +116,8 @@ class GPT2Family(NativeFamily):
 
     # -- the transformers twin: GPT2LMHeadModel --------------------------------------------------
     def hf_config(self, config: GPT2Config):
-        if not config.bias:
-            return None  # transformers' GPT-2 always has biases
+        if not config.bias or config.ra_r or config.self_restart:
+            return None  # transformers' GPT-2 always has biases, and none of the research variants
         from transformers import GPT2Config as HFGPT2Config
 
         return HFGPT2Config(

@@ -122,6 +122,10 @@ class ModelFamily:
         """None when the saved folder loads in transformers as it is; else the reason it cannot."""
         return None
 
+    def diagnostics(self, model: nn.Module) -> dict[str, float]:
+        """Figures about the model itself for the train and eval lines (e.g. learned gates)."""
+        return {}
+
 
 # -- the registry ----------------------------------------------------------------------------
 FAMILIES: dict[str, ModelFamily] = {}

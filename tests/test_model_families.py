@@ -207,10 +207,12 @@ def test_unified_ra_scores_are_the_gated_sum_of_the_two_slices():
 def test_variants_reduce_to_v0_with_their_gates_neutral():
     v0 = _gpt2()
     ids = torch.randint(0, 50, (2, 10))
-    for variant in ({"ra_r": 4}, {"ra_r": 8, "ra_per_head": True}, {"ra_r": 4, "self_restart": True}):
+    for variant in ({"ra_r": 4}, {"ra_r": 8, "ra_per_head": True}, {"ra_r": 4, "self_restart": True},
+                    {"rmlp_r_ff": 16, "rmlp_mixer": True, "rmlp_gate_alpha": True, "rmlp_attention_aware": True}):
         model = _gpt2(**variant)
         missing, unexpected = model.load_state_dict(v0.state_dict(), strict=False)
-        assert not unexpected and all("ra." in k or "restart." in k for k in missing)
+        assert not unexpected and all(k.rsplit(".", 1)[1] in ("w_std", "w_rec", "alpha", "gate_alpha", "attn_alpha") or "mixer" in k
+                                      for k in missing), missing
         with torch.no_grad():
             for block in model.h:
                 if block.attn.ra is not None:
@@ -218,7 +220,10 @@ def test_variants_reduce_to_v0_with_their_gates_neutral():
                     block.attn.ra.w_rec.fill_(1.0)
                 if block.attn.restart is not None:
                     block.attn.restart.alpha.zero_()
-            assert torch.equal(model(ids), v0(ids)), variant
+                if hasattr(block.mlp, "w_rec"):  # R-MLP: gates 1, the options neutral (identity mixer, alpha 1, no attention input)
+                    block.mlp.w_std.fill_(1.0)
+                    block.mlp.w_rec.fill_(1.0)
+            assert torch.allclose(model(ids), v0(ids), atol=1e-6), variant  # R-MLP splits the MLP's GELU and matmuls: rounding
 
 
 def test_ra_off_is_v0_exactly():
@@ -234,25 +239,105 @@ def test_ra_off_is_v0_exactly():
     assert torch.equal(v0(ids), off(ids))
 
 
-@pytest.mark.parametrize("variant", ["V0", "V1", "V2", "V7", "V8", "V9"])
+def test_r_mlp_is_the_gated_split_written_plainly():
+    model = _gpt2(rmlp_r_ff=16, rmlp_mixer=True, rmlp_gate_alpha=True, rmlp_attention_aware=True)
+    mlp = model.h[0].mlp
+    with torch.no_grad():
+        mlp.w_std.fill_(0.6)
+        mlp.w_rec.fill_(1.7)
+        mlp.gate_alpha.fill_(0.5)
+        mlp.attn_alpha.fill_(0.3)
+        mlp.mixer.weight.copy_(torch.randn(16, 16))
+        x, a = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+        gelu = lambda t: torch.nn.functional.gelu(t, approximate="tanh")  # noqa: E731
+        w, b = mlp.c_fc.weight, mlp.c_fc.bias
+        std = gelu(x @ w[:112].T + b[:112])
+        rec = gelu((x + 0.3 * a) @ w[112:].T + b[112:]) @ mlp.mixer.weight.T * 0.5
+        expected = mlp.c_proj(torch.cat([0.6 * std, 1.7 * rec], dim=-1))
+        assert torch.allclose(mlp(x, a), expected, atol=1e-5)
+
+
+def test_delayed_activation_is_applied_in_the_forward():
+    from tierlm.models.gpt2_family import GPT2_FAMILY as family
+
+    model = _gpt2(ra_r=4, rmlp_r_ff=16, delay_mode="step", delay_start_step=3)
+    ids = torch.randint(0, 50, (2, 10))
+    blocks = model.h
+    def bump_reciprocal_gates():
+        with torch.no_grad():
+            for block in blocks:
+                block.attn.ra.w_rec.add_(0.5)
+                block.mlp.w_rec.add_(0.5)
+    before = model(ids)
+    bump_reciprocal_gates()
+    assert torch.equal(model(ids), before), "while the scale is 0 the reciprocal gates must not matter"
+    loss = model(ids).logsumexp(-1).sum()
+    loss.backward()
+    assert all(float(b.attn.ra.w_rec.grad.abs().sum()) == 0 and float(b.mlp.w_rec.grad.abs().sum()) == 0 for b in blocks)
+    for step in (1, 2, 3):
+        family.on_step(model, step, 1.0)
+    assert float(model.coupling.scale) == 1.0
+    assert not torch.allclose(model(ids), before), "once on, the reciprocal gates act"
+
+
+def test_loss_stability_switches_on_when_the_loss_settles():
+    from tierlm.models.gpt2_delay import CouplingWarmup
+
+    warmup = CouplingWarmup("loss_stability", window=5, cv_threshold=0.01)
+    warmup.init_weights()
+    for step, loss in enumerate([5.0, 4.0, 3.5, 3.1, 3.0, 2.99, 3.01, 3.0, 2.98, 3.0], start=1):
+        warmup.update(step, loss)
+        if step < 9:
+            assert float(warmup.scale) == 0.0, step  # the window still holds the fall
+    assert float(warmup.scale) == 1.0 and int(warmup.switched_at) == 9
+
+
+def test_a_delayed_run_resumes_exactly(tmp_path):
+    common = ["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.head_dim=16",
+              "model.variant=V16", "model.delay.window=3", "model.delay.cv_threshold=0.5", "training.num_train_steps=12",
+              "training.logging_steps=1"]
+    assert main([*common, f"infra.output_dir={tmp_path / 'straight'}"]) == 0
+    assert main([*common, "training.save_steps=6", f"infra.output_dir={tmp_path / 'resumed'}"]) == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_12")
+    shutil.rmtree(tmp_path / "resumed" / "model")
+    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("step_6\n")
+    assert main([*common, "training.save_steps=6", f"infra.output_dir={tmp_path / 'resumed'}"]) == 0
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "straight" / "model" / "model.safetensors"), load_file(tmp_path / "resumed" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and "transformer.coupling.switched_at" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert int(a["transformer.coupling.switched_at"]) > 0  # it switched on during the run
+
+
+@pytest.mark.parametrize("variant", ["V0", "V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "V11", "V12", "V13", "V16"])
 def test_each_variant_trains_20_steps(variant, tmp_path):
     run = tmp_path / variant
+    wide = ["model.aspect_ratio=384"] if variant == "V13" else []  # R_ff = 1,152 needs an MLP wider than 1,152 (4 x 384)
+    delay = ["model.delay.start_step=15"] if variant in ("V11", "V12", "V13") else []
     code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.head_dim=16",
                  f"model.variant={variant}", "training.num_train_steps=20", "training.learning_rate=3e-3", "training.logging_steps=10",
-                 "training.eval_steps=20", f"infra.output_dir={run}"])
+                 "training.eval_steps=20", f"infra.output_dir={run}", *wide, *delay])
     assert code == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in lines if r["type"] == "eval"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
-    gated = variant != "V0"
+    gated = variant not in ("V0", "V11", "V13")  # RA's gates
     assert ("ra_w_rec_mean" in lines[-1]) == gated and ("ra_w_rec_mean" in evals[-1]) == gated
-    if variant in ("V2", "V8"):
+    if variant in ("V11", "V12", "V13"):  # off for 15 steps, then on: applied, and logged
+        train = [r for r in lines if r["type"] == "train"]
+        assert [r["coupling_scale_mean"] for r in train] == [0.0, 1.0]
+    if variant in ("V3", "V4", "V5", "V6", "V11", "V13"):
+        assert "rmlp_w_rec_mean" in lines[-1]
+    if variant in ("V2", "V8", "V10"):
         assert 0.0 <= lines[-1]["self_restart_alpha_min"] and lines[-1]["self_restart_alpha_max"] <= 0.5 + 0.1
     assert type(load_pretrained_model(run / "model")).__name__ == "GPT2"
 
 
 def test_a_variant_not_built_yet_is_one_line(capsys):
-    code = main(["config", "show", "model.architecture=gpt2", "model.variant=V3"])
+    code = main(["config", "show", "model.architecture=gpt2", "model.variant=V14"])
     assert code == 0  # the config is valid; building the model refuses it
-    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.variant=V3"])
-    assert code == 2 and "model.variant 'V3' is not built yet" in capsys.readouterr().err
+    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.variant=V14"])
+    assert code == 2 and "model.variant 'V14' is not built yet" in capsys.readouterr().err

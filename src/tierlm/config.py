@@ -40,6 +40,34 @@ class RAConfig(Section):
     """Self-restart: each head mixes back a learned share (init 0.05, at most 0.5) of its value vector."""
 
 
+class RMLPConfig(Section):
+    """GPT-2 MLP variant (None: what model.variant says, off without one)."""
+
+    r_ff: int | None = Field(None, ge=0)
+    """R-MLP: reciprocal hidden units (0: plain MLP)."""
+    mixer: bool | None = None
+    """R-MLP: a learned R_ff x R_ff map on the reciprocal units."""
+    gate_alpha: bool | None = None
+    """R-MLP: one more learned scalar on the reciprocal units."""
+    attention_aware: bool | None = None
+    """R-MLP: the reciprocal units also read the block's attention output."""
+
+
+class DelayConfig(Section):
+    """GPT-2 delayed activation of the reciprocal gates (None: what model.variant says, off without one)."""
+
+    mode: Literal["none", "step", "ramp", "loss_stability"] | None = None
+    """When the reciprocal gates come on: at a step, over a ramp, or once the loss has settled."""
+    start_step: int | None = Field(None, ge=0)
+    """step: the step they come on at; ramp: the step they start rising at (default 75)."""
+    ramp_steps: int | None = Field(None, gt=0)
+    """ramp: steps from off to full (default 100)."""
+    window: int | None = Field(None, gt=1)
+    """loss_stability: training losses in the window (default 50)."""
+    cv_threshold: float | None = Field(None, gt=0)
+    """loss_stability: come on when std / mean of the window falls below this (default 0.05)."""
+
+
 class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
@@ -56,13 +84,18 @@ class ModelConfig(Section):
     bias: bool = True
     """GPT-2: biases in linear layers and LayerNorms (off: no transformers twin; saved as a tierlm folder)."""
     variant: str | None = None
-    """GPT-2: a step of seed 003's V-series ("V0", "V1", "V2", "V7", "V8", "V9" so far); model.ra.* override it."""
+    """GPT-2: a step of seed 003's V-series (V0-V13 and V16 so far); model.ra.*, model.rmlp.*, model.delay.* and model.mlp_ratio override it."""
     ra: RAConfig = Field(default_factory=RAConfig)
     """GPT-2: Unified RA and self-restart (see tierlm.models.gpt2_ra)."""
+    rmlp: RMLPConfig = Field(default_factory=RMLPConfig)
+    """GPT-2: R-MLP (see tierlm.models.gpt2_rmlp)."""
+    delay: DelayConfig = Field(default_factory=DelayConfig)
+    """GPT-2: delayed activation of the reciprocal gates (see tierlm.models.gpt2_delay)."""
     n_kv_head: int | None = Field(None, gt=0)
     """Native GPT: key/value heads (grouped-query attention); None gives one per query head."""
-    mlp_ratio: float = Field(8 / 3, gt=0)
-    """Native GPT: SwiGLU hidden width as a multiple of the model width."""
+    mlp_ratio: float | None = Field(None, gt=0)
+    """MLP hidden width as a multiple of the model width (None: the family's own: 8/3 for the native
+    GPT's SwiGLU, 4 for GPT-2)."""
     rope_theta: float = Field(10000.0, gt=0)
     """Native GPT: rotary embedding base."""
     tie_embeddings: bool = False

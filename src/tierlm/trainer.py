@@ -179,6 +179,7 @@ class Trainer:
                 metrics = self.train_step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
                 step_s = time.perf_counter() - step_start
                 state.step += 1
+                family_of(self.backend.model).on_step(unwrap_model(self.backend.model), state.step, metrics["loss"])
                 if not gc_frozen:  # after the first step, everything alive stays: stop the GC from rescanning it
                     gc.collect()
                     gc.freeze()

@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.models.gpt import KVCache, LayerCache, PackedDocuments, attend_documents, document_causal_mask, document_lengths
+from tierlm.models.gpt2_delay import MODES as DELAY_MODES
+from tierlm.models.gpt2_delay import CouplingWarmup
 from tierlm.models.gpt2_ra import ReciprocalGates, SelfRestart
+from tierlm.models.gpt2_rmlp import ReciprocalMLP
 from tierlm.primitives.losses import linear_cross_entropy
 
 
@@ -58,6 +61,30 @@ class GPT2Config:
     """Unified RA: one (w_std, w_rec) gate pair per head instead of per layer."""
     self_restart: bool = False
     """Self-restart: each head's output mixes back a learned share of its value vector."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of n_embd (GPT-2: 4)."""
+    rmlp_r_ff: int = 0
+    """R-MLP: reciprocal hidden units (0: plain MLP). See `gpt2_rmlp`."""
+    rmlp_mixer: bool = False
+    """R-MLP: a learned R_ff x R_ff map on the reciprocal units."""
+    rmlp_gate_alpha: bool = False
+    """R-MLP: one more learned scalar on the reciprocal units."""
+    rmlp_attention_aware: bool = False
+    """R-MLP: the reciprocal units also read the block's attention output."""
+    delay_mode: str = "none"
+    """Delayed activation of the reciprocal gates: none | step | ramp | loss_stability. See `gpt2_delay`."""
+    delay_start_step: int = 75
+    """Delayed activation: the step the gates come on at (step) or start rising at (ramp)."""
+    delay_ramp_steps: int = 100
+    """Delayed activation (ramp): steps from 0 to full."""
+    delay_window: int = 50
+    """Delayed activation (loss_stability): training losses in the window."""
+    delay_cv_threshold: float = 0.05
+    """Delayed activation (loss_stability): switch on when std / mean of the window falls below this."""
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(round(self.mlp_ratio * self.n_embd))
 
     # What the shared KV cache reads.
     @property
@@ -84,6 +111,10 @@ class GPT2Config:
             problems.append(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.delay_mode not in DELAY_MODES:
+            problems.append(f"delay.mode must be one of {DELAY_MODES}, got {self.delay_mode!r}")
+        if not problems and self.rmlp_r_ff and not 0 < self.rmlp_r_ff < self.mlp_hidden:
+            problems.append(f"rmlp.r_ff must be between 1 and the MLP width - 1 ({self.mlp_hidden - 1}), got {self.rmlp_r_ff}")
         if not problems and self.ra_r and not 0 < self.ra_r < self.head_dim:
             problems.append(f"ra.r must be between 1 and head_dim - 1 ({self.head_dim - 1}), got {self.ra_r}")
         return problems
@@ -103,11 +134,12 @@ class CausalSelfAttention(nn.Module):
         self.ra = ReciprocalGates(config.n_head, config.head_dim, config.ra_r, config.ra_per_head) if config.ra_r else None
         self.restart = SelfRestart(config.n_head) if config.self_restart else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedDocuments | None, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedDocuments | None, cache: LayerCache | None = None,
+                coupling: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))  # (B, H, T, D)
         if self.ra is not None:
-            q, k = self.ra(q, k)
+            q, k = self.ra(q, k, coupling)
         new_v = v
         if cache is not None:
             k, v = cache.append(k, v)
@@ -131,11 +163,11 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_out: torch.Tensor | None = None, coupling: torch.Tensor | None = None) -> torch.Tensor:
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # GPT-2's "gelu_new"
 
 
@@ -145,11 +177,15 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not config.rmlp_r_ff else ReciprocalMLP(
+            config.n_embd, config.mlp_hidden, config.rmlp_r_ff, config.bias, config.dropout, config.rmlp_mixer, config.rmlp_gate_alpha,
+            config.rmlp_attention_aware)
 
-    def forward(self, x: torch.Tensor, mask, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask, cache)
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, mask, cache: LayerCache | None = None, coupling: torch.Tensor | None = None) -> torch.Tensor:
+        """`coupling`: the delayed-activation scale of the reciprocal gates (None: no delay)."""
+        attention_out = self.attn(self.ln_1(x), mask, cache, coupling)
+        x = x + attention_out
+        return x + self.mlp(self.ln_2(x), attention_out, coupling)
 
 
 class GPT2(nn.Module):
@@ -164,6 +200,8 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.coupling = (CouplingWarmup(config.delay_mode, config.delay_start_step, config.delay_ramp_steps, config.delay_window,
+                                        config.delay_cv_threshold) if config.delay_mode != "none" else None)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -174,14 +212,14 @@ class GPT2(nn.Module):
     def init_weights(self) -> None:
         """The single source of initial values: N(0, 0.02), residual projections / sqrt(2 n_layer), zero biases."""
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module is not self.lm_head:
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module is not self.lm_head and not name.endswith("mixer"):
                 std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
-            if isinstance(module, (ReciprocalGates, SelfRestart)):
+            if isinstance(module, (ReciprocalGates, SelfRestart, ReciprocalMLP, CouplingWarmup)):
                 module.init_weights()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -200,8 +238,9 @@ class GPT2(nn.Module):
             mask = (PackedDocuments(position_ids, document_lengths(position_ids)) if position_ids.device.type == "cpu"
                     else document_causal_mask(position_ids))  # a GPU would pay a host sync to find the documents
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
+        coupling = self.coupling.scale if self.coupling is not None else None
         for i, block in enumerate(self.h):
-            x = block(x, mask, cache.layers[i] if cache is not None else None)
+            x = block(x, mask, cache.layers[i] if cache is not None else None, coupling)
         x = self.ln_f(x)
         if labels is None:
             return self.lm_head(x)

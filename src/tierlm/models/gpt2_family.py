@@ -25,34 +25,47 @@ from tierlm.models.registry import WEIGHTS_FILE, register_family
 from tierlm.primitives.losses import get_labels
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias", "variant")
+_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
 
 # Seed 003's V-series (`../shared/specs/gpt2-family.md`): a step name sets the variant's fields;
 # explicit `model.ra.*` values override it. The other steps (R-MLP, delayed activation, KV pruning)
 # are not built yet and are refused by name.
 VARIANTS: dict[str, dict[str, Any]] = {
     "V0": {},
-    "V1": {"r": 4},
-    "V2": {"r": 4, "self_restart": True},
-    "V7": {"r": 8},
-    "V8": {"r": 8, "self_restart": True},
-    "V9": {"r": 2},
+    "V1": {"ra.r": 4},
+    "V2": {"ra.r": 4, "ra.self_restart": True},
+    "V3": {"ra.r": 4, "rmlp.r_ff": 64},
+    "V4": {"ra.r": 4, "rmlp.r_ff": 64, "rmlp.mixer": True},
+    "V5": {"ra.r": 4, "rmlp.r_ff": 64, "rmlp.gate_alpha": True},
+    "V6": {"ra.r": 4, "rmlp.r_ff": 64, "rmlp.mixer": True, "rmlp.gate_alpha": True},
+    "V7": {"ra.r": 8},
+    "V8": {"ra.r": 8, "ra.self_restart": True},
+    "V9": {"ra.r": 2},
+    "V10": {"ra.r": 4, "ra.self_restart": True, "mlp_ratio": 6.0},  # upstream forgot to widen the MLP; this does
+    "V11": {"rmlp.r_ff": 64, "delay.mode": "step", "delay.start_step": 75},
+    "V12": {"ra.r": 4, "delay.mode": "step", "delay.start_step": 75},
+    "V13": {"rmlp.r_ff": 1152, "delay.mode": "step", "delay.start_step": 75},
+    "V16": {"ra.r": 4, "ra.per_head_gates": True, "delay.mode": "loss_stability"},
 }
 
 
 def variant_fields(model_config) -> dict[str, Any]:
-    """The RA fields of `model.variant`, overridden by explicit `model.ra.*` values.
+    """The variant fields of `model.variant`, overridden by explicit `model.ra.*`, `model.rmlp.*`
+    and `model.mlp_ratio` values, as {"ra.r": 4, "rmlp.r_ff": 64, "mlp_ratio": 6.0, ...}.
 
     >>> from tierlm.config import ModelConfig
     >>> variant_fields(ModelConfig(architecture="gpt2", variant="V2", ra={"per_head_gates": True}))
-    {'r': 4, 'self_restart': True, 'per_head_gates': True}
+    {'ra.r': 4, 'ra.self_restart': True, 'ra.per_head_gates': True}
     """
     name = model_config.variant
     if name is not None and name not in VARIANTS:
         raise ConfigError(f"model.variant {name!r} is not built yet; available: {', '.join(VARIANTS)}")
     fields = dict(VARIANTS.get(name, {}))
-    fields.update({k: v for k, v in model_config.ra.model_dump().items() if v is not None})
+    for section in ("ra", "rmlp", "delay"):
+        fields.update({f"{section}.{k}": v for k, v in getattr(model_config, section).model_dump().items() if v is not None})
+    if model_config.mlp_ratio is not None:
+        fields["mlp_ratio"] = model_config.mlp_ratio
     return fields
-_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
 
 
 class GPT2Family(NativeFamily):
@@ -62,8 +75,12 @@ class GPT2Family(NativeFamily):
 
     def config_fields(self, model_config) -> dict[str, Any]:
         fields = {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
-        fields["model.ra"] = model_config.ra.model_dump()
+        fields.update({f"model.{k}": v for k, v in variant_fields(model_config).items()})
         return fields
+
+    def on_step(self, model, step: int, loss: float) -> None:
+        if model.coupling is not None and math.isfinite(loss):
+            model.coupling.update(step, loss)
 
     def diagnostics(self, model) -> dict[str, float]:
         from tierlm.models.gpt2_ra import gate_summary
@@ -73,10 +90,13 @@ class GPT2Family(NativeFamily):
     def gpt2_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPT2Config:
         m = model_config
         width = math.ceil(m.depth * m.aspect_ratio / m.head_dim) * m.head_dim
-        ra = variant_fields(m)
+        v = variant_fields(m)
         config = GPT2Config(n_layer=m.depth, n_head=width // m.head_dim, n_embd=width, vocab_size=vocab_size, block_size=max_seq_len,
-                            dropout=m.dropout, bias=m.bias, ra_r=ra.get("r", 0), ra_per_head=ra.get("per_head_gates", False),
-                            self_restart=ra.get("self_restart", False))
+                            dropout=m.dropout, bias=m.bias, mlp_ratio=v.get("mlp_ratio", 4.0), ra_r=v.get("ra.r", 0),
+                            ra_per_head=v.get("ra.per_head_gates", False), self_restart=v.get("ra.self_restart", False),
+                            rmlp_r_ff=v.get("rmlp.r_ff", 0), rmlp_mixer=v.get("rmlp.mixer", False), rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
+                            rmlp_attention_aware=v.get("rmlp.attention_aware", False), delay_mode=v.get("delay.mode", "none"),
+                            **{f"delay_{k}": v[f"delay.{k}"] for k in ("start_step", "ramp_steps", "window", "cv_threshold") if f"delay.{k}" in v})
         problems = config.validate()
         if problems:
             raise ConfigError(f"model ({self.name}): {problems[0]}")
@@ -116,13 +136,13 @@ class GPT2Family(NativeFamily):
 
     # -- the transformers twin: GPT2LMHeadModel --------------------------------------------------
     def hf_config(self, config: GPT2Config):
-        if not config.bias or config.ra_r or config.self_restart:
+        if not config.bias or config.ra_r or config.self_restart or config.rmlp_r_ff or config.delay_mode != "none":
             return None  # transformers' GPT-2 always has biases, and none of the research variants
         from transformers import GPT2Config as HFGPT2Config
 
         return HFGPT2Config(
             vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
-            n_head=config.n_head, resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+            n_head=config.n_head, n_inner=config.mlp_hidden, resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
             layer_norm_epsilon=config.layer_norm_eps, activation_function="gelu_new", tie_word_embeddings=True,
             bos_token_id=None, eos_token_id=None,  # the tokenizer's, in generation_config.json (GPT-2's 50256 may not exist here)
             architectures=["GPT2LMHeadModel"],
@@ -137,7 +157,7 @@ class GPT2Family(NativeFamily):
         if hf.model_type != "gpt2":
             raise ConfigError(f"{folder} holds a {hf.model_type!r} model, not GPT-2; drop model.architecture=gpt2 to train it as it is")
         config = GPT2Config(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, vocab_size=hf.vocab_size, block_size=hf.n_positions,
-                            dropout=hf.resid_pdrop, layer_norm_eps=hf.layer_norm_epsilon)
+                            dropout=hf.resid_pdrop, layer_norm_eps=hf.layer_norm_epsilon, mlp_ratio=(hf.n_inner or 4 * hf.n_embd) / hf.n_embd)
         model = self.build_from_config(config, device, dtype)
         state = self.from_hf_state(model, load_file(Path(folder) / WEIGHTS_FILE, device=str(device)))
         model.load_state_dict({k: v for k, v in state.items()}, strict=True)

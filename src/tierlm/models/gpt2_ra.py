@@ -36,10 +36,12 @@ class ReciprocalGates(nn.Module):
         self.w_std.fill_((self.head_dim - self.r) / self.head_dim)
         self.w_rec.fill_(self.r / self.head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k (B, H, T, D) scaled per slice by the square roots of the gates."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, coupling: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, H, T, D) scaled per slice by the square roots of the gates (w_rec times the
+        delayed-activation `coupling` scale, when there is one)."""
+        w_rec = self.w_rec * coupling if coupling is not None else self.w_rec
         std = self.w_std.clamp(min=MIN_GATE).sqrt()[:, None].expand(-1, self.head_dim - self.r)  # (H or 1, D - R)
-        rec = self.w_rec.clamp(min=MIN_GATE).sqrt()[:, None].expand(-1, self.r)  # (H or 1, R)
+        rec = w_rec.clamp(min=MIN_GATE).sqrt()[:, None].expand(-1, self.r)  # (H or 1, R)
         scale = torch.cat([std, rec], dim=1)[None, :, None, :].to(q.dtype)  # (1, H or 1, 1, D)
         return q * scale, k * scale
 
@@ -74,8 +76,8 @@ def gate_summary(model: nn.Module) -> dict[str, float]:
     0.25
     """
     families: dict[str, list[torch.Tensor]] = {}
-    for module in model.modules():  # the model itself included
-        if isinstance(module, (ReciprocalGates, SelfRestart)):
+    for module in model.modules():  # the model itself included; every variant module reports its gates
+        if hasattr(module, "gate_stats"):
             for name, value in module.gate_stats().items():
                 value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP: every rank asks, all gather
                 families.setdefault(name, []).append(value.float().flatten())

@@ -25,10 +25,16 @@ class GPTFamily(NativeFamily):
     config_class = GPTConfig
 
     def config_fields(self, model_config) -> dict[str, Any]:
-        return {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
+        return {f"model.{k}": v for k, v in self._shape(model_config).items()}
+
+    @staticmethod
+    def _shape(model_config) -> dict[str, Any]:
+        shape = {k: getattr(model_config, k) for k in SHAPE_FIELDS}
+        shape["mlp_ratio"] = shape["mlp_ratio"] if shape["mlp_ratio"] is not None else 8 / 3  # SwiGLU's usual width
+        return shape
 
     def gpt_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPTConfig:
-        config = GPTConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, **{k: getattr(model_config, k) for k in SHAPE_FIELDS})
+        config = GPTConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, **self._shape(model_config))
         problems = config.validate()
         if problems:
             raise ConfigError(f"model.{problems[0]}")

@@ -122,6 +122,9 @@ class ModelFamily:
         """None when the saved folder loads in transformers as it is; else the reason it cannot."""
         return None
 
+    def on_step(self, model: nn.Module, step: int, loss: float) -> None:
+        """Called after each optimizer step with the step's training loss (e.g. to switch a delayed gate on)."""
+
     def diagnostics(self, model: nn.Module) -> dict[str, float]:
         """Figures about the model itself for the train and eval lines (e.g. learned gates)."""
         return {}

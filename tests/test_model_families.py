@@ -312,32 +312,87 @@ def test_a_delayed_run_resumes_exactly(tmp_path):
     assert int(a["transformer.coupling.switched_at"]) > 0  # it switched on during the run
 
 
-@pytest.mark.parametrize("variant", ["V0", "V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "V11", "V12", "V13", "V16"])
+@pytest.mark.parametrize("variant", [f"V{i}" for i in range(20)])
 def test_each_variant_trains_20_steps(variant, tmp_path):
     run = tmp_path / variant
-    wide = ["model.aspect_ratio=384"] if variant == "V13" else []  # R_ff = 1,152 needs an MLP wider than 1,152 (4 x 384)
-    delay = ["model.delay.start_step=15"] if variant in ("V11", "V12", "V13") else []
+    wide = ["model.aspect_ratio=384"] if variant in ("V13", "V15", "V18") else []  # R_ff = 1,152 needs an MLP wider than 1,152 (4 x 384)
+    delay = ["model.delay.start_step=15"] if variant in ("V11", "V12", "V13", "V14", "V15") else []
+    recency = ["model.kv_pruning.recency=8"] if variant in ("V14", "V15", "V17", "V18", "V19") else []  # rows of 32: prune for real
     code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.head_dim=16",
                  f"model.variant={variant}", "training.num_train_steps=20", "training.learning_rate=3e-3", "training.logging_steps=10",
-                 "training.eval_steps=20", f"infra.output_dir={run}", *wide, *delay])
+                 "training.eval_steps=20", f"infra.output_dir={run}", *wide, *delay, *recency])
     assert code == 0
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in lines if r["type"] == "eval"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
-    gated = variant not in ("V0", "V11", "V13")  # RA's gates
+    gated = variant in ("V1", "V2", "V3", "V4", "V5", "V6", "V7", "V8", "V9", "V10", "V12", "V16")  # RA's gates
     assert ("ra_w_rec_mean" in lines[-1]) == gated and ("ra_w_rec_mean" in evals[-1]) == gated
-    if variant in ("V11", "V12", "V13"):  # off for 15 steps, then on: applied, and logged
+    if variant in ("V11", "V12", "V13", "V14", "V15"):  # off for 15 steps, then on: applied, and logged
         train = [r for r in lines if r["type"] == "train"]
         assert [r["coupling_scale_mean"] for r in train] == [0.0, 1.0]
-    if variant in ("V3", "V4", "V5", "V6", "V11", "V13"):
+    if variant in ("V15", "V18"):
+        assert "kv_keep_ratio_mean" in lines[-1]
+    if variant in ("V3", "V4", "V5", "V6", "V11", "V13", "V14", "V15", "V17", "V18"):
         assert "rmlp_w_rec_mean" in lines[-1]
     if variant in ("V2", "V8", "V10"):
         assert 0.0 <= lines[-1]["self_restart_alpha_min"] and lines[-1]["self_restart_alpha_max"] <= 0.5 + 0.1
     assert type(load_pretrained_model(run / "model")).__name__ == "GPT2"
 
 
-def test_a_variant_not_built_yet_is_one_line(capsys):
-    code = main(["config", "show", "model.architecture=gpt2", "model.variant=V14"])
-    assert code == 0  # the config is valid; building the model refuses it
-    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.variant=V14"])
-    assert code == 2 and "model.variant 'V14' is not built yet" in capsys.readouterr().err
+def test_an_unknown_variant_is_one_line(capsys):
+    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.variant=V20"])
+    assert code == 2 and "model.variant 'V20' is not a V-series step" in capsys.readouterr().err
+
+
+def _pruned(**kv):
+    return _gpt2(kv_prune=True, kv_recency=2, kv_keep_ratio=0.3, **kv)
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_learned": True}, {"kv_values_only": True}])
+def test_kv_pruning_is_causal(kv):
+    """No future token changes an earlier position's output: change the last tokens, compare the rest."""
+    model = _pruned(**kv)
+    ids = torch.randint(0, 50, (2, 16))
+    changed = ids.clone()
+    changed[:, 10:] = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_kv_pruning_keeps_the_budget_and_prunes_for_real():
+    from tierlm.models.gpt2_kv import CausalKVPruning
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    pruned = CausalKVPruning(keep_ratio=0.25, recency=2)
+    pruned.init_weights()
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = pruned(q, k, v)
+    assert torch.allclose(out[:, :, :2], dense[:, :, :2], atol=1e-6)  # the first queries see only recent keys: nothing pruned
+    assert not torch.allclose(out[:, :, 8:], dense[:, :, 8:])  # later ones keep 3 of 9-12 keys
+    full = CausalKVPruning(keep_ratio=1.0, recency=2)
+    full.init_weights()
+    assert torch.allclose(full(q, k, v), dense, atol=1e-6)  # keeping every key is plain causal attention
+
+
+def test_the_learned_keep_ratio_gets_a_gradient():
+    model = _pruned(kv_learned=True)
+    model.train()
+    model(torch.randint(0, 50, (2, 16))).logsumexp(-1).sum().backward()
+    grads = [float(block.attn.kv.ratio_logit.grad.abs()) for block in model.h]
+    assert all(g > 0 for g in grads), grads
+
+
+def test_pruned_models_generate_as_they_recompute():
+    from tierlm.rollout.engine import Engine
+
+    model = _gpt2(kv_prune=True, kv_recency=2, kv_keep_ratio=0.3)
+    prompt = [3, 14, 15, 9, 2, 6]
+    tokens = Engine(model).generate(prompt, 2, 8, temperature=0.0)[0].tokens
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert tokens == ids[len(prompt):]

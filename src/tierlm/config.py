@@ -68,6 +68,21 @@ class DelayConfig(Section):
     """loss_stability: come on when std / mean of the window falls below this (default 0.05)."""
 
 
+class KVPruningConfig(Section):
+    """GPT-2 causal KV pruning (None: what model.variant says, off without one)."""
+
+    enabled: bool | None = None
+    """Each query attends only to its most important earlier keys (see tierlm.models.gpt2_kv)."""
+    keep_ratio: float | None = Field(None, gt=0, le=1)
+    """Share of visible keys each query keeps (default 0.382)."""
+    recency: int | None = Field(None, ge=0)
+    """The newest keys always kept (default 64)."""
+    learned: bool | None = None
+    """Learn the keep ratio (soft selection, so it gets a gradient)."""
+    values_only: bool | None = None
+    """Keep every key in the softmax; drop only the pruned keys' values."""
+
+
 class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
@@ -84,13 +99,15 @@ class ModelConfig(Section):
     bias: bool = True
     """GPT-2: biases in linear layers and LayerNorms (off: no transformers twin; saved as a tierlm folder)."""
     variant: str | None = None
-    """GPT-2: a step of seed 003's V-series (V0-V13 and V16 so far); model.ra.*, model.rmlp.*, model.delay.* and model.mlp_ratio override it."""
+    """GPT-2: a step of seed 003's V-series, V0-V19; model.ra.*, model.rmlp.*, model.delay.*, model.kv_pruning.* and model.mlp_ratio override it."""
     ra: RAConfig = Field(default_factory=RAConfig)
     """GPT-2: Unified RA and self-restart (see tierlm.models.gpt2_ra)."""
     rmlp: RMLPConfig = Field(default_factory=RMLPConfig)
     """GPT-2: R-MLP (see tierlm.models.gpt2_rmlp)."""
     delay: DelayConfig = Field(default_factory=DelayConfig)
     """GPT-2: delayed activation of the reciprocal gates (see tierlm.models.gpt2_delay)."""
+    kv_pruning: KVPruningConfig = Field(default_factory=KVPruningConfig)
+    """GPT-2: causal KV pruning (see tierlm.models.gpt2_kv)."""
     n_kv_head: int | None = Field(None, gt=0)
     """Native GPT: key/value heads (grouped-query attention); None gives one per query head."""
     mlp_ratio: float | None = Field(None, gt=0)

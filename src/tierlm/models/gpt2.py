@@ -30,6 +30,7 @@ from torch import nn
 from tierlm.models.gpt import KVCache, LayerCache, PackedDocuments, attend_documents, document_causal_mask, document_lengths
 from tierlm.models.gpt2_delay import MODES as DELAY_MODES
 from tierlm.models.gpt2_delay import CouplingWarmup
+from tierlm.models.gpt2_kv import CausalKVPruning
 from tierlm.models.gpt2_ra import ReciprocalGates, SelfRestart
 from tierlm.models.gpt2_rmlp import ReciprocalMLP
 from tierlm.primitives.losses import linear_cross_entropy
@@ -71,6 +72,16 @@ class GPT2Config:
     """R-MLP: one more learned scalar on the reciprocal units."""
     rmlp_attention_aware: bool = False
     """R-MLP: the reciprocal units also read the block's attention output."""
+    kv_prune: bool = False
+    """Causal KV pruning: each query attends to its most important keys only. See `gpt2_kv`."""
+    kv_keep_ratio: float = 0.382
+    """KV pruning: the share of visible keys each query keeps (at least kv_recency)."""
+    kv_recency: int = 64
+    """KV pruning: the newest keys always kept."""
+    kv_learned: bool = False
+    """KV pruning: learn the keep ratio (soft selection, so it gets a gradient)."""
+    kv_values_only: bool = False
+    """KV pruning: keep every key in the softmax, drop only the pruned keys' values."""
     delay_mode: str = "none"
     """Delayed activation of the reciprocal gates: none | step | ramp | loss_stability. See `gpt2_delay`."""
     delay_start_step: int = 75
@@ -133,6 +144,8 @@ class CausalSelfAttention(nn.Module):
         # Research variants (gpt2_ra): None in plain GPT-2.
         self.ra = ReciprocalGates(config.n_head, config.head_dim, config.ra_r, config.ra_per_head) if config.ra_r else None
         self.restart = SelfRestart(config.n_head) if config.self_restart else None
+        self.kv = (CausalKVPruning(config.kv_keep_ratio, config.kv_recency, config.kv_learned, config.kv_values_only)
+                   if config.kv_prune else None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedDocuments | None, cache: LayerCache | None = None,
                 coupling: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,7 +157,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         p = self.dropout if self.training else 0.0
-        if isinstance(mask, PackedDocuments) and p == 0.0 and not torch.compiler.is_compiling():
+        if self.kv is not None:  # each query over its kept keys; decoding recomputes the sequence (gpt2_family)
+            assert cache is None, "KV pruning scores keys with every earlier query: decode by recomputing, not with a KV cache"
+            y = self.kv(q, k, v, document_causal_mask(mask.position_ids) if isinstance(mask, PackedDocuments) else mask)
+        elif isinstance(mask, PackedDocuments) and p == 0.0 and not torch.compiler.is_compiling():
             y = attend_documents(q, k, v, mask.lengths)  # each packed document alone, no (T, T) mask
         else:
             if isinstance(mask, PackedDocuments):
@@ -219,7 +235,7 @@ class GPT2(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
-            if isinstance(module, (ReciprocalGates, SelfRestart, ReciprocalMLP, CouplingWarmup)):
+            if isinstance(module, (ReciprocalGates, SelfRestart, ReciprocalMLP, CouplingWarmup, CausalKVPruning)):
                 module.init_weights()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,

@@ -45,7 +45,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "V11": {"rmlp.r_ff": 64, "delay.mode": "step", "delay.start_step": 75},
     "V12": {"ra.r": 4, "delay.mode": "step", "delay.start_step": 75},
     "V13": {"rmlp.r_ff": 1152, "delay.mode": "step", "delay.start_step": 75},
+    "V14": {"rmlp.r_ff": 64, "delay.mode": "step", "delay.start_step": 75, "kv.enabled": True, "kv.keep_ratio": 0.382, "kv.recency": 64},
+    "V15": {"rmlp.r_ff": 1152, "delay.mode": "step", "delay.start_step": 75, "kv.enabled": True, "kv.learned": True},
     "V16": {"ra.r": 4, "ra.per_head_gates": True, "delay.mode": "loss_stability"},
+    "V17": {"rmlp.r_ff": 64, "kv.enabled": True, "delay.mode": "loss_stability"},
+    "V18": {"rmlp.r_ff": 1152, "kv.enabled": True, "kv.learned": True, "delay.mode": "loss_stability"},
+    "V19": {"kv.enabled": True, "kv.values_only": True, "kv.keep_ratio": 0.382},
 }
 
 
@@ -59,10 +64,10 @@ def variant_fields(model_config) -> dict[str, Any]:
     """
     name = model_config.variant
     if name is not None and name not in VARIANTS:
-        raise ConfigError(f"model.variant {name!r} is not built yet; available: {', '.join(VARIANTS)}")
+        raise ConfigError(f"model.variant {name!r} is not a V-series step; steps: {', '.join(VARIANTS)}")
     fields = dict(VARIANTS.get(name, {}))
-    for section in ("ra", "rmlp", "delay"):
-        fields.update({f"{section}.{k}": v for k, v in getattr(model_config, section).model_dump().items() if v is not None})
+    for prefix, section in (("ra", "ra"), ("rmlp", "rmlp"), ("delay", "delay"), ("kv", "kv_pruning")):
+        fields.update({f"{prefix}.{k}": v for k, v in getattr(model_config, section).model_dump().items() if v is not None})
     if model_config.mlp_ratio is not None:
         fields["mlp_ratio"] = model_config.mlp_ratio
     return fields
@@ -96,7 +101,9 @@ class GPT2Family(NativeFamily):
                             ra_per_head=v.get("ra.per_head_gates", False), self_restart=v.get("ra.self_restart", False),
                             rmlp_r_ff=v.get("rmlp.r_ff", 0), rmlp_mixer=v.get("rmlp.mixer", False), rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
                             rmlp_attention_aware=v.get("rmlp.attention_aware", False), delay_mode=v.get("delay.mode", "none"),
-                            **{f"delay_{k}": v[f"delay.{k}"] for k in ("start_step", "ramp_steps", "window", "cv_threshold") if f"delay.{k}" in v})
+                            kv_prune=v.get("kv.enabled", False),
+                            **{f"delay_{k}": v[f"delay.{k}"] for k in ("start_step", "ramp_steps", "window", "cv_threshold") if f"delay.{k}" in v},
+                            **{f"kv_{k}": v[f"kv.{k}"] for k in ("keep_ratio", "recency", "learned", "values_only") if f"kv.{k}" in v})
         problems = config.validate()
         if problems:
             raise ConfigError(f"model ({self.name}): {problems[0]}")
@@ -116,14 +123,22 @@ class GPT2Family(NativeFamily):
         return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
 
     def prefill(self, model, ids, max_len):
+        if model.config.kv_prune:  # pruning scores keys with every earlier query: the "cache" is the sequence, recomputed
+            return model(ids)[:, -1], [ids]
         cache = KVCache(model.config, ids.shape[0], max_len, ids.device, model.wte.weight.dtype)
         return model(ids, cache=cache)[:, -1], cache
 
     def decode(self, model, tokens, cache):
+        if isinstance(cache, list):
+            cache[0] = torch.cat([cache[0], tokens[:, None]], dim=1)
+            return model(cache[0])[:, -1]
         return model(tokens[:, None], cache=cache)[:, -1]
 
     def repeat_cache(self, cache, n):
-        cache.repeat(n)
+        if isinstance(cache, list):
+            cache[0] = cache[0].repeat_interleave(n, dim=0)
+        else:
+            cache.repeat(n)
 
     def max_seq_len(self, model):
         return model.config.block_size
@@ -136,7 +151,7 @@ class GPT2Family(NativeFamily):
 
     # -- the transformers twin: GPT2LMHeadModel --------------------------------------------------
     def hf_config(self, config: GPT2Config):
-        if not config.bias or config.ra_r or config.self_restart or config.rmlp_r_ff or config.delay_mode != "none":
+        if not config.bias or config.ra_r or config.self_restart or config.rmlp_r_ff or config.delay_mode != "none" or config.kv_prune:
             return None  # transformers' GPT-2 always has biases, and none of the research variants
         from transformers import GPT2Config as HFGPT2Config
 

@@ -195,6 +195,7 @@ CASES = [
          "role 'wizard'", write("d.jsonl", '{"messages": [{"role": "wizard", "content": "x"}]}\n')),
     Case("sft-drop-every-conversation", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl",
                                          "data.long_conversations=drop"], "longer than", write("d.jsonl", (LONG_CHAT + "\n") * 30)),
+    Case("sft-stream", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.stream=true"], "pretraining option"),
     Case("sft-bad-train-on", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.train_on=some"], "data.train_on"),
     Case("sft-corrupt-weights", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path=pre"], "damaged.*model.safetensors",
          copy_run("pre", flip_byte("model/model.safetensors"))),

@@ -344,3 +344,26 @@ def test_split_documents_resume_exactly_mid_document():
     again.load_state_dict(state)
     for expected in batches[11:]:
         assert torch.equal(again.next_batch()["tokens"], expected["tokens"])
+
+
+def test_stream_mode_reads_a_text_file_as_consecutive_windows():
+    """data.stream: the whole text (blank lines and all) as one token stream, every window of a row
+    once per epoch, the held-out tail after it."""
+    from collections import Counter
+
+    from tierlm.config import TierlmConfig
+    from tierlm.data import train_char_tokenizer
+    from tierlm.data.sources import builtin_corpus
+    from tierlm.recipes import build_loaders
+
+    text = builtin_corpus("builtin:tinyshakespeare").read_text()
+    tokenizer = train_char_tokenizer([text])
+    config = TierlmConfig.load("gpt2-shakespeare-char", ["data.stream=true"])
+    train, val = build_loaders(config, "pretrain", tokenizer)
+    ids = tokenizer.encode(text)
+    cut = int(len(ids) * 0.9)
+    expected = Counter(tuple(ids[i * 64 : i * 64 + 65]) for i in range((cut - 1) // 64))
+    train.repeat = False
+    seen = Counter(tuple(row) for batch in train for row in batch["tokens"].tolist())
+    assert seen == expected and train.stats()["data_cropped_frac"] == 0
+    assert val.next_batch()["tokens"][0].tolist() == ids[cut : cut + 65]

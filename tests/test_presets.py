@@ -52,3 +52,9 @@ def test_every_preset_is_a_valid_config():
     baseline = TierlmConfig.load("gpt2-vanilla-baseline")
     tokens_per_step = baseline.training.per_device_train_batch_size * baseline.training.gradient_accumulation_steps * baseline.data.max_seq_length
     assert (baseline.model.depth, baseline.model.depth * baseline.model.aspect_ratio, tokens_per_step) == (12, 768, 16 * 4 * 1024)
+
+
+def test_the_shakespeare_preset_trains_as_a_stream(tmp_path):
+    code = main(["pretrain", "--config", "gpt2-shakespeare-char", "data.stream=true", "training.num_train_steps=20", "training.warmup_steps=2",
+                 "training.eval_steps=20", "training.eval_batches=2", "infra.progress_bar=false", f"infra.output_dir={tmp_path / 'run'}"])
+    assert code == 0

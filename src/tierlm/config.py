@@ -172,6 +172,10 @@ class DataConfig(Section):
     """Pretraining: a document longer than the room left in a row is cropped (the rest dropped,
     nanochat's BOS-aligned rows) or split (its rest opens the next row: nothing dropped). auto: split
     for plain text files, shipped corpora and token files, crop for everything else."""
+    stream: bool = False
+    """Pretraining: read each source as one token stream cut into consecutive windows of a row (a text
+    file whole, not paragraph by paragraph; a token file as it lies), as a plain GPT-2 script does.
+    The held-out data.val_fraction is the stream's tail."""
     long_conversations: Literal["truncate", "drop"] = "truncate"
     """SFT: what happens to a conversation longer than max_seq_length (counted in the metrics either way)."""
     isolate_documents: bool | None = None

@@ -7,6 +7,7 @@ import copy
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
@@ -20,6 +21,7 @@ from tierlm.data import (
     PackedLoader,
     Prefetcher,
     RankSlice,
+    StreamWindows,
     Tokenizer,
     chat_documents,
     holdout_split,
@@ -139,6 +141,10 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
     The train loader packs the global batch (world_size x per-device rows); see `RankSlice`.
     """
     d, tr = config.data, config.training
+    if d.stream:
+        if stage != "pretrain":
+            raise ConfigError("data.stream reads text as one token stream: a pretraining option")
+        return stream_loaders(config, tokenizer, world_size)
     convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
     trains, vals = open_splits(config, stage, tokenizer)
     if len(trains) == 1 and trains[0][1] == 1.0:
@@ -154,6 +160,52 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
     return (
         PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),
         PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, **common),
+    )
+
+
+STREAM_MAX_TOKENS = 1 << 30  # a stream read from text is held in memory (4 bytes a token)
+
+
+def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """One source as a token stream: a text file encoded whole, a token file as it lies (memory-mapped),
+    anything else its documents one after another (each after its separator token)."""
+    from tierlm.data.sources import TokenFileExamples, builtin_corpus
+
+    path = builtin_corpus(name) if name.startswith("builtin:") else Path(name)
+    if path.is_file() and path.suffix in (".bin", ".npy"):
+        tokens = TokenFileExamples(path, config.data.token_dtype, tokenizer.document_separator_id, tokenizer.vocab_size)
+        return tokens._map()
+    if path.is_file() and path.suffix in (".txt", ".md"):
+        if path.stat().st_size > STREAM_MAX_TOKENS:
+            raise DataError(f"{path} is {path.stat().st_size:,} bytes: too large to stream from text; pre-tokenize it into a .bin file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text near byte {e.start}") from None
+        return np.asarray(tokenizer.encode(text), dtype=np.int32)
+    documents = Documents(open_examples(name, source_options(config, "pretrain", "train", tokenizer)), text_documents(tokenizer))
+    parts, total = [], 0
+    for lo in range(0, len(documents), 4096):
+        for doc in documents.fetch(range(lo, min(len(documents), lo + 4096))):
+            parts.append(doc.ids.astype(np.int32))
+            total += len(doc.ids)
+        if total > STREAM_MAX_TOKENS:
+            raise DataError(f"{name} holds over {STREAM_MAX_TOKENS:,} tokens: too many to stream in memory; pre-tokenize it into a .bin file")
+    return np.concatenate(parts)
+
+
+def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) -> tuple[PackedLoader, PackedLoader]:
+    """`data.stream`: every source one token stream, its tail held out, both cut into windows of a row."""
+    d, tr = config.data, config.training
+    if d.mixture or d.eval_dataset_name:
+        raise ConfigError("data.stream reads one data.dataset_name and holds out its tail; drop data.mixture / data.eval_dataset_name")
+    tokens = source_stream(d.dataset_name, config, tokenizer)
+    cut = int(len(tokens) * (1 - d.val_fraction))
+    window = d.max_seq_length + 1
+    train, val = StreamWindows(tokens[:cut], window), StreamWindows(tokens[cut:], window)
+    return (
+        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, pad_id=tokenizer.pad_id),
+        PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, pad_id=tokenizer.pad_id),
     )
 
 

@@ -313,6 +313,32 @@ class PackedLoader:
                 return
 
 
+class StreamWindows:
+    """A token stream cut into consecutive windows of `window` tokens that overlap by one, so every
+    token after the first is a target exactly once: how a plain GPT-2 script reads a text file (no
+    documents, no separator per paragraph). Each window is one `Document`; a loader over them fills
+    each row with exactly one window, shuffled per epoch and resumable like any other source.
+
+    >>> windows = StreamWindows(np.arange(10), window=4)
+    >>> len(windows), [d.ids.tolist() for d in windows.fetch([0, 2])]
+    (3, [[0, 1, 2, 3], [6, 7, 8, 9]])
+    """
+
+    def __init__(self, tokens: np.ndarray, window: int):
+        assert window >= 2, f"a window needs at least 2 tokens, got {window}"
+        self.tokens, self.window = tokens, window
+        self.count = (len(tokens) - 1) // (window - 1)
+        if self.count < 1:
+            raise DataError(f"the stream holds {len(tokens)} tokens: fewer than one row of {window}; lower data.max_seq_length")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def fetch(self, indices: Sequence[int]) -> list[Document]:
+        step = self.window - 1
+        return [Document(np.asarray(self.tokens[int(i) * step : int(i) * step + self.window], dtype=np.int64)) for i in indices]
+
+
 class RankSlice:
     """Rank `rank`'s rows of every global batch: the loader packs `world_size` x B rows, identically
     on every rank, and each rank trains on its own B.

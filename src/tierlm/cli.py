@@ -160,7 +160,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_sample(args: argparse.Namespace) -> None:
     import torch
 
-    from tierlm.checkpoint.core import MODEL_META_FILE, resolve_model_location, verified_model_folder
+    from tierlm.checkpoint.core import resolve_model_location
+    from tierlm.checkpoint.folders import verified_model_folder
+    from tierlm.checkpoint.verify import MODEL_META_FILE
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
@@ -191,7 +193,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from tierlm.data import SourceOptions, open_examples, train_bpe_tokenizer, train_char_tokenizer
 
-    from tierlm.checkpoint.core import check_new_folder, publish_folder, staging_folder
+    from tierlm.checkpoint.folders import check_new_folder, publish_folder, staging_folder
 
     check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith(("synthetic:", "builtin:"))])
     texts = []

@@ -37,15 +37,9 @@ import numpy as np
 import torch
 
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
-from tierlm.checkpoint.core import (
-    MODEL_META_FILE,
-    _fsync_dir,
-    _fsync_tree,
-    clean_stale_temporaries,
-    file_manifest,
-    resolve_model_location,
-    verified_model_folder,
-)
+from tierlm.checkpoint.core import _fsync_dir, _fsync_tree, clean_stale_temporaries, resolve_model_location
+from tierlm.checkpoint.folders import verified_model_folder
+from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
 from tierlm.errors import ConfigError, DataError

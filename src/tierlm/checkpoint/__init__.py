@@ -2,14 +2,9 @@
 
 from tierlm.checkpoint.core import (
     CHECKPOINTS_DIRNAME,
-    MODEL_META_FILE,
     Snapshot,
     clean_stale_temporaries,
-    file_manifest,
-    verified_model_folder,
     is_sharded_checkpoint,
-    average_checkpoints,
-    export_checkpoint,
     find_best_checkpoint,
     find_latest_checkpoint,
     list_checkpoints,
@@ -21,9 +16,10 @@ from tierlm.checkpoint.core import (
     save_checkpoint,
     save_sharded_checkpoint,
     take_snapshot,
-    verify_checkpoint,
     write_snapshot,
 )
+from tierlm.checkpoint.folders import average_checkpoints, export_checkpoint, verified_model_folder
+from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest, verify_checkpoint
 
 __all__ = [
     "CHECKPOINTS_DIRNAME",

@@ -28,7 +28,6 @@ either kind of checkpoint loads into a plain, DDP or FSDP2 model at any world si
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -46,14 +45,13 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from tierlm.checkpoint.verify import META_FILE, file_manifest, verify_checkpoint
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, is_native_folder, read_model_state, save_model_folder
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 STATE_DIRNAME = "state"
 LATEST_FILE = "latest"
-META_FILE = "meta.json"
-MODEL_META_FILE = "training_meta.json"  # in a model folder: the stage that wrote it (and, when final, its manifest)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -100,44 +98,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def file_manifest(folder: Path, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, str | int]]:
-    """{relative path: size and SHA-256} of every file under `folder` (but `exclude`), for meta.json."""
-    files = {}
-    for path in sorted(folder.rglob("*")):
-        name = str(path.relative_to(folder))
-        if path.is_file() and name not in exclude:
-            files[name] = path.stat().st_size
-    return {"files": files, "sha256": {name: file_sha256(folder / name) for name in files}}
-
-
-def find_links(folder: Path) -> list[Path]:
-    """Symbolic links anywhere under `folder` (never followed)."""
-    links = []
-    for root, dirs, files in os.walk(folder):
-        links += [Path(root) / n for n in dirs + files if (Path(root) / n).is_symlink()]
-    return links
-
-
-def check_manifest(folder: Path, meta: dict) -> str | None:
-    """None when every file `meta` lists has its recorded size and hash, and no link hides in `folder`; else why not."""
-    links = find_links(folder)
-    if links:
-        return f"{links[0].relative_to(folder)} is a symbolic link; tierlm never writes links into a checkpoint"
-    for name, size in meta.get("files", {}).items():
-        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
-        if actual != size:
-            return f"{name} is {'missing' if actual is None else f'{actual} bytes, expected {size}'}"
-    for name, digest in meta.get("sha256", {}).items():
-        if file_sha256(folder / name) != digest:
-            return f"{name} does not have the content it was saved with (SHA-256 differs)"
-    return None
 
 
 @dataclass
@@ -291,19 +251,6 @@ def seal_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched") from e
     return final
-
-
-def verify_checkpoint(path: str | Path) -> str | None:
-    """None when the checkpoint is complete and every file has the size and content it was written
-    with (and no symbolic link hides in it), else why not."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        assert isinstance(meta, dict), "meta.json must hold an object"
-        problem = check_manifest(path, meta)
-    except (OSError, ValueError, AssertionError, AttributeError, TypeError):
-        return f"{path.name} has no readable {META_FILE}"
-    return f"{path.name}/{problem}" if problem else None
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
@@ -474,165 +421,6 @@ def resolve_model_folder(path: str | Path) -> Path:
         if latest is not None:
             return latest / "model"
     raise CheckpointError(f"{path} holds no model: expected a model folder, a run directory or a checkpoint")
-
-
-def verified_model_folder(name: str | Path) -> Path:
-    """A local run, checkpoint or model folder resolved to its model folder (as `resolve_model_folder`),
-    after checking what tierlm recorded about it: the checkpoint's sizes, hashes and links, or a
-    final model folder's manifest in its training_meta.json."""
-    folder = resolve_model_folder(name)
-    checkpoint = folder.parent if (folder.parent / META_FILE).is_file() and folder.name == "model" else None
-    problem = verify_checkpoint(checkpoint) if checkpoint is not None else verify_model_folder(folder)
-    problem = problem or check_file_formats(folder)
-    if problem is not None:
-        raise CheckpointError(f"{checkpoint or folder} is damaged: {problem}")
-    return folder
-
-
-def check_file_formats(folder: Path) -> str | None:
-    """None when the weights open as safetensors and every JSON file parses (read, never executed); else why not."""
-    from safetensors import safe_open
-
-    for weights in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(weights, framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            return f"{weights.name} is not a safetensors file ({first_line(e)})"
-    for name in sorted(folder.glob("*.json")):
-        try:
-            json.loads(name.read_text(encoding="utf-8"))
-        except (ValueError, OSError) as e:
-            return f"{name.name} is not valid JSON ({first_line(e)})"
-    return None
-
-
-def verify_model_folder(folder: Path) -> str | None:
-    """For a model folder tierlm finished (training_meta.json with a manifest): its files and links checked."""
-    meta_file = folder / MODEL_META_FILE
-    if not meta_file.is_file():
-        links = find_links(folder)
-        return None if not links or not is_tierlm_folder(folder) else f"{links[0].name} is a symbolic link"
-    try:
-        meta = json.loads(meta_file.read_text())
-        assert isinstance(meta, dict), "training_meta.json must hold an object"
-        return check_manifest(folder, meta.get("manifest", {}))
-    except (OSError, ValueError, AssertionError, AttributeError, TypeError):
-        return f"{MODEL_META_FILE} is not readable"
-
-
-def is_tierlm_folder(folder: Path) -> bool:
-    return (folder / MODEL_META_FILE).is_file() or is_native_folder(folder)
-
-
-def check_new_folder(out: Path, inputs: list[Path]) -> None:
-    """A new output folder: refuse one that exists with files in it, or one inside (or holding) an input."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} exists and is a file; choose a new folder")
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
-    target = out.resolve()
-    for source in inputs:
-        source = source.resolve()
-        if target == source or source in target.parents or target in source.parents:
-            raise CheckpointError(f"{out} overlaps the input {source}; write to a folder outside every input")
-
-
-def publish_folder(tmp: Path, out: Path) -> Path:
-    """Move a finished temporary folder into place (an existing empty `out` is replaced)."""
-    _fsync_tree(tmp)
-    if out.is_dir():
-        out.rmdir()
-    os.replace(tmp, out)
-    _fsync_dir(out.parent)
-    return out
-
-
-def staging_folder(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
-
-
-def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
-    """Average the model weights of several checkpoints (or model folders) into a new model folder.
-
-    Tokenizer, config and the native description are taken from the last one; every weight must
-    have the same name and shape in all of them. Each input is verified first; `out_dir` must be
-    new (or empty) and outside every input, and appears only once complete.
-    """
-    from safetensors.torch import load_file, save_file
-
-    if len(paths) < 2:
-        raise CheckpointError(f"averaging needs at least 2 checkpoints, got {len(paths)}")
-    folders = [verified_model_folder(p) for p in paths]
-    out = Path(out_dir)
-    check_new_folder(out, [Path(p) for p in paths] + folders)
-    states = []
-    for folder in folders:
-        try:
-            states.append(load_file(folder / WEIGHTS_FILE))
-        except (OSError, RuntimeError, SafetensorError) as e:
-            raise CheckpointError(f"cannot read {folder / WEIGHTS_FILE}: {first_line(e)}") from e
-    keys = states[0].keys()
-    for folder, state in zip(folders[1:], states[1:]):
-        if state.keys() != keys or any(state[k].shape != states[0][k].shape for k in keys):
-            raise CheckpointError(f"{folder} does not have the same weights as {folders[0]}; only the same model can be averaged")
-    average = {k: (sum(s[k].double() for s in states) / len(states)).to(states[0][k].dtype) for k in keys}
-    tmp = staging_folder(out)
-    try:
-        shutil.copytree(folders[-1], tmp, ignore=shutil.ignore_patterns(MODEL_META_FILE))
-        save_file(average, tmp / WEIGHTS_FILE, metadata={"format": "pt", "averaged_from": ",".join(str(f) for f in folders)})
-        return publish_folder(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write {out}: {e.strerror or e}") from e
-
-
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Copy a checkpoint's model folder (weights, config, tokenizer) to `out_dir`, verified first.
-
-    The folder loads with `transformers.AutoModelForCausalLM.from_pretrained` and
-    `AutoTokenizer.from_pretrained`; a native GPT is written as the equivalent Qwen3 model.
-    `out_dir` must be new (or empty) and outside the input; it appears only once complete.
-    """
-    out, path = Path(out_dir), Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist")
-    check_new_folder(out, [path])
-    sharded = next((p for p in (path, path / CHECKPOINTS_DIRNAME) if is_sharded_checkpoint(p)), None)
-    if sharded is None and not (path / "model" / WEIGHTS_FILE).is_file():
-        latest = find_latest_checkpoint(path / CHECKPOINTS_DIRNAME) or find_latest_checkpoint(path)
-        sharded = latest if latest is not None and is_sharded_checkpoint(latest) else None
-    tmp = staging_folder(out)
-    try:
-        if sharded is None:
-            shutil.copytree(verified_model_folder(path), tmp)
-        else:
-            export_sharded_checkpoint(sharded, tmp)
-        return publish_folder(tmp, out)
-    except OSError as e:
-        raise CheckpointError(f"could not write {out}: {e.strerror or e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def export_sharded_checkpoint(path: Path, out: Path) -> Path:
-    """Gather a sharded checkpoint's weights (one process, no job needed) into a full model folder."""
-    from tierlm.models import build_model_from_folder_config
-
-    problem = verify_checkpoint(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
-    try:
-        model = build_model_from_folder_config(path / "model")
-        load_sharded_state(path / STATE_DIRNAME, model)
-    except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be exported: {first_line(e)}") from e
-    shutil.copytree(path / "model", out, dirs_exist_ok=True)  # config, tokenizer, training meta
-    save_model_folder(model, out)
-    return out
 
 
 def clean_stale_temporaries(checkpoint_dir: str | Path) -> list[Path]:

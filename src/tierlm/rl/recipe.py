@@ -9,7 +9,8 @@ import copy
 import torch
 
 from tierlm.backends.pytorch import FrozenReference
-from tierlm.checkpoint.core import verified_model_folder, resolve_model_location
+from tierlm.checkpoint.core import resolve_model_location
+from tierlm.checkpoint.folders import verified_model_folder
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.errors import ConfigError, DataError

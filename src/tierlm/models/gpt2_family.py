@@ -18,11 +18,9 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError
-from tierlm.models.gpt import KVCache
 from tierlm.models.gpt2 import GPT2, GPT2Config
-from tierlm.models.native import NativeFamily
+from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import WEIGHTS_FILE, register_family
-from tierlm.primitives.losses import get_labels
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias", "variant")
 _CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
@@ -73,7 +71,7 @@ def variant_fields(model_config) -> dict[str, Any]:
     return fields
 
 
-class GPT2Family(NativeFamily):
+class GPT2Family(NativeCausalLM):
     name = "gpt2"
     model_class = GPT2
     config_class = GPT2Config
@@ -112,36 +110,23 @@ class GPT2Family(NativeFamily):
     def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
         return self.build_from_config(self.gpt2_config(model_config, vocab_size, max_seq_len), device, dtype)
 
-    # -- running ---------------------------------------------------------------------------
-    def logits(self, model, batch):
-        return model(batch["input_ids"], position_ids=batch.get("position_ids"))
-
-    def fuses_cross_entropy(self, model):
-        return True
-
-    def cross_entropy(self, model, batch, weights):
-        return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
-
+    # -- running: NativeCausalLM's, except that a KV-pruned model decodes by recomputing ----------
     def prefill(self, model, ids, max_len):
         if model.config.kv_prune:  # pruning scores keys with every earlier query: the "cache" is the sequence, recomputed
             return model(ids)[:, -1], [ids]
-        cache = KVCache(model.config, ids.shape[0], max_len, ids.device, model.wte.weight.dtype)
-        return model(ids, cache=cache)[:, -1], cache
+        return super().prefill(model, ids, max_len)
 
     def decode(self, model, tokens, cache):
         if isinstance(cache, list):
             cache[0] = torch.cat([cache[0], tokens[:, None]], dim=1)
             return model(cache[0])[:, -1]
-        return model(tokens[:, None], cache=cache)[:, -1]
+        return super().decode(model, tokens, cache)
 
     def repeat_cache(self, cache, n):
         if isinstance(cache, list):
             cache[0] = cache[0].repeat_interleave(n, dim=0)
         else:
-            cache.repeat(n)
-
-    def max_seq_len(self, model):
-        return model.config.block_size
+            super().repeat_cache(cache, n)
 
     def attention_shape(self, model):
         return model.config.n_layer, model.config.n_embd

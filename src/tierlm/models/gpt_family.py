@@ -10,16 +10,15 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError
-from tierlm.models.gpt import GPT, GPTConfig, KVCache
+from tierlm.models.gpt import GPT, GPTConfig
 from tierlm.models.hf_export import from_hf_name, to_hf_config, to_hf_name
-from tierlm.models.native import NativeFamily
+from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import register_family
-from tierlm.primitives.losses import get_labels
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings")
 
 
-class GPTFamily(NativeFamily):
+class GPTFamily(NativeCausalLM):
     name = "gpt"
     model_class = GPT
     config_class = GPTConfig
@@ -42,29 +41,6 @@ class GPTFamily(NativeFamily):
 
     def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
         return self.build_from_config(self.gpt_config(model_config, vocab_size, max_seq_len), device, dtype)
-
-    # -- running ---------------------------------------------------------------------------
-    def logits(self, model, batch):
-        return model(batch["input_ids"], position_ids=batch.get("position_ids"))
-
-    def fuses_cross_entropy(self, model):
-        return True
-
-    def cross_entropy(self, model, batch, weights):
-        return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
-
-    def prefill(self, model, ids, max_len):
-        cache = KVCache(model.config, ids.shape[0], max_len, ids.device, model.embed.weight.dtype)
-        return model(ids, cache=cache)[:, -1], cache
-
-    def decode(self, model, tokens, cache):
-        return model(tokens[:, None], cache=cache)[:, -1]
-
-    def repeat_cache(self, cache, n):
-        cache.repeat(n)
-
-    def max_seq_len(self, model):
-        return model.config.max_seq_len
 
     def attention_shape(self, model):
         return model.config.depth, model.config.n_head * model.config.head_dim

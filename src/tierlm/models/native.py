@@ -20,7 +20,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tierlm.errors import ModelLoadError, first_line
+from tierlm.models.gpt import KVCache
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, ModelFamily, native_description
+from tierlm.primitives.losses import get_labels
 
 
 class NativeFamily(ModelFamily):
@@ -109,3 +111,31 @@ class NativeFamily(ModelFamily):
         if missing or unexpected:
             raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
         return model
+
+
+class NativeCausalLM(NativeFamily):
+    """A native family whose module follows tierlm's forward: `model(input_ids, position_ids=, cache=,
+    labels=, loss_weights=)` (logits, or the fused head + loss with labels), a `config` with `depth`,
+    `num_kv_heads`, `head_dim` and `max_seq_len`, so it runs with the shared `KVCache`."""
+
+    def logits(self, model, batch):
+        return model(batch["input_ids"], position_ids=batch.get("position_ids"))
+
+    def fuses_cross_entropy(self, model):
+        return True
+
+    def cross_entropy(self, model, batch, weights):
+        return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
+
+    def prefill(self, model, ids, max_len):
+        cache = KVCache(model.config, ids.shape[0], max_len, ids.device, next(model.parameters()).dtype)
+        return model(ids, cache=cache)[:, -1], cache
+
+    def decode(self, model, tokens, cache):
+        return model(tokens[:, None], cache=cache)[:, -1]
+
+    def repeat_cache(self, cache, n):
+        cache.repeat(n)
+
+    def max_seq_len(self, model):
+        return model.config.max_seq_len

@@ -160,8 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_sample(args: argparse.Namespace) -> None:
     import torch
 
-    from tierlm.checkpoint.core import resolve_model_location
-    from tierlm.checkpoint.folders import verified_model_folder
+    from tierlm.checkpoint.folders import verified_model_location
     from tierlm.checkpoint.verify import MODEL_META_FILE
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
@@ -169,8 +168,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tierlm.rollout.engine import Engine, readable_text
     from tierlm.rollout.tools import Calculator
 
-    location = resolve_model_location(args.checkpoint)
-    location = verified_model_folder(location) if not isinstance(location, str) else location
+    location = verified_model_location(args.checkpoint)
     tokenizer = load_tokenizer(location)
     model = load_pretrained_model(location, device=resolve_device(args.device_type))
     meta_file = Path(location) / MODEL_META_FILE

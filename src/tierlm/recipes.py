@@ -29,6 +29,7 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.data.preferences import PairLoader, open_preferences
+from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import check_fits
@@ -110,7 +111,7 @@ def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_document
         params, buffers = sum(f.stat().st_size for f in pretrained.glob("*.safetensors")) // 4, 0
     else:
         params, buffers = 0, 0  # a hub id: its size is not known before the download
-    shard = world_size if distributed_kind(config, None) != "none" or world_size > 1 else 1
+    shard = world_size  # FSDP's share per rank; under DDP each rank holds it all, so this stays a lower bound
     needs = {
         "the weights, gradients and AdamW state": (16 * params / shard, "use a smaller model, or shard it with FSDP across more ranks"),
         f"the model's buffers (rotary tables for {max(2048, T):,} positions)": (buffers, "lower data.max_seq_length"),
@@ -132,7 +133,7 @@ def splits_long_documents(config: TierlmConfig) -> bool:
     (a corpus whose "documents" are paragraphs or a stream), crop otherwise."""
     if config.data.long_documents != "auto":
         return config.data.long_documents == "split"
-    return all(name.startswith("builtin:") or Path(name).suffix in (".txt", ".md", ".bin", ".npy") for name, _ in data_components(config))
+    return all(name.startswith("builtin:") or Path(name).suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES for name, _ in data_components(config))
 
 
 def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
@@ -172,10 +173,10 @@ def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.n
     from tierlm.data.sources import TokenFileExamples, builtin_corpus
 
     path = builtin_corpus(name) if name.startswith("builtin:") else Path(name)
-    if path.is_file() and path.suffix in (".bin", ".npy"):
+    if path.is_file() and path.suffix in TOKEN_SUFFIXES:
         tokens = TokenFileExamples(path, config.data.token_dtype, tokenizer.document_separator_id, tokenizer.vocab_size)
         return tokens._map()
-    if path.is_file() and path.suffix in (".txt", ".md"):
+    if path.is_file() and path.suffix in TEXT_SUFFIXES:
         if path.stat().st_size > STREAM_MAX_TOKENS:
             raise DataError(f"{path} is {path.stat().st_size:,} bytes: too large to stream from text; pre-tokenize it into a .bin file")
         try:

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
-from tierlm.checkpoint.core import _fsync_dir, _fsync_tree, clean_stale_temporaries, resolve_model_location
-from tierlm.checkpoint.folders import verified_model_folder
+from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace_folder
+from tierlm.checkpoint.folders import verified_model_location
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
@@ -167,8 +167,7 @@ def pretrained_location(config: TierlmConfig) -> Path | str | None:
     name = config.model.model_name_or_path
     if name is None:
         return None
-    location = resolve_model_location(name)
-    return verified_model_folder(location) if isinstance(location, Path) else location
+    return verified_model_location(name)
 
 
 def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> Tokenizer | None:
@@ -189,15 +188,18 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
     return MetricsLogger(sinks)
 
 
-def write_model_extras(folder: Path, tokenizer: Tokenizer, meta: dict[str, Any]) -> None:
+def write_model_extras(folder: Path, tokenizer: Tokenizer, meta: dict[str, Any], manifest: bool = False) -> None:
     """Beside a model's weights: its tokenizer, a generation config that stops where tierlm stops
-    (the end-of-turn token), and training_meta.json."""
+    (the end-of-turn token), and training_meta.json (with `manifest`, also the sizes and hashes of
+    every other file of the folder, which `verified_model_folder` checks)."""
     from transformers import GenerationConfig
 
     tokenizer.save(folder)
     stops = tokenizer.stop_ids
     GenerationConfig(eos_token_id=stops if len(stops) > 1 else stops[0], bos_token_id=tokenizer.bos_id,
                      pad_token_id=tokenizer.pad_id).save_pretrained(folder)
+    if manifest:
+        meta = {**meta, "manifest": file_manifest(folder, exclude=(MODEL_META_FILE,))}
     (folder / MODEL_META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
 
@@ -331,19 +333,9 @@ class Run:
         shutil.rmtree(tmp, ignore_errors=True)
         save_model_folder(unwrap_model(model), tmp, state_dict=state)
         assert self.tokenizer is not None, "a run's tokenizer is set in prepare_run"
-        write_model_extras(tmp, self.tokenizer, summary)
-        meta = {**summary, "manifest": file_manifest(tmp, exclude=(MODEL_META_FILE,))}
-        (tmp / MODEL_META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        write_model_extras(tmp, self.tokenizer, summary, manifest=True)
         _fsync_tree(tmp)
-        if final.exists():  # a finished run re-run: swap, never delete the only good copy first
-            old = self.output_dir / ".model.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(self.output_dir)
+        replace_folder(tmp, final, self.output_dir / ".model.old")  # a finished run re-run swaps its model
         return summary
 
 

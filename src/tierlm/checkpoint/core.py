@@ -100,6 +100,19 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def replace_folder(tmp: Path, final: Path, old: Path) -> None:
+    """Move the finished folder `tmp` to `final`. An existing `final` is first renamed to `old` and
+    removed only once the new one is in place: the only good copy is never deleted first."""
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 @dataclass
 class Snapshot:
     """Everything a checkpoint holds, as CPU tensors and plain values: safe to write from another thread."""
@@ -238,14 +251,7 @@ def seal_checkpoint(
                 "sharded": (tmp / STATE_DIRNAME).is_dir(), **file_manifest(tmp)}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step: swap, never delete the only good copy first
-            old = root / f".old_step_{step}_{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
+        replace_folder(tmp, final, root / f".old_step_{step}_{os.getpid()}")  # re-saving the same step swaps
         _write_text_atomic(root / LATEST_FILE, final.name + "\n")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

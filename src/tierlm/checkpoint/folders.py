@@ -23,10 +23,17 @@ from tierlm.checkpoint.core import (
     is_sharded_checkpoint,
     load_sharded_state,
     resolve_model_folder,
+    resolve_model_location,
 )
 from tierlm.checkpoint.verify import META_FILE, MODEL_META_FILE, check_file_formats, verify_checkpoint, verify_model_folder
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, save_model_folder
+
+
+def verified_model_location(name: str) -> Path | str:
+    """`resolve_model_location`, then a local folder verified (`verified_model_folder`); a hub id as it is."""
+    location = resolve_model_location(name)
+    return verified_model_folder(location) if isinstance(location, Path) else location
 
 
 def verified_model_folder(name: str | Path) -> Path:

@@ -9,8 +9,7 @@ import copy
 import torch
 
 from tierlm.backends.pytorch import FrozenReference
-from tierlm.checkpoint.core import resolve_model_location
-from tierlm.checkpoint.folders import verified_model_folder
+from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.errors import ConfigError, DataError
@@ -38,8 +37,7 @@ def _eval_task(config: TierlmConfig):
 
 def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     """pass@1 / pass@k of a chat model on the held-out problems the RL config names (no training)."""
-    location = resolve_model_location(checkpoint)
-    location = verified_model_folder(location) if not isinstance(location, str) else location
+    location = verified_model_location(checkpoint)
     tokenizer = load_tokenizer(location, config.model.trust_remote_code)
     if not tokenizer.has_chat_template:
         raise ConfigError(f"{checkpoint} has no chat template: pass@k evaluates chat models")

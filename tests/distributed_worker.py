@@ -1,6 +1,6 @@
 """Runs under torchrun (or in-process for the single-process reference) for tests/test_distributed.py.
 
-    torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N]
+    torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N] [--optimizer muon]
 
 MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3). Every run trains the same tiny
 GPT on the same global batches (4 rows x 2 micro-batches per step, uneven trained tokens);
@@ -19,6 +19,8 @@ import torch
 from tierlm.backends import PyTorchTrainingBackend, create_adamw_optimizer
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.models import GPTConfig, build_gpt
+from tierlm.primitives.optim import RoleSettings, build_optimizer
+from tierlm.primitives.schedules import TrainingSchedule
 from tierlm.primitives.parallel import init_distributed, shutdown_distributed
 
 CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=32)
@@ -38,14 +40,23 @@ def global_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False):
+def optimizer_factory(name: str, distributed: bool):
+    """AdamW over everything, or Muon (hidden matrices) + AdamW (the rest) in one container."""
+    if name == "muon":
+        settings = RoleSettings(matrix_lr=0.02, embedding_lr=3e-3, unembedding_lr=3e-3, scalar_lr=3e-3, weight_decay=0.1,
+                                distributed=distributed)
+        return lambda m: build_optimizer("muon", m, settings)
+    return lambda m: create_adamw_optimizer(m, lr=3e-3, weight_decay=0.1)
+
+
+def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False, optimizer: str = "adamw"):
     torch.manual_seed(0)
     model = build_gpt(CONFIG)
     with torch.no_grad():  # off the zero-initialised projections, so every weight gets a gradient
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    optimizer_fn = lambda m: create_adamw_optimizer(m, lr=3e-3, weight_decay=0.1)  # noqa: E731
-    scheduler_fn = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))  # noqa: E731
+    optimizer_fn = optimizer_factory(optimizer, distributed=mode != "single")
+    scheduler_fn = lambda o: TrainingSchedule(o, lambda s: 1.0 / (1 + s), num_training_steps=10, momentum_warmup_steps=5)  # noqa: E731
     common = dict(loss_fn=None, checkpoint_dir=checkpoint_dir, device="cpu", scheduler_fn=scheduler_fn, max_grad_norm=0.5)
     if mode == "single":
         optimizer = optimizer_fn(model)
@@ -56,11 +67,11 @@ def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = Fals
 
 
 def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: int | None, checkpoint_dir: Path,
-        activation_checkpointing: bool = False) -> None:
+        activation_checkpointing: bool = False, optimizer: str = "adamw") -> None:
     distributed = mode != "single"
     ctx = init_distributed("cpu", timeout_s=60) if distributed else None
     rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
-    backend = build(mode, checkpoint_dir, activation_checkpointing)
+    backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer)
     if load:
         backend.load_checkpoint(load).wait()
     per_rank = ROWS // world
@@ -106,13 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--activation-checkpointing", type=int, default=0, help="FSDP: recompute each block in backward")
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     args = parser.parse_args(argv)
     if args.mode == "factories":
         factories(args.out, args.model_folder)
     else:
         first, last = map(int, args.steps.split(":"))
         run(args.mode, args.out, first, last, args.load, args.save_at,
-            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing))
+            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing), args.optimizer)
     shutdown_distributed()  # after the backends are out of scope (see its docstring)
 
 

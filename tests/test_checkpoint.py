@@ -36,11 +36,17 @@ def _weights(run):
     return load_file(run / "model" / "model.safetensors")
 
 
+MUON = ["training.optimizer=muon", "training.muon_momentum_warmup_steps=40", "training.weight_decay=0.1"]
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    """2N steps straight == N steps, SIGKILL of the real process, resume for N more (CPU, fp32)."""
+@pytest.mark.parametrize("optimizer", [[], MUON], ids=["adamw", "muon+adamw"])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
+    """2N steps straight == N steps, SIGKILL of the real process, resume for N more (CPU, fp32); with
+    Muon + AdamW, the momentum warm-up and the weight-decay schedule run across the kill too."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY_RUN, "training.num_train_steps=60", "training.save_steps=20"]
+    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY_RUN, *optimizer, "training.num_train_steps=60",
+            "training.save_steps=20"]
     assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}

@@ -71,6 +71,21 @@ def test_fsdp_matches_one_process_and_shards_memory(single, tmp_path):
         assert fsdp["memory"][key] <= single["memory"][key] / 2 * 1.10, (key, fsdp["memory"], single["memory"])
 
 
+@pytest.fixture(scope="module")
+def single_muon(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_muon")
+    return run_worker("single", out / "single.json", optimizer="muon", checkpoint_dir=out / "ckpt")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_muon_at_two_ranks_matches_one_process(single_muon, mode, tmp_path):
+    """Muon (matrices, orthogonalised once each: by their owner rank, then broadcast) + AdamW (the
+    rest), momentum warm-up and weight decay schedule: 2 DDP / FSDP2 ranks == 1 process, 10 steps (1e-5)."""
+    two = run_worker(mode, tmp_path / f"{mode}.json", optimizer="muon")
+    assert_same_steps(two["steps"], single_muon["steps"])
+    assert single_muon["steps"][-1]["loss"] < single_muon["steps"][0]["loss"]
+
+
 def test_sharded_checkpoint_resumes_at_one_rank_as_if_never_stopped(single, tmp_path):
     """Save at 2 ranks (step 5) -> load in one process -> steps 6..10 equal the run that never stopped."""
     run_worker("fsdp", tmp_path / "first.json", steps="0:5", save_at=5, checkpoint_dir=tmp_path / "ckpt")

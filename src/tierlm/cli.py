@@ -9,6 +9,7 @@
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE_OR_PRESET] [section.key=value ...]
     tierlm config list
+    tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure] [section.key=value ...]
     tierlm export CHECKPOINT OUT_DIR
     tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
 
@@ -52,6 +53,13 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _temperature(text: str) -> float:
     value = _float(text)
     if not value >= 0:  # also refuses nan
@@ -80,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         stage_parser = commands.add_parser(stage, help=about, description=about)
         _add_config_args(stage_parser, required=False)
         stage_parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)")
+
+    plan = commands.add_parser("plan", help="print what a run would do (model, tokens, batch, optimizer groups, time) without training")
+    plan.add_argument("--stage", choices=["pretrain", "sft", "dpo", "rl"], default="pretrain")
+    _add_config_args(plan, required=False)
+    plan.add_argument("--world-size", type=_positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)")
+    speed = plan.add_mutually_exclusive_group()
+    speed.add_argument("--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed")
+    speed.add_argument("--measure", action="store_true", help="time a few training steps of the model here to estimate the time")
 
     export = commands.add_parser("export", help="write a checkpoint as a transformers model folder")
     export.add_argument("checkpoint", help="a checkpoint, run directory or model folder")
@@ -144,6 +160,20 @@ def cmd_train(args: argparse.Namespace) -> None:
         bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
         print(f"final val loss: {summary['val_loss']:.4f}{bpb}")
     print(f"model: {summary['model_dir']}  ({summary['step']} steps, {summary['elapsed_s']:.0f} s)")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from tierlm.config import TierlmConfig
+    from tierlm.plan import measure_tokens_per_sec
+    from tierlm.run import plan_run, pretrained_location
+
+    config = TierlmConfig.load(args.config, args.overrides)
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    resolved, plan, model = plan_run(config, args.stage, world_size)
+    speed = args.tokens_per_sec
+    if args.measure:  # one process measured; the ranks of a data-parallel run add up
+        speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size
+    print(plan.table(speed))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -255,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average}
+    handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
+                "plan": cmd_plan}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

@@ -198,12 +198,37 @@ class TrainingConfig(Section):
     """Rows per eval batch on each device."""
     gradient_accumulation_steps: int = Field(1, gt=0)
     """Micro-batches per optimizer step."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW over every parameter; muon: Muon for the hidden matrices, AdamW for embeddings,
+    the output head and scalars (norms, biases), stepped as one (seed 004)."""
     learning_rate: float = Field(3e-4, gt=0, lt=1)
-    """Peak learning rate."""
+    """Peak learning rate (AdamW's; the default of every parameter role under adamw)."""
+    matrix_lr: float | None = Field(None, gt=0, lt=1)
+    """Peak LR of the hidden 2-D weights (None: learning_rate under adamw, 0.02 under muon)."""
+    embedding_lr: float | None = Field(None, gt=0, lt=1)
+    """Peak LR of the input embeddings (None: learning_rate under adamw; under muon 0.2 x (d_model/768)^-0.5, nanochat's)."""
+    unembedding_lr: float | None = Field(None, gt=0, lt=1)
+    """Peak LR of the output head (None: learning_rate under adamw; under muon 0.004 x (d_model/768)^-0.5)."""
+    scalar_lr: float | None = Field(None, gt=0, lt=1)
+    """Peak LR of norm gains, biases and other vectors (None: learning_rate)."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon: momentum after its warm-up (from 0.85 over muon_momentum_warmup_steps)."""
+    muon_momentum_warmup_steps: int = Field(300, ge=0)
+    """Muon: steps over which the momentum rises from 0.85 to muon_momentum."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """Weight decay of the hidden matrices (under muon it falls linearly to 0 over training, seed 004)."""
     decay_norms_and_embeddings: bool = False
     """Apply weight decay to biases, norms and embeddings too (off: they are exempt)."""
+    target_param_data_ratio: float | None = Field(None, gt=0)
+    """Pretraining from scratch: train for this many tokens per scaling parameter (hidden matrices +
+    output head; 10.5 in seed 004); num_train_steps follows unless set."""
+    total_batch_size: Literal["auto"] | int | None = None
+    """Tokens per optimizer step over all ranks: a number (gradient_accumulation_steps follows), auto
+    (predicted from the token horizon, B = 524,288 x (D / D_d12)^0.383 to a power of two; needs
+    target_param_data_ratio), or None (per_device_train_batch_size x rows x ranks x accumulation)."""
+    scale_hyperparameters: bool = True
+    """With total_batch_size set: learning rates x sqrt(B / 524,288) and, with target_param_data_ratio,
+    weight decay x sqrt(B / 524,288) x (D_d12 / D) (the given values are those of the d12 reference)."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
     adam_beta2: float = Field(0.95, ge=0, lt=1)
@@ -254,7 +279,13 @@ class TrainingConfig(Section):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "TrainingConfig":
-        if self.warmup_steps >= self.num_train_steps:
+        if isinstance(self.total_batch_size, int) and self.total_batch_size <= 0:
+            raise ValueError(f"training.total_batch_size must be auto or a number of tokens > 0, got {self.total_batch_size}")
+        if self.total_batch_size == "auto" and self.target_param_data_ratio is None:
+            raise ValueError("training.total_batch_size=auto predicts the batch from the token horizon: "
+                             "set training.target_param_data_ratio (10.5 in seed 004) or give a number of tokens")
+        derived = self.target_param_data_ratio is not None and "num_train_steps" not in self.model_fields_set
+        if self.warmup_steps >= self.num_train_steps and not derived:  # a derived horizon is checked once known
             raise ValueError(f"training.warmup_steps ({self.warmup_steps}) must be < training.num_train_steps ({self.num_train_steps})")
         return self
 

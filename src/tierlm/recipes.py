@@ -34,7 +34,9 @@ from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import check_fits
 from tierlm.models import family_named, family_of, is_native_folder, load_pretrained_model, model_max_seq_len
-from tierlm.primitives import create_adamw_optimizer, create_warmup_scheduler, parse_dtype
+from tierlm.plan import role_learning_rates, model_width, new_model
+from tierlm.primitives import create_warmup_scheduler, parse_dtype
+from tierlm.primitives.optim import RoleSettings, build_optimizer
 from tierlm.primitives.parallel import DistributedContext, apply_activation_checkpointing, apply_compile, shutdown_distributed
 from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
 from tierlm.strategies import PretrainStrategy, SFTStrategy
@@ -62,13 +64,6 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
     if d.eval_dataset_name:
         vals = [open_examples(d.eval_dataset_name, source_options(config, stage, "val", tokenizer))]
     return trains, vals
-
-
-def new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A model of the config's family (`model.architecture`), initialised on `device`; on "meta" only
-    described (no memory, no draw from the RNG), for sizing."""
-    m = config.model
-    return family_named(m.architecture).build(m, vocab_size, max(2048, config.data.max_seq_length), device, dtype)
 
 
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
@@ -240,17 +235,20 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
     """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
     tr, infra = config.training, config.infra
 
-    def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return create_adamw_optimizer(
-            m, tr.learning_rate, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.weight_decay,
-            exclude_norms_biases_embeddings=not tr.decay_norms_and_embeddings,
-        )
+    kind = distributed_kind(config, ctx)
+    lrs = role_learning_rates(config, model_width(model))  # the plan's values (explicit once the run's config is resolved)
+    settings = RoleSettings(lrs["matrix"], lrs["embedding"], lrs["unembedding"], lrs["scalar"], tr.weight_decay,
+                            tr.decay_norms_and_embeddings, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.muon_momentum,
+                            distributed=kind != "none")
+
+    def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:  # after wrapping: FSDP2's parameters are the shards
+        return build_optimizer(tr.optimizer, m, settings)
 
     def scheduler_fn(optimizer: torch.optim.Optimizer):
-        return create_warmup_scheduler(optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio, tr.warmdown_ratio)
+        return create_warmup_scheduler(optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio,
+                                       tr.warmdown_ratio, momentum_warmup_steps=tr.muon_momentum_warmup_steps)
 
     bf16 = torch.bfloat16 if tr.bf16 else None
-    kind = distributed_kind(config, ctx)
     if kind == "fsdp":
         return FSDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
@@ -299,6 +297,7 @@ def _train_stage(run: Run) -> dict:
         train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_loader.documents), run.world_size), run.device)
     model = build_model(config, tokenizer, run.device, run.pretrained)
+    config = run.resolve(model)
     if stage == "dpo":
         reference = FrozenReference(copy.deepcopy(model), run.device) if config.dpo.reference == "frozen" else None
         strategy = DPOStrategy(config.dpo.beta, reference)

@@ -270,6 +270,7 @@ class Run:
     tokenizer: Tokenizer | None = None
     stop: GracefulStop = field(default_factory=GracefulStop)
     resumed: Path | None = None
+    plan: Any = None  # a tierlm.plan.Plan, once resolve() has run
 
     @property
     def output_dir(self) -> Path:
@@ -286,6 +287,16 @@ class Run:
     @property
     def world_size(self) -> int:
         return self.ctx.world_size if self.ctx is not None else 1
+
+    def resolve(self, model: torch.nn.Module) -> TierlmConfig:
+        """Fill in what the config derives from the model (steps, batch, learning rates: `tierlm.plan`),
+        print the plan on rank 0, and return the resolved config (the one config.yaml records)."""
+        from tierlm.plan import resolve
+
+        self.config, self.plan = resolve(self.config, self.stage, model, self.world_size)
+        if self.is_main:
+            print(self.plan.table(), flush=True)  # stdout, with the run summary: stderr stays for problems and progress
+        return self.config
 
     def begin(self, trainer) -> Path | None:
         """Everything is checked: create the run directory, record the run, resume, start logging."""
@@ -354,6 +365,21 @@ def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: Distributed
         train_tokenizer(config, stage).save(folder)
     torch.distributed.barrier()
     return load_tokenizer(folder)
+
+
+def plan_run(config: TierlmConfig, stage: str, world_size: int = 1):
+    """(resolved config, plan, model on the meta device) of a run, without running it (`tierlm plan`):
+    the tokenizer is the one the run would use (trained here when the run would train one)."""
+    from tierlm.plan import describe_model, resolve
+
+    assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
+    pretrained = pretrained_location(config)
+    tokenizer = existing_tokenizer(config, pretrained) or train_tokenizer(config, stage)
+    model = describe_model(config, tokenizer.vocab_size, pretrained)
+    if model is None:
+        raise ConfigError(f"model.model_name_or_path={pretrained} is a hub id: tierlm plan sizes local models; download it first")
+    resolved, plan = resolve(config, stage, model, world_size)
+    return resolved, plan, model
 
 
 def rl_parallelism(config: TierlmConfig) -> TierlmConfig:

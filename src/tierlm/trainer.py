@@ -233,6 +233,7 @@ class Trainer:
             "elapsed_s": self.state.elapsed_s,
             "skipped_steps": self.state.skipped_steps,
         }
+        record.update({k: v for k, v in metrics.items() if k.startswith("lr_")})
         if self.flops_per_token and self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
         return record

@@ -132,6 +132,15 @@ class PyTorchTrainingBackend:
             self._model_fuses[id(model)] = fuses_cross_entropy(model)
         return self._model_fuses[id(model)]
 
+    def _learning_rates(self) -> dict[str, float]:
+        """{"lr": the first parameter group's LR} and, when the groups are parameter roles with
+        different LRs (e.g. Muon's matrices beside AdamW's embeddings), {"lr_<role>": ...} for each."""
+        groups = self.optimizer.param_groups
+        out = {"lr": groups[0]["lr"]}
+        if len({g["lr"] for g in groups}) > 1:
+            out.update({f"lr_{g['role']}": g["lr"] for g in groups if "role" in g})
+        return out
+
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
 
@@ -206,7 +215,7 @@ class PyTorchTrainingBackend:
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
         grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor; the same value on every rank
-        lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses
+        lrs = self._learning_rates()  # the LRs this update uses
         loss = loss_sum / num_tokens.clamp(min=1.0)
         # A NaN/Inf loss or gradient would poison the weights and the optimizer state: skip the
         # update (one host sync per step; the schedule still advances, as the step still counts).
@@ -219,7 +228,7 @@ class PyTorchTrainingBackend:
         self.step += 1
         self._reset_accumulators()
         return TrainFuture(
-            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "num_tokens": num_tokens.item(),
+            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), **lrs, "num_tokens": num_tokens.item(),
                      "skipped": float(not finite)}
         )
 

@@ -48,6 +48,7 @@ from torch import nn
 from tierlm.checkpoint.verify import META_FILE, file_manifest, verify_checkpoint
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, is_native_folder, read_model_state, save_model_folder
+from tierlm.primitives.optim import inner_optimizers
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 STATE_DIRNAME = "state"
@@ -147,7 +148,7 @@ def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
     return Snapshot(
         model=model,
         model_state=_to_cpu(model.state_dict()),
-        train_state=train_state(_to_cpu(get_optimizer_state_dict(model, optimizer)), scheduler),
+        train_state=train_state(_to_cpu(get_optimizer_state_dict(model, inner_optimizers(optimizer))), scheduler),
     )
 
 
@@ -218,7 +219,7 @@ def save_sharded_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / STATE_DIRNAME).mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, inner_optimizers(optimizer))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / STATE_DIRNAME))
     final = root / f"step_{step}"
     if is_main:
@@ -358,7 +359,7 @@ def load_full_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if all(isinstance(k, int) for k in optimizer_state["state"]):  # written by tierlm <= 0.1: keyed by position
         optimizer.load_state_dict(optimizer_state)
     else:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
+        set_optimizer_state_dict(model, inner_optimizers(optimizer), optimizer_state, options=full)
 
 
 def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -375,7 +376,7 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
     read_dcp_metadata(state_dir)  # refuse a bad index here, in one line, before DCP's own logging of it
     wanted = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        wanted["optim"] = get_optimizer_state_dict(model, optimizer)
+        wanted["optim"] = get_optimizer_state_dict(model, inner_optimizers(optimizer))
     try:
         with warnings.catch_warnings():  # "loading in a single process" is what we mean without a job
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -386,7 +387,7 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
                else RuntimeError(first_line(failure))) from None
     set_model_state_dict(model, wanted["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, wanted["optim"])
+        set_optimizer_state_dict(model, inner_optimizers(optimizer), wanted["optim"])
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:

@@ -1,4 +1,9 @@
-"""Tier 1: learning-rate schedules: linear warmup, then cosine | linear | constant | warmdown."""
+"""Tier 1: learning-rate schedules: linear warmup, then cosine | linear | constant | warmdown.
+
+One schedule drives every parameter group (of every optimizer in a container): each group's LR
+is its own peak times the same multiplier; Muon's momentum warms up and its weight decay falls to
+0 on the same step count, so the schedule's state is one number and resumes exactly.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from tierlm.primitives.muon import get_muon_momentum, get_weight_decay
 
 from tierlm.errors import ConfigError
 
@@ -58,8 +65,11 @@ def create_warmup_scheduler(
     min_lr_ratio: float = 0.1,
     warmdown_ratio: float = 0.2,
     warmup_start_factor: float = 0.1,
+    momentum_warmup_steps: int = 300,
 ) -> LRScheduler:
-    """A scheduler following `lr_multiplier`; call `.step()` once per optimizer step.
+    """A scheduler following `lr_multiplier`; call `.step()` once per optimizer step (a
+    `TrainingSchedule`: Muon groups also get the momentum warm-up over `momentum_warmup_steps`
+    and the weight-decay decay).
 
     >>> import torch
     >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -84,6 +94,8 @@ def create_warmup_scheduler(
         raise ConfigError(f"warmdown_ratio must be in [0, 1], got {warmdown_ratio}")
     if not 0.0 <= warmup_start_factor <= 1.0:
         raise ConfigError(f"warmup_start_factor must be in [0, 1], got {warmup_start_factor}")
+    if momentum_warmup_steps < 0:
+        raise ConfigError(f"momentum_warmup_steps must be >= 0, got {momentum_warmup_steps}")
     schedule = functools.partial(
         lr_multiplier,
         num_warmup_steps=num_warmup_steps,
@@ -93,7 +105,40 @@ def create_warmup_scheduler(
         warmdown_ratio=warmdown_ratio,
         warmup_start_factor=warmup_start_factor,
     )
-    return LambdaLR(optimizer, schedule)
+    return TrainingSchedule(optimizer, schedule, num_training_steps, momentum_warmup_steps)
+
+
+class TrainingSchedule(LambdaLR):
+    """`LambdaLR` over every group, plus Muon's hyperparameters on the same step count: its momentum
+    rises from `momentum_start` to the group's own over `momentum_warmup_steps`, and its weight
+    decay falls linearly from the group's own to 0 at `num_training_steps` (seed 004). Groups of
+    other optimizers keep theirs.
+
+    >>> import torch
+    >>> from tierlm.primitives.muon import Muon
+    >>> opt = Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02, momentum=0.95, weight_decay=0.1)
+    >>> sched = TrainingSchedule(opt, lambda step: 1.0, num_training_steps=10, momentum_warmup_steps=4)
+    >>> for _ in range(2): opt.step(); sched.step()
+    >>> g = opt.param_groups[0]; round(g["momentum"], 3), round(g["weight_decay"], 3)
+    (0.9, 0.08)
+    """
+
+    def __init__(self, optimizer: Optimizer, lr_lambda, num_training_steps: int, momentum_warmup_steps: int = 300,
+                 momentum_start: float = 0.85):
+        self.num_training_steps, self.momentum_warmup_steps, self.momentum_start = num_training_steps, momentum_warmup_steps, momentum_start
+        for group in optimizer.param_groups:
+            if "ns_steps" in group:  # a Muon group: remember its peak momentum and weight decay
+                group.setdefault("peak_momentum", group["momentum"])
+                group.setdefault("initial_weight_decay", group["weight_decay"])
+        super().__init__(optimizer, lr_lambda)
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        for group in self.optimizer.param_groups:
+            if "ns_steps" in group:
+                group["momentum"] = get_muon_momentum(self.last_epoch, self.momentum_warmup_steps, self.momentum_start,
+                                                      group["peak_momentum"])
+                group["weight_decay"] = get_weight_decay(self.last_epoch, self.num_training_steps, group["initial_weight_decay"])
 
 
 def create_warmup_cosine_scheduler(

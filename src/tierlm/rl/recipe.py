@@ -80,6 +80,8 @@ def _run_rl(run: Run) -> dict:
     check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_task), run.world_size, 2 if rl.kl_coef > 0 else 1,
                             rows=rows, row_tokens=rl.max_new_tokens), run.device)
     model = build_model(config, tokenizer, run.device, run.pretrained)
+    config = run.resolve(model)
+    tr = config.training
     check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
     reference = FrozenReference(copy.deepcopy(model), run.device) if rl.kl_coef > 0 else None
     # Each RL step makes rl.ppo_epochs optimizer steps (the LR schedule counts optimizer steps), each

@@ -1,0 +1,220 @@
+"""Optimizers: Muon against a plain reference written here, the role container against
+torch.optim.AdamW, the schedule's momentum and weight decay, and the plan's scaling-law formulas
+against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tierlm.config import TierlmConfig
+from tierlm.errors import ConfigError
+from tierlm.plan import new_model, optimal_batch_tokens, parameter_counts, resolve
+from tierlm.primitives.muon import Muon, newton_schulz_orthogonalize
+from tierlm.primitives.optim import OptimizerContainer, RoleSettings, build_optimizer, parameter_roles
+from tierlm.primitives.schedules import TrainingSchedule, create_warmup_scheduler
+
+
+def reference_muon_step(weight, grad, buf, lr, momentum, weight_decay):
+    """Muon as its description reads, one matrix at a time, in float64."""
+    buf = momentum * buf + (1 - momentum) * grad
+    direction = (1 - momentum) * grad + momentum * buf  # Nesterov
+    x = direction.clone()
+    if x.shape[0] > x.shape[1]:
+        x = x.T
+    x = x / (torch.linalg.matrix_norm(x) + 1e-7)
+    for _ in range(5):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    if direction.shape[0] > direction.shape[1]:
+        x = x.T
+    scale = math.sqrt(max(1.0, weight.shape[0] / weight.shape[1]))
+    weight = weight * (1 - lr * weight_decay) - lr * scale * x
+    return weight, buf
+
+
+def test_muon_equals_the_reference_update():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 48), (48, 16), (32, 32)]  # wide, tall (scaled by sqrt(3)), square
+    params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ref = [(p.detach().double().clone(), torch.zeros(s, dtype=torch.float64)) for p, s in zip(params, shapes)]
+    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+    for _ in range(5):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        opt.step()
+        ref = [reference_muon_step(w, grad.double(), buf, 0.05, 0.9, 0.1) for (w, buf), grad in zip(ref, grads)]
+    for p, (w, _) in zip(params, ref):
+        torch.testing.assert_close(p.detach().double(), w, atol=1e-5, rtol=0)
+
+
+def test_newton_schulz_approaches_the_polar_factor():
+    """The iteration's output points where U V^T does (cosine > 0.95) with singular values in ~[0.7, 1.2]."""
+    g = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    polar = u @ vh
+    out = newton_schulz_orthogonalize(g, dtype=torch.float32)
+    cosine = (out * polar).sum() / (out.norm() * polar.norm())
+    s = torch.linalg.svdvals(out)
+    assert cosine > 0.95 and s.min() > 0.6 and s.max() < 1.25, (float(cosine), s.min(), s.max())
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"embed": nn.Embedding(20, 8), "hidden": nn.Linear(8, 8), "norm": nn.LayerNorm(8),
+                          "lm_head": nn.Linear(8, 20, bias=False)})
+
+
+def _train(model, opt, steps=4):
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        ids = torch.randint(0, 20, (4, 6), generator=g)
+        x = model["norm"](model["hidden"](model["embed"](ids)))
+        loss = nn.functional.cross_entropy(model["lm_head"](x).flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_roles():
+    roles = parameter_roles(_model())
+    shapes = {role: sorted(tuple(p.shape) for p in ps) for role, ps in roles.items()}
+    assert shapes == {"matrix": [(8, 8)], "embedding": [(20, 8)], "unembedding": [(20, 8)], "scalar": [(8,), (8,), (8,)]}
+    tied = nn.Module()
+    tied.wte, tied.lm_head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
+    tied.lm_head.weight = tied.wte.weight
+    assert [len(v) for v in parameter_roles(tied).values()] == [0, 0, 1, 0]  # a tied head counts once, as the head
+
+
+def test_adamw_by_roles_equals_torch_adamw():
+    settings = RoleSettings(matrix_lr=1e-2, embedding_lr=2e-2, unembedding_lr=3e-3, scalar_lr=5e-3, weight_decay=0.1)
+    ours, theirs = _model(), _model()
+    p = dict(theirs.named_parameters())
+    reference = torch.optim.AdamW([
+        {"params": [p["hidden.weight"]], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": [p["embed.weight"]], "lr": 2e-2, "weight_decay": 0.0},
+        {"params": [p["lm_head.weight"]], "lr": 3e-3, "weight_decay": 0.0},
+        {"params": [p["hidden.bias"], p["norm.weight"], p["norm.bias"]], "lr": 5e-3, "weight_decay": 0.0},
+    ], betas=(0.9, 0.95), eps=1e-8)
+    _train(ours, build_optimizer("adamw", ours, settings))
+    _train(theirs, reference)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+
+
+def test_muon_container_equals_muon_plus_torch_adamw():
+    settings = RoleSettings(matrix_lr=0.02, embedding_lr=2e-2, unembedding_lr=3e-3, scalar_lr=5e-3, weight_decay=0.1, muon_momentum=0.9)
+    ours, theirs = _model(), _model()
+    opt = build_optimizer("muon", ours, settings)
+    assert isinstance(opt, OptimizerContainer) and [type(o).__name__ for o in opt.optimizers] == ["Muon", "AdamW"]
+    p = dict(theirs.named_parameters())
+    reference = OptimizerContainer([
+        Muon([p["hidden.weight"]], lr=0.02, momentum=0.9, weight_decay=0.1),
+        torch.optim.AdamW([
+            {"params": [p["embed.weight"]], "lr": 2e-2, "weight_decay": 0.0},
+            {"params": [p["lm_head.weight"]], "lr": 3e-3, "weight_decay": 0.0},
+            {"params": [p["hidden.bias"], p["norm.weight"], p["norm.bias"]], "lr": 5e-3, "weight_decay": 0.0},
+        ], betas=(0.9, 0.95), eps=1e-8),
+    ])
+    _train(ours, opt)
+    _train(theirs, reference)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+
+
+def test_one_schedule_drives_every_group_and_muons_momentum_and_decay():
+    model = _model()
+    opt = build_optimizer("muon", model, RoleSettings(0.02, 0.1, 0.01, 0.01, weight_decay=0.2))
+    sched = create_warmup_scheduler(opt, 0, 10, "linear", min_lr_ratio=0.0, momentum_warmup_steps=4)
+    seen = []
+    for _ in range(6):
+        groups = opt.param_groups
+        seen.append((groups[0]["lr"], groups[0]["momentum"], groups[0]["weight_decay"], groups[1]["lr"]))
+        opt.step()
+        sched.step()
+    lr, momentum, decay, embedding_lr = zip(*seen)
+    assert [round(x, 4) for x in lr] == [0.02, 0.018, 0.016, 0.014, 0.012, 0.01]
+    assert [round(x, 4) for x in embedding_lr] == [0.1, 0.09, 0.08, 0.07, 0.06, 0.05]  # the same multiplier
+    assert [round(x, 4) for x in momentum] == [0.85, 0.875, 0.9, 0.925, 0.95, 0.95]
+    assert [round(x, 4) for x in decay] == [0.2, 0.18, 0.16, 0.14, 0.12, 0.1]
+    # The schedule's state is its step count: a fresh one loaded from it continues identically.
+    state = sched.state_dict()
+    other = _model()
+    opt2 = build_optimizer("muon", other, RoleSettings(0.02, 0.1, 0.01, 0.01, weight_decay=0.2))
+    sched2 = TrainingSchedule(opt2, lambda s: 1.0, 10, momentum_warmup_steps=4)
+    sched2.load_state_dict(state)
+    opt2.step()
+    sched.step(), sched2.step()
+    assert opt2.param_groups[0]["momentum"] == opt.param_groups[0]["momentum"]
+    assert opt2.param_groups[0]["weight_decay"] == opt.param_groups[0]["weight_decay"]
+
+
+def test_muon_refuses_vectors_and_models_without_matrices():
+    with pytest.raises(AssertionError, match="matrices only"):
+        Muon([nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ConfigError, match="needs 2-D hidden weights"):
+        build_optimizer("muon", nn.Embedding(4, 4), RoleSettings(0.02, 0.1, 0.01, 0.01))
+    with pytest.raises(ConfigError, match="unknown optimizer 'sgd'"):
+        build_optimizer("sgd", nn.Linear(2, 2), RoleSettings(0.02, 0.1, 0.01, 0.01))
+
+
+# -- the plan: seed 004's formulas, checked against hand-computed values ------------------------
+def _plan(depth, world_size=8, **training):
+    overrides = [f"model.depth={depth}", "data.max_seq_length=2048", "training.per_device_train_batch_size=32",
+                 "training.target_param_data_ratio=10.5", "training.total_batch_size=auto", "training.optimizer=muon",
+                 "training.weight_decay=0.2", *[f"training.{k}={v}" for k, v in training.items()]]
+    config = TierlmConfig.load(None, overrides)
+    return resolve(config, "pretrain", new_model(config, 32768, "meta"), world_size)
+
+
+def test_plan_d12_is_the_reference():
+    # d12: width 12 x 64 = 768, SwiGLU width ceil(8/3 x 768 / 32) x 32 = 2048.
+    # blocks: 12 x (4 x 768^2 + 3 x 768 x 2048) = 84,934,656; head 768 x 32768 = 25,165,824.
+    config, plan = _plan(12)
+    assert plan.counts["scaling"] == 84_934_656 + 25_165_824 == 110_100_480
+    assert plan.target_tokens == plan.reference_tokens == 1_156_055_040  # 10.5 x 110,100,480
+    assert plan.predicted_batch == 524_288 and plan.accumulation == 1  # 32 rows x 2048 tokens x 8 ranks
+    assert plan.lr_scale == 1.0 and plan.weight_decay_scale == 1.0
+    assert config.training.num_train_steps == 1_156_055_040 // 524_288 == 2205
+    assert config.training.matrix_lr == 0.02 and config.training.embedding_lr == pytest.approx(0.2)  # width 768: unscaled
+
+
+def test_plan_d20_by_hand():
+    # d20: width 1280, SwiGLU width ceil(8/3 x 1280 / 32) x 32 = 107 x 32 = 3424.
+    # blocks: 20 x (4 x 1280^2 + 3 x 1280 x 3424) = 394,035,200; head 1280 x 32768 = 41,943,040.
+    config, plan = _plan(20)
+    assert plan.counts["scaling"] == 394_035_200 + 41_943_040 == 435_978_240
+    assert plan.target_tokens == 4_577_771_520  # 10.5 x 435,978,240
+    # B = 524,288 x (4,577,771,520 / 1,156,055,040)^0.383 = 524,288 x 3.9598^0.383 = 888,150 -> 2^20.
+    assert plan.predicted_batch == 1_048_576 and plan.accumulation == 2
+    assert plan.lr_scale == pytest.approx(2**0.5)
+    assert plan.weight_decay_scale == pytest.approx(2**0.5 * 1_156_055_040 / 4_577_771_520)  # 0.357
+    t = config.training
+    assert t.num_train_steps == 4_577_771_520 // 1_048_576 == 4365
+    assert t.gradient_accumulation_steps == 2 and t.total_batch_size == 1_048_576
+    assert t.matrix_lr == pytest.approx(0.02 * 2**0.5)
+    assert t.embedding_lr == pytest.approx(0.2 * (1280 / 768) ** -0.5 * 2**0.5)
+    assert t.weight_decay == pytest.approx(0.2 * 0.357142, rel=1e-5)
+    # The resolved config is a fixed point: resolving it again changes nothing.
+    again, _ = resolve(config, "pretrain", new_model(config, 32768, "meta"), 8)
+    assert again.training == config.training
+
+
+def test_plan_explicit_values_win_and_bad_batches_are_refused():
+    config, plan = _plan(12, num_train_steps=100)
+    assert config.training.num_train_steps == 100 and plan.num_train_steps == 100
+    with pytest.raises(ConfigError, match="must be a multiple of one micro-batch"):
+        _plan(12, total_batch_size=100_000)
+    config, plan = _plan(12, world_size=1, total_batch_size=2**18)
+    assert plan.accumulation == 4 and plan.lr_scale == pytest.approx(0.5 ** 0.5)
+    assert optimal_batch_tokens(1.0, 1.0) == 524_288
+
+
+def test_parameter_counts_of_a_native_model():
+    config = TierlmConfig.load(None, ["model.depth=2", "model.aspect_ratio=32", "model.head_dim=32"])
+    counts = parameter_counts(new_model(config, 100, "meta"))
+    # width 64, SwiGLU ceil(8/3 x 64 / 32) x 32 = 192: 2 x (4 x 64^2 + 3 x 64 x 192) = 106,496; head and embedding 100 x 64.
+    assert counts["matrix"] == 106_496 and counts["unembedding"] == counts["embedding"] == 6_400
+    assert counts["scalar"] == 2 * (2 * 64 + 2 * 32) + 64  # two norms of 64 and q/k norms of 32 per block; the final norm

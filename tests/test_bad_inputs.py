@@ -276,6 +276,30 @@ CASES = [
     Case("tokenizer-negative-docs", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--num-docs", "-5"], "must be > 0"),
     Case("tokenizer-bad-kind", ["tokenizer", "train", "--data", "synthetic:arithmetic", "--out", "tok", "--kind", "word"], "invalid choice"),
     Case("tokenizer-not-utf8", ["tokenizer", "train", "--data", "d.txt", "--out", "tok"], "not UTF-8", write("d.txt", NON_UTF8)),
+    # -- optimizers and the plan (seed 004's scaling laws) -------------------------------
+    Case("optimizer-unknown", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.optimizer=sgd"], "training.optimizer must be one of"),
+    Case("role-lr-too-large", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.matrix_lr=2"], "training.matrix_lr must be < 1"),
+    Case("batch-auto-without-horizon", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.total_batch_size=auto"],
+         "set training.target_param_data_ratio"),
+    Case("batch-not-a-number", ["plan", "--config", "tiny_pretrain", *TINY, "training.total_batch_size=big"], "auto or a number of tokens"),
+    Case("batch-not-a-multiple", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.total_batch_size=1000"],
+         "must be a multiple of one micro-batch"),
+    Case("batch-and-accumulation", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.total_batch_size=1024",
+                                    "training.gradient_accumulation_steps=3"], "not both"),
+    Case("horizon-for-sft", ["sft", "--config", "tiny_sft", *CHAT, "model.model_name_or_path={pre}", "training.target_param_data_ratio=10"],
+         "pretrain from scratch"),
+    Case("batch-tokens-for-dpo", ["dpo", "--config", "tiny_dpo", *CHAT, "model.model_name_or_path={sft}", "training.total_batch_size=4096"],
+         "pairs or rollouts"),
+    Case("horizon-warmup-too-long", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.target_param_data_ratio=0.01",
+                                     "training.num_train_steps=null", "training.warmup_steps=5"], "derived num_train_steps"),
+    Case("steps-null-without-horizon", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.num_train_steps=null"],
+         "set training.target_param_data_ratio"),
+    Case("batch-scaled-lr-above-one", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.total_batch_size=8388608",
+                                       "training.learning_rate=0.5"], "learning rate comes to"),
+    Case("plan-bad-stage", ["plan", "--stage", "finetune"], "invalid choice"),
+    Case("plan-bad-speed", ["plan", "--config", "tiny_pretrain", *TINY, "--tokens-per-sec", "-3"], "must be > 0"),
+    Case("plan-bad-world-size", ["plan", "--config", "tiny_pretrain", *TINY, "--world-size", "0"], "must be > 0"),
+    Case("plan-speed-and-measure", ["plan", "--config", "tiny_pretrain", *TINY, "--measure", "--tokens-per-sec", "5"], "not allowed with"),
     Case("tokenizer-into-its-input", ["tokenizer", "train", "--data", "data", "--out", "data/tok"], "overlaps the input",
          write("data/d.txt", "hello world\n")),
 ]
@@ -300,7 +324,7 @@ def _swap_weights(run: Path) -> None:
 def test_the_table_is_broad():
     commands = {c.argv[0] for c in CASES}
     assert len(CASES) >= 60, len(CASES)
-    assert {"pretrain", "sft", "dpo", "rl", "eval", "sample", "export", "average", "tokenizer", "config"} <= commands
+    assert {"pretrain", "sft", "dpo", "rl", "eval", "sample", "export", "average", "tokenizer", "config", "plan"} <= commands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

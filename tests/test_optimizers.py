@@ -218,3 +218,34 @@ def test_parameter_counts_of_a_native_model():
     # width 64, SwiGLU ceil(8/3 x 64 / 32) x 32 = 192: 2 x (4 x 64^2 + 3 x 64 x 192) = 106,496; head and embedding 100 x 64.
     assert counts["matrix"] == 106_496 and counts["unembedding"] == counts["embedding"] == 6_400
     assert counts["scalar"] == 2 * (2 * 64 + 2 * 32) + 64  # two norms of 64 and q/k norms of 32 per block; the final norm
+
+
+@pytest.mark.slow
+def test_tierlm_plan_matches_what_the_run_does(tmp_path):
+    """`tierlm plan` prints the steps, batch and accumulation; the run then trains exactly those,
+    records them in its config.yaml, and prints the same table at its start."""
+    import json
+    import re
+
+    import yaml
+
+    from conftest import TINY, run_cli
+
+    args = ["--config", "tiny_pretrain", *TINY, "data.max_seq_length=64", "training.per_device_train_batch_size=16",
+            "training.target_param_data_ratio=10.5", "training.total_batch_size=auto", "training.num_train_steps=null",
+            "training.optimizer=muon", "training.weight_decay=0.1", f"infra.output_dir={tmp_path / 'run'}"]
+    planned = run_cli("plan", *args)
+    assert planned.returncode == 0, planned.stderr
+    steps = int(re.search(r"steps\s+([\d,]+) \(", planned.stdout).group(1).replace(",", ""))
+    batch, accumulation = re.search(r"batch\s+([\d,]+) tokens/step = 1,024 per micro-batch x 1 rank\(s\) x (\d+) accumulation",
+                                    planned.stdout).groups()
+    batch = int(batch.replace(",", ""))
+    assert batch == 1024 * int(accumulation) and steps >= 2, planned.stdout
+
+    trained = run_cli("pretrain", *args)
+    assert trained.returncode == 0, trained.stderr
+    assert planned.stdout.strip() in trained.stdout  # the same table, logged at the start
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["training"]
+    assert (recorded["num_train_steps"], recorded["total_batch_size"], recorded["gradient_accumulation_steps"]) == (steps, batch, int(accumulation))
+    train = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert train[-1]["step"] == steps and train[-1]["tokens_seen"] == steps * batch

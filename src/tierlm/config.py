@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tierlm.errors import ConfigError, first_line
 
@@ -237,8 +237,8 @@ class TrainingConfig(Section):
     """AdamW epsilon."""
     max_grad_norm: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
-    num_train_steps: int = Field(1000, gt=0)
-    """Optimizer steps to train for."""
+    num_train_steps: int | None = Field(1000, gt=0)
+    """Optimizer steps to train for (null: derived from target_param_data_ratio, as when it is not set)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps (from 0.1x to 1x of the learning rate)."""
     lr_scheduler_type: Literal["cosine", "linear", "constant", "warmdown"] = "cosine"
@@ -277,6 +277,15 @@ class TrainingConfig(Section):
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run directory."""
 
+    @field_validator("total_batch_size", mode="before")
+    @classmethod
+    def _batch_tokens(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        raise ValueError(f"training.total_batch_size must be auto or a number of tokens, got {value!r}")
+
     @model_validator(mode="after")
     def _check_schedule(self) -> "TrainingConfig":
         if isinstance(self.total_batch_size, int) and self.total_batch_size <= 0:
@@ -284,8 +293,10 @@ class TrainingConfig(Section):
         if self.total_batch_size == "auto" and self.target_param_data_ratio is None:
             raise ValueError("training.total_batch_size=auto predicts the batch from the token horizon: "
                              "set training.target_param_data_ratio (10.5 in seed 004) or give a number of tokens")
-        derived = self.target_param_data_ratio is not None and "num_train_steps" not in self.model_fields_set
-        if self.warmup_steps >= self.num_train_steps and not derived:  # a derived horizon is checked once known
+        derived = self.target_param_data_ratio is not None and (self.num_train_steps is None or "num_train_steps" not in self.model_fields_set)
+        if self.num_train_steps is None and self.target_param_data_ratio is None:
+            raise ValueError("training.num_train_steps=null derives the steps from the token horizon: set training.target_param_data_ratio")
+        if not derived and self.warmup_steps >= self.num_train_steps:  # a derived horizon is checked once known
             raise ValueError(f"training.warmup_steps ({self.warmup_steps}) must be < training.num_train_steps ({self.num_train_steps})")
         return self
 

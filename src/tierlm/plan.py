@@ -207,7 +207,7 @@ def resolve(config: TierlmConfig, stage: str, model: nn.Module | None, world_siz
             plan.lr_scale = (plan.batch_tokens / B_REF) ** 0.5
             if plan.target_tokens:
                 plan.weight_decay_scale = plan.lr_scale * plan.reference_tokens / plan.target_tokens
-    if plan.target_tokens is not None and "num_train_steps" not in tr.model_fields_set:
+    if plan.target_tokens is not None and (tr.num_train_steps is None or "num_train_steps" not in tr.model_fields_set):
         plan.num_train_steps = max(1, plan.target_tokens // plan.batch_tokens)
         updates["num_train_steps"] = plan.num_train_steps
         if tr.warmup_steps >= plan.num_train_steps:

@@ -71,3 +71,80 @@ def test_documents_attended_one_by_one_equal_the_document_mask():
     whole = torch.arange(8).expand(3, 8)  # one document a row: the single-call path
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(whole), enable_gqa=True)
     assert (attend_documents(q, k, v, document_lengths(whole)) - reference).abs().max().item() <= 1e-5
+
+
+def _windowed_model(pattern="SSL", window=5):
+    torch.manual_seed(0)
+    config = GPTConfig(depth=3, aspect_ratio=32, head_dim=16, n_kv_head=1, vocab_size=50, max_seq_len=64,
+                       window_pattern=pattern, short_window=window)
+    model = build_gpt(config)
+    with torch.no_grad():  # off the zero-initialised projections, so attention matters
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _dense_reference(model, ids):
+    """The model's forward with attention written out: scores, an explicit dense mask per layer
+    (causal, and at most `window` keys back, itself included), softmax, values."""
+    from tierlm.models.gpt import apply_rotary
+
+    c, T = model.config, ids.shape[1]
+    x = model.embed(ids)
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    for block, window in zip(model.blocks, c.layer_windows()):
+        a, h = block.attn, block.attn_norm(x)
+        B = h.shape[0]
+        q = a.q_norm(a.q_proj(h).view(B, T, a.n_head, a.head_dim)).transpose(1, 2)
+        k = a.k_norm(a.k_proj(h).view(B, T, a.n_kv_head, a.head_dim)).transpose(1, 2)
+        v = a.v_proj(h).view(B, T, a.n_kv_head, a.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = k.repeat_interleave(a.n_head // a.n_kv_head, 1), v.repeat_interleave(a.n_head // a.n_kv_head, 1)
+        allowed = (j <= i) & ((i - j < window) if window is not None else True)
+        scores = (q @ k.transpose(-1, -2) / a.head_dim**0.5).masked_fill(~allowed, float("-inf"))
+        x = x + a.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
+        x = x + block.mlp(block.mlp_norm(x))
+    return model.lm_head(model.norm(x))
+
+
+def test_sliding_window_pattern_equals_a_dense_mask():
+    model = _windowed_model()
+    assert model.config.layer_windows() == [5, 5, None]
+    ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, ref = model(ids), _dense_reference(model, ids)
+        full = _windowed_model("L")(ids)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert (out - full).abs().max() > 1e-3  # the window changed something
+    # Within the window nothing is cut off: the first 5 positions equal full attention.
+    torch.testing.assert_close(out[:, :5], full[:, :5], atol=1e-5, rtol=0)
+
+
+def test_sliding_window_decodes_with_the_cache_and_exports_to_qwen3(tmp_path):
+    from tierlm.models import family_of
+
+    model = _windowed_model()
+    ids = torch.randint(0, 50, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        family = family_of(model)
+        last, cache = family.prefill(model, ids[:, :6], 16)
+        steps = [last] + [family.decode(model, ids[:, t], cache) for t in range(6, 15)]
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:15], atol=1e-5, rtol=0)
+    folder = save_model_folder(model, tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert hf.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] and hf.config.sliding_window == 5
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, full, atol=1e-5, rtol=0)
+
+
+def test_sliding_window_inside_packed_documents_equals_each_document_alone():
+    model = _windowed_model()
+    a, b = torch.randint(0, 50, (1, 12)), torch.randint(0, 50, (1, 9))
+    packed = torch.cat([a, b], 1)
+    positions = torch.cat([torch.arange(12), torch.arange(9)])[None]
+    with torch.no_grad():
+        together = model(packed, position_ids=positions)
+        torch.testing.assert_close(together[:, :12], model(a), atol=1e-5, rtol=0)
+        torch.testing.assert_close(together[:, 12:], model(b), atol=1e-5, rtol=0)

@@ -117,6 +117,11 @@ class ModelConfig(Section):
     """Native GPT: rotary embedding base."""
     tie_embeddings: bool = False
     """Native GPT: share the input embedding with the output head."""
+    window_pattern: str = "L"
+    """Native GPT: attention span per layer, tiled over the depth (last layer always L): L full
+    context, S a sliding window of model.short_window tokens; seed 004's "SSSL"."""
+    short_window: int | None = Field(None, gt=0)
+    """Native GPT: tokens an S layer's query sees, itself included (None: half of data.max_seq_length)."""
     hf_config: dict[str, Any] = Field(default_factory=dict)
     """From scratch with a transformers architecture: config fields (hidden_size, num_hidden_layers, ...)."""
     tokenizer_name_or_path: str | None = None

@@ -40,6 +40,8 @@ def new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype 
     """A model of the config's family (`model.architecture`), initialised on `device`; on "meta" only
     described (no memory, no draw from the RNG), for sizing."""
     m = config.model
+    if m.short_window is None and "S" in m.window_pattern.upper():  # seed 004: a short window is half the context
+        m = m.model_copy(update={"short_window": max(1, config.data.max_seq_length // 2)})
     return family_named(m.architecture).build(m, vocab_size, max(2048, config.data.max_seq_length), device, dtype)
 
 

@@ -55,6 +55,21 @@ class GPTConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the LM head."""
+    window_pattern: str = "L"
+    """Attention span per layer, tiled over the depth: L full context, S a sliding window of
+    `short_window` tokens (nanochat's "SSSL"); the last layer is always L."""
+    short_window: int = 1024
+    """Tokens an S layer's query sees, itself included (transformers' `sliding_window`)."""
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's window (None: full context).
+
+        >>> GPTConfig(depth=5, window_pattern="SL", short_window=8).layer_windows()
+        [8, None, 8, None, None]
+        """
+        pattern = self.window_pattern.upper()
+        windows = [self.short_window if pattern[i % len(pattern)] == "S" else None for i in range(self.depth)]
+        return windows[:-1] + [None]
 
     @property
     def n_embd(self) -> int:
@@ -84,6 +99,10 @@ class GPTConfig:
             problems.append(f"n_kv_head ({self.n_kv_head}) must divide the number of heads ({self.n_head})")
         if self.mlp_ratio <= 0:
             problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            problems.append(f"window_pattern must be a string of S (sliding window) and L (full context), got {self.window_pattern!r}")
+        if self.short_window < 1:
+            problems.append(f"short_window must be >= 1, got {self.short_window}")
         return problems
 
     def to_dict(self) -> dict:
@@ -202,9 +221,25 @@ class KVCache:
             layer.repeat(n)
 
 
+def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """Boolean (queries, keys) mask: causal, and each query sees at most `window` keys (itself
+    included); the queries are the last `queries` positions of the `keys`.
+
+    >>> window_mask(4, 4, 2, "cpu").int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    q = torch.arange(keys - queries, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    return (k <= q) & (q - k < window)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # None: full context; else a sliding window of this many tokens
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.num_kv_heads, config.head_dim
         self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
@@ -227,6 +262,13 @@ class Attention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         if cache is not None:  # decoding: attend to everything cached so far plus these T tokens
             k, v = cache.append(k, v)
+        if self.window is not None and k.shape[2] > self.window:  # a sliding window that cuts something off
+            band = window_mask(T, k.shape[2], self.window, x.device)  # (T, S)
+            if isinstance(mask, PackedDocuments):
+                mask = document_causal_mask(mask.position_ids)
+            mask = band if mask is None else mask & band
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if T == 1 and cache is not None:  # one new token attends to everything cached: no mask at all
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -255,10 +297,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, window: int | None = None):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, window)
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
@@ -275,7 +317,7 @@ class GPT(nn.Module):
         assert not problems, f"invalid GPTConfig: {'; '.join(problems)}"
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(Block(config, window) for window in config.layer_windows())
         self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()

@@ -1,6 +1,6 @@
 """The native GPT as a model family (`model.architecture: gpt`): built from `model.depth` and
 `model.aspect_ratio`, run with the fused head + loss and its own KV cache, saved under
-transformers Qwen3 names (it is Qwen3 without biases or sliding windows)."""
+transformers Qwen3 names (it is Qwen3 without biases; its S layers are Qwen3's sliding-window layers)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from tierlm.models.hf_export import from_hf_name, to_hf_config, to_hf_name
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import register_family
 
-SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings")
+SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings", "window_pattern",
+                "short_window")
 
 
 class GPTFamily(NativeCausalLM):
@@ -24,12 +25,18 @@ class GPTFamily(NativeCausalLM):
     config_class = GPTConfig
 
     def config_fields(self, model_config) -> dict[str, Any]:
-        return {f"model.{k}": v for k, v in self._shape(model_config).items()}
+        shape = self._shape(model_config)
+        if shape["window_pattern"].upper() == "L":  # full attention everywhere: as runs recorded before windows existed
+            shape.pop("window_pattern")
+            shape.pop("short_window", None)
+        return {f"model.{k}": v for k, v in shape.items()}
 
     @staticmethod
     def _shape(model_config) -> dict[str, Any]:
         shape = {k: getattr(model_config, k) for k in SHAPE_FIELDS}
         shape["mlp_ratio"] = shape["mlp_ratio"] if shape["mlp_ratio"] is not None else 8 / 3  # SwiGLU's usual width
+        if shape["short_window"] is None:
+            del shape["short_window"]  # the model's default; new_model sets it from data.max_seq_length
         return shape
 
     def gpt_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPTConfig:

@@ -1,6 +1,7 @@
 """Native GPT <-> transformers Qwen3: the config and the parameter names, both ways.
 
-The native GPT is Qwen3 without biases or sliding windows, so the mapping is a rename.
+The native GPT is Qwen3 without biases, so the mapping is a rename (its sliding-window layers are
+Qwen3's `sliding_attention` layers).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def to_hf_config(config: GPTConfig):
         rope_theta=config.rope_theta,
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
-        use_sliding_window=False,
+        use_sliding_window="S" in config.window_pattern.upper(),
+        sliding_window=config.short_window,
+        layer_types=["full_attention" if w is None else "sliding_attention" for w in config.layer_windows()],
         hidden_act="silu",
         architectures=["Qwen3ForCausalLM"],
     )

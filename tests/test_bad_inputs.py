@@ -297,6 +297,7 @@ CASES = [
     Case("batch-scaled-lr-above-one", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.total_batch_size=8388608",
                                        "training.learning_rate=0.5"], "learning rate comes to"),
     Case("window-pattern-bad", ["pretrain", "--config", "tiny_pretrain", *TINY, "model.window_pattern=SXL"], "model.window_pattern must be"),
+    Case("fp8-on-cpu", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.fp8=true"], "needs an H100-class CUDA GPU"),
     Case("plan-bad-stage", ["plan", "--stage", "finetune"], "invalid choice"),
     Case("plan-bad-speed", ["plan", "--config", "tiny_pretrain", *TINY, "--tokens-per-sec", "-3"], "must be > 0"),
     Case("plan-bad-world-size", ["plan", "--config", "tiny_pretrain", *TINY, "--world-size", "0"], "must be > 0"),

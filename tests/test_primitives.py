@@ -203,3 +203,39 @@ def test_linear_cross_entropy_equals_head_then_torch_loss(chunk_rows):
         assert torch.allclose(got, want, atol=1e-5)
     with torch.no_grad():  # eval: the value alone
         assert torch.allclose(linear_cross_entropy(h, w, labels, weights)[0], reference, atol=1e-5)
+
+
+def test_fp8_swaps_the_hidden_linears_and_disable_fp8_runs_them_plain():
+    """On CPU torchao emulates the FP8 matmuls: the swap and the bf16 switch are checked here; the
+    speed is a GPU matter (test_fp8_trains_on_a_gpu)."""
+    import copy
+
+    pytest.importorskip("torchao")
+    from tierlm.models import GPTConfig, build_gpt
+    from tierlm.primitives.fp8 import apply_float8_training, disable_fp8
+
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    plain = copy.deepcopy(model)
+    assert apply_float8_training(model) == 14  # q, k, v, o, gate, up, down of 2 blocks (all multiples of 16)
+    assert type(model.lm_head) is torch.nn.Linear  # the head keeps its precision
+    ids = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        quantised = model(ids)
+        with disable_fp8(model):
+            unquantised = model(ids)
+        again = model(ids)
+    assert torch.equal(unquantised, plain(ids))
+    assert not torch.allclose(quantised, unquantised, atol=1e-4) and torch.equal(again, quantised)  # FP8 back after the block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs an H100-class GPU")
+def test_fp8_trains_on_a_gpu(tmp_path):  # pragma: no cover - no such GPU on the CI machines
+    from conftest import TINY, run_cli
+
+    result = run_cli("pretrain", "--config", "tiny_pretrain", *TINY, "infra.device_type=cuda", "training.fp8=true",
+                     "training.bf16=true", "model.aspect_ratio=64", "training.num_train_steps=20", f"infra.output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr

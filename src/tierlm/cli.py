@@ -9,6 +9,7 @@
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE_OR_PRESET] [section.key=value ...]
     tierlm config list
+    tierlm speedrun [--depth D] [--out DIR] [--pretrain-data NAME] [section.key=value ...]
     tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure] [section.key=value ...]
     tierlm export CHECKPOINT OUT_DIR
     tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed")
     speed.add_argument("--measure", action="store_true", help="time a few training steps of the model here to estimate the time")
 
+    speedrun = commands.add_parser("speedrun", help="tokenizer -> pretrain (sized from --depth) -> SFT -> RL -> report card")
+    speedrun.add_argument("--depth", type=_positive_int, default=None, help="model depth; everything else follows (default 4: ~10 min on 2 CPU cores)")
+    speedrun.add_argument("--out", default=None, help="folder for the four runs and report.md (default runs/speedrun_d<depth>)")
+    speedrun.add_argument("--pretrain-data", default=None, help="pretraining data instead of the embedded arithmetic text")
+    speedrun.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every stage, e.g. infra.device_type=cuda")
+
     export = commands.add_parser("export", help="write a checkpoint as a transformers model folder")
     export.add_argument("checkpoint", help="a checkpoint, run directory or model folder")
     export.add_argument("out_dir", help="new folder for the model (weights, config, tokenizer)")
@@ -174,6 +181,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.measure:  # one process measured; the ranks of a data-parallel run add up
         speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size
     print(plan.table(speed))
+
+
+def cmd_speedrun(args: argparse.Namespace) -> None:
+    from tierlm.speedrun import DEFAULT_DEPTH, run_speedrun
+
+    depth = args.depth or DEFAULT_DEPTH
+    report = run_speedrun(depth, Path(args.out or f"runs/speedrun_d{depth}"), args.overrides, args.pretrain_data)
+    print(f"report card: {report}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -286,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
-                "plan": cmd_plan}
+                "plan": cmd_plan, "speedrun": cmd_speedrun}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

@@ -255,6 +255,9 @@ class TrainingConfig(Section):
     bf16: bool = False
     """Compute in bf16: autocast for one process and DDP; for FSDP, bf16 parameters in forward and
     backward with fp32 master shards, optimizer state and gradient reduction."""
+    fp8: bool = False
+    """FP8 matmuls (torchao Float8Linear, tensorwise scaling) in the hidden linear layers on H100-class
+    GPUs; evaluation runs them in bf16. Refused elsewhere."""
     fused_cross_entropy: bool = True
     """Cross-entropy stages: the LM head fused into the loss, a chunk of rows at a time (trained rows
     only on CPU), so the (B, T, V) logits never exist. The native GPT, and transformers models with a
@@ -273,6 +276,11 @@ class TrainingConfig(Section):
     """Evaluate every N steps, and before the first step and at the end (0: only at the end)."""
     eval_batches: int = Field(8, gt=0)
     """Batches per evaluation (a fixed set, the same every time)."""
+    sample_prompts: list[str] = Field(default_factory=lambda: ["The capital of France is", "What is 12 + 7?"])
+    """At each evaluation, greedy completions of these prompts (user turns for chat stages) are
+    written to metrics.jsonl as "sample" lines (not under FSDP, whose shards generate together)."""
+    sample_max_new_tokens: int = Field(16, gt=0)
+    """Tokens generated for each sample prompt."""
     logging_steps: int = Field(10, gt=0)
     """Write a train line to metrics.jsonl every N steps."""
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
+from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
@@ -33,11 +33,11 @@ from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import check_fits
-from tierlm.models import family_named, family_of, is_native_folder, load_pretrained_model, model_max_seq_len
+from tierlm.models import family_named, is_native_folder, load_pretrained_model, model_max_seq_len
 from tierlm.plan import role_learning_rates, model_width, new_model
 from tierlm.primitives import create_warmup_scheduler, parse_dtype
 from tierlm.primitives.optim import RoleSettings, build_optimizer
-from tierlm.primitives.parallel import DistributedContext, apply_activation_checkpointing, apply_compile, shutdown_distributed
+from tierlm.primitives.parallel import DistributedContext, shutdown_distributed
 from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.dpo import DPOStrategy
@@ -253,24 +253,43 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         return FSDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
             activation_checkpointing=infra.activation_checkpointing, compile=infra.compile, cpu_offload=infra.cpu_offload,
-            fused_cross_entropy=tr.fused_cross_entropy,
+            fused_cross_entropy=tr.fused_cross_entropy, fp8=tr.fp8,
         )
     if infra.cpu_offload:
         raise ConfigError("infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off")
     if kind == "ddp":
         return DDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, bf16,
-            tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile, tr.fused_cross_entropy,
+            tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile, tr.fused_cross_entropy, fp8=tr.fp8,
         )
-    if infra.activation_checkpointing:
-        apply_activation_checkpointing(model, family_of(model).blocks(model))
-    if infra.compile:
-        apply_compile(model, family_of(model).blocks(model))
+    model = prepare_model(model, device, infra.activation_checkpointing, infra.compile, tr.fp8)
     optimizer = optimizer_fn(model)
     return PyTorchTrainingBackend(
         model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,
         fused_cross_entropy=tr.fused_cross_entropy,
     )
+
+
+def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: str, kind: str):
+    """model -> greedy completions of training.sample_prompts (user turns for chat stages), or None
+    when there is nothing to sample or the model is sharded (FSDP ranks would have to generate together)."""
+    from tierlm.rollout.engine import Engine, readable_text
+
+    tr = config.training
+    if not tr.sample_prompts or kind == "fsdp":
+        return None
+    chat = stage != "pretrain" and tokenizer.has_chat_template
+    prompts = [(p, tokenizer.render_for_completion([{"role": "user", "content": p}]) if chat
+                else [tokenizer.document_separator_id] + tokenizer.encode(p)) for p in tr.sample_prompts]
+
+    def sample(model: torch.nn.Module) -> list[dict[str, str]]:
+        engine = Engine(model, tokenizer.stop_ids, tokenizer)
+        room = engine.max_len()
+        return [{"prompt": text, "completion": readable_text(tokenizer, engine.generate(ids, 1, min(tr.sample_max_new_tokens, room - len(ids)),
+                                                                                        temperature=0.0)[0].tokens)}
+                for text, ids in prompts if len(ids) < room]
+
+    return sample
 
 
 def run_stage(config: TierlmConfig, stage: str) -> dict:
@@ -309,6 +328,7 @@ def _train_stage(run: Run) -> dict:
         backend, strategy, train_loader=train_loader, eval_loader=eval_loader, config=config.training,
         flops_per_token=flops_per_token(model, config.data.max_seq_length), peak_flops=peak_flops(run.device, config.infra.peak_tflops),
         write_extra=extras_writer(config, tokenizer, stage), progress_bar=config.infra.progress_bar,
+        sampler=eval_sampler(config, tokenizer, stage, run.kind),
     )
     run.begin(trainer)
     prefetch = config.data.prefetch_batches if config.data.prefetch_batches is not None else (2 if run.device.type != "cpu" else 0)

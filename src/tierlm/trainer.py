@@ -8,6 +8,7 @@ it drives every backend the same way.
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import time
 from collections import defaultdict
@@ -25,6 +26,7 @@ from tierlm.errors import CheckpointError, TrainingDiverged
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.memory import memory_record
 from tierlm.models import family_of, unwrap_model
+from tierlm.primitives.fp8 import disable_fp8
 from tierlm.signals import GracefulStop, RunInterrupted
 from tierlm.strategies.base import TrainingStrategy
 
@@ -38,6 +40,12 @@ class LoopState:
     elapsed_s: float = 0.0
     skipped_steps: int = 0
     consecutive_skips: int = 0
+    loss_ema: float = 0.0  # exponential moving average of the training loss, not yet debiased
+    loss_ema_steps: int = 0  # the finite losses it has seen
+
+
+EMA_BETA = 0.9  # the progress line's smoothed loss (nanochat's)
+GC_COLLECT_STEPS = 5000  # with the collector off after the first step, a full collection this often
 
 
 def resume_backend(backend: TrainingBackend, warn: bool = True) -> tuple[Path, dict] | None:
@@ -69,12 +77,14 @@ class Trainer:
         peak_flops: float | None = None,
         write_extra: Callable[[Path], None] | None = None,
         progress_bar: bool = True,
+        sampler: Callable[[Any], list[dict[str, str]]] | None = None,
     ):
         self.backend, self.strategy, self.config = backend, strategy, config
         self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
         self.eval_set = eval_batches(eval_loader, config.eval_batches) if eval_loader is not None else []
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.write_extra, self.progress_bar = write_extra, progress_bar
+        self.sampler = sampler  # model -> [{"prompt", "completion"}], run by rank 0 at each evaluation
         self.state = LoopState()
         self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
         self.last_eval: dict[str, float] = {}
@@ -100,11 +110,13 @@ class Trainer:
         totals: dict[str, float] = defaultdict(float)
         mine = self.eval_set[self.rank :: self.world_size]
         rounds = -(-len(self.eval_set) // self.world_size)
-        for i in range(rounds):
-            batch, weight = (mine[i], 1.0) if i < len(mine) else (self.eval_set[0], 0.0)
-            out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
-            for key, value in out.items():
-                totals[key] += weight * value
+        with disable_fp8(self.backend.model):  # FP8 trains; evaluation sees the unquantised model (seed 004)
+            for i in range(rounds):
+                batch, weight = (mine[i], 1.0) if i < len(mine) else (self.eval_set[0], 0.0)
+                out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
+                for key, value in out.items():
+                    totals[key] += weight * value
+            samples = self.sampler(self.backend.eval_model) if self.sampler is not None and self.is_main else []
         if self.world_size > 1:
             totals = self.backend.all_reduce_sums(dict(totals))
         self.last_eval, self.last_eval_step = self.strategy.summarize(totals), self.state.step
@@ -112,6 +124,8 @@ class Trainer:
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
             self.state.best_val_loss = val_loss
         self.logger.log({"type": "eval", "step": self.state.step, **self.last_eval, **self._model_figures()})
+        for sample in samples:
+            self.logger.log({"type": "sample", "step": self.state.step, **sample})
         return self.last_eval
 
     def save(self) -> Path:
@@ -180,10 +194,13 @@ class Trainer:
                 step_s = time.perf_counter() - step_start
                 state.step += 1
                 family_of(self.backend.model).on_step(unwrap_model(self.backend.model), state.step, metrics["loss"])
-                if not gc_frozen:  # after the first step, everything alive stays: stop the GC from rescanning it
+                if not gc_frozen:  # after the first step, everything alive stays: no more GC passes over it (seed 004)
                     gc.collect()
                     gc.freeze()
+                    gc.disable()
                     gc_frozen = True
+                elif state.step % GC_COLLECT_STEPS == 0:  # what reference cycles build up, collected now and then
+                    gc.collect()
                 state.tokens_seen += metrics["input_tokens"]
                 state.trained_tokens += int(metrics["num_tokens"])
                 state.elapsed_s = time.perf_counter() - start
@@ -208,6 +225,7 @@ class Trainer:
         finally:
             bar.close()
             if gc_frozen:  # the run's objects may be collected again (a process group held by a cycle must go before exit)
+                gc.enable()
                 gc.unfreeze()
         if hasattr(self.backend, "wait_for_save"):
             self.backend.wait_for_save()
@@ -220,10 +238,14 @@ class Trainer:
     # -- reporting -------------------------------------------------------------------------
     def _train_record(self, metrics: dict[str, float], step_s: float) -> dict[str, Any]:
         tokens_per_sec = metrics["input_tokens"] / step_s
+        if math.isfinite(metrics["loss"]):
+            self.state.loss_ema = EMA_BETA * self.state.loss_ema + (1 - EMA_BETA) * metrics["loss"]
+            self.state.loss_ema_steps += 1
         record = {
             "type": "train",
             "step": self.state.step,
             "loss": metrics["loss"],
+            "loss_ema": self.state.loss_ema / (1 - EMA_BETA**self.state.loss_ema_steps) if self.state.loss_ema_steps else metrics["loss"],
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
             "tokens_per_sec": tokens_per_sec,
@@ -256,7 +278,7 @@ class Trainer:
     @staticmethod
     def _postfix(r: dict[str, Any]) -> str:
         mfu = f" mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
-        return f"loss {r['loss']:.4f} lr {r['lr']:.2e} {r['tokens_per_sec']:,.0f} tok/s{mfu}"
+        return f"loss {r['loss_ema']:.4f} (ema) lr {r['lr']:.2e} {r['tokens_per_sec']:,.0f} tok/s{mfu}"
 
     def _log_line(self, r: dict[str, Any]) -> str:
         return f"step {r['step']}/{self.config.num_train_steps} | {self._postfix(r)} | eta {self._eta_s():.0f}s"

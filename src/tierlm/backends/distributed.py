@@ -23,15 +23,20 @@ from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.models import family_of
+from tierlm.primitives.fp8 import apply_float8_training, check_fp8_device
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 
 
-def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool) -> nn.Module:
-    """On the device, with per-block activation checkpointing and compile if asked (before any wrapping)."""
+def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool, fp8: bool = False) -> nn.Module:
+    """The model transforms, in their one order, before any wrapping (FSDP2 / DDP come after):
+    on the device, FP8 linear layers, per-block activation checkpointing, per-block compile."""
     model = model.to(device)
+    if fp8:
+        check_fp8_device(device)
+        apply_float8_training(model)
     if activation_checkpointing:  # the family says which modules are its repeated blocks
         apply_activation_checkpointing(model, family_of(model).blocks(model))
     if compile:
@@ -93,11 +98,12 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         activation_checkpointing: bool = False,
         compile: bool = False,
         fused_cross_entropy: bool = True,
+        fp8: bool = False,
     ):
         assert gradient_accumulation_steps >= 1, f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
         self.gradient_accumulation_steps = gradient_accumulation_steps
         device = torch.device(device)
-        model = prepare_model(model, device, activation_checkpointing, compile)
+        model = prepare_model(model, device, activation_checkpointing, compile, fp8)
         super().__init__(
             apply_ddp(model, device), optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir,
             device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype, fused_cross_entropy=fused_cross_entropy,
@@ -143,9 +149,10 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         compile: bool = False,
         cpu_offload: bool = False,
         fused_cross_entropy: bool = True,
+        fp8: bool = False,
     ):
         device = torch.device(device)
-        model = prepare_model(model, device, activation_checkpointing, compile)
+        model = prepare_model(model, device, activation_checkpointing, compile, fp8)
         apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload, family_of(model).blocks(model))
         self.cpu_offload = cpu_offload
         super().__init__(

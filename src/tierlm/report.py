@@ -1,0 +1,83 @@
+"""Tier 3: plots and report cards from run directories (their metrics.jsonl), with matplotlib."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tierlm.errors import ConfigError
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (an unreadable line is skipped: a run may be writing it)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("plots need matplotlib: pip install 'tierlm[report]'") from None
+    return plt
+
+
+def plot_series(path: Path, title: str, x_label: str, series: dict[str, tuple[list[float], list[float]]], y_label: str = "",
+                log_x: bool = False) -> Path | None:
+    """One PNG with a line per named (x, y) series; None (and no file) when every series is empty."""
+    series = {name: xy for name, xy in series.items() if xy[0]}
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    for name, (x, y) in series.items():
+        ax.plot(x, y, label=name, marker="o" if len(x) < 12 else None, markersize=3)
+    ax.set(title=title, xlabel=x_label, ylabel=y_label)
+    if log_x:
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _xy(records: list[dict], kind: str, x: str, y: str) -> tuple[list[float], list[float]]:
+    rows = [r for r in records if r.get("type") == kind and y in r and x in r]
+    return [r[x] for r in rows], [r[y] for r in rows]
+
+
+def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
+    """The curves of one run: training (EMA) and validation loss against tokens for pretraining and
+    SFT; reward and pass@k against steps for RL. Returns the PNGs written."""
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("type") == "train"]
+    evals = [r for r in records if r.get("type") == "eval"]
+    written = []
+    if any("reward_mean" in r for r in train):
+        written.append(plot_series(out_dir / f"{name}_reward.png", f"{name}: reward and pass@k", "step", {
+            "train reward": _xy(records, "train", "step", "reward_mean"),
+            "held-out pass@1": _xy(records, "eval", "step", "pass@1"),
+            "held-out pass@k": _xy(records, "eval", "step", "pass@k"),
+        }))
+    elif train:
+        tokens_at = {r["step"]: r.get("tokens_seen", 0) for r in train}
+        val = [(tokens_at.get(r["step"], 0), r["val_loss"]) for r in evals if "val_loss" in r]
+        written.append(plot_series(out_dir / f"{name}_loss.png", f"{name}: loss", "tokens", {
+            "train (EMA)": _xy(records, "train", "tokens_seen", "loss_ema" if "loss_ema" in train[-1] else "loss"),
+            "validation": ([v[0] for v in val], [v[1] for v in val]),
+        }, "cross-entropy (nats/token)"))
+    return [p for p in written if p is not None]

@@ -37,10 +37,12 @@ def _weights(run):
 
 
 MUON = ["training.optimizer=muon", "training.muon_momentum_warmup_steps=40", "training.weight_decay=0.1"]
+PRUNE = ["training.optimizer=adamw_prune", "training.prune_warmup=10", "training.prune_frequency=5", "training.prune_sparsity=0.5"]
+SPAM = ["training.optimizer=adamw_spam", "training.spam_interval=15", "training.spam_warmup=5", "training.spam_theta=50"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", [[], MUON], ids=["adamw", "muon+adamw"])
+@pytest.mark.parametrize("optimizer", [[], MUON, PRUNE, SPAM], ids=["adamw", "muon+adamw", "adamw_prune", "adamw_spam"])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
     """2N steps straight == N steps, SIGKILL of the real process, resume for N more (CPU, fp32); with
     Muon + AdamW, the momentum warm-up and the weight-decay schedule run across the kill too."""
@@ -66,6 +68,11 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
     assert losses(killed) == losses(straight) and len(losses(straight)) == 60
     a, b = _weights(straight), _weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if optimizer is PRUNE:  # the saved (exportable) weights are the masked ones: half the hidden matrices' entries are 0
+        hidden = [v for k, v in a.items() if k.startswith("model.layers.") and v.ndim == 2]
+        zeros = sum(int((v == 0).sum()) for v in hidden) / sum(v.numel() for v in hidden)
+        assert abs(zeros - 0.5) < 0.01, zeros
+        assert "sparsity" in [r for r in _lines(killed / "metrics.jsonl") if r["type"] == "train"][-1]
 
 
 WRITER = """

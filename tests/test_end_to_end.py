@@ -218,3 +218,32 @@ def test_cli_token_file_beyond_vocab_is_one_line_exit_2(tmp_path, tiny_tokenizer
     result = run_cli("pretrain", f"data.dataset_name={tmp_path / 't.bin'}", f"model.tokenizer_name_or_path={tmp_path / 'tok'}",
                      f"infra.output_dir={tmp_path / 'run'}", timeout=120)
     assert result.returncode == 2 and f">= vocab size {tiny_tokenizer.vocab_size}" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
+    """`tierlm speedrun`: tokenizer -> pretrain (sized from the depth) -> SFT -> RL -> report.md with
+    PNG curves; a second invocation finds every stage finished and rebuilds the card."""
+    out = tmp_path / "sr"
+    small = ["model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=500",
+             "data.num_synthetic_examples=500", "data.num_synthetic_eval_examples=16", "data.max_seq_length=64",
+             "training.per_device_train_batch_size=4", "training.eval_batches=1", "training.num_train_steps=4", "training.eval_steps=2",
+             "rl.eval_problems=2", "rl.eval_k=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
+             "infra.progress_bar=false", "infra.device_type=cpu"]
+    result = run_cli("speedrun", "--depth", "1", "--out", out, *small)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"report card: {out / 'report.md'}" in result.stdout
+    report = (out / "report.md").read_text()
+    for section in ("# tierlm speedrun: depth 1", "## Pretraining plan", "## Time per stage", "## Results", "pass@1", "## Sample conversations",
+                    "![pretrain_loss](plots/pretrain_loss.png)", "![sft_loss](plots/sft_loss.png)", "![rl_reward](plots/rl_reward.png)"):
+        assert section in report, section
+    for png in ("pretrain_loss", "sft_loss", "rl_reward"):
+        assert (out / "plots" / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((out / "speedrun.json").read_text())
+    assert list(record["stages"]) == ["tokenizer", "pretrain", "sft", "rl"] and all(s["done"] for s in record["stages"].values())
+
+    again = run_cli("speedrun", "--depth", "1", "--out", out, *small)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "speedrun.json").read_text())["stages"]["pretrain"]["seconds"] == record["stages"]["pretrain"]["seconds"]
+    wrong = run_cli("speedrun", "--depth", "2", "--out", out, *small)
+    assert wrong.returncode == 2 and "depth-1 speedrun" in wrong.stderr

@@ -249,3 +249,106 @@ def test_tierlm_plan_matches_what_the_run_does(tmp_path):
     assert (recorded["num_train_steps"], recorded["total_batch_size"], recorded["gradient_accumulation_steps"]) == (steps, batch, int(accumulation))
     train = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert train[-1]["step"] == steps and train[-1]["tokens_seen"] == steps * batch
+
+
+# -- seed 003's optimizers, against plain references ----------------------------------------
+def reference_spam(w, grads, lr, betas, eps, wd, theta, interval, warmup, clip_delay):
+    """SPAM as its description reads, one scalar loop per step, in float64."""
+    b1, b2 = betas
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for done, g in enumerate(grads):
+        r = done % interval
+        if done and r == 0:
+            m, v = torch.zeros_like(w), torch.zeros_like(w)
+        if r >= clip_delay:
+            spike = g * g > theta * v
+            g = torch.where(spike, torch.sign(g) * torch.sqrt(theta * v), g)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        t = done + 1
+        ramp = 0.01 + 0.99 * (1 - math.cos(math.pi * min(r, warmup) / warmup)) / 2
+        w = w * (1 - lr * wd) - lr * ramp * (m / (1 - b1**t)) / (torch.sqrt(v / (1 - b2**t)) + eps)
+    return w
+
+
+def test_adamw_spam_equals_the_reference_across_a_reset_and_clipping():
+    from tierlm.primitives.spam import AdamWSPAM
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(6, 5, generator=g) * (50.0 if step in (12, 17) else 1.0) for step in range(20)]  # two spikes
+    w0 = torch.randn(6, 5, generator=g)
+    p = nn.Parameter(w0.clone())
+    opt = AdamWSPAM([p], lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, theta=4.0, interval=8, warmup=3, clip_delay=2)
+    for grad in grads:
+        p.grad = grad.clone()
+        opt.step()
+    ref = reference_spam(w0.double(), [x.double() for x in grads], 0.01, (0.9, 0.999), 1e-8, 0.1, 4.0, 8, 3, 2)
+    torch.testing.assert_close(p.detach().double(), ref, atol=1e-6, rtol=0)
+    # Clipping happened (theta = 4 is tight): without it the weights differ.
+    unclipped = reference_spam(w0.double(), [x.double() for x in grads], 0.01, (0.9, 0.999), 1e-8, 0.1, float("inf"), 8, 3, 2)
+    assert (unclipped - ref).abs().max() > 1e-3
+
+
+def test_adamw_spam_without_resets_spikes_or_warmup_is_torch_adamw():
+    from tierlm.primitives.spam import AdamWSPAM
+
+    ours, theirs = _model(), _model()
+    _train(ours, AdamWSPAM(ours.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, theta=float("inf"), interval=0, warmup=0))
+    _train(theirs, torch.optim.AdamW(theirs.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def reference_prune(ws, grads, lr, betas, eps, final, warmup, frequency, total, score):
+    """AdamW + global-threshold masks, written plainly over a list of matrices, in float64."""
+    b1, b2 = betas
+    ms = [torch.zeros_like(w) for w in ws]
+    vs = [torch.zeros_like(w) for w in ws]
+    masks = [torch.ones_like(w, dtype=torch.bool) for w in ws]
+    for t, gs in enumerate(grads, start=1):
+        for i, g in enumerate(gs):
+            g = g * masks[i]
+            ms[i] = b1 * ms[i] + (1 - b1) * g
+            vs[i] = b2 * vs[i] + (1 - b2) * g * g
+            ws[i] = ws[i] - lr * (ms[i] / (1 - b1**t)) / (torch.sqrt(vs[i] / (1 - b2**t)) + eps)
+        if t > warmup and (t - warmup) % frequency == 0:
+            sparsity = final * min(1.0, (t - warmup) / (total - warmup)) ** 3
+            scores = [w.abs() * v.sqrt().sqrt() if score == "fourth_root_v" else w.abs() for w, v in zip(ws, vs)]
+            scores = [torch.where(mk, s, torch.tensor(float("-inf"), dtype=s.dtype)) for s, mk in zip(scores, masks)]
+            flat = torch.cat([s.flatten() for s in scores])
+            k = int(sparsity * flat.numel())
+            if k:
+                threshold = flat.sort().values[k - 1]
+                masks = [mk & (s > threshold) for mk, s in zip(masks, scores)]
+        ws = [w * mk for w, mk in zip(ws, masks)]
+        ms = [m * mk for m, mk in zip(ms, masks)]
+        vs = [v * mk for v, mk in zip(vs, masks)]
+    return ws, masks
+
+
+@pytest.mark.parametrize("score", ["fourth_root_v", "magnitude"])
+def test_adamw_prune_equals_the_reference_and_follows_the_schedule(score):
+    from tierlm.primitives.prune import AdamWPrune, target_sparsity
+
+    g = torch.Generator().manual_seed(4)
+    shapes = [(8, 6), (6, 10)]
+    w0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(20)]
+    params = [nn.Parameter(w.clone()) for w in w0]
+    opt = AdamWPrune([{"params": params, "prune": True}], lr=0.01, betas=(0.9, 0.95), score=score, final_sparsity=0.5, warmup=4,
+                     frequency=3, total_steps=16)
+    seen = []
+    for step, gs in enumerate(grads, start=1):
+        for p, grad in zip(params, gs):
+            p.grad = grad.clone()
+        opt.step()
+        seen.append(opt.sparsity())
+        expected = target_sparsity(4 + 3 * ((step - 4) // 3), 0.5, 4, 16) if step > 4 else 0.0  # the last mask update's target
+        assert abs(seen[-1] - int(expected * 108) / 108) < 1e-9, (step, seen[-1], expected)
+    assert len(set(seen)) > 3 and seen[-1] == 54 / 108  # several mask changes, ending at 50%
+    ref, masks = reference_prune([w.double() for w in w0], [[x.double() for x in gs] for gs in grads], 0.01, (0.9, 0.95), 1e-8,
+                                 0.5, 4, 3, 16, score)
+    for p, r, mk in zip(params, ref, masks):
+        torch.testing.assert_close(p.detach().double(), r, atol=1e-6, rtol=0)
+        assert torch.equal(p.detach() == 0, ~mk)  # pruned entries are exactly zero
+        assert torch.equal(opt.state[p]["mask"], mk)

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--stage", choices=["pretrain", "sft", "dpo", "rl"], default="pretrain")
     _add_config_args(plan, required=False)
     plan.add_argument("--world-size", type=_positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)")
+    plan.add_argument("--vocab-size", type=_positive_int, default=None,
+                      help="size a model from scratch for this vocabulary instead of training the run's tokenizer here")
     speed = plan.add_mutually_exclusive_group()
     speed.add_argument("--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed")
     speed.add_argument("--measure", action="store_true", help="time a few training steps of the model here to estimate the time")
@@ -176,7 +178,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     config = TierlmConfig.load(args.config, args.overrides)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    resolved, plan, model = plan_run(config, args.stage, world_size)
+    resolved, plan, model = plan_run(config, args.stage, world_size, args.vocab_size)
     speed = args.tokens_per_sec
     if args.measure:  # one process measured; the ranks of a data-parallel run add up
         speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size

@@ -203,9 +203,11 @@ class TrainingConfig(Section):
     """Rows per eval batch on each device."""
     gradient_accumulation_steps: int = Field(1, gt=0)
     """Micro-batches per optimizer step."""
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Literal["adamw", "muon", "adamw_spam", "adamw_prune"] = "adamw"
     """adamw: AdamW over every parameter; muon: Muon for the hidden matrices, AdamW for embeddings,
-    the output head and scalars (norms, biases), stepped as one (seed 004)."""
+    the output head and scalars (norms, biases), stepped as one (seed 004); adamw_spam: AdamW with
+    SPAM's momentum reset and spike clipping; adamw_prune: AdamW pruning the hidden matrices by
+    scores from its own state (seed 003)."""
     learning_rate: float = Field(3e-4, gt=0, lt=1)
     """Peak learning rate (AdamW's; the default of every parameter role under adamw)."""
     matrix_lr: float | None = Field(None, gt=0, lt=1)
@@ -220,6 +222,20 @@ class TrainingConfig(Section):
     """Muon: momentum after its warm-up (from 0.85 over muon_momentum_warmup_steps)."""
     muon_momentum_warmup_steps: int = Field(300, ge=0)
     """Muon: steps over which the momentum rises from 0.85 to muon_momentum."""
+    spam_theta: float = Field(5000.0, gt=0)
+    """adamw_spam: a gradient entry with g^2 > theta * v is clipped to sign(g) * sqrt(theta * v) (paper: 5000)."""
+    spam_interval: int = Field(500, ge=0)
+    """adamw_spam: both Adam moments are zeroed every this many steps (0: never; paper: 500)."""
+    spam_warmup: int = Field(150, ge=0)
+    """adamw_spam: after each reset the update rises from 0.01x to 1x along a cosine over this many steps."""
+    prune_score: Literal["magnitude", "sqrt_momentum", "fourth_root_v", "movement"] = "fourth_root_v"
+    """adamw_prune: what ranks the weights (|w|; |w| sqrt|m|; |w| v^1/4, "bitter7"; movement -sum w g)."""
+    prune_sparsity: float = Field(0.5, ge=0, lt=1)
+    """adamw_prune: share of the hidden matrices' entries pruned at the end."""
+    prune_warmup: int = Field(1000, ge=0)
+    """adamw_prune: dense steps before pruning starts."""
+    prune_frequency: int = Field(50, gt=0)
+    """adamw_prune: the masks are recomputed every this many steps (sparsity = final x p^3)."""
     weight_decay: float = Field(0.0, ge=0)
     """Weight decay of the hidden matrices (under muon it falls linearly to 0 over training, seed 004)."""
     decay_norms_and_embeddings: bool = False

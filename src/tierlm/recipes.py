@@ -237,9 +237,14 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
 
     kind = distributed_kind(config, ctx)
     lrs = role_learning_rates(config, model_width(model))  # the plan's values (explicit once the run's config is resolved)
+    options = {
+        "adamw_spam": dict(theta=tr.spam_theta, interval=tr.spam_interval, warmup=tr.spam_warmup),
+        "adamw_prune": dict(score=tr.prune_score, final_sparsity=tr.prune_sparsity, warmup=tr.prune_warmup,
+                            frequency=tr.prune_frequency, total_steps=tr.num_train_steps, seed=tr.seed),
+    }.get(tr.optimizer, {})
     settings = RoleSettings(lrs["matrix"], lrs["embedding"], lrs["unembedding"], lrs["scalar"], tr.weight_decay,
                             tr.decay_norms_and_embeddings, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.muon_momentum,
-                            distributed=kind != "none")
+                            distributed=kind != "none", options=options)
 
     def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:  # after wrapping: FSDP2's parameters are the shards
         return build_optimizer(tr.optimizer, m, settings)

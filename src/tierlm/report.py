@@ -74,8 +74,8 @@ def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
             "held-out pass@k": _xy(records, "eval", "step", "pass@k"),
         }))
     elif train:
-        tokens_at = {r["step"]: r.get("tokens_seen", 0) for r in train}
-        val = [(tokens_at.get(r["step"], 0), r["val_loss"]) for r in evals if "val_loss" in r]
+        per_step = train[-1]["tokens_seen"] / train[-1]["step"]  # runs before eval lines carried tokens_seen
+        val = [(r.get("tokens_seen", r["step"] * per_step), r["val_loss"]) for r in evals if "val_loss" in r]
         written.append(plot_series(out_dir / f"{name}_loss.png", f"{name}: loss", "tokens", {
             "train (EMA)": _xy(records, "train", "tokens_seen", "loss_ema" if "loss_ema" in train[-1] else "loss"),
             "validation": ([v[0] for v in val], [v[1] for v in val]),

@@ -367,15 +367,17 @@ def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: Distributed
     return load_tokenizer(folder)
 
 
-def plan_run(config: TierlmConfig, stage: str, world_size: int = 1):
+def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: int | None = None):
     """(resolved config, plan, model on the meta device) of a run, without running it (`tierlm plan`):
-    the tokenizer is the one the run would use (trained here when the run would train one)."""
+    the tokenizer is the one the run would use (trained here when the run would train one), unless
+    `vocab_size` sizes a model from scratch directly."""
     from tierlm.plan import describe_model, resolve
 
     assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
     pretrained = pretrained_location(config)
-    tokenizer = existing_tokenizer(config, pretrained) or train_tokenizer(config, stage)
-    model = describe_model(config, tokenizer.vocab_size, pretrained)
+    if vocab_size is None or pretrained is not None:
+        vocab_size = (existing_tokenizer(config, pretrained) or train_tokenizer(config, stage)).vocab_size
+    model = describe_model(config, vocab_size, pretrained)
     if model is None:
         raise ConfigError(f"model.model_name_or_path={pretrained} is a hub id: tierlm plan sizes local models; download it first")
     resolved, plan = resolve(config, stage, model, world_size)

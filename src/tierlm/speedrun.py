@@ -40,7 +40,8 @@ def stage_configs(depth: int, out: Path, overrides: list[str], pretrain_data: st
         f"model.depth={depth}", f"model.tokenizer_name_or_path={tokenizer}", *data,
         "training.optimizer=muon", "training.target_param_data_ratio=10.5", "training.total_batch_size=auto",
         "training.num_train_steps=null", "training.warmup_steps=0", "training.lr_scheduler_type=warmdown",
-        "training.warmdown_ratio=0.5", "training.eval_steps=20", "training.save_steps=20", f"infra.output_dir={out / 'pretrain'}",
+        "training.warmdown_ratio=0.5", "training.eval_steps=20", "training.save_steps=20", "training.logging_steps=2",
+        f"infra.output_dir={out / 'pretrain'}",
         *overrides,
     ])
     sft = TierlmConfig.load("tiny_sft", [f"model.model_name_or_path={out / 'pretrain'}", f"infra.output_dir={out / 'sft'}", *overrides])

@@ -123,7 +123,8 @@ class Trainer:
         val_loss = self.last_eval["val_loss"]
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
             self.state.best_val_loss = val_loss
-        self.logger.log({"type": "eval", "step": self.state.step, **self.last_eval, **self._model_figures()})
+        self.logger.log({"type": "eval", "step": self.state.step, "tokens_seen": self.state.tokens_seen, **self.last_eval,
+                         **self._model_figures()})
         for sample in samples:
             self.logger.log({"type": "sample", "step": self.state.step, **sample})
         return self.last_eval
@@ -255,7 +256,7 @@ class Trainer:
             "elapsed_s": self.state.elapsed_s,
             "skipped_steps": self.state.skipped_steps,
         }
-        record.update({k: v for k, v in metrics.items() if k.startswith("lr_")})
+        record.update({k: v for k, v in metrics.items() if k.startswith("lr_") or k == "sparsity"})
         if self.flops_per_token and self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
         return record

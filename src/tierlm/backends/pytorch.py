@@ -21,6 +21,7 @@ from tierlm.primitives.losses import (
     reads_label_cross_entropy_only,
     token_weights,
 )
+from tierlm.primitives.optim import optimizer_metrics
 from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
 
 
@@ -225,6 +226,7 @@ class PyTorchTrainingBackend:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        lrs.update(optimizer_metrics(self.optimizer))  # e.g. AdamWPrune's sparsity (cached: no host sync)
         self.step += 1
         self._reset_accumulators()
         return TrainFuture(

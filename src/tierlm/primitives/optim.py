@@ -8,8 +8,8 @@ from parameter *roles* — matrix, embedding, unembedding, scalar — each with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ from torch.optim import Optimizer
 
 from tierlm.errors import ConfigError
 from tierlm.primitives.muon import Muon
+from tierlm.primitives.prune import AdamWPrune
+from tierlm.primitives.spam import AdamWSPAM
 
 ROLES = ("matrix", "embedding", "unembedding", "scalar")
 
@@ -212,6 +214,9 @@ class RoleSettings:
     ns_steps: int = 5
     distributed: bool = False
     """Muon: every rank holds the full gradients (DDP) and shares the orthogonalisations."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Optimizer-specific settings (AdamWSPAM: theta, interval, warmup; AdamWPrune: score,
+    final_sparsity, warmup, frequency, total_steps)."""
 
     def lr(self, role: str) -> float:
         return getattr(self, f"{role}_lr")
@@ -265,8 +270,36 @@ def build_muon(model: nn.Module, settings: RoleSettings) -> Optimizer:
     return OptimizerContainer([muon, _adamw(rest, settings)] if rest else [muon])
 
 
+def build_adamw_spam(model: nn.Module, settings: RoleSettings) -> Optimizer:
+    """AdamWSPAM (momentum reset, post-reset warm-up, spike clipping) over every role."""
+    _check_lrs(settings)
+    groups = _role_groups(parameter_roles(model), settings, ROLES)
+    return AdamWSPAM(groups, betas=settings.betas, eps=settings.eps, **settings.options)
+
+
+def build_adamw_prune(model: nn.Module, settings: RoleSettings) -> Optimizer:
+    """AdamWPrune over every role, pruning the hidden matrices (embeddings, head and scalars stay dense)."""
+    _check_lrs(settings)
+    groups = _role_groups(parameter_roles(model), settings, ROLES)
+    for group in groups:
+        group["prune"] = group["role"] == "matrix"
+    if any(hasattr(p, "device_mesh") for g in groups for p in g["params"]):
+        raise ConfigError("training.optimizer=adamw_prune needs whole matrices for its global threshold: use DDP, not FSDP")
+    return AdamWPrune(groups, betas=settings.betas, eps=settings.eps, **settings.options)
+
+
+def optimizer_metrics(optimizer: Optimizer) -> dict[str, float]:
+    """What an optimizer reports about itself for the train lines (e.g. AdamWPrune's sparsity)."""
+    out: dict[str, float] = {}
+    for inner in inner_optimizers(optimizer):
+        if hasattr(inner, "metrics"):
+            out.update(inner.metrics())
+    return out
+
+
 OptimizerBuilder = Callable[[nn.Module, RoleSettings], Optimizer]
-OPTIMIZERS: dict[str, OptimizerBuilder] = {"adamw": build_adamw, "muon": build_muon}
+OPTIMIZERS: dict[str, OptimizerBuilder] = {"adamw": build_adamw, "muon": build_muon, "adamw_spam": build_adamw_spam,
+                                           "adamw_prune": build_adamw_prune}
 
 
 def register_optimizer(name: str, builder: OptimizerBuilder) -> None:

@@ -301,6 +301,17 @@ CASES = [
     Case("prune-sparsity-too-high", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.optimizer=adamw_prune",
                                       "training.prune_sparsity=1.5"], "training.prune_sparsity must be < 1"),
     Case("prune-unknown-score", ["pretrain", "--config", "tiny_pretrain", *TINY, "training.prune_score=random"], "training.prune_score must be one of"),
+    Case("ablate-bad-variant", ["ablate", "--config", "tiny_pretrain", *TINY, "--variants", "V0,big"], "neither a V-step"),
+    Case("ablate-variant-changes-budget", ["ablate", "--config", "tiny_pretrain", *TINY, "--variants", "V0", "--variant",
+                                           "short:training.num_train_steps=1", "--out", "abl"], "same data order and token budget"),
+    Case("ablate-bad-seeds", ["ablate", "--config", "tiny_pretrain", *TINY, "--variants", "V0", "--seeds", "0,x"], "--seeds must be"),
+    Case("ablate-no-config", ["ablate", "--variants", "V0"], "needs --config"),
+    Case("ablate-report-not-an-ablation", ["ablate", "--report", "."], "holds no ablation"),
+    Case("ablate-variant-bad-override", ["ablate", "--config", "tiny_pretrain", *TINY, "--variant", "x:training.learnin_rate=1",
+                                         "--out", "abl"], "did you mean training.learning_rate"),
+    Case("speedrun-depth-zero", ["speedrun", "--depth", "0"], "must be > 0"),
+    Case("speedrun-output-dir-override", ["speedrun", *TINY], "drop infra.output_dir"),
+    Case("speedrun-out-is-a-file", ["speedrun", "--out", "f", *TINY[:-1]], "is a file", write("f", "x")),
     Case("plan-bad-stage", ["plan", "--stage", "finetune"], "invalid choice"),
     Case("plan-bad-speed", ["plan", "--config", "tiny_pretrain", *TINY, "--tokens-per-sec", "-3"], "must be > 0"),
     Case("plan-bad-world-size", ["plan", "--config", "tiny_pretrain", *TINY, "--world-size", "0"], "must be > 0"),
@@ -329,7 +340,7 @@ def _swap_weights(run: Path) -> None:
 def test_the_table_is_broad():
     commands = {c.argv[0] for c in CASES}
     assert len(CASES) >= 60, len(CASES)
-    assert {"pretrain", "sft", "dpo", "rl", "eval", "sample", "export", "average", "tokenizer", "config", "plan"} <= commands
+    assert {"pretrain", "sft", "dpo", "rl", "eval", "sample", "export", "average", "tokenizer", "config", "plan", "ablate", "speedrun"} <= commands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -52,6 +52,15 @@ def test_every_preset_is_a_valid_config():
     baseline = TierlmConfig.load("gpt2-vanilla-baseline")
     tokens_per_step = baseline.training.per_device_train_batch_size * baseline.training.gradient_accumulation_steps * baseline.data.max_seq_length
     assert (baseline.model.depth, baseline.model.depth * baseline.model.aspect_ratio, tokens_per_step) == (12, 768, 16 * 4 * 1024)
+    # Seed 003's ablation presets: the baseline's model and budget, their variants, their optimizer.
+    from tierlm.ablate import parse_variant
+
+    ra, kv = TierlmConfig.load("gpt2-ra-ablation"), TierlmConfig.load("gpt2-kv-pruning-ablation")
+    assert [parse_variant(v).name for v in ra.ablation.variants] == ["V0", "V1", "V3", "V7", "V9"]
+    assert ra.training.optimizer == "adamw_spam" and ra.model.ra.per_head_gates and ra.training.bf16 and ra.infra.compile
+    assert [parse_variant(v).name for v in kv.ablation.variants] == ["V0", "V16", "V17", "V18"]
+    for preset in (ra, kv):
+        assert preset.training.num_train_steps == baseline.training.num_train_steps and preset.model.depth == 12
 
 
 def test_the_shakespeare_preset_trains_as_a_stream(tmp_path):

@@ -9,6 +9,8 @@
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE_OR_PRESET] [section.key=value ...]
     tierlm config list
+    tierlm ablate --config PRESET [--variants V0,V1] [--variant name:key=value,...] [--seeds 0,1,2] [--out DIR] [overrides]
+    tierlm ablate --report DIR
     tierlm speedrun [--depth D] [--out DIR] [--pretrain-data NAME] [section.key=value ...]
     tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure] [section.key=value ...]
     tierlm export CHECKPOINT OUT_DIR
@@ -100,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed")
     speed.add_argument("--measure", action="store_true", help="time a few training steps of the model here to estimate the time")
 
+    ablate = commands.add_parser("ablate", help="run variants x seeds of one config at equal tokens; results, summary.md, plots")
+    _add_config_args(ablate, required=False)
+    ablate.add_argument("--variants", default=None, help="comma-separated V-steps, e.g. V0,V1,V3 (the first is the baseline)")
+    ablate.add_argument("--variant", action="append", default=[], help="name:section.key=value[,section.key=value] (repeatable)")
+    ablate.add_argument("--seeds", default=None, help="comma-separated seeds, one replicate each (default: the config's, or 0)")
+    ablate.add_argument("--out", default=None, help="ablation folder (default runs/ablate_<config name>)")
+    ablate.add_argument("--stage", choices=["pretrain", "sft"], default="pretrain")
+    ablate.add_argument("--report", default=None, metavar="DIR", help="only rebuild results.json, summary.md and plots of DIR")
+
     speedrun = commands.add_parser("speedrun", help="tokenizer -> pretrain (sized from --depth) -> SFT -> RL -> report card")
     speedrun.add_argument("--depth", type=_positive_int, default=None, help="model depth; everything else follows (default 4: ~10 min on 2 CPU cores)")
     speedrun.add_argument("--out", default=None, help="folder for the four runs and report.md (default runs/speedrun_d<depth>)")
@@ -183,6 +194,31 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.measure:  # one process measured; the ranks of a data-parallel run add up
         speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size
     print(plan.table(speed))
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise TierlmError(f"{what} must be comma-separated whole numbers, got {text!r}") from None
+
+
+def cmd_ablate(args: argparse.Namespace) -> None:
+    from tierlm.ablate import AblationCoordinator, parse_variant, write_results
+    from tierlm.config import TierlmConfig
+
+    if args.report:
+        write_results(Path(args.report))
+        print(f"summary: {Path(args.report) / 'summary.md'}")
+        return
+    if not args.config:
+        raise TierlmError("tierlm ablate needs --config (a YAML file or a preset), or --report DIR")
+    base = TierlmConfig.load(args.config, args.overrides)
+    specs = [v for v in (args.variants or "").split(",") if v.strip()] + args.variant or base.ablation.variants
+    seeds = _int_list(args.seeds, "--seeds") if args.seeds else base.ablation.seeds
+    coordinator = AblationCoordinator(args.config, [parse_variant(v) for v in specs], seeds, list(args.overrides), args.out, args.stage)
+    coordinator.run()
+    print(f"summary: {coordinator.out / 'summary.md'}")
 
 
 def cmd_speedrun(args: argparse.Namespace) -> None:
@@ -303,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
-                "plan": cmd_plan, "speedrun": cmd_speedrun}
+                "plan": cmd_plan, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

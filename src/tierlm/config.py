@@ -403,6 +403,15 @@ class DPOConfig(Section):
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp / ref_rejected_logp."""
 
 
+class AblationConfig(Section):
+    """What `tierlm ablate --config <this>` runs when the command names no variants (a preset's ablation)."""
+
+    variants: list[str] = Field(default_factory=list)
+    """V-steps ("V3") or "name:section.key=value,section.key=value" override sets; the first is the baseline."""
+    seeds: list[int] = Field(default_factory=lambda: [0])
+    """One replicate per seed (training.seed): the same initial draw and data order for every variant."""
+
+
 class TierlmConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -411,6 +420,7 @@ class TierlmConfig(Section):
     infra: InfraConfig = Field(default_factory=InfraConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    ablation: AblationConfig = Field(default_factory=AblationConfig)
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "TierlmConfig":

@@ -34,6 +34,9 @@ def stage_configs(depth: int, out: Path, overrides: list[str], pretrain_data: st
     half: seed 004) and each stage starting from the one before."""
     if depth < 1:
         raise ConfigError(f"--depth must be >= 1, got {depth}")
+    placed = [o for o in overrides if o.split("=", 1)[0] in ("infra.output_dir", "model.model_name_or_path", "model.tokenizer_name_or_path")]
+    if placed:
+        raise ConfigError(f"the speedrun places its runs under --out and chains them itself: drop {', '.join(placed)}")
     tokenizer = out / "tokenizer"
     data = [f"data.dataset_name={pretrain_data}"] if pretrain_data else []
     pretrain = TierlmConfig.load("tiny_pretrain", [

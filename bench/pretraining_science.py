@@ -6,7 +6,7 @@
 optimizers: Muon (hidden matrices) + AdamW (the rest) against AdamW alone at equal tokens. The
 native GPT, depth 4, width 128, rows of 128 characters cut from the text as one stream (5% tail held
 out), 16 rows a step, a 20-step warmup and a linear warmdown over the last 40%. Each optimizer's LR
-is swept (3 values, seed 0); the best is re-run with the other seeds; the table gives the final
+is swept (3-4 values, seed 0); the best is re-run with the other seeds; the table gives the final
 validation loss (nats per character) as mean +- std over seeds.
 
 scaling: depths 2, 4, 6, 8 (width 16 per layer of depth, head width 16), each at the budget the
@@ -62,7 +62,7 @@ def optimizers(steps: int, seeds: int) -> None:
     sweeps = {
         "adamw": [("learning_rate", lr, ["training.optimizer=adamw", f"training.learning_rate={lr}"]) for lr in (1e-3, 3e-3, 1e-2)],
         "muon": [("matrix_lr", lr, ["training.optimizer=muon", f"training.matrix_lr={lr}", "training.learning_rate=3e-3"])
-                 for lr in (0.01, 0.02, 0.04)],
+                 for lr in (0.01, 0.02, 0.04, 0.08)],
     }
     results = {}
     for optimizer, sweep in sweeps.items():

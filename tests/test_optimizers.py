@@ -352,3 +352,14 @@ def test_adamw_prune_equals_the_reference_and_follows_the_schedule(score):
         torch.testing.assert_close(p.detach().double(), r, atol=1e-6, rtol=0)
         assert torch.equal(p.detach() == 0, ~mk)  # pruned entries are exactly zero
         assert torch.equal(opt.state[p]["mask"], mk)
+
+
+def test_adamw_prune_samples_the_threshold_of_a_large_model():
+    from tierlm.primitives.prune import AdamWPrune
+
+    w = nn.Parameter(torch.randn(200, 100, generator=torch.Generator().manual_seed(5)))
+    opt = AdamWPrune([{"params": [w], "prune": True}], score="magnitude", final_sparsity=0.5, warmup=0, frequency=1, total_steps=1,
+                     sample_size=2000)  # 20,000 scores: a 2,000-score sample sets the threshold
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    assert abs(opt.sparsity() - 0.5) < 0.03 and bool((w == 0).eq(~opt.state[w]["mask"]).all())

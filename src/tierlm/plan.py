@@ -158,79 +158,80 @@ def role_learning_rates(config: TierlmConfig, width: int | None) -> dict[str, fl
     return {role: explicit[role] if explicit[role] is not None else defaults[role] for role in ROLES}
 
 
-def _micro_batch_tokens(config: TierlmConfig, stage: str) -> int:
-    return config.training.per_device_train_batch_size * config.data.max_seq_length
+def _horizon(config: TierlmConfig, model: nn.Module, plan: Plan) -> None:
+    """Steps 1 of seed 004: D = ratio x scaling parameters, and D_ref for the same model at depth 12."""
+    tr, m = config.training, config.model
+    if plan.stage != "pretrain" or m.model_name_or_path is not None:
+        raise ConfigError("training.target_param_data_ratio sets a pretraining horizon from the model's size: "
+                          "use it to pretrain from scratch, or set training.num_train_steps")
+    if "model.depth" not in family_named(m.architecture).config_fields(m):
+        raise ConfigError(f"training.target_param_data_ratio scales from a depth-{REFERENCE_DEPTH} reference; "
+                          f"model.architecture={m.architecture} is not built from model.depth (use gpt or gpt2)")
+    plan.target_tokens = int(tr.target_param_data_ratio * plan.counts["scaling"])
+    reference = config.model_copy(update={"model": m.model_copy(update={"depth": REFERENCE_DEPTH})})
+    reference_model = new_model(reference, unwrap_model(model).config.vocab_size, "meta")
+    plan.reference_tokens = int(tr.target_param_data_ratio * parameter_counts(reference_model)["scaling"])
+
+
+def _batch(config: TierlmConfig, plan: Plan) -> None:
+    """Steps 2-4 of seed 004: the batch (given or predicted), its accumulation, and the LR and weight-decay scales."""
+    tr, per_step = config.training, plan.micro_batch_tokens * plan.world_size
+    if "gradient_accumulation_steps" in tr.model_fields_set and tr.total_batch_size != per_step * tr.gradient_accumulation_steps:
+        raise ConfigError("set training.total_batch_size or training.gradient_accumulation_steps, not both "
+                          "(the accumulation follows from the batch)")
+    if tr.total_batch_size == "auto":
+        plan.predicted_batch = optimal_batch_tokens(plan.target_tokens, plan.reference_tokens)
+        plan.accumulation = max(1, round(plan.predicted_batch / per_step))
+        if plan.batch_tokens != plan.predicted_batch:
+            plan.notes.append(f"the predicted batch ({plan.predicted_batch:,} tokens) is not a multiple of a step's "
+                              f"micro-batches ({per_step:,}); {plan.batch_tokens:,} is used")
+    else:
+        if tr.total_batch_size % per_step:
+            raise ConfigError(f"training.total_batch_size ({tr.total_batch_size:,}) must be a multiple of one micro-batch "
+                              f"on every rank: {tr.per_device_train_batch_size} rows x {config.data.max_seq_length} tokens x "
+                              f"{plan.world_size} rank(s) = {per_step:,} tokens")
+        plan.accumulation = tr.total_batch_size // per_step
+    if tr.scale_hyperparameters:
+        plan.lr_scale = (plan.batch_tokens / B_REF) ** 0.5
+        if plan.target_tokens:
+            plan.weight_decay_scale = plan.lr_scale * plan.reference_tokens / plan.target_tokens
 
 
 def resolve(config: TierlmConfig, stage: str, model: nn.Module | None, world_size: int = 1) -> tuple[TierlmConfig, Plan]:
     """(the config with every derived value filled in, the plan). `model` may be on the meta device."""
-    tr, m = config.training, config.model
+    tr = config.training
     counts = parameter_counts(model) if model is not None else None
-    width = model_width(model) if model is not None and counts and (counts["embedding"] or counts["unembedding"]) else None
+    width = model_width(model) if counts and (counts["embedding"] or counts["unembedding"]) else None
     flops = family_of(model).flops_per_token(unwrap_model(model), config.data.max_seq_length) if model is not None else None
-    micro = _micro_batch_tokens(config, stage)
+    micro = tr.per_device_train_batch_size * config.data.max_seq_length
     plan = Plan(stage, counts, flops, micro, world_size, tr.gradient_accumulation_steps, tr.num_train_steps)
-    if tr.target_param_data_ratio is not None or tr.total_batch_size is not None:
-        if stage in ("dpo", "rl"):
-            raise ConfigError(f"training.total_batch_size and training.target_param_data_ratio count tokens of fixed rows; {stage} "
-                              "batches are pairs or rollouts: use per_device_train_batch_size and gradient_accumulation_steps")
-    if tr.target_param_data_ratio is not None:
-        if stage != "pretrain" or m.model_name_or_path is not None:
-            raise ConfigError("training.target_param_data_ratio sets a pretraining horizon from the model's size: "
-                              "use it to pretrain from scratch, or set training.num_train_steps")
-        plan.target_tokens = int(tr.target_param_data_ratio * counts["scaling"])
-        if "model.depth" not in family_named(m.architecture).config_fields(m):
-            raise ConfigError(f"training.target_param_data_ratio scales from a depth-{REFERENCE_DEPTH} reference; "
-                              f"model.architecture={m.architecture} is not built from model.depth (use gpt or gpt2)")
-        reference = config.model_copy(update={"model": m.model_copy(update={"depth": REFERENCE_DEPTH})})
-        vocab = unwrap_model(model).config.vocab_size
-        plan.reference_tokens = int(tr.target_param_data_ratio * parameter_counts(new_model(reference, vocab, "meta"))["scaling"])
-
+    if (tr.target_param_data_ratio is not None or tr.total_batch_size is not None) and stage in ("dpo", "rl"):
+        raise ConfigError(f"training.total_batch_size and training.target_param_data_ratio count tokens of fixed rows; {stage} "
+                          "batches are pairs or rollouts: use per_device_train_batch_size and gradient_accumulation_steps")
     updates: dict[str, Any] = {}
+    if tr.target_param_data_ratio is not None:
+        _horizon(config, model, plan)
     if tr.total_batch_size is not None:
-        per_step = micro * world_size
-        if "gradient_accumulation_steps" in tr.model_fields_set and tr.total_batch_size != per_step * tr.gradient_accumulation_steps:
-            raise ConfigError("set training.total_batch_size or training.gradient_accumulation_steps, not both "
-                              "(the accumulation follows from the batch)")
-        if tr.total_batch_size == "auto":
-            plan.predicted_batch = optimal_batch_tokens(plan.target_tokens, plan.reference_tokens)
-            plan.accumulation = max(1, round(plan.predicted_batch / per_step))
-            if plan.batch_tokens != plan.predicted_batch:
-                plan.notes.append(f"the predicted batch ({plan.predicted_batch:,} tokens) is not a multiple of a step's "
-                                  f"micro-batches ({per_step:,}); {plan.batch_tokens:,} is used")
-        else:
-            if tr.total_batch_size % per_step:
-                raise ConfigError(f"training.total_batch_size ({tr.total_batch_size:,}) must be a multiple of one micro-batch "
-                                  f"on every rank: {tr.per_device_train_batch_size} rows x {config.data.max_seq_length} tokens x "
-                                  f"{world_size} rank(s) = {per_step:,} tokens")
-            plan.accumulation = tr.total_batch_size // per_step
+        _batch(config, plan)
         updates.update(total_batch_size=plan.batch_tokens, gradient_accumulation_steps=plan.accumulation)
-        if tr.scale_hyperparameters:
-            plan.lr_scale = (plan.batch_tokens / B_REF) ** 0.5
-            if plan.target_tokens:
-                plan.weight_decay_scale = plan.lr_scale * plan.reference_tokens / plan.target_tokens
     if plan.target_tokens is not None and (tr.num_train_steps is None or "num_train_steps" not in tr.model_fields_set):
-        plan.num_train_steps = max(1, plan.target_tokens // plan.batch_tokens)
-        updates["num_train_steps"] = plan.num_train_steps
+        plan.num_train_steps = updates["num_train_steps"] = max(1, plan.target_tokens // plan.batch_tokens)
         if tr.warmup_steps >= plan.num_train_steps:
             raise ConfigError(f"training.warmup_steps ({tr.warmup_steps}) must be < the derived num_train_steps "
                               f"({plan.num_train_steps}); lower it or set training.num_train_steps")
-
     lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width).items()}
     for role, lr in lrs.items():
         if not lr < 1:
             raise ConfigError(f"the {role} learning rate comes to {lr:.4g} (>= 1); lower training.{role}_lr")
     updates.update({f"{role}_lr": lr for role, lr in lrs.items()}, learning_rate=tr.learning_rate * plan.lr_scale,
                    weight_decay=tr.weight_decay * plan.weight_decay_scale, scale_hyperparameters=False)
-    resolved_training = tr.model_copy(update=updates)
-    resolved_training = type(tr).model_validate(resolved_training.model_dump())  # validated, and every value now explicit
-    if counts is not None:
-        for role in ROLES:
-            if counts[role]:
-                optimizer = "muon" if tr.optimizer == "muon" and role == "matrix" else "adamw"
-                decay = resolved_training.weight_decay if role == "matrix" or tr.decay_norms_and_embeddings else 0.0
-                plan.groups.append({"role": role, "optimizer": optimizer, "params": counts[role], "lr": lrs[role], "weight_decay": decay})
-    return config.model_copy(update={"training": resolved_training}), plan
+    resolved = type(tr).model_validate(tr.model_copy(update=updates).model_dump())  # validated, and every value now explicit
+    for role in ROLES if counts else ():
+        if counts[role]:
+            optimizer = ("muon" if role == "matrix" else "adamw") if tr.optimizer == "muon" else tr.optimizer
+            decay = resolved.weight_decay if role == "matrix" or tr.decay_norms_and_embeddings else 0.0
+            plan.groups.append({"role": role, "optimizer": optimizer, "params": counts[role], "lr": lrs[role], "weight_decay": decay})
+    return config.model_copy(update={"training": resolved}), plan
 
 
 def measure_tokens_per_sec(config: TierlmConfig, vocab_size: int, pretrained: Path | str | None, steps: int = 3) -> float:

@@ -74,6 +74,9 @@ def run_speedrun(depth: int, out: Path, overrides: list[str] = (), pretrain_data
     from tierlm.rl.recipe import run_rl
 
     out = Path(out)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("tierlm speedrun runs in one process; under torchrun, run its stages (tierlm pretrain / sft / rl) "
+                          "with the overrides in tierlm.speedrun.stage_configs")
     configs = stage_configs(depth, out, list(overrides), pretrain_data)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder for the speedrun")

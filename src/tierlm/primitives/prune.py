@@ -2,8 +2,8 @@
 
 Every pruned matrix has a boolean mask. After `warmup` steps, every `frequency` steps the target
 sparsity rises along s(t) = final * p^3, p = (t - warmup) / (total - warmup) (seed 003's schedule),
-one global threshold over all the pruned matrices' scores sets the masks (the exact k-th smallest
-score, or a quantile of a random sample of `sample_size` scores for large models), and masked
+one global ranking of all the pruned matrices' scores sets the masks (exactly the k lowest, or
+below the quantile of a random sample of `sample_size` scores for large models), and masked
 entries are zeroed in the weights, gradients and both Adam moments — they stay exactly zero.
 
 Scores (`score`):
@@ -20,6 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from tierlm.errors import ConfigError
+from tierlm.primitives.adam import adamw_update_, init_adam_state
 
 SCORES = ("magnitude", "sqrt_momentum", "fourth_root_v", "movement")
 
@@ -40,7 +41,8 @@ class AdamWPrune(Optimizer):
     """AdamW over `params`, pruning the groups marked `"prune": True` (see the module docstring).
 
     >>> w = torch.nn.Parameter(torch.tensor([[0.1, -2.0], [3.0, 0.2]]))
-    >>> opt = AdamWPrune([{"params": [w], "prune": True}], lr=1e-3, final_sparsity=0.5, warmup=0, frequency=1, total_steps=1)
+    >>> opt = AdamWPrune([{"params": [w], "prune": True}], lr=1e-3, score="magnitude", final_sparsity=0.5, warmup=0, frequency=1,
+    ...                  total_steps=1)
     >>> w.grad = torch.zeros_like(w); opt.step()
     >>> opt.sparsity(), (w == 0).int().tolist()
     (0.5, [[1, 0], [0, 1]])
@@ -94,21 +96,24 @@ class AdamWPrune(Optimizer):
         return state["movement"]
 
     def _update_masks(self, sparsity: float) -> None:
-        """One global threshold over every pruned matrix's scores (masked entries stay masked)."""
+        """One global ranking of every pruned matrix's scores (masked entries stay masked)."""
         params = self._pruned()
         scores = [torch.where(self.state[p]["mask"], self._score(p).float(), float("-inf")) for p in params]
         flat = torch.cat([s.flatten() for s in scores])
         k = int(sparsity * flat.numel())
         if k == 0:
             return
-        if flat.numel() <= self.sample_size:
-            threshold = flat.kthvalue(k).values
+        if flat.numel() <= self.sample_size:  # exactly the k lowest scores (ties broken by position)
+            keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
+            keep[flat.argsort(stable=True)[:k]] = False
+            for p, part in zip(params, keep.split([p.numel() for p in params])):
+                self.state[p]["mask"] &= part.view_as(p)
         else:  # a large model: the quantile of a seeded random sample stands in for the k-th value
             g = torch.Generator(device="cpu").manual_seed(self.seed + k)
             sample = flat[torch.randint(0, flat.numel(), (self.sample_size,), generator=g).to(flat.device)]
             threshold = sample.quantile(sparsity)
-        for p, s in zip(params, scores):
-            self.state[p]["mask"] &= s > threshold
+            for p, s in zip(params, scores):
+                self.state[p]["mask"] &= s > threshold
         self._sparsity = None
 
     @torch.no_grad()
@@ -119,14 +124,12 @@ class AdamWPrune(Optimizer):
                 loss = closure()
         step = 0
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float64)
-                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                    init_adam_state(state, p)
                     if group["prune"]:
                         state["mask"] = torch.ones_like(p, dtype=torch.bool)
                         if self.score == "movement":
@@ -134,14 +137,7 @@ class AdamWPrune(Optimizer):
                 g = p.grad.mul_(state["mask"]) if group["prune"] else p.grad
                 if group["prune"] and self.score == "movement":
                     state["movement"].sub_(p * g)
-                state["step"] += 1
-                t = step = int(state["step"])
-                state["exp_avg"].lerp_(g, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**t))
+                step = adamw_update_(p, g, state, group)
         if step and step > self.warmup and (step - self.warmup) % self.frequency == 0 and self._pruned():
             self._update_masks(target_sparsity(step, self.final_sparsity, self.warmup, self.total_steps))
         for p in self._pruned():  # weights and both moments follow the mask

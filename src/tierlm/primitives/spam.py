@@ -25,6 +25,7 @@ import torch
 from torch.optim import Optimizer
 
 from tierlm.errors import ConfigError
+from tierlm.primitives.adam import adamw_update_, init_adam_state
 
 
 def spam_ramp(steps_since_reset: int, warmup: int) -> float:
@@ -68,31 +69,20 @@ class AdamWSPAM(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float64)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    init_adam_state(state, p)
                 done = int(state["step"])  # steps taken before this one
                 since_reset = done % self.interval if self.interval else done
                 if self.interval and done and since_reset == 0:  # momentum reset
                     state["exp_avg"].zero_()
                     state["exp_avg_sq"].zero_()
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                g = p.grad
                 if since_reset >= self.clip_delay and math.isfinite(self.theta):  # spike-aware clipping
-                    limit_sq = self.theta * v
+                    limit_sq = self.theta * state["exp_avg_sq"]
                     g = torch.where(g * g > limit_sq, g.sign() * limit_sq.sqrt(), g)
-                state["step"] += 1
-                t = done + 1
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                step_size = group["lr"] * spam_ramp(since_reset, self.warmup) / (1 - beta1**t)
-                p.addcdiv_(m, denom, value=-step_size)
+                adamw_update_(p, g, state, group, scale=spam_ramp(since_reset, self.warmup))
         return loss

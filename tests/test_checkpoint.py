@@ -73,6 +73,9 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
         zeros = sum(int((v == 0).sum()) for v in hidden) / sum(v.numel() for v in hidden)
         assert abs(zeros - 0.5) < 0.01, zeros
         assert "sparsity" in [r for r in _lines(killed / "metrics.jsonl") if r["type"] == "train"][-1]
+        results = json.loads((killed / "results.json").read_text())  # the pruning evaluation beside the model
+        assert abs(results["sparsity"] - 0.5) < 0.01 and 0.25 < results["weight_zeros"] < zeros  # all matrices, embeddings too
+        assert {"perplexity", "latency_ms_p50_T64", "latency_ms_p95_T64", "peak_rss_mb"} <= set(results)
 
 
 WRITER = """

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,20 +27,32 @@ def test_presets_are_listed_and_loaded_by_name(capsys):
 
 @pytest.mark.slow
 def test_an_installed_wheel_finds_its_presets_and_corpus(tmp_path):
+    """The wheel installed into a new virtual environment (its own site-packages; the dependencies seen
+    through a .pth file, so nothing is downloaded), run from a folder with no source tree."""
+    import site as site_module
+
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(REPO)],
                    check=True, capture_output=True, timeout=300)
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *map(str, wheels.glob("*.whl"))],
+    venv = tmp_path / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    # torch, transformers, ... from this environment: directories only (their .pth files, like the
+    # editable install of the source tree, are not read from a directory a .pth file adds).
+    Path(purelib, "tierlm_test_deps.pth").write_text("\n".join(site_module.getsitepackages()) + "\n")
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, wheels.glob("*.whl"))],
                    check=True, capture_output=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
     work = tmp_path / "elsewhere"  # no configs/ folder, no source tree
     work.mkdir()
-    where = subprocess.run([sys.executable, "-c", "import tierlm; print(tierlm.__file__)"], cwd=work, env=env, capture_output=True, text=True)
-    assert where.stdout.startswith(str(site)), f"the test must run the installed wheel, got {where.stdout}"
-    listed = subprocess.run([sys.executable, "-m", "tierlm", "config", "list"], cwd=work, env=env, capture_output=True, text=True)
+    where = subprocess.run([python, "-c", "import tierlm; print(tierlm.__file__)"], cwd=work, env=env, capture_output=True, text=True)
+    assert where.stdout.startswith(purelib), f"the test must run the installed wheel, got {where.stdout} {where.stderr[-500:]}"
+    listed = subprocess.run([python, "-m", "tierlm", "config", "list"], cwd=work, env=env, capture_output=True, text=True)
     assert "gpt2-shakespeare-char" in listed.stdout, listed.stderr
-    run = subprocess.run([sys.executable, "-m", "tierlm", "pretrain", "--config", "gpt2-shakespeare-char", "training.num_train_steps=20", "training.warmup_steps=2",
+    run = subprocess.run([python, "-m", "tierlm", "pretrain", "--config", "gpt2-shakespeare-char", "training.num_train_steps=20", "training.warmup_steps=2",
                           "training.eval_steps=20", "training.eval_batches=2", "infra.progress_bar=false", "infra.output_dir=run"],
                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -34,6 +34,7 @@ from typing import Any
 
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
+from tierlm.report import model_figures
 
 SPEC_FILE = "ablation.json"
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96.
@@ -187,37 +188,6 @@ def run_result(run_dir: Path) -> dict[str, Any]:
     if out["finished"]:
         out.update(model_figures(run_dir / "model"))
     return out
-
-
-def model_figures(folder: Path) -> dict[str, Any]:
-    """Parameters, the share of exact zeros in the weight matrices, and CPU inference latency
-    (p50 / p95 of 20 forwards of one row) at two sequence lengths; cached beside the model."""
-    cache = folder.parent / "inference.json"
-    if cache.is_file():
-        return json.loads(cache.read_text())
-    import torch
-
-    from tierlm.models import load_pretrained_model, model_max_seq_len
-
-    model = load_pretrained_model(folder).eval()
-    matrices = [p for p in model.parameters() if p.ndim == 2]
-    figures: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()),
-                               "weight_zeros": sum(int((p == 0).sum()) for p in matrices) / max(1, sum(p.numel() for p in matrices))}
-    longest = model_max_seq_len(model) or 1024
-    for length in (min(64, longest), min(256, longest)):
-        ids = torch.zeros(1, length, dtype=torch.long)
-        times = []
-        with torch.no_grad():
-            model(ids)  # warm-up
-            for _ in range(20):
-                start = time.perf_counter()
-                model(ids)
-                times.append((time.perf_counter() - start) * 1000)
-        times.sort()
-        figures[f"latency_ms_p50_T{length}"] = times[len(times) // 2]
-        figures[f"latency_ms_p95_T{length}"] = times[int(0.95 * (len(times) - 1))]
-    cache.write_text(json.dumps(figures) + "\n")
-    return figures
 
 
 def _mean_std(values: list[float]) -> str:

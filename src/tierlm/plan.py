@@ -219,6 +219,9 @@ def resolve(config: TierlmConfig, stage: str, model: nn.Module | None, world_siz
         if tr.warmup_steps >= plan.num_train_steps:
             raise ConfigError(f"training.warmup_steps ({tr.warmup_steps}) must be < the derived num_train_steps "
                               f"({plan.num_train_steps}); lower it or set training.num_train_steps")
+        if tr.total_batch_size == "auto" and plan.num_train_steps < 100:  # docs/benchmarks.md, "A mini scaling law on CPU"
+            plan.notes.append(f"only {plan.num_train_steps} optimizer steps: the batch law is anchored at d{REFERENCE_DEPTH} and "
+                              "gives small models large batches; a smaller training.total_batch_size may train better")
     lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width).items()}
     for role, lr in lrs.items():
         if not lr < 1:

@@ -297,6 +297,26 @@ def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: str, kind: s
     return sample
 
 
+def write_pruning_results(output_dir: Path, summary: dict, optimizer) -> None:
+    """results.json of a pruned run: val loss and perplexity at the reached sparsity, the best val loss,
+    parameters and the share of zero weights, CPU inference latency p50/p95 at two lengths, peak RSS."""
+    import json
+    import math
+    import resource
+
+    from tierlm.primitives.optim import optimizer_metrics
+    from tierlm.report import model_figures
+
+    results = {"sparsity": optimizer_metrics(optimizer).get("sparsity", 0.0), "steps": summary.get("step")}
+    if "val_loss" in summary:
+        results.update(val_loss=summary["val_loss"], perplexity=math.exp(min(summary["val_loss"], 50)))
+    results.update(model_figures(output_dir / "model"))
+    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    if torch.cuda.is_available():
+        results["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
 def run_stage(config: TierlmConfig, stage: str) -> dict:
     """Train one stage ("pretrain" | "sft" | "dpo") as the config says; returns the run summary.
 
@@ -346,6 +366,8 @@ def _train_stage(run: Run) -> dict:
             trainer.train_loader.close()
     run.finish(backend.model, summary)
     tr = config.training
+    if run.is_main and tr.optimizer == "adamw_prune":  # the pruning evaluation, beside the run's model
+        write_pruning_results(run.output_dir, summary, backend.optimizer)
     if run.is_main and tr.average_last_n:
         recent = list_checkpoints(run.checkpoint_dir)[-tr.average_last_n :]
         if len(recent) >= 2:

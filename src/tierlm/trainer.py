@@ -188,6 +188,7 @@ class Trainer:
             self.evaluate()
         start = time.perf_counter() - state.elapsed_s
         gc_frozen = False
+        window = [0, 0.0, 0.0]  # input tokens, trained tokens, seconds since the last logged line
         try:
             while state.step < cfg.num_train_steps:
                 step_start = time.perf_counter()
@@ -209,8 +210,10 @@ class Trainer:
                 record = self._train_record(metrics, step_s)
                 bar.update(1)
                 bar.set_postfix_str(self._postfix(record), refresh=False)
+                window = [window[0] + metrics["input_tokens"], window[1] + metrics["num_tokens"], window[2] + step_s]
                 if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
-                    record.update(self._slow_stats())
+                    record.update(self._rates(*window), **self._slow_stats())  # rates over every step since the last line
+                    window = [0, 0.0, 0.0]
                     self.logger.log(record)
                     if bar.disable and self.is_main:
                         print(self._log_line(record), file=sys.stderr, flush=True)
@@ -237,8 +240,14 @@ class Trainer:
         return {"step": state.step, "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s, **self.last_eval}
 
     # -- reporting -------------------------------------------------------------------------
+    def _rates(self, input_tokens: float, trained_tokens: float, seconds: float) -> dict[str, float]:
+        """Tokens/s (input and trained) and MFU over `seconds` of training steps."""
+        rates = {"tokens_per_sec": input_tokens / seconds, "trained_tokens_per_sec": trained_tokens / seconds}
+        if self.flops_per_token and self.peak_flops:
+            rates["mfu"] = self.flops_per_token * rates["tokens_per_sec"] / self.peak_flops
+        return rates
+
     def _train_record(self, metrics: dict[str, float], step_s: float) -> dict[str, Any]:
-        tokens_per_sec = metrics["input_tokens"] / step_s
         if math.isfinite(metrics["loss"]):
             self.state.loss_ema = EMA_BETA * self.state.loss_ema + (1 - EMA_BETA) * metrics["loss"]
             self.state.loss_ema_steps += 1
@@ -249,16 +258,13 @@ class Trainer:
             "loss_ema": self.state.loss_ema / (1 - EMA_BETA**self.state.loss_ema_steps) if self.state.loss_ema_steps else metrics["loss"],
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
-            "tokens_per_sec": tokens_per_sec,
-            "trained_tokens_per_sec": metrics["num_tokens"] / step_s,
+            **self._rates(metrics["input_tokens"], metrics["num_tokens"], step_s),  # this step's (the progress line's)
             "tokens_seen": self.state.tokens_seen,
             "trained_tokens": self.state.trained_tokens,
             "elapsed_s": self.state.elapsed_s,
             "skipped_steps": self.state.skipped_steps,
         }
         record.update({k: v for k, v in metrics.items() if k.startswith("lr_") or k == "sparsity"})
-        if self.flops_per_token and self.peak_flops:
-            record["mfu"] = self.flops_per_token * tokens_per_sec / self.peak_flops
         return record
 
     def _slow_stats(self) -> dict[str, float]:

@@ -306,3 +306,19 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "model" / "training_meta.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{stopped[0]}") and summary["step"] == 60
+
+
+def test_an_ablation_under_torchrun_runs_each_variant_on_every_rank(tmp_path):
+    """`torchrun -m tierlm ablate`: the variants run one after another on both ranks in one process
+    group (joining a new group per variant would hang); rank 0 alone writes the records."""
+    tiny = ["model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",
+            "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16", "data.max_seq_length=32", "training.num_train_steps=4",
+            "training.warmup_steps=0", "training.eval_steps=2", "training.eval_batches=1", "training.per_device_train_batch_size=4",
+            "training.sample_prompts=[]", "infra.progress_bar=false", "infra.device_type=cpu"]
+    out = tmp_path / "abl"
+    result = torchrun("-m", "tierlm", "ablate", "--config", "configs/tiny_pretrain.yaml", *tiny, "--variant", "a:training.learning_rate=3e-3",
+                      "--variant", "b:training.learning_rate=1e-3", "--out", out, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert all(runs[v]["0"]["finished"] and runs[v]["0"]["steps"] == 4 for v in ("a", "b"))
+    assert (out / "a_seed0" / "checkpoints" / "step_4" / "state").is_dir()  # a sharded (FSDP, 2-rank) checkpoint

@@ -127,10 +127,12 @@ class AblationCoordinator:
     def run(self) -> dict[str, Any]:
         """Train every unfinished run (failures recorded, not raised), then write the results."""
         self.check()
+        main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank trains; rank 0 writes the records
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / SPEC_FILE).write_text(json.dumps({
-            "config": self.config, "stage": self.stage, "seeds": self.seeds, "overrides": self.overrides,
-            "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in self.variants]}, indent=1) + "\n")
+        if main_rank:
+            (self.out / SPEC_FILE).write_text(json.dumps({
+                "config": self.config, "stage": self.stage, "seeds": self.seeds, "overrides": self.overrides,
+                "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in self.variants]}, indent=1) + "\n")
         for variant in self.variants:
             for seed in self.seeds:
                 run_dir = self.run_dir(variant, seed)
@@ -141,9 +143,15 @@ class AblationCoordinator:
                 status = {"error": error, "finished_at": time.time()} if error else {"finished_at": time.time()}
                 if error:
                     print(f"   failed: {error}", flush=True)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "ablation_status.json").write_text(json.dumps(status) + "\n")
-        return write_results(self.out)
+                if main_rank:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    (run_dir / "ablation_status.json").write_text(json.dumps(status) + "\n")
+        results = write_results(self.out) if main_rank else {}
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from tierlm.primitives.parallel import shutdown_distributed
+
+            shutdown_distributed()
+        return results
 
     def _train(self, variant: Variant, seed: int) -> str | None:
         """One run: in this process under torchrun (all ranks together), else in a child process."""
@@ -151,8 +159,10 @@ class AblationCoordinator:
                 f"infra.output_dir={self.run_dir(variant, seed)}"]
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from tierlm.cli import main
+            from tierlm.primitives.parallel import process_group_kept
 
-            return None if main(args) == 0 else "the run failed (see its rank's error above)"
+            with process_group_kept():  # the variants share this job's process group
+                return None if main(args) == 0 else "the run failed (see its rank's error above)"
         result = subprocess.run([sys.executable, "-m", "tierlm", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if result.returncode == 0:
             return None

@@ -7,6 +7,7 @@ All of it is PyTorch's own engine; launch with `torchrun`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -68,6 +69,21 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dis
     return DistributedContext(rank, local_rank, world_size, device)
 
 
+_KEEP_GROUP = False
+
+
+@contextlib.contextmanager
+def process_group_kept():
+    """Inside the block, `shutdown_distributed()` leaves the process group up: several runs in one
+    torchrun job (an ablation's variants) share it, since joining a new one after leaving hangs."""
+    global _KEEP_GROUP
+    previous, _KEEP_GROUP = _KEEP_GROUP, True
+    try:
+        yield
+    finally:
+        _KEEP_GROUP = previous
+
+
 def shutdown_distributed() -> None:
     """Leave the process group: a barrier, then collect, then destroy.
 
@@ -76,6 +92,8 @@ def shutdown_distributed() -> None:
     the process group alive past `destroy_process_group`, and a gloo group destroyed during
     interpreter finalization can abort the process after its work is done.
     """
+    if _KEEP_GROUP:
+        return
     if dist.is_initialized():
         dist.barrier()
         gc.collect()

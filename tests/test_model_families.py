@@ -30,6 +30,15 @@ def _hf_gpt2(tmp_path: Path):
     return model, tmp_path / "hf"
 
 
+def _greedy_by_recomputation(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from a full forward over everything so far (no cache): the engine's reference."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def test_gpt2_loads_transformers_weights_with_the_same_logits_and_loss(tmp_path):
     hf, folder = _hf_gpt2(tmp_path)
     ours = GPT2_FAMILY.import_transformers(folder).eval()
@@ -82,11 +91,7 @@ def test_gpt2_cached_greedy_decoding_equals_recomputation():
     model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=32)).eval()
     prompt = [3, 14, 15, 9]
     tokens = Engine(model).generate(prompt, 1, 10, temperature=0.0)[0].tokens
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(10):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    assert tokens == ids[len(prompt):]
+    assert tokens == _greedy_by_recomputation(model, prompt, 10)
 
 
 def test_gpt2_trains_through_the_cli_and_beats_the_unigram_level(tmp_path):
@@ -391,8 +396,4 @@ def test_pruned_models_generate_as_they_recompute():
     model = _gpt2(kv_prune=True, kv_recency=2, kv_keep_ratio=0.3)
     prompt = [3, 14, 15, 9, 2, 6]
     tokens = Engine(model).generate(prompt, 2, 8, temperature=0.0)[0].tokens
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(8):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    assert tokens == ids[len(prompt):]
+    assert tokens == _greedy_by_recomputation(model, prompt, 8)

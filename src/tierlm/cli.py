@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -248,7 +247,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
-    from tierlm.rollout.engine import Engine, readable_text
+    from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
 
     location = verified_model_location(args.checkpoint)
@@ -260,10 +259,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     except (OSError, ValueError, AttributeError) as e:
         raise TierlmError(f"{meta_file} is not readable JSON ({e}); restore it or delete it") from None
     chat = args.chat if args.chat is not None else (stage in ("sft", "dpo", "rl") and tokenizer.has_chat_template)
-    if chat:
-        prompt_ids = tokenizer.render_for_completion([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = [tokenizer.document_separator_id] + tokenizer.encode(args.prompt)
+    prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
     tools = [Calculator()] if chat and "<|tool_call_start|>" in tokenizer.hf.get_vocab() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
@@ -274,7 +270,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from tierlm.data import SourceOptions, open_examples, train_bpe_tokenizer, train_char_tokenizer
 
-    from tierlm.checkpoint.folders import check_new_folder, publish_folder, staging_folder
+    from tierlm.checkpoint.folders import check_new_folder, publish_tokenizer
 
     check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith(("synthetic:", "builtin:"))])
     texts = []
@@ -282,13 +278,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
         examples = open_examples(spec, SourceOptions(synthetic_count=args.num_docs))
         texts += examples.fetch(range(min(len(examples), args.num_docs)))
     tokenizer = train_char_tokenizer(texts) if args.kind == "char" else train_bpe_tokenizer(texts, args.vocab_size)
-    tmp = staging_folder(Path(args.out))
-    try:
-        out = publish_folder(tokenizer.save(tmp), Path(args.out))
-    except OSError as e:
-        raise TierlmError(f"could not write {args.out}: {e.strerror or e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    out = publish_tokenizer(tokenizer, Path(args.out))
     print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")
 
 

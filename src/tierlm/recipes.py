@@ -278,14 +278,13 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
 def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: str, kind: str):
     """model -> greedy completions of training.sample_prompts (user turns for chat stages), or None
     when there is nothing to sample or the model is sharded (FSDP ranks would have to generate together)."""
-    from tierlm.rollout.engine import Engine, readable_text
+    from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
 
     tr = config.training
     if not tr.sample_prompts or kind == "fsdp":
         return None
     chat = stage != "pretrain" and tokenizer.has_chat_template
-    prompts = [(p, tokenizer.render_for_completion([{"role": "user", "content": p}]) if chat
-                else [tokenizer.document_separator_id] + tokenizer.encode(p)) for p in tr.sample_prompts]
+    prompts = [(p, prompt_tokens(tokenizer, p, chat)) for p in tr.sample_prompts]
 
     def sample(model: torch.nn.Module) -> list[dict[str, str]]:
         engine = Engine(model, tokenizer.stop_ids, tokenizer)

@@ -53,19 +53,11 @@ def stage_configs(depth: int, out: Path, overrides: list[str], pretrain_data: st
 
 
 def _train_tokenizer(config: TierlmConfig, folder: Path) -> None:
-    from tierlm.checkpoint.folders import publish_folder, staging_folder
+    from tierlm.checkpoint.folders import publish_tokenizer
     from tierlm.run import train_tokenizer
 
-    if (folder / "tokenizer.json").is_file():
-        return  # trained by an earlier run of the speedrun
-    tmp = staging_folder(folder)
-    try:
-        publish_folder(train_tokenizer(config.model_copy(update={"model": config.model.model_copy(update={"tokenizer_name_or_path": None})}),
-                                       "pretrain").save(tmp), folder)
-    finally:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (folder / "tokenizer.json").is_file():  # else trained by an earlier run of the speedrun
+        publish_tokenizer(train_tokenizer(config, "pretrain"), folder)
 
 
 def run_speedrun(depth: int, out: Path, overrides: list[str] = (), pretrain_data: str | None = None) -> Path:
@@ -104,14 +96,14 @@ def run_speedrun(depth: int, out: Path, overrides: list[str] = (), pretrain_data
 def _sample_conversations(rl_dir: Path) -> list[tuple[str, str]]:
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
-    from tierlm.rollout.engine import Engine, readable_text
+    from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
 
     tokenizer = load_tokenizer(rl_dir / "model")
     engine = Engine(load_pretrained_model(rl_dir / "model"), tokenizer.stop_ids, tokenizer, [Calculator()])
     answers = []
     for question in SAMPLE_QUESTIONS:
-        ids = tokenizer.render_for_completion([{"role": "user", "content": question}])
+        ids = prompt_tokens(tokenizer, question, chat=True)
         answers.append((question, readable_text(tokenizer, engine.generate(ids, 1, 32, temperature=0.0)[0].tokens)))
     return answers
 

@@ -79,6 +79,17 @@ def staging_folder(out: Path) -> Path:
     return tmp
 
 
+def publish_tokenizer(tokenizer, out: Path) -> Path:
+    """Save `tokenizer` into the new folder `out`, which appears only once complete."""
+    tmp = staging_folder(out)
+    try:
+        return publish_folder(tokenizer.save(tmp), out)
+    except OSError as e:
+        raise CheckpointError(f"could not write {out}: {e.strerror or e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
     """Average the model weights of several checkpoints (or model folders) into a new model folder.
 

@@ -66,10 +66,6 @@ def get_weight_decay(step: int, num_training_steps: int, weight_decay: float) ->
     return weight_decay * max(0.0, 1 - step / num_training_steps)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "device_mesh") else t
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole matrix of a (possibly FSDP-sharded) tensor, on every rank."""
     return t.full_tensor() if hasattr(t, "device_mesh") else t

@@ -47,6 +47,11 @@ def split_decay_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Pa
     return decay, no_decay
 
 
+def _fusable(params: list[nn.Parameter]) -> bool:
+    """Can torch's fused AdamW kernel take these (floating point, on the CPU or a GPU)?"""
+    return all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+
+
 def create_adamw_optimizer(
     model: nn.Module,
     lr: float,
@@ -90,7 +95,7 @@ def create_adamw_optimizer(
     if not all_params:
         raise ConfigError("the model has no trainable parameters")
     if fused is None:
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in all_params)
+        fused = _fusable(all_params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
 
 
@@ -235,8 +240,7 @@ def _adamw(groups: list[dict], settings: RoleSettings) -> Optimizer:
     for i, beta in enumerate(settings.betas):
         if not 0 <= beta < 1:
             raise ConfigError(f"beta{i + 1} must be in [0, 1), got {beta}")
-    params = [p for g in groups for p in g["params"]]
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None
+    fused = _fusable([p for g in groups for p in g["params"]]) or None
     return torch.optim.AdamW(groups, betas=settings.betas, eps=settings.eps, fused=fused)
 
 

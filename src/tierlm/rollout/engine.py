@@ -148,6 +148,14 @@ def answer_text(tokenizer, tokens: list[int]) -> str:
     return tokenizer.decode(tokens[last + 1 :], skip_special_tokens=True)
 
 
+def prompt_tokens(tokenizer, text: str, chat: bool) -> list[int]:
+    """A prompt as the model is fed it: a user turn ready for the assistant's answer (chat models),
+    or the raw text after the document separator (base models)."""
+    if chat:
+        return tokenizer.render_for_completion([{"role": "user", "content": text}])
+    return [tokenizer.document_separator_id] + tokenizer.encode(text)
+
+
 def readable_text(tokenizer, tokens: list[int]) -> str:
     """A completion for people: tool calls shown as [calculator: 23 + 45 -> 68], other markers dropped.
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.report import model_figures
+from tierlm.report import model_figures, read_metrics
 
 SPEC_FILE = "ablation.json"
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96.
@@ -172,15 +172,9 @@ class AblationCoordinator:
 
 
 # -- results ------------------------------------------------------------------------------------
-def _records(run_dir: Path) -> list[dict]:
-    from tierlm.report import read_metrics
-
-    return read_metrics(run_dir)
-
-
 def run_result(run_dir: Path) -> dict[str, Any]:
     """The figures of one run from its directory (metrics.jsonl, the model folder, its status)."""
-    records = _records(run_dir)
+    records = read_metrics(run_dir)
     status = json.loads((run_dir / "ablation_status.json").read_text()) if (run_dir / "ablation_status.json").is_file() else {}
     train = [r for r in records if r.get("type") == "train"]
     evals = [r for r in records if r.get("type") == "eval" and "val_loss" in r]
@@ -255,18 +249,17 @@ def summary_markdown(spec: dict, results: dict[str, dict[str, dict]], plots: lis
 
 
 def _plots(out: Path, spec: dict, results: dict[str, dict[str, dict]]) -> list[Path]:
-    from tierlm.report import plot_series
+    from tierlm.report import plot_series, val_loss_curve
 
     curves, gates = {}, {}
     for v in spec["variants"]:
         by_tokens: dict[float, list[float]] = {}
         gate_steps: dict[int, list[float]] = {}
         for seed in spec["seeds"]:
-            records = _records(out / f"{v['name']}_seed{seed}")
-            per_step = next((r["tokens_seen"] / r["step"] for r in reversed(records) if r.get("type") == "train" and r["step"]), 0)
+            records = read_metrics(out / f"{v['name']}_seed{seed}")
+            for tokens, loss in val_loss_curve(records):
+                by_tokens.setdefault(tokens, []).append(loss)
             for r in records:
-                if r.get("type") == "eval" and "val_loss" in r:
-                    by_tokens.setdefault(r.get("tokens_seen", r["step"] * per_step), []).append(r["val_loss"])
                 if r.get("type") == "train" and "ra_w_rec_mean" in r:
                     gate_steps.setdefault(r["step"], []).append(r["ra_w_rec_mean"])
         xs = sorted(by_tokens)

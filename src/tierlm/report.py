@@ -56,6 +56,14 @@ def plot_series(path: Path, title: str, x_label: str, series: dict[str, tuple[li
     return path
 
 
+def val_loss_curve(records: list[dict]) -> list[tuple[float, float]]:
+    """(tokens seen, val loss) of each eval line; lines from before eval lines carried `tokens_seen`
+    are placed at step x the run's tokens per step."""
+    last = next((r for r in reversed(records) if r.get("type") == "train" and r.get("step")), None)
+    per_step = last["tokens_seen"] / last["step"] if last else 0
+    return [(r.get("tokens_seen", r["step"] * per_step), r["val_loss"]) for r in records if r.get("type") == "eval" and "val_loss" in r]
+
+
 def _xy(records: list[dict], kind: str, x: str, y: str) -> tuple[list[float], list[float]]:
     rows = [r for r in records if r.get("type") == kind and y in r and x in r]
     return [r[x] for r in rows], [r[y] for r in rows]
@@ -66,7 +74,6 @@ def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
     SFT; reward and pass@k against steps for RL. Returns the PNGs written."""
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("type") == "train"]
-    evals = [r for r in records if r.get("type") == "eval"]
     written = []
     if any("reward_mean" in r for r in train):
         written.append(plot_series(out_dir / f"{name}_reward.png", f"{name}: reward and pass@k", "step", {
@@ -75,8 +82,7 @@ def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
             "held-out pass@k": _xy(records, "eval", "step", "pass@k"),
         }))
     elif train:
-        per_step = train[-1]["tokens_seen"] / train[-1]["step"]  # runs before eval lines carried tokens_seen
-        val = [(r.get("tokens_seen", r["step"] * per_step), r["val_loss"]) for r in evals if "val_loss" in r]
+        val = val_loss_curve(records)
         written.append(plot_series(out_dir / f"{name}_loss.png", f"{name}: loss", "tokens", {
             "train (EMA)": _xy(records, "train", "tokens_seen", "loss_ema" if "loss_ema" in train[-1] else "loss"),
             "validation": ([v[0] for v in val], [v[1] for v in val]),

@@ -216,7 +216,7 @@ class PyTorchTrainingBackend:
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
         grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor; the same value on every rank
-        lrs = self._learning_rates()  # the LRs this update uses
+        reported = self._learning_rates()  # the LRs this update uses
         loss = loss_sum / num_tokens.clamp(min=1.0)
         # A NaN/Inf loss or gradient would poison the weights and the optimizer state: skip the
         # update (one host sync per step; the schedule still advances, as the step still counts).
@@ -226,11 +226,11 @@ class PyTorchTrainingBackend:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lrs.update(optimizer_metrics(self.optimizer))  # e.g. AdamWPrune's sparsity (cached: no host sync)
+        reported.update(optimizer_metrics(self.optimizer))  # e.g. AdamWPrune's sparsity (cached: no host sync)
         self.step += 1
         self._reset_accumulators()
         return TrainFuture(
-            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), **lrs, "num_tokens": num_tokens.item(),
+            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), **reported, "num_tokens": num_tokens.item(),
                      "skipped": float(not finite)}
         )
 

@@ -28,7 +28,7 @@ from torch import nn
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
-from tierlm.primitives.optim import ROLES, parameter_roles, width_lr_scale
+from tierlm.primitives.optim import ROLES, RoleSettings, parameter_roles, width_lr_scale
 
 B_REF = 2**19  # tokens per step found best at the d12 reference (nanochat, measured)
 REFERENCE_DEPTH = 12
@@ -156,6 +156,20 @@ def role_learning_rates(config: TierlmConfig, width: int | None) -> dict[str, fl
                         unembedding=MUON_DEFAULT_LRS["unembedding"] * scale)
     explicit = {role: getattr(tr, f"{role}_lr") for role in ROLES}
     return {role: explicit[role] if explicit[role] is not None else defaults[role] for role in ROLES}
+
+
+def optimizer_settings(config: TierlmConfig, width: int | None, distributed: bool = False) -> RoleSettings:
+    """The optimizer's settings for `config` (roles' LRs, decay, betas, optimizer-specific options)."""
+    tr = config.training
+    lrs = role_learning_rates(config, width)
+    options = {
+        "adamw_spam": dict(theta=tr.spam_theta, interval=tr.spam_interval, warmup=tr.spam_warmup),
+        "adamw_prune": dict(score=tr.prune_score, final_sparsity=tr.prune_sparsity, warmup=tr.prune_warmup,
+                            frequency=tr.prune_frequency, total_steps=tr.num_train_steps, seed=tr.seed),
+    }.get(tr.optimizer, {})
+    return RoleSettings(lrs["matrix"], lrs["embedding"], lrs["unembedding"], lrs["scalar"], tr.weight_decay,
+                        tr.decay_norms_and_embeddings, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.muon_momentum,
+                        distributed=distributed, options=options)
 
 
 def _horizon(config: TierlmConfig, model: nn.Module, plan: Plan) -> None:

@@ -34,9 +34,9 @@ from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import check_fits
 from tierlm.models import family_named, is_native_folder, load_pretrained_model, model_max_seq_len
-from tierlm.plan import role_learning_rates, model_width, new_model
+from tierlm.plan import model_width, new_model, optimizer_settings
 from tierlm.primitives import create_warmup_scheduler, parse_dtype
-from tierlm.primitives.optim import RoleSettings, build_optimizer
+from tierlm.primitives.optim import build_optimizer
 from tierlm.primitives.parallel import DistributedContext, shutdown_distributed
 from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
 from tierlm.strategies import PretrainStrategy, SFTStrategy
@@ -89,7 +89,9 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
 
 def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_documents: int, world_size: int = 1,
                  copies: int = 1, rows: int | None = None, row_tokens: int | None = None) -> dict[str, tuple[float, str]]:
-    """Lower bounds of what a run will hold, by consumer, for the pre-flight check (`check_fits`):
+    """Lower bounds of what a run will hold, by consumer: the instant first gate of the pre-flight
+    (`check_fits`), before the traced estimate (`Run.check_memory`), so an absurd config (a
+    hundred-million-token row) is refused before anything is traced:
     training state (weights, gradients, AdamW moments; sharded under FSDP), frozen copies
     (`copies` - 1: a DPO or KL reference), buffers, one micro-batch's activations and logits, and
     the loader's document index. Each is at most what the run takes, so a refusal is certain.
@@ -236,15 +238,7 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
     tr, infra = config.training, config.infra
 
     kind = distributed_kind(config, ctx)
-    lrs = role_learning_rates(config, model_width(model))  # the plan's values (explicit once the run's config is resolved)
-    options = {
-        "adamw_spam": dict(theta=tr.spam_theta, interval=tr.spam_interval, warmup=tr.spam_warmup),
-        "adamw_prune": dict(score=tr.prune_score, final_sparsity=tr.prune_sparsity, warmup=tr.prune_warmup,
-                            frequency=tr.prune_frequency, total_steps=tr.num_train_steps, seed=tr.seed),
-    }.get(tr.optimizer, {})
-    settings = RoleSettings(lrs["matrix"], lrs["embedding"], lrs["unembedding"], lrs["scalar"], tr.weight_decay,
-                            tr.decay_norms_and_embeddings, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.muon_momentum,
-                            distributed=kind != "none", options=options)
+    settings = optimizer_settings(config, model_width(model), distributed=kind != "none")  # the plan's values
 
     def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:  # after wrapping: FSDP2's parameters are the shards
         return build_optimizer(tr.optimizer, m, settings)
@@ -335,10 +329,12 @@ def _train_stage(run: Run) -> dict:
         documents = config.data.num_synthetic_examples if config.data.dataset_name.startswith("synthetic:") else 0
         copies = 2 if config.dpo.reference == "frozen" else 1
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, documents, run.world_size, copies), run.device)
+        run.check_memory(documents)
         train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
     else:
         train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_loader.documents), run.world_size), run.device)
+        run.check_memory(len(train_loader.documents))
     model = build_model(config, tokenizer, run.device, run.pretrained)
     config = run.resolve(model)
     if stage == "dpo":

@@ -271,6 +271,7 @@ class Run:
     stop: GracefulStop = field(default_factory=GracefulStop)
     resumed: Path | None = None
     plan: Any = None  # a tierlm.plan.Plan, once resolve() has run
+    memory: Any = None  # a tierlm.memory_plan.MemoryEstimate, once check_memory() has run
 
     @property
     def output_dir(self) -> Path:
@@ -298,6 +299,21 @@ class Run:
             print(self.plan.table(), flush=True)  # stdout, with the run summary: stderr stays for problems and progress
         return self.config
 
+    def check_memory(self, num_documents: int, rows: int | None = None, row_tokens: int | None = None) -> None:
+        """Before the model is allocated: estimate this run's memory per rank (`tierlm.memory_plan`),
+        refuse it in one line if it cannot fit, and print the estimate on rank 0. On CPU the ranks
+        of one machine share its memory. A hub id is sized only after its download (not here)."""
+        from tierlm.memory_plan import check_memory, estimate_run_memory
+
+        if isinstance(self.pretrained, str):
+            return
+        self.memory = estimate_run_memory(self.config, self.world_size, self.stage, self.tokenizer.vocab_size, self.pretrained,
+                                          num_documents, self.device.type, rows, row_tokens, self.kind)
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1
+        check_memory(self.memory, self.device, ranks=sharing)
+        if self.is_main:
+            print(self.memory.table(), flush=True)
+
     def begin(self, trainer) -> Path | None:
         """Everything is checked: create the run directory, record the run, resume, start logging."""
         if self.is_main:
@@ -309,6 +325,8 @@ class Run:
             run_file = {"stage": self.stage, "fingerprint": fingerprint(self.config, self.stage)}
             (self.output_dir / RUN_FILE).write_text(json.dumps(run_file, indent=1) + "\n")
             self.config.to_yaml(self.output_dir / "config.yaml")
+            if self.memory is not None:  # what the planner expected, beside the measured rss_mb of metrics.jsonl
+                (self.output_dir / "memory_estimate.json").write_text(json.dumps(self.memory.record(), indent=1) + "\n")
         self.resumed = trainer.resume() if self.latest is not None else None
         if self.is_main:
             metrics = self.output_dir / "metrics.jsonl"

@@ -23,6 +23,7 @@ from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.models import family_of
+from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.fp8 import apply_float8_training, check_fp8_device
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
 
@@ -33,7 +34,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool, fp8: bool = False) -> nn.Module:
     """The model transforms, in their one order, before any wrapping (FSDP2 / DDP come after):
     on the device, FP8 linear layers, per-block activation checkpointing, per-block compile."""
-    model = model.to(device)
+    model = move_to(model, device)
     if fp8:
         check_fp8_device(device)
         apply_float8_training(model)

@@ -21,6 +21,7 @@ from tierlm.primitives.losses import (
     reads_label_cross_entropy_only,
     token_weights,
 )
+from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
 
@@ -54,7 +55,7 @@ class FrozenReference:
 
     def __init__(self, model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None):
         self.device, self.autocast_dtype = torch.device(device), autocast_dtype
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = move_to(model, self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def forward(self, batch: Batch, fn: Callable) -> TrainFuture[dict]:
@@ -105,7 +106,7 @@ class PyTorchTrainingBackend:
 
     # -- helpers ---------------------------------------------------------------------------
     def _place(self, model: nn.Module) -> nn.Module:
-        return model.to(self.device)
+        return move_to(model, self.device)
 
     @property
     def eval_model(self) -> nn.Module:

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch._guards import active_fake_mode
 
 from tierlm.errors import ModelLoadError, first_line
 from tierlm.models.gpt import KVCache
@@ -36,7 +37,18 @@ class NativeFamily(ModelFamily):
         return isinstance(model, self.model_class)
 
     def build_from_config(self, config, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """Build on the meta device, allocate on `device`, initialise once (device "meta": described only)."""
+        """Build on the meta device, allocate on `device`, initialise once (device "meta": described only;
+        under the memory planner's FakeTensorMode: fake tensors of the right shapes and dtype, uninitialised)."""
+        if active_fake_mode() is not None:  # FakeTensorMode cannot swap meta parameters for fake ones
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(device):
+                    model = self.model_class(config)
+            finally:
+                torch.set_default_dtype(default)
+            model.tie_weights()
+            return model
         with torch.device("meta"):
             model = self.model_class(config)
         if torch.device(device).type == "meta":

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError, ModelLoadError, first_line
+from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.losses import get_labels, linear_cross_entropy
 
 NATIVE_CONFIG_FILE = "tierlm_model.json"  # in a native model folder: {"family": name, **its config}
@@ -205,7 +206,7 @@ class TransformersFamily(ModelFamily):
         with torch.device("meta" if on_meta else "cpu"):
             model = create_hf_model_from_config(model_config.architecture, torch_dtype=dtype,
                                                 **{"vocab_size": vocab_size, **model_config.hf_config})
-        return model if on_meta else model.to(device)
+        return model if on_meta else move_to(model, device)
 
     def fuses_cross_entropy(self, model: nn.Module) -> bool:
         """A plain-head type run as it is (a DDP or FSDP wrapper must see the whole forward)."""

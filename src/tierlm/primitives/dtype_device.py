@@ -80,3 +80,18 @@ def resolve_device(device_type: str = "auto", gpu_rank: int = 0) -> torch.device
     if device_type == "mps" and not torch.backends.mps.is_available():
         raise DeviceError("device_type 'mps' was requested but MPS is not available; use 'cpu' or 'auto'")
     return torch.device(device_type)
+
+
+def move_to(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """`module.to(device)`, skipped when every parameter and buffer is already there (a no-op
+    walk, and one that FakeTensorMode, used by the memory planner, cannot take).
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> move_to(layer, "cpu") is layer
+    True
+    """
+    device = torch.device(device)
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.device == device or (t.device.type == device.type and device.index is None) for t in tensors):
+        return module
+    return module.to(device)

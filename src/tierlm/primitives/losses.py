@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
@@ -167,7 +168,8 @@ def linear_cross_entropy(
     chunk_rows = chunk_rows or _chunk_rows(weight.shape[0])
     with_grad = torch.is_grad_enabled()  # under no_grad (eval) no gradient is precomputed
     if hidden.device.type == "cpu":
-        rows = trained.nonzero().squeeze(1)
+        # (under the memory planner's fake tensors every row counts as trained: the most it can hold)
+        rows = torch.arange(len(labels), device=labels.device) if is_fake(labels) else trained.nonzero().squeeze(1)
         total, losses = _LinearCrossEntropy.apply(hidden[rows], weight, labels[rows], weights[rows], chunk_rows, with_grad)
         return total, torch.zeros(labels.shape, dtype=losses.dtype, device=losses.device).index_copy_(0, rows, losses)
     return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_rows, with_grad)

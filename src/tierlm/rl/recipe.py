@@ -60,6 +60,15 @@ def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, 
                                 "leaves room to answer; shorten or drop it")
 
 
+def _longest_rollout(task, tokenizer, max_new_tokens: int, max_seq_length: int, sample: int = 256) -> int:
+    """Prompt + completion tokens of the longest rollout, from the prompts of the first `sample`
+    examples (an environment's prompts are not known ahead: data.max_seq_length)."""
+    if is_environment(task):
+        return max_seq_length
+    prompts = (len(tokenizer.render_for_completion(task.example(i).messages)) for i in range(min(sample, len(task))))
+    return max(prompts, default=0) + max_new_tokens
+
+
 def run_rl(config: TierlmConfig) -> dict:
     """Reinforcement learning from a trained chat model: sample groups, reward, policy-gradient updates."""
     summary = _run_rl(prepare_run(config, "rl"))
@@ -79,6 +88,7 @@ def _run_rl(run: Run) -> dict:
     rows = min(rl.micro_batch_size, rl.prompts_per_step // run.world_size * rl.group_size)  # rollouts per forward/backward
     check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_task), run.world_size, 2 if rl.kl_coef > 0 else 1,
                             rows=rows, row_tokens=rl.max_new_tokens), run.device)
+    run.check_memory(len(train_task), rows, _longest_rollout(train_task, tokenizer, rl.max_new_tokens, d.max_seq_length))
     model = build_model(config, tokenizer, run.device, run.pretrained)
     config = run.resolve(model)
     tr = config.training

@@ -1,0 +1,59 @@
+"""Measure a training command's peak memory, to check the planner against (`tierlm.memory_plan`).
+
+    python -m tierlm.memory_probe pretrain --config tiny_pretrain training.num_train_steps=3
+    torchrun --nproc-per-node 2 -m tierlm.memory_probe pretrain ...
+
+Everything a run imports is imported first; then the resident set (RSS) is read as the baseline,
+the command runs, and the probe prints one JSON line per rank: the baseline, the peak RSS (the
+kernel's high-water mark, VmHWM), their difference (what the run grew by: what the planner
+estimates), the peak CUDA memory when there is a GPU, and the run's own `memory_estimate.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def main(argv: list[str]) -> int:
+    import torch  # noqa: F401  (everything a run imports, before the baseline)
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    from torch.distributed._tools import mem_tracker  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    import tierlm.cli
+    import tierlm.memory_plan  # noqa: F401
+    import tierlm.recipes  # noqa: F401
+    import tierlm.rl.recipe  # noqa: F401
+
+    baseline = _status_mb("VmRSS")
+    try:
+        code = tierlm.cli.main(argv) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    record = {"rank": int(os.environ.get("RANK", "0")), "exit_code": code, "baseline_mb": baseline,
+              "peak_mb": _status_mb("VmHWM"), "growth_mb": _status_mb("VmHWM") - baseline}
+    if torch.cuda.is_available():
+        record["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    output = next((a.split("=", 1)[1] for a in argv if a.startswith("infra.output_dir=")), None)
+    if output and os.path.exists(os.path.join(output, "memory_estimate.json")):
+        with open(os.path.join(output, "memory_estimate.json")) as f:
+            record["estimate_mb"] = json.load(f)["total_bytes"] / 2**20
+    print("MEMORY_PROBE " + json.dumps(record), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    print(f"| config | stage | ranks | estimate (MiB) | measured peak growth (MiB) | estimate / measured |")
+    print("| config | stage | ranks | estimate (MiB) | measured peak growth (MiB) | estimate / measured |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (stage, overrides, ranks) in CONFIGS.items():

@@ -193,6 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.measure:  # one process measured; the ranks of a data-parallel run add up
         speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size
     print(plan.table(speed))
+    print(plan.memory.table())
 
 
 def _int_list(text: str, what: str) -> list[int]:

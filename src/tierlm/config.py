@@ -128,6 +128,9 @@ class ModelConfig(Section):
     """Tokenizer to use; None takes the model's own, or trains one (see the tokenizer section) from scratch."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype. For mixed precision keep float32 and set training.bf16."""
+    use_flash_attention: bool = True
+    """Let scaled-dot-product attention use its flash kernel (CUDA's, or the CPU one); false keeps it
+    to the memory-efficient or the plain math kernel (which materialises the T x T scores)."""
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
 
@@ -197,8 +200,9 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    per_device_train_batch_size: int = Field(8, gt=0)
-    """Rows per micro-batch on each device."""
+    per_device_train_batch_size: int | Literal["auto"] = 8
+    """Rows per micro-batch on each device; auto: the largest power of two the memory planner
+    predicts to fit (with a 20% margin), confirmed by one real forward/backward (pretrain, SFT, DPO)."""
     per_device_eval_batch_size: int = Field(16, gt=0)
     """Rows per eval batch on each device."""
     gradient_accumulation_steps: int = Field(1, gt=0)
@@ -271,6 +275,9 @@ class TrainingConfig(Section):
     bf16: bool = False
     """Compute in bf16: autocast for one process and DDP; for FSDP, bf16 parameters in forward and
     backward with fp32 master shards, optimizer state and gradient reduction."""
+    fp16: bool = False
+    """Compute in fp16 with loss scaling (autocast and torch.amp.GradScaler; one process or DDP) on
+    CUDA GPUs without bf16 (before Ampere). Refused on CPU and with FSDP (use bf16 there)."""
     fp8: bool = False
     """FP8 matmuls (torchao Float8Linear, tensorwise scaling) in the hidden linear layers on H100-class
     GPUs; evaluation runs them in bf16. Refused elsewhere."""
@@ -301,10 +308,21 @@ class TrainingConfig(Section):
     """Write a train line to metrics.jsonl every N steps."""
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     """Extra metric sinks besides metrics.jsonl."""
+    logging_dir: str | None = None
+    """Where TensorBoard writes (default: <output_dir>/tensorboard)."""
     seed: int = Field(42, ge=0, lt=2**63)
     """Seed for initialisation, data order and sampling."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run directory."""
+
+    @field_validator("per_device_train_batch_size", mode="before")
+    @classmethod
+    def _batch_rows(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        raise ValueError(f"training.per_device_train_batch_size must be auto or a number of rows > 0, got {value!r}")
 
     @field_validator("total_batch_size", mode="before")
     @classmethod
@@ -317,6 +335,8 @@ class TrainingConfig(Section):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "TrainingConfig":
+        if self.fp16 and self.bf16:
+            raise ValueError("training.fp16 and training.bf16 are two precisions: set one")
         if isinstance(self.total_batch_size, int) and self.total_batch_size <= 0:
             raise ValueError(f"training.total_batch_size must be auto or a number of tokens > 0, got {self.total_batch_size}")
         if self.total_batch_size == "auto" and self.target_param_data_ratio is None:
@@ -352,12 +372,21 @@ class InfraConfig(Section):
     """torch.compile each transformer block (slow to start; worth it on GPUs)."""
     cpu_offload: bool = False
     """FSDP only: keep parameter shards, gradients and optimizer state in CPU memory."""
+    fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"] = "FULL_SHARD"
+    """FSDP only: FULL_SHARD re-shards each block after its forward (least memory); SHARD_GRAD_OP
+    keeps them gathered until the backward (no second all-gather); HYBRID_SHARD shards within each
+    machine and replicates across machines (2-D mesh)."""
     dist_timeout_s: float = Field(600.0, gt=0)
     """How long a collective waits for a silent rank before the job fails (instead of hanging)."""
+    max_memory_gb: float | None = Field(None, gt=0)
+    """Memory each rank may use, in GB (1e9 bytes), for the pre-flight check and the automatic batch
+    size (default: what the device has: free GPU memory, or RAM and the cgroup limit shared by the ranks)."""
     wandb_project: str = "tierlm"
     """W&B project, when training.report_to includes wandb."""
     wandb_run_name: str | None = None
     """W&B run name (default: W&B picks one)."""
+    wandb_entity: str | None = None
+    """W&B team or user the run belongs to (default: the logged-in user's)."""
 
 
 class RLConfig(Section):
@@ -475,6 +504,9 @@ class TierlmConfig(Section):
             Path(path).write_text(text)
         return text
 
+
+FullConfig = TierlmConfig
+"""Seed 002's name for the complete configuration (`FullConfig.from_yaml(path)`, `config.to_yaml(path)`)."""
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 

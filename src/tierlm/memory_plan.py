@@ -17,6 +17,7 @@ the table is in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,24 +30,13 @@ from tierlm.backends.distributed import prepare_model
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.metrics.memory import available_memory_bytes, format_bytes
+from tierlm.metrics.memory import CPU_FRAMEWORK_BYTES, CPU_RETENTION, CPU_RETENTION_RECOMPUTE, available_memory_bytes, format_bytes
 from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
 from tierlm.plan import model_width, optimizer_settings
 from tierlm.primitives import parse_dtype
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.primitives.optim import build_optimizer
 
-CPU_FRAMEWORK_BYTES = 96 * 2**20
-"""On CPU, what the first training step adds beyond its tensors (autograd engine, OpenMP pools,
-kernel workspaces), measured with a one-layer model (bench/memory.py)."""
-CPU_RETENTION = 0.35
-"""On CPU, glibc's heap keeps freed activation memory resident (its mmap threshold rises to the
-largest freed block, so later activations come from the heap and leave holes): measured over the
-configs of bench/memory.py, the peak RSS exceeds the live tensors by about this share of one
-micro-batch's activations (run to run, the same config varies by about 5%)."""
-CPU_RETENTION_RECOMPUTE = 0.55
-"""The same under activation checkpointing, as a share of the activations without it: the blocks
-recomputed in the backward cycle that volume through the heap a second time (measured likewise)."""
 BYTES_PER_DOCUMENT = 24
 """The loader's hold per document (its index; the documents are read or generated on demand):
 measured, 200,000 synthetic documents add 4 MB over 2,000."""
@@ -99,7 +89,7 @@ class MemoryEstimate:
 
 # -- the trace ---------------------------------------------------------------------------------
 def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
-    """The run's model in fake tensors (inside an active FakeTensorMode)."""
+    """The run's model, uninitialised where it can be: in fake tensors inside an active FakeTensorMode."""
     dtype = parse_dtype(config.model.dtype)
     if pretrained is None:
         from tierlm.plan import new_model
@@ -136,12 +126,13 @@ def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int, v
 
 
 def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tokens: int, pretrained=None,
-               generation: tuple[int, int] | None = None) -> dict[str, int]:
+               generation: tuple[int, int] | None = None, fake: bool = True) -> dict[str, int]:
     """Bytes at the peak of a training step of `config`'s model on one process, by MemTracker's
     category ({"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}).
 
     The traced step is the second, the steady one: it holds the optimizer state the first created.
     `generation` = (samples, length): before it, prefill a cache of that many rows of that length (RL).
+    `fake=False` runs the same step on real tensors (to check the fake trace against: small configs only).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -150,12 +141,13 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
 
     tr, infra = config.training, config.infra
     cpu = torch.device("cpu")
-    with FakeTensorMode():
+    with FakeTensorMode() if fake else contextlib.nullcontext():
         model = _fake_model(config, vocab_size, pretrained)
         model = prepare_model(model, cpu, infra.activation_checkpointing, compile=False)
         optimizer = build_optimizer(tr.optimizer, model, optimizer_settings(config, model_width(model)))
         backend = PyTorchTrainingBackend(model, optimizer, None, Path(os.devnull), cpu, None, tr.max_grad_norm,
-                                         torch.bfloat16 if tr.bf16 else None, fused_cross_entropy=tr.fused_cross_entropy)
+                                         torch.bfloat16 if tr.bf16 else None, fused_cross_entropy=tr.fused_cross_entropy,
+                                         flash_attention=config.model.use_flash_attention)
         batch, loss_fn = _strategy_inputs(config, stage, rows, tokens, vocab_size)
         reference = None
         if "ref_logps" not in batch and stage == "dpo":
@@ -258,8 +250,8 @@ def estimate_run_memory(
     >>> estimate = estimate_run_memory(config, vocab_size=64)
     >>> sorted(name for name, b in estimate.parts.items() if b > 0)[:4]
     ['activations', 'allocator retention', 'buffers', 'data loader']
-    >>> estimate.parts["optimizer state"] == 2 * estimate.parts["parameters"]  # AdamW: two fp32 moments
-    True
+    >>> round(estimate.parts["optimizer state"] / estimate.parts["parameters"], 2)  # AdamW: two fp32 moments (and step counts)
+    2.0
     """
     tr, d, rl = config.training, config.data, config.rl
     vocab_size = vocab_size or config.tokenizer.vocab_size
@@ -285,11 +277,16 @@ def estimate_run_memory(
     parts.update({"parameters": params, "buffers": peak.get("Buffer", 0), "gradients": grads, "optimizer state": states,
                   "activations": activations})
     if distributed == "fsdp" and world_size > 1:  # each rank keeps 1/N; one block is gathered, the next prefetched
+        strategy = config.infra.fsdp_sharding_strategy
+        shards = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if strategy == "HYBRID_SHARD" else world_size
         for name in ("parameters", "gradients", "optimizer state"):
-            parts[name] /= world_size
-        block = _largest_block_numel(unwrap_model(described))
+            parts[name] /= shards
         gathered_dtype_bytes = 2 if tr.bf16 else 4
-        parts["FSDP gathered blocks"] = block * (2 * gathered_dtype_bytes + 4) * (1 - 1 / world_size)
+        if strategy == "SHARD_GRAD_OP":  # every block stays gathered from its forward to its backward
+            parts["FSDP gathered blocks"] = sum(p.numel() for p in described.parameters()) * gathered_dtype_bytes * (1 - 1 / shards)
+        else:
+            block = _largest_block_numel(unwrap_model(described))
+            parts["FSDP gathered blocks"] = block * (2 * gathered_dtype_bytes + 4) * (1 - 1 / shards)
     elif distributed == "ddp" and world_size > 1:
         parts["DDP gradient buckets"] = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     if stage == "dpo" and config.dpo.reference == "frozen":  # traced: its weights are among the parameters
@@ -337,28 +334,59 @@ def _fixes(config: TierlmConfig, stage: str) -> dict[str, str]:
     }
 
 
-def check_memory(estimate: MemoryEstimate, device: torch.device, available: int | None = None, ranks: int = 1) -> None:
-    """Refuse a run whose estimate exceeds the memory available (device memory less a margin, or
-    RAM and the cgroup limit, shared by `ranks` processes): one line naming the largest consumer
-    and its cheapest fix.
+def memory_budget(device: torch.device, max_memory_gb: float | None = None, ranks: int = 1) -> float | None:
+    """Bytes one rank may use: free device memory less the allocator's margin on CUDA, or on CPU
+    the RAM and cgroup limit shared by the `ranks` processes of this machine; at most
+    `max_memory_gb` (infra.max_memory_gb). None when nothing says (no limit is checked).
+
+    >>> memory_budget(torch.device("cpu"), max_memory_gb=0.5)
+    500000000.0
+    """
+    available = available_memory_bytes(device)
+    if available is not None:
+        available = available * (1 - CUDA_MARGIN) if device.type == "cuda" else available / ranks
+    if max_memory_gb is not None:
+        available = min(available, max_memory_gb * 1e9) if available is not None else max_memory_gb * 1e9
+    return None if available is None else float(available)
+
+
+def check_memory(estimate: MemoryEstimate, budget: float | None) -> None:
+    """Refuse a run whose estimate exceeds its `budget` (`memory_budget`): one line naming the
+    largest consumer and its cheapest fix.
 
     >>> estimate = MemoryEstimate({"activations": 3 * 2**30, "parameters": 2**29}, fixes={"activations": "set infra.activation_checkpointing=true"})
-    >>> check_memory(estimate, torch.device("cpu"), available=2**30)
+    >>> check_memory(estimate, 2**30)
     Traceback (most recent call last):
     ...
     tierlm.errors.ConfigError: this run needs about 3.5 GiB per rank but 1.0 GiB is available; the largest part is activations (3.0 GiB): set infra.activation_checkpointing=true
     """
-    available = available_memory_bytes(device) if available is None else available
-    if available is None:
-        return
-    if device.type == "cuda":
-        available = int(available * (1 - CUDA_MARGIN))
-    if estimate.total * ranks <= available:
+    if budget is None or estimate.total <= budget:
         return
     name, largest = estimate.largest()
-    share = f" for each of {ranks} ranks" if ranks > 1 else ""
-    raise ConfigError(f"this run needs about {format_bytes(estimate.total)} per rank{share} but {format_bytes(available)} is available; "
+    raise ConfigError(f"this run needs about {format_bytes(estimate.total)} per rank but {format_bytes(budget)} is available; "
                       f"the largest part is {name} ({format_bytes(largest)}): {estimate.fixes.get(name, 'use a smaller run')}")
+
+
+def auto_batch_size(config: TierlmConfig, stage: str, budget: float | None, world_size: int = 1, **kwargs) -> tuple[int, str]:
+    """training.per_device_train_batch_size=auto: (rows, why). The largest power of two predicted
+    to fit `budget` with a 20% margin (`largest_fitting_batch`); with training.total_batch_size
+    fixed, also one that divides it (the accumulation takes up the rest, so the optimisation is
+    the same). Without a budget (nothing says how much memory there is) the default, 8."""
+    if stage == "rl":
+        raise ConfigError("training.per_device_train_batch_size=auto sizes pretraining, SFT and DPO micro-batches; "
+                          "RL's is rl.micro_batch_size: set a number")
+    tr, T = config.training, config.data.max_seq_length
+    if budget is None:
+        return 8, "no memory limit is known here (set infra.max_memory_gb)"
+    rows, estimate = largest_fitting_batch(config, budget, stage, world_size=world_size, **kwargs)
+    why = f"predicted {format_bytes(estimate.total)} per rank of {format_bytes(budget)}, with a 20% margin"
+    if isinstance(tr.total_batch_size, int):
+        fitting = rows
+        while rows > 1 and tr.total_batch_size % (rows * T * world_size):
+            rows //= 2
+        if rows != fitting:
+            why += f"; {fitting} rows fit but do not divide training.total_batch_size={tr.total_batch_size:,}"
+    return rows, why
 
 
 def largest_fitting_batch(config: TierlmConfig, available: float, stage: str = "pretrain", margin: float = 0.2, **kwargs) -> tuple[int, MemoryEstimate]:

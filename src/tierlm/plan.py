@@ -104,6 +104,8 @@ class Plan:
     weight_decay_scale: float = 1.0
     groups: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    memory: Any = None
+    """The memory estimate per rank (`tierlm.memory_plan.MemoryEstimate`), when `tierlm plan` made one."""
 
     @property
     def batch_tokens(self) -> int:

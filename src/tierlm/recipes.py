@@ -32,8 +32,8 @@ from tierlm.data.preferences import PairLoader, open_preferences
 from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
-from tierlm.metrics.memory import check_fits
-from tierlm.models import family_named, is_native_folder, load_pretrained_model, model_max_seq_len
+from tierlm.metrics.memory import auto_find_batch_size, check_fits
+from tierlm.models import family_named, forward_cross_entropy, is_native_folder, load_pretrained_model, model_max_seq_len
 from tierlm.plan import model_width, new_model, optimizer_settings
 from tierlm.primitives import create_warmup_scheduler, parse_dtype
 from tierlm.primitives.optim import build_optimizer
@@ -248,11 +248,19 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
                                        tr.warmdown_ratio, momentum_warmup_steps=tr.muon_momentum_warmup_steps)
 
     bf16 = torch.bfloat16 if tr.bf16 else None
+    scaler = None
+    if tr.fp16:
+        if device.type != "cuda":
+            raise ConfigError("training.fp16 (fp16 autocast with loss scaling) needs a CUDA GPU; on CPU use training.bf16=true or neither")
+        if kind == "fsdp":
+            raise ConfigError("training.fp16 is for one process or DDP; with FSDP use training.bf16=true")
+        bf16, scaler = torch.float16, torch.amp.GradScaler(device.type)
     if kind == "fsdp":
         return FSDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
             activation_checkpointing=infra.activation_checkpointing, compile=infra.compile, cpu_offload=infra.cpu_offload,
-            fused_cross_entropy=tr.fused_cross_entropy, fp8=tr.fp8,
+            fused_cross_entropy=tr.fused_cross_entropy, fp8=tr.fp8, sharding=infra.fsdp_sharding_strategy,
+            flash_attention=config.model.use_flash_attention,
         )
     if infra.cpu_offload:
         raise ConfigError("infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off")
@@ -260,12 +268,13 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         return DDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, bf16,
             tr.gradient_accumulation_steps, infra.activation_checkpointing, infra.compile, tr.fused_cross_entropy, fp8=tr.fp8,
+            grad_scaler=scaler, flash_attention=config.model.use_flash_attention,
         )
     model = prepare_model(model, device, infra.activation_checkpointing, infra.compile, tr.fp8)
     optimizer = optimizer_fn(model)
     return PyTorchTrainingBackend(
         model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,
-        fused_cross_entropy=tr.fused_cross_entropy,
+        fused_cross_entropy=tr.fused_cross_entropy, grad_scaler=scaler, flash_attention=config.model.use_flash_attention,
     )
 
 
@@ -310,6 +319,36 @@ def write_pruning_results(output_dir: Path, summary: dict, optimizer) -> None:
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
+class _TrainingLoss(torch.nn.Module):
+    """The model's training loss on a batch of token ids, through the family's (fused) head."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return forward_cross_entropy(self.model, {"input_ids": input_ids, "labels": input_ids})[0]
+
+
+def confirm_batch_size(run: Run, model: torch.nn.Module) -> int:
+    """One real forward/backward at the planned micro-batch (`auto_find_batch_size`, the seed's
+    search, started there): on CUDA an out-of-memory halves it and tries again; the run's config
+    takes the size that ran. DPO's micro-batch holds two rows (chosen, rejected) per pair. (Not
+    under FSDP: before sharding, each rank holds the whole model, which the sharded run does not.)"""
+    tr, T = run.config.training, run.config.data.max_seq_length
+    rows_per_item = 2 if run.stage == "dpo" else 1
+
+    def sample(n: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.zeros(n * rows_per_item, T, dtype=torch.long, device=run.device)}
+
+    rows = auto_find_batch_size(_TrainingLoss(model), sample, start_batch_size=tr.per_device_train_batch_size, predict_on_cpu=False)
+    if rows != tr.per_device_train_batch_size:
+        if run.is_main:
+            print(f"training.per_device_train_batch_size=auto: {rows} rows (ran out of memory at {tr.per_device_train_batch_size})", flush=True)
+        run.set_batch_size(rows)
+    return rows
+
+
 def run_stage(config: TierlmConfig, stage: str) -> dict:
     """Train one stage ("pretrain" | "sft" | "dpo") as the config says; returns the run summary.
 
@@ -324,18 +363,25 @@ def run_stage(config: TierlmConfig, stage: str) -> dict:
 
 
 def _train_stage(run: Run) -> dict:
-    config, stage, tokenizer, ctx = run.config, run.stage, run.tokenizer, run.ctx
+    stage, tokenizer, ctx = run.stage, run.tokenizer, run.ctx
+    auto_rows = run.config.training.per_device_train_batch_size == "auto"
+    config = run.choose_batch_size()
     if stage == "dpo":  # pairs are rendered when opened: check the memory first
         documents = config.data.num_synthetic_examples if config.data.dataset_name.startswith("synthetic:") else 0
         copies = 2 if config.dpo.reference == "frozen" else 1
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, documents, run.world_size, copies), run.device)
         run.check_memory(documents)
-        train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
     else:
         train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_loader.documents), run.world_size), run.device)
         run.check_memory(len(train_loader.documents))
     model = build_model(config, tokenizer, run.device, run.pretrained)
+    if auto_rows and run.kind != "fsdp" and confirm_batch_size(run, model) != config.training.per_device_train_batch_size:  # CUDA: halved after an OOM
+        config = run.config
+        if stage != "dpo":
+            train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
+    if stage == "dpo":
+        train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
     config = run.resolve(model)
     if stage == "dpo":
         reference = FrozenReference(copy.deepcopy(model), run.device) if config.dpo.reference == "frozen" else None

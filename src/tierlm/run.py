@@ -182,9 +182,10 @@ def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> T
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
     sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
     if "tensorboard" in config.training.report_to:
-        sinks.append(TensorBoardSink(output_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(config.training.logging_dir or output_dir / "tensorboard"))
     if "wandb" in config.training.report_to:
-        sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir))
+        sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir,
+                               entity=config.infra.wandb_entity))
     return MetricsLogger(sinks)
 
 
@@ -309,10 +310,43 @@ class Run:
             return
         self.memory = estimate_run_memory(self.config, self.world_size, self.stage, self.tokenizer.vocab_size, self.pretrained,
                                           num_documents, self.device.type, rows, row_tokens, self.kind)
-        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1
-        check_memory(self.memory, self.device, ranks=sharing)
+        check_memory(self.memory, self.memory_budget())
         if self.is_main:
             print(self.memory.table(), flush=True)
+
+    def memory_budget(self) -> float | None:
+        """Bytes this rank may use (`tierlm.memory_plan.memory_budget`; on CPU the ranks of one machine share it)."""
+        from tierlm.memory_plan import memory_budget
+
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1
+        return memory_budget(self.device, self.config.infra.max_memory_gb, sharing)
+
+    def choose_batch_size(self, num_documents: int | None = None) -> TierlmConfig:
+        """Resolve training.per_device_train_batch_size=auto (a no-op otherwise): the size the run
+        being resumed chose (its data position counts its rows), else the memory planner's; logged."""
+        from tierlm.memory_plan import auto_batch_size
+
+        tr = self.config.training
+        if tr.per_device_train_batch_size != "auto":
+            return self.config
+        recorded = None
+        if self.latest is not None and (self.output_dir / "config.yaml").is_file():
+            recorded = TierlmConfig.from_yaml(self.output_dir / "config.yaml").training.per_device_train_batch_size
+        if isinstance(recorded, int):
+            rows, why = recorded, "as the run being resumed chose"
+        else:
+            pretrained = self.pretrained if isinstance(self.pretrained, Path) else None
+            rows, why = auto_batch_size(self.config, self.stage, self.memory_budget(), self.world_size, vocab_size=self.tokenizer.vocab_size,
+                                        pretrained=pretrained, num_documents=num_documents, device_type=self.device.type,
+                                        distributed=self.kind)
+        self.set_batch_size(rows)
+        if self.is_main:
+            print(f"training.per_device_train_batch_size=auto: {rows} rows ({why})", flush=True)
+        return self.config
+
+    def set_batch_size(self, rows: int) -> None:
+        tr = self.config.training
+        self.config = self.config.model_copy(update={"training": tr.model_copy(update={"per_device_train_batch_size": rows})})
 
     def begin(self, trainer) -> Path | None:
         """Everything is checked: create the run directory, record the run, resume, start logging."""
@@ -389,6 +423,8 @@ def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: 
     """(resolved config, plan, model on the meta device) of a run, without running it (`tierlm plan`):
     the tokenizer is the one the run would use (trained here when the run would train one), unless
     `vocab_size` sizes a model from scratch directly."""
+    from tierlm.memory_plan import auto_batch_size, estimate_run_memory, memory_budget
+    from tierlm.metrics.memory import format_bytes
     from tierlm.plan import describe_model, resolve
 
     assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
@@ -398,7 +434,22 @@ def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: 
     model = describe_model(config, vocab_size, pretrained)
     if model is None:
         raise ConfigError(f"model.model_name_or_path={pretrained} is a hub id: tierlm plan sizes local models; download it first")
+    device = resolve_device(config.infra.device_type, config.infra.gpu_rank)
+    distributed = "none" if world_size == 1 else ("ddp" if config.infra.distributed_type == "ddp" or stage == "rl" else "fsdp")
+    budget = memory_budget(device, config.infra.max_memory_gb, world_size if device.type == "cpu" else 1)
+    auto_rows = None
+    if config.training.per_device_train_batch_size == "auto":
+        rows, why = auto_batch_size(config, stage, budget, world_size, vocab_size=vocab_size, pretrained=pretrained,
+                                    device_type=device.type, distributed=distributed)
+        config = config.model_copy(update={"training": config.training.model_copy(update={"per_device_train_batch_size": rows})})
+        auto_rows = f"training.per_device_train_batch_size=auto: {rows} rows ({why})"
     resolved, plan = resolve(config, stage, model, world_size)
+    plan.memory = estimate_run_memory(resolved, world_size, stage, vocab_size, pretrained, device_type=device.type, distributed=distributed)
+    if auto_rows:
+        plan.notes.append(auto_rows)
+    if budget is not None and plan.memory.total > budget:
+        plan.notes.append(f"this run would be refused here: it needs about {format_bytes(plan.memory.total)} per rank, "
+                          f"{format_bytes(budget)} is available")
     return resolved, plan, model
 
 

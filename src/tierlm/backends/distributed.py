@@ -100,6 +100,8 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         compile: bool = False,
         fused_cross_entropy: bool = True,
         fp8: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        flash_attention: bool = True,
     ):
         assert gradient_accumulation_steps >= 1, f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -108,6 +110,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         super().__init__(
             apply_ddp(model, device), optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir,
             device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype, fused_cross_entropy=fused_cross_entropy,
+            grad_scaler=grad_scaler, flash_attention=flash_attention,
         )
 
     @property
@@ -151,14 +154,17 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         cpu_offload: bool = False,
         fused_cross_entropy: bool = True,
         fp8: bool = False,
+        sharding: str = "FULL_SHARD",
+        flash_attention: bool = True,
     ):
         device = torch.device(device)
         model = prepare_model(model, device, activation_checkpointing, compile, fp8)
-        apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload, family_of(model).blocks(model))
+        apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload, family_of(model).blocks(model),
+                   sharding=sharding)
         self.cpu_offload = cpu_offload
         super().__init__(
             model, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
-            max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy,
+            max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy, flash_attention=flash_attention,
         )
 
     def _place(self, model: nn.Module) -> nn.Module:

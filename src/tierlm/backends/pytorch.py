@@ -86,7 +86,14 @@ class PyTorchTrainingBackend:
         autocast_dtype: torch.dtype | None = None,
         async_save: bool = False,
         fused_cross_entropy: bool = True,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        flash_attention: bool = True,
     ):
+        """`flash_attention=False` keeps scaled-dot-product attention off its flash kernel (the
+        memory-efficient kernel or the plain math one, which materialises the scores).
+        `grad_scaler`: fp16 training's loss scaling (`torch.amp.GradScaler`): losses are scaled
+        before backward, gradients unscaled before clipping, and a step whose scaled gradients
+        overflowed is skipped while the scale shrinks (reported as `loss_scale`, not as a failure)."""
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.device = torch.device(device)
         self.model = self._place(model)
@@ -98,6 +105,8 @@ class PyTorchTrainingBackend:
         self.autocast_dtype = autocast_dtype
         self.async_save = async_save
         self.fused_cross_entropy = fused_cross_entropy
+        self.grad_scaler = grad_scaler
+        self.flash_attention = flash_attention
         self._model_fuses: dict[int, bool] = {}
         self.step = 0
         self._save_thread: threading.Thread | None = None
@@ -122,9 +131,15 @@ class PyTorchTrainingBackend:
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+        """Autocast to the compute dtype, and the attention kernels the run allows."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype))
+        if not self.flash_attention:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+        return stack
 
     def _fuses(self, model: nn.Module, fn: Callable) -> bool:
         """Compute `fn` from a fused LM head + cross-entropy instead of the (B, T, V) logits?"""
@@ -180,7 +195,7 @@ class PyTorchTrainingBackend:
             with self._autocast():
                 logits = forward_logits(self.model, batch)  # (B, T, V)
             total, count = loss_sum_and_count(loss_fn, logits, batch)
-        total.backward()
+        (self.grad_scaler.scale(total) if self.grad_scaler is not None else total).backward()
         total, count = total.detach(), count.detach()
         self._loss_sum += total
         self._num_tokens += count
@@ -210,6 +225,8 @@ class PyTorchTrainingBackend:
         assert self._num_micro_batches > 0, "optim_step() called without a forward_backward() since the last step"
         loss_sum, num_tokens = self.reduce_step_totals(torch.stack([self._loss_sum, self._num_tokens]))
         grads = self._params_with_grad()
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
         if grads:
             torch._foreach_div_([p.grad for p in grads], float(self._grad_divisor(num_tokens)))
         if self.max_grad_norm > 0:
@@ -224,6 +241,11 @@ class PyTorchTrainingBackend:
         finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
         if finite:
             self.optimizer.step()
+        if self.grad_scaler is not None:  # an overflow of the scaled gradients is the scaler's to handle, not a failure
+            overflow = not finite and bool(torch.isfinite(loss))
+            reported.update(loss_scale=self.grad_scaler.get_scale(), overflow=float(overflow))
+            self.grad_scaler.update()
+            finite = finite or overflow
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -246,6 +268,8 @@ class PyTorchTrainingBackend:
         thread (the next save, `wait_for_save()` or the future's result waits for it)."""
         self.wait_for_save()
         state = {"backend_step": self.step, **(trainer_state or {})}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
         snapshot = checkpoint.take_snapshot(self.model, self.optimizer, self.scheduler)
         path = self.checkpoint_dir / f"step_{step}"
 
@@ -279,4 +303,6 @@ class PyTorchTrainingBackend:
                 raise CheckpointError(f"no complete checkpoint under {self.checkpoint_dir}")
         state = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step = state.get("backend_step", self.step)
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
         return TrainFuture.ready(state)

@@ -1,8 +1,32 @@
-"""Memory readings for the logs: resident set size, and peak GPU memory on CUDA."""
+"""Memory readings and seed 002's memory utilities: resident set size and device memory
+(`get_memory_stats`, `log_memory_stats`, `clear_memory`), a quick formula for a transformer's
+training memory (`estimate_model_memory`; `tierlm.memory_plan.estimate_run_memory` traces a
+config's own step instead), and `auto_find_batch_size`.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import logging
+import math
+from typing import Any, Callable
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_FRAMEWORK_BYTES = 96 * 2**20
+"""On CPU, what the first training step adds beyond its tensors (autograd engine, OpenMP pools,
+kernel workspaces), measured with a one-layer model (bench/memory.py)."""
+CPU_RETENTION = 0.35
+"""On CPU, glibc's heap keeps freed activation memory resident (its mmap threshold rises to the
+largest freed block, so later activations come from the heap and leave holes): measured over the
+configs of bench/memory.py, the peak RSS exceeds the live tensors by about this share of one
+micro-batch's activations (run to run, the same config varies by about 5%)."""
+CPU_RETENTION_RECOMPUTE = 0.55
+"""The same under activation checkpointing, as a share of the activations without it: the blocks
+recomputed in the backward cycle that volume through the heap a second time (measured likewise)."""
 
 
 def rss_mb() -> float:
@@ -19,6 +43,199 @@ def rss_mb() -> float:
     except OSError:
         pass
     return 0.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (the kernel's high-water mark; 0 where unavailable).
+
+    >>> peak_rss_mb() >= rss_mb() > 0
+    True
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def get_memory_stats() -> dict[str, Any]:
+    """Memory now, in GB (1e9 bytes): on CUDA the seed's allocated / reserved / max_allocated;
+    everywhere this process's RSS, its peak, and what the machine (or cgroup) still has.
+
+    >>> stats = get_memory_stats()
+    >>> stats["rss_gb"] > 0, "gpu_available" in stats
+    (True, True)
+    """
+    stats: dict[str, Any] = {"gpu_available": torch.cuda.is_available(), "rss_gb": rss_mb() * 2**20 / 1e9,
+                             "peak_rss_gb": peak_rss_mb() * 2**20 / 1e9}
+    available = available_memory_bytes(torch.device("cpu"))
+    if available is not None:
+        stats["available_gb"] = available / 1e9
+    if torch.cuda.is_available():
+        stats.update(allocated_gb=torch.cuda.memory_allocated() / 1e9, reserved_gb=torch.cuda.memory_reserved() / 1e9,
+                     max_allocated_gb=torch.cuda.max_memory_allocated() / 1e9)
+    return stats
+
+
+def log_memory_stats(prefix: str = "") -> dict[str, Any]:
+    """Log `get_memory_stats()` in one line (logger "tierlm.metrics.memory", level INFO); returns them."""
+    stats = get_memory_stats()
+    parts = [f"rss={stats['rss_gb']:.2f}GB", f"peak_rss={stats['peak_rss_gb']:.2f}GB"]
+    if stats["gpu_available"]:
+        parts = [f"allocated={stats['allocated_gb']:.2f}GB", f"reserved={stats['reserved_gb']:.2f}GB",
+                 f"max={stats['max_allocated_gb']:.2f}GB", *parts]
+    logger.info(f"{prefix}Memory: {', '.join(parts)}")
+    return stats
+
+
+def clear_memory() -> None:
+    """Collect garbage; on CUDA empty the cache and reset the peak; on Linux CPU return the heap's
+    free pages to the system (glibc's malloc_trim), which glibc otherwise keeps resident."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def estimate_model_memory(
+    num_params: int,
+    batch_size: int,
+    seq_length: int,
+    hidden_size: int,
+    num_layers: int,
+    dtype: torch.dtype = torch.bfloat16,
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = True,
+    vocab_size: int | None = None,
+    flash_attention: bool = True,
+    num_heads: int | None = None,
+) -> dict[str, float]:
+    """Seed 002's quick estimate of training memory in GB (1e9 bytes), from sizes alone.
+
+    Weights and gradients in `dtype`; AdamW's two fp32 moments (Muon: one; SGD and others: none);
+    activations per layer as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models") count them for a GPT block: 34 x s x b x h bytes in 16-bit (scaled for
+    fp32), plus 5 x a x s^2 x b when the attention scores are materialised (no flash attention,
+    `num_heads` = a); with checkpointing each layer keeps only its input (2 x s x b x h in 16-bit)
+    and one layer is recomputed at a time. The logits (s x b x V, fp32, with their gradient) when
+    `vocab_size` is given. For a config's exact figure, `tierlm.memory_plan.estimate_run_memory`
+    traces its own step.
+
+    >>> est = estimate_model_memory(num_params=1_000_000_000, batch_size=4, seq_length=8192, hidden_size=1024, num_layers=28)
+    >>> round(est["model_gb"], 1), round(est["optimizer_gb"], 1), round(est["activation_gb"], 1)
+    (2.0, 8.0, 3.0)
+    """
+    bytes_per_value = 2 if dtype in (torch.float16, torch.bfloat16) else 4
+    model = num_params * bytes_per_value
+    moments = {"adamw": 2, "adam": 2, "adamw_spam": 2, "adamw_prune": 2.25, "muon": 1}.get(optimizer, 0)
+    optimizer_bytes = num_params * 4 * moments
+    gradients = num_params * bytes_per_value
+    tokens = batch_size * seq_length
+    per_layer = 34 * tokens * hidden_size * bytes_per_value / 2
+    if not flash_attention and num_heads:
+        per_layer += 5 * num_heads * seq_length * tokens * bytes_per_value / 2
+    if gradient_checkpointing:
+        activations = num_layers * 2 * tokens * hidden_size * bytes_per_value / 2 + per_layer
+    else:
+        activations = num_layers * per_layer
+    if vocab_size:
+        activations += 2 * 4 * tokens * vocab_size
+    total = model + optimizer_bytes + gradients + activations
+    return {"model_gb": model / 1e9, "optimizer_gb": optimizer_bytes / 1e9, "gradient_gb": gradients / 1e9,
+            "activation_gb": activations / 1e9, "total_gb": total / 1e9}
+
+
+def auto_find_batch_size(
+    model: torch.nn.Module,
+    sample_batch_fn: Callable[[int], dict],
+    start_batch_size: int = 32,
+    min_batch_size: int = 1,
+    loss_of: Callable[[Any], torch.Tensor] | None = None,
+    available: int | None = None,
+    margin: float = 0.2,
+    predict_on_cpu: bool = True,
+) -> int:
+    """The largest batch size from `start_batch_size` down (halving) whose forward and backward
+    run: seed 002's search. `sample_batch_fn(n)` makes a batch of n; `loss_of(outputs)` reads the
+    loss (default: `outputs.loss`, a tensor, or the first element of a tuple).
+
+    On CUDA a size that runs out of memory is halved and retried, as in the seed. On CPU running
+    out of memory kills the process instead of raising, so the size is predicted first: the peak
+    tensor memory of one step at the smallest size and at twice it (PyTorch's MemTracker) gives
+    a per-sample cost, glibc's retained heap is added (`CPU_RETENTION`), and the largest halving
+    of `start_batch_size` that fits `available` bytes (default: free RAM) less `margin` is run once
+    (`predict_on_cpu=False`: `start_batch_size` was predicted already, by the memory planner).
+
+    >>> model = torch.nn.Linear(8, 1)
+    >>> def batch(n): return {"input": torch.randn(n, 8)}
+    >>> auto_find_batch_size(model, batch, start_batch_size=64, loss_of=lambda out: out.sum())
+    64
+    """
+    read_loss = loss_of or _loss_of
+    device = next(model.parameters()).device
+
+    def run(n: int) -> None:
+        batch = sample_batch_fn(n)
+        outputs = model(**batch)
+        read_loss(outputs).backward()
+        model.zero_grad(set_to_none=True)
+
+    size = start_batch_size
+    if device.type == "cpu" and predict_on_cpu:
+        size = _predicted_cpu_batch(run, start_batch_size, min_batch_size, available, margin)
+    while size >= min_batch_size:
+        try:
+            clear_memory()
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the search draws no training randomness
+                run(size)
+            clear_memory()
+            logger.info(f"Batch size {size} works!")
+            return size
+        except torch.cuda.OutOfMemoryError:
+            logger.warning(f"Batch size {size} OOM, trying smaller...")
+            model.zero_grad(set_to_none=True)
+            size //= 2
+            clear_memory()
+    raise RuntimeError(f"Could not find working batch size >= {min_batch_size}")
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    if hasattr(outputs, "loss"):
+        return outputs.loss
+    if isinstance(outputs, tuple):
+        return outputs[0]
+    return outputs
+
+
+def _predicted_cpu_batch(run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float) -> int:
+    """The largest halving of `start` (not below `minimum`) predicted to fit in `available` bytes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    available = available if available is not None else available_memory_bytes(torch.device("cpu"))
+    if available is None:
+        return start
+
+    def peak(n: int) -> float:
+        tracker = MemTracker()
+        with torch.random.fork_rng(devices=[]), tracker:
+            run(n)
+        return float(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+    small, double = peak(minimum), peak(2 * minimum)
+    per_sample = max(0.0, double - small) / minimum
+    fixed = small - per_sample * minimum
+    budget = available * (1 - margin) - CPU_FRAMEWORK_BYTES
+    size = start
+    while size > minimum and fixed + per_sample * size * (1 + CPU_RETENTION) > budget:
+        size //= 2
+    return max(size, minimum)
 
 
 def memory_record(device: torch.device) -> dict[str, float]:

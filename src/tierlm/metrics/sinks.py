@@ -69,12 +69,12 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, run_name: str | None, config: dict[str, Any], output_dir: Path):
+    def __init__(self, project: str, run_name: str | None, config: dict[str, Any], output_dir: Path, entity: str | None = None):
         try:
             import wandb
         except ImportError as e:
             raise ConfigError("report_to includes 'wandb' but it is not installed: pip install 'tierlm[wandb]'") from e
-        self.run = wandb.init(project=project, name=run_name, config=config, dir=str(output_dir))
+        self.run = wandb.init(project=project, entity=entity, name=run_name, config=config, dir=str(output_dir))
 
     def log(self, record: dict[str, Any]) -> None:
         prefix = record.get("type", "train")

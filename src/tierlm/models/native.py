@@ -38,7 +38,7 @@ class NativeFamily(ModelFamily):
 
     def build_from_config(self, config, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """Build on the meta device, allocate on `device`, initialise once (device "meta": described only;
-        under the memory planner's FakeTensorMode: fake tensors of the right shapes and dtype, uninitialised)."""
+        under the memory planner's FakeTensorMode: fake tensors of the right shapes and dtype)."""
         if active_fake_mode() is not None:  # FakeTensorMode cannot swap meta parameters for fake ones
             default = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
@@ -48,6 +48,7 @@ class NativeFamily(ModelFamily):
             finally:
                 torch.set_default_dtype(default)
             model.tie_weights()
+            model.init_weights()  # as the real path: some families fill buffers (rotary tables) here
             return model
         with torch.device("meta"):
             model = self.model_class(config)

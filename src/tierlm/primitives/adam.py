@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 def init_adam_state(state: dict, p: torch.Tensor) -> None:
     """A step count (float64, as torch keeps it) and both moments at zero."""
     state["step"] = torch.zeros((), dtype=torch.float64)
     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+
+
+def step_count(state: dict) -> int:
+    """The steps an AdamW state has taken (0 under the memory planner's fake tensors, which hold no count).
+
+    >>> state = {}
+    >>> init_adam_state(state, torch.ones(1))
+    >>> step_count(state)
+    0
+    """
+    return 0 if is_fake(state["step"]) else int(state["step"])
 
 
 def adamw_update_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, scale: float = 1.0) -> int:
@@ -25,7 +37,7 @@ def adamw_update_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, sc
     """
     beta1, beta2 = group["betas"]
     state["step"] += 1
-    t = int(state["step"])
+    t = max(1, step_count(state))
     state["exp_avg"].lerp_(g, 1 - beta1)
     state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
     if group["weight_decay"]:

@@ -141,6 +141,9 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None = None, **optio
     return model
 
 
+FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+
+
 def apply_fsdp(
     model: nn.Module,
     world_size: int,
@@ -149,25 +152,37 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     cpu_offload: bool = False,
     blocks: nn.ModuleList | None = None,
+    sharding: str = "FULL_SHARD",
+    shard_size: int | None = None,
 ) -> nn.Module:
     """FSDP2: `fully_shard` every block (`blocks`, default `block_list(model)`), then the root
     (embeddings, final norm, head).
 
     `param_dtype` (e.g. bf16) is what forward and backward compute in, `reduce_dtype` what
     gradients are reduced in; the sharded master weights and optimizer state stay fp32.
+    `sharding` is seed 002's fsdp_sharding_strategy in FSDP2's terms: FULL_SHARD re-shards each
+    block after its forward; SHARD_GRAD_OP keeps the gathered parameters until the backward (more
+    memory, no second all-gather); HYBRID_SHARD shards within groups of `shard_size` ranks (default:
+    the ranks of one machine, LOCAL_WORLD_SIZE) and replicates across them, on a 2-D mesh.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device_type, (world_size,))
+    assert sharding in FSDP_SHARDING, f"sharding must be one of {FSDP_SHARDING}, got {sharding!r}"
+    if sharding == "HYBRID_SHARD":
+        shard_size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        assert world_size % shard_size == 0, f"HYBRID_SHARD: {world_size} ranks do not split into groups of {shard_size}"
+        mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world_size,))
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = list(blocks if blocks is not None else block_list(model))
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=sharding != "SHARD_GRAD_OP" and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=sharding != "SHARD_GRAD_OP", **kwargs)
     return model
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.optim import Optimizer
 
 from tierlm.errors import ConfigError
-from tierlm.primitives.adam import adamw_update_, init_adam_state
+from tierlm.primitives.adam import adamw_update_, init_adam_state, step_count
 
 
 def spam_ramp(steps_since_reset: int, warmup: int) -> float:
@@ -75,7 +75,7 @@ class AdamWSPAM(Optimizer):
                 state = self.state[p]
                 if not state:
                     init_adam_state(state, p)
-                done = int(state["step"])  # steps taken before this one
+                done = step_count(state)  # steps taken before this one
                 since_reset = done % self.interval if self.interval else done
                 if self.interval and done and since_reset == 0:  # momentum reset
                     state["exp_avg"].zero_()

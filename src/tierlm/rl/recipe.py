@@ -62,11 +62,12 @@ def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, 
 
 def _longest_rollout(task, tokenizer, max_new_tokens: int, max_seq_length: int, sample: int = 256) -> int:
     """Prompt + completion tokens of the longest rollout, from the prompts of the first `sample`
-    examples (an environment's prompts are not known ahead: data.max_seq_length)."""
+    examples, at most data.max_seq_length (an environment's prompts are not known ahead: that bound;
+    a prompt too long for the model is refused once the model is built)."""
     if is_environment(task):
         return max_seq_length
     prompts = (len(tokenizer.render_for_completion(task.example(i).messages)) for i in range(min(sample, len(task))))
-    return max(prompts, default=0) + max_new_tokens
+    return min(max(prompts, default=0) + max_new_tokens, max_seq_length)
 
 
 def run_rl(config: TierlmConfig) -> dict:

@@ -1,0 +1,379 @@
+"""The memory planner (tierlm.memory_plan) and seed 002's memory utilities (tierlm.metrics.memory).
+
+The estimate is checked three ways: its fake-tensor trace against the same step on real tensors;
+its parts against what each option must change (checkpointing, the fused head, FSDP, DDP, DPO's
+reference, RL's cache, Muon's one moment); and its total against measured peak RSS growth of real
+training commands for 8 configs (bench/memory.py's table; the published one is in docs/benchmarks.md).
+"""
+
+import importlib.util
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from tierlm.config import DataConfig, FullConfig, InfraConfig, ModelConfig, TierlmConfig, TrainingConfig
+from tierlm.errors import ConfigError
+from tierlm.memory_plan import MemoryEstimate, auto_batch_size, check_memory, estimate_run_memory, memory_budget, trace_step
+from tierlm.metrics.memory import auto_find_batch_size, clear_memory, estimate_model_memory, get_memory_stats, log_memory_stats
+
+
+def small(**sections) -> TierlmConfig:
+    base = {"model": {"depth": 2, "aspect_ratio": 32, "head_dim": 16}, "data": {"max_seq_length": 64},
+            "training": {"per_device_train_batch_size": 4}}
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return TierlmConfig.model_validate(base)
+
+
+# -- seed 002's unit tests (src/training/config.py, memory_utils.py), adapted where noted ---------------
+class TestSeedConfigurations:
+    def test_model_config_defaults(self):
+        """Adapted: the seed's default model is Qwen/Qwen3-0.6B (a download, a GPU's worth); ours builds a
+        small GPT from scratch, so the default names no model and the tokenizer follows the model. (The
+        seed's num_sentinel_tokens belongs to the encoder-decoder of issue 18.)"""
+        config = ModelConfig()
+        assert config.model_name_or_path is None and config.tokenizer_name_or_path is None
+        named = ModelConfig(model_name_or_path="Qwen/Qwen3-0.6B")
+        assert named.model_name_or_path == "Qwen/Qwen3-0.6B"
+
+    def test_training_config_defaults(self):
+        """Adapted: learning_rate 3e-4 and bf16 off by default (CPU-friendly: CPUs without bf16 units
+        would emulate it); max_grad_norm as the seed's."""
+        config = TrainingConfig()
+        assert config.learning_rate == 3e-4
+        assert config.max_grad_norm == 1.0
+        assert config.bf16 is False
+
+    def test_full_config_to_yaml(self, tmp_path):
+        config = FullConfig()
+        path = tmp_path / "config.yaml"
+        config.to_yaml(str(path))
+        assert path.exists()
+        loaded = FullConfig.from_yaml(str(path))
+        assert loaded.model.model_name_or_path == config.model.model_name_or_path
+        assert loaded.training.learning_rate == config.training.learning_rate
+        assert loaded == config  # the whole config survives the round trip
+
+    def test_effective_batch_size_calculation(self):
+        config = TrainingConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8)
+        assert config.per_device_train_batch_size * 8 * config.gradient_accumulation_steps == 256
+
+    def test_section_classes(self):
+        assert isinstance(FullConfig().data, DataConfig) and isinstance(FullConfig().infra, InfraConfig)
+
+
+class TestSeedMemoryUtils:
+    def test_estimate_model_memory(self):
+        estimates = estimate_model_memory(num_params=1_000_000_000, batch_size=4, seq_length=8192, hidden_size=1024, num_layers=28,
+                                          dtype=torch.bfloat16, optimizer="adamw", gradient_checkpointing=True)
+        assert "model_gb" in estimates and "optimizer_gb" in estimates and "total_gb" in estimates
+        assert estimates["model_gb"] > 0
+        assert estimates["optimizer_gb"] > estimates["model_gb"]
+        assert estimates["total_gb"] > estimates["model_gb"]
+
+    def test_estimate_model_memory_no_checkpointing(self):
+        kwargs = dict(num_params=1_000_000_000, batch_size=4, seq_length=2048, hidden_size=1024, num_layers=28)
+        assert estimate_model_memory(**kwargs, gradient_checkpointing=False)["activation_gb"] > \
+            estimate_model_memory(**kwargs, gradient_checkpointing=True)["activation_gb"]
+
+    def test_estimate_model_memory_formula(self):
+        """Korthikanti et al.'s 34 sbh per layer (16-bit), and 5 a s^2 b more with materialised scores."""
+        est = estimate_model_memory(num_params=0, batch_size=2, seq_length=100, hidden_size=10, num_layers=3, gradient_checkpointing=False)
+        assert est["activation_gb"] * 1e9 == pytest.approx(3 * 34 * 2 * 100 * 10)
+        scores = estimate_model_memory(num_params=0, batch_size=2, seq_length=100, hidden_size=10, num_layers=3,
+                                       gradient_checkpointing=False, flash_attention=False, num_heads=4)
+        assert (scores["activation_gb"] - est["activation_gb"]) * 1e9 == pytest.approx(3 * 5 * 4 * 100 * 2 * 100)
+        assert estimate_model_memory(num_params=10, batch_size=1, seq_length=1, hidden_size=1, num_layers=1, optimizer="muon")["optimizer_gb"] \
+            == pytest.approx(estimate_model_memory(num_params=10, batch_size=1, seq_length=1, hidden_size=1, num_layers=1)["optimizer_gb"] / 2)
+
+    def test_memory_stats_log_and_clear(self, caplog):
+        stats = get_memory_stats()
+        assert stats["gpu_available"] == torch.cuda.is_available() and stats["peak_rss_gb"] >= stats["rss_gb"] > 0
+        with caplog.at_level(logging.INFO, logger="tierlm.metrics.memory"):
+            log_memory_stats("step 3: ")
+        assert "step 3: Memory: " in caplog.text and "rss=" in caplog.text
+        before = torch.zeros(50_000_000)  # 200 MB, then freed: clear_memory hands the pages back
+        del before
+        clear_memory()
+
+
+class TestAutoFindBatchSize:
+    def test_halves_after_out_of_memory(self):
+        """The seed's search: a size that runs out of memory is halved and tried again."""
+        tried = []
+
+        class Picky(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 1)
+
+            def forward(self, x):
+                tried.append(len(x))
+                if len(x) > 8:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+                return self.layer(x).sum()
+
+        size = auto_find_batch_size(Picky(), lambda n: {"x": torch.randn(n, 4)}, start_batch_size=32, predict_on_cpu=False)
+        assert size == 8 and tried == [32, 16, 8]
+
+    def test_cpu_prediction_fits_the_budget(self):
+        """On CPU the size is predicted from two small measured steps: two 4096 x 4096 layers hold
+        268 MB of weights and gradients, and a row ~50 kB of activations; 0.5 GB less the 20% margin
+        and the framework's share leaves room for a few hundred rows, not 1024; 2 GB for all of them."""
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(2)])
+
+        def find(available):
+            return auto_find_batch_size(model, lambda n: {"input": torch.randn(n, 4096)}, start_batch_size=1024,
+                                        loss_of=lambda out: out.square().sum(), available=int(available))
+
+        assert 64 <= find(0.5e9) <= 512
+        assert find(2e9) == 1024
+
+
+# -- the planner -----------------------------------------------------------------------------------
+def test_fake_trace_matches_the_real_step():
+    """The estimate's tensors come from a step traced in fake tensors: the same step on real tensors,
+    tracked the same way, holds the same bytes (native GPT; SFT's packed rows under checkpointing).
+    transformers' Qwen3 holds one (B, H, T, T) fp32 tensor more in fake tensors (its attention-mask
+    code takes another branch when it cannot read values): bounded, and on the safe side."""
+    for config, stage in ((small(), "pretrain"), (small(infra={"activation_checkpointing": True}), "sft"),
+                          (small(training={"optimizer": "muon"}), "pretrain")):
+        fake = trace_step(config, stage, 512, 4, 64)
+        real = trace_step(config, stage, 512, 4, 64, fake=False)
+        assert fake["Total"] == pytest.approx(real["Total"], rel=1e-3), (stage, fake, real)  # SFT: the real rows' index
+        assert all(fake[k] == real[k] for k in ("Parameter", "Buffer", "Optstate")), (stage, fake, real)
+    qwen = {"architecture": "qwen3", "hf_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
+    fake = trace_step(small(model=qwen), "pretrain", 512, 4, 64)
+    real = trace_step(small(model=qwen), "pretrain", 512, 4, 64, fake=False)
+    assert 0 <= fake["Total"] - real["Total"] <= 4 * 4 * 64 * 64 * 4 and fake["Optstate"] == real["Optstate"]
+
+
+def test_estimate_parts_follow_the_options():
+    base = estimate_run_memory(small(), vocab_size=4096)
+    parts = base.parts
+    assert parts["optimizer state"] == pytest.approx(2 * parts["parameters"], rel=0.01)  # AdamW: two fp32 moments
+    checkpointed = estimate_run_memory(small(infra={"activation_checkpointing": True}), vocab_size=4096).parts
+    assert checkpointed["activations"] < 0.7 * parts["activations"]
+    unfused = estimate_run_memory(small(training={"fused_cross_entropy": False}), vocab_size=4096).parts
+    logits = 4 * 64 * 4096 * 4  # (B, T, V) fp32
+    assert unfused["activations"] - parts["activations"] > logits  # the logits, their softmax and gradient
+    muon = estimate_run_memory(small(training={"optimizer": "muon"}), vocab_size=4096).parts
+    assert parts["optimizer state"] / 2 < muon["optimizer state"] < parts["optimizer state"]  # one moment for the matrices
+    fsdp = estimate_run_memory(small(), world_size=2, vocab_size=4096, distributed="fsdp").parts
+    assert fsdp["parameters"] == pytest.approx(parts["parameters"] / 2) and fsdp["optimizer state"] == pytest.approx(parts["optimizer state"] / 2)
+    assert fsdp["FSDP gathered blocks"] > 0 and fsdp["activations"] == parts["activations"]
+    ddp = estimate_run_memory(small(), world_size=2, vocab_size=4096, distributed="ddp").parts
+    assert ddp["DDP gradient buckets"] == pytest.approx(parts["parameters"], rel=0.01)  # fp32 gradients, once more
+    # Autocast is traced as it runs: on CPU, bf16 saves the bf16 casts beside fp32 norms' inputs,
+    # so this small model holds more, not less (the trace says what happens, not what one hopes).
+    bf16 = estimate_run_memory(small(training={"bf16": True}), vocab_size=4096).parts
+    assert bf16["activations"] != parts["activations"] and bf16["optimizer state"] == parts["optimizer state"]
+
+
+def test_estimate_of_dpo_and_rl(tmp_path):
+    from tierlm.plan import new_model
+
+    model = new_model(small(), 512, "cpu")
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    dpo = estimate_run_memory(small(), stage="dpo", vocab_size=512)
+    assert dpo.micro_batch == (8, 64) and dpo.parts["reference model"] == param_bytes  # pairs: two rows each
+    assert dpo.parts["parameters"] == pytest.approx(param_bytes, rel=0.01)
+    precomputed = estimate_run_memory(small(dpo={"reference": "precomputed"}), stage="dpo", vocab_size=512)
+    assert precomputed.parts["reference model"] == 0
+    rl = estimate_run_memory(small(rl={"group_size": 64, "prompts_per_step": 1, "micro_batch_size": 2}), stage="rl", vocab_size=512, row_tokens=64)
+    cache = 2 * 2 * 64 * 64 * 64 * 4  # K and V x layers x samples x positions x kv width (n_kv_head = heads) x fp32
+    assert rl.parts["generation KV cache"] >= cache - rl.parts["activations"]
+    assert rl.parts["reference model"] == 0
+    with_kl = estimate_run_memory(small(rl={"kl_coef": 0.1}), stage="rl", vocab_size=512)
+    assert with_kl.parts["reference model"] == param_bytes
+
+
+def test_check_memory_and_budget():
+    estimate = MemoryEstimate({"parameters": 1e9, "activations": 3e9, "framework": 1e8},
+                              fixes={"activations": "set infra.activation_checkpointing=true"})
+    check_memory(estimate, 5e9)
+    check_memory(estimate, None)  # nothing known: nothing refused
+    with pytest.raises(ConfigError, match=r"the largest part is activations .*: set infra.activation_checkpointing=true"):
+        check_memory(estimate, 3e9)
+    assert memory_budget(torch.device("cpu"), max_memory_gb=2.0) == 2e9
+    assert memory_budget(torch.device("cpu"), ranks=2) <= memory_budget(torch.device("cpu")) / 2 + 1
+
+
+def test_cheapest_fix_is_named():
+    fixes = estimate_run_memory(small(), vocab_size=512).fixes
+    assert fixes["activations"] == "set infra.activation_checkpointing=true"
+    fixes = estimate_run_memory(small(infra={"activation_checkpointing": True}, training={"fused_cross_entropy": False}), vocab_size=512).fixes
+    assert fixes["activations"] == "set training.fused_cross_entropy=true"
+    assert "FSDP" in fixes["optimizer state"]
+
+
+def test_auto_batch_size_fits_and_divides():
+    config = small(training={"per_device_train_batch_size": "auto"})
+    one = estimate_run_memory(small(training={"per_device_train_batch_size": 4}), vocab_size=512).total
+    rows, why = auto_batch_size(config, "pretrain", 1.2 * one * 1.01, vocab_size=512)
+    assert rows == 4, why
+    fixed = small(training={"per_device_train_batch_size": "auto", "total_batch_size": 2 * 64 * 3})  # 6 rows a step: 2 divides, 4 does not
+    rows, why = auto_batch_size(fixed, "pretrain", 1.2 * one * 1.01, vocab_size=512)
+    assert rows == 2 and "do not divide" in why
+    with pytest.raises(ConfigError, match="rl.micro_batch_size"):
+        auto_batch_size(config, "rl", 1e9)
+    with pytest.raises(ConfigError, match="not even one row"):
+        auto_batch_size(config, "pretrain", 1e6, vocab_size=512)
+
+
+# -- the commands ----------------------------------------------------------------------------------
+TINY = ["--config", "tiny_pretrain", "model.depth=2", "training.num_train_steps=6", "training.warmup_steps=0", "training.eval_steps=0",
+        "training.save_steps=0", "training.logging_steps=1", "infra.progress_bar=false", "data.num_synthetic_examples=2000", "data.max_seq_length=64"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if r.get("type") == "train"]
+
+
+def test_auto_batch_size_trains_as_the_hand_set_equivalent(tmp_path):
+    """With the total batch fixed at 8 rows, a budget that fits 4 rows (not 8) makes auto pick 4 and
+    accumulate 2: the same losses as the hand-set 4 x 2, and (summation order aside) as 8 x 1."""
+    from tierlm.run import plan_run
+
+    def config(rows):
+        return TierlmConfig.load("tiny_pretrain", TINY[2:] + [f"training.per_device_train_batch_size={rows}", "training.total_batch_size=512"])
+
+    four, eight = (estimate_run_memory(config(n), vocab_size=plan_run(config(n), "pretrain")[2].config.vocab_size).total for n in (4, 8))
+    budget_gb = (1.2 * four + 1.2 * eight) / 2 / 1e9  # room for 4 rows and the margin, not for 8
+    runs = {}
+    for name, rows, extra in (("auto", "auto", [f"infra.max_memory_gb={budget_gb}"]), ("four", 4, []), ("eight", 8, [])):
+        out = tmp_path / name
+        result = run_cli("pretrain", *TINY, f"training.per_device_train_batch_size={rows}", "training.total_batch_size=512",
+                         f"infra.output_dir={out}", *extra)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[name] = (_losses(out), result.stdout)
+    assert "training.per_device_train_batch_size=auto: 4 rows (predicted" in runs["auto"][1]
+    assert "4 rows x 64 tokens" in runs["auto"][1] or "= 256 per micro-batch x 1 rank(s) x 2 accumulation" in runs["auto"][1]
+    recorded = TierlmConfig.from_yaml(tmp_path / "auto" / "config.yaml").training
+    assert (recorded.per_device_train_batch_size, recorded.gradient_accumulation_steps) == (4, 2)
+    assert runs["auto"][0] == runs["four"][0] and len(runs["auto"][0]) == 6
+    assert runs["auto"][0] == pytest.approx(runs["eight"][0], rel=1e-4)
+
+
+def test_preflight_refuses_in_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    start = time.perf_counter()
+    result = run_cli("pretrain", *TINY, "infra.max_memory_gb=0.05", f"infra.output_dir={out}")
+    assert result.returncode == 2 and time.perf_counter() - start < 10
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("tierlm: error: this run needs about") and "the largest part is" in line
+    assert not out.exists()
+
+
+def test_plan_shows_the_memory_table():
+    result = run_cli("plan", *TINY, "training.per_device_train_batch_size=auto", "infra.max_memory_gb=2")
+    assert result.returncode == 0, result.stderr
+    assert "memory per rank (cpu, 1 rank" in result.stdout and "optimizer state" in result.stdout
+    assert "note: training.per_device_train_batch_size=auto:" in result.stdout
+
+
+# -- validated against measured peaks --------------------------------------------------------------
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", REPO / "bench" / "memory.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_memory"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+VALIDATED = ["gpt", "gpt-ac", "gpt-bpe-unfused", "gpt2", "qwen3", "gpt-fsdp2", "gpt-dpo", "gpt-rl"]
+
+
+def test_estimates_within_15_percent_of_measured_peaks():
+    """Each config trains 3 steps under tierlm.memory_probe; the run's own estimate (its
+    memory_estimate.json) is within 15% of its peak RSS growth over the import baseline."""
+    bench = _bench()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in VALIDATED:
+            stage, overrides, ranks = bench.CONFIGS[name]
+            rows.append((name, bench.measure(stage, overrides, ranks, 3, Path(tmp))))
+    table = "\n".join(f"{name}: estimate {r['estimate_mb']:.0f} MiB, measured {r['measured_mb']:.0f} MiB, ratio {r['ratio']:.2f}" for name, r in rows)
+    assert all(0.85 <= r["ratio"] <= 1.15 for _, r in rows), table
+
+
+# -- seed 002's config surface ---------------------------------------------------------------------
+def _tiny_backend(**kwargs):
+    from tierlm.backends.pytorch import PyTorchTrainingBackend
+    from tierlm.plan import new_model
+
+    torch.manual_seed(0)
+    model = new_model(small(), 64, "cpu")
+    return PyTorchTrainingBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, "/nonexistent", "cpu", **kwargs)
+
+
+def _steps(backend, n=3):
+    torch.manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (2, 16))
+        backend.forward_backward({"input_ids": ids, "labels": ids})
+        out.append(backend.optim_step().wait())
+    return out
+
+
+def test_fp16_loss_scaling():
+    """training.fp16's GradScaler path, on CPU in fp32 (scaling by powers of two is exact): the same
+    updates as without it; an overflowing scale skips the update, halves, and is not a failure."""
+    plain, scaled = _tiny_backend(), _tiny_backend(grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    a, b = _steps(plain), _steps(scaled)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and b[0]["loss_scale"] == 2.0**10 and b[0]["overflow"] == 0
+    assert all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), scaled.model.parameters()))
+    huge = _tiny_backend(grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**127))
+    before = [p.detach().clone() for p in huge.model.parameters()]
+    first = _steps(huge, 1)[0]
+    assert first["overflow"] == 1 and first["skipped"] == 0 and huge.grad_scaler.get_scale() == 2.0**126
+    assert all(torch.equal(p, q) for p, q in zip(before, huge.model.parameters()))
+    state = {}
+    huge.grad_scaler.load_state_dict(scaled.grad_scaler.state_dict())  # the state checkpoints carry
+    state.update(huge.grad_scaler.state_dict())
+    assert state["scale"] == scaled.grad_scaler.get_scale()
+
+
+def test_flash_attention_switch():
+    """model.use_flash_attention=false keeps SDPA off its flash kernel: the same losses, and on CPU
+    (math kernel) the T x T scores show in the planner's activations."""
+    a, b = _steps(_tiny_backend()), _steps(_tiny_backend(flash_attention=False))
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+    long = {"data": {"max_seq_length": 512}}
+    flash = estimate_run_memory(small(**long), vocab_size=64).parts["activations"]
+    math_kernel = estimate_run_memory(small(model={"use_flash_attention": False}, **long), vocab_size=64).parts["activations"]
+    scores = 4 * 4 * 512 * 512 * 4  # rows x heads x T x T fp32, per layer
+    assert math_kernel - flash > scores
+
+
+def test_logging_dir_and_wandb_entity(tmp_path, monkeypatch):
+    import types
+
+    from tierlm.run import build_logger
+
+    config = small(training={"report_to": ["tensorboard"], "logging_dir": str(tmp_path / "tb")})
+    (tmp_path / "run").mkdir()
+    logger = build_logger(config, tmp_path / "run", None)
+    logger.log({"type": "train", "step": 1, "loss": 1.0})
+    logger.close()
+    assert any((tmp_path / "tb").glob("events.out.tfevents.*")) and not (tmp_path / "run" / "tensorboard").exists()
+    seen = {}
+    fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    build_logger(small(training={"report_to": ["wandb"]}, infra={"wandb_entity": "my-team"}), tmp_path / "run", None)
+    assert seen["entity"] == "my-team" and seen["project"] == "tierlm"
+
+
+def test_fp16_and_bf16_are_exclusive():
+    with pytest.raises(ConfigError, match="two precisions"):
+        TierlmConfig.load(None, ["training.fp16=true", "training.bf16=true"])

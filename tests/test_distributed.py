@@ -231,6 +231,29 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     assert result.returncode == 2 and "tierlm export" in result.stderr
 
 
+def test_fsdp_sharding_strategies_match_one_process(tmp_path):
+    """infra.fsdp_sharding_strategy: SHARD_GRAD_OP (blocks stay gathered until their backward) and
+    HYBRID_SHARD (a 2-D replicate x shard mesh; one machine here, so 1 x 2) train as one process does
+    on the same global batch; the planner counts SHARD_GRAD_OP's gathered blocks."""
+    common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=6", "training.warmup_steps=0",
+              "training.eval_steps=0", "training.save_steps=0", "training.logging_steps=2", "data.num_synthetic_examples=2000",
+              "infra.progress_bar=false"]
+    result = run_cli(*common, f"infra.output_dir={tmp_path / 'one'}", "training.per_device_train_batch_size=16")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def losses(run: Path) -> list[float]:
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+    for strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD"):
+        out = tmp_path / strategy
+        result = torchrun("-m", "tierlm", *common, f"infra.output_dir={out}", "training.per_device_train_batch_size=8",
+                          f"infra.fsdp_sharding_strategy={strategy}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert losses(out) == pytest.approx(losses(tmp_path / "one"), abs=1e-4), strategy
+        estimate = json.loads((out / "memory_estimate.json").read_text())["parts_bytes"]
+        assert estimate["FSDP gathered blocks"] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fsdp_bf16_on_one_gpu(tmp_path):
     result = torchrun("-m", "tierlm", "pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=20",

@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
     if output and os.path.exists(os.path.join(output, "memory_estimate.json")):
         with open(os.path.join(output, "memory_estimate.json")) as f:
             record["estimate_mb"] = json.load(f)["total_bytes"] / 2**20
-    print("MEMORY_PROBE " + json.dumps(record), flush=True)
+    sys.stdout.flush()  # one write of one line: the ranks of a torchrun job share the stream
+    os.write(sys.stdout.fileno(), ("\nMEMORY_PROBE " + json.dumps(record) + "\n").encode())
     return code
 
 

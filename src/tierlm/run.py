@@ -329,6 +329,9 @@ class Run:
         tr = self.config.training
         if tr.per_device_train_batch_size != "auto":
             return self.config
+        if self.stage == "rl":
+            raise ConfigError("training.per_device_train_batch_size=auto sizes pretraining, SFT and DPO micro-batches; "
+                              "RL's is rl.micro_batch_size: set a number")
         recorded = None
         if self.latest is not None and (self.output_dir / "config.yaml").is_file():
             recorded = TierlmConfig.from_yaml(self.output_dir / "config.yaml").training.per_device_train_batch_size

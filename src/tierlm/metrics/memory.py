@@ -16,14 +16,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CPU_FRAMEWORK_BYTES = 96 * 2**20
-"""On CPU, what the first training step adds beyond its tensors (autograd engine, OpenMP pools,
-kernel workspaces), measured with a one-layer model (bench/memory.py)."""
-CPU_RETENTION = 0.35
+CPU_FRAMEWORK_BYTES = 48 * 2**20
+"""On CPU, what a run adds beyond its tensors once everything is imported (autograd engine, OpenMP
+pools, kernel workspaces, Python objects): measured, a one-layer model's run grows by 46 MB (53 MB
+for an FSDP rank) over the import baseline (bench/memory.py's probe)."""
+CPU_RETENTION = 0.4
 """On CPU, glibc's heap keeps freed activation memory resident (its mmap threshold rises to the
 largest freed block, so later activations come from the heap and leave holes): measured over the
-configs of bench/memory.py, the peak RSS exceeds the live tensors by about this share of one
-micro-batch's activations (run to run, the same config varies by about 5%)."""
+configs of bench/memory.py, the peak RSS exceeds the live tensors by 0.23 (GPT-2, Qwen3) to 0.5
+(the native GPT, one process or an FSDP rank) of one micro-batch's activations; 0.4 centres the
+estimates (run to run, the same config varies by about 5%; docs/benchmarks.md)."""
 CPU_RETENTION_RECOMPUTE = 0.55
 """The same under activation checkpointing, as a share of the activations without it: the blocks
 recomputed in the backward cycle that volume through the heap a second time (measured likewise)."""

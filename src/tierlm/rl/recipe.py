@@ -78,6 +78,7 @@ def run_rl(config: TierlmConfig) -> dict:
 
 
 def _run_rl(run: Run) -> dict:
+    run.choose_batch_size()  # refuses auto: RL's micro-batch is rl.micro_batch_size
     config, tokenizer = run.config, run.tokenizer
     tr, rl, d = config.training, config.rl, config.data
     train_task = open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed)

@@ -16,14 +16,6 @@ import os
 import sys
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def main(argv: list[str]) -> int:
     import torch  # noqa: F401  (everything a run imports, before the baseline)
     import torch.distributed.checkpoint  # noqa: F401
@@ -37,14 +29,16 @@ def main(argv: list[str]) -> int:
     import tierlm.memory_plan  # noqa: F401
     import tierlm.recipes  # noqa: F401
     import tierlm.rl.recipe  # noqa: F401
+    from tierlm.metrics.memory import peak_rss_mb, rss_mb
 
-    baseline = _status_mb("VmRSS")
+    baseline = rss_mb()
     try:
         code = tierlm.cli.main(argv) or 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    record = {"rank": int(os.environ.get("RANK", "0")), "exit_code": code, "baseline_mb": baseline,
-              "peak_mb": _status_mb("VmHWM"), "growth_mb": _status_mb("VmHWM") - baseline}
+    peak = peak_rss_mb()
+    record = {"rank": int(os.environ.get("RANK", "0")), "exit_code": code, "baseline_mb": baseline, "peak_mb": peak,
+              "growth_mb": peak - baseline}
     if torch.cuda.is_available():
         record["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     output = next((a.split("=", 1)[1] for a in argv if a.startswith("infra.output_dir=")), None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import math
 from typing import Any, Callable
 
 import torch
@@ -37,14 +36,7 @@ def rss_mb() -> float:
     >>> rss_mb() > 0
     True
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return _status_mb("VmRSS")
 
 
 def peak_rss_mb() -> float:
@@ -53,10 +45,15 @@ def peak_rss_mb() -> float:
     >>> peak_rss_mb() >= rss_mb() > 0
     True
     """
+    return _status_mb("VmHWM")
+
+
+def _status_mb(field: str) -> float:
+    """A "kB" field of Linux's /proc/self/status, in MB (0 where unavailable)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass

@@ -55,6 +55,16 @@ def write(name: str, data: str | bytes) -> Callable[[Path, Path], None]:
     return setup
 
 
+def hub_layout(name: str) -> Callable[[Path, Path], None]:
+    """A dataset folder laid out as the Hub serves HuggingFaceH4/ultrachat_200k (train_sft / test_sft)."""
+    def setup(w: Path, r: Path) -> None:
+        from test_hub_data import hub_folder
+
+        hub_folder(w / name, {"train_sft": 20, "test_sft": 4})
+
+    return setup
+
+
 def copy_run(name: str, then: Callable[[Path], None] | None = None) -> Callable[[Path, Path], None]:
     def setup(w: Path, r: Path) -> None:
         shutil.copytree(r / name, w / name, symlinks=True)
@@ -177,6 +187,14 @@ CASES = [
     Case("pretrain-unknown-sharding", ["pretrain", "--config", cfg(PRE), *TINY, "infra.fsdp_sharding_strategy=ZERO3"],
          "fsdp_sharding_strategy"),
     Case("plan-memory-limit-word", ["plan", "--config", cfg(PRE), "infra.max_memory_gb=lots"], "max_memory_gb"),
+    Case("sft-hub-split-missing", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=uc", "data.split=train"],
+         "has splits train_sft, test_sft; there is no 'train'", hub_layout("uc")),
+    Case("sft-hub-eval-split-missing", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=uc", "data.split=train_sft",
+                                        "data.eval_split=validation"], "there is no 'validation'", hub_layout("uc")),
+    Case("sft-hub-unknown-config", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=uc", "data.split=train_sft",
+                                    "data.dataset_config=fr"], "config 'fr'", hub_layout("uc")),
+    Case("sft-eval-split-on-a-file", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=c.jsonl", "data.eval_split=test"],
+         "no named splits", write("c.jsonl", GOOD_CHAT + "\n")),
     Case("pretrain-unknown-architecture", ["pretrain", "--config", cfg(PRE), *TINY, "model.architecture=nonesuch"], "nonesuch"),
     Case("pretrain-bad-kv-heads", ["pretrain", "--config", cfg(PRE), *TINY, "model.n_kv_head=3"], "n_kv_head"),
     Case("pretrain-tiny-vocab", ["pretrain", "--config", cfg(PRE), *TINY, "tokenizer.vocab_size=10"], "vocab_size must be >="),

@@ -156,6 +156,16 @@ class DataConfig(Section):
     """Training data: "synthetic:<task>", a .txt/.jsonl/.parquet/.bin/.npy file, a folder of them, a saved HF dataset, or a hub dataset name."""
     mixture: list[MixtureComponent] = Field(default_factory=list)
     """Train on several sources instead of dataset_name: a list of {dataset_name, weight}."""
+    dataset_config: str | None = None
+    """A hub dataset's config (subset) name, e.g. "sample-10BT" of HuggingFaceFW/fineweb-edu."""
+    split: str = "train"
+    """The training split of a dataset with named splits (a hub name, or a folder laid out as the
+    Hub serves one, e.g. train_sft of HuggingFaceH4/ultrachat_200k)."""
+    eval_split: str | None = None
+    """Its evaluation split (default: the first of validation / val / test it has, else a held-out
+    tail of data.split of data.val_fraction)."""
+    revision: str | None = None
+    """A hub dataset's branch, tag or commit."""
     eval_dataset_name: str | None = None
     """Validation data; None holds out data.val_fraction of the training data (synthetic tasks have a disjoint val split)."""
     val_fraction: float = Field(0.05, gt=0, lt=1)

@@ -29,7 +29,7 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.data.preferences import PairLoader, open_preferences
-from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
+from tierlm.data.sources import EVAL_SPLITS, TEXT_SUFFIXES, TOKEN_SUFFIXES, available_splits
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import auto_find_batch_size, check_fits
@@ -38,7 +38,7 @@ from tierlm.plan import model_width, new_model, optimizer_settings
 from tierlm.primitives import create_warmup_scheduler, parse_dtype
 from tierlm.primitives.optim import build_optimizer
 from tierlm.primitives.parallel import DistributedContext, shutdown_distributed
-from tierlm.run import Run, data_components, distributed_kind, extras_writer, prepare_run, source_options
+from tierlm.run import Run, data_components, distributed_kind, extras_writer, named_split, prepare_run, source_options
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.dpo import DPOStrategy
 from tierlm.trainer import Trainer
@@ -47,22 +47,37 @@ from tierlm.trainer import Trainer
 def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
     """([(train, weight)] for each data source, [val sets]).
 
-    Validation is data.eval_dataset_name when set (one set for the whole mixture); otherwise each
-    source's own val split (synthetic tasks) or held-out tail.
+    Training reads data.split of datasets with named splits. Validation is data.eval_dataset_name
+    when set (one set for the whole mixture); otherwise each source's own evaluation split
+    (data.eval_split, else the first of validation / val / test it has; synthetic tasks' "val") or a
+    held-out tail of its training data.
     """
     d, trains, vals = config.data, [], []
     for name, weight in data_components(config):
-        train = open_examples(name, source_options(config, stage, "train", tokenizer))
+        options = named_split(name, source_options(config, stage, "train", tokenizer), d.split)
+        train = open_examples(name, options)
         if d.eval_dataset_name:
             pass  # one shared eval set, opened below
         elif name.startswith("synthetic:"):
             vals.append(open_examples(name, source_options(config, stage, "val", tokenizer)))
         else:
-            train, val = holdout_split(train, d.val_fraction)
-            vals.append(val)
+            splits = available_splits(name, options)
+            if d.eval_split is not None and splits is None:
+                raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
+                                  "(a file or folder of files): use data.val_fraction or data.eval_dataset_name")
+            eval_split = d.eval_split or next((s for s in EVAL_SPLITS if splits and s in splits and s != d.split), None)
+            if eval_split is not None:  # the dataset's own evaluation split
+                vals.append(open_examples(name, named_split(name, options, eval_split)))
+            else:  # a held-out tail of the training data, never the training rows themselves
+                train, val = holdout_split(train, d.val_fraction)
+                vals.append(val)
         trains.append((train, weight))
     if d.eval_dataset_name:
-        vals = [open_examples(d.eval_dataset_name, source_options(config, stage, "val", tokenizer))]
+        options = source_options(config, stage, "val", tokenizer)
+        splits = available_splits(d.eval_dataset_name, options)
+        if splits is not None:
+            options = named_split(d.eval_dataset_name, options, d.eval_split or next((s for s in EVAL_SPLITS if s in splits), d.split))
+        vals = [open_examples(d.eval_dataset_name, options)]
     return trains, vals
 
 

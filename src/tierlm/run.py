@@ -22,6 +22,7 @@ The guarantees live here once, for every stage:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -231,13 +232,21 @@ def _fields(config: TierlmConfig) -> Fields:
 
 
 def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
+    """How to read the data's sources; `split` "train" is data.split for datasets with named splits
+    (synthetic tasks keep their own "train" and "val")."""
     d = config.data
     return SourceOptions(
         split=split, kind="text" if stage == "pretrain" else "chat", seed=config.training.seed,
+        dataset_config=d.dataset_config, revision=d.revision,
         synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
         fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
         separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
     )
+
+
+def named_split(name: str, options: SourceOptions, split: str) -> SourceOptions:
+    """`options` reading `split` of `name`, unless `name` is a synthetic task (its splits are its own)."""
+    return options if name.startswith("synthetic:") else dataclasses.replace(options, split=split)
 
 
 def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
@@ -250,7 +259,7 @@ def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
     for name, _ in data_components(config):
         if Path(name).suffix in (".bin", ".npy"):
             raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
-        examples = open_examples(name, source_options(config, stage, "train", None))
+        examples = open_examples(name, named_split(name, source_options(config, stage, "train", None), config.data.split))
         for example in examples.fetch(range(min(len(examples), t.num_train_docs))):
             texts.extend([example] if isinstance(example, str) else [m["content"] for m in example])
     return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)

@@ -334,22 +334,65 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def _load_arrow(spec: str, split: str):
+def _is_hub_layout(path: Path) -> bool:
+    """A local folder laid out as the Hub serves a dataset repository: a README.md whose YAML header
+    names its `configs` (their data files by split), read by `datasets.load_dataset` as the Hub would."""
+    readme = path / "README.md"
+    if not (path.is_dir() and readme.is_file()):
+        return False
+    head = readme.read_text(errors="replace")
+    return head.startswith("---") and "\nconfigs:" in head.split("\n---", 1)[0]
+
+
+def _load_dataset_dict(spec: str, options: "SourceOptions"):
+    """The dataset at `spec` (saved folder, parquet file, Hub-layout folder or hub name) as loaded
+    (without datasets' progress bars: stderr stays for problems)."""
     import datasets
 
+    datasets.disable_progress_bars()
     try:
         if _is_saved_dataset(Path(spec)):
-            loaded = datasets.load_from_disk(spec)
-        elif Path(spec).suffix in PARQUET_SUFFIXES:
-            loaded = datasets.Dataset.from_parquet(spec)
-        else:
-            loaded = datasets.load_dataset(spec)
+            return datasets.load_from_disk(spec)
+        if Path(spec).suffix in PARQUET_SUFFIXES:
+            return datasets.Dataset.from_parquet(spec)
+        # A local folder is re-read each time and not checked against recorded split sizes: datasets'
+        # cache keys it by the folder's name, and served (or "verified" against) another folder of
+        # the same name, or an earlier version of files rewritten in place (measured).
+        fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if Path(spec).exists() else {}
+        return datasets.load_dataset(spec, options.dataset_config, revision=options.revision, **fresh)
     except Exception as e:  # datasets raises many types; all mean "cannot open this"
-        raise DataError(f"cannot open dataset {spec!r}: {first_line(e)}") from e
+        raise DataError(f"cannot open dataset {spec!r}{f' (config {options.dataset_config!r})' if options.dataset_config else ''}: "
+                        f"{first_line(e)}") from e
+
+
+def available_splits(spec: str, options: "SourceOptions") -> list[str] | None:
+    """The split names of a dataset with named splits (a hub name, a Hub-layout or saved folder), else None."""
+    if spec.startswith(("synthetic:", "builtin:")) or not _named_splits(spec):
+        return None
+    import datasets
+
+    loaded = _load_dataset_dict(spec, options)
+    return list(loaded) if isinstance(loaded, datasets.DatasetDict) else None
+
+
+EVAL_SPLITS = ("validation", "val", "test")
+"""Splits that evaluate when data.eval_split is not set (the first one a dataset has)."""
+
+
+def _named_splits(spec: str) -> bool:
+    path = Path(spec)
+    return _is_saved_dataset(path) or _is_hub_layout(path) or (not path.exists() and not spec.startswith((".", "/")) and spec.count("/") == 1)
+
+
+def _load_arrow(spec: str, options: "SourceOptions"):
+    import datasets
+
+    loaded = _load_dataset_dict(spec, options)
     if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded and "train" not in loaded:
-            raise DataError(f"dataset {spec!r} has splits {list(loaded)}; none is {split!r} or 'train'")
-        loaded = loaded[split] if split in loaded else loaded["train"]
+        if options.split not in loaded:
+            raise DataError(f"dataset {spec!r} has splits {', '.join(loaded)}; there is no {options.split!r} "
+                            "(set data.split, or data.eval_split for evaluation)")
+        loaded = loaded[options.split]
     return loaded
 
 
@@ -398,6 +441,8 @@ class SourceOptions:
 
     split: str = "train"
     kind: str = "text"  # "text" (pretraining documents) or "chat" (conversations)
+    dataset_config: str | None = None  # a hub dataset's config (subset) name
+    revision: str | None = None  # a hub dataset's branch, tag or commit
     seed: int = 0
     synthetic_count: int = 1000
     fields: Fields = Fields()
@@ -417,17 +462,14 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
             raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
         return SyntheticExamples(SYNTHETIC_TASKS[name](), options.split, options.synthetic_count, options.seed, options.kind)
     spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
-    path = Path(spec)
-    if not path.exists() and not spec.startswith((".", "/")) and spec.count("/") == 1:
-        return ArrowExamples(_load_arrow(spec, options.split), options.kind, options.fields, spec)  # a hub dataset name
-    if _is_saved_dataset(path):
-        return ArrowExamples(_load_arrow(spec, options.split), options.kind, options.fields, spec)
+    if _named_splits(spec):  # a hub dataset name, a saved dataset, or a folder laid out as the Hub serves one
+        return ArrowExamples(_load_arrow(spec, options), options.kind, options.fields, spec)
     parts: list[Examples] = []
     for file in _files(spec):
         if file.suffix in JSONL_SUFFIXES:
             parts.append(JSONLExamples(file, options.kind, options.fields, options.on_bad_line, stats))
         elif file.suffix in PARQUET_SUFFIXES:
-            parts.append(ArrowExamples(_load_arrow(str(file), options.split), options.kind, options.fields, str(file)))
+            parts.append(ArrowExamples(_load_arrow(str(file), options), options.kind, options.fields, str(file)))
         elif file.suffix in TOKEN_SUFFIXES:
             if options.kind != "text":
                 raise DataError(f"{file}: a token file holds pretraining documents, not conversations")

@@ -31,10 +31,9 @@ from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import CPU_FRAMEWORK_BYTES, CPU_RETENTION, CPU_RETENTION_RECOMPUTE, available_memory_bytes, format_bytes
-from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
+from tierlm.models import family_for_folder, family_of, unwrap_model
 from tierlm.plan import model_width, optimizer_settings
 from tierlm.primitives import parse_dtype
-from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.primitives.optim import build_optimizer
 
 BYTES_PER_DOCUMENT = 24

@@ -30,7 +30,14 @@ from tierlm.backends.distributed import prepare_model
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.metrics.memory import CPU_FRAMEWORK_BYTES, CPU_RETENTION, CPU_RETENTION_RECOMPUTE, available_memory_bytes, format_bytes
+from tierlm.metrics.memory import (
+    CPU_FRAMEWORK_BYTES,
+    CPU_RETENTION,
+    CPU_RETENTION_RECOMPUTE,
+    available_memory_bytes,
+    format_bytes,
+    tracked_peak,
+)
 from tierlm.models import family_for_folder, family_of, unwrap_model
 from tierlm.plan import model_width, optimizer_settings
 from tierlm.primitives import parse_dtype
@@ -79,12 +86,6 @@ class MemoryEstimate:
         return {"total_bytes": self.total, "parts_bytes": dict(self.parts), "world_size": self.world_size,
                 "device_type": self.device_type, "micro_batch_rows": rows, "micro_batch_tokens": tokens}
 
-    def as_gb(self) -> dict[str, float]:
-        """The parts and the total in GB (1e9 bytes, the seed's unit)."""
-        out = {name.replace(" ", "_") + "_gb": b / 1e9 for name, b in self.parts.items()}
-        out["total_gb"] = self.total / 1e9
-        return out
-
 
 # -- the trace ---------------------------------------------------------------------------------
 def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
@@ -94,15 +95,10 @@ def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
         from tierlm.plan import new_model
 
         return new_model(config, vocab_size, "cpu", dtype)
-    family = family_for_folder(pretrained)
-    if family.native:
-        return family.build_from_config(family.config_from_folder(pretrained), "cpu", dtype)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained), dtype=dtype)
+    return family_for_folder(pretrained).build_from_folder(pretrained, dtype)
 
 
-def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int, vocab_size: int):
+def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int):
     """A fake micro-batch of the stage's shape, and the stage's loss (None: token cross-entropy)."""
     ids = torch.zeros(rows, tokens, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -147,7 +143,7 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
         backend = PyTorchTrainingBackend(model, optimizer, None, Path(os.devnull), cpu, None, tr.max_grad_norm,
                                          torch.bfloat16 if tr.bf16 else None, fused_cross_entropy=tr.fused_cross_entropy,
                                          flash_attention=config.model.use_flash_attention)
-        batch, loss_fn = _strategy_inputs(config, stage, rows, tokens, vocab_size)
+        batch, loss_fn = _strategy_inputs(config, stage, rows, tokens)
         reference = None
         if "ref_logps" not in batch and stage == "dpo":
             reference = FrozenReference(_fake_model(config, vocab_size, pretrained), cpu)
@@ -165,29 +161,10 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
             optimizer.zero_grad(set_to_none=True)
 
         step()  # untracked: it creates the optimizer state the tracked step holds
-        out = _tracked([scoring, step] if stage == "rl" else [step], model, optimizer)
+        out = tracked_peak([scoring, step] if stage == "rl" else [step], model, optimizer)
         if generation is not None:
-            held = _tracked(_generation_passes(model, *generation), model, optimizer)
+            held = tracked_peak(_generation_passes(model, *generation), model, optimizer)
             out["Generation"] = held["Total"] - held.get("Parameter", 0) - held.get("Buffer", 0) - held.get("Optstate", 0)
-    return out
-
-
-def _tracked(fns: list, model: nn.Module, optimizer) -> dict[str, int]:
-    """Run `fns` in turn under one MemTracker: the bytes at their peak by category (summed over devices)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        for i, fn in enumerate(fns):
-            if i:
-                tracker.reset_mod_stats()  # the same modules run again: a new pass for the tracker
-            fn()
-    out: dict[str, int] = {}
-    for per_device in tracker.get_tracker_snapshot("peak").values():
-        for kind, b in per_device.items():
-            key = getattr(kind, "value", kind)
-            out[key] = out.get(key, 0) + int(b)
     return out
 
 
@@ -241,7 +218,7 @@ def estimate_run_memory(
     `vocab_size` defaults to the tokenizer section's; `num_documents` to the synthetic task's
     size; a micro-batch is `rows` x `row_tokens` (default: the stage's training batch at
     data.max_seq_length); `distributed` ("none", "ddp", "fsdp") defaults to what the config and
-    `world_size` imply.
+    `world_size` imply (RL: DDP).
 
     >>> from tierlm.config import TierlmConfig
     >>> config = TierlmConfig.model_validate({"model": {"depth": 1, "aspect_ratio": 32}, "data": {"max_seq_length": 16},
@@ -254,8 +231,8 @@ def estimate_run_memory(
     """
     tr, d, rl = config.training, config.data, config.rl
     vocab_size = vocab_size or config.tokenizer.vocab_size
-    if distributed is None:
-        distributed = "none" if world_size == 1 else ("ddp" if config.infra.distributed_type == "ddp" else "fsdp")
+    if distributed is None:  # as a torchrun job of this config would run (RL shards data, not the model)
+        distributed = "none" if world_size == 1 else ("ddp" if config.infra.distributed_type == "ddp" or stage == "rl" else "fsdp")
     per_device = tr.per_device_train_batch_size
     assert isinstance(per_device, int), "resolve training.per_device_train_batch_size=auto before estimating"
     generation = None
@@ -366,14 +343,24 @@ def check_memory(estimate: MemoryEstimate, budget: float | None) -> None:
                       f"the largest part is {name} ({format_bytes(largest)}): {estimate.fixes.get(name, 'use a smaller run')}")
 
 
+def with_batch_size(config: TierlmConfig, rows: int) -> TierlmConfig:
+    """`config` with training.per_device_train_batch_size = `rows`."""
+    return config.model_copy(update={"training": config.training.model_copy(update={"per_device_train_batch_size": rows})})
+
+
+def check_auto_batch_stage(stage: str) -> None:
+    """training.per_device_train_batch_size=auto sizes micro-batches of rows: not RL's rollouts."""
+    if stage == "rl":
+        raise ConfigError("training.per_device_train_batch_size=auto sizes pretraining, SFT and DPO micro-batches; "
+                          "RL's is rl.micro_batch_size: set a number")
+
+
 def auto_batch_size(config: TierlmConfig, stage: str, budget: float | None, world_size: int = 1, **kwargs) -> tuple[int, str]:
     """training.per_device_train_batch_size=auto: (rows, why). The largest power of two predicted
     to fit `budget` with a 20% margin (`largest_fitting_batch`); with training.total_batch_size
     fixed, also one that divides it (the accumulation takes up the rest, so the optimisation is
     the same). Without a budget (nothing says how much memory there is) the default, 8."""
-    if stage == "rl":
-        raise ConfigError("training.per_device_train_batch_size=auto sizes pretraining, SFT and DPO micro-batches; "
-                          "RL's is rl.micro_batch_size: set a number")
+    check_auto_batch_stage(stage)
     tr, T = config.training, config.data.max_seq_length
     if budget is None:
         return 8, "no memory limit is known here (set infra.max_memory_gb)"
@@ -394,8 +381,7 @@ def largest_fitting_batch(config: TierlmConfig, available: float, stage: str = "
     third confirms the choice. Raises ConfigError when not even one row fits."""
 
     def at(rows: int) -> MemoryEstimate:
-        c = config.model_copy(update={"training": config.training.model_copy(update={"per_device_train_batch_size": rows})})
-        return estimate_run_memory(c, stage=stage, **kwargs)
+        return estimate_run_memory(with_batch_size(config, rows), stage=stage, **kwargs)
 
     one, two = at(1), at(2)
     per_row, fixed = two.total - one.total, 2 * one.total - two.total

@@ -333,14 +333,12 @@ class Run:
     def choose_batch_size(self, num_documents: int | None = None) -> TierlmConfig:
         """Resolve training.per_device_train_batch_size=auto (a no-op otherwise): the size the run
         being resumed chose (its data position counts its rows), else the memory planner's; logged."""
-        from tierlm.memory_plan import auto_batch_size
+        from tierlm.memory_plan import auto_batch_size, check_auto_batch_stage
 
         tr = self.config.training
         if tr.per_device_train_batch_size != "auto":
             return self.config
-        if self.stage == "rl":
-            raise ConfigError("training.per_device_train_batch_size=auto sizes pretraining, SFT and DPO micro-batches; "
-                              "RL's is rl.micro_batch_size: set a number")
+        check_auto_batch_stage(self.stage)  # before the run being resumed is asked
         recorded = None
         if self.latest is not None and (self.output_dir / "config.yaml").is_file():
             recorded = TierlmConfig.from_yaml(self.output_dir / "config.yaml").training.per_device_train_batch_size
@@ -357,8 +355,9 @@ class Run:
         return self.config
 
     def set_batch_size(self, rows: int) -> None:
-        tr = self.config.training
-        self.config = self.config.model_copy(update={"training": tr.model_copy(update={"per_device_train_batch_size": rows})})
+        from tierlm.memory_plan import with_batch_size
+
+        self.config = with_batch_size(self.config, rows)
 
     def begin(self, trainer) -> Path | None:
         """Everything is checked: create the run directory, record the run, resume, start logging."""
@@ -435,7 +434,7 @@ def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: 
     """(resolved config, plan, model on the meta device) of a run, without running it (`tierlm plan`):
     the tokenizer is the one the run would use (trained here when the run would train one), unless
     `vocab_size` sizes a model from scratch directly."""
-    from tierlm.memory_plan import auto_batch_size, estimate_run_memory, memory_budget
+    from tierlm.memory_plan import auto_batch_size, estimate_run_memory, memory_budget, with_batch_size
     from tierlm.metrics.memory import format_bytes
     from tierlm.plan import describe_model, resolve
 
@@ -447,16 +446,15 @@ def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: 
     if model is None:
         raise ConfigError(f"model.model_name_or_path={pretrained} is a hub id: tierlm plan sizes local models; download it first")
     device = resolve_device(config.infra.device_type, config.infra.gpu_rank)
-    distributed = "none" if world_size == 1 else ("ddp" if config.infra.distributed_type == "ddp" or stage == "rl" else "fsdp")
     budget = memory_budget(device, config.infra.max_memory_gb, world_size if device.type == "cpu" else 1)
     auto_rows = None
     if config.training.per_device_train_batch_size == "auto":
         rows, why = auto_batch_size(config, stage, budget, world_size, vocab_size=vocab_size, pretrained=pretrained,
-                                    device_type=device.type, distributed=distributed)
-        config = config.model_copy(update={"training": config.training.model_copy(update={"per_device_train_batch_size": rows})})
+                                    device_type=device.type)
+        config = with_batch_size(config, rows)
         auto_rows = f"training.per_device_train_batch_size=auto: {rows} rows ({why})"
     resolved, plan = resolve(config, stage, model, world_size)
-    plan.memory = estimate_run_memory(resolved, world_size, stage, vocab_size, pretrained, device_type=device.type, distributed=distributed)
+    plan.memory = estimate_run_memory(resolved, world_size, stage, vocab_size, pretrained, device_type=device.type)
     if auto_rows:
         plan.notes.append(auto_rows)
     if budget is not None and plan.memory.total > budget:

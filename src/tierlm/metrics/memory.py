@@ -213,19 +213,45 @@ def _loss_of(outputs: Any) -> torch.Tensor:
     return outputs
 
 
-def _predicted_cpu_batch(run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float) -> int:
-    """The largest halving of `start` (not below `minimum`) predicted to fit in `available` bytes."""
+def tracked_peak(fns: list[Callable[[], Any]], *tracked) -> dict[str, int]:
+    """Run `fns` in turn under one PyTorch `MemTracker`: the bytes at their peak by category
+    ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other", "Total"), summed
+    over devices. `tracked`: modules and optimizers whose existing tensors count too (others that
+    exist before are not counted).
+
+    >>> layer = torch.nn.Linear(256, 256)
+    >>> peak = tracked_peak([lambda: layer(torch.randn(64, 256)).sum().backward()], layer)
+    >>> peak["Parameter"] == (256 * 256 + 256) * 4, peak["Total"] > peak["Parameter"] + 64 * 256 * 4
+    (True, True)
+    """
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    tracker = MemTracker()
+    if tracked:
+        tracker.track_external(*tracked)
+    with tracker:
+        for i, fn in enumerate(fns):
+            if i:
+                tracker.reset_mod_stats()  # the same modules run again: a new pass for the tracker
+            fn()
+    out: dict[str, int] = {}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for kind, b in per_device.items():
+            key = getattr(kind, "value", kind)
+            out[key] = out.get(key, 0) + int(b)
+    return out
+
+
+def _predicted_cpu_batch(run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float) -> int:
+    """The largest halving of `start` (not below `minimum`) predicted to fit in `available` bytes
+    (the model's weights are resident already: only what a step allocates counts)."""
     available = available if available is not None else available_memory_bytes(torch.device("cpu"))
     if available is None:
         return start
 
     def peak(n: int) -> float:
-        tracker = MemTracker()
-        with torch.random.fork_rng(devices=[]), tracker:
-            run(n)
-        return float(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        with torch.random.fork_rng(devices=[]):
+            return float(tracked_peak([lambda: run(n)])["Total"])
 
     small, double = peak(minimum), peak(2 * minimum)
     per_sample = max(0.0, double - small) / minimum

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 IGNORE_INDEX = -100
 

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import REPO
 from tierlm.cli import main
-from tierlm.config import TierlmConfig, list_presets
+from tierlm.config import TierlmConfig
+from tierlm.config_files import list_presets
 
 
 def test_presets_are_listed_and_loaded_by_name(capsys):

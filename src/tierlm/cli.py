@@ -302,7 +302,8 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> None:
-    from tierlm.config import TierlmConfig, list_presets
+    from tierlm.config import TierlmConfig
+    from tierlm.config_files import list_presets
 
     if args.config_command == "list":
         presets = list_presets()

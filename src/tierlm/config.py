@@ -15,14 +15,14 @@ tierlm.errors.ConfigError: unknown key training.learnig_rate (did you mean train
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tierlm.errors import ConfigError, first_line
+from tierlm.config_files import describe_error, read_config
+from tierlm.errors import ConfigError
 
 
 class Section(BaseModel):
@@ -463,46 +463,15 @@ class TierlmConfig(Section):
 
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "TierlmConfig":
-        """Read `path` (YAML; None for the defaults), apply `key=value` overrides, validate."""
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-
-        base = OmegaConf.create({})
-        if path is not None:
-            path = resolve_config_path(path)
-            if path.is_dir():
-                raise ConfigError(f"config {path} is a folder, not a file")
-            if not path.is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); a config is a YAML file") from None
-            except OSError as e:
-                raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
-            try:
-                parsed = yaml.safe_load(text)
-                if parsed is not None and not isinstance(parsed, dict):
-                    raise ConfigError(f"{path} must hold a mapping of sections (model, data, training, infra, ...)")
-                base = OmegaConf.create(text) if parsed else OmegaConf.create({})  # OmegaConf's YAML: 3e-4 is a float
-            except (yaml.YAMLError, OmegaConfBaseException) as e:
-                raise ConfigError(f"{path} is not valid YAML: {first_line(e)}") from None
-        for item in overrides:
-            if "=" not in item or item.startswith("="):
-                raise ConfigError(f"override {item!r} must look like section.key=value")
-        try:
-            merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-            raw = OmegaConf.to_container(merged, resolve=True)
-        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
-            raise ConfigError(f"cannot apply overrides {' '.join(overrides)}: {first_line(e)}") from None
-        return cls.from_dict(raw)
+        """Read `path` (YAML or a preset name; None for the defaults), apply `key=value` overrides, validate."""
+        return cls.from_dict(read_config(path, overrides))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "TierlmConfig":
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
-            raise ConfigError(_describe(e.errors()[0])) from None
+            raise ConfigError(describe_error(e.errors()[0], cls)) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TierlmConfig":
@@ -517,61 +486,3 @@ class TierlmConfig(Section):
 
 FullConfig = TierlmConfig
 """Seed 002's name for the complete configuration (`FullConfig.from_yaml(path)`, `config.to_yaml(path)`)."""
-
-PRESETS_DIR = Path(__file__).parent / "presets"
-
-
-def list_presets() -> dict[str, str]:
-    """{preset name: its first comment line} for the YAML configs shipped inside the package.
-
-    >>> "tiny_pretrain" in list_presets()
-    True
-    """
-    presets = {}
-    for path in sorted(PRESETS_DIR.glob("*.yaml")):
-        first = path.read_text(encoding="utf-8").splitlines()[0] if path.stat().st_size else ""
-        presets[path.stem] = first.lstrip("# ").strip()
-    return presets
-
-
-def resolve_config_path(name: str | Path) -> Path:
-    """A config file as given, or else the shipped preset of that name (`--config gpt2-shakespeare-char`)."""
-    path = Path(name)
-    if path.exists():
-        return path
-    preset = PRESETS_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-    if path.parent == Path(".") and preset.is_file():
-        return preset
-    if path.parent == Path(".") and path.suffix != ".yaml":
-        raise ConfigError(f"config {name} is neither a file nor a preset; presets: {', '.join(list_presets())} (tierlm config list)")
-    return path
-
-
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every dotted key of `model`, sections included ("training", "training.seed", ...)."""
-    keys = []
-    for name, field in model.model_fields.items():
-        keys.append(f"{prefix}{name}")
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            keys += _known_keys(annotation, f"{prefix}{name}.")
-    return keys
-
-
-def _describe(error: dict) -> str:
-    key = ".".join(str(part) for part in error["loc"])
-    value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}
-    if kind == "extra_forbidden":
-        same_depth = [k for k in _known_keys(TierlmConfig) if k.count(".") == key.count(".")]
-        close = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
-        return f"unknown key {key}" + (f" (did you mean {close[0]}?)" if close else "")
-    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-    if kind in bounds:
-        limit = next(iter(ctx.values()))
-        return f"{key} must be {bounds[kind]} {limit}, got {value!r}"
-    if kind == "literal_error":
-        return f"{key} must be one of {ctx.get('expected')}, got {value!r}"
-    if kind == "value_error":
-        return str(ctx.get("error", error["msg"]))
-    msg = error['msg']
-    return f"{key}: {msg[:1].lower() + msg[1:]}, got {value!r}"

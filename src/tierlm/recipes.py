@@ -29,7 +29,8 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.data.preferences import PairLoader, open_preferences
-from tierlm.data.sources import EVAL_SPLITS, TEXT_SUFFIXES, TOKEN_SUFFIXES, available_splits
+from tierlm.data.hub import available_splits, default_eval_split
+from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import auto_find_batch_size, check_fits
@@ -65,7 +66,7 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
             if d.eval_split is not None and splits is None:
                 raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
                                   "(a file or folder of files): use data.val_fraction or data.eval_dataset_name")
-            eval_split = d.eval_split or next((s for s in EVAL_SPLITS if splits and s in splits and s != d.split), None)
+            eval_split = d.eval_split or (default_eval_split(splits, d.split) if splits else None)
             if eval_split is not None:  # the dataset's own evaluation split
                 vals.append(open_examples(name, named_split(name, options, eval_split)))
             else:  # a held-out tail of the training data, never the training rows themselves
@@ -76,7 +77,7 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
         options = source_options(config, stage, "val", tokenizer)
         splits = available_splits(d.eval_dataset_name, options)
         if splits is not None:
-            options = named_split(d.eval_dataset_name, options, d.eval_split or next((s for s in EVAL_SPLITS if s in splits), d.split))
+            options = named_split(d.eval_dataset_name, options, d.eval_split or default_eval_split(splits) or d.split)
         vals = [open_examples(d.eval_dataset_name, options)]
     return trains, vals
 

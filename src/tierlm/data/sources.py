@@ -7,7 +7,7 @@
 | synthetic task | generated from (seed, split, index) | nothing |
 | .txt / .md | a paragraph (documents are split at blank lines) | byte offsets |
 | .jsonl | a `text` string, or a conversation (`messages`, or `prompt`/`completion`) | byte offsets |
-| .parquet, a saved HF dataset folder, a hub dataset name | a row, as with JSONL | Arrow memory map |
+| .parquet, a saved HF dataset folder, a hub dataset name (`tierlm.data.hub`) | a row, as with JSONL | Arrow memory map |
 | .bin / .npy token file | a token array (documents split at the separator token) | document offsets |
 
 Every collection has `len()` and `fetch(indices)`, so loaders shuffle, shard by rank and resume
@@ -23,13 +23,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tierlm.data.hub import PARQUET_SUFFIXES, has_named_splits, load_split
 from tierlm.data.synthetic import SYNTHETIC_TASKS
 from tierlm.data.tokenizer import check_conversation
 from tierlm.errors import DataError, first_line
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
 TOKEN_SUFFIXES = (".bin", ".npy")
 LLMC_MAGIC = 20240520  # llm.c .bin shards: a 256 x int32 header, then uint16 tokens
 LLMC_HEADER_BYTES = 256 * 4
@@ -330,72 +330,6 @@ def _files(spec: str) -> list[Path]:
     raise DataError(f"dataset {spec!r} is neither an existing file or folder nor 'synthetic:<task>' ({', '.join(SYNTHETIC_TASKS)})")
 
 
-def _is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
-
-
-def _is_hub_layout(path: Path) -> bool:
-    """A local folder laid out as the Hub serves a dataset repository: a README.md whose YAML header
-    names its `configs` (their data files by split), read by `datasets.load_dataset` as the Hub would."""
-    readme = path / "README.md"
-    if not (path.is_dir() and readme.is_file()):
-        return False
-    head = readme.read_text(errors="replace")
-    return head.startswith("---") and "\nconfigs:" in head.split("\n---", 1)[0]
-
-
-def _load_dataset_dict(spec: str, options: "SourceOptions"):
-    """The dataset at `spec` (saved folder, parquet file, Hub-layout folder or hub name) as loaded
-    (without datasets' progress bars: stderr stays for problems)."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    try:
-        if _is_saved_dataset(Path(spec)):
-            return datasets.load_from_disk(spec)
-        if Path(spec).suffix in PARQUET_SUFFIXES:
-            return datasets.Dataset.from_parquet(spec)
-        # A local folder is re-read each time and not checked against recorded split sizes: datasets'
-        # cache keys it by the folder's name, and served (or "verified" against) another folder of
-        # the same name, or an earlier version of files rewritten in place (measured).
-        fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if Path(spec).exists() else {}
-        return datasets.load_dataset(spec, options.dataset_config, revision=options.revision, **fresh)
-    except Exception as e:  # datasets raises many types; all mean "cannot open this"
-        raise DataError(f"cannot open dataset {spec!r}{f' (config {options.dataset_config!r})' if options.dataset_config else ''}: "
-                        f"{first_line(e)}") from e
-
-
-def available_splits(spec: str, options: "SourceOptions") -> list[str] | None:
-    """The split names of a dataset with named splits (a hub name, a Hub-layout or saved folder), else None."""
-    if spec.startswith(("synthetic:", "builtin:")) or not _named_splits(spec):
-        return None
-    import datasets
-
-    loaded = _load_dataset_dict(spec, options)
-    return list(loaded) if isinstance(loaded, datasets.DatasetDict) else None
-
-
-EVAL_SPLITS = ("validation", "val", "test")
-"""Splits that evaluate when data.eval_split is not set (the first one a dataset has)."""
-
-
-def _named_splits(spec: str) -> bool:
-    path = Path(spec)
-    return _is_saved_dataset(path) or _is_hub_layout(path) or (not path.exists() and not spec.startswith((".", "/")) and spec.count("/") == 1)
-
-
-def _load_arrow(spec: str, options: "SourceOptions"):
-    import datasets
-
-    loaded = _load_dataset_dict(spec, options)
-    if isinstance(loaded, datasets.DatasetDict):
-        if options.split not in loaded:
-            raise DataError(f"dataset {spec!r} has splits {', '.join(loaded)}; there is no {options.split!r} "
-                            "(set data.split, or data.eval_split for evaluation)")
-        loaded = loaded[options.split]
-    return loaded
-
-
 class ConcatExamples(Examples):
     """Several collections, one after another."""
 
@@ -462,14 +396,14 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
             raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
         return SyntheticExamples(SYNTHETIC_TASKS[name](), options.split, options.synthetic_count, options.seed, options.kind)
     spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
-    if _named_splits(spec):  # a hub dataset name, a saved dataset, or a folder laid out as the Hub serves one
-        return ArrowExamples(_load_arrow(spec, options), options.kind, options.fields, spec)
+    if has_named_splits(spec):  # a hub dataset name, a saved dataset, or a folder laid out as the Hub serves one
+        return ArrowExamples(load_split(spec, options), options.kind, options.fields, spec)
     parts: list[Examples] = []
     for file in _files(spec):
         if file.suffix in JSONL_SUFFIXES:
             parts.append(JSONLExamples(file, options.kind, options.fields, options.on_bad_line, stats))
         elif file.suffix in PARQUET_SUFFIXES:
-            parts.append(ArrowExamples(_load_arrow(str(file), options), options.kind, options.fields, str(file)))
+            parts.append(ArrowExamples(load_split(str(file), options), options.kind, options.fields, str(file)))
         elif file.suffix in TOKEN_SUFFIXES:
             if options.kind != "text":
                 raise DataError(f"{file}: a token file holds pretraining documents, not conversations")

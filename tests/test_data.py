@@ -261,7 +261,7 @@ def _write(tmp_path, name, content):
         ("d.jsonl", '[1, 2]\n', "text", r"d.jsonl:1: expected a JSON object, got list"),
         ("d.jsonl", "\n\n", "text", "holds no examples"),
         ("d.txt", b"\xff\xfe bad bytes", "text", "not UTF-8"),
-        ("d.txt", "plain text", "chat", "SFT data must be JSONL"),
+        ("d.txt", "plain text", "chat", "chat examples come from JSONL"),
     ],
 )
 def test_bad_input_names_the_problem(tmp_path, name, content, kind, match):

@@ -14,7 +14,7 @@ from tierlm.errors import DataError
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rl.loop import Rollout, pass_at_k, rollout_batch
-from tierlm.rl.tasks import MathJSONLTask, exact_number_reward
+from tierlm.rl.tasks import exact_number_reward, open_task
 from tierlm.rollout import generate
 from tierlm.rollout.engine import Engine, answer_text
 from tierlm.rollout.tools import Calculator
@@ -212,11 +212,11 @@ def test_rewards_and_gsm8k_style_jsonl(tmp_path):
     assert exact_number_reward("", "#### -7", -7) == 1.0 and exact_number_reward("", "6", 7) == 0.0
     path = tmp_path / "gsm.jsonl"
     path.write_text(json.dumps({"question": "2 + 2?", "answer": "2 + 2 = 4\n#### 4"}) + "\n")
-    task = MathJSONLTask(path)
+    task = open_task(str(path), "train", 0, 0)
     assert len(task) == 1 and task.example(0).reference == 4.0 and task.reward("", "it is 4", 4.0) == 1.0
     path.write_text(json.dumps({"question": "?", "answer": "none"}) + "\n")
     with pytest.raises(DataError, match="gsm.jsonl:1"):
-        MathJSONLTask(path)
+        open_task(str(path), "train", 0, 0)
 
 
 def test_pass_at_k_against_enumeration():

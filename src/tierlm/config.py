@@ -15,10 +15,12 @@ tierlm.errors.ConfigError: unknown key training.learnig_rate (did you mean train
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tierlm.config_files import describe_error, read_config
@@ -166,6 +168,21 @@ class DataConfig(Section):
     tail of data.split of data.val_fraction)."""
     revision: str | None = None
     """A hub dataset's branch, tag or commit."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """datasets' data_files: which files of a folder or hub dataset to read (a glob, a list, or
+    {split: glob(s)}); with a builder name as data.dataset_name ("json", "parquet", "csv", "text") the files themselves."""
+    streaming: bool = False
+    """Read a hub dataset (or a folder or parquet file through datasets) as a stream: nothing is
+    downloaded or cached up front; the position in the stream is part of the loader state (exact resume).
+    Pretraining and SFT; evaluation reads the first batches of the eval split (or the stream's first
+    data.eval_stream_examples rows when the dataset has no eval split, which training then skips)."""
+    shuffle_buffer_size: int = Field(10000, ge=1)
+    """Streaming: documents held in the shuffle buffer; each next document is drawn from it at random
+    (1: stream order). Saved with the loader state."""
+    eval_stream_examples: int = Field(200, gt=0)
+    """Streaming without an eval split: rows at the stream's head held out for evaluation."""
+    preprocessing_num_workers: int | None = Field(None, gt=0)
+    """Processes datasets uses to prepare a (non-streamed) dataset on first load (seed 002's name)."""
     eval_dataset_name: str | None = None
     """Validation data; None holds out data.val_fraction of the training data (synthetic tasks have a disjoint val split)."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
@@ -184,6 +201,17 @@ class DataConfig(Section):
     """JSONL field holding a prompt (with completion_column, an alternative to messages)."""
     completion_column: str = "completion"
     """JSONL field holding the completion that answers prompt_column."""
+    chosen_column: str = "chosen"
+    """DPO: the preferred reply (a string answering prompt_column, or a conversation)."""
+    rejected_column: str = "rejected"
+    """DPO: the dispreferred reply (same form as chosen_column)."""
+    question_column: str = "question"
+    """RL: the prompt (a string; else prompt_column, or messages_column as a conversation)."""
+    answer_column: str = "answer"
+    """RL: the reference answer, read by data.answer_pattern."""
+    answer_pattern: str | None = None
+    """RL: a regex finding the reference number in answer_column (its first group, else the whole
+    match); None: the number after GSM8K's '####', else the last number."""
     train_on: Literal["all_assistant", "last_assistant", "everything"] = "all_assistant"
     """SFT: which tokens carry loss."""
     long_documents: Literal["auto", "crop", "split"] = "auto"
@@ -207,6 +235,25 @@ class DataConfig(Section):
     """A malformed JSONL line: stop with its file:line, or skip it and count it."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of headerless .bin token files (llm.c shards with a header are detected)."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _answer_regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(f"data.answer_pattern {value!r} is not a regular expression ({e})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_streaming(self) -> "DataConfig":
+        if self.streaming and self.stream:
+            raise ValueError("data.stream (one token stream cut into windows) and data.streaming (a dataset read as a stream) "
+                             "are two ways to read: set one")
+        if self.streaming and self.mixture:
+            raise ValueError("data.streaming reads one data.dataset_name; drop data.mixture")
+        return self
 
 
 class TrainingConfig(Section):

@@ -28,7 +28,7 @@ from tierlm.data import (
     open_examples,
     text_documents,
 )
-from tierlm.data.preferences import PairLoader, open_preferences
+from tierlm.data.preferences import PairLoader
 from tierlm.data.hub import available_splits, default_eval_split
 from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
 from tierlm.errors import ConfigError, DataError
@@ -224,19 +224,13 @@ def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) 
 
 
 def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, ctx: DistributedContext | None = None) -> tuple[PairLoader, PairLoader]:
-    """Preference pairs: data.dataset_name for training; data.eval_dataset_name, the synthetic val
-    split, or a held-out data.val_fraction tail for evaluation."""
+    """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
+    data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once."""
     d, tr = config.data, config.training
-    train = open_preferences(d.dataset_name, "train", d.num_synthetic_examples, tr.seed)
-    if d.eval_dataset_name:
-        val = open_preferences(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
-    elif d.dataset_name.startswith("synthetic:"):
-        val = open_preferences(d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
-    else:
-        n_val = max(1, int(len(train) * d.val_fraction))
-        if n_val >= len(train):
-            raise DataError(f"{d.dataset_name} has {len(train)} pairs: too few to hold out {n_val} for evaluation")
-        train, val = train[:-n_val], train[-n_val:]
+    if d.mixture or d.streaming:
+        raise ConfigError("DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming")
+    trains, vals = open_splits(config, "dpo", tokenizer)
+    train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
     world = ctx.world_size if ctx else 1
     if len(train) < tr.per_device_train_batch_size * world:
         raise DataError(f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "

@@ -43,6 +43,7 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
+from tierlm.data.rows import example_texts
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
 from tierlm.models import family_named, save_model_folder, unwrap_model
@@ -228,7 +229,13 @@ def _move_aside(path: Path) -> Path:
 # -- data sources, as the config names them --------------------------------------------------
 def _fields(config: TierlmConfig) -> Fields:
     d = config.data
-    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column)
+    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column,
+                  chosen=d.chosen_column, rejected=d.rejected_column, question=d.question_column, answer=d.answer_column,
+                  answer_pattern=d.answer_pattern)
+
+
+STAGE_KINDS = {"pretrain": "text", "sft": "chat", "dpo": "preference", "rl": "task"}
+"""The kind of example each stage reads a row as (tierlm.data.rows)."""
 
 
 def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
@@ -236,8 +243,9 @@ def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Toke
     (synthetic tasks keep their own "train" and "val")."""
     d = config.data
     return SourceOptions(
-        split=split, kind="text" if stage == "pretrain" else "chat", seed=config.training.seed,
-        dataset_config=d.dataset_config, revision=d.revision,
+        split=split, kind=STAGE_KINDS[stage], seed=config.training.seed,
+        dataset_config=d.dataset_config, revision=d.revision, data_files=d.data_files, streaming=d.streaming,
+        num_proc=d.preprocessing_num_workers,
         synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
         fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
         separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
@@ -261,7 +269,7 @@ def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
             raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
         examples = open_examples(name, named_split(name, source_options(config, stage, "train", None), config.data.split))
         for example in examples.fetch(range(min(len(examples), t.num_train_docs))):
-            texts.extend([example] if isinstance(example, str) else [m["content"] for m in example])
+            texts.extend(example_texts(example))
     return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 
 

@@ -8,6 +8,8 @@ memory-mapped `datasets.Dataset`, which `tierlm.data.sources.ArrowExamples` read
 from __future__ import annotations
 
 import functools
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,13 @@ def _is_hub_layout(path: Path) -> bool:
 
 
 def _load_dataset_dict(spec: str, options) -> Any:
-    """The dataset at `spec` (saved folder, parquet file, Hub-layout folder or hub name) as loaded
-    (without datasets' progress bars: stderr stays for problems), once per process and version of
-    its files: the train split, the eval split and the split names of one source are one load."""
-    return _load_dataset_once(spec, options.dataset_config, options.revision, _files_signature(spec))
+    """The dataset at `spec` (saved folder, parquet file, Hub-layout folder, hub name, or a datasets
+    builder such as "json" with data_files) as loaded (without datasets' progress bars: stderr stays for
+    problems), once per process and version of its files: the train split, the eval split and the split
+    names of one source are one load. A streamed dataset is opened lazily (nothing is read yet)."""
+    data_files = json.dumps(options.data_files, sort_keys=True) if options.data_files is not None else None
+    return _load_dataset_once(spec, options.dataset_config, options.revision, data_files, options.streaming, options.num_proc,
+                              _files_signature(spec))
 
 
 def _files_signature(spec: str) -> tuple[int, int]:
@@ -46,20 +51,29 @@ def _files_signature(spec: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | None, signature: tuple[int, int]):
+def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | None, data_files: str | None, streaming: bool,
+                       num_proc: int | None, signature: tuple[int, int]):
     import datasets
 
     datasets.disable_progress_bars()
     try:
         if _is_saved_dataset(Path(spec)):
-            return datasets.load_from_disk(spec)
+            loaded = datasets.load_from_disk(spec)
+            return loaded.to_iterable_dataset() if streaming and isinstance(loaded, datasets.Dataset) else (
+                datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()}) if streaming else loaded)
         if Path(spec).suffix in PARQUET_SUFFIXES:
+            if streaming:
+                return datasets.load_dataset("parquet", data_files=spec, split="train", streaming=True)
             return datasets.Dataset.from_parquet(spec)
+        extra = {"data_files": json.loads(data_files)} if data_files is not None else {}
+        if streaming:  # a stream is read where it lies: no download, no cache, nothing to force
+            return datasets.load_dataset(spec, dataset_config, revision=revision, streaming=True, **extra)
+        extra["num_proc"] = num_proc
         # A local folder is re-read by each process (and when its files change) and not checked against
         # recorded split sizes: datasets' cache keys it by the folder's name, and served (or "verified"
         # against) another folder of the same name, or an earlier version of files rewritten in place (measured).
         fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if Path(spec).exists() else {}
-        return datasets.load_dataset(spec, dataset_config, revision=revision, **fresh)
+        return datasets.load_dataset(spec, dataset_config, revision=revision, **fresh, **extra)
     except Exception as e:  # datasets raises many types; all mean "cannot open this"
         raise DataError(f"cannot open dataset {spec!r}{f' (config {dataset_config!r})' if dataset_config else ''}: "
                         f"{first_line(e)}") from e
@@ -67,12 +81,12 @@ def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | No
 
 def available_splits(spec: str, options) -> list[str] | None:
     """The split names of a dataset with named splits (a hub name, a Hub-layout or saved folder), else None."""
-    if spec.startswith(("synthetic:", "builtin:")) or not has_named_splits(spec):
+    if spec.startswith(("synthetic:", "builtin:")) or not has_named_splits(spec, options.data_files):
         return None
     import datasets
 
     loaded = _load_dataset_dict(spec, options)
-    return list(loaded) if isinstance(loaded, datasets.DatasetDict) else None
+    return list(loaded) if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)) else None
 
 
 EVAL_SPLITS = ("validation", "val", "test")
@@ -88,10 +102,26 @@ def default_eval_split(splits: list[str], train_split: str | None = None) -> str
     return next((s for s in EVAL_SPLITS if s in splits and s != train_split), None)
 
 
-def has_named_splits(spec: str) -> bool:
-    """A hub dataset name, a saved dataset, or a local folder laid out as the Hub serves one."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+_FILE_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet", ".arrow", ".csv", ".bin", ".npy")
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether `spec` could name a dataset on the Hub (owner/name) rather than a missing local file.
+
+    >>> is_hub_id("HuggingFaceH4/ultrachat_200k"), is_hub_id("data/train.jsonl"), is_hub_id("./x/y")
+    (True, False, False)
+    """
+    return bool(_HUB_ID.fullmatch(spec)) and not spec.lower().endswith(_FILE_SUFFIXES) and ".." not in spec
+
+
+def has_named_splits(spec: str, data_files: Any = None) -> bool:
+    """A hub dataset name, a saved dataset, a local folder laid out as the Hub serves one, or anything
+    given data_files (a folder, a hub name, or a datasets builder such as "json" / "parquet")."""
     path = Path(spec)
-    return _is_saved_dataset(path) or _is_hub_layout(path) or (not path.exists() and not spec.startswith((".", "/")) and spec.count("/") == 1)
+    if data_files is not None and not path.is_file():
+        return True
+    return _is_saved_dataset(path) or _is_hub_layout(path) or (not path.exists() and is_hub_id(spec))
 
 
 def load_split(spec: str, options) -> Any:
@@ -99,7 +129,7 @@ def load_split(spec: str, options) -> Any:
     import datasets
 
     loaded = _load_dataset_dict(spec, options)
-    if isinstance(loaded, datasets.DatasetDict):
+    if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if options.split not in loaded:
             raise DataError(f"dataset {spec!r} has splits {', '.join(loaded)}; there is no {options.split!r} "
                             "(set data.split, or data.eval_split for evaluation)")

@@ -1,83 +1,23 @@
-"""Preference pairs for DPO: JSONL rows or synthetic arithmetic pairs, rendered through the chat
-template, batched as N chosen rows then N rejected rows.
+"""Preference pairs for DPO, rendered through the chat template, batched as N chosen rows then N
+rejected rows.
 
-JSONL forms (one pair per line):
-  {"prompt": "...", "chosen": "...", "rejected": "..."}                  strings: one user turn, one reply
-  {"chosen": [messages...], "rejected": [messages...]}                   conversations ending in the reply
-Optional "ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log-probs.
+Pairs come from any source of the data pipeline (`tierlm.data.sources.open_examples` with kind
+"preference"): JSONL, parquet, saved or hub datasets, folders laid out as the Hub serves them, or
+`synthetic:arithmetic`. The row forms are TRL's (`tierlm.data.rows.row_to_preference`); optional
+"ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log-probs.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import torch
 
-from tierlm.data.sources import read_jsonl
-from tierlm.data.synthetic import ArithmeticTask
-from tierlm.data.tokenizer import Tokenizer, check_conversation
+from tierlm.data.rows import PreferencePair
+from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import DataError
 from tierlm.primitives.losses import IGNORE_INDEX
 
-
-@dataclass(frozen=True)
-class PreferencePair:
-    chosen: list[dict]
-    rejected: list[dict]
-    ref_chosen_logp: float | None = None
-    ref_rejected_logp: float | None = None
-
-
-def synthetic_arithmetic_pairs(split: str, count: int, seed: int) -> list[PreferencePair]:
-    """An answer checked with the calculator preferred over a direct one that is off by 1..10.
-
-    (The calculator's result inside the chosen reply is masked, as in SFT: the preference is
-    for calling the tool and answering with its result.)
-    """
-    task, pairs = ArithmeticTask(), []
-    for i in range(count):
-        problem = task.problem(split, i, seed)
-        rng = random.Random(f"{seed}/dpo/{split}/{i}")
-        wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
-        user = {"role": "user", "content": problem.question}
-        pairs.append(PreferencePair(
-            problem.tool_conversation,
-            [user, {"role": "assistant", "content": f"{problem.a} {problem.op} {problem.b} = {wrong}"}],
-        ))
-    return pairs
-
-
-def load_preference_jsonl(path: str | Path) -> list[PreferencePair]:
-    path, pairs = Path(path), []
-    if not path.is_file():
-        raise DataError(f"{path} does not exist")
-    for line_no, row in read_jsonl(path):
-        try:
-            chosen, rejected = row["chosen"], row["rejected"]
-            if isinstance(chosen, str):
-                user = {"role": "user", "content": row["prompt"]}
-                chosen, rejected = [user, {"role": "assistant", "content": chosen}], [user, {"role": "assistant", "content": rejected}]
-            for conversation in (chosen, rejected):
-                check_conversation(conversation)
-                if conversation[-1]["role"] != "assistant":
-                    raise ValueError("chosen and rejected must end with an assistant turn")
-            pairs.append(PreferencePair(chosen, rejected, row.get("ref_chosen_logp"), row.get("ref_rejected_logp")))
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise DataError(f"{path}:{line_no}: expected prompt/chosen/rejected strings or chosen/rejected conversations ({e})") from None
-    if not pairs:
-        raise DataError(f"{path} holds no preference pairs")
-    return pairs
-
-
-def open_preferences(spec: str, split: str, count: int, seed: int) -> list[PreferencePair]:
-    if spec == "synthetic:arithmetic":
-        return synthetic_arithmetic_pairs(split, count, seed)
-    if spec.startswith("synthetic:"):
-        raise DataError(f"unknown synthetic preference set {spec!r}; use synthetic:arithmetic or a JSONL file")
-    return load_preference_jsonl(spec)
+__all__ = ["PairLoader", "PreferencePair"]
 
 
 class PairLoader:

@@ -6,7 +6,7 @@
 |---|---|---|
 | synthetic task | generated from (seed, split, index) | nothing |
 | .txt / .md | a paragraph (documents are split at blank lines) | byte offsets |
-| .jsonl | a `text` string, or a conversation (`messages`, or `prompt`/`completion`) | byte offsets |
+| .jsonl | a row, as the stage's kind of example (`tierlm.data.rows`: text, conversation, preference pair, task) | byte offsets |
 | .parquet, a saved HF dataset folder, a hub dataset name (`tierlm.data.hub`) | a row, as with JSONL | Arrow memory map |
 | .bin / .npy token file | a token array (documents split at the separator token) | document offsets |
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from tierlm.data.hub import PARQUET_SUFFIXES, has_named_splits, load_split
 from tierlm.data.synthetic import SYNTHETIC_TASKS
-from tierlm.data.tokenizer import check_conversation
+from tierlm.data.rows import KINDS, Fields, PreferencePair, TaskExample, convert_row
 from tierlm.errors import DataError, first_line
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -35,50 +35,11 @@ LLMC_MAGIC = 20240520  # llm.c .bin shards: a 256 x int32 header, then uint16 to
 LLMC_HEADER_BYTES = 256 * 4
 
 
-@dataclass(frozen=True)
-class Fields:
-    """Names of the fields to read from JSONL, parquet and HF dataset rows."""
-
-    text: str = "text"
-    messages: str = "messages"
-    prompt: str = "prompt"
-    completion: str = "completion"
-
-
 @dataclass
 class ReadStats:
     """What opening a source skipped (malformed lines when `on_bad_line="skip"`)."""
 
     bad_lines_skipped: int = 0
-
-
-# -- example kinds -------------------------------------------------------------------------
-def row_to_text(row: dict, fields: Fields, where: str) -> str:
-    if fields.text not in row:
-        raise DataError(f"{where}: no {fields.text!r} field; fields present: {sorted(row)} (set data.text_column)")
-    return str(row[fields.text])
-
-
-def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
-    if fields.messages in row:
-        messages = row[fields.messages]
-    elif fields.prompt in row and fields.completion in row:
-        messages = [{"role": "user", "content": row[fields.prompt]}, {"role": "assistant", "content": row[fields.completion]}]
-    else:
-        raise DataError(
-            f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "
-            f"fields present: {sorted(row)}"
-        )
-    try:
-        check_conversation(messages)
-    except DataError as e:
-        raise DataError(f"{where}: {e}") from None
-    return messages
-
-
-def convert_row(row: dict, kind: str, fields: Fields, where: str) -> Any:
-    """A JSON or Arrow row as a pretraining text (kind "text") or a conversation (kind "chat")."""
-    return row_to_text(row, fields, where) if kind == "text" else row_to_conversation(row, fields, where)
 
 
 def parse_json_object(raw: bytes | str, where: str) -> dict:
@@ -149,9 +110,17 @@ class SyntheticExamples(Examples):
         return self.count
 
     def fetch(self, indices: Sequence[int]) -> list[Any]:
+        return [self._example(int(i)) for i in indices]
+
+    def _example(self, i: int) -> Any:
         if self.kind == "text":
-            return [self.task.problem(self.split, int(i), self.seed).text for i in indices]
-        return [self.task.conversation(self.split, int(i), self.seed) for i in indices]
+            return self.task.problem(self.split, i, self.seed).text
+        if self.kind == "chat":
+            return self.task.conversation(self.split, i, self.seed)
+        if self.kind == "preference":
+            return PreferencePair(*self.task.preference(self.split, i, self.seed))
+        problem = self.task.problem(self.split, i, self.seed)
+        return TaskExample([{"role": "user", "content": problem.question}], problem.result)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -327,7 +296,8 @@ def _files(spec: str) -> list[Path]:
         if not files:
             raise DataError(f"folder {spec} has no .txt, .jsonl, .parquet, .bin or .npy files")
         return files
-    raise DataError(f"dataset {spec!r} is neither an existing file or folder nor 'synthetic:<task>' ({', '.join(SYNTHETIC_TASKS)})")
+    raise DataError(f"dataset {spec!r} is neither an existing file or folder nor a hub dataset id (owner/name, e.g. "
+                    f"HuggingFaceH4/ultrachat_200k); check the path, or give the id (also: synthetic:<task>, {', '.join(SYNTHETIC_TASKS)})")
 
 
 class ConcatExamples(Examples):
@@ -374,9 +344,12 @@ class SourceOptions:
     """How to read a source (mirrors the data section of the config)."""
 
     split: str = "train"
-    kind: str = "text"  # "text" (pretraining documents) or "chat" (conversations)
+    kind: str = "text"  # what a row becomes: text, chat, preference or task (tierlm.data.rows)
     dataset_config: str | None = None  # a hub dataset's config (subset) name
     revision: str | None = None  # a hub dataset's branch, tag or commit
+    data_files: Any = None  # datasets' data_files: a pattern, a list, or {split: pattern(s)}
+    streaming: bool = False  # read a dataset with named splits as a stream (an IterableDataset)
+    num_proc: int | None = None  # processes datasets uses to prepare a dataset
     seed: int = 0
     synthetic_count: int = 1000
     fields: Fields = Fields()
@@ -389,14 +362,14 @@ class SourceOptions:
 def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = None) -> Examples:
     """A random-access collection of `options.kind` examples from `spec` (see the module docstring)."""
     stats = stats if stats is not None else ReadStats()
-    assert options.kind in ("text", "chat"), f"kind must be 'text' or 'chat', got {options.kind!r}"
+    assert options.kind in KINDS, f"kind must be one of {KINDS}, got {options.kind!r}"
     if spec.startswith("synthetic:"):
         name = spec.split(":", 1)[1]
         if name not in SYNTHETIC_TASKS:
             raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
         return SyntheticExamples(SYNTHETIC_TASKS[name](), options.split, options.synthetic_count, options.seed, options.kind)
     spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
-    if has_named_splits(spec):  # a hub dataset name, a saved dataset, or a folder laid out as the Hub serves one
+    if has_named_splits(spec, options.data_files):  # a hub dataset name, a saved dataset, a Hub-layout folder, data_files
         return ArrowExamples(load_split(spec, options), options.kind, options.fields, spec)
     parts: list[Examples] = []
     for file in _files(spec):
@@ -406,12 +379,12 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
             parts.append(ArrowExamples(load_split(str(file), options), options.kind, options.fields, str(file)))
         elif file.suffix in TOKEN_SUFFIXES:
             if options.kind != "text":
-                raise DataError(f"{file}: a token file holds pretraining documents, not conversations")
+                raise DataError(f"{file}: a token file holds pretraining documents, not {options.kind} examples")
             assert options.separator_id is not None and options.vocab_size is not None, "token files need separator_id and vocab_size"
             parts.append(TokenFileExamples(file, options.token_dtype, options.separator_id, options.vocab_size))
         else:
             if options.kind != "text":
-                raise DataError(f"{file}: SFT data must be JSONL, parquet or a dataset with conversations, not plain text")
+                raise DataError(f"{file}: {options.kind} examples come from JSONL, parquet or a dataset, not plain text")
             parts.append(TextExamples(file))
     examples = parts[0] if len(parts) == 1 else ConcatExamples(parts)
     if not len(examples):

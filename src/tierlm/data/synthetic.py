@@ -86,6 +86,17 @@ class ArithmeticTask:
         uses_tool = random.Random(f"{seed}/{split}/{index}/tool").random() < self.tool_fraction
         return problem.tool_conversation if uses_tool else problem.conversation
 
+    def preference(self, split: str, index: int, seed: int) -> tuple[list[dict], list[dict]]:
+        """(chosen, rejected) for problem `index`: the answer checked with the calculator preferred over a
+        direct one that is off by 1..10. (The calculator's result inside the chosen reply is masked, as
+        in SFT: the preference is for calling the tool and answering with its result.)"""
+        problem = self.problem(split, index, seed)
+        rng = random.Random(f"{seed}/dpo/{split}/{index}")
+        wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
+        rejected = [{"role": "user", "content": problem.question},
+                    {"role": "assistant", "content": f"{problem.a} {problem.op} {problem.b} = {wrong}"}]
+        return problem.tool_conversation, rejected
+
     def problems(self, split: str, count: int, seed: int) -> list[Problem]:
         """The first `count` problems of `split`."""
         return [self.problem(split, i, seed) for i in range(count)]

@@ -17,22 +17,30 @@ from tierlm.metrics.memory import check_fits
 from tierlm.models import load_pretrained_model, model_max_seq_len
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import shutdown_distributed
-from tierlm.recipes import build_backend, build_model, memory_needs
+from tierlm.recipes import build_backend, build_model, memory_needs, open_splits
 from tierlm.run import Run, extras_writer, prepare_run, rl_parallelism
 from tierlm.rl.loop import RLTrainer
-from tierlm.rl.tasks import is_environment, open_task, split_task
+from tierlm.rl.tasks import Environment, ExamplesTask, Task, is_environment, open_task
 from tierlm.rollout.engine import Engine
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy
 
 
-def _eval_task(config: TierlmConfig):
+ENVIRONMENTS = ("synthetic:arithmetic_chain",)
+
+
+def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environment]:
+    """(train, eval) RL tasks: multi-turn environments by name, everything else through the data pipeline's
+    one path (the data.question / answer columns and data.answer_pattern; data.split and data.eval_split,
+    or a held-out tail) like every other stage."""
     d, tr = config.data, config.training
-    if d.eval_dataset_name:
-        return open_task(d.eval_dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
-    if d.dataset_name.startswith("synthetic:"):
-        return open_task(d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed)
-    return split_task(open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed), d.val_fraction)[1]
+    if d.mixture or d.streaming:
+        raise ConfigError("RL reads the prompts of one data.dataset_name into memory: drop data.mixture / data.streaming")
+    if d.dataset_name in ENVIRONMENTS or d.eval_dataset_name in ENVIRONMENTS:
+        return (open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed),
+                open_task(d.eval_dataset_name or d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed))
+    trains, vals = open_splits(config, "rl", None)
+    return ExamplesTask(trains[0][0]), ExamplesTask(vals[0])
 
 
 def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
@@ -44,7 +52,7 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     torch.manual_seed(config.training.seed)
     model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
     engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in config.rl.tools else [])
-    trainer = RLTrainer(None, None, engine, tokenizer, None, _eval_task(config), config.rl, config.training)
+    trainer = RLTrainer(None, None, engine, tokenizer, None, open_tasks(config)[1], config.rl, config.training)
     return trainer.evaluate()
 
 
@@ -81,10 +89,7 @@ def _run_rl(run: Run) -> dict:
     run.choose_batch_size()  # refuses auto: RL's micro-batch is rl.micro_batch_size
     config, tokenizer = run.config, run.tokenizer
     tr, rl, d = config.training, config.rl, config.data
-    train_task = open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed)
-    if not d.eval_dataset_name and not d.dataset_name.startswith("synthetic:"):
-        train_task = split_task(train_task, d.val_fraction)[0]  # the held-out tail is _eval_task's
-    eval_task = _eval_task(config)
+    train_task, eval_task = open_tasks(config)
     if rl.prompts_per_step % run.world_size:
         raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {run.world_size} ranks")
     rows = min(rl.micro_batch_size, rl.prompts_per_step // run.world_size * rl.group_size)  # rollouts per forward/backward

@@ -9,28 +9,14 @@ new user turn) or ends the episode with a reward; `SingleTurn` wraps a task as o
 from __future__ import annotations
 
 import random
-import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from tierlm.data.sources import read_jsonl
+from tierlm.data.rows import TaskExample, extract_final_number
+from tierlm.data.sources import Examples, SourceOptions, open_examples
 from tierlm.data.synthetic import ArithmeticTask
 from tierlm.errors import DataError
 
 RewardFn = Callable[[str, str, Any], float]
-
-
-@dataclass(frozen=True)
-class TaskExample:
-    messages: list[dict]
-    """The conversation so far (ends with a user turn); the model writes the assistant turn."""
-    reference: Any
-    """What the reward compares against (e.g. the exact answer)."""
-
-    @property
-    def prompt(self) -> str:
-        return self.messages[-1]["content"]
 
 
 class Task(Protocol):
@@ -39,27 +25,6 @@ class Task(Protocol):
     def example(self, index: int) -> TaskExample: ...
 
     def reward(self, prompt: str, completion: str, reference: Any) -> float: ...
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def extract_final_number(text: str) -> float | None:
-    """The answer a completion commits to: the number after '####' if present (GSM8K style), else the last number.
-
-    >>> extract_final_number("She has 3 + 4 = 7 apples. #### 7"), extract_final_number("so 1,250 in total")
-    (7.0, 1250.0)
-    >>> extract_final_number("no idea") is None
-    True
-    """
-    tail = text.rsplit("####", 1)[1] if "####" in text else text
-    numbers = _NUMBER.findall(tail)
-    if not numbers:
-        return None
-    try:
-        return float(numbers[-1].replace(",", ""))
-    except ValueError:
-        return None
 
 
 def exact_number_reward(prompt: str, completion: str, reference: Any) -> float:
@@ -85,25 +50,13 @@ class ArithmeticRLTask:
         return exact_number_reward(prompt, completion, reference)
 
 
-class MathJSONLTask:
-    """GSM8K-style JSONL: `{"question": ..., "answer": "...reasoning... #### 72"}` per line.
+class ExamplesTask:
+    """A task over `TaskExample`s from any data source (JSONL, parquet, hub or Hub-layout datasets: the
+    question and answer columns and the extraction rule of `tierlm.data.rows.row_to_task`); the reward
+    is exact match of the completion's final number."""
 
-    The reference is the answer's final number; the reward is exact match on the completion's.
-    """
-
-    def __init__(self, path: str | Path, question_field: str = "question", answer_field: str = "answer"):
-        self.path, self.examples = Path(path), []
-        if not self.path.is_file():
-            raise DataError(f"{self.path} does not exist")
-        for line_no, row in read_jsonl(self.path):
-            if not isinstance(row.get(question_field), str) or answer_field not in row:
-                raise DataError(f"{self.path}:{line_no}: expected a '{question_field}' string and an '{answer_field}'; fields present: {sorted(row)}")
-            reference = extract_final_number(str(row[answer_field]))
-            if reference is None:
-                raise DataError(f"{self.path}:{line_no}: the answer has no final number")
-            self.examples.append(TaskExample([{"role": "user", "content": row[question_field]}], reference))
-        if not self.examples:
-            raise DataError(f"{self.path} holds no examples")
+    def __init__(self, examples: Examples):
+        self.examples = examples
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -178,38 +131,13 @@ class ArithmeticChain:
 
 
 def open_task(spec: str, split: str, count: int, seed: int) -> Task | Environment:
-    """`synthetic:arithmetic`, `synthetic:arithmetic_chain` (two turns) or a GSM8K-style JSONL file."""
+    """`synthetic:arithmetic`, `synthetic:arithmetic_chain` (two turns), or any data source of question /
+    answer rows with the default columns (a recipe opens a config's with its columns: `tierlm.rl.recipe.open_tasks`)."""
     if spec == "synthetic:arithmetic":
         return ArithmeticRLTask(split, count, seed)
     if spec == "synthetic:arithmetic_chain":
         return ArithmeticChain(split, count, seed)
     if spec.startswith("synthetic:"):
         raise DataError(f"unknown synthetic task {spec!r}; the RL tasks are synthetic:arithmetic, synthetic:arithmetic_chain "
-                        "or a question/answer JSONL file")
-    return MathJSONLTask(spec)
-
-
-class TaskSubset:
-    """Examples [start, stop) of a task, with its reward."""
-
-    def __init__(self, task: Task, start: int, stop: int):
-        assert 0 <= start < stop <= len(task), f"bad range [{start}, {stop}) of {len(task)}"
-        self.task, self.start, self.stop = task, start, stop
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def example(self, index: int) -> TaskExample:
-        assert 0 <= index < len(self), f"index {index} out of range {len(self)}"
-        return self.task.example(self.start + index)
-
-    def reward(self, prompt: str, completion: str, reference: Any) -> float:
-        return self.task.reward(prompt, completion, reference)
-
-
-def split_task(task: Task, val_fraction: float) -> tuple[Task, Task]:
-    """(train, held-out tail) of a file-based task."""
-    n_val = max(1, int(len(task) * val_fraction))
-    if n_val >= len(task):
-        raise DataError(f"{len(task)} examples are too few to hold out {n_val} for evaluation; set data.eval_dataset_name")
-    return TaskSubset(task, 0, len(task) - n_val), TaskSubset(task, len(task) - n_val, len(task))
+                        "or question/answer data")
+    return ExamplesTask(open_examples(spec, SourceOptions(split=split, kind="task")))

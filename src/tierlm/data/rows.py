@@ -1,0 +1,236 @@
+"""One row of a dataset (a JSONL object, a parquet / Arrow row) as the example a stage trains on.
+
+Every stage reads its data through the same sources (`tierlm.data.sources`): what differs is the
+kind of example a row becomes, and which columns hold it (`Fields`, from the config's `data.*_column`).
+
+| kind | a row holds | becomes |
+|---|---|---|
+| text | `text` | a pretraining document |
+| chat | `messages` (OpenAI `role`/`content`, or ShareGPT `from`/`value`), or `prompt` + `completion` | a conversation |
+| preference | `prompt` + `chosen` + `rejected` strings, or `chosen` / `rejected` conversations (with or without a separate `prompt`) | a `PreferencePair` |
+| task | a `question` (or `prompt` / `messages`) and an `answer` whose final number the extraction rule finds | a `TaskExample` |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tierlm.data.tokenizer import check_conversation
+from tierlm.errors import DataError
+
+KINDS = ("text", "chat", "preference", "task")
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Names of the columns to read from JSONL, parquet and HF dataset rows."""
+
+    text: str = "text"
+    messages: str = "messages"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+    question: str = "question"
+    answer: str = "answer"
+    answer_pattern: str | None = None
+    """A regex finding the reference in the answer column (its first group, else the whole match); None:
+    the number after GSM8K's '####', else the last number."""
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    chosen: list[dict]
+    rejected: list[dict]
+    ref_chosen_logp: float | None = None
+    ref_rejected_logp: float | None = None
+
+
+@dataclass(frozen=True)
+class TaskExample:
+    messages: list[dict]
+    """The conversation so far (ends with a user turn); the model writes the assistant turn."""
+    reference: Any
+    """What the reward compares against (e.g. the exact answer)."""
+
+    @property
+    def prompt(self) -> str:
+        return self.messages[-1]["content"]
+
+
+# -- answers ---------------------------------------------------------------------------------
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_final_number(text: str) -> float | None:
+    """The answer a completion commits to: the number after '####' if present (GSM8K style), else the last number.
+
+    >>> extract_final_number("She has 3 + 4 = 7 apples. #### 7"), extract_final_number("so 1,250 in total")
+    (7.0, 1250.0)
+    >>> extract_final_number("no idea") is None
+    True
+    """
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    numbers = _NUMBER.findall(tail)
+    if not numbers:
+        return None
+    try:
+        return float(numbers[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str, pattern: str | None = None) -> float | None:
+    r"""The reference number of an answer column: `pattern`'s first group (or whole match), read as a
+    number; without a pattern, `extract_final_number`'s rule.
+
+    >>> extract_answer("Final: 42 (checked 3 times)", r"Final: (\S+)"), extract_answer("3 + 4 = 7\n#### 7")
+    (42.0, 7.0)
+    """
+    if pattern is None:
+        return extract_final_number(text)
+    found = re.search(pattern, text)
+    if found is None:
+        return None
+    return extract_final_number(found.group(1) if found.groups() else found.group(0))
+
+
+# -- conversations ---------------------------------------------------------------------------
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool"}
+"""ShareGPT's `from` values and the roles they become (Axolotl's and LLaMA-Factory's mapping)."""
+
+
+def as_messages(value: Any, where: str) -> list[dict]:
+    """A conversation in OpenAI form (`role`/`content`); ShareGPT turns (`from`/`value`) are converted.
+
+    >>> as_messages([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "row 0")
+    [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]
+    """
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "from" in m and "value" in m for m in value):
+        out = []
+        for i, turn in enumerate(value):
+            role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+            if role is None:
+                raise DataError(f"{where}: ShareGPT turn {i} is from {turn['from']!r}; known speakers: {', '.join(SHAREGPT_ROLES)}")
+            out.append({"role": role, "content": turn["value"]})
+        return out
+    if isinstance(value, list):  # keep only what a chat template reads (datasets adds None for absent keys)
+        return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+    return value
+
+
+def _checked(messages: list[dict], where: str, needs_assistant: bool = True) -> list[dict]:
+    try:
+        check_conversation(messages, needs_assistant)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    return messages
+
+
+def _column(row: dict, name: str, where: str, hint: str) -> Any:
+    if name not in row:
+        raise DataError(f"{where}: no {name!r} field; fields present: {sorted(row)} ({hint})")
+    return row[name]
+
+
+# -- rows ------------------------------------------------------------------------------------
+def row_to_text(row: dict, fields: Fields, where: str) -> str:
+    return str(_column(row, fields.text, where, "set data.text_column"))
+
+
+def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
+    if fields.messages in row:
+        messages = as_messages(row[fields.messages], where)
+    elif fields.prompt in row and fields.completion in row:
+        messages = [{"role": "user", "content": row[fields.prompt]}, {"role": "assistant", "content": row[fields.completion]}]
+    else:
+        raise DataError(
+            f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "
+            f"fields present: {sorted(row)} (set data.messages_column, or data.prompt_column / data.completion_column)"
+        )
+    return _checked(messages, where)
+
+
+def _reply(value: Any, prompt: list[dict] | None, where: str) -> list[dict]:
+    """A chosen or rejected side as a whole conversation: a string answers the prompt; a list is the
+    whole conversation when it opens with a non-assistant turn, else the reply after the prompt."""
+    if isinstance(value, str):
+        if prompt is None:
+            raise DataError(f"{where}: chosen/rejected are strings, so the row needs a prompt column")
+        return prompt + [{"role": "assistant", "content": value}]
+    messages = as_messages(value, where)
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "assistant":
+        return messages
+    if prompt is None:
+        raise DataError(f"{where}: chosen/rejected hold only the reply, so the row needs a prompt column")
+    return prompt + messages
+
+
+def row_to_preference(row: dict, fields: Fields, where: str) -> PreferencePair:
+    """TRL's preference forms: standard (`prompt`, `chosen`, `rejected` strings), conversational with an
+    implicit prompt (`chosen` / `rejected` whole conversations, e.g. trl-lib/ultrafeedback_binarized),
+    or with an explicit one (`prompt` messages, `chosen` / `rejected` replies)."""
+    chosen = _column(row, fields.chosen, where, "set data.chosen_column")
+    rejected = _column(row, fields.rejected, where, "set data.rejected_column")
+    prompt = row.get(fields.prompt)
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    elif prompt is not None:
+        prompt = _checked(as_messages(prompt, where), where, needs_assistant=False)
+    sides = []
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        conversation = _checked(_reply(value, prompt, where), where)
+        if conversation[-1]["role"] != "assistant":
+            raise DataError(f"{where}: the {name} conversation must end with an assistant turn")
+        sides.append(conversation)
+    return PreferencePair(sides[0], sides[1], row.get("ref_chosen_logp"), row.get("ref_rejected_logp"))
+
+
+def row_to_task(row: dict, fields: Fields, where: str) -> TaskExample:
+    """An RL prompt (the question column, else the prompt column as text or messages) and the reference
+    its answer column gives through the extraction rule (`Fields.answer_pattern`)."""
+    for name in (fields.question, fields.prompt, fields.messages):
+        if name in row:
+            value = row[name]
+            messages = [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value, where)
+            break
+    else:
+        raise DataError(f"{where}: no {fields.question!r} or {fields.prompt!r} field; fields present: {sorted(row)} "
+                        "(set data.question_column)")
+    messages = _checked(messages, where, needs_assistant=False)
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{where}: the prompt must end with a user turn")
+    answer = _column(row, fields.answer, where, "set data.answer_column")
+    reference = extract_answer(str(answer), fields.answer_pattern)
+    if reference is None:
+        rule = f"data.answer_pattern {fields.answer_pattern!r}" if fields.answer_pattern else "a final number (or '#### N')"
+        raise DataError(f"{where}: the answer {str(answer)[:60]!r} has no reference by the extraction rule ({rule}); "
+                        "fix the row or set data.answer_pattern")
+    return TaskExample(messages, reference)
+
+
+def example_texts(example: Any) -> list[str]:
+    """The texts inside an example of any kind (what a tokenizer is trained on).
+
+    >>> example_texts(TaskExample([{"role": "user", "content": "2 + 2?"}], 4.0)), example_texts("a document")
+    (['2 + 2?'], ['a document'])
+    """
+    if isinstance(example, str):
+        return [example]
+    if isinstance(example, PreferencePair):
+        return [m["content"] for m in example.chosen + example.rejected[-1:]]
+    if isinstance(example, TaskExample):
+        return [m["content"] for m in example.messages]
+    return [m["content"] for m in example]
+
+
+_CONVERT = {"text": row_to_text, "chat": row_to_conversation, "preference": row_to_preference, "task": row_to_task}
+
+
+def convert_row(row: dict, kind: str, fields: Fields, where: str) -> Any:
+    """A JSON or Arrow row as the `kind` of example (see the module docstring)."""
+    assert kind in _CONVERT, f"kind must be one of {KINDS}, got {kind!r}"
+    return _CONVERT[kind](row, fields, where)

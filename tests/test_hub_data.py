@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY, run_cli
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, DataError
-from tierlm.recipes import open_splits
+from tierlm.loaders import open_splits
 
 
 def _chat(i: int, tag: str) -> dict:

@@ -1,5 +1,5 @@
-"""Tier 3: the pieces a pretrain, SFT or DPO run is assembled from (model, loaders, backend, strategy)
-and `run_stage`, which puts them on the run skeleton of `tierlm.run`."""
+"""Tier 3: the pieces a pretrain, SFT or DPO run is assembled from (model, backend, strategy; the
+loaders are `tierlm.loaders`') and `run_stage`, which puts them on the run skeleton of `tierlm.run`."""
 
 from __future__ import annotations
 
@@ -7,31 +7,15 @@ import copy
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
-from tierlm.data import (
-    Documents,
-    Examples,
-    Mixture,
-    PackedLoader,
-    Prefetcher,
-    RankSlice,
-    StreamWindows,
-    Tokenizer,
-    chat_documents,
-    holdout_split,
-    open_examples,
-    text_documents,
-)
-from tierlm.data.preferences import PairLoader
-from tierlm.data.hub import available_splits, default_eval_split
-from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES
-from tierlm.errors import ConfigError, DataError
+from tierlm.data import Prefetcher, RankSlice, Tokenizer
+from tierlm.errors import ConfigError
+from tierlm.loaders import build_loaders, build_pair_loaders
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import auto_find_batch_size, check_fits
 from tierlm.models import family_named, forward_cross_entropy, is_native_folder, load_pretrained_model, model_max_seq_len
@@ -39,47 +23,10 @@ from tierlm.plan import model_width, new_model, optimizer_settings
 from tierlm.primitives import create_warmup_scheduler, parse_dtype
 from tierlm.primitives.optim import build_optimizer
 from tierlm.primitives.parallel import DistributedContext, shutdown_distributed
-from tierlm.run import Run, data_components, distributed_kind, extras_writer, named_split, prepare_run, source_options
+from tierlm.run import Run, distributed_kind, extras_writer, prepare_run
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.dpo import DPOStrategy
 from tierlm.trainer import Trainer
-
-
-def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
-    """([(train, weight)] for each data source, [val sets]).
-
-    Training reads data.split of datasets with named splits. Validation is data.eval_dataset_name
-    when set (one set for the whole mixture); otherwise each source's own evaluation split
-    (data.eval_split, else the first of validation / val / test it has; synthetic tasks' "val") or a
-    held-out tail of its training data.
-    """
-    d, trains, vals = config.data, [], []
-    for name, weight in data_components(config):
-        options = named_split(name, source_options(config, stage, "train", tokenizer), d.split)
-        train = open_examples(name, options)
-        if d.eval_dataset_name:
-            pass  # one shared eval set, opened below
-        elif name.startswith("synthetic:"):
-            vals.append(open_examples(name, source_options(config, stage, "val", tokenizer)))
-        else:
-            splits = available_splits(name, options)
-            if d.eval_split is not None and splits is None:
-                raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
-                                  "(a file or folder of files): use data.val_fraction or data.eval_dataset_name")
-            eval_split = d.eval_split or (default_eval_split(splits, d.split) if splits else None)
-            if eval_split is not None:  # the dataset's own evaluation split
-                vals.append(open_examples(name, named_split(name, options, eval_split)))
-            else:  # a held-out tail of the training data, never the training rows themselves
-                train, val = holdout_split(train, d.val_fraction)
-                vals.append(val)
-        trains.append((train, weight))
-    if d.eval_dataset_name:
-        options = source_options(config, stage, "val", tokenizer)
-        splits = available_splits(d.eval_dataset_name, options)
-        if splits is not None:
-            options = named_split(d.eval_dataset_name, options, d.eval_split or default_eval_split(splits) or d.split)
-        vals = [open_examples(d.eval_dataset_name, options)]
-    return trains, vals
 
 
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
@@ -139,107 +86,6 @@ def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_document
     if not tr.fused_cross_entropy:
         needs[f"logits of one micro-batch ({rows} x {T:,} x {vocab_size:,})"] = (4 * rows * T * vocab_size, "set training.fused_cross_entropy=true")
     return needs
-
-
-def splits_long_documents(config: TierlmConfig) -> bool:
-    """data.long_documents, with auto resolved: split when every source is plain text or tokens
-    (a corpus whose "documents" are paragraphs or a stream), crop otherwise."""
-    if config.data.long_documents != "auto":
-        return config.data.long_documents == "split"
-    return all(name.startswith("builtin:") or Path(name).suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES for name, _ in data_components(config))
-
-
-def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
-    """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents).
-
-    The train loader packs the global batch (world_size x per-device rows); see `RankSlice`.
-    """
-    d, tr = config.data, config.training
-    if d.stream:
-        if stage != "pretrain":
-            raise ConfigError("data.stream reads text as one token stream: a pretraining option")
-        return stream_loaders(config, tokenizer, world_size)
-    convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
-    trains, vals = open_splits(config, stage, tokenizer)
-    if len(trains) == 1 and trains[0][1] == 1.0:
-        train = Documents(trains[0][0], convert)
-    else:
-        train = Mixture([(Documents(t, convert), w) for t, w in trains], seed=tr.seed)
-    val = Documents(vals[0], convert) if len(vals) == 1 else Mixture([(Documents(v, convert), 1.0) for v in vals], seed=tr.seed)
-    isolate = d.isolate_documents if d.isolate_documents is not None else stage == "sft"
-    common = dict(
-        mode="crop" if stage == "pretrain" else "pad", pad_id=tokenizer.pad_id, buffer_docs=d.packing_buffer,
-        long_documents=d.long_conversations, document_positions=isolate, split_long=stage == "pretrain" and splits_long_documents(config),
-    )
-    return (
-        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),
-        PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, **common),
-    )
-
-
-STREAM_MAX_TOKENS = 1 << 30  # a stream read from text is held in memory (4 bytes a token)
-
-
-def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.ndarray:
-    """One source as a token stream: a text file encoded whole, a token file as it lies (memory-mapped),
-    anything else its documents one after another (each after its separator token)."""
-    from tierlm.data.sources import TokenFileExamples, builtin_corpus
-
-    path = builtin_corpus(name) if name.startswith("builtin:") else Path(name)
-    if path.is_file() and path.suffix in TOKEN_SUFFIXES:
-        tokens = TokenFileExamples(path, config.data.token_dtype, tokenizer.document_separator_id, tokenizer.vocab_size)
-        return tokens._map()
-    if path.is_file() and path.suffix in TEXT_SUFFIXES:
-        if path.stat().st_size > STREAM_MAX_TOKENS:
-            raise DataError(f"{path} is {path.stat().st_size:,} bytes: too large to stream from text; pre-tokenize it into a .bin file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text near byte {e.start}") from None
-        return np.asarray(tokenizer.encode(text), dtype=np.int32)
-    documents = Documents(open_examples(name, source_options(config, "pretrain", "train", tokenizer)), text_documents(tokenizer))
-    parts, total = [], 0
-    for lo in range(0, len(documents), 4096):
-        for doc in documents.fetch(range(lo, min(len(documents), lo + 4096))):
-            parts.append(doc.ids.astype(np.int32))
-            total += len(doc.ids)
-        if total > STREAM_MAX_TOKENS:
-            raise DataError(f"{name} holds over {STREAM_MAX_TOKENS:,} tokens: too many to stream in memory; pre-tokenize it into a .bin file")
-    return np.concatenate(parts)
-
-
-def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) -> tuple[PackedLoader, PackedLoader]:
-    """`data.stream`: every source one token stream, its tail held out, both cut into windows of a row."""
-    d, tr = config.data, config.training
-    if d.mixture or d.eval_dataset_name:
-        raise ConfigError("data.stream reads one data.dataset_name and holds out its tail; drop data.mixture / data.eval_dataset_name")
-    tokens = source_stream(d.dataset_name, config, tokenizer)
-    cut = int(len(tokens) * (1 - d.val_fraction))
-    window = d.max_seq_length + 1
-    train, val = StreamWindows(tokens[:cut], window), StreamWindows(tokens[cut:], window)
-    return (
-        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, pad_id=tokenizer.pad_id),
-        PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, pad_id=tokenizer.pad_id),
-    )
-
-
-def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, ctx: DistributedContext | None = None) -> tuple[PairLoader, PairLoader]:
-    """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
-    data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once."""
-    d, tr = config.data, config.training
-    if d.mixture or d.streaming:
-        raise ConfigError("DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming")
-    trains, vals = open_splits(config, "dpo", tokenizer)
-    train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
-    world = ctx.world_size if ctx else 1
-    if len(train) < tr.per_device_train_batch_size * world:
-        raise DataError(f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
-                        "ranks; lower training.per_device_train_batch_size")
-    return (
-        PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed,
-                   rank=ctx.rank if ctx else 0, world_size=world),
-        PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
-    )
 
 
 def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, device: torch.device,
@@ -383,8 +229,8 @@ def _train_stage(run: Run) -> dict:
         run.check_memory(documents)
     else:
         train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
-        check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, len(train_loader.documents), run.world_size), run.device)
-        run.check_memory(len(train_loader.documents))
+        check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, train_loader.resident_documents, run.world_size), run.device)
+        run.check_memory(train_loader.resident_documents)
     model = build_model(config, tokenizer, run.device, run.pretrained)
     if auto_rows and run.kind != "fsdp" and confirm_batch_size(run, model) != config.training.per_device_train_batch_size:  # CUDA: halved after an OOM
         config = run.config

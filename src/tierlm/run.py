@@ -23,6 +23,7 @@ The guarantees live here once, for every stage:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -43,7 +44,8 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
-from tierlm.data.rows import example_texts
+from tierlm.data.rows import convert_row, example_texts
+from tierlm.data.sources import open_stream
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
 from tierlm.models import family_named, save_model_folder, unwrap_model
@@ -267,8 +269,16 @@ def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
     for name, _ in data_components(config):
         if Path(name).suffix in (".bin", ".npy"):
             raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
-        examples = open_examples(name, named_split(name, source_options(config, stage, "train", None), config.data.split))
-        for example in examples.fetch(range(min(len(examples), t.num_train_docs))):
+        options = named_split(name, source_options(config, stage, "train", None), config.data.split)
+        if config.data.streaming:  # the stream's first documents
+            stream = iter(open_stream(name, options))
+            rows = list(itertools.islice(stream, t.num_train_docs))
+            stream.close()
+            first = [convert_row(row, options.kind, options.fields, f"{name} stream row {i}") for i, row in enumerate(rows)]
+        else:
+            examples = open_examples(name, options)
+            first = examples.fetch(range(min(len(examples), t.num_train_docs)))
+        for example in first:
             texts.extend(example_texts(example))
     return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 

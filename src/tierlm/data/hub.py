@@ -65,6 +65,8 @@ def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | No
             if streaming:
                 return datasets.load_dataset("parquet", data_files=spec, split="train", streaming=True)
             return datasets.Dataset.from_parquet(spec)
+        if streaming and Path(spec).is_file():  # a JSONL file, streamed
+            return datasets.load_dataset("json", data_files=spec, split="train", streaming=True)
         extra = {"data_files": json.loads(data_files)} if data_files is not None else {}
         if streaming:  # a stream is read where it lies: no download, no cache, nothing to force
             return datasets.load_dataset(spec, dataset_config, revision=revision, streaming=True, **extra)

@@ -155,7 +155,7 @@ class PackedLoader:
         assert long_documents in ("truncate", "drop"), f"long_documents must be truncate|drop, got {long_documents!r}"
         assert batch_size > 0 and seq_len > 0, f"batch_size and seq_len must be > 0, got {batch_size}, {seq_len}"
         assert 0 <= rank < world_size, f"rank {rank} not in [0, {world_size})"
-        if len(documents) < world_size:
+        if documents is not None and len(documents) < world_size:  # None: a stream (tierlm.data.streaming)
             raise DataError(f"{len(documents)} documents cannot be shared by {world_size} ranks")
         self.documents, self.batch_size, self.row_len = documents, batch_size, seq_len + 1
         self.mode, self.pad_id, self.seed, self.shuffle = mode, pad_id, seed, shuffle
@@ -165,6 +165,11 @@ class PackedLoader:
         self.split_long = split_long  # crop mode: a document longer than the room goes on in the next row instead of being cut
         self.repeat = True  # False: one pass, then stop (evaluation)
         self.rewind()
+
+    @property
+    def resident_documents(self) -> int:
+        """Documents the loader indexes in memory (what the memory planner counts)."""
+        return len(self.documents)
 
     # -- state -----------------------------------------------------------------------------
     def rewind(self) -> None:
@@ -207,6 +212,12 @@ class PackedLoader:
             self._epoch_order, self._order_epoch = order[self.rank :: self.world_size], self.epoch
         return self._epoch_order
 
+    def _check_something_kept(self) -> None:
+        """At the end of a pass: if every document was dropped, no batch can ever be made."""
+        if self.counts["tokens_in"] == 0 and self.counts["dropped"]:
+            raise DataError(f"all {self.counts['dropped']} documents are longer than a row ({self.row_len} tokens) and "
+                            "data.long_conversations=drop drops them; raise data.max_seq_length or use truncate")
+
     def _admit(self, doc: Document, count: bool = True) -> Document | None:
         """Apply the long-document policy (SFT rows never crop, so a too-long one is cut or dropped here)."""
         if self.mode == "pad" and len(doc.ids) > self.row_len:
@@ -223,9 +234,7 @@ class PackedLoader:
         while len(self.buffer) < target:
             order = self._order()
             if self.cursor >= len(order):
-                if self.counts["tokens_in"] == 0 and self.counts["dropped"]:  # a whole pass and nothing kept: never a batch
-                    raise DataError(f"all {self.counts['dropped']} documents are longer than a row ({self.row_len} tokens) and "
-                                    "data.long_conversations=drop drops them; raise data.max_seq_length or use truncate")
+                self._check_something_kept()
                 if not self.repeat:
                     return
                 self.epoch, self.cursor = self.epoch + 1, 0

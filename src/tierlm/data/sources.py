@@ -392,6 +392,18 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
     return examples
 
 
+def open_stream(spec: str, options: SourceOptions) -> Any:
+    """`options.split` of `spec` as a `datasets.IterableDataset` of rows, read lazily (data.streaming): a hub
+    name, a folder (Hub-layout or plain, of parquet / JSONL files), a saved dataset, a parquet or JSONL file."""
+    path = Path(spec)
+    if spec.startswith(("synthetic:", "builtin:")) or path.suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES:
+        raise DataError(f"data.streaming reads datasets (a hub name, a folder of parquet or JSONL files, a parquet or JSONL file); "
+                        f"{spec} is read in place without it: drop data.streaming")
+    if not path.exists() and not has_named_splits(spec, options.data_files):
+        _files(spec)  # one line: neither a path nor a hub id
+    return load_split(spec, options)
+
+
 def holdout_split(examples: Examples, val_fraction: float) -> tuple[Examples, Examples]:
     """(train, val) views: the last `val_fraction` of the examples (at least one) is held out."""
     n = len(examples)

@@ -17,7 +17,8 @@ from tierlm.metrics.memory import check_fits
 from tierlm.models import load_pretrained_model, model_max_seq_len
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import shutdown_distributed
-from tierlm.recipes import build_backend, build_model, memory_needs, open_splits
+from tierlm.loaders import open_splits
+from tierlm.recipes import build_backend, build_model, memory_needs
 from tierlm.run import Run, extras_writer, prepare_run, rl_parallelism
 from tierlm.rl.loop import RLTrainer
 from tierlm.rl.tasks import Environment, ExamplesTask, Task, is_environment, open_task

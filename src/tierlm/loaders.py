@@ -1,0 +1,214 @@
+"""Tier 3: the data of a run as its config names it — the sources of every stage opened through one
+path (`open_splits`), and the loaders built from them: best-fit packed rows for pretraining and SFT
+(over indexed sources, a token stream cut into windows with data.stream, or a dataset read as a stream
+with data.streaming), preference pairs for DPO."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tierlm.config import TierlmConfig
+from tierlm.data import (
+    Documents,
+    Examples,
+    Mixture,
+    PackedLoader,
+    StreamWindows,
+    Tokenizer,
+    chat_documents,
+    holdout_split,
+    open_examples,
+    text_documents,
+)
+from tierlm.data.hub import available_splits, default_eval_split
+from tierlm.data.preferences import PairLoader
+from tierlm.data.rows import convert_row
+from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, open_stream
+from tierlm.data.streaming import StreamingLoader
+from tierlm.errors import ConfigError, DataError
+from tierlm.primitives.parallel import DistributedContext
+from tierlm.run import data_components, named_split, source_options
+
+
+def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
+    """([(train, weight)] for each data source, [val sets]).
+
+    Training reads data.split of datasets with named splits. Validation is data.eval_dataset_name
+    when set (one set for the whole mixture); otherwise each source's own evaluation split
+    (data.eval_split, else the first of validation / val / test it has; synthetic tasks' "val") or a
+    held-out tail of its training data.
+    """
+    d, trains, vals = config.data, [], []
+    for name, weight in data_components(config):
+        options = named_split(name, source_options(config, stage, "train", tokenizer), d.split)
+        train = open_examples(name, options)
+        if d.eval_dataset_name:
+            pass  # one shared eval set, opened below
+        elif name.startswith("synthetic:"):
+            vals.append(open_examples(name, source_options(config, stage, "val", tokenizer)))
+        else:
+            splits = available_splits(name, options)
+            if d.eval_split is not None and splits is None:
+                raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
+                                  "(a file or folder of files): use data.val_fraction or data.eval_dataset_name")
+            eval_split = d.eval_split or (default_eval_split(splits, d.split) if splits else None)
+            if eval_split is not None:  # the dataset's own evaluation split
+                vals.append(open_examples(name, named_split(name, options, eval_split)))
+            else:  # a held-out tail of the training data, never the training rows themselves
+                train, val = holdout_split(train, d.val_fraction)
+                vals.append(val)
+        trains.append((train, weight))
+    if d.eval_dataset_name:
+        options = source_options(config, stage, "val", tokenizer)
+        splits = available_splits(d.eval_dataset_name, options)
+        if splits is not None:
+            options = named_split(d.eval_dataset_name, options, d.eval_split or default_eval_split(splits) or d.split)
+        vals = [open_examples(d.eval_dataset_name, options)]
+    return trains, vals
+
+
+def splits_long_documents(config: TierlmConfig) -> bool:
+    """data.long_documents, with auto resolved: split when every source is plain text or tokens
+    (a corpus whose "documents" are paragraphs or a stream), crop otherwise."""
+    if config.data.long_documents != "auto":
+        return config.data.long_documents == "split"
+    return all(name.startswith("builtin:") or Path(name).suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES for name, _ in data_components(config))
+
+
+def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
+    """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents).
+
+    The train loader packs the global batch (world_size x per-device rows); see `RankSlice`.
+    """
+    d, tr = config.data, config.training
+    if d.stream:
+        if stage != "pretrain":
+            raise ConfigError("data.stream reads text as one token stream: a pretraining option")
+        return stream_loaders(config, tokenizer, world_size)
+    convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
+    if d.streaming:
+        return streaming_loaders(config, stage, tokenizer, world_size, convert)
+    trains, vals = open_splits(config, stage, tokenizer)
+    if len(trains) == 1 and trains[0][1] == 1.0:
+        train = Documents(trains[0][0], convert)
+    else:
+        train = Mixture([(Documents(t, convert), w) for t, w in trains], seed=tr.seed)
+    val = Documents(vals[0], convert) if len(vals) == 1 else Mixture([(Documents(v, convert), 1.0) for v in vals], seed=tr.seed)
+    common = _packing(config, stage, tokenizer)
+    return (
+        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),
+        PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, **common),
+    )
+
+
+def _packing(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> dict:
+    d = config.data
+    isolate = d.isolate_documents if d.isolate_documents is not None else stage == "sft"
+    return dict(
+        mode="crop" if stage == "pretrain" else "pad", pad_id=tokenizer.pad_id, buffer_docs=d.packing_buffer,
+        long_documents=d.long_conversations, document_positions=isolate, split_long=stage == "pretrain" and splits_long_documents(config),
+    )
+
+
+def streaming_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int, convert) -> tuple[StreamingLoader, StreamingLoader]:
+    """data.streaming: data.split read as a stream, evaluated on the dataset's eval split (data.eval_split,
+    else the first of validation / val / test it has), data.eval_dataset_name, or the stream's first
+    data.eval_stream_examples rows, which training then skips."""
+    d, tr = config.data, config.training
+    options = named_split(d.dataset_name, source_options(config, stage, "train", tokenizer), d.split)
+    train = open_stream(d.dataset_name, options)
+    if d.eval_dataset_name:
+        eval_options = source_options(config, stage, "val", tokenizer)
+        splits = available_splits(d.eval_dataset_name, eval_options)
+        eval_split = (d.eval_split or default_eval_split(splits) or d.split) if splits else "train"
+        val, val_name = open_stream(d.eval_dataset_name, named_split(d.eval_dataset_name, eval_options, eval_split)), d.eval_dataset_name
+    else:
+        splits = available_splits(d.dataset_name, options)
+        if d.eval_split is not None and splits is None:
+            raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {d.dataset_name} has no named splits: "
+                              "use data.eval_stream_examples or data.eval_dataset_name")
+        eval_split, val_name = d.eval_split or (default_eval_split(splits, d.split) if splits else None), d.dataset_name
+        if eval_split is not None:
+            val = open_stream(d.dataset_name, named_split(d.dataset_name, options, eval_split))
+        else:  # the stream's head evaluates; training starts after it
+            val, train = train.take(d.eval_stream_examples), train.skip(d.eval_stream_examples)
+
+    def documents_of(name: str):
+        def to_documents(rows: list[dict], first: int):
+            return convert([convert_row(row, options.kind, options.fields, f"{name} stream row {first + i}") for i, row in enumerate(rows)])
+        return to_documents
+
+    common = _packing(config, stage, tokenizer)
+    return (
+        StreamingLoader(train, documents_of(d.dataset_name), tr.per_device_train_batch_size * world_size, d.max_seq_length,
+                        block_size=d.shuffle_buffer_size, name=d.dataset_name, seed=tr.seed, **common),
+        StreamingLoader(val, documents_of(val_name), tr.per_device_eval_batch_size, d.max_seq_length,
+                        block_size=d.shuffle_buffer_size, name=val_name, shuffle=False, **common),
+    )
+
+
+STREAM_MAX_TOKENS = 1 << 30  # a stream read from text is held in memory (4 bytes a token)
+
+
+def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """One source as a token stream: a text file encoded whole, a token file as it lies (memory-mapped),
+    anything else its documents one after another (each after its separator token)."""
+    from tierlm.data.sources import TokenFileExamples, builtin_corpus
+
+    path = builtin_corpus(name) if name.startswith("builtin:") else Path(name)
+    if path.is_file() and path.suffix in TOKEN_SUFFIXES:
+        tokens = TokenFileExamples(path, config.data.token_dtype, tokenizer.document_separator_id, tokenizer.vocab_size)
+        return tokens._map()
+    if path.is_file() and path.suffix in TEXT_SUFFIXES:
+        if path.stat().st_size > STREAM_MAX_TOKENS:
+            raise DataError(f"{path} is {path.stat().st_size:,} bytes: too large to stream from text; pre-tokenize it into a .bin file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text near byte {e.start}") from None
+        return np.asarray(tokenizer.encode(text), dtype=np.int32)
+    documents = Documents(open_examples(name, source_options(config, "pretrain", "train", tokenizer)), text_documents(tokenizer))
+    parts, total = [], 0
+    for lo in range(0, len(documents), 4096):
+        for doc in documents.fetch(range(lo, min(len(documents), lo + 4096))):
+            parts.append(doc.ids.astype(np.int32))
+            total += len(doc.ids)
+        if total > STREAM_MAX_TOKENS:
+            raise DataError(f"{name} holds over {STREAM_MAX_TOKENS:,} tokens: too many to stream in memory; pre-tokenize it into a .bin file")
+    return np.concatenate(parts)
+
+
+def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) -> tuple[PackedLoader, PackedLoader]:
+    """`data.stream`: every source one token stream, its tail held out, both cut into windows of a row."""
+    d, tr = config.data, config.training
+    if d.mixture or d.eval_dataset_name:
+        raise ConfigError("data.stream reads one data.dataset_name and holds out its tail; drop data.mixture / data.eval_dataset_name")
+    tokens = source_stream(d.dataset_name, config, tokenizer)
+    cut = int(len(tokens) * (1 - d.val_fraction))
+    window = d.max_seq_length + 1
+    train, val = StreamWindows(tokens[:cut], window), StreamWindows(tokens[cut:], window)
+    return (
+        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, pad_id=tokenizer.pad_id),
+        PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, pad_id=tokenizer.pad_id),
+    )
+
+
+def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, ctx: DistributedContext | None = None) -> tuple[PairLoader, PairLoader]:
+    """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
+    data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once."""
+    d, tr = config.data, config.training
+    if d.mixture or d.streaming:
+        raise ConfigError("DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming")
+    trains, vals = open_splits(config, "dpo", tokenizer)
+    train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
+    world = ctx.world_size if ctx else 1
+    if len(train) < tr.per_device_train_batch_size * world:
+        raise DataError(f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
+                        "ranks; lower training.per_device_train_batch_size")
+    return (
+        PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed,
+                   rank=ctx.rank if ctx else 0, world_size=world),
+        PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
+    )

@@ -13,7 +13,7 @@
     tierlm ablate --report DIR
     tierlm speedrun [--depth D] [--out DIR] [--pretrain-data NAME] [section.key=value ...]
     tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure] [section.key=value ...]
-    tierlm export CHECKPOINT OUT_DIR
+    tierlm export CHECKPOINT OUT_DIR [--adapter-only]
     tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
 
 A problem with the input (config, data, checkpoint, arguments) prints one line and exits with 2.
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a checkpoint as a transformers model folder")
     export.add_argument("checkpoint", help="a checkpoint, run directory or model folder")
     export.add_argument("out_dir", help="new folder for the model (weights, config, tokenizer)")
+    export.add_argument("--adapter-only", action="store_true", help="a LoRA run: write only the adapter, in PEFT's format")
     average = commands.add_parser("average", help="average the weights of several checkpoints")
     average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
     average.add_argument("--out", required=True, help="new folder for the averaged model")
@@ -287,8 +288,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tierlm.checkpoint import export_checkpoint
     from tierlm.models import family_for_folder, is_native_folder
 
-    out = export_checkpoint(args.checkpoint, args.out_dir)
-    if is_native_folder(out) and not (out / "config.json").is_file():
+    out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
+    if args.adapter_only:
+        print(f"exported the LoRA adapter to {out} (peft.PeftModel.from_pretrained(base_model, {str(out)!r}))")
+    elif is_native_folder(out) and not (out / "config.json").is_file():
         print(f"exported to {out}: a tierlm model folder (transformers has no class for this {family_for_folder(out).name} model; "
               "tierlm loads it)")
     else:

@@ -85,6 +85,18 @@ class KVPruningConfig(Section):
     """Keep every key in the softmax; drop only the pruned keys' values."""
 
 
+class LoraConfig(Section):
+    r: int = Field(0, ge=0)
+    """LoRA rank; 0: no adapters (the whole model trains)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the update: W + (alpha / r) B A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: str | list[str] = "all-linear"
+    """Which linear layers get adapters: "all-linear" (every linear layer of the repeated blocks; not the
+    embeddings or the output head), or module names as PEFT matches them (["q_proj", "v_proj"])."""
+
+
 class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
@@ -135,6 +147,11 @@ class ModelConfig(Section):
     to the memory-efficient or the plain math kernel (which materialises the T x T scores)."""
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Parameter-efficient fine-tuning with LoRA adapters (PEFT): model.lora.r > 0 freezes the model and
+    trains the adapters; the final model folder holds the merged weights and the adapter alone in adapter/."""
+    load_in_4bit: bool = False
+    """QLoRA: load a transformers model's frozen weights in 4-bit NF4 (bitsandbytes, CUDA only) under LoRA adapters."""
 
 
 class TokenizerConfig(Section):

@@ -18,6 +18,7 @@ the table is in docs/benchmarks.md.
 from __future__ import annotations
 
 import contextlib
+import unittest.mock
 import math
 import os
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from tierlm.backends.distributed import prepare_model
-from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
+from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import (
@@ -39,6 +40,7 @@ from tierlm.metrics.memory import (
     tracked_peak,
 )
 from tierlm.models import family_for_folder, family_of, unwrap_model
+from tierlm.models.lora import apply_lora
 from tierlm.plan import model_width, optimizer_settings
 from tierlm.primitives import parse_dtype
 from tierlm.primitives.optim import build_optimizer
@@ -89,13 +91,22 @@ class MemoryEstimate:
 
 # -- the trace ---------------------------------------------------------------------------------
 def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
-    """The run's model, uninitialised where it can be: in fake tensors inside an active FakeTensorMode."""
+    """The run's model (with its LoRA adapters), uninitialised where it can be: in fake tensors inside an
+    active FakeTensorMode."""
     dtype = parse_dtype(config.model.dtype)
     if pretrained is None:
         from tierlm.plan import new_model
 
         return new_model(config, vocab_size, "cpu", dtype)
-    return family_for_folder(pretrained).build_from_folder(pretrained, dtype)
+    model = family_for_folder(pretrained).build_from_folder(pretrained, dtype)
+    lora = config.model.lora
+    if not lora.r:
+        return model
+    # PEFT moves each new adapter to its base layer's device and dtype with Module.to(), which cannot swap
+    # fake parameters; here every tensor is already a CPU fake one, so the moves are skipped (the adapters
+    # stay fp32 under a bf16 base: a few KiB to MiB, next to the base's GiB).
+    with unittest.mock.patch.object(nn.Module, "to", lambda self, *args, **kwargs: self):
+        return apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
 
 
 def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int):
@@ -146,22 +157,35 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
         batch, loss_fn = _strategy_inputs(config, stage, rows, tokens)
         reference = None
         if "ref_logps" not in batch and stage == "dpo":
-            reference = FrozenReference(_fake_model(config, vocab_size, pretrained), cpu)
-            reference.model.requires_grad_(True)  # MemTracker hooks every parameter it sees; forward() runs under no_grad
+            if config.model.lora.r:  # the policy with its adapters off
+                reference = frozen_reference(model, cpu)
+            else:
+                reference = FrozenReference(_fake_model(config, vocab_size, pretrained), cpu)
+                reference.model.requires_grad_(True)  # MemTracker hooks every parameter it sees; forward() runs under no_grad
 
         def scoring() -> None:  # the RL loop's old-log-probs pass (no gradient) before the update
             backend.forward(batch, GRPOStrategy().compute_metrics)
 
+        held_reference: dict[str, torch.Tensor] = {}
+
+        def reference_pass() -> None:  # DPO's reference log-probs, as DPOStrategy.prepare_batch computes them
+            held_reference["logps"] = reference.forward(batch, DPOStrategy._logps).wait()["logps"]
+
         def step() -> None:
             step_batch = dict(batch)
-            if reference is not None:  # DPO's reference log-probs, as DPOStrategy.prepare_batch computes them
-                step_batch["ref_logps"] = reference.forward(batch, DPOStrategy._logps).wait()["logps"]
+            if reference is not None:
+                if not held_reference:
+                    reference_pass()
+                step_batch["ref_logps"] = held_reference.pop("logps")
             backend.forward_backward(step_batch, loss_fn)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         step()  # untracked: it creates the optimizer state the tracked step holds
-        out = tracked_peak([scoring, step] if stage == "rl" else [step], model, optimizer)
+        # A LoRA reference is the policy itself (adapters off): MemTracker takes one pass of a module per
+        # traced call, so its pass is traced on its own, before the step.
+        fns = [scoring, step] if stage == "rl" else [reference_pass, step] if reference is not None and config.model.lora.r else [step]
+        out = tracked_peak(fns, model, optimizer)
         if generation is not None:
             held = tracked_peak(_generation_passes(model, *generation), model, optimizer)
             out["Generation"] = held["Total"] - held.get("Parameter", 0) - held.get("Buffer", 0) - held.get("Optstate", 0)
@@ -265,7 +289,9 @@ def estimate_run_memory(
             parts["FSDP gathered blocks"] = block * (2 * gathered_dtype_bytes + 4) * (1 - 1 / shards)
     elif distributed == "ddp" and world_size > 1:
         parts["DDP gradient buckets"] = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
-    if stage == "dpo" and config.dpo.reference == "frozen":  # traced: its weights are among the parameters
+    if config.model.lora.r:  # the reference is the base with the adapters off: no second copy
+        pass
+    elif stage == "dpo" and config.dpo.reference == "frozen":  # traced: its weights are among the parameters
         parts["reference model"] = param_bytes
         parts["parameters"] -= param_bytes
     elif stage == "rl" and rl.kl_coef > 0:  # its forward takes turns with the policy's old-log-probs pass (traced)

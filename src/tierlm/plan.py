@@ -70,9 +70,17 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 def model_width(model: nn.Module) -> int:
-    """d_model: the width of the token embedding (or of the head)."""
-    roles = parameter_roles(unwrap_model(model))
-    table = (roles["embedding"] or roles["unembedding"])[0]
+    """d_model: the width of the token embedding (or of the head), trained or frozen (LoRA).
+
+    >>> model_width(nn.Sequential(nn.Embedding(10, 4).requires_grad_(False), nn.Linear(4, 4)))
+    4
+    """
+    inner = unwrap_model(model)
+    table = next((m.weight for m in inner.modules() if isinstance(m, nn.Embedding)), None)
+    if table is None:
+        head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else getattr(inner, "lm_head", None)
+        assert isinstance(head, nn.Module), f"{type(inner).__name__} has neither an embedding nor an output head"
+        table = head.weight
     return int(table.shape[-1])
 
 

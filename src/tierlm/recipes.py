@@ -3,14 +3,14 @@ loaders are `tierlm.loaders`') and `run_stage`, which puts them on the run skele
 
 from __future__ import annotations
 
-import copy
+import importlib.util
 import shutil
 from pathlib import Path
 
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
-from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend
+from tierlm.backends.pytorch import frozen_reference, PyTorchTrainingBackend
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, RankSlice, Tokenizer
@@ -19,6 +19,7 @@ from tierlm.loaders import build_loaders, build_pair_loaders
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import auto_find_batch_size, check_fits
 from tierlm.models import family_named, forward_cross_entropy, is_native_folder, load_pretrained_model, model_max_seq_len
+from tierlm.models.lora import apply_lora, qlora_quantization_config
 from tierlm.plan import model_width, new_model, optimizer_settings
 from tierlm.primitives import create_warmup_scheduler, parse_dtype
 from tierlm.primitives.optim import build_optimizer
@@ -32,6 +33,9 @@ from tierlm.trainer import Trainer
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
     m, dtype = config.model, parse_dtype(config.model.dtype)
     family = family_named(m.architecture)
+    check_lora_request(config, device, pretrained)
+    if m.load_in_4bit:
+        return with_lora(config, load_4bit_model(config, pretrained, device))
     imported = None
     if pretrained is not None and family.native and isinstance(pretrained, Path) and not is_native_folder(pretrained):
         imported = family.import_transformers(pretrained, device, dtype)  # e.g. transformers GPT-2 weights as tierlm's gpt2
@@ -47,7 +51,45 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
     max_len = model_max_seq_len(model)
     if max_len is not None and config.data.max_seq_length > max_len:
         raise ConfigError(f"data.max_seq_length ({config.data.max_seq_length}) exceeds the model's maximum ({max_len})")
-    return model
+    return with_lora(config, model)
+
+
+def check_lora_request(config: TierlmConfig, device: torch.device, pretrained) -> None:
+    """Refuse, in one line each, what LoRA and 4-bit loading cannot do."""
+    m = config.model
+    if m.lora.r and pretrained is None:
+        raise ConfigError("model.lora trains adapters on a trained model: set model.model_name_or_path (from scratch, train the whole model)")
+    if not m.load_in_4bit:
+        return
+    if not m.lora.r:
+        raise ConfigError("model.load_in_4bit freezes 4-bit weights, which cannot train: set model.lora.r (QLoRA)")
+    if device.type != "cuda":
+        raise ConfigError(f"model.load_in_4bit needs a CUDA GPU (bitsandbytes' 4-bit kernels); this run is on {device.type}: "
+                          "drop model.load_in_4bit and train LoRA on full-precision weights")
+    if pretrained is None or is_native_folder(pretrained) or family_named(m.architecture).native:
+        raise ConfigError("model.load_in_4bit loads a transformers model (hub id or folder); a tierlm-native model loads in full precision")
+
+
+def load_4bit_model(config: TierlmConfig, pretrained, device: torch.device) -> torch.nn.Module:
+    """A transformers model with NF4 weights (QLoRA), ready for adapters (norms in fp32, input grads on)."""
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("model.load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    from peft import prepare_model_for_kbit_training
+
+    compute = torch.bfloat16 if config.training.bf16 else torch.float16
+    model = AutoModelForCausalLM.from_pretrained(str(pretrained), quantization_config=qlora_quantization_config(compute),
+                                                 device_map={"": device.index or 0}, trust_remote_code=config.model.trust_remote_code)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # tierlm's own checkpointing applies
+
+
+def with_lora(config: TierlmConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """The model with model.lora's adapters injected (unchanged without them)."""
+    lora = config.model.lora
+    if not lora.r:
+        return model
+    return apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules, base_model=config.model.model_name_or_path)
 
 
 def memory_needs(config: TierlmConfig, vocab_size: int, pretrained, num_documents: int, world_size: int = 1,
@@ -240,7 +282,7 @@ def _train_stage(run: Run) -> dict:
         train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
     config = run.resolve(model)
     if stage == "dpo":
-        reference = FrozenReference(copy.deepcopy(model), run.device) if config.dpo.reference == "frozen" else None
+        reference = frozen_reference(model, run.device) if config.dpo.reference == "frozen" else None
         strategy = DPOStrategy(config.dpo.beta, reference)
     else:
         train_loader = RankSlice(train_loader, ctx.rank, run.world_size) if ctx else train_loader

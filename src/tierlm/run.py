@@ -423,7 +423,7 @@ class Run:
             return summary
         tmp = self.output_dir / ".model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model_folder(unwrap_model(model), tmp, state_dict=state)
+        save_model_folder(unwrap_model(model), tmp, state_dict=state, merge_lora=True)  # a LoRA model: merged, adapter/ beside
         assert self.tokenizer is not None, "a run's tokenizer is set in prepare_run"
         write_model_extras(tmp, self.tokenizer, summary, manifest=True)
         _fsync_tree(tmp)

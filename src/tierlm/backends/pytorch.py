@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.errors import CheckpointError
 from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy
+from tierlm.models.lora import adapters_disabled, has_lora
 from tierlm.primitives.losses import (
     count_loss_tokens,
     create_cross_entropy_loss,
@@ -64,6 +66,32 @@ class FrozenReference:
         with ctx:
             out = fn(forward_logits(self.model, batch), batch)
         return TrainFuture(lambda: {k: _to_host(v) for k, v in out.items()})
+
+
+class AdapterFreeReference(FrozenReference):
+    """The reference of a LoRA model: the same model with its adapters switched off (the frozen base),
+    in eval mode, so no second copy of the weights exists (TRL's and PEFT's way)."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None):
+        self.device, self.autocast_dtype, self.model = torch.device(device), autocast_dtype, model
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, fn: Callable) -> TrainFuture[dict]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_disabled(self.model):
+                return super().forward(batch, fn)
+        finally:
+            self.model.train(was_training)
+
+
+def frozen_reference(model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None) -> FrozenReference:
+    """What DPO and RL's KL term compare against: the model as training starts (a copy), or for a LoRA
+    model its base with the adapters off."""
+    if has_lora(model):
+        return AdapterFreeReference(model, device, autocast_dtype)
+    return FrozenReference(copy.deepcopy(model), device, autocast_dtype)
 
 
 class PyTorchTrainingBackend:

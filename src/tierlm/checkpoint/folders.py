@@ -28,6 +28,7 @@ from tierlm.checkpoint.core import (
 from tierlm.checkpoint.verify import META_FILE, MODEL_META_FILE, check_file_formats, verify_checkpoint, verify_model_folder
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, save_model_folder
+from tierlm.models.lora import ADAPTER_DIR, ADAPTER_MARK, mark_adapter, saved_adapter
 
 
 def verified_model_location(name: str) -> Path | str:
@@ -125,11 +126,13 @@ def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
         raise CheckpointError(f"could not write {out}: {e.strerror or e}") from e
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(path: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Path:
     """Copy a checkpoint's model folder (weights, config, tokenizer) to `out_dir`, verified first.
 
     The folder loads with `transformers.AutoModelForCausalLM.from_pretrained` and
-    `AutoTokenizer.from_pretrained`; a native GPT is written as the equivalent Qwen3 model.
+    `AutoTokenizer.from_pretrained`; a native GPT is written as the equivalent Qwen3 model. A LoRA
+    model is written with its adapters merged into the weights (and adapter/ beside them); with
+    `adapter_only`, `out_dir` is the adapter alone in PEFT's format (`PeftModel.from_pretrained`).
     `out_dir` must be new (or empty) and outside the input; it appears only once complete.
     """
     out, path = Path(out_dir), Path(path)
@@ -141,16 +144,31 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
         latest = find_latest_checkpoint(path / CHECKPOINTS_DIRNAME) or find_latest_checkpoint(path)
         sharded = latest if latest is not None and is_sharded_checkpoint(latest) else None
     tmp = staging_folder(out)
+    full = tmp.with_name(tmp.name + ".full") if adapter_only else tmp
     try:
-        if sharded is None:
-            shutil.copytree(verified_model_folder(path), tmp)
+        if sharded is not None:
+            export_sharded_checkpoint(sharded, full)
         else:
-            export_sharded_checkpoint(sharded, tmp)
+            folder = verified_model_folder(path)
+            adapter = saved_adapter(folder)
+            if adapter is not None and not adapter["merged"]:  # a checkpoint's base + adapters: merge them
+                from tierlm.models import load_pretrained_model
+
+                shutil.copytree(folder, full, ignore=shutil.ignore_patterns(WEIGHTS_FILE))
+                save_model_folder(load_pretrained_model(folder), full)  # loading merges: a plain model
+                mark_adapter(full, merged=True)
+            else:
+                shutil.copytree(folder, full)
+        if adapter_only:
+            if saved_adapter(full) is None:
+                raise CheckpointError(f"{path} has no LoRA adapter (it was not trained with model.lora): export the whole model")
+            shutil.copytree(full / ADAPTER_DIR, tmp, ignore=shutil.ignore_patterns(ADAPTER_MARK))
         return publish_folder(tmp, out)
     except OSError as e:
         raise CheckpointError(f"could not write {out}: {e.strerror or e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(full, ignore_errors=True)
 
 
 def export_sharded_checkpoint(path: Path, out: Path) -> Path:
@@ -166,5 +184,5 @@ def export_sharded_checkpoint(path: Path, out: Path) -> Path:
     except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be exported: {first_line(e)}") from e
     shutil.copytree(path / "model", out, dirs_exist_ok=True)  # config, tokenizer, training meta
-    save_model_folder(model, out)
+    save_model_folder(model, out, merge_lora=True)
     return out

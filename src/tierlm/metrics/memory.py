@@ -213,6 +213,14 @@ def _loss_of(outputs: Any) -> torch.Tensor:
     return outputs
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def tracked_peak(fns: list[Callable[[], Any]], *tracked) -> dict[str, int]:
     """Run `fns` in turn under one PyTorch `MemTracker`: the bytes at their peak by category
     ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other", "Total"), summed
@@ -229,7 +237,15 @@ def tracked_peak(fns: list[Callable[[], Any]], *tracked) -> dict[str, int]:
     tracker = MemTracker()
     if tracked:
         tracker.track_external(*tracked)
+    # MemTracker hooks the gradient of each parameter when its module first runs, and a frozen one (LoRA's
+    # base) refuses hooks: it is marked as hooked already. The trainable ones are hooked up front, since a
+    # LoRA reference pass (adapters off) freezes the adapters for its duration.
+    modules = [t for t in tracked if isinstance(t, torch.nn.Module)]
+    for param in (p for module in modules for p in module.parameters() if not p.requires_grad):
+        tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
     with tracker:
+        for module in modules:
+            tracker._track_module_params_and_buffers(module)
         for i, fn in enumerate(fns):
             if i:
                 tracker.reset_mod_stats()  # the same modules run again: a new pass for the tracker

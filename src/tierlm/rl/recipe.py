@@ -4,11 +4,10 @@ from `tierlm.recipes`."""
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
-from tierlm.backends.pytorch import FrozenReference
+from tierlm.backends.pytorch import frozen_reference
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
@@ -101,7 +100,7 @@ def _run_rl(run: Run) -> dict:
     config = run.resolve(model)
     tr = config.training
     check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
-    reference = FrozenReference(copy.deepcopy(model), run.device) if rl.kl_coef > 0 else None
+    reference = frozen_reference(model, run.device) if rl.kl_coef > 0 else None
     # Each RL step makes rl.ppo_epochs optimizer steps (the LR schedule counts optimizer steps), each
     # over this rank's rollouts in micro-batches (DDP synchronises on the last of them).
     rows = rl.prompts_per_step // run.world_size * rl.group_size

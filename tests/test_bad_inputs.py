@@ -231,7 +231,7 @@ CASES = [
     Case("sft-into-pretrain-run", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "infra.output_dir=pre"],
          "holds a pretrain run", copy_run("pre")),
     Case("sft-plain-text", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.txt"],
-         "SFT data must be", write("d.txt", "hello\n")),
+         "chat examples come from JSONL", write("d.txt", "hello\n")),
     Case("sft-jsonl-not-utf8", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl"],
          "d.jsonl:1", write("d.jsonl", NON_UTF8)),
     Case("sft-jsonl-nested", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=d.jsonl"],

@@ -168,3 +168,29 @@ def test_the_memory_planner_traces_the_adapted_model(tiny_runs):
     assert 2 * 4 * adapters <= fake["Optstate"] <= 2 * 4 * adapters + 4 * 64  # exp_avg + exp_avg_sq (+ step counters)
     dpo = TierlmConfig.load(REPO / "configs/tiny_dpo.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'sft'}"])
     assert estimate_run_memory(dpo, 1, "dpo", vocab_size=300, pretrained=tiny_runs / "sft" / "model").parts["reference model"] == 0
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
+    """FSDP2 shards frozen base and trainable adapters together; 2 ranks x 4 rows train as 1 process x 8;
+    the sharded checkpoint (adapters inside the shards, adapter_config.json beside) exports merged."""
+    import os
+    import subprocess
+    import sys
+
+    common = ["sft", "--config", "configs/tiny_sft.yaml", *CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}",
+              "training.num_train_steps=4", "training.save_steps=4", "training.logging_steps=1"]
+    one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm", *common,
+                          "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp", f"infra.output_dir={tmp_path / 'two'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert [loss for _, loss in _train_losses(tmp_path / "two")] == pytest.approx([loss for _, loss in _train_losses(tmp_path / "one")], abs=1e-4)
+    checkpoint = tmp_path / "two" / "checkpoints" / "step_4"
+    assert (checkpoint / "state").is_dir() and (checkpoint / "model" / "adapter" / "adapter_config.json").is_file()
+    result = run_cli("export", checkpoint, tmp_path / "exported")
+    assert result.returncode == 0, result.stderr[-2000:]
+    a, b = load_file(tmp_path / "exported" / "model.safetensors"), load_file(tmp_path / "two" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

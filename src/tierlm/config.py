@@ -229,6 +229,12 @@ class DataConfig(Section):
     answer_pattern: str | None = None
     """RL: a regex finding the reference number in answer_column (its first group, else the whole
     match); None: the number after GSM8K's '####', else the last number."""
+    tools_column: str = "tools"
+    """SFT: the function schemas a conversation may call (a list, or it as a JSON string), rendered by
+    the chat template with the assistant turns' tool_calls."""
+    chat_template: str | None = None
+    """The chat template to train and export with: "chatml" (Hermes/Qwen tool calls), "tierlm", or a
+    Jinja file; None keeps the tokenizer's own (a tokenizer without one cannot do SFT)."""
     train_on: Literal["all_assistant", "last_assistant", "everything"] = "all_assistant"
     """SFT: which tokens carry loss."""
     long_documents: Literal["auto", "crop", "split"] = "auto"

@@ -44,6 +44,7 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
+from tierlm.data.chat_templates import set_chat_template
 from tierlm.data.rows import convert_row, example_texts
 from tierlm.data.sources import open_stream
 from tierlm.errors import ConfigError, DataError
@@ -233,7 +234,7 @@ def _fields(config: TierlmConfig) -> Fields:
     d = config.data
     return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column,
                   chosen=d.chosen_column, rejected=d.rejected_column, question=d.question_column, answer=d.answer_column,
-                  answer_pattern=d.answer_pattern)
+                  answer_pattern=d.answer_pattern, tools=d.tools_column)
 
 
 STAGE_KINDS = {"pretrain": "text", "sft": "chat", "dpo": "preference", "rl": "task"}
@@ -435,17 +436,17 @@ def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: Distributed
     """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
     or a new one trained on the data (by rank 0, read by the others from the run directory)."""
     if latest is not None:
-        return load_tokenizer(latest / "model", config.model.trust_remote_code)
+        return load_tokenizer(latest / "model", config.model.trust_remote_code)  # with the run's chat template
     tokenizer = existing_tokenizer(config, pretrained)
-    if tokenizer is not None:
-        return tokenizer
-    if ctx is None:
-        return train_tokenizer(config, stage)
-    folder = Path(config.infra.output_dir) / "tokenizer"
-    if ctx.is_main:
-        train_tokenizer(config, stage).save(folder)
-    torch.distributed.barrier()
-    return load_tokenizer(folder)
+    if tokenizer is None and ctx is None:
+        tokenizer = train_tokenizer(config, stage)
+    elif tokenizer is None:
+        folder = Path(config.infra.output_dir) / "tokenizer"
+        if ctx.is_main:
+            train_tokenizer(config, stage).save(folder)
+        torch.distributed.barrier()
+        tokenizer = load_tokenizer(folder)
+    return set_chat_template(tokenizer, config.data.chat_template) if config.data.chat_template else tokenizer
 
 
 def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: int | None = None):

@@ -13,6 +13,7 @@ kind of example a row becomes, and which columns hold it (`Fields`, from the con
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ class Fields:
     rejected: str = "rejected"
     question: str = "question"
     answer: str = "answer"
+    tools: str = "tools"
     answer_pattern: str | None = None
     """A regex finding the reference in the answer column (its first group, else the whole match); None:
     the number after GSM8K's '####', else the last number."""
@@ -58,6 +60,30 @@ class TaskExample:
     @property
     def prompt(self) -> str:
         return self.messages[-1]["content"]
+
+
+class Conversation(list):
+    """A conversation (a list of messages) with the `tools` (function schemas) it may call, which the
+    chat template renders (see `tierlm.data.chat_templates`)."""
+
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def read_tools(value: Any, where: str) -> list[dict] | None:
+    """A row's tools column: a list of function schemas, or that list as a JSON string (as many
+    datasets store it); None when empty."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise DataError(f"{where}: the tools column is not JSON ({e})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{where}: tools must be a list of function schemas, got {type(value).__name__}")
+    return _without_nones(value)
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -118,7 +144,16 @@ def as_messages(value: Any, where: str) -> list[dict]:
             out.append({"role": role, "content": turn["value"]})
         return out
     if isinstance(value, list):  # keep only what a chat template reads (datasets adds None for absent keys)
-        return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+        return [_without_nones(m) if isinstance(m, dict) else m for m in value]
+    return value
+
+
+def _without_nones(value: Any) -> Any:
+    """Arrow gives every struct all its fields, None where a row had none (a tool call's arguments too)."""
+    if isinstance(value, dict):
+        return {k: _without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nones(v) for v in value]
     return value
 
 
@@ -151,7 +186,8 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
             f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "
             f"fields present: {sorted(row)} (set data.messages_column, or data.prompt_column / data.completion_column)"
         )
-    return _checked(messages, where)
+    tools = read_tools(row.get(fields.tools), where)
+    return _checked(Conversation(messages, tools) if tools else messages, where)
 
 
 def _reply(value: Any, prompt: list[dict] | None, where: str) -> list[dict]:

@@ -28,10 +28,16 @@ ASSISTANT_END = "<|assistant_end|>"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + message['role'] + '_end|>' }}"
+    "{{ '<|' + message['role'] + '_start|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}{% set call = call['function'] if call['function'] is defined else call %}"
+    "{{ '<|tool_call_start|>' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '<|tool_call_end|>' }}"
+    "{% endfor %}"
+    "{{ '<|' + message['role'] + '_end|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}"
 )
+"""tierlm's own template: role markers around each turn; an assistant's structured `tool_calls` (if any)
+as <|tool_call_start|>{"name", "arguments"}<|tool_call_end|> after its text."""
 # GPT-4-style split, but every digit alone: arithmetic is learnable when numbers are digit sequences.
 SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -192,8 +198,9 @@ class Tokenizer:
         return self._token_bytes
 
     # -- chat ------------------------------------------------------------------------------
-    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
+        """The template's text; a conversation's `tools` (function schemas) go to the template too."""
+        return self.hf.apply_chat_template(list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def render_conversation(self, messages: list[dict], train_on: str = "all_assistant") -> tuple[list[int], list[int]]:
         """Token ids and a 0/1 mask of the tokens to train on.
@@ -212,13 +219,14 @@ class Tokenizer:
             raise DataError("this tokenizer has no chat template; SFT needs one (train a tierlm tokenizer or use a chat model's)")
         if train_on not in TRAIN_ON:
             raise DataError(f"train_on must be one of {list(TRAIN_ON)}, got {train_on!r}")
-        full = self._render(messages)
+        tools = getattr(messages, "tools", None)
+        full = self._render(messages, tools=tools)
         spans = []  # character spans of assistant turns (content + end of turn), with their prompt
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prefix = self._render(messages[:i], add_generation_prompt=True)
-            upto = self._render(messages[: i + 1])
+            prefix = self._render(messages[:i], add_generation_prompt=True, tools=tools)
+            upto = self._render(messages[: i + 1], tools=tools)
             if not (upto.startswith(prefix) and full.startswith(upto)):
                 raise DataError("the chat template does not render conversations prefix-stably; cannot locate assistant turns")
             spans.append((len(prefix), len(upto), prefix))
@@ -278,8 +286,9 @@ class Tokenizer:
         arrive, through the next assistant header: how a multi-turn episode continues the tokens
         the model already produced, without re-tokenising them."""
         check_conversation(history + new_messages, needs_assistant=False)
-        before = self._render(history)
-        after = self._render(history + new_messages, add_generation_prompt=True)
+        tools = getattr(history, "tools", None)
+        before = self._render(history, tools=tools)
+        after = self._render(list(history) + new_messages, add_generation_prompt=True, tools=tools)
         if not after.startswith(before):
             raise DataError("the chat template does not render conversations prefix-stably; cannot continue an episode")
         return self.hf(after[len(before) :], add_special_tokens=False)["input_ids"]
@@ -287,18 +296,24 @@ class Tokenizer:
     def render_for_completion(self, messages: list[dict]) -> list[int]:
         """Prompt ids that end with the assistant header, ready for the model to answer."""
         check_conversation(messages, needs_assistant=False)
-        return self.hf(self._render(messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        rendered = self._render(messages, add_generation_prompt=True, tools=getattr(messages, "tools", None))
+        return self.hf(rendered, add_special_tokens=False)["input_ids"]
 
 
 def check_conversation(messages: list[dict], needs_assistant: bool = True) -> None:
     if not isinstance(messages, list) or not messages:
         raise DataError("a conversation must be a non-empty list of {role, content} messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or "role" not in message or ("content" not in message and not calls):
             raise DataError(f"message {i} must have 'role' and 'content', got {message!r:.80}")
         if message["role"] not in ROLES:
             raise DataError(f"message {i} has role {message['role']!r}; roles are {list(ROLES)}")
-        if not isinstance(message["content"], str):
+        if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
             raise DataError(f"message {i} content must be a string, got {type(message['content']).__name__}")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) and "name" in c.get("function", c) for c in calls)):
+            raise DataError(f"message {i}: tool_calls belong to an assistant turn, as a list of "
+                            "{type: function, function: {name, arguments}}")
     if needs_assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError("a training conversation needs at least one assistant message")

@@ -41,6 +41,24 @@ def run_cli(*args, cwd=None, timeout=600):
     )
 
 
+def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
+    """Start `tierlm ARGS infra.output_dir=OUTPUT_DIR`, SIGKILL it the moment checkpoint `step` is the
+    latest, and check it really died mid-run."""
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "tierlm", *map(str, args), f"infra.output_dir={output_dir}"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest, deadline = output_dir / "checkpoints" / "latest", time.time() + 300
+    while not (latest.is_file() and latest.read_text().strip() == f"step_{step}"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the checkpoint"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+
+
 # Tiny CLI-sized runs (seconds on 2 cores) for tests that need a trained run directory.
 TINY = [
     "model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",

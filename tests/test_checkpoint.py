@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, run_cli
+from conftest import kill_at_checkpoint, run_cli
 from tierlm import checkpoint
 from tierlm.backends import PyTorchTrainingBackend
 from tierlm.errors import CheckpointError, TrainingDiverged
@@ -51,15 +51,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
             "training.save_steps=20"]
     assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "tierlm", *args, f"infra.output_dir={killed}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest, deadline = killed / "checkpoints" / "latest", time.time() + 300
-    while not (latest.is_file() and latest.read_text().strip() == "step_20"):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_at_checkpoint(args, killed, 20)
     assert not (killed / "checkpoints" / "step_60").exists()
 
     result = run_cli(*args, f"infra.output_dir={killed}", "--resume")

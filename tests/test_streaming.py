@@ -5,16 +5,11 @@ epoch, disjoint ranks, and a real pretraining process killed and resumed bit-exa
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_cli
+from conftest import TINY, kill_at_checkpoint, run_cli
 from tierlm.config import TierlmConfig
 from tierlm.data import RankSlice
 from tierlm.loaders import build_loaders
@@ -110,15 +105,7 @@ def test_streamed_pretraining_killed_and_resumed_is_bit_identical(tmp_path):
     result = run_cli(*args, f"infra.output_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "tierlm", *args, f"infra.output_dir={killed}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest, deadline = killed / "checkpoints" / "latest", time.time() + 300
-    while not (latest.is_file() and latest.read_text().strip() == "step_8"):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_at_checkpoint(args, killed, 8)
     result = run_cli(*args, f"infra.output_dir={killed}", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
 

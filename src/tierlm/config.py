@@ -101,7 +101,8 @@ class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
     architecture: str = "gpt"
-    """From scratch: a tierlm family ("gpt": the native GPT, "gpt2": GPT-2) or a transformers model_type such as "qwen3" or "llama"."""
+    """From scratch: a tierlm family ("gpt": the native GPT, "gpt2": GPT-2, "qwen3_encdec": the Qwen3 encoder-decoder
+    trained with UL2) or a transformers model_type such as "qwen3" or "llama"."""
     depth: int = Field(4, gt=0)
     """Native families: number of blocks; the width follows as depth * aspect_ratio."""
     aspect_ratio: int = Field(64, gt=0)
@@ -147,6 +148,8 @@ class ModelConfig(Section):
     to the memory-efficient or the plain math kernel (which materialises the T x T scores)."""
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
+    num_sentinel_tokens: int = Field(100, gt=0)
+    """qwen3_encdec: UL2's span sentinels <extra_id_0..N-1> added to the tokenizer (with the mode tokens [R], [X], [S])."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Parameter-efficient fine-tuning with LoRA adapters (PEFT): model.lora.r > 0 freezes the model and
     trains the adapters; the final model folder holds the merged weights and the adapter alone in adapter/."""
@@ -208,6 +211,13 @@ class DataConfig(Section):
     """Training examples generated for a synthetic task."""
     num_synthetic_eval_examples: int = Field(512, gt=0)
     """Validation examples generated for a synthetic task."""
+    max_encoder_length: int = Field(512, gt=2)
+    """Encoder-decoder (UL2): tokens per encoder row (packed examples' inputs, mode tokens included)."""
+    max_decoder_length: int = Field(128, gt=2)
+    """Encoder-decoder (UL2): tokens per decoder row (packed examples' targets, end-of-sequence included)."""
+    ul2_task_weights: list[float] = Field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0, 4.0])
+    """Encoder-decoder (UL2): how often each denoiser makes an example: R (span 3, 15%), R (span 8, 15%),
+    X (span 3, 50%), X (span 64, 50%), S (prefix LM); see tierlm.data.ul2."""
     max_seq_length: int = Field(256, gt=1)
     """Tokens per training row (model inputs; the labels are the same row shifted by one)."""
     text_column: str = "text"
@@ -267,6 +277,13 @@ class DataConfig(Section):
                 re.compile(value)
             except re.error as e:
                 raise ValueError(f"data.answer_pattern {value!r} is not a regular expression ({e})") from None
+        return value
+
+    @field_validator("ul2_task_weights")
+    @classmethod
+    def _task_weights(cls, value: list[float]) -> list[float]:
+        if len(value) != 5 or any(w < 0 for w in value) or not sum(value) > 0:
+            raise ValueError(f"data.ul2_task_weights must be 5 weights >= 0 (R, R, X, X, S) with a positive sum, got {value}")
         return value
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from tierlm.data.preferences import PairLoader
 from tierlm.data.rows import convert_row
 from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, open_stream
 from tierlm.data.streaming import StreamingLoader
+from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.errors import ConfigError, DataError
 from tierlm.primitives.parallel import DistributedContext
 from tierlm.run import data_components, named_split, source_options
@@ -77,12 +78,15 @@ def splits_long_documents(config: TierlmConfig) -> bool:
     return all(name.startswith("builtin:") or Path(name).suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES for name, _ in data_components(config))
 
 
-def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1) -> tuple[PackedLoader, PackedLoader]:
+def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1,
+                  seq2seq: bool = False) -> tuple[PackedLoader, PackedLoader]:
     """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents).
 
     The train loader packs the global batch (world_size x per-device rows); see `RankSlice`.
     """
     d, tr = config.data, config.training
+    if seq2seq:
+        return ul2_loaders(config, tokenizer, world_size)
     if d.stream:
         if stage != "pretrain":
             raise ConfigError("data.stream reads text as one token stream: a pretraining option")
@@ -101,6 +105,21 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
         PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),
         PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, **common),
     )
+
+
+def ul2_loaders(config: TierlmConfig, tokenizer, world_size: int) -> tuple[UL2Loader, UL2Loader]:
+    """An encoder-decoder's UL2 batches: examples cut from the text sources (data.split; evaluation as for
+    pretraining), packed into rows of data.max_encoder_length / data.max_decoder_length tokens."""
+    d, tr = config.data, config.training
+    if d.streaming or d.stream or d.mixture:
+        raise ConfigError("UL2 pretraining reads one indexed text source: drop data.streaming / data.stream / data.mixture")
+    trains, vals = open_splits(config, "pretrain", tokenizer)
+    convert = text_documents(tokenizer)
+    train, val = Documents(trains[0][0], convert), Documents(vals[0], convert)
+    common = dict(tokenizer=tokenizer, max_encoder_length=d.max_encoder_length, max_decoder_length=d.max_decoder_length,
+                  task_weights=d.ul2_task_weights, seed=tr.seed)
+    return (create_ul2_dataset(train, batch_size=tr.per_device_train_batch_size * world_size, **common),
+            create_ul2_dataset(val, batch_size=tr.per_device_eval_batch_size, shuffle=False, **common))
 
 
 def _packing(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> dict:

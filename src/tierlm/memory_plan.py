@@ -109,8 +109,13 @@ def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
         return apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
 
 
-def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int):
+def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int, seq2seq: bool = False):
     """A fake micro-batch of the stage's shape, and the stage's loss (None: token cross-entropy)."""
+    if seq2seq:  # a UL2 batch: encoder and decoder rows
+        d = config.data
+        target = torch.zeros(rows, d.max_decoder_length, dtype=torch.long)
+        return {"input_ids": torch.zeros(rows, d.max_encoder_length, dtype=torch.long), "decoder_input_ids": target,
+                "labels": target.clone()}, None
     ids = torch.zeros(rows, tokens, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids.clone()}
     if stage == "sft":
@@ -154,7 +159,7 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
         backend = PyTorchTrainingBackend(model, optimizer, None, Path(os.devnull), cpu, None, tr.max_grad_norm,
                                          torch.bfloat16 if tr.bf16 else None, fused_cross_entropy=tr.fused_cross_entropy,
                                          flash_attention=config.model.use_flash_attention)
-        batch, loss_fn = _strategy_inputs(config, stage, rows, tokens)
+        batch, loss_fn = _strategy_inputs(config, stage, rows, tokens, getattr(family_of(model), "seq2seq", False))
         reference = None
         if "ref_logps" not in batch and stage == "dpo":
             if config.model.lora.r:  # the policy with its adapters off

@@ -42,7 +42,9 @@ def new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype 
     m = config.model
     if m.short_window is None and "S" in m.window_pattern.upper():  # seed 004: a short window is half the context
         m = m.model_copy(update={"short_window": max(1, config.data.max_seq_length // 2)})
-    return family_named(m.architecture).build(m, vocab_size, max(2048, config.data.max_seq_length), device, dtype)
+    d = config.data
+    longest = max(2048, d.max_seq_length, d.max_encoder_length, d.max_decoder_length)  # rotary tables (encoder-decoders: both lengths)
+    return family_named(m.architecture).build(m, vocab_size, longest, device, dtype)
 
 
 def describe_model(config: TierlmConfig, vocab_size: int, pretrained: Path | str | None) -> nn.Module | None:

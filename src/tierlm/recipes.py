@@ -25,7 +25,7 @@ from tierlm.primitives import create_warmup_scheduler, parse_dtype
 from tierlm.primitives.optim import build_optimizer
 from tierlm.primitives.parallel import DistributedContext, shutdown_distributed
 from tierlm.run import Run, distributed_kind, extras_writer, prepare_run
-from tierlm.strategies import PretrainStrategy, SFTStrategy
+from tierlm.strategies import PretrainStrategy, Seq2SeqStrategy, SFTStrategy
 from tierlm.strategies.dpo import DPOStrategy
 from tierlm.trainer import Trainer
 
@@ -270,14 +270,14 @@ def _train_stage(run: Run) -> dict:
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, documents, run.world_size, copies), run.device)
         run.check_memory(documents)
     else:
-        train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
+        train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size, run.seq2seq)
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, train_loader.resident_documents, run.world_size), run.device)
         run.check_memory(train_loader.resident_documents)
     model = build_model(config, tokenizer, run.device, run.pretrained)
     if auto_rows and run.kind != "fsdp" and confirm_batch_size(run, model) != config.training.per_device_train_batch_size:  # CUDA: halved after an OOM
         config = run.config
         if stage != "dpo":
-            train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size)
+            train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size, run.seq2seq)
     if stage == "dpo":
         train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
     config = run.resolve(model)
@@ -286,13 +286,13 @@ def _train_stage(run: Run) -> dict:
         strategy = DPOStrategy(config.dpo.beta, reference)
     else:
         train_loader = RankSlice(train_loader, ctx.rank, run.world_size) if ctx else train_loader
-        strategy = (PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
+        strategy = (Seq2SeqStrategy if run.seq2seq else PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
     backend = build_backend(config, model, run.checkpoint_dir, run.device, ctx)
     trainer = Trainer(
         backend, strategy, train_loader=train_loader, eval_loader=eval_loader, config=config.training,
         flops_per_token=flops_per_token(model, config.data.max_seq_length), peak_flops=peak_flops(run.device, config.infra.peak_tflops),
         write_extra=extras_writer(config, tokenizer, stage), progress_bar=config.infra.progress_bar,
-        sampler=eval_sampler(config, tokenizer, stage, run.kind),
+        sampler=None if run.seq2seq else eval_sampler(config, tokenizer, stage, run.kind),
     )
     run.begin(trainer)
     prefetch = config.data.prefetch_batches if config.data.prefetch_batches is not None else (2 if run.device.type != "cpu" else 0)

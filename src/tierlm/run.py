@@ -49,7 +49,7 @@ from tierlm.data.rows import convert_row, example_texts
 from tierlm.data.sources import open_stream
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
-from tierlm.models import family_named, save_model_folder, unwrap_model
+from tierlm.models import family_for_folder, family_named, save_model_folder, unwrap_model
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
 from tierlm.signals import GracefulStop
@@ -303,6 +303,11 @@ class Run:
     memory: Any = None  # a tierlm.memory_plan.MemoryEstimate, once check_memory() has run
 
     @property
+    def seq2seq(self) -> bool:
+        """An encoder-decoder run (UL2 batches, the Seq2Seq strategy)."""
+        return is_seq2seq(self.config, self.pretrained)
+
+    @property
     def output_dir(self) -> Path:
         return Path(self.config.infra.output_dir)
 
@@ -435,9 +440,11 @@ class Run:
 def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None, latest: Path | None) -> Tokenizer:
     """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
     or a new one trained on the data (by rank 0, read by the others from the run directory)."""
+    tokenizer = None
     if latest is not None:
-        return load_tokenizer(latest / "model", config.model.trust_remote_code)  # with the run's chat template
-    tokenizer = existing_tokenizer(config, pretrained)
+        tokenizer = load_tokenizer(latest / "model", config.model.trust_remote_code)  # with the run's chat template and sentinels
+    if tokenizer is None:
+        tokenizer = existing_tokenizer(config, pretrained)
     if tokenizer is None and ctx is None:
         tokenizer = train_tokenizer(config, stage)
     elif tokenizer is None:
@@ -446,7 +453,17 @@ def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: Distributed
             train_tokenizer(config, stage).save(folder)
         torch.distributed.barrier()
         tokenizer = load_tokenizer(folder)
+    if is_seq2seq(config, pretrained):  # UL2's sentinels and mode tokens (kept as they are when the tokenizer has them)
+        from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
+
+        tokenizer = Qwen3EncoderDecoderTokenizer(tokenizer, config.model.num_sentinel_tokens)
     return set_chat_template(tokenizer, config.data.chat_template) if config.data.chat_template else tokenizer
+
+
+def is_seq2seq(config: TierlmConfig, pretrained: Path | str | None) -> bool:
+    """Does the run train an encoder-decoder (model.architecture, or the family of the model it starts from)?"""
+    family = family_for_folder(pretrained) if isinstance(pretrained, Path) else family_named(config.model.architecture)
+    return bool(getattr(family, "seq2seq", False))
 
 
 def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: int | None = None):
@@ -500,6 +517,8 @@ def prepare_run(config: TierlmConfig, stage: str) -> Run:
     pretrained = pretrained_location(config)
     if stage in ("dpo", "rl") and pretrained is None:
         raise ConfigError(f"{stage} starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)")
+    if stage != "pretrain" and is_seq2seq(config, pretrained):
+        raise ConfigError(f"an encoder-decoder model trains with `tierlm pretrain` (UL2); `tierlm {stage}` is for decoder-only models")
     infra = config.infra
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)

@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from tierlm.models import gpt2_family, gpt_family  # noqa: F401  (each registers its family)
+from tierlm.models import gpt2_family, gpt_family, qwen3_encdec_family  # noqa: F401  (each registers its family)
 from tierlm.models.gpt import GPT, GPTConfig, build_gpt
 from tierlm.models.io import (
     build_model_from_folder_config,

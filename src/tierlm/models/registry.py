@@ -13,7 +13,7 @@ registered family is a transformers `model_type` ("qwen3", "llama", ...), served
 `TransformersFamily`.
 
 >>> sorted(FAMILIES)
-['gpt', 'gpt2']
+['gpt', 'gpt2', 'qwen3_encdec']
 >>> family_named("qwen3").name
 'transformers'
 """

@@ -2,6 +2,7 @@
 
 from tierlm.strategies.base import CrossEntropyStrategy, TrainingStrategy
 from tierlm.strategies.pretrain import PretrainStrategy
+from tierlm.strategies.seq2seq import Seq2SeqStrategy
 from tierlm.strategies.sft import SFTStrategy
 
-__all__ = ["CrossEntropyStrategy", "PretrainStrategy", "SFTStrategy", "TrainingStrategy"]
+__all__ = ["CrossEntropyStrategy", "PretrainStrategy", "SFTStrategy", "Seq2SeqStrategy", "TrainingStrategy"]

@@ -1,0 +1,125 @@
+"""`create_ul2_dataset`: UL2 examples cut from any text source of the data pipeline, batched by the
+packing `UL2DataCollator`, with exact resume.
+
+Documents are read in an order shuffled per epoch (as `PackedLoader` reads them); example `i` is the next
+piece of the current document, as long as the denoiser drawn for `i` takes (`UL2Denoising.lengths`), so
+the text is cut where the example needs it and no token is read twice in an epoch. A batch is
+`batch_size` rows filled first fit; the example that no longer fits waits for the next batch. The state
+is the position of the first example not yet handed out — (epoch, document cursor, token offset,
+example index) — and the same position gives the same examples, so a resumed run sees exactly the
+batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tierlm.data.packing import Documents
+from tierlm.data.ul2 import UL2DataCollator, UL2Denoising
+from tierlm.errors import DataError
+
+
+class UL2Loader:
+    """Batches of packed UL2 examples (`UL2DataCollator`'s keys) from `documents`."""
+
+    def __init__(self, documents: Documents, mixture: UL2Denoising, collator: UL2DataCollator, batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True, skip_first: int = 1):
+        assert batch_size > 0, f"batch_size must be > 0, got {batch_size}"
+        if len(documents) == 0:
+            raise DataError("the UL2 source holds no documents")
+        self.documents, self.mixture, self.collator, self.batch_size = documents, mixture, collator, batch_size
+        self.seed, self.shuffle, self.skip_first = seed, shuffle, skip_first  # skip_first: the separator (BOS) each text opens with
+        self.repeat = True
+        self.rewind()
+
+    @property
+    def resident_documents(self) -> int:
+        return len(self.documents)
+
+    def rewind(self) -> None:
+        self.epoch, self.cursor, self.offset, self.index = 0, 0, 0, 0
+        self._doc: tuple[int, int, np.ndarray] | None = None  # (epoch, cursor, ids) of the document being cut
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "offset": self.offset, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rewind()
+        self.epoch, self.cursor, self.offset, self.index = (int(state[k]) for k in ("epoch", "cursor", "offset", "index"))
+
+    def stats(self) -> dict[str, float]:
+        return {"ul2_examples": float(self.index)}
+
+    # -- reading -----------------------------------------------------------------------------
+    def _order(self) -> np.ndarray:
+        n = len(self.documents)
+        return np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle else np.arange(n)
+
+    def _document(self) -> np.ndarray | None:
+        """The current document's tokens (None at the end of a single pass)."""
+        while True:
+            if self._doc is not None and self._doc[:2] == (self.epoch, self.cursor):
+                ids = self._doc[2]
+            elif self.cursor < len(self.documents):
+                ids = self.documents.fetch([int(self._order()[self.cursor])])[0].ids[self.skip_first:]
+                self._doc = (self.epoch, self.cursor, ids)
+            else:
+                if not self.repeat:
+                    return None
+                self.epoch, self.cursor, self.offset = self.epoch + 1, 0, 0
+                continue
+            if len(ids) - self.offset >= 2:
+                return ids
+            self.cursor, self.offset = self.cursor + 1, 0  # what is left (< 2 tokens) cannot make an example
+
+    def _peek(self) -> tuple[list[int], list[int], int] | None:
+        """The next example (encoder input, decoder target, tokens it takes), without moving on."""
+        ids = self._document()
+        if ids is None:
+            return None
+        which = self.mixture.choose(self.index)
+        piece = ids[self.offset : self.offset + self.mixture.lengths[which]]
+        inputs, targets, _ = self.mixture.denoise(piece, self.index, which)
+        return inputs, targets, len(piece)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        examples: list[tuple[list[int], list[int]]] = []
+        while True:
+            example = self._peek()
+            if example is None:
+                break
+            candidate = examples + [example[:2]]
+            if examples and len(self.collator.rows(candidate)) > self.batch_size:
+                break  # the batch is full: this example opens the next one
+            examples = candidate
+            self.offset += example[2]
+            self.index += 1
+        if not examples:
+            raise StopIteration
+        batch = self.collator(examples)
+        rows = batch["input_ids"].shape[0]
+        if rows < self.batch_size:  # a short last batch of a single pass: empty rows (all padding, no labels)
+            batch = {k: torch.cat([v, torch.full((self.batch_size - rows, v.shape[1]), -100 if k == "labels" else
+                                                 (self.collator.pad_id if k in ("input_ids", "decoder_input_ids") else 0), dtype=v.dtype)])
+                     for k, v in batch.items()}
+        return batch
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.next_batch()
+            except StopIteration:
+                return
+
+
+def create_ul2_dataset(documents: Documents, tokenizer, max_encoder_length: int = 512, max_decoder_length: int = 128,
+                       batch_size: int = 8, task_weights=None, seed: int = 0, shuffle: bool = True) -> UL2Loader:
+    """UL2 batches from `documents` (any text source through `Documents`; see `tierlm.data.packing`) with a
+    tokenizer that has sentinels (`Qwen3EncoderDecoderTokenizer`)."""
+    from tierlm.data.ul2 import DEFAULT_TASK_WEIGHTS
+
+    mixture = UL2Denoising(tokenizer.sentinel_ids, tokenizer.mode_ids, max_encoder_length, max_decoder_length,
+                           task_weights=task_weights or DEFAULT_TASK_WEIGHTS, seed=seed)
+    collator = UL2DataCollator(tokenizer, max_encoder_length, max_decoder_length)
+    return UL2Loader(documents, mixture, collator, batch_size, seed=seed, shuffle=shuffle)

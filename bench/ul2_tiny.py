@@ -55,13 +55,14 @@ def denoiser_losses(model, config: TierlmConfig, tokenizer, batches: int = 20) -
     return out
 
 
-def infill(model, tokenizer, sentences: list[str]) -> list[str]:
-    """Each sentence with its middle third replaced by <extra_id_0>, given to the encoder in R mode; the
-    decoder's greedy answer up to the next sentinel."""
+def infill(model, tokenizer, sentences: list[str], span: int = 3) -> list[str]:
+    """Each sentence with `span` tokens in its middle replaced by <extra_id_0> (R's mean span), given to the
+    encoder in R mode; the decoder's greedy answer up to the next sentinel."""
     engine, lines = Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer), []
     for text in sentences:
         ids = tokenizer.encode(text)
-        a, b = len(ids) // 3, 2 * len(ids) // 3
+        a = len(ids) // 2 - span // 2
+        b = a + span
         prompt = [tokenizer.mode_ids["R"], *ids[:a], tokenizer.sentinel_ids[0], *ids[b:]]
         out = engine.generate(prompt, 1, 24, temperature=0.0)[0].tokens
         filled = [t for t in out if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id]
@@ -74,11 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/ul2-tiny")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--no-train", action="store_true", help="measure the run already in --out")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = [f"infra.output_dir={args.out}", *([f"training.num_train_steps={args.steps}"] if args.steps else []), *args.overrides]
     config = TierlmConfig.load("ul2-tiny", overrides)
-    summary = run_stage(config, "pretrain")
+    summary = {} if args.no_train else run_stage(config, "pretrain")
     tokenizer = Qwen3EncoderDecoderTokenizer(load_tokenizer(Path(args.out) / "model"), config.model.num_sentinel_tokens)
     trained = load_pretrained_model(Path(args.out) / "model")
     torch.manual_seed(config.training.seed)
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         label = f"{denoiser.name} ({denoiser.mode}" + (f", span {denoiser.mean_span:g}, {denoiser.noise_density:.0%})" if denoiser.mode != "S" else ", prefix LM)")
         print(f"  {label:28s} {a:6.3f} -> {b:6.3f}")
     _, vals = open_splits(config, "pretrain", tokenizer)
-    texts = [t for t in vals[0].fetch(range(len(vals[0]))) if 40 < len(t) < 140][:4]
+    texts = [t for t in vals[0].fetch(range(len(vals[0]))) if 40 < len(t) < 140][:8]
     rng = np.random.default_rng(0)
     print("infilling held-out lines ([filled span]   (original)):")
     for line in infill(trained.eval(), tokenizer, [texts[i] for i in rng.permutation(len(texts))]):

@@ -59,6 +59,21 @@ def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
     assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
 
 
+def resume_from_checkpoint(args, output_dir: Path, step: int):
+    """Roll a finished `tierlm ARGS infra.output_dir=OUTPUT_DIR` run back to checkpoint `step` (later
+    checkpoints and the final model removed) and resume it to the end; returns the resumed process."""
+    import shutil
+
+    for checkpoint in (output_dir / "checkpoints").glob("step_*"):
+        if int(checkpoint.name.split("_")[1]) > step:
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(output_dir / "model")
+    (output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
+    result = run_cli(*args, f"infra.output_dir={output_dir}", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 # Tiny CLI-sized runs (seconds on 2 cores) for tests that need a trained run directory.
 TINY = [
     "model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",

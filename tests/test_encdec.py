@@ -113,11 +113,10 @@ def test_saved_and_loaded_as_a_tierlm_folder(tmp_path):
 @pytest.mark.slow
 def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     import json
-    import shutil
 
     from safetensors.torch import load_file
 
-    from conftest import run_cli
+    from conftest import resume_from_checkpoint, run_cli
 
     args = ["pretrain", "--config", "ul2-tiny", "model.depth=1", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=300",
             "training.num_train_steps=6", "training.save_steps=3", "training.eval_steps=6", "training.eval_batches=2",
@@ -127,11 +126,7 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     for out in (straight, resumed):
         result = run_cli(*args, f"infra.output_dir={out}")
         assert result.returncode == 0, result.stderr[-3000:]
-    shutil.rmtree(resumed / "checkpoints" / "step_6")
-    shutil.rmtree(resumed / "model")
-    (resumed / "checkpoints" / "latest").write_text("step_3\n")
-    result = run_cli(*args, f"infra.output_dir={resumed}", "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
+    resume_from_checkpoint(args, resumed, 3)
 
     def lines(run, kind):
         return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == kind]
@@ -142,4 +137,9 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     from tierlm.data import load_tokenizer
 
-    assert "<extra_id_31>" in load_tokenizer(straight / "model").hf.get_vocab()
+    tokenizer = load_tokenizer(straight / "model")
+    assert "<extra_id_31>" in tokenizer.hf.get_vocab()
+    saved = json.loads((straight / "model" / "tierlm_model.json").read_text())
+    assert saved["decoder_start_token_id"] == tokenizer.pad_id  # generation starts where training's decoder rows start
+    sample = run_cli("sample", "--checkpoint", straight, "--prompt", "[R]ROMEO: what light <extra_id_0> window breaks", "--max-new-tokens", "6")
+    assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHAT, REPO, RL, run_cli
+from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_cli
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import forward_logits, load_pretrained_model, save_model_folder
@@ -116,11 +116,7 @@ def test_lora_sft_resumes_bit_exactly_and_exports(tiny_runs, tmp_path):
     assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
     result = run_cli(*args, f"infra.output_dir={resumed}")
     assert result.returncode == 0, result.stderr[-3000:]
-    shutil.rmtree(resumed / "checkpoints" / "step_6")
-    shutil.rmtree(resumed / "model")
-    (resumed / "checkpoints" / "latest").write_text("step_3\n")
-    result = run_cli(*args, f"infra.output_dir={resumed}", "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
+    resume_from_checkpoint(args, resumed, 3)
     assert _train_losses(resumed)[-3:] == _train_losses(straight)[-3:] and len(_train_losses(straight)) == 6
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(straight / "model" / name), load_file(resumed / "model" / name)

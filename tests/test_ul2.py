@@ -151,8 +151,9 @@ def _ul2_loader(tiny_tokenizer, tmp_path, **kw):
     from tierlm.data.ul2_loader import create_ul2_dataset
 
     tok = Qwen3EncoderDecoderTokenizer(load_copy(tiny_tokenizer, tmp_path), num_sentinel_tokens=40)
-    text = (REPO / "src/tierlm/data/corpora/tinyshakespeare.txt").read_text()[:60_000]
-    docs = Documents(ListExamples([p for p in text.split("\n\n") if p.strip()]), text_documents(tok))
+    text = (REPO / "src/tierlm/data/corpora/tinyshakespeare.txt").read_text()[:8_000]
+    chunks = [text[i : i + 1500] for i in range(0, len(text), 1500)]  # documents longer than a piece: cut inside them
+    docs = Documents(ListExamples(chunks), text_documents(tok))
     return tok, docs, create_ul2_dataset(docs, tok, max_encoder_length=96, max_decoder_length=40, batch_size=4, **kw)
 
 

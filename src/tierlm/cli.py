@@ -247,9 +247,9 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from tierlm.checkpoint.folders import verified_model_location
     from tierlm.checkpoint.verify import MODEL_META_FILE
     from tierlm.data import load_tokenizer
-    from tierlm.models import load_pretrained_model
+    from tierlm.models import family_of, load_pretrained_model
     from tierlm.primitives import resolve_device
-    from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
+    from tierlm.rollout.engine import Engine, encoder_prompt_tokens, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
 
     location = verified_model_location(args.checkpoint)
@@ -261,7 +261,10 @@ def cmd_sample(args: argparse.Namespace) -> None:
     except (OSError, ValueError, AttributeError) as e:
         raise TierlmError(f"{meta_file} is not readable JSON ({e}); restore it or delete it") from None
     chat = args.chat if args.chat is not None else (stage in ("sft", "dpo", "rl") and tokenizer.has_chat_template)
-    prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
+    if getattr(family_of(model), "seq2seq", False):  # the prompt goes to the encoder
+        chat, prompt_ids = False, encoder_prompt_tokens(tokenizer, args.prompt)
+    else:
+        prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
     tools = [Calculator()] if chat and "<|tool_call_start|>" in tokenizer.hf.get_vocab() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)

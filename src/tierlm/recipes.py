@@ -45,6 +45,8 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
         model = load_pretrained_model(pretrained, device=device, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
         model = new_model(config, tokenizer.vocab_size, device, dtype)
+        if getattr(family, "seq2seq", False):  # the decoder starts from what UL2DataCollator starts it from: padding
+            model.config.decoder_start_token_id = model.config.pad_token_id = tokenizer.pad_id
     vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has {vocab}; use a matching tokenizer")

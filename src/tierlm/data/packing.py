@@ -131,7 +131,18 @@ def _tail(doc: Document, offset: int) -> Document:
     return Document(doc.ids[offset:], None if doc.mask is None else doc.mask[offset:])
 
 
-class PackedLoader:
+class BatchIterable:
+    """`for batch in loader`: `next_batch()` until it raises StopIteration (the end of a single pass)."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            try:
+                yield self.next_batch()
+            except StopIteration:
+                return
+
+
+class PackedLoader(BatchIterable):
     """Batches of best-fit packed rows: `tokens` (B, T+1), `mask` (B, T+1), optional `position_ids` (B, T+1)."""
 
     def __init__(
@@ -314,12 +325,6 @@ class PackedLoader:
             batch["position_ids"] = positions
         return batch
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            try:
-                yield self.next_batch()
-            except StopIteration:
-                return
 
 
 class StreamWindows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tierlm.data.packing import BatchIterable
 from tierlm.data.rows import PreferencePair
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import DataError
@@ -20,7 +21,7 @@ from tierlm.primitives.losses import IGNORE_INDEX
 __all__ = ["PairLoader", "PreferencePair"]
 
 
-class PairLoader:
+class PairLoader(BatchIterable):
     """Batches of `batch_size` pairs, shuffled per epoch, padded to the longest row; resumable; with
     `world_size` > 1, each rank's share of a global batch (pairs are never split across ranks).
 
@@ -78,12 +79,6 @@ class PairLoader:
             batch["ref_logps"] = torch.tensor([r[1][0] for r in picked] + [r[1][1] for r in picked])
         return batch
 
-    def __iter__(self):
-        while True:
-            try:
-                yield self.next_batch()
-            except StopIteration:
-                return
 
     def rewind(self) -> None:
         self.epoch, self.cursor = 0, 0

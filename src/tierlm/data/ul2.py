@@ -231,7 +231,9 @@ class UL2Denoising:
 # -- batches ---------------------------------------------------------------------------------
 class UL2DataCollator:
     """Packs (encoder input, decoder target) examples into rows of `max_encoder_length` encoder tokens and
-    `max_decoder_length` decoder tokens, first fit in arrival order, each example whole in one row.
+    `max_decoder_length` decoder tokens, first fit in arrival order, each example whole in one row. The
+    decoder starts from the pad token unless told otherwise (T5's convention; a tierlm encoder-decoder
+    built for the run records the same id as its `decoder_start_token_id`, which generation starts from).
 
     A batch holds `input_ids` / `encoder_segment_ids` / `encoder_positions` (B, E) and
     `decoder_input_ids` / `labels` / `decoder_segment_ids` / `decoder_positions` (B, D). Segment ids number

@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierlm.data.packing import Documents
+from tierlm.data.packing import BatchIterable, Documents
 from tierlm.data.ul2 import UL2DataCollator, UL2Denoising
 from tierlm.errors import DataError
 
 
-class UL2Loader:
+class UL2Loader(BatchIterable):
     """Batches of packed UL2 examples (`UL2DataCollator`'s keys) from `documents`."""
 
     def __init__(self, documents: Documents, mixture: UL2Denoising, collator: UL2DataCollator, batch_size: int, *, seed: int = 0,
@@ -105,12 +105,6 @@ class UL2Loader:
                      for k, v in batch.items()}
         return batch
 
-    def __iter__(self):
-        while True:
-            try:
-                yield self.next_batch()
-            except StopIteration:
-                return
 
 
 def create_ul2_dataset(documents: Documents, tokenizer, max_encoder_length: int = 512, max_decoder_length: int = 128,

@@ -186,6 +186,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+@torch.no_grad()
+def fill_rotary(module: nn.Module, head_dim: int, theta: float) -> None:
+    """Fill a model's non-persistent `rope_cos` / `rope_sin` buffers (positions x head_dim) with their tables."""
+    positions = torch.arange(module.rope_cos.shape[0], device=module.rope_cos.device)
+    cos, sin = rotary_tables(head_dim, positions, theta)
+    module.rope_cos.copy_(cos)
+    module.rope_sin.copy_(sin)
+
+
 class LayerCache:
     """One layer's keys and values for incremental decoding, preallocated to `max_len` positions."""
 
@@ -356,10 +365,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_rotary(self) -> None:
-        positions = torch.arange(self.config.max_seq_len, device=self.rope_cos.device)
-        cos, sin = rotary_tables(self.config.head_dim, positions, self.config.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        fill_rotary(self, self.config.head_dim, self.config.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 labels: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None):

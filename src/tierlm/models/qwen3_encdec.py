@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.models.gpt import MLP, Attention, Block, LayerCache, rotary_tables
+from tierlm.models.gpt import MLP, Attention, Block, LayerCache, fill_rotary
 from tierlm.primitives.losses import linear_cross_entropy
 
 
@@ -178,10 +178,7 @@ class Qwen3ForSeq2SeqLM(nn.Module):
 
     @torch.no_grad()
     def init_rotary(self) -> None:
-        positions = torch.arange(self.config.max_position_embeddings, device=self.rope_cos.device)
-        cos, sin = rotary_tables(self.config.head_dim, positions, self.config.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        fill_rotary(self, self.config.head_dim, self.config.rope_theta)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -156,6 +156,23 @@ def prompt_tokens(tokenizer, text: str, chat: bool) -> list[int]:
     return [tokenizer.document_separator_id] + tokenizer.encode(text)
 
 
+def encoder_prompt_tokens(tokenizer, text: str) -> list[int]:
+    """An encoder-decoder's prompt (for the encoder): the text, opened by [S] (continue it, prefix LM) unless
+    it names its mode itself ([R] / [X] / [S]; write <extra_id_0> where a span should be filled).
+
+    >>> from tierlm.data import train_bpe_tokenizer
+    >>> from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
+    >>> tok = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer(["to be or not"] * 10, 300), num_sentinel_tokens=2)
+    >>> [tok.decode([i]) for i in encoder_prompt_tokens(tok, "to be")[:1]], encoder_prompt_tokens(tok, "[R]to <extra_id_0>")[0] == tok.mode_ids["R"]
+    (['[S]'], True)
+    """
+    from tierlm.data.ul2 import MODE_TOKENS
+
+    ids = tokenizer.encode(text)
+    modes = tokenizer.hf.convert_tokens_to_ids(list(MODE_TOKENS.values()))
+    return ids if ids and ids[0] in modes else [modes[list(MODE_TOKENS).index("S")], *ids]
+
+
 def readable_text(tokenizer, tokens: list[int]) -> str:
     """A completion for people: tool calls shown as [calculator: 23 + 45 -> 68], other markers dropped.
 

@@ -143,3 +143,36 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     assert saved["decoder_start_token_id"] == tokenizer.pad_id  # generation starts where training's decoder rows start
     sample = run_cli("sample", "--checkpoint", straight, "--prompt", "[R]ROMEO: what light <extra_id_0> window breaks", "--max-new-tokens", "6")
     assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_trains_as_one_process(tmp_path):
+    """FSDP2 shards the encoder's and the decoder's blocks (the family's two block lists); 2 ranks x 4 rows
+    of the global UL2 batch compute what 1 process x 8 rows does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, run_cli
+
+    common = ["pretrain", "--config", "ul2-tiny", "model.depth=1", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=300",
+              "training.num_train_steps=4", "training.warmup_steps=0", "training.eval_steps=4", "training.eval_batches=2",
+              "training.save_steps=0", "training.logging_steps=1", "data.max_encoder_length=64", "data.max_decoder_length=32",
+              "infra.progress_bar=false"]
+    one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm", *common,
+                          "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp", f"infra.output_dir={tmp_path / 'two'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def records(run):
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] in ("train", "eval")]
+
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [(r["type"], r["step"]) for r in a] == [(r["type"], r["step"]) for r in b] and len(a) == 6  # eval at 0 and 4
+    for x, y in zip(a, b):
+        key = "loss" if x["type"] == "train" else "val_loss"
+        assert abs(x[key] - y[key]) <= 1e-5, (x, y)

@@ -18,9 +18,9 @@ the table is in docs/benchmarks.md.
 from __future__ import annotations
 
 import contextlib
-import unittest.mock
 import math
 import os
+import unittest.mock
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from tierlm.metrics.memory import (
     format_bytes,
     tracked_peak,
 )
-from tierlm.models import family_for_folder, family_of, unwrap_model
+from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
 from tierlm.models.lora import apply_lora
 from tierlm.plan import model_width, optimizer_settings
 from tierlm.primitives import parse_dtype
@@ -271,7 +271,8 @@ def estimate_run_memory(
         generation = (rl.group_size, row_tokens)
     else:
         rows = rows or (2 * per_device if stage == "dpo" else per_device)  # DPO: chosen and rejected rows
-        row_tokens = row_tokens or d.max_seq_length
+        family = family_for_folder(pretrained) if isinstance(pretrained, Path) else family_named(config.model.architecture)
+        row_tokens = row_tokens or (d.max_decoder_length if getattr(family, "seq2seq", False) else d.max_seq_length)  # the trained tokens
     peak = trace_step(config, stage, vocab_size, rows, row_tokens, pretrained, generation)
     described = _describe(config, vocab_size, pretrained)
     param_bytes = sum(p.numel() * p.element_size() for p in described.parameters())

@@ -214,7 +214,7 @@ def _batch(config: TierlmConfig, plan: Plan) -> None:
     else:
         if tr.total_batch_size % per_step:
             raise ConfigError(f"training.total_batch_size ({tr.total_batch_size:,}) must be a multiple of one micro-batch "
-                              f"on every rank: {tr.per_device_train_batch_size} rows x {config.data.max_seq_length} tokens x "
+                              f"on every rank: {tr.per_device_train_batch_size} rows x {plan.micro_batch_tokens // tr.per_device_train_batch_size} tokens x "
                               f"{plan.world_size} rank(s) = {per_step:,} tokens")
         plan.accumulation = tr.total_batch_size // per_step
     if tr.scale_hyperparameters:
@@ -223,13 +223,22 @@ def _batch(config: TierlmConfig, plan: Plan) -> None:
             plan.weight_decay_scale = plan.lr_scale * plan.reference_tokens / plan.target_tokens
 
 
+def trained_row_tokens(config: TierlmConfig, model: nn.Module | None) -> int:
+    """Tokens a batch row trains on: data.max_seq_length, or an encoder-decoder's decoder row (its targets;
+    the encoder's data.max_encoder_length tokens are read, not predicted)."""
+    if model is not None and getattr(family_of(model), "seq2seq", False):
+        return config.data.max_decoder_length
+    return config.data.max_seq_length
+
+
 def resolve(config: TierlmConfig, stage: str, model: nn.Module | None, world_size: int = 1) -> tuple[TierlmConfig, Plan]:
     """(the config with every derived value filled in, the plan). `model` may be on the meta device."""
     tr = config.training
     counts = parameter_counts(model) if model is not None else None
     width = model_width(model) if counts and (counts["embedding"] or counts["unembedding"]) else None
-    flops = family_of(model).flops_per_token(unwrap_model(model), config.data.max_seq_length) if model is not None else None
-    micro = tr.per_device_train_batch_size * config.data.max_seq_length
+    row = trained_row_tokens(config, model)
+    flops = family_of(model).flops_per_token(unwrap_model(model), row) if model is not None else None
+    micro = tr.per_device_train_batch_size * row
     plan = Plan(stage, counts, flops, micro, world_size, tr.gradient_accumulation_steps, tr.num_train_steps)
     if (tr.target_param_data_ratio is not None or tr.total_batch_size is not None) and stage in ("dpo", "rl"):
         raise ConfigError(f"training.total_batch_size and training.target_param_data_ratio count tokens of fixed rows; {stage} "
@@ -275,9 +284,12 @@ def measure_tokens_per_sec(config: TierlmConfig, vocab_size: int, pretrained: Pa
     model = new_model(config, vocab_size, device) if pretrained is None else load_pretrained_model(pretrained, device=device)
     family = family_of(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rows, T = config.training.per_device_train_batch_size, config.data.max_seq_length
+    rows, T = config.training.per_device_train_batch_size, trained_row_tokens(config, model)
     ids = torch.randint(0, vocab_size, (rows, T), device=device)
     batch = {"input_ids": ids, "labels": ids}
+    if getattr(family, "seq2seq", False):  # the encoder reads its own rows
+        batch["decoder_input_ids"] = ids
+        batch["input_ids"] = torch.randint(0, vocab_size, (rows, config.data.max_encoder_length), device=device)
     elapsed = 0.0
     for step in range(steps + 1):
         start = time.perf_counter()

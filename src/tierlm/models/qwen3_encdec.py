@@ -111,6 +111,10 @@ class DecoderBlock(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, memory, cross_mask, cache=None):
+        """`memory`: the encoder's output (B, S, C), projected here (inside the block, where FSDP has gathered
+        its weights), or its cross-attention keys and values already projected (decoding)."""
+        if isinstance(memory, torch.Tensor):
+            memory = self.cross.memory(memory)
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         x = x + self.cross(self.cross_norm(x), memory, cross_mask)
         return x + self.mlp(self.mlp_norm(x))
@@ -224,7 +228,7 @@ class Qwen3ForSeq2SeqLM(nn.Module):
         cos, sin = self._rotary(decoder_positions, decoder_input_ids.shape[1])
         x = self.embed(decoder_input_ids)
         for block in self.decoder_blocks:
-            x = block(x, cos, sin, self_mask, block.cross.memory(encoded), cross_mask)
+            x = block(x, cos, sin, self_mask, encoded, cross_mask)
         return self.decoder_norm(x)
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, encoder_segment_ids: torch.Tensor | None = None,

@@ -159,8 +159,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.recipes import run_stage
 
+    from tierlm.launchers import accelerate_overrides
+
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
-    config = TierlmConfig.load(args.config, overrides)
+    config = accelerate_overrides(TierlmConfig.load(args.config, overrides), os.environ)  # under `accelerate launch`: its settings
     if args.command == "rl":
         from tierlm.rl.recipe import run_rl
 

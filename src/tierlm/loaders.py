@@ -1,16 +1,20 @@
-"""Tier 3: the data of a run as its config names it — the sources of every stage opened through one
-path (`open_splits`), and the loaders built from them: best-fit packed rows for pretraining and SFT
-(over indexed sources, a token stream cut into windows with data.stream, or a dataset read as a stream
-with data.streaming), preference pairs for DPO."""
+"""Tier 3: the data of a run as its config names it — how each source is read (`source_options`: the
+stage's kind of example, the columns, splits), the sources of every stage opened through one path
+(`open_splits`), and the loaders built from them: best-fit packed rows for pretraining and SFT (over
+indexed sources, a token stream cut into windows with data.stream, or a dataset read as a stream with
+data.streaming), UL2 examples for encoder-decoders, preference pairs for DPO."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from tierlm.config import TierlmConfig
 from tierlm.data import (
+    Fields,
+    SourceOptions,
     Documents,
     Examples,
     Mixture,
@@ -30,7 +34,42 @@ from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.errors import ConfigError, DataError
 from tierlm.primitives.parallel import DistributedContext
-from tierlm.run import data_components, named_split, source_options
+
+
+# -- data sources, as the config names them --------------------------------------------------
+def _fields(config: TierlmConfig) -> Fields:
+    d = config.data
+    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column,
+                  chosen=d.chosen_column, rejected=d.rejected_column, question=d.question_column, answer=d.answer_column,
+                  answer_pattern=d.answer_pattern, tools=d.tools_column)
+
+
+STAGE_KINDS = {"pretrain": "text", "sft": "chat", "dpo": "preference", "rl": "task"}
+"""The kind of example each stage reads a row as (tierlm.data.rows)."""
+
+
+def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
+    """How to read the data's sources; `split` "train" is data.split for datasets with named splits
+    (synthetic tasks keep their own "train" and "val")."""
+    d = config.data
+    return SourceOptions(
+        split=split, kind=STAGE_KINDS[stage], seed=config.training.seed,
+        dataset_config=d.dataset_config, revision=d.revision, data_files=d.data_files, streaming=d.streaming,
+        num_proc=d.preprocessing_num_workers,
+        synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
+        fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
+        separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
+    )
+
+
+def named_split(name: str, options: SourceOptions, split: str) -> SourceOptions:
+    """`options` reading `split` of `name`, unless `name` is a synthetic task (its splits are its own)."""
+    return options if name.startswith("synthetic:") else dataclasses.replace(options, split=split)
+
+
+def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
+    return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
+
 
 
 def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:

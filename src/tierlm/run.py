@@ -22,7 +22,6 @@ The guarantees live here once, for every stage:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -43,9 +42,10 @@ from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
-from tierlm.data import Fields, SourceOptions, Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
+from tierlm.data import Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
 from tierlm.data.chat_templates import set_chat_template
 from tierlm.data.rows import convert_row, example_texts
+from tierlm.loaders import data_components, named_split, source_options
 from tierlm.data.sources import open_stream
 from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
@@ -227,41 +227,6 @@ def _move_aside(path: Path) -> Path:
         target, n = path.with_name(f"{path.stem}.{stamp}.{n}{path.suffix}"), n + 1
     path.rename(target)
     return target
-
-
-# -- data sources, as the config names them --------------------------------------------------
-def _fields(config: TierlmConfig) -> Fields:
-    d = config.data
-    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column,
-                  chosen=d.chosen_column, rejected=d.rejected_column, question=d.question_column, answer=d.answer_column,
-                  answer_pattern=d.answer_pattern, tools=d.tools_column)
-
-
-STAGE_KINDS = {"pretrain": "text", "sft": "chat", "dpo": "preference", "rl": "task"}
-"""The kind of example each stage reads a row as (tierlm.data.rows)."""
-
-
-def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
-    """How to read the data's sources; `split` "train" is data.split for datasets with named splits
-    (synthetic tasks keep their own "train" and "val")."""
-    d = config.data
-    return SourceOptions(
-        split=split, kind=STAGE_KINDS[stage], seed=config.training.seed,
-        dataset_config=d.dataset_config, revision=d.revision, data_files=d.data_files, streaming=d.streaming,
-        num_proc=d.preprocessing_num_workers,
-        synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
-        fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
-        separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
-    )
-
-
-def named_split(name: str, options: SourceOptions, split: str) -> SourceOptions:
-    """`options` reading `split` of `name`, unless `name` is a synthetic task (its splits are its own)."""
-    return options if name.startswith("synthetic:") else dataclasses.replace(options, split=split)
-
-
-def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
-    return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
 
 
 def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:

@@ -41,6 +41,15 @@ def run_cli(*args, cwd=None, timeout=600):
     )
 
 
+def torchrun(*args, nproc: int = 2, timeout: int = 300, **popen):
+    """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC ARGS` (one thread per rank)."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+
+
 def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
     """Start `tierlm ARGS infra.output_dir=OUTPUT_DIR`, SIGKILL it the moment checkpoint `step` is the
     latest, and check it really died mid-run."""

@@ -19,15 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, torchrun
 
 WORKER = REPO / "tests" / "distributed_worker.py"
-
-
-def torchrun(*args, nproc: int = 2, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def run_worker(mode: str, out: Path, nproc: int = 2, **options) -> dict:

@@ -150,11 +150,8 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
     """FSDP2 shards the encoder's and the decoder's blocks (the family's two block lists); 2 ranks x 4 rows
     of the global UL2 batch compute what 1 process x 8 rows does."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import REPO, run_cli
+    from conftest import run_cli, torchrun
 
     common = ["pretrain", "--config", "ul2-tiny", "model.depth=1", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=300",
               "training.num_train_steps=4", "training.warmup_steps=0", "training.eval_steps=4", "training.eval_batches=2",
@@ -162,10 +159,8 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
               "infra.progress_bar=false"]
     one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm", *common,
-                          "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp", f"infra.output_dir={tmp_path / 'two'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    two = torchrun("-m", "tierlm", *common, "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp",
+                   f"infra.output_dir={tmp_path / 'two'}")
     assert two.returncode == 0, two.stderr[-3000:]
 
     def records(run):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_cli
+from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_cli, torchrun
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import forward_logits, load_pretrained_model, save_model_folder
@@ -170,18 +170,12 @@ def test_the_memory_planner_traces_the_adapted_model(tiny_runs):
 def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
     """FSDP2 shards frozen base and trainable adapters together; 2 ranks x 4 rows train as 1 process x 8;
     the sharded checkpoint (adapters inside the shards, adapter_config.json beside) exports merged."""
-    import os
-    import subprocess
-    import sys
-
     common = ["sft", "--config", "configs/tiny_sft.yaml", *CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}",
               "training.num_train_steps=4", "training.save_steps=4", "training.logging_steps=1"]
     one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm", *common,
-                          "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp", f"infra.output_dir={tmp_path / 'two'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    two = torchrun("-m", "tierlm", *common, "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp",
+                   f"infra.output_dir={tmp_path / 'two'}")
     assert two.returncode == 0, two.stderr[-3000:]
     assert [loss for _, loss in _train_losses(tmp_path / "two")] == pytest.approx([loss for _, loss in _train_losses(tmp_path / "one")], abs=1e-4)
     checkpoint = tmp_path / "two" / "checkpoints" / "step_4"

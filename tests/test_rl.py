@@ -275,7 +275,7 @@ def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_pa
     from tierlm.config import RLConfig, TrainingConfig
     from tierlm.models import GPTConfig
     from tierlm.rl.loop import RLTrainer
-    from tierlm.rl.tasks import ArithmeticRLTask
+    from tierlm.rl.tasks import open_task
     from tierlm.strategies.rl import PPOStrategy
 
     tok = tiny_tokenizer
@@ -285,7 +285,7 @@ def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_pa
     backend = PyTorchTrainingBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path, "cpu")
     rl = RLConfig(algorithm="ppo", group_size=2, prompts_per_step=2, max_new_tokens=4, ppo_epochs=3, kl_coef=0.1)
     trainer = RLTrainer(backend, PPOStrategy(kl_coef=0.1, clip_range=0.2), Engine(model, tok.stop_ids, tok), tok,
-                        ArithmeticRLTask("train", 50, 0), ArithmeticRLTask("val", 10, 0), rl, TrainingConfig(), reference=reference)
+                        open_task("synthetic:arithmetic", "train", 50, 0), open_task("synthetic:arithmetic", "val", 10, 0), rl, TrainingConfig(), reference=reference)
     first = trainer.train_step()
     assert backend.step == 3  # one optimizer step per inner epoch
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # before any update the policy is the reference

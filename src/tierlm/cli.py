@@ -157,9 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_stage
-
     from tierlm.launchers import accelerate_overrides
+    from tierlm.recipes import run_stage
 
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
     config = accelerate_overrides(TierlmConfig.load(args.config, overrides), os.environ)  # under `accelerate launch`: its settings

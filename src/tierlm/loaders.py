@@ -13,12 +13,12 @@ import numpy as np
 
 from tierlm.config import TierlmConfig
 from tierlm.data import (
-    Fields,
-    SourceOptions,
     Documents,
     Examples,
+    Fields,
     Mixture,
     PackedLoader,
+    SourceOptions,
     StreamWindows,
     Tokenizer,
     chat_documents,
@@ -28,8 +28,7 @@ from tierlm.data import (
 )
 from tierlm.data.hub import available_splits, default_eval_split
 from tierlm.data.preferences import PairLoader
-from tierlm.data.rows import convert_row
-from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, open_stream
+from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, open_stream
 from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.errors import ConfigError, DataError
@@ -71,7 +70,6 @@ def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
     return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
 
 
-
 def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
     """([(train, weight)] for each data source, [val sets]).
 
@@ -89,11 +87,7 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
         elif name.startswith("synthetic:"):
             vals.append(open_examples(name, source_options(config, stage, "val", tokenizer)))
         else:
-            splits = available_splits(name, options)
-            if d.eval_split is not None and splits is None:
-                raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
-                                  "(a file or folder of files): use data.val_fraction or data.eval_dataset_name")
-            eval_split = d.eval_split or (default_eval_split(splits, d.split) if splits else None)
+            eval_split = evaluation_split(config, name, options, hold_out="data.val_fraction")
             if eval_split is not None:  # the dataset's own evaluation split
                 vals.append(open_examples(name, named_split(name, options, eval_split)))
             else:  # a held-out tail of the training data, never the training rows themselves
@@ -102,11 +96,29 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
         trains.append((train, weight))
     if d.eval_dataset_name:
         options = source_options(config, stage, "val", tokenizer)
-        splits = available_splits(d.eval_dataset_name, options)
-        if splits is not None:
-            options = named_split(d.eval_dataset_name, options, d.eval_split or default_eval_split(splits) or d.split)
-        vals = [open_examples(d.eval_dataset_name, options)]
+        split = evaluation_split(config, d.eval_dataset_name, options)
+        vals = [open_examples(d.eval_dataset_name, named_split(d.eval_dataset_name, options, split) if split else options)]
     return trains, vals
+
+
+def evaluation_split(config: TierlmConfig, name: str, options: SourceOptions, hold_out: str | None = None) -> str | None:
+    """The split of `name` that evaluates, None when it has no named splits (a file or folder of files).
+
+    The training source (`hold_out` names what evaluates instead of a split it lacks): data.eval_split,
+    else the first of validation / val / test that is not data.split; None also when it has none of them,
+    and data.eval_split on a source without named splits is refused. data.eval_dataset_name (`hold_out`
+    None): data.eval_split, else its first of validation / val / test, else data.split.
+    """
+    d = config.data
+    splits = available_splits(name, options)
+    if splits is None:
+        if hold_out is not None and d.eval_split is not None:
+            raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
+                              f"(a file or folder of files): use {hold_out} or data.eval_dataset_name")
+        return None
+    if hold_out is None:
+        return d.eval_split or default_eval_split(splits) or d.split
+    return d.eval_split or default_eval_split(splits, d.split)
 
 
 def splits_long_documents(config: TierlmConfig) -> bool:
@@ -179,24 +191,17 @@ def streaming_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, wo
     train = open_stream(d.dataset_name, options)
     if d.eval_dataset_name:
         eval_options = source_options(config, stage, "val", tokenizer)
-        splits = available_splits(d.eval_dataset_name, eval_options)
-        eval_split = (d.eval_split or default_eval_split(splits) or d.split) if splits else "train"
+        eval_split = evaluation_split(config, d.eval_dataset_name, eval_options) or "train"
         val, val_name = open_stream(d.eval_dataset_name, named_split(d.eval_dataset_name, eval_options, eval_split)), d.eval_dataset_name
     else:
-        splits = available_splits(d.dataset_name, options)
-        if d.eval_split is not None and splits is None:
-            raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {d.dataset_name} has no named splits: "
-                              "use data.eval_stream_examples or data.eval_dataset_name")
-        eval_split, val_name = d.eval_split or (default_eval_split(splits, d.split) if splits else None), d.dataset_name
+        eval_split, val_name = evaluation_split(config, d.dataset_name, options, hold_out="data.eval_stream_examples"), d.dataset_name
         if eval_split is not None:
             val = open_stream(d.dataset_name, named_split(d.dataset_name, options, eval_split))
         else:  # the stream's head evaluates; training starts after it
             val, train = train.take(d.eval_stream_examples), train.skip(d.eval_stream_examples)
 
     def documents_of(name: str):
-        def to_documents(rows: list[dict], first: int):
-            return convert([convert_row(row, options.kind, options.fields, f"{name} stream row {first + i}") for i, row in enumerate(rows)])
-        return to_documents
+        return lambda rows, first: convert(convert_rows(rows, options, name, first))
 
     common = _packing(config, stage, tokenizer)
     return (

@@ -187,9 +187,13 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
             optimizer.zero_grad(set_to_none=True)
 
         step()  # untracked: it creates the optimizer state the tracked step holds
-        # A LoRA reference is the policy itself (adapters off): MemTracker takes one pass of a module per
-        # traced call, so its pass is traced on its own, before the step.
-        fns = [scoring, step] if stage == "rl" else [reference_pass, step] if reference is not None and config.model.lora.r else [step]
+        fns = [step]
+        if stage == "rl":
+            fns = [scoring, step]
+        elif reference is not None and config.model.lora.r:
+            # A LoRA reference is the policy itself (adapters off): MemTracker takes one pass of a module
+            # per traced call, so its pass is traced on its own, before the step.
+            fns = [reference_pass, step]
         out = tracked_peak(fns, model, optimizer)
         if generation is not None:
             held = tracked_peak(_generation_passes(model, *generation), model, optimizer)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
-from tierlm.backends.pytorch import frozen_reference, PyTorchTrainingBackend
+from tierlm.backends.pytorch import PyTorchTrainingBackend, frozen_reference
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, RankSlice, Tokenizer

@@ -44,10 +44,10 @@ from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
 from tierlm.data.chat_templates import set_chat_template
-from tierlm.data.rows import convert_row, example_texts
-from tierlm.loaders import data_components, named_split, source_options
-from tierlm.data.sources import open_stream
+from tierlm.data.rows import example_texts
+from tierlm.data.sources import convert_rows, open_stream
 from tierlm.errors import ConfigError, DataError
+from tierlm.loaders import data_components, named_split, source_options
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
 from tierlm.models import family_for_folder, family_named, save_model_folder, unwrap_model
 from tierlm.primitives import resolve_device
@@ -240,7 +240,7 @@ def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
             stream = iter(open_stream(name, options))
             rows = list(itertools.islice(stream, t.num_train_docs))
             stream.close()
-            first = [convert_row(row, options.kind, options.fields, f"{name} stream row {i}") for i, row in enumerate(rows)]
+            first = convert_rows(rows, options, name)
         else:
             examples = open_examples(name, options)
             first = examples.fetch(range(min(len(examples), t.num_train_docs)))
@@ -405,10 +405,9 @@ class Run:
 def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None, latest: Path | None) -> Tokenizer:
     """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
     or a new one trained on the data (by rank 0, read by the others from the run directory)."""
-    tokenizer = None
     if latest is not None:
         tokenizer = load_tokenizer(latest / "model", config.model.trust_remote_code)  # with the run's chat template and sentinels
-    if tokenizer is None:
+    else:
         tokenizer = existing_tokenizer(config, pretrained)
     if tokenizer is None and ctx is None:
         tokenizer = train_tokenizer(config, stage)

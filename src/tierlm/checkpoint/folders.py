@@ -28,7 +28,7 @@ from tierlm.checkpoint.core import (
 from tierlm.checkpoint.verify import META_FILE, MODEL_META_FILE, check_file_formats, verify_checkpoint, verify_model_folder
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, save_model_folder
-from tierlm.models.lora import ADAPTER_DIR, ADAPTER_MARK, mark_adapter, saved_adapter
+from tierlm.models.lora import ADAPTER_DIR, ADAPTER_MARK, adapter_apart, mark_adapter, saved_adapter
 
 
 def verified_model_location(name: str) -> Path | str:
@@ -150,8 +150,7 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, adapter_only: bool 
             export_sharded_checkpoint(sharded, full)
         else:
             folder = verified_model_folder(path)
-            adapter = saved_adapter(folder)
-            if adapter is not None and not adapter["merged"]:  # a checkpoint's base + adapters: merge them
+            if adapter_apart(folder):  # a checkpoint's base + adapters: merge them
                 from tierlm.models import load_pretrained_model
 
                 shutil.copytree(folder, full, ignore=shutil.ignore_patterns(WEIGHTS_FILE))

@@ -59,8 +59,11 @@ def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | No
     try:
         if _is_saved_dataset(Path(spec)):
             loaded = datasets.load_from_disk(spec)
-            return loaded.to_iterable_dataset() if streaming and isinstance(loaded, datasets.Dataset) else (
-                datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()}) if streaming else loaded)
+            if not streaming:
+                return loaded
+            if isinstance(loaded, datasets.Dataset):
+                return loaded.to_iterable_dataset()
+            return datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()})
         if Path(spec).suffix in PARQUET_SUFFIXES:
             if streaming:
                 return datasets.load_dataset("parquet", data_files=spec, split="train", streaming=True)

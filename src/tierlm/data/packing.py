@@ -253,13 +253,17 @@ class PackedLoader(BatchIterable):
             take = [int(i) for i in order[self.cursor : self.cursor + target - len(self.buffer)]]
             self.cursor += len(take)
             for index, doc in zip(take, self.documents.fetch(take)):
-                doc = self._admit(doc)
-                if doc is not None:
-                    self.counts["tokens_in"] += len(doc.ids)
-                    self.buffer_ids.append(index)
-                    self.buffer_offsets.append(0)
-                    self.buffer.append(doc)
-                    self.buffer_lengths.append(len(doc.ids))
+                self._push(index, doc)
+
+    def _push(self, key, doc: Document) -> None:
+        """Admit a newly read document (`key`: where to read it again on resume) at the buffer's end."""
+        doc = self._admit(doc)
+        if doc is not None:
+            self.counts["tokens_in"] += len(doc.ids)
+            self.buffer_ids.append(key)
+            self.buffer_offsets.append(0)
+            self.buffer.append(doc)
+            self.buffer_lengths.append(len(doc.ids))
 
     # -- rows and batches ------------------------------------------------------------------
     def _take(self, j: int, room: int) -> Document:
@@ -324,7 +328,6 @@ class PackedLoader(BatchIterable):
         if self.document_positions:
             batch["position_ids"] = positions
         return batch
-
 
 
 class StreamWindows:

@@ -79,7 +79,6 @@ class PairLoader(BatchIterable):
             batch["ref_logps"] = torch.tensor([r[1][0] for r in picked] + [r[1][1] for r in picked])
         return batch
 
-
     def rewind(self) -> None:
         self.epoch, self.cursor = 0, 0
 

@@ -392,6 +392,11 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
     return examples
 
 
+def convert_rows(rows: list[dict], options: SourceOptions, name: str, first: int = 0) -> list[Any]:
+    """Rows read from a stream as `options.kind` examples; errors name the row's place in the stream."""
+    return [convert_row(row, options.kind, options.fields, f"{name} stream row {first + i}") for i, row in enumerate(rows)]
+
+
 def open_stream(spec: str, options: SourceOptions) -> Any:
     """`options.split` of `spec` as a `datasets.IterableDataset` of rows, read lazily (data.streaming): a hub
     name, a folder (Hub-layout or plain, of parquet / JSONL files), a saved dataset, a parquet or JSONL file."""

@@ -60,14 +60,23 @@ class StreamingLoader(PackedLoader):
             dataset.load_state_dict(state)
         return dataset, iter(dataset)
 
-    def _read(self, block: int, state: dict | None, live=None) -> tuple[list[Document], dict]:
-        """Block `block`'s documents, read from `state` (or from the live stream), and the stream state after it."""
-        dataset, rows_iter = live if live is not None else self._open(state)
+    def _read(self, block: int, reader) -> tuple[list[Document], dict]:
+        """Block `block`'s documents from `reader` (a dataset copy and its iterator), and the stream state after it."""
+        dataset, rows_iter = reader
         rows = list(itertools.islice(rows_iter, self.block_size))
-        after = dataset.state_dict()
-        if live is None:
-            rows_iter.close()
-        return (self.to_documents(rows, block * self.block_size) if rows else []), after
+        return (self.to_documents(rows, block * self.block_size) if rows else []), dataset.state_dict()
+
+    def _reread(self, block: int, start: dict | None) -> list[Document]:
+        """Block `block` again, from the stream state where it starts."""
+        reader = self._open(start)
+        try:
+            return self._read(block, reader)[0]
+        finally:
+            reader[1].close()
+
+    def _referenced_blocks(self) -> set[int]:
+        """The blocks the buffer's documents come from, and the one being drawn from."""
+        return {b for b, _ in self.buffer_ids} | {self.block}
 
     def _set_live(self, live) -> None:
         """Replace the stream being read, closing the old one (an open reader left to interpreter exit
@@ -101,7 +110,7 @@ class StreamingLoader(PackedLoader):
         self._set_live(None)
 
     def state_dict(self) -> dict:
-        referenced = {b for b, _ in self.buffer_ids} | {self.block}
+        referenced = self._referenced_blocks()
         return {"epoch": self.epoch, "block": self.block, "cursor": self.cursor, "after": self.after, "epoch_docs": self.epoch_docs,
                 "block_starts": {str(b): s for b, s in self.block_starts.items() if b in referenced},
                 "buffer": [list(i) for i in self.buffer_ids], "offsets": list(self.buffer_offsets), "counts": dict(self.counts)}
@@ -113,7 +122,7 @@ class StreamingLoader(PackedLoader):
         self.counts = {k: int(v) for k, v in state["counts"].items()}
         self.block_starts = {int(b): s for b, s in state["block_starts"].items()}
         for block, start in self.block_starts.items():  # re-read exactly the blocks still referenced
-            self.block_docs[block], _ = self._read(block, start)
+            self.block_docs[block] = self._reread(block, start)
         if self.block >= 0:
             self.block_order = self._order_of(self.block, len(self.block_docs[self.block]))
         self.buffer_ids = [(int(b), int(i)) for b, i in state["buffer"]]
@@ -128,7 +137,7 @@ class StreamingLoader(PackedLoader):
         while True:
             if self._live is None:
                 self._set_live(self._open(self.after))
-            documents, after = self._read(self.block + 1, self.after, self._live)
+            documents, after = self._read(self.block + 1, self._live)
             if documents:
                 break
             if not self.repeat:
@@ -143,7 +152,7 @@ class StreamingLoader(PackedLoader):
         self.block_docs[self.block] = documents
         self.block_order, self.cursor = self._order_of(self.block, len(documents)), 0
         self.epoch_docs += len(documents)
-        live = {b for b, _ in self.buffer_ids} | {self.block}
+        live = self._referenced_blocks()
         for block in [b for b in self.block_docs if b not in live]:  # keep only what the buffer still needs
             del self.block_docs[block], self.block_starts[block]
         return True
@@ -156,10 +165,4 @@ class StreamingLoader(PackedLoader):
                 continue
             row = int(self.block_order[self.cursor])
             self.cursor += 1
-            doc = self._admit(self.block_docs[self.block][row])
-            if doc is not None:
-                self.counts["tokens_in"] += len(doc.ids)
-                self.buffer_ids.append((self.block, row))
-                self.buffer_offsets.append(0)
-                self.buffer.append(doc)
-                self.buffer_lengths.append(len(doc.ids))
+            self._push((self.block, row), self.block_docs[self.block][row])

@@ -213,9 +213,11 @@ class UL2Denoising:
         return int(self.rng(index).choice(len(self.denoisers), p=self.probabilities))
 
     def denoise(self, piece: Sequence[int], index: int, which: int | None = None) -> tuple[list[int], list[int], int]:
-        """(encoder input, decoder target, denoiser index) of example `index` made from `piece`."""
-        rng = self.rng(index)
-        which = int(rng.choice(len(self.denoisers), p=self.probabilities)) if which is None else which
+        """(encoder input, decoder target, denoiser index) of example `index` made from `piece` (by the
+        denoiser `choose(index)` draws, unless `which` names one). The same (index, denoiser) always
+        corrupts the same way, however the denoiser was named."""
+        which = self.choose(index) if which is None else which
+        rng = self.rng(index)  # afresh: choose() drew from its own copy of this stream
         denoiser, piece = self.denoisers[which], [int(t) for t in piece]
         assert len(piece) >= 2, "a piece needs at least 2 tokens"
         if denoiser.mode == "S":

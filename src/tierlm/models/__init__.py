@@ -22,7 +22,7 @@ from tierlm.models.io import (
     save_model_config,
     save_model_folder,
 )
-from tierlm.models.lora import load_adapter_folder, saved_adapter
+from tierlm.models.lora import adapter_apart, load_adapter_folder
 from tierlm.models.registry import (
     FAMILIES,
     PLAIN_HEAD_MODEL_TYPES,
@@ -43,8 +43,7 @@ def load_pretrained_model(
     """A native model folder (written by tierlm) or any transformers causal LM (hub id or folder); a folder
     whose LoRA adapter is kept apart from its weights (a checkpoint's) loads with the adapter merged in."""
     model = family_for_folder(name_or_path).load(name_or_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    adapter = saved_adapter(name_or_path) if Path(name_or_path).is_dir() else None
-    return load_adapter_folder(model, name_or_path) if adapter is not None and not adapter["merged"] else model
+    return load_adapter_folder(model, name_or_path) if adapter_apart(name_or_path) else model
 
 
 def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -15,6 +15,7 @@ from torch import nn
 
 from tierlm.errors import ModelLoadError
 from tierlm.models.lora import (
+    adapter_apart,
     has_lora,
     inject_saved_adapter,
     lora_scalings,
@@ -71,8 +72,7 @@ def build_model_from_folder_config(path: str | Path, dtype: torch.dtype = torch.
     """An untrained model of the architecture a model folder describes (weights are loaded separately);
     with LoRA layers when the folder's adapter is kept apart from its weights."""
     model = family_for_folder(path).build_from_folder(Path(path), dtype)
-    adapter = saved_adapter(path)
-    return inject_saved_adapter(model, path) if adapter is not None and not adapter["merged"] else model
+    return inject_saved_adapter(model, path) if adapter_apart(path) else model
 
 
 def read_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:

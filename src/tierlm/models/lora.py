@@ -213,6 +213,12 @@ def saved_adapter(folder: Path | str) -> dict | None:
         raise ModelLoadError(f"cannot read {mark}: {first_line(e)}") from None
 
 
+def adapter_apart(folder: Path | str) -> bool:
+    """Does a model folder keep a LoRA adapter apart from its weights (a checkpoint's: base + adapters)?"""
+    mark = saved_adapter(folder) if Path(folder).is_dir() else None
+    return mark is not None and not mark["merged"]
+
+
 def inject_saved_adapter(model: nn.Module, folder: Path | str) -> nn.Module:
     """Inject the LoRA layers a model folder's adapter/ describes (its weights are not loaded)."""
     peft = _peft()

@@ -4,7 +4,6 @@ from `tierlm.recipes`."""
 
 from __future__ import annotations
 
-
 import torch
 
 from tierlm.backends.pytorch import frozen_reference
@@ -12,11 +11,11 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.errors import ConfigError, DataError
+from tierlm.loaders import open_splits
 from tierlm.metrics.memory import check_fits
 from tierlm.models import load_pretrained_model, model_max_seq_len
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import shutdown_distributed
-from tierlm.loaders import open_splits
 from tierlm.recipes import build_backend, build_model, memory_needs
 from tierlm.run import Run, extras_writer, prepare_run, rl_parallelism
 from tierlm.rl.loop import RLTrainer

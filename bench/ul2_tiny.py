@@ -1,15 +1,18 @@
 """UL2 on CPU: pretrain the `ul2-tiny` encoder-decoder, then measure each denoiser's held-out loss before
-and after training, and fill a masked span of held-out sentences.
+and after training, and fill a masked word of held-out passages.
 
     .venv/bin/python bench/ul2_tiny.py [--out runs/ul2-tiny] [--steps 1500] [overrides ...]
 
-Prints one line per denoiser (val loss of the initial model -> the trained one, nats per target token)
-and the infilling samples (a held-out sentence with one span replaced by <extra_id_0>).
+With `model.model_name_or_path=<a transformers Qwen3 folder>` the run starts from that decoder-only model
+(`initialize_from_qwen3`). Prints one line per denoiser (val loss of the initial model -> the trained one,
+nats per target token)
+and the infilling measure and samples (a held-out passage with one word replaced by <extra_id_0>).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -26,10 +29,10 @@ from tierlm.data.ul2 import DEFAULT_DENOISERS  # noqa: E402
 from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
 from tierlm.loaders import open_splits  # noqa: E402
 from tierlm.models import forward_cross_entropy, load_pretrained_model  # noqa: E402
-from tierlm.plan import new_model  # noqa: E402
 from tierlm.primitives.losses import token_weights  # noqa: E402
-from tierlm.recipes import run_stage  # noqa: E402
+from tierlm.recipes import build_model, run_stage  # noqa: E402
 from tierlm.rollout.engine import Engine  # noqa: E402
+from tierlm.starting_point import pretrained_location  # noqa: E402
 
 
 @torch.no_grad()
@@ -55,20 +58,28 @@ def denoiser_losses(model, config: TierlmConfig, tokenizer, batches: int = 20) -
     return out
 
 
-def infill(model, tokenizer, sentences: list[str], span: int = 3) -> list[str]:
-    """Each sentence with `span` tokens in its middle replaced by <extra_id_0> (R's mean span), given to the
-    encoder in R mode; the decoder's greedy answer up to the next sentinel."""
-    engine, lines = Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer), []
-    for text in sentences:
-        ids = tokenizer.encode(text)
-        a = len(ids) // 2 - span // 2
-        b = a + span
-        prompt = [tokenizer.mode_ids["R"], *ids[:a], tokenizer.sentinel_ids[0], *ids[b:]]
-        out = engine.generate(prompt, 1, 24, temperature=0.0)[0].tokens
-        filled = [t for t in out if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id]
-        lines.append(f"{tokenizer.decode(ids[:a])}[{tokenizer.decode(filled)}]{tokenizer.decode(ids[b:])}"
-                     f"   (original: [{tokenizer.decode(ids[a:b])}])")
-    return lines
+def infill(model, tokenizer, texts: list[str], seed: int = 0) -> tuple[list[str], float, float]:
+    """One whole word (3+ letters, not the speaker's name) of each held-out passage replaced by
+    <extra_id_0> and given to the encoder in R mode; the decoder's greedy answer up to end of text.
+    Returns the filled lines, the share filled with exactly the masked word, and the share a constant
+    guess of the most frequent masked word would get."""
+    engine, rng = Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer), np.random.default_rng(seed)
+    lines, hits, words = [], 0, []
+    for text in texts:
+        speaker = text.index("\n") + 1 if "\n" in text else 0
+        found = list(re.finditer(r"[A-Za-z']{3,}", text[speaker:]))
+        if not found:
+            continue
+        match = found[int(rng.integers(len(found)))]
+        a, b = speaker + match.start(), speaker + match.end()
+        prompt = [tokenizer.mode_ids["R"], *tokenizer.encode(text[:a]), tokenizer.sentinel_ids[0], *tokenizer.encode(text[b:])]
+        out = engine.generate(prompt, 1, 12, temperature=0.0)[0].tokens
+        filled = tokenizer.decode([t for t in out if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
+        hits += filled.strip() == text[a:b]
+        words.append(text[a:b])
+        lines.append(f"{text[:a]}[{filled}]{text[b:]}   (original: [{text[a:b]}])")
+    constant = max(words.count(w) for w in set(words)) / len(words)
+    return lines, hits / len(words), constant
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,17 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Qwen3EncoderDecoderTokenizer(load_tokenizer(Path(args.out) / "model"), config.model.num_sentinel_tokens)
     trained = load_pretrained_model(Path(args.out) / "model")
     torch.manual_seed(config.training.seed)
-    initial = new_model(config, tokenizer.vocab_size, "cpu")  # an untrained model of the same config
+    initial = build_model(config, tokenizer, torch.device("cpu"), pretrained_location(config))  # where training started
     before, after = denoiser_losses(initial, config, tokenizer), denoiser_losses(trained, config, tokenizer)
     print(f"trained {summary.get('steps', config.training.num_train_steps)} steps; held-out loss per denoiser (nats per target token):")
     for denoiser, a, b in zip(DEFAULT_DENOISERS, before, after):
         label = f"{denoiser.name} ({denoiser.mode}" + (f", span {denoiser.mean_span:g}, {denoiser.noise_density:.0%})" if denoiser.mode != "S" else ", prefix LM)")
         print(f"  {label:28s} {a:6.3f} -> {b:6.3f}")
     _, vals = open_splits(config, "pretrain", tokenizer)
-    texts = [t for t in vals[0].fetch(range(len(vals[0]))) if 40 < len(t) < 140][:8]
-    rng = np.random.default_rng(0)
-    print("infilling held-out lines ([filled span]   (original)):")
-    for line in infill(trained.eval(), tokenizer, [texts[i] for i in rng.permutation(len(texts))]):
+    texts = [t for t in vals[0].fetch(range(len(vals[0]))) if 40 < len(t) < 200]
+    lines, exact, constant = infill(trained.eval(), tokenizer, texts)
+    print(f"one masked word in each of {len(lines)} held-out passages: filled exactly {exact:.1%} "
+          f"(always guessing the most frequent masked word: {constant:.1%}); the first 10:")
+    for line in lines[:10]:
         print("  " + line.replace("\n", " / "))
 
 

@@ -121,6 +121,18 @@ PRE, SFT_CFG, DPO_CFG, RL_CFG = "configs/tiny_pretrain.yaml", "configs/tiny_sft.
 REPO = Path(__file__).resolve().parents[1]
 
 
+def gpt2_folder(name: str) -> Callable[[Path, Path], None]:
+    """A tiny transformers GPT-2 folder (with a tokenizer) at `name`."""
+    def setup(work: Path, runs: Path) -> None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from tierlm.data import load_tokenizer
+
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=600, n_positions=64)).save_pretrained(work / name)
+        load_tokenizer(runs / "pre" / "model").save(work / name)
+    return setup
+
+
 def cfg(name: str) -> str:
     return str(REPO / name)
 
@@ -184,6 +196,10 @@ CASES = [
                                                      "data.eval_split=test"], "no named splits", write("d.jsonl", '{"text": "a b c"}\n' * 30)),
     Case("pretrain-shuffle-buffer-zero", ["pretrain", "--config", cfg(PRE), *TINY, "data.shuffle_buffer_size=0"], "shuffle_buffer_size"),
     Case("pretrain-ul2-task-weights", ["pretrain", "--config", "ul2-tiny", *TINY, "data.ul2_task_weights=[1,1]"], "data.ul2_task_weights"),
+    Case("ul2-from-a-decoder-only-tierlm-model", ["pretrain", "--config", "ul2-tiny", *TINY, "model.model_name_or_path={pre}/model"],
+         "holds a 'gpt' model but model.architecture is 'qwen3_encdec'"),
+    Case("ul2-from-a-gpt2-transformers-folder", ["pretrain", "--config", "ul2-tiny", *TINY, "model.model_name_or_path=gpt2"],
+         "holds a 'gpt2' model; an encoder-decoder starts from a decoder-only Qwen3", gpt2_folder("gpt2")),
     Case("sft-an-encoder-decoder", ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path=null", "model.architecture=qwen3_encdec"],
          "encoder-decoder model trains with `tierlm pretrain`"),
     Case("pretrain-synthetic-1e12", ["pretrain", "--config", cfg(PRE), *TINY, "data.num_synthetic_examples=1e12"], "needs at least .*index"),

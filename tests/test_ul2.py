@@ -4,6 +4,8 @@ per-example layout, and the sentinel tokenizer saved and reloaded by transformer
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -73,7 +75,16 @@ def test_the_spans_are_the_mask_s_runs():
     inputs, targets = corrupt_spans(list(range(40)), mask, SENTINELS)
     runs = np.split(np.flatnonzero(mask), np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
     expected = [t for k, run in enumerate(runs) for t in [SENTINELS[k], *run.tolist()]]
-    assert targets == expected and not mask[0]  # spans start after a clean token (T5)
+    assert targets == expected
+
+
+def test_a_span_can_start_or_end_the_piece():
+    """T5's mask always starts clean and ends corrupted (so a lone sentinel meant "the rest of the text");
+    here either end is corrupted in some pieces but not in most, and the middle still at the density."""
+    masks = np.stack([random_spans_mask(100, 0.15, 3, np.random.default_rng(i)) for i in range(5_000)])
+    first, last = masks[:, 0].mean(), masks[:, -1].mean()
+    assert 0.02 < first < 0.15 and 0.02 < last < 0.15, (first, last)
+    assert abs(masks.mean() - 0.15) < 1e-9 and abs(masks[:, 40:60].mean() - 0.15) < 0.02
 
 
 def test_the_mixture_follows_the_task_weights():
@@ -144,7 +155,11 @@ def _saved(tokenizer, folder):
     return folder
 
 
-def _ul2_loader(tiny_tokenizer, tmp_path, **kw):
+def _ul2_loader(tiny_tokenizer, tmp_path, stream: bool = False, **kw):
+    """UL2 batches of 8 kB of Shakespeare in 1.5 kB documents (longer than a piece: cut inside them), read
+    from a list, or with `stream` from a 2-shard `IterableDataset` in blocks of 2 rows."""
+    from datasets import Dataset
+
     from tierlm.data import ListExamples
     from tierlm.data.packing import Documents, text_documents
     from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
@@ -152,9 +167,15 @@ def _ul2_loader(tiny_tokenizer, tmp_path, **kw):
 
     tok = Qwen3EncoderDecoderTokenizer(load_copy(tiny_tokenizer, tmp_path), num_sentinel_tokens=40)
     text = (REPO / "src/tierlm/data/corpora/tinyshakespeare.txt").read_text()[:8_000]
-    chunks = [text[i : i + 1500] for i in range(0, len(text), 1500)]  # documents longer than a piece: cut inside them
+    chunks = [text[i : i + 1500] for i in range(0, len(text), 1500)]
     docs = Documents(ListExamples(chunks), text_documents(tok))
-    return tok, docs, create_ul2_dataset(docs, tok, max_encoder_length=96, max_decoder_length=40, batch_size=4, **kw)
+    lengths = dict(max_encoder_length=96, max_decoder_length=40, batch_size=4)
+    if stream:
+        rows = Dataset.from_dict({"text": chunks}).to_iterable_dataset(num_shards=2)
+        convert = text_documents(tok)
+        kw.update(to_documents=lambda batch, first: convert([r["text"] for r in batch]), block_size=2)
+        return tok, docs, create_ul2_dataset(rows, tok, **lengths, **kw)
+    return tok, docs, create_ul2_dataset(docs, tok, **lengths, **kw)
 
 
 def load_copy(tokenizer, tmp_path):
@@ -164,23 +185,27 @@ def load_copy(tokenizer, tmp_path):
     return load_tokenizer(tmp_path / "copy")
 
 
-def test_ul2_loader_resumes_exactly(tiny_tokenizer, tmp_path):
-    _, _, straight = _ul2_loader(tiny_tokenizer, tmp_path)
+@pytest.mark.parametrize("stream", [False, True], ids=["indexed", "streamed"])
+def test_ul2_loader_resumes_exactly(tiny_tokenizer, tmp_path, stream):
+    """Batches after load_state_dict (through JSON) equal the uninterrupted run's, at cuts inside the first
+    block, across blocks and after an epoch."""
+    _, _, straight = _ul2_loader(tiny_tokenizer, tmp_path, stream)
     expected = [straight.next_batch() for _ in range(30)]
     assert straight.epoch >= 1, "the test must cross an epoch"
-    for cut in (1, 13):
-        _, _, first = _ul2_loader(tiny_tokenizer, tmp_path)
+    for cut in (1, 7, 13, 24):
+        _, _, first = _ul2_loader(tiny_tokenizer, tmp_path, stream)
         for _ in range(cut):
             first.next_batch()
-        _, _, resumed = _ul2_loader(tiny_tokenizer, tmp_path)
-        resumed.load_state_dict(first.state_dict())
+        _, _, resumed = _ul2_loader(tiny_tokenizer, tmp_path, stream)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
         for want in expected[cut:]:
             got = resumed.next_batch()
             assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_one_pass_of_the_ul2_loader_covers_every_token_once(tiny_tokenizer, tmp_path):
-    tok, docs, loader = _ul2_loader(tiny_tokenizer, tmp_path, shuffle=False)
+@pytest.mark.parametrize("stream", [False, True], ids=["indexed", "streamed"])
+def test_one_pass_of_the_ul2_loader_covers_every_token_once(tiny_tokenizer, tmp_path, stream):
+    tok, docs, loader = _ul2_loader(tiny_tokenizer, tmp_path, stream, shuffle=stream)  # a stream shuffles within blocks
     loader.repeat = False
     rebuilt = []
     for batch in loader:

@@ -159,18 +159,22 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
 
 
 def ul2_loaders(config: TierlmConfig, tokenizer, world_size: int) -> tuple[UL2Loader, UL2Loader]:
-    """An encoder-decoder's UL2 batches: examples cut from the text sources (data.split; evaluation as for
-    pretraining), packed into rows of data.max_encoder_length / data.max_decoder_length tokens."""
+    """An encoder-decoder's UL2 batches: examples cut from the text sources (data.split, or a stream with
+    data.streaming; evaluation as for pretraining), packed into rows of data.max_encoder_length /
+    data.max_decoder_length tokens."""
     d, tr = config.data, config.training
-    if d.streaming or d.stream or d.mixture:
-        raise ConfigError("UL2 pretraining reads one indexed text source: drop data.streaming / data.stream / data.mixture")
-    trains, vals = open_splits(config, "pretrain", tokenizer)
-    convert = text_documents(tokenizer)
-    train, val = Documents(trains[0][0], convert), Documents(vals[0], convert)
+    if d.stream or d.mixture:
+        raise ConfigError("UL2 pretraining reads one text source: drop data.stream / data.mixture")
     common = dict(tokenizer=tokenizer, max_encoder_length=d.max_encoder_length, max_decoder_length=d.max_decoder_length,
                   task_weights=d.ul2_task_weights, seed=tr.seed)
-    return (create_ul2_dataset(train, batch_size=tr.per_device_train_batch_size * world_size, **common),
-            create_ul2_dataset(val, batch_size=tr.per_device_eval_batch_size, shuffle=False, **common))
+    sizes = dict(batch_size=tr.per_device_train_batch_size * world_size), dict(batch_size=tr.per_device_eval_batch_size, shuffle=False)
+    if d.streaming:
+        streams = _streams(config, "pretrain", tokenizer, text_documents(tokenizer))
+        return tuple(create_ul2_dataset(stream, to_documents=docs, block_size=d.shuffle_buffer_size, name=docs.name, **size, **common)
+                     for (stream, docs), size in zip(streams, sizes))
+    trains, vals = open_splits(config, "pretrain", tokenizer)
+    convert = text_documents(tokenizer)
+    return tuple(create_ul2_dataset(Documents(source, convert), **size, **common) for source, size in zip((trains[0][0], vals[0]), sizes))
 
 
 def _packing(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> dict:
@@ -182,11 +186,12 @@ def _packing(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> dict:
     )
 
 
-def streaming_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int, convert) -> tuple[StreamingLoader, StreamingLoader]:
-    """data.streaming: data.split read as a stream, evaluated on the dataset's eval split (data.eval_split,
+def _streams(config: TierlmConfig, stage: str, tokenizer: Tokenizer, convert):
+    """data.split read as a stream and its evaluation stream: the dataset's eval split (data.eval_split,
     else the first of validation / val / test it has), data.eval_dataset_name, or the stream's first
-    data.eval_stream_examples rows, which training then skips."""
-    d, tr = config.data, config.training
+    data.eval_stream_examples rows, which training then skips. Each with its rows -> documents function
+    (`.name`: the dataset it reads)."""
+    d = config.data
     options = named_split(d.dataset_name, source_options(config, stage, "train", tokenizer), d.split)
     train = open_stream(d.dataset_name, options)
     if d.eval_dataset_name:
@@ -201,14 +206,24 @@ def streaming_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, wo
             val, train = train.take(d.eval_stream_examples), train.skip(d.eval_stream_examples)
 
     def documents_of(name: str):
-        return lambda rows, first: convert(convert_rows(rows, options, name, first))
+        def documents(rows, first):
+            return convert(convert_rows(rows, options, name, first))
+        documents.name = name
+        return documents
 
+    return (train, documents_of(d.dataset_name)), (val, documents_of(val_name))
+
+
+def streaming_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int, convert) -> tuple[StreamingLoader, StreamingLoader]:
+    """data.streaming: best-fit packed batches from the stream and its evaluation stream (`_streams`)."""
+    d, tr = config.data, config.training
+    (train, train_docs), (val, val_docs) = _streams(config, stage, tokenizer, convert)
     common = _packing(config, stage, tokenizer)
     return (
-        StreamingLoader(train, documents_of(d.dataset_name), tr.per_device_train_batch_size * world_size, d.max_seq_length,
-                        block_size=d.shuffle_buffer_size, name=d.dataset_name, seed=tr.seed, **common),
-        StreamingLoader(val, documents_of(val_name), tr.per_device_eval_batch_size, d.max_seq_length,
-                        block_size=d.shuffle_buffer_size, name=val_name, shuffle=False, **common),
+        StreamingLoader(train, train_docs, tr.per_device_train_batch_size * world_size, d.max_seq_length,
+                        block_size=d.shuffle_buffer_size, name=train_docs.name, seed=tr.seed, **common),
+        StreamingLoader(val, val_docs, tr.per_device_eval_batch_size, d.max_seq_length,
+                        block_size=d.shuffle_buffer_size, name=val_docs.name, shuffle=False, **common),
     )
 
 

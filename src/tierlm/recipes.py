@@ -38,13 +38,11 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
         return with_lora(config, load_4bit_model(config, pretrained, device))
     imported = None
     if pretrained is not None and family.native and isinstance(pretrained, Path) and not is_native_folder(pretrained):
-        imported = family.import_transformers(pretrained, device, dtype)  # e.g. transformers GPT-2 weights as tierlm's gpt2
-    if imported is not None:
-        model = imported
-    elif pretrained is not None:
+        imported = family.import_transformers(pretrained, device, dtype, tokenizer.vocab_size)  # e.g. GPT-2 weights as tierlm's gpt2
+    if pretrained is not None and imported is None:
         model = load_pretrained_model(pretrained, device=device, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:
-        model = new_model(config, tokenizer.vocab_size, device, dtype)
+        model = imported if imported is not None else new_model(config, tokenizer.vocab_size, device, dtype)
         if getattr(family, "seq2seq", False):  # the decoder starts from what UL2DataCollator starts it from: padding
             model.config.decoder_start_token_id = model.config.pad_token_id = tokenizer.pad_id
     vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.config.vocab_size

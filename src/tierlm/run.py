@@ -22,7 +22,6 @@ The guarantees live here once, for every stage:
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -39,20 +38,16 @@ import torch
 
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
 from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace_folder
-from tierlm.checkpoint.folders import verified_model_location
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
-from tierlm.data import Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
-from tierlm.data.chat_templates import set_chat_template
-from tierlm.data.rows import example_texts
-from tierlm.data.sources import convert_rows, open_stream
+from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError, DataError
-from tierlm.loaders import data_components, named_split, source_options
 from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
-from tierlm.models import family_for_folder, family_named, save_model_folder, unwrap_model
+from tierlm.models import family_named, save_model_folder, unwrap_model
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
 from tierlm.signals import GracefulStop
+from tierlm.starting_point import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401 (re-exported)
 
 RUN_FILE = "run.json"
 STAGES = ("pretrain", "sft", "dpo", "rl")
@@ -167,23 +162,6 @@ def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> st
     return "fsdp" if config.infra.distributed_type in ("auto", "fsdp") else "ddp"
 
 
-def pretrained_location(config: TierlmConfig) -> Path | str | None:
-    """A local model folder (resolved from a run or checkpoint folder, verified), a hub id, or None (from scratch)."""
-    name = config.model.model_name_or_path
-    if name is None:
-        return None
-    return verified_model_location(name)
-
-
-def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> Tokenizer | None:
-    m = config.model
-    if m.tokenizer_name_or_path:
-        return load_tokenizer(m.tokenizer_name_or_path, m.trust_remote_code)
-    if pretrained is not None:
-        return load_tokenizer(pretrained, m.trust_remote_code)
-    return None
-
-
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
     sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
     if "tensorboard" in config.training.report_to:
@@ -227,26 +205,6 @@ def _move_aside(path: Path) -> Path:
         target, n = path.with_name(f"{path.stem}.{stamp}.{n}{path.suffix}"), n + 1
     path.rename(target)
     return target
-
-
-def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
-    """A new tokenizer, trained on the first tokenizer.num_train_docs examples of each source."""
-    t, texts = config.tokenizer, []
-    for name, _ in data_components(config):
-        if Path(name).suffix in (".bin", ".npy"):
-            raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
-        options = named_split(name, source_options(config, stage, "train", None), config.data.split)
-        if config.data.streaming:  # the stream's first documents
-            stream = iter(open_stream(name, options))
-            rows = list(itertools.islice(stream, t.num_train_docs))
-            stream.close()
-            first = convert_rows(rows, options, name)
-        else:
-            examples = open_examples(name, options)
-            first = examples.fetch(range(min(len(examples), t.num_train_docs)))
-        for example in first:
-            texts.extend(example_texts(example))
-    return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 
 
 # -- the skeleton ---------------------------------------------------------------------------
@@ -400,34 +358,6 @@ class Run:
         _fsync_tree(tmp)
         replace_folder(tmp, final, self.output_dir / ".model.old")  # a finished run re-run swaps its model
         return summary
-
-
-def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None, latest: Path | None) -> Tokenizer:
-    """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
-    or a new one trained on the data (by rank 0, read by the others from the run directory)."""
-    if latest is not None:
-        tokenizer = load_tokenizer(latest / "model", config.model.trust_remote_code)  # with the run's chat template and sentinels
-    else:
-        tokenizer = existing_tokenizer(config, pretrained)
-    if tokenizer is None and ctx is None:
-        tokenizer = train_tokenizer(config, stage)
-    elif tokenizer is None:
-        folder = Path(config.infra.output_dir) / "tokenizer"
-        if ctx.is_main:
-            train_tokenizer(config, stage).save(folder)
-        torch.distributed.barrier()
-        tokenizer = load_tokenizer(folder)
-    if is_seq2seq(config, pretrained):  # UL2's sentinels and mode tokens (kept as they are when the tokenizer has them)
-        from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
-
-        tokenizer = Qwen3EncoderDecoderTokenizer(tokenizer, config.model.num_sentinel_tokens)
-    return set_chat_template(tokenizer, config.data.chat_template) if config.data.chat_template else tokenizer
-
-
-def is_seq2seq(config: TierlmConfig, pretrained: Path | str | None) -> bool:
-    """Does the run train an encoder-decoder (model.architecture, or the family of the model it starts from)?"""
-    family = family_for_folder(pretrained) if isinstance(pretrained, Path) else family_named(config.model.architecture)
-    return bool(getattr(family, "seq2seq", False))
 
 
 def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: int | None = None):

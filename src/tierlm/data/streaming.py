@@ -35,24 +35,28 @@ def _close_slot(slot: list) -> None:
         slot[0] = None
 
 
-class StreamingLoader(PackedLoader):
-    """A `PackedLoader` whose documents come from an `IterableDataset` of rows.
+class StreamBlocks:
+    """Reading an `IterableDataset` of rows in blocks of `block_size` rows, each block's documents drawn in
+    an order fixed by (seed, block) and remembered by the stream state where it starts.
 
     `to_documents(rows, first_index)` turns a block of rows (the first at stream row `first_index`)
-    into `Document`s; `block_size` rows are read, tokenized and shuffled at a time.
+    into `Document`s. Subclasses keep `block`, `after` (the stream state after the current block; None at
+    the start of an epoch), `epoch`, `epoch_docs` and `repeat`.
     """
 
-    def __init__(self, dataset: Any, to_documents: Callable[[list[dict], int], list[Document]], batch_size: int, seq_len: int,
-                 *, block_size: int = 1000, name: str = "stream", **packing):
+    def _init_stream(self, dataset: Any, to_documents: Callable[[list[dict], int], list[Document]], block_size: int, name: str) -> None:
         assert block_size > 0, f"block_size must be > 0, got {block_size}"
         self.dataset, self.to_documents, self.block_size, self.name = dataset, to_documents, block_size, name
-        super().__init__(None, batch_size, seq_len, **packing)
 
-    @property
-    def resident_documents(self) -> int:
-        return self.block_size + self.buffer_docs
+    def _rewind_stream(self) -> None:
+        self.block = -1  # the block being drawn from
+        self.after: dict | None = None  # stream state after the current block (None: start of an epoch)
+        self.epoch_docs = 0  # documents read in this epoch (an empty stream must not loop forever)
+        if not hasattr(self, "_live_slot"):
+            self._live_slot: list = [None]  # (dataset copy, iterator) being read; closed at exit at the latest
+            weakref.finalize(self, _close_slot, self._live_slot)
+        self._set_live(None)
 
-    # -- the stream ------------------------------------------------------------------------
     def _open(self, state: dict | None):
         """An iterator over the stream from `state` (None: its beginning), and the dataset copy it reads."""
         dataset = copy.deepcopy(self.dataset)  # its own copy: state_dict() follows the latest iterator
@@ -74,9 +78,26 @@ class StreamingLoader(PackedLoader):
         finally:
             reader[1].close()
 
-    def _referenced_blocks(self) -> set[int]:
-        """The blocks the buffer's documents come from, and the one being drawn from."""
-        return {b for b, _ in self.buffer_ids} | {self.block}
+    def _read_next_block(self, at_epoch_end: Callable[[], None] = lambda: None) -> tuple[list[Document], dict | None] | None:
+        """The next block's documents and the stream state where it starts (a new epoch at the stream's
+        end, after `at_epoch_end()`); None at the end of a single pass."""
+        while True:
+            if self._live is None:
+                self._set_live(self._open(self.after))
+            documents, after = self._read(self.block + 1, self._live)
+            if documents:
+                break
+            if not self.repeat:
+                return None
+            if self.epoch_docs == 0:
+                raise DataError(f"{self.name}: the stream holds no examples")
+            at_epoch_end()
+            self.epoch, self.epoch_docs, self.after = self.epoch + 1, 0, None
+            self._set_live(None)
+        self.block += 1
+        start, self.after = self.after, after
+        self.epoch_docs += len(documents)
+        return documents, start
 
     def _set_live(self, live) -> None:
         """Replace the stream being read, closing the old one (an open reader left to interpreter exit
@@ -95,19 +116,31 @@ class StreamingLoader(PackedLoader):
     def _order_of(self, block: int, n: int) -> np.ndarray:
         return np.random.default_rng((self.seed, block)).permutation(n) if self.shuffle else np.arange(n)
 
+
+class StreamingLoader(StreamBlocks, PackedLoader):
+    """A `PackedLoader` whose documents come from a stream (`StreamBlocks`); `block_size` rows are read,
+    tokenized and shuffled at a time."""
+
+    def __init__(self, dataset: Any, to_documents: Callable[[list[dict], int], list[Document]], batch_size: int, seq_len: int,
+                 *, block_size: int = 1000, name: str = "stream", **packing):
+        self._init_stream(dataset, to_documents, block_size, name)
+        super().__init__(None, batch_size, seq_len, **packing)
+
+    @property
+    def resident_documents(self) -> int:
+        return self.block_size + self.buffer_docs
+
+    def _referenced_blocks(self) -> set[int]:
+        """The blocks the buffer's documents come from, and the one being drawn from."""
+        return {b for b, _ in self.buffer_ids} | {self.block}
+
     # -- state -----------------------------------------------------------------------------
     def rewind(self) -> None:
         super().rewind()
-        self.block = -1  # the block being drawn from
+        self._rewind_stream()
         self.block_starts: dict[int, dict | None] = {}  # block -> stream state where it starts (None: the beginning)
         self.block_docs: dict[int, list[Document]] = {}  # the current block's and buffered documents' blocks
         self.block_order = np.zeros(0, dtype=np.int64)
-        self.after: dict | None = None  # stream state after the current block (None: start of an epoch)
-        self.epoch_docs = 0  # documents read in this epoch (an empty stream must not loop forever)
-        if not hasattr(self, "_live_slot"):
-            self._live_slot: list = [None]  # (dataset copy, iterator) being read; closed at exit at the latest
-            weakref.finalize(self, _close_slot, self._live_slot)
-        self._set_live(None)
 
     def state_dict(self) -> dict:
         referenced = self._referenced_blocks()
@@ -134,24 +167,12 @@ class StreamingLoader(PackedLoader):
     # -- filling the buffer ----------------------------------------------------------------
     def _next_block(self) -> bool:
         """Move on to the next block of the stream (a new epoch at its end); False at the end of a single pass."""
-        while True:
-            if self._live is None:
-                self._set_live(self._open(self.after))
-            documents, after = self._read(self.block + 1, self._live)
-            if documents:
-                break
-            if not self.repeat:
-                return False
-            if self.epoch_docs == 0:
-                raise DataError(f"{self.name}: the stream holds no examples")
-            self._check_something_kept()
-            self.epoch, self.epoch_docs, self.after = self.epoch + 1, 0, None
-            self._set_live(None)
-        self.block += 1
-        self.block_starts[self.block], self.after = self.after, after
+        read = self._read_next_block(self._check_something_kept)
+        if read is None:
+            return False
+        documents, self.block_starts[self.block] = read
         self.block_docs[self.block] = documents
         self.block_order, self.cursor = self._order_of(self.block, len(documents)), 0
-        self.epoch_docs += len(documents)
         live = self._referenced_blocks()
         for block in [b for b in self.block_docs if b not in live]:  # keep only what the buffer still needs
             del self.block_docs[block], self.block_starts[block]

@@ -90,21 +90,30 @@ def _segment(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def random_spans_mask(length: int, noise_density: float, mean_span: float, rng: np.random.Generator) -> np.ndarray:
-    """A boolean mask of the corrupted tokens: clean and corrupted spans alternate, starting clean, with
-    random lengths (T5's `random_spans_noise_mask`).
+    """A boolean mask of the corrupted tokens: clean and corrupted spans alternate with random lengths
+    (T5's `random_spans_noise_mask`), except that the piece may start or end with a corrupted span.
+
+    T5's mask always starts clean and always ends corrupted, so the last sentinel of every training input
+    ends the text, and a model trained on it fills a lone sentinel in the middle of a sentence with an
+    ending (seen here: ", sir." for a masked noun). Here the clean text before the first span and after
+    the last may be empty (uniformly over such splits), so a span can sit anywhere.
 
     >>> mask = random_spans_mask(100, 0.15, 3, np.random.default_rng(0))
-    >>> int(mask.sum()), int((np.diff(mask.astype(int)) == 1).sum())  # 15 corrupted tokens in 5 spans
+    >>> int(mask.sum()), int((mask & ~np.concatenate([[False], mask[:-1]])).sum())  # 15 corrupted tokens in 5 spans
     (15, 5)
     """
     noise, spans = span_counts(length, noise_density, mean_span)
-    noise_lengths, clean_lengths = _segment(noise, spans, rng), _segment(length - noise, spans, rng)
+    noise_lengths = _segment(noise, spans, rng)
+    clean_lengths = _segment(length - noise + 2, spans + 1, rng)  # spans + 1 gaps, the two outer ones may be empty
+    clean_lengths[0] -= 1
+    clean_lengths[-1] -= 1
     mask = np.zeros(length, dtype=bool)
     start = 0
     for clean, corrupt in zip(clean_lengths, noise_lengths):
         start += clean
         mask[start : start + corrupt] = True
         start += corrupt
+    assert start + clean_lengths[-1] == length, "the spans and gaps must cover the piece"
     return mask
 
 

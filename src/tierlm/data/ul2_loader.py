@@ -8,6 +8,10 @@ the text is cut where the example needs it and no token is read twice in an epoc
 is the position of the first example not yet handed out — (epoch, document cursor, token offset,
 example index) — and the same position gives the same examples, so a resumed run sees exactly the
 batches an uninterrupted one would.
+
+`StreamingUL2Loader` does the same over a stream (`data.streaming`): documents are drawn block by block
+(`tierlm.data.streaming.StreamBlocks`), and the position adds the block and the stream state where it
+starts, so a resume re-reads that one block.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 
 from tierlm.data.packing import BatchIterable, Documents
+from tierlm.data.streaming import StreamBlocks
 from tierlm.data.ul2 import UL2DataCollator, UL2Denoising
 from tierlm.errors import DataError
 
@@ -26,7 +31,7 @@ class UL2Loader(BatchIterable):
     def __init__(self, documents: Documents, mixture: UL2Denoising, collator: UL2DataCollator, batch_size: int, *, seed: int = 0,
                  shuffle: bool = True, skip_first: int = 1):
         assert batch_size > 0, f"batch_size must be > 0, got {batch_size}"
-        if len(documents) == 0:
+        if documents is not None and len(documents) == 0:  # None: a stream (StreamingUL2Loader)
             raise DataError("the UL2 source holds no documents")
         self.documents, self.mixture, self.collator, self.batch_size = documents, mixture, collator, batch_size
         self.seed, self.shuffle, self.skip_first = seed, shuffle, skip_first  # skip_first: the separator (BOS) each text opens with
@@ -107,13 +112,66 @@ class UL2Loader(BatchIterable):
 
 
 
-def create_ul2_dataset(documents: Documents, tokenizer, max_encoder_length: int = 512, max_decoder_length: int = 128,
-                       batch_size: int = 8, task_weights=None, seed: int = 0, shuffle: bool = True) -> UL2Loader:
-    """UL2 batches from `documents` (any text source through `Documents`; see `tierlm.data.packing`) with a
-    tokenizer that has sentinels (`Qwen3EncoderDecoderTokenizer`)."""
+class StreamingUL2Loader(StreamBlocks, UL2Loader):
+    """`UL2Loader` over a stream: `dataset` (an `IterableDataset` of rows) read `block_size` rows at a time,
+    `to_documents(rows, first_index)` turning a block into `Document`s, each block's documents cut in an
+    order fixed by (seed, block)."""
+
+    def __init__(self, dataset, to_documents, mixture: UL2Denoising, collator: UL2DataCollator, batch_size: int, *,
+                 block_size: int = 1000, name: str = "stream", seed: int = 0, shuffle: bool = True, skip_first: int = 1):
+        self._init_stream(dataset, to_documents, block_size, name)
+        super().__init__(None, mixture, collator, batch_size, seed=seed, shuffle=shuffle, skip_first=skip_first)
+
+    @property
+    def resident_documents(self) -> int:
+        return self.block_size
+
+    def rewind(self) -> None:
+        super().rewind()
+        self._rewind_stream()
+        self.block_start: dict | None = None  # the stream state where the current block starts
+        self.block_docs: list = []
+        self.block_order = np.zeros(0, dtype=np.int64)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "block": self.block, "block_start": self.block_start, "after": self.after,
+                "epoch_docs": self.epoch_docs}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.block, self.block_start, self.after, self.epoch_docs = int(state["block"]), state["block_start"], state["after"], int(state["epoch_docs"])
+        if self.block >= 0:  # re-read the block being cut
+            self.block_docs = self._reread(self.block, self.block_start)
+            self.block_order = self._order_of(self.block, len(self.block_docs))
+
+    def _document(self) -> np.ndarray | None:
+        while True:
+            if self.cursor < len(self.block_order):
+                ids = self.block_docs[int(self.block_order[self.cursor])].ids[self.skip_first:]
+                if len(ids) - self.offset >= 2:
+                    return ids
+                self.cursor, self.offset = self.cursor + 1, 0  # what is left (< 2 tokens) cannot make an example
+                continue
+            read = self._read_next_block()
+            if read is None:
+                return None
+            self.block_docs, self.block_start = read
+            self.block_order, self.cursor, self.offset = self._order_of(self.block, len(self.block_docs)), 0, 0
+
+
+
+def create_ul2_dataset(documents, tokenizer, max_encoder_length: int = 512, max_decoder_length: int = 128,
+                       batch_size: int = 8, task_weights=None, seed: int = 0, shuffle: bool = True, *,
+                       to_documents=None, block_size: int = 1000, name: str = "stream") -> UL2Loader:
+    """UL2 batches with a tokenizer that has sentinels (`Qwen3EncoderDecoderTokenizer`) from `documents`:
+    any text source through `Documents` (see `tierlm.data.packing`), or with `to_documents` a stream
+    (an `IterableDataset` of rows read `block_size` rows at a time; see `StreamingUL2Loader`)."""
     from tierlm.data.ul2 import DEFAULT_TASK_WEIGHTS
 
     mixture = UL2Denoising(tokenizer.sentinel_ids, tokenizer.mode_ids, max_encoder_length, max_decoder_length,
                            task_weights=task_weights or DEFAULT_TASK_WEIGHTS, seed=seed)
     collator = UL2DataCollator(tokenizer, max_encoder_length, max_decoder_length)
+    if to_documents is not None:
+        return StreamingUL2Loader(documents, to_documents, mixture, collator, batch_size, block_size=block_size, name=name,
+                                  seed=seed, shuffle=shuffle)
     return UL2Loader(documents, mixture, collator, batch_size, seed=seed, shuffle=shuffle)

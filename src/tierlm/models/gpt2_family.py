@@ -148,7 +148,7 @@ class GPT2Family(NativeCausalLM):
             architectures=["GPT2LMHeadModel"],
         )
 
-    def import_transformers(self, folder, device="cpu", dtype=torch.float32) -> GPT2:
+    def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None) -> GPT2:
         """A transformers GPT-2 folder (`GPT2LMHeadModel`'s config.json and safetensors) as a native GPT2."""
         from safetensors.torch import load_file
         from transformers import AutoConfig

@@ -70,8 +70,10 @@ class NativeFamily(ModelFamily):
         """The transformers config of the same architecture, or None when there is none."""
         return None
 
-    def import_transformers(self, folder: Path, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module | None:
-        """A transformers folder of this family's twin as a native model (None: not supported)."""
+    def import_transformers(self, folder: Path, device="cpu", dtype: torch.dtype = torch.float32,
+                            vocab_size: int | None = None) -> nn.Module | None:
+        """A transformers folder of this family's twin as a native model (None: not supported). `vocab_size`:
+        the run's tokenizer's, for a family whose import adds tokens."""
         return None
 
     def exportable(self, model: nn.Module) -> str | None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from tierlm.errors import ConfigError
 from tierlm.models.native import NativeFamily
-from tierlm.models.qwen3_encdec import Qwen3EncDecConfig, Qwen3ForSeq2SeqLM
+from tierlm.models.qwen3_encdec import Qwen3EncDecConfig, Qwen3ForSeq2SeqLM, initialize_from_qwen3
 from tierlm.models.registry import register_family
 from tierlm.primitives.losses import get_labels
 
@@ -82,6 +82,18 @@ class Qwen3EncDecFamily(NativeFamily):
 
     def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
         return self.build_from_config(self.encdec_config(model_config, vocab_size, max_seq_len), device, dtype)
+
+    def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None) -> Qwen3ForSeq2SeqLM:
+        """A decoder-only transformers Qwen3 folder as the start of both stacks (`initialize_from_qwen3`),
+        its vocabulary grown to `vocab_size` (the run's tokenizer: the source's with sentinels and mode tokens)."""
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(folder)
+        if hf.model_type != "qwen3":
+            raise ConfigError(f"{folder} holds a {hf.model_type!r} model; an encoder-decoder starts from a decoder-only Qwen3 "
+                              "(or drop model.model_name_or_path to train one from scratch)")
+        model = initialize_from_qwen3(folder, vocab_size=max(vocab_size or 0, hf.vocab_size))
+        return model.to(device=device, dtype=dtype)
 
     # -- folders: tierlm's names; a tied head is saved once, as the embedding ----------------------
     def to_hf_state(self, model, state):

@@ -11,6 +11,7 @@ fp32, AdamW (lr 1e-3, betas 0.9/0.95, no weight decay), 5 warm-up steps then cos
 gradient clipping at 1.0. Tokens/s are over the steps after the first 5 (compilation of nothing,
 allocator warm-up); evaluation, logging and checkpointing sit outside that window.
   - tierlm: `tierlm pretrain` on the token file (packed rows, prefetching loader, the full Trainer);
+  - tierlm-jax: the same with `infra.backend=jax` (the default shape only: the JAX backend has the native GPT);
   - hand-loop: model, fused AdamW, `F.cross_entropy`, random windows of the token stream;
   - hf-trainer: transformers `Trainer` on the same windows (the GPT wrapped to return its loss).
 """
@@ -183,7 +184,13 @@ def hf_trainer(args) -> dict:
     return result(clock.times, total)
 
 
-CONTENDERS = {"tierlm": tierlm, "hand-loop": hand_loop, "hf-trainer": hf_trainer}
+def tierlm_jax(args) -> dict:
+    """tierlm with infra.backend=jax (the same run; jax.jit's compilation falls in the untimed warm-up)."""
+    args.overrides = [*args.overrides, "infra.backend=jax"]
+    return tierlm(args)
+
+
+CONTENDERS = {"tierlm": tierlm, "tierlm-jax": tierlm_jax, "hand-loop": hand_loop, "hf-trainer": hf_trainer}
 
 if __name__ == "__main__":
     p = parser(__doc__)

@@ -335,6 +335,9 @@ class InfraConfig(Section):
     """Show a progress bar when attached to a terminal (a log line every logging_steps otherwise)."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak TFLOP/s for the MFU estimate (default: known GPUs' bf16 peak, a measured matmul rate on CPU)."""
+    backend: Literal["pytorch", "jax"] = "pytorch"
+    """What computes the steps: PyTorch, or JAX (jax + optax: the native GPT, AdamW, pretraining / SFT /
+    DPO, fp32, one process over its local devices; checkpoints are PyTorch's files and cross over)."""
     distributed_type: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism under torchrun: "fsdp" (FSDP2, sharded), "ddp" (replicated), "none" (one
     process); "auto" is fsdp when torchrun started more than one rank, else none."""

@@ -174,7 +174,7 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
         held_reference: dict[str, torch.Tensor] = {}
 
         def reference_pass() -> None:  # DPO's reference log-probs, as DPOStrategy.prepare_batch computes them
-            held_reference["logps"] = reference.forward(batch, DPOStrategy._logps).wait()["logps"]
+            held_reference["logps"] = reference.forward(batch, DPOStrategy()._logps).wait()["logps"]
 
         def step() -> None:
             step_batch = dict(batch)

@@ -145,6 +145,8 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         return create_warmup_scheduler(optimizer, tr.warmup_steps, tr.num_train_steps, tr.lr_scheduler_type, tr.min_lr_ratio,
                                        tr.warmdown_ratio, momentum_warmup_steps=tr.muon_momentum_warmup_steps)
 
+    if infra.backend == "jax":
+        return jax_backend(config, model, checkpoint_dir, kind, optimizer_fn, scheduler_fn)
     bf16 = torch.bfloat16 if tr.bf16 else None
     scaler = None
     if tr.fp16:
@@ -174,6 +176,28 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,
         fused_cross_entropy=tr.fused_cross_entropy, grad_scaler=scaler, flash_attention=config.model.use_flash_attention,
     )
+
+
+def jax_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, kind: str, optimizer_fn, scheduler_fn):
+    """infra.backend=jax: what it does not do is refused in one line each."""
+    from tierlm.backends.jax_backend import JaxTrainingBackend
+
+    try:
+        import jax  # noqa: F401
+        import optax  # noqa: F401
+    except ImportError:
+        raise ConfigError("infra.backend=jax needs jax and optax: pip install 'tierlm[jax]' (or use infra.backend=pytorch)") from None
+
+    tr, infra, m = config.training, config.infra, config.model
+    refusals = {"torchrun (one JAX process uses its local devices)": kind != "none", "training.bf16 / fp16 (fp32 only)": tr.bf16 or tr.fp16,
+                "training.fp8": tr.fp8, "infra.compile (jax.jit compiles)": infra.compile,
+                "infra.activation_checkpointing": infra.activation_checkpointing, "model.lora": bool(m.lora.r),
+                f"training.optimizer={tr.optimizer} (AdamW only)": tr.optimizer != "adamw", f"model.dtype={m.dtype} (fp32 only)": m.dtype != "float32"}
+    for what, asked in refusals.items():
+        if asked:
+            raise ConfigError(f"infra.backend=jax does not do {what}: drop it or use infra.backend=pytorch")
+    optimizer = optimizer_fn(model)
+    return JaxTrainingBackend(model, optimizer, checkpoint_dir, scheduler_fn(optimizer), tr.max_grad_norm)
 
 
 def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: str, kind: str):
@@ -282,12 +306,14 @@ def _train_stage(run: Run) -> dict:
         train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
     config = run.resolve(model)
     if stage == "dpo":
-        reference = frozen_reference(model, run.device) if config.dpo.reference == "frozen" else None
-        strategy = DPOStrategy(config.dpo.beta, reference)
+        torch_reference = config.dpo.reference == "frozen" and config.infra.backend == "pytorch"  # (JAX's: below)
+        strategy = DPOStrategy(config.dpo.beta, frozen_reference(model, run.device) if torch_reference else None)
     else:
         train_loader = RankSlice(train_loader, ctx.rank, run.world_size) if ctx else train_loader
         strategy = (Seq2SeqStrategy if run.seq2seq else PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
     backend = build_backend(config, model, run.checkpoint_dir, run.device, ctx)
+    if stage == "dpo" and config.dpo.reference == "frozen" and config.infra.backend == "jax":
+        strategy.reference = backend.frozen_reference()  # the initial parameters, computed by JAX too
     trainer = Trainer(
         backend, strategy, train_loader=train_loader, eval_loader=eval_loader, config=config.training,
         flops_per_token=flops_per_token(model, config.data.max_seq_length), peak_flops=peak_flops(run.device, config.infra.peak_tflops),

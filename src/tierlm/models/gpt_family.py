@@ -55,6 +55,12 @@ class GPTFamily(NativeCausalLM):
     def blocks(self, model) -> nn.ModuleList:
         return model.blocks
 
+    def jax_forward(self, model):
+        from tierlm.jax.gpt import forward
+
+        config = model.config
+        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
+
     # -- the transformers twin: Qwen3 ------------------------------------------------------
     def hf_config(self, config):
         return to_hf_config(config)

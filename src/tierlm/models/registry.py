@@ -119,6 +119,11 @@ class ModelFamily:
         """A folder's weights (CPU), named as `model.state_dict()` names them."""
         raise NotImplementedError
 
+    def jax_forward(self, model: nn.Module):
+        """`(params, batch) -> logits` in JAX for this model's parameters by name (`tierlm.jax`), or None
+        when the family has no JAX twin (the JAX backend refuses it)."""
+        return None
+
     def exportable(self, model: nn.Module) -> str | None:
         """None when the saved folder loads in transformers as it is; else the reason it cannot."""
         return None

@@ -80,6 +80,27 @@ class CrossEntropyStrategy:
             metrics["num_bytes"] = nbytes.sum()
         return metrics
 
+    # -- the JAX backend's twins (tierlm.jax.losses.jax_twin), tested equal to the methods above --------
+    def jax_compute_loss(self, logits, batch):
+        from tierlm.jax.losses import cross_entropy_sum
+
+        return cross_entropy_sum(logits, get_labels(batch), batch.get("loss_mask"))
+
+    def jax_compute_metrics(self, logits, batch):
+        import jax.numpy as jnp
+
+        from tierlm.jax.losses import per_token_cross_entropy, token_weights as jax_token_weights
+
+        labels = get_labels(batch)
+        weights = jax_token_weights(labels, batch.get("loss_mask"))
+        losses = per_token_cross_entropy(logits, labels)
+        metrics = {"loss_sum": (losses * weights).sum(), "num_tokens": weights.sum()}
+        if self.token_bytes is not None:
+            nbytes = jnp.asarray(self.token_bytes.numpy(), dtype=jnp.float32)[jnp.maximum(labels, 0)] * weights
+            metrics["bpb_nats"] = (losses * (nbytes > 0)).sum()
+            metrics["num_bytes"] = nbytes.sum()
+        return metrics
+
     @staticmethod
     def summarize(totals: Mapping[str, float]) -> dict[str, float]:
         """Eval line values from summed `compute_metrics` outputs.

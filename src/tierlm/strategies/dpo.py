@@ -55,8 +55,7 @@ class DPOStrategy:
             out["ref_logps"] = self.reference.forward(out, self._logps).wait()["logps"]
         return out
 
-    @staticmethod
-    def _logps(logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+    def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         return {"logps": sequence_logprobs(logits, batch["labels"])}
 
     def _pairs(self, logits: torch.Tensor, batch: Batch):
@@ -80,6 +79,29 @@ class DPOStrategy:
             "correct": ((margin > 0).float() + 0.5 * (margin == 0).float()).sum(),
             "policy_correct": ((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).sum(),
         }
+
+    # -- the JAX backend's twins (tierlm.jax.losses.jax_twin), tested equal to the methods above --------
+    def jax_logps(self, logits, batch):
+        from tierlm.jax.losses import token_logprobs
+
+        return {"logps": token_logprobs(logits, batch["labels"]).sum(axis=-1)}
+
+    def _jax_pairs(self, logits, batch):
+        from tierlm.jax.losses import dpo_loss as jax_dpo_loss
+
+        policy = self.jax_logps(logits, batch)["logps"]
+        ref, n = batch["ref_logps"], policy.shape[0] // 2
+        return policy[:n], policy[n:], *jax_dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.beta)
+
+    def jax_compute_loss(self, logits, batch):
+        *_, losses, _, _ = self._jax_pairs(logits, batch)
+        return losses.sum(), float(losses.shape[0])
+
+    def jax_compute_metrics(self, logits, batch):
+        chosen, rejected, losses, chosen_rewards, rejected_rewards = self._jax_pairs(logits, batch)
+        margin = chosen_rewards - rejected_rewards
+        return {"loss_sum": losses.sum(), "num_pairs": float(losses.shape[0]), "margin_sum": margin.sum(),
+                "correct": ((margin > 0) + 0.5 * (margin == 0)).sum(), "policy_correct": ((chosen > rejected) + 0.5 * (chosen == rejected)).sum()}
 
     @staticmethod
     def summarize(totals: Mapping[str, float]) -> dict[str, float]:

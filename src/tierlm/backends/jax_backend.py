@@ -1,0 +1,245 @@
+"""Tier 0: the JAX backend — the same protocol as `PyTorchTrainingBackend`, computed by `jax.jit`-compiled
+functions over a flat dict of parameters named as the PyTorch model names them.
+
+What it keeps from PyTorch, on purpose: the model module (its family's JAX forward reads its config,
+and its parameters are the names and the initial values), the optimizer's parameter groups (each
+group's LR, betas, eps and weight decay become one `JaxAdam`) and the LR schedule (it moves the groups'
+LRs, which each step hands to optax), and the checkpoint format: at a save the parameters and the
+Adam moments are written into the module and the optimizer and saved by `tierlm.checkpoint` exactly as
+the PyTorch backend saves them, so a checkpoint crosses between the two backends as it is.
+
+The step math is the PyTorch backend's: each micro-batch's gradient is that of its summed loss;
+`optim_step` divides the accumulated gradients by the step's trained tokens, clips their global norm
+as `torch.nn.utils.clip_grad_norm_` does, skips a non-finite step, then updates. Losses come from the
+strategies' JAX twins (`tierlm.jax.losses.jax_twin`). Several local devices (GPUs, TPU cores, or CPU
+devices from XLA_FLAGS=--xla_force_host_platform_device_count=N) split each batch's rows with
+`jax.sharding`; the parameters are replicated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tierlm import checkpoint
+from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.errors import CheckpointError, ConfigError
+from tierlm.models import family_of
+
+
+class JaxTrainingBackend:
+    """One model trained by JAX on the local devices (data parallel over them when there are several)."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str | Path, scheduler: Any | None = None,
+                 max_grad_norm: float = 1.0, loss_fn: Callable | None = None, jax_forward: Callable | None = None):
+        import jax
+
+        from tierlm.jax.gpt import params_from_torch
+        from tierlm.jax.optim import JaxAdam
+
+        assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
+        if not isinstance(optimizer, torch.optim.AdamW) and type(optimizer) is not torch.optim.Adam:
+            raise ConfigError(f"the JAX backend trains with AdamW (its groups become optax AdamW); got {type(optimizer).__name__}: "
+                              "set training.optimizer=adamw")
+        self.forward_fn = jax_forward or family_of(model).jax_forward(model)
+        if self.forward_fn is None:
+            raise ConfigError(f"the JAX backend has no twin of the {family_of(model).name} family; use infra.backend=pytorch")
+        self._module, self.optimizer, self.scheduler = model.float().cpu(), optimizer, scheduler
+        optimizer._opt_called = True  # it never steps (it carries the LRs): no "scheduler before optimizer" warning
+        self.checkpoint_dir, self.max_grad_norm, self.loss_fn = Path(checkpoint_dir), max_grad_norm, loss_fn
+        self.device = torch.device("cpu")  # where batches and results live on the PyTorch side
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        self.adams = [JaxAdam(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in optimizer.param_groups]
+        self.params = params_from_torch(model)
+        self.opt_states = [adam.init(self._group(self.params, i)) for i, adam in enumerate(self.adams)]
+        self.devices = jax.local_devices()
+        self.step, self._synced = 0, True
+        self._jitted: dict[Any, Callable] = {}
+        self._updates = [jax.jit(adam.update) for adam in self.adams]
+        self._reset_accumulators()
+
+    # -- the PyTorch side ------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The PyTorch module holding the current weights (copied from JAX when they changed)."""
+        if not self._synced:
+            from tierlm.jax.gpt import params_into_torch
+
+            params_into_torch(self.params, self._module)
+            self._synced = True
+        return self._module
+
+    eval_model = model
+
+    def memory_stats(self) -> dict[str, float]:
+        params = sum(int(np.prod(v.shape)) * 4 for v in self.params.values())
+        return {"param_bytes": float(params), "optimizer_bytes": float(2 * params)}
+
+    def wait_for_save(self) -> None:
+        """Saves are synchronous here (the protocol's call for a backend that saves in the background)."""
+
+    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        return values
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _group(self, tree: dict, i: int) -> dict:
+        return {name: tree[name] for name in self.groups[i]}
+
+    def _reset_accumulators(self) -> None:
+        self._grads: dict | None = None
+        self._loss_sum, self._num_tokens, self._num_micro_batches = 0.0, 0.0, 0
+
+    def _to_jax(self, batch: Batch) -> dict:
+        """Tensors as JAX arrays (ids as int32, floats as float32), rows split over the local devices."""
+        import jax
+        import jax.numpy as jnp
+
+        out = {}
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            array = value.detach().cpu().numpy()
+            array = array.astype(np.int32) if np.issubdtype(array.dtype, np.integer) else array.astype(np.float32)
+            out[key] = jnp.asarray(array)
+        if len(self.devices) > 1 and all(v.ndim and v.shape[0] % len(self.devices) == 0 for v in out.values()):
+            mesh = jax.sharding.Mesh(np.array(self.devices), ("data",))
+            rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+            out = {k: jax.device_put(v, rows) for k, v in out.items()}
+        return out
+
+    def _loss(self, loss_fn: Callable | None) -> tuple[Any, Callable]:
+        """(cache key, JAX twin) of a strategy loss; the default is token cross-entropy."""
+        from tierlm.jax.losses import cross_entropy_sum, jax_twin
+
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            return "cross_entropy", lambda logits, batch: cross_entropy_sum(logits, batch["labels"], batch.get("loss_mask"))
+        return (id(getattr(loss_fn, "__self__", None)), getattr(loss_fn, "__name__", "")), jax_twin(loss_fn)
+
+    def _compiled(self, kind: str, loss_fn: Callable | None) -> Callable:
+        import jax
+
+        key, twin = self._loss(loss_fn)
+        if (kind, key) not in self._jitted:
+            forward = self.forward_fn
+            if kind == "grad":
+                def loss(params, batch):
+                    total, count = twin(forward(params, batch), batch)
+                    return total, count
+
+                self._jitted[kind, key] = jax.jit(jax.value_and_grad(loss, has_aux=True))
+            else:
+                self._jitted[kind, key] = jax.jit(lambda params, batch: twin(forward(params, batch), batch))
+        return self._jitted[kind, key]
+
+    # -- protocol --------------------------------------------------------------------------
+    def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
+        import jax
+
+        (total, count), grads = self._compiled("grad", loss_fn)(self.params, self._to_jax(batch))
+        self._grads = grads if self._grads is None else jax.tree_util.tree_map(lambda a, b: a + b, self._grads, grads)
+        total, count = float(total), float(count)
+        self._loss_sum += total
+        self._num_tokens += count
+        self._num_micro_batches += 1
+        return TrainFuture.ready({"loss": total / max(count, 1.0), "num_tokens": count})
+
+    def forward(self, batch: Batch, fn: Callable | None = None, params: dict | None = None) -> TrainFuture[dict[str, float]]:
+        out = self._compiled("eval", fn)(self.params if params is None else params, self._to_jax(batch))
+        if fn is None and self.loss_fn is None:
+            out = {"loss_sum": out[0], "num_tokens": out[1]}
+        return TrainFuture.ready({k: float(v) if np.ndim(v) == 0 else torch.from_numpy(np.array(v)) for k, v in out.items()})
+
+    def optim_step(self) -> TrainFuture[dict[str, float]]:
+        import jax
+        import jax.numpy as jnp
+
+        assert self._num_micro_batches > 0, "optim_step() called without a forward_backward() since the last step"
+        loss, num_tokens = self._loss_sum / max(self._num_tokens, 1.0), self._num_tokens
+        grads = jax.tree_util.tree_map(lambda g: g / max(num_tokens, 1.0), self._grads)
+        grad_norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads))))
+        if self.max_grad_norm > 0 and self.max_grad_norm / (grad_norm + 1e-6) < 1.0:  # torch's clip_grad_norm_
+            scale = self.max_grad_norm / (grad_norm + 1e-6)
+            grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        reported = {"lr": lrs[0], **({f"lr_{g['role']}": g["lr"] for g in self.optimizer.param_groups if "role" in g} if len(set(lrs)) > 1 else {})}
+        finite = bool(np.isfinite(grad_norm) and np.isfinite(loss))
+        if finite:
+            params = dict(self.params)
+            for i, (update, adam) in enumerate(zip(self._updates, self.adams)):
+                state = adam.with_learning_rate(self.opt_states[i], lrs[i])
+                group = self._group(self.params, i)
+                updates, self.opt_states[i] = update(self._group(grads, i), state, group)
+                params.update({k: group[k] + updates[k] for k in group})
+            self.params, self._synced = params, False
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step += 1
+        self._reset_accumulators()
+        return TrainFuture.ready({"loss": loss, "grad_norm": grad_norm, **reported, "num_tokens": num_tokens, "skipped": float(not finite)})
+
+    def frozen_reference(self) -> "JaxFrozenReference":
+        """The model as it is now, for DPO's reference (no copy: JAX arrays never change)."""
+        return JaxFrozenReference(self, self.params)
+
+    # -- checkpoints: the PyTorch backend's files --------------------------------------------
+    @torch.no_grad()
+    def _optimizer_into_torch(self) -> None:
+        named = dict(self.model.named_parameters())
+        for i, adam in enumerate(self.adams):
+            count, mu, nu = adam.moments(self.opt_states[i])
+            for name in self.groups[i]:
+                if count:
+                    self.optimizer.state[named[name]] = {"step": torch.tensor(float(count)), "exp_avg": torch.from_numpy(np.array(mu[name])),
+                                                         "exp_avg_sq": torch.from_numpy(np.array(nu[name]))}
+
+    def _optimizer_from_torch(self) -> None:
+        import jax.numpy as jnp
+
+        from tierlm.jax.gpt import params_from_torch
+
+        self.params, self._synced = params_from_torch(self._module), True
+        named = dict(self._module.named_parameters())
+        for i, adam in enumerate(self.adams):
+            states = [self.optimizer.state.get(named[name], {}) for name in self.groups[i]]
+            if not states or "exp_avg" not in states[0]:
+                self.opt_states[i] = adam.init(self._group(self.params, i))
+                continue
+            count = int(states[0]["step"])
+            mu = {name: jnp.asarray(s["exp_avg"].float().numpy()) for name, s in zip(self.groups[i], states)}
+            nu = {name: jnp.asarray(s["exp_avg_sq"].float().numpy()) for name, s in zip(self.groups[i], states)}
+            self.opt_states[i] = adam.with_moments(adam.init(self._group(self.params, i)), count, mu, nu)
+
+    def save_checkpoint(self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None,
+                        metric: float | None = None) -> TrainFuture[Path]:
+        self._optimizer_into_torch()
+        snapshot = checkpoint.take_snapshot(self.model, self.optimizer, self.scheduler)
+        checkpoint.write_snapshot(self.checkpoint_dir, step, snapshot, {"backend_step": self.step, **(trainer_state or {})}, write_extra, metric)
+        return TrainFuture.ready(self.checkpoint_dir / f"step_{step}")
+
+    def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
+        if path is None:
+            path = checkpoint.find_latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                raise CheckpointError(f"no complete checkpoint under {self.checkpoint_dir}")
+        state = checkpoint.load_checkpoint(path, self._module, self.optimizer, self.scheduler)
+        self._optimizer_from_torch()
+        self.step = state.get("backend_step", self.step)
+        return TrainFuture.ready(state)
+
+
+
+class JaxFrozenReference:
+    """The `forward` half of the protocol over fixed parameters (as `tierlm.backends.pytorch.FrozenReference`)."""
+
+    def __init__(self, backend: JaxTrainingBackend, params: dict):
+        self.backend, self.params = backend, params
+
+    def forward(self, batch: Batch, fn: Callable) -> TrainFuture[dict]:
+        return self.backend.forward(batch, fn, params=self.params)

@@ -1,0 +1,222 @@
+"""The JAX backend (issue 19): the native GPT's JAX forward equals PyTorch's, the functional optimizers
+equal torch.optim's and optax's step for step, the JAX backend trains as the PyTorch backend does (20
+AdamW steps of pretraining, SFT and DPO within 1e-4, with parameter roles, weight decay, warmup and
+clipping), checkpoints cross between the backends both ways, and the rows of a batch split over
+several local devices give the one-device result."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("jax", reason="the JAX backend needs jax and optax (pip install -e .[jax])")
+pytest.importorskip("optax", reason="the JAX backend needs jax and optax (pip install -e .[jax])")
+
+import jax.numpy as jnp  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+from tierlm.backends.jax_backend import JaxTrainingBackend  # noqa: E402
+from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend  # noqa: E402
+from tierlm.models import GPTConfig, build_gpt  # noqa: E402
+from tierlm.primitives.optim import RoleSettings, build_adamw  # noqa: E402
+from tierlm.primitives.schedules import create_warmup_scheduler  # noqa: E402
+from tierlm.strategies import PretrainStrategy, SFTStrategy  # noqa: E402
+from tierlm.strategies.dpo import DPOStrategy  # noqa: E402
+
+V = 97
+
+
+def _model(tied: bool = False, **shape) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(**{"depth": 2, "aspect_ratio": 32, "head_dim": 16, "n_kv_head": 2, "vocab_size": V, "max_seq_len": 64,
+                                   "tie_embeddings": tied, **shape}))
+    with torch.no_grad():  # the fresh model's output projections are zero: make every weight matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("shape", [{}, {"tie_embeddings": True}, {"window_pattern": "SL", "short_window": 5, "n_kv_head": 1}],
+                         ids=["untied", "tied", "windows-mqa"])
+def test_the_jax_forward_is_the_pytorch_model(shape):
+    from tierlm.jax.gpt import forward, params_from_torch
+
+    model = _model(**shape).eval()
+    ids = torch.randint(0, V, (2, 12))
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])  # row 0 packs two documents
+    params = params_from_torch(model)
+    with torch.no_grad():
+        for pos in (None, positions):
+            want = model(ids, position_ids=pos)
+            got = forward(params, model.config, jnp.asarray(ids.numpy()), None if pos is None else jnp.asarray(pos.numpy()))
+            np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=0)
+
+
+def test_functional_optimizers_equal_torch_and_optax_step_for_step():
+    from tierlm.jax.optim import JaxAdam
+    from tierlm.primitives.functional_optim import FunctionalMuon, PyTorchAdam, apply_updates
+    from tierlm.primitives.muon import Muon
+
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g)}
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in start.items()} for _ in range(20)]
+    for weight_decay, reference in ((0.1, torch.optim.AdamW), (0.0, torch.optim.Adam)):
+        params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+        torch_opt = reference(params.values(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+        functional, jax_opt = PyTorchAdam(0.01, 0.9, 0.95, 1e-8, weight_decay), JaxAdam(0.01, 0.9, 0.95, 1e-8, weight_decay)
+        f_params, j_params = dict(start), {k: jnp.asarray(v.numpy()) for k, v in start.items()}
+        f_state, j_state = functional.init(f_params), jax_opt.init(j_params)
+        for step_grads in grads:
+            for k, p in params.items():
+                p.grad = step_grads[k].clone()
+            torch_opt.step()
+            updates, f_state = functional.update(step_grads, f_state, f_params)
+            f_params = apply_updates(f_params, updates)
+            j_updates, j_state = jax_opt.update({k: jnp.asarray(v.numpy()) for k, v in step_grads.items()}, j_state, j_params)
+            j_params = {k: j_params[k] + j_updates[k] for k in j_params}
+        for k, p in params.items():
+            torch.testing.assert_close(f_params[k], p.detach(), atol=1e-6, rtol=0)
+            np.testing.assert_allclose(np.asarray(j_params[k]), p.detach().numpy(), atol=1e-6, rtol=0)
+        assert JaxAdam.moments(j_state)[0] == 20
+    w = torch.nn.Parameter(start["w"].clone())
+    muon, functional = Muon([w], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32), FunctionalMuon(0.02, weight_decay=0.1)
+    f_w, state = {"w": start["w"].clone()}, functional.init({"w": start["w"]})
+    for step_grads in grads[:5]:
+        w.grad = step_grads["w"].clone()
+        muon.step()
+        updates, state = functional.update({"w": step_grads["w"]}, state, f_w)
+        f_w = apply_updates(f_w, updates)
+    torch.testing.assert_close(f_w["w"], w.detach(), atol=1e-5, rtol=0)
+
+
+def _backends(model: torch.nn.Module, tmp_path, steps: int = 20):
+    """A PyTorch and a JAX backend over copies of `model`: AdamW with four roles' LRs, weight decay on the
+    matrices, 3 warmup steps then cosine, gradients clipped at 1."""
+    settings = RoleSettings(matrix_lr=3e-3, embedding_lr=2e-2, unembedding_lr=4e-3, scalar_lr=5e-3, weight_decay=0.1)
+    out = []
+    for kind in ("pytorch", "jax"):
+        m = copy.deepcopy(model)
+        optimizer = build_adamw(m, settings)
+        scheduler = create_warmup_scheduler(optimizer, 3, steps, "cosine", 0.1)
+        folder = tmp_path / kind
+        out.append(PyTorchTrainingBackend(m, optimizer, None, folder, "cpu", scheduler, 1.0) if kind == "pytorch"
+                   else JaxTrainingBackend(m, optimizer, folder, scheduler, 1.0))
+    return out
+
+
+def _batches(kind: str, n: int = 20):
+    """`n` batches cycling through 4 (so there is something to learn: the loss falls)."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "pretrain":
+        return [{"tokens": torch.randint(0, V, (4, 17), generator=g)} for _ in range(4)] * (n // 4)
+    if kind == "sft":
+        return [{"tokens": torch.randint(0, V, (4, 17), generator=g), "mask": (torch.rand(4, 17, generator=g) > 0.4).long()}
+                for _ in range(4)] * (n // 4)
+    batches = []  # DPO: 2 pairs a batch, chosen rows then rejected rows, labels only on the responses
+    for _ in range(4):
+        ids = torch.randint(0, V, (4, 16), generator=g)
+        labels = ids.clone()
+        labels[:, :6] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches * (n // 4)
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo"])
+def test_the_jax_backend_trains_as_the_pytorch_backend(stage, tmp_path):
+    """20 AdamW steps from the same weights on the same batches: losses and final weights within 1e-4,
+    and the evaluation metrics (the strategies' JAX twins) too."""
+    torch_backend, jax_backend = _backends(_model(), tmp_path)
+    if stage == "dpo":
+        strategies = (DPOStrategy(0.1, FrozenReference(copy.deepcopy(torch_backend.model), "cpu")), DPOStrategy(0.1, jax_backend.frozen_reference()))
+    else:
+        strategies = ((PretrainStrategy if stage == "pretrain" else SFTStrategy)(torch.ones(V, dtype=torch.long)),) * 2
+    batches, losses = _batches(stage), {}
+    for backend, strategy in zip((torch_backend, jax_backend), strategies):
+        losses[backend] = []
+        for batch in batches:
+            backend.forward_backward(strategy.prepare_batch(batch), strategy.compute_loss)
+            losses[backend].append(backend.optim_step().wait()["loss"])
+    np.testing.assert_allclose(losses[jax_backend], losses[torch_backend], atol=1e-4, rtol=0)
+    assert losses[torch_backend][-1] < losses[torch_backend][0] - 0.05  # it trained
+    for name, p in torch_backend.model.named_parameters():
+        torch.testing.assert_close(dict(jax_backend.model.named_parameters())[name], p, atol=1e-4, rtol=0)
+    held_out = strategies[0].prepare_batch(batches[0])
+    want = torch_backend.forward(held_out, strategies[0].compute_metrics).wait()
+    got = jax_backend.forward(strategies[1].prepare_batch(batches[0]), strategies[1].compute_metrics).wait()
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-3 for k in want), (got, want)
+    del held_out
+
+
+@pytest.mark.parametrize("first", ["jax", "pytorch"])
+def test_a_checkpoint_crosses_between_the_backends(first, tmp_path):
+    """3 steps on one backend, a checkpoint, 3 more on the other = 6 on the first (weights, Adam moments,
+    step count and schedule all crossed)."""
+    strategy, batches = PretrainStrategy(), _batches("pretrain", 8)[:6]
+
+    def train(backend, part):
+        out = []
+        for batch in part:
+            backend.forward_backward(strategy.prepare_batch(batch), strategy.compute_loss)
+            out.append(backend.optim_step().wait()["loss"])
+        return out
+
+    torch_backend, jax_backend = _backends(_model(tied=True), tmp_path / "a", steps=6)
+    one, other = (jax_backend, torch_backend) if first == "jax" else (torch_backend, jax_backend)
+    losses = train(one, batches[:3])
+    path = one.save_checkpoint(3).wait()
+    other.checkpoint_dir = one.checkpoint_dir
+    assert other.load_checkpoint(path).wait()["backend_step"] == 3
+    losses += train(other, batches[3:])
+    straight = train(_backends(_model(tied=True), tmp_path / "b", steps=6)[0 if first == "pytorch" else 1], batches)
+    np.testing.assert_allclose(losses, straight, atol=1e-4, rtol=0)
+
+
+def test_rows_split_over_two_devices_give_the_one_device_steps(tmp_path):
+    """XLA's host platform as 2 CPU devices (the data-parallel path of a multi-GPU machine): the same
+    losses as one device."""
+    script = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_jax import _backends, _batches, _model
+from pathlib import Path
+import jax
+from tierlm.strategies import PretrainStrategy
+backend = _backends(_model(), Path(sys.argv[2]))[1]
+strategy, losses = PretrainStrategy(), []
+for batch in _batches("pretrain", 5):
+    backend.forward_backward(strategy.prepare_batch(batch), strategy.compute_loss)
+    losses.append(backend.optim_step().wait()["loss"])
+print(json.dumps({"devices": len(jax.local_devices()), "losses": losses}))
+"""
+    runs = {}
+    for n in (1, 2):
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "OMP_NUM_THREADS": "1"}
+        result = subprocess.run([sys.executable, "-c", script, str(REPO / "tests"), str(tmp_path / str(n))], env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[n] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert runs[2]["devices"] == 2
+    np.testing.assert_allclose(runs[2]["losses"], runs[1]["losses"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_tierlm_pretrain_with_the_jax_backend(tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "run"
+    args = ["pretrain", "--config", "tiny_pretrain", "infra.backend=jax", "training.num_train_steps=8", "training.warmup_steps=1",
+            "training.eval_steps=4", "training.save_steps=4", "training.eval_batches=2", "data.num_synthetic_examples=2000",
+            "infra.progress_bar=false", f"infra.output_dir={out}"]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "eval"]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    resumed = run_cli(*args[:-1], "infra.backend=pytorch", "training.num_train_steps=10", "training.resume=auto", f"infra.output_dir={out}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]  # the JAX run's checkpoint continues under PyTorch

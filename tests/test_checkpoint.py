@@ -241,7 +241,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     strategy = PoisonedStrategy()
     trainer = Trainer(backend, strategy, train_loader=Loader(), config=TrainingConfig(
         num_train_steps=10, save_steps=2, eval_steps=0, logging_steps=1, max_consecutive_nonfinite=3))
-    original = trainer.train_step
+    original = trainer.step
 
     def step_and_count(batches):
         strategy.step = trainer.state.step + 1
@@ -251,7 +251,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
         assert unchanged == bool(metrics["skipped"]) == (strategy.step in strategy.poisoned_steps)
         return metrics
 
-    trainer.train_step = step_and_count
+    trainer.step = step_and_count
     with pytest.raises(TrainingDiverged, match="3 consecutive steps .up to step 7.*Last good checkpoint: .*step_6"):
         trainer.train()
     assert trainer.state.skipped_steps == 4

@@ -182,11 +182,8 @@ def jax_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Pa
     """infra.backend=jax: what it does not do is refused in one line each."""
     from tierlm.backends.jax_backend import JaxTrainingBackend
 
-    try:
-        import jax  # noqa: F401
-        import optax  # noqa: F401
-    except ImportError:
-        raise ConfigError("infra.backend=jax needs jax and optax: pip install 'tierlm[jax]' (or use infra.backend=pytorch)") from None
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") is None:
+        raise ConfigError("infra.backend=jax needs jax and optax: pip install 'tierlm[jax]' (or use infra.backend=pytorch)")
 
     tr, infra, m = config.training, config.infra, config.model
     refusals = {"torchrun (one JAX process uses its local devices)": kind != "none", "training.bf16 / fp16 (fp32 only)": tr.bf16 or tr.fp16,

@@ -3,6 +3,17 @@
 `Trainer(backend, strategy)` decides when to evaluate, log, checkpoint and stop; the backend
 does the math and the strategy says what is optimised. It speaks only the tier-0 protocol, so
 it drives every backend the same way.
+
+Seed 001's functional surface is a thin layer over the same calls, not a second loop:
+
+    trainer = Trainer(backend, strategy)
+    model_state = backend.model_state()
+    for batch in loader:
+        result = trainer.train_step(batch, model_state, model_state.optimizer_state)   # a TrainingResult
+        model_state = result.model_state
+    model_state = trainer.train_epoch(loader, model_state)                            # one pass
+
+(`tierlm.backends.state`: on PyTorch a state is a view of the backend's, on JAX a value.)
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from typing import Any, Callable, Iterable
 from tqdm import tqdm
 
 from tierlm.backends.protocol import TrainingBackend
+from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.checkpoint import find_latest_checkpoint, prune_checkpoints, resume_candidates
 from tierlm.config import TrainingConfig
 from tierlm.data.packing import eval_batches
@@ -29,6 +41,20 @@ from tierlm.models import family_of, unwrap_model
 from tierlm.primitives.fp8 import disable_fp8
 from tierlm.signals import GracefulStop, RunInterrupted
 from tierlm.strategies.base import TrainingStrategy
+
+
+@dataclass
+class TrainingResult:
+    """Seed 001's result of one `train_step`."""
+
+    model_state: ModelState
+    """The state after the update."""
+    metrics: dict[str, float]
+    """loss, grad_norm, lr (and each role's), num_tokens, skipped."""
+    diagnostics: dict[str, float]
+    """step_s (timing), param_bytes / optimizer_bytes / rss_mb (memory), communication_bytes (gradient
+    bytes each rank sends per step)."""
+    gradients: GradientInfo | None = None
 
 
 @dataclass
@@ -69,8 +95,8 @@ class Trainer:
         backend: TrainingBackend,
         strategy: TrainingStrategy,
         *,
-        train_loader,
-        config: TrainingConfig,
+        train_loader=None,
+        config: TrainingConfig | None = None,
         eval_loader=None,
         logger: MetricsLogger | None = None,
         flops_per_token: float | None = None,
@@ -79,7 +105,8 @@ class Trainer:
         progress_bar: bool = True,
         sampler: Callable[[Any], list[dict[str, str]]] | None = None,
     ):
-        self.backend, self.strategy, self.config = backend, strategy, config
+        self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
+        config = self.config
         self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
         self.eval_set = eval_batches(eval_loader, config.eval_batches) if eval_loader is not None else []
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -94,7 +121,7 @@ class Trainer:
         self.is_main = self.rank == 0
 
     # -- one step, one eval, one save ------------------------------------------------------
-    def train_step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
+    def step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
         """Accumulate gradients over `micro_batches`, then one optimizer step. Returns its metrics."""
         input_tokens = 0
         for batch in micro_batches:
@@ -102,6 +129,36 @@ class Trainer:
             input_tokens += prepared["input_ids"].numel()
             self.backend.forward_backward(prepared, loss_fn=self.strategy.compute_loss)
         return {**self.backend.optim_step().wait(), "input_tokens": input_tokens}
+
+    # -- seed 001's functional surface -----------------------------------------------------
+    def train_step(self, batch: dict, model_state: ModelState | None = None, optimizer_state: Any = None) -> TrainingResult:
+        """One update from (`model_state`, `optimizer_state`) on `batch`: prepare_batch, forward_backward,
+        all_reduce_gradients, apply_gradients. Without states it steps from the backend's current one."""
+        start = time.perf_counter()
+        if model_state is not None:
+            self.backend.load_model_state(model_state, optimizer_state)
+        self.backend.forward_backward(self.strategy.prepare_batch(batch), loss_fn=self.strategy.compute_loss)
+        gradients = self.backend.all_reduce_gradients(self.backend.gradient_info())
+        self.backend.apply_gradients(self.backend.model, gradients, self.backend.optimizer)
+        diagnostics = {"step_s": time.perf_counter() - start, **self.backend.memory_stats(), **memory_record(self.backend.device),
+                       "communication_bytes": float(self.backend.communication_bytes())}
+        return TrainingResult(self.backend.model_state(), dict(self.backend.last_step_metrics), diagnostics, gradients)
+
+    def train_epoch(self, dataloader, model_state: ModelState | None = None) -> ModelState:
+        """One pass over `dataloader` (a tierlm loader: one epoch, however it is set to repeat; or any
+        iterable of batches), a `train_step` per batch, each logged; returns the final state."""
+        repeat = getattr(dataloader, "repeat", None)
+        if repeat is not None:
+            dataloader.repeat = False
+        try:
+            for batch in dataloader:
+                result = self.train_step(batch, model_state)
+                model_state = result.model_state
+                self.logger.log({"type": "train", "step": model_state.step, **result.metrics, **result.diagnostics})
+        finally:
+            if repeat is not None:
+                dataloader.repeat = repeat
+        return model_state if model_state is not None else self.backend.model_state()
 
     def evaluate(self) -> dict[str, float]:
         """Metrics over the fixed eval set. Ranks share its batches and sum their totals, so the
@@ -192,7 +249,7 @@ class Trainer:
         try:
             while state.step < cfg.num_train_steps:
                 step_start = time.perf_counter()
-                metrics = self.train_step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
+                metrics = self.step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
                 step_s = time.perf_counter() - step_start
                 state.step += 1
                 family_of(self.backend.model).on_step(unwrap_model(self.backend.model), state.step, metrics["loss"])

@@ -5,9 +5,17 @@
 """
 
 from tierlm.backends.distributed import DDPTrainingBackend, DistributedTrainingBackend, FSDPTrainingBackend
-from tierlm.backends.factory import create_backend_with_scheduler, create_ddp_backend, create_fsdp_backend, create_pytorch_backend
+from tierlm.backends.factory import (
+    JaxBackend,
+    PyTorchBackend,
+    create_backend_with_scheduler,
+    create_ddp_backend,
+    create_fsdp_backend,
+    create_pytorch_backend,
+)
 from tierlm.backends.protocol import TrainFuture, TrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, loss_sum_and_count
+from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.primitives import (
     compute_device_map_single_gpu,
     create_adamw_optimizer,
@@ -21,6 +29,8 @@ from tierlm.primitives import (
 
 __all__ = [
     # tier 2
+    "JaxBackend",
+    "PyTorchBackend",
     "create_backend_with_scheduler",
     "create_ddp_backend",
     "create_fsdp_backend",
@@ -39,6 +49,8 @@ __all__ = [
     "DistributedTrainingBackend",
     "FSDPTrainingBackend",
     "FrozenReference",
+    "GradientInfo",
+    "ModelState",
     "PyTorchTrainingBackend",
     "TrainFuture",
     "TrainingBackend",

@@ -188,3 +188,39 @@ def create_ddp_backend(
         autocast_dtype=torch.bfloat16 if bf16 else None,
         gradient_accumulation_steps=gradient_accumulation_steps,
     )
+
+
+def _new_model(model_config, seed: int) -> torch.nn.Module:
+    """A fresh model of a native family's config (`GPTConfig`, `GPT2Config`, ...), initialised from `seed`."""
+    from tierlm.models import FAMILIES
+
+    family = next((f for f in FAMILIES.values() if getattr(f, "config_class", None) is type(model_config)), None)
+    assert family is not None, f"no model family builds a {type(model_config).__name__}"
+    torch.manual_seed(seed)
+    return family.build_from_config(model_config, "cpu", torch.float32)
+
+
+def JaxBackend(model_config, checkpoint_dir: str | Path = "checkpoints", learning_rate: float = 1e-3,
+               adam_betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0):
+    """Seed 001's `JaxBackend(model_config)`: a fresh model of that config trained by JAX (AdamW).
+
+    >>> from tierlm.models import GPTConfig
+    >>> backend = JaxBackend(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
+    >>> sorted(backend.forward_backward({"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2, 8))}).wait())
+    ['loss', 'num_tokens']
+    """
+    from tierlm.backends.jax_backend import JaxTrainingBackend
+
+    model = _new_model(model_config, seed)
+    optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
+    return JaxTrainingBackend(model, optimizer, checkpoint_dir, max_grad_norm=max_grad_norm)
+
+
+def PyTorchBackend(model_config, checkpoint_dir: str | Path = "checkpoints", learning_rate: float = 1e-3,
+                   adam_betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
+                   device_type: str = "auto") -> PyTorchTrainingBackend:
+    """`JaxBackend`'s twin: a fresh model of `model_config` trained by PyTorch (AdamW) on one device."""
+    device = resolve_device(device_type)
+    model = _new_model(model_config, seed).to(device)
+    optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
+    return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, device, max_grad_norm=max_grad_norm)

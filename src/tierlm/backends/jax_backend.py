@@ -26,6 +26,7 @@ import torch
 
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.errors import CheckpointError, ConfigError
 from tierlm.models import family_of
 
@@ -183,6 +184,33 @@ class JaxTrainingBackend:
         self.step += 1
         self._reset_accumulators()
         return TrainFuture.ready({"loss": loss, "grad_norm": grad_norm, **reported, "num_tokens": num_tokens, "skipped": float(not finite)})
+
+    # -- seed 001's functional surface (tierlm.backends.state; Trainer.train_step) ------------
+    def model_state(self) -> ModelState:
+        """The current state, a value (JAX arrays never change): hand an older one back to step from it."""
+        return ModelState(dict(self.params), list(self.opt_states), self.step, {"lr": [g["lr"] for g in self.optimizer.param_groups]})
+
+    def load_model_state(self, state: ModelState, optimizer_state: Any | None = None) -> None:
+        self.params, self._synced = dict(state.weights), False
+        self.opt_states = list(state.optimizer_state if optimizer_state is None else optimizer_state)
+        self.step = state.step
+
+    def gradient_info(self) -> GradientInfo:
+        return GradientInfo(dict(self._grads or {}), self._loss_sum, self._num_tokens, reduced=True)
+
+    def all_reduce_gradients(self, gradients: GradientInfo) -> GradientInfo:
+        """One process: the local devices' rows were summed inside the jitted step (XLA's collectives)."""
+        return gradients
+
+    def communication_bytes(self) -> int:
+        return 0
+
+    def apply_gradients(self, model, gradients: GradientInfo, optimizer=None):
+        """Normalise, clip, update (`optim_step`); returns the new parameters; metrics in `last_step_metrics`."""
+        self._grads, self._loss_sum, self._num_tokens = dict(gradients.gradients), gradients.loss_sum, gradients.num_tokens
+        self._num_micro_batches = max(self._num_micro_batches, 1)
+        self.last_step_metrics = self.optim_step().wait()
+        return self.params
 
     def frozen_reference(self) -> "JaxFrozenReference":
         """The model as it is now, for DPO's reference (no copy: JAX arrays never change)."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
 from tierlm.errors import CheckpointError
 from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy
 from tierlm.models.lora import adapters_disabled, has_lora
@@ -47,6 +48,22 @@ def _to_host(value: Any) -> float | torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         return value.detach().float().cpu()
     return float(value)
+
+
+def unwrap_named_parameters(model: nn.Module):
+    """(name, parameter) of the model under a DDP wrapper (names without its `module.` prefix)."""
+    return getattr(model, "module", model).named_parameters()
+
+
+def _shares_tensors(optimizer_state: dict, optimizer) -> bool:
+    """Is `optimizer_state` the optimizer's own (its `state_dict()`, sharing the state tensors)?"""
+    def tensors(state_dict: dict) -> list[torch.Tensor]:  # an OptimizerContainer's holds its optimizers' states
+        parts = state_dict["optimizers"] if "optimizers" in state_dict else [state_dict]
+        return [t for part in parts for s in part.get("state", {}).values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+    mine = tensors(optimizer.state_dict())
+    theirs = tensors(optimizer_state)
+    return len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs))
 
 
 class FrozenReference:
@@ -284,6 +301,46 @@ class PyTorchTrainingBackend:
             lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), **reported, "num_tokens": num_tokens.item(),
                      "skipped": float(not finite)}
         )
+
+    # -- seed 001's functional surface (tierlm.backends.state; Trainer.train_step) ------------
+    def model_state(self) -> ModelState:
+        """The live state (a view: the next step changes it in place)."""
+        return ModelState(dict(unwrap_named_parameters(self.model)), self.optimizer.state_dict(), self.step,
+                          {"lr": [g["lr"] for g in self.optimizer.param_groups]})
+
+    @torch.no_grad()
+    def load_model_state(self, state: ModelState, optimizer_state: Any | None = None) -> None:
+        """Make `state` the backend's (nothing to do for its own live state)."""
+        params = dict(unwrap_named_parameters(self.model))
+        for name, value in state.weights.items():
+            if value is not params[name]:
+                params[name].copy_(value)
+        optimizer_state = state.optimizer_state if optimizer_state is None else optimizer_state
+        if optimizer_state is not None and not _shares_tensors(optimizer_state, self.optimizer):
+            self.optimizer.load_state_dict(optimizer_state)
+        self.step = state.step
+
+    def gradient_info(self) -> GradientInfo:
+        """The gradients `forward_backward` accumulated (the parameters' `.grad`, sums over the step's tokens)."""
+        grads = {n: p.grad for n, p in unwrap_named_parameters(self.model) if p.grad is not None}
+        return GradientInfo(grads, float(self._loss_sum), float(self._num_tokens), reduced=self.world_size == 1)
+
+    def all_reduce_gradients(self, gradients: GradientInfo) -> GradientInfo:
+        """Gradients summed over the data-parallel ranks. DDP and FSDP2 reduce them during backward (in
+        buckets, overlapped with the computation), so here they already are; one process has nothing to reduce."""
+        gradients.reduced = True
+        return gradients
+
+    def communication_bytes(self) -> int:
+        """Gradient bytes each rank sends per step (ring all-reduce; 0 in one process)."""
+        grad_bytes = sum(p.numel() * p.element_size() for _, p in unwrap_named_parameters(self.model) if p.requires_grad)
+        return ring_all_reduce_bytes(grad_bytes, self.world_size)
+
+    def apply_gradients(self, model: nn.Module, gradients: GradientInfo, optimizer=None) -> nn.Module:
+        """Normalise by the step's tokens, clip, step (`optim_step`); its metrics are `last_step_metrics`."""
+        assert gradients.reduced, "apply_gradients takes reduced gradients (all_reduce_gradients first)"
+        self.last_step_metrics = self.optim_step().wait()
+        return model
 
     def save_checkpoint(
         self,

@@ -148,6 +148,15 @@ class GPT2Family(NativeCausalLM):
             architectures=["GPT2LMHeadModel"],
         )
 
+    def jax_forward(self, model):
+        from tierlm.jax.gpt2 import forward, unsupported
+
+        config = model.config
+        if unsupported(config):
+            raise ConfigError(f"the JAX backend computes plain GPT-2; this model uses {', '.join(unsupported(config))}: "
+                              "use infra.backend=pytorch")
+        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
+
     def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None) -> GPT2:
         """A transformers GPT-2 folder (`GPT2LMHeadModel`'s config.json and safetensors) as a native GPT2."""
         from safetensors.torch import load_file

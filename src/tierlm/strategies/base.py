@@ -41,8 +41,13 @@ class CrossEntropyStrategy:
     reports bits per byte, a tokenizer-independent measure, over tokens that carry bytes.
     """
 
-    def __init__(self, token_bytes: torch.Tensor | None = None):
-        self.token_bytes = token_bytes
+    LOSS_FUNCTIONS = ("cross_entropy",)
+
+    def __init__(self, token_bytes: torch.Tensor | None = None, loss_fn: str = "cross_entropy"):
+        """`loss_fn`: seed 001's name for the loss (`SFTStrategy(loss_fn="cross_entropy")`); cross-entropy is the one."""
+        if loss_fn not in self.LOSS_FUNCTIONS:
+            raise ValueError(f"loss_fn must be one of {list(self.LOSS_FUNCTIONS)}, got {loss_fn!r}")
+        self.token_bytes, self.loss_fn = token_bytes, loss_fn
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Packed rows (B, T+1) -> `input_ids` (B, T) and `labels` (B, T), the next tokens.

@@ -27,7 +27,7 @@ import torch
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.state import GradientInfo, ModelState
-from tierlm.errors import CheckpointError, ConfigError
+from tierlm.errors import ConfigError
 from tierlm.models import family_of
 
 
@@ -252,11 +252,7 @@ class JaxTrainingBackend:
         return TrainFuture.ready(self.checkpoint_dir / f"step_{step}")
 
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
-        if path is None:
-            path = checkpoint.find_latest_checkpoint(self.checkpoint_dir)
-            if path is None:
-                raise CheckpointError(f"no complete checkpoint under {self.checkpoint_dir}")
-        state = checkpoint.load_checkpoint(path, self._module, self.optimizer, self.scheduler)
+        state = checkpoint.load_checkpoint(checkpoint.checkpoint_to_load(path, self.checkpoint_dir), self._module, self.optimizer, self.scheduler)
         self._optimizer_from_torch()
         self.step = state.get("backend_step", self.step)
         return TrainFuture.ready(state)

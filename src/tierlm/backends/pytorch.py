@@ -14,7 +14,6 @@ from torch import nn
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
-from tierlm.errors import CheckpointError
 from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy
 from tierlm.models.lora import adapters_disabled, has_lora
 from tierlm.primitives.losses import (
@@ -382,11 +381,7 @@ class PyTorchTrainingBackend:
             raise error
 
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
-        if path is None:
-            path = checkpoint.find_latest_checkpoint(self.checkpoint_dir)
-            if path is None:
-                raise CheckpointError(f"no complete checkpoint under {self.checkpoint_dir}")
-        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        state = checkpoint.load_checkpoint(checkpoint.checkpoint_to_load(path, self.checkpoint_dir), self.model, self.optimizer, self.scheduler)
         self.step = state.get("backend_step", self.step)
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])

@@ -288,6 +288,16 @@ def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     return candidates[0] if candidates else None
 
 
+def checkpoint_to_load(path: str | Path | None, checkpoint_dir: str | Path) -> Path:
+    """`path`, or (None) the latest complete checkpoint under `checkpoint_dir`; none there is a `CheckpointError`."""
+    if path is not None:
+        return Path(path)
+    latest = find_latest_checkpoint(checkpoint_dir)
+    if latest is None:
+        raise CheckpointError(f"no complete checkpoint under {checkpoint_dir}")
+    return latest
+
+
 def checkpoint_metric(path: Path) -> float | None:
     try:
         return json.loads((path / META_FILE).read_text()).get("metric")

@@ -380,6 +380,15 @@ class RLConfig(Section):
     """Sample only from the k most likely tokens (None: all)."""
     top_p: float | None = Field(None, gt=0, le=1)
     """Nucleus sampling threshold (None: off)."""
+    critic: bool = False
+    """ppo: train a value model beside the policy (a copy of it with a one-column head) for per-token
+    GAE advantages and a clipped value loss, instead of the group-mean baseline."""
+    gae_gamma: float = Field(1.0, gt=0, le=1)
+    """ppo with a critic: the discount of GAE."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """ppo with a critic: GAE's lambda (1: the reward minus the value; 0: one-step TD)."""
+    value_clip_range: float = Field(0.2, gt=0)
+    """ppo with a critic: how far the value may move from its value at sampling time in the clipped loss."""
     ppo_epochs: int = Field(1, gt=0)
     """Optimizer steps per rollout batch; after the first, the clipped ratio against the stored old log-probs applies."""
     clip_range: float = Field(0.2, gt=0)

@@ -89,6 +89,7 @@ class RLTrainer:
     config: TrainingConfig
     logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     reference: Any = None
+    critic: Any = None  # PPO's value model (tierlm.rl.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
     stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
@@ -195,6 +196,8 @@ class RLTrainer:
             if self.reference is not None:
                 mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
         trained = batch["labels"] != IGNORE_INDEX
+        if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
+            self._critic_targets(micro, rewards, trained)
         old = torch.cat([mb["old_logprobs"] for mb in micro])
         parity = ((old - batch["sampler_logprobs"]).abs() * trained).sum() / trained.sum().clamp(min=1)
         kl = None
@@ -205,7 +208,10 @@ class RLTrainer:
         for _ in range(self.rl.ppo_epochs):
             for mb in micro:
                 self.backend.forward_backward({k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss)
+                if self.critic is not None:
+                    self.critic.accumulate(mb)
             update = self.backend.optim_step().wait()
+            value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
         t3 = time.perf_counter()
         totals = self._sum_over_ranks({  # statistics of the whole step, over every rank's rollouts
             "rows": len(rollouts), "groups": len(groups), "reward": float(rewards.sum()), "reward_sq": float((rewards**2).sum()),
@@ -225,7 +231,21 @@ class RLTrainer:
             "time_generation_s": t1 - t0, "time_scoring_s": t2 - t1, "time_training_s": t3 - t2,  # scoring: rewards + log-probs
             "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
             **({"kl": kl} if kl is not None else {}),
+            **({"value_loss": value_update["loss"]} if value_update is not None else {}),
         }
+
+    def _critic_targets(self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor) -> None:
+        """Each micro-batch gets the critic's values at sampling time, the GAE returns and the whitened
+        per-token advantages (over this rank's whole batch)."""
+        for mb in micro:
+            mb["old_values"] = self.critic.values(mb)
+        values = torch.cat([mb["old_values"] for mb in micro])
+        advantages, returns = self.strategy.token_advantages(rewards, values, trained)
+        start = 0
+        for mb in micro:
+            rows = mb["input_ids"].shape[0]
+            mb["advantages"], mb["returns"] = advantages[start : start + rows], returns[start : start + rows]
+            start += rows
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -261,6 +281,12 @@ class RLTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, metric: float | None) -> None:
+        if self.critic is not None:  # first: a policy checkpoint on disk always has its critic's
+            self.critic.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, None, metric)  # the same retention
+            if hasattr(self.critic.backend, "wait_for_save"):
+                self.critic.backend.wait_for_save()
+            if self.rank == 0:
+                prune_checkpoints(self.critic.backend.checkpoint_dir, self.config.save_total_limit)
         self.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, self.write_extra, metric)
         if hasattr(self.backend, "wait_for_save"):
             self.backend.wait_for_save()
@@ -273,6 +299,9 @@ class RLTrainer:
             return None
         path, state = found
         self.state = RLState(**state["loop"])
+        if self.critic is not None:
+            critic_path = self.critic.backend.checkpoint_dir / path.name
+            self.critic.backend.load_checkpoint(critic_path).wait()  # the same step's (a missing one is a CheckpointError)
         return path
 
     # -- the loop --------------------------------------------------------------------------

@@ -18,11 +18,12 @@ from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import shutdown_distributed
 from tierlm.recipes import build_backend, build_model, memory_needs
 from tierlm.run import Run, extras_writer, prepare_run, rl_parallelism
+from tierlm.rl.critic import Critic, value_model
 from tierlm.rl.loop import RLTrainer
 from tierlm.rl.tasks import Environment, ExamplesTask, Task, is_environment, open_task
 from tierlm.rollout.engine import Engine
 from tierlm.rollout.tools import Calculator
-from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy
+from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy, ValueStrategy
 
 
 ENVIRONMENTS = ("synthetic:arithmetic_chain",)
@@ -107,16 +108,21 @@ def _run_rl(run: Run) -> dict:
         "num_train_steps": tr.num_train_steps * rl.ppo_epochs, "warmup_steps": tr.warmup_steps * rl.ppo_epochs,
         "gradient_accumulation_steps": -(-rows // rl.micro_batch_size),
     })
-    parallel = rl_parallelism(config)
-    backend = build_backend(parallel.model_copy(update={"training": schedule}), model, run.checkpoint_dir, run.device, run.ctx)
+    parallel = rl_parallelism(config).model_copy(update={"training": schedule})
+    if rl.critic and rl.algorithm != "ppo":
+        raise ConfigError(f"rl.critic trains PPO's value model: set rl.algorithm=ppo (or drop rl.critic; {rl.algorithm} uses group baselines)")
+    critic = Critic(build_backend(parallel, value_model(model), run.output_dir / "critic_checkpoints", run.device, run.ctx),
+                    ValueStrategy(rl.value_clip_range)) if rl.critic else None  # copied before the policy is wrapped
+    backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
     normalize = rl.normalize_std if rl.normalize_std is not None else rl.algorithm == "grpo"
     strategy = {
         "reinforce": lambda: ReinforceStrategy(rl.temperature, rl.kl_coef),
         "grpo": lambda: GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature),
-        "ppo": lambda: PPOStrategy(rl.kl_coef, rl.clip_range, normalize, rl.temperature),
+        "ppo": lambda: PPOStrategy(rl.kl_coef, rl.clip_range, normalize, rl.temperature, rl.critic, rl.gae_gamma, rl.gae_lambda,
+                                   rl.value_clip_range),
     }[rl.algorithm]()
     engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in rl.tools else [])
-    trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, tr, reference=reference,
+    trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, tr, reference=reference, critic=critic,
                         write_extra=extras_writer(config, tokenizer, "rl"))
     run.begin(trainer)
     return run.finish(model, run.train(trainer))

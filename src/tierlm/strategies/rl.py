@@ -63,7 +63,8 @@ def policy_gradient_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(summed loss, trained tokens, statistics) of the clipped surrogate.
+    """(summed loss, trained tokens, statistics) of the clipped surrogate. `advantages`: one per row (B,)
+    (group baselines) or one per token (B, T) (a critic's GAE).
 
     Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = p / p_old, plus
     `kl_coef` * KL. Without `old_logprobs` the ratio is 1 with the gradient of log p: REINFORCE.
@@ -72,7 +73,7 @@ def policy_gradient_loss(
     mask = mask.float()
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     ratio = torch.exp(logprobs - old)
-    adv = advantages.float()[:, None].expand_as(logprobs)
+    adv = advantages.float() if advantages.dim() == 2 else advantages.float()[:, None].expand_as(logprobs)  # per token, or per row
     surrogate = ratio * adv
     if clip_range is not None:
         clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv
@@ -88,6 +89,59 @@ def policy_gradient_loss(
         outside = ((ratio < 1.0 - clip_range) | (ratio > 1.0 + clip_range)).float()
         stats["clipped_sum"] = (outside.detach() * mask).sum()
     return (per_token * mask).sum(), mask.sum(), stats
+
+
+def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                           lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al., 2016) over each row's trained tokens (B, T), the row's reward arriving after its
+    last one: delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next. Untrained positions
+    (prompt, tool results, padding) are skipped: the next value is the next trained token's. Returns
+    (advantages, returns = advantages + values), 0 off the trained tokens.
+
+    >>> adv, ret = generalized_advantages(torch.tensor([1.0]), torch.tensor([[0.5, 0.0, 0.25]]), torch.tensor([[1, 0, 1]]), 1.0, 1.0)
+    >>> adv.tolist(), ret.tolist()   # lam = 1: the reward minus each value
+    ([[0.5, 0.0, 0.75]], [[1.0, 0.0, 1.0]])
+    """
+    advantages = torch.zeros_like(values, dtype=torch.float32)
+    for row in range(values.shape[0]):
+        positions = mask[row].nonzero().squeeze(1).tolist()
+        next_value, running = 0.0, 0.0
+        for i, t in enumerate(reversed(positions)):
+            reward = float(rewards[row]) if i == 0 else 0.0
+            delta = reward + gamma * next_value - float(values[row, t])
+            running = delta + gamma * lam * running
+            advantages[row, t], next_value = running, float(values[row, t])
+    return advantages, (advantages + values.float()) * mask
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip_range: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, trained tokens) of PPO's value loss: 0.5 max((V - R)^2, (V_clipped - R)^2), V_clipped
+    kept within `clip_range` of the value at sampling time (None: unclipped)."""
+    mask = mask.float()
+    loss = (values - returns) ** 2
+    if clip_range is not None:
+        clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * (loss * mask).sum(), mask.sum()
+
+
+class ValueStrategy:
+    """The critic's strategy: its model's one-column head is the value of each position (the state from
+    which that position's label was sampled); trained on the returns with the clipped value loss."""
+
+    def __init__(self, clip_range: float | None = 0.2):
+        self.clip_range = clip_range
+
+    def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return dict(batch)
+
+    def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return clipped_value_loss(logits[..., 0].float(), batch["old_values"], batch["returns"], batch["labels"] != IGNORE_INDEX,
+                                  self.clip_range)
+
+    def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"values": logits[..., 0].float() * (batch["labels"] != IGNORE_INDEX)}
 
 
 class PolicyGradientStrategy:
@@ -133,10 +187,24 @@ class GRPOStrategy(PolicyGradientStrategy):
 
 
 class PPOStrategy(PolicyGradientStrategy):
-    """PPO-style clipping over stored old log-probs for several inner epochs, KL to a frozen reference.
+    """PPO: clipping over stored old log-probs for several inner epochs, KL to a frozen reference.
 
-    (Critic-free: the baseline is the group mean, as in GRPO.)
+    Critic-free by default (the baseline is the group mean, as in GRPO). With `critic=True` the RL loop
+    trains a value model beside the policy (`tierlm.rl.critic`): per-token advantages by GAE (`gamma`,
+    `lam`), whitened over the batch, and the clipped value loss (`value_clip_range`).
     """
 
-    def __init__(self, kl_coef: float = 0.1, clip_range: float = 0.2, normalize_std: bool = False, temperature: float = 1.0):
+    def __init__(self, kl_coef: float = 0.1, clip_range: float = 0.2, normalize_std: bool = False, temperature: float = 1.0,
+                 critic: bool = False, gamma: float = 1.0, lam: float = 0.95, value_clip_range: float | None = 0.2):
         super().__init__(clip_range, kl_coef, normalize_std, temperature)
+        assert 0 < gamma <= 1 and 0 <= lam <= 1, f"gamma must be in (0, 1] and lam in [0, 1], got {gamma}, {lam}"
+        self.critic, self.gamma, self.lam, self.value_clip_range = critic, gamma, lam, value_clip_range
+
+    def token_advantages(self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(whitened GAE advantages, returns) per token."""
+        advantages, returns = generalized_advantages(rewards, values, mask, self.gamma, self.lam)
+        trained = mask.bool()
+        if trained.sum() > 1:
+            mean, std = advantages[trained].mean(), advantages[trained].std()
+            advantages = torch.where(trained, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
+        return advantages, returns

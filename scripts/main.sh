@@ -22,7 +22,7 @@ echo "== sample" >&2
 ANSWER=$($TIERLM sample --checkpoint runs/tiny_rl --prompt "$PROMPT")
 
 echo
-echo "run directories: runs/tiny_pretrain, runs/tiny_sft, runs/tiny_rl"
+echo "run directories: runs/tiny_pretrain, runs/tiny_sft, runs/tiny_rl (each with report.md and plots/)"
 grep "final val loss" runs/tiny_sft.summary | sed 's/^/sft /'
 grep "held-out pass@1" runs/tiny_rl.summary | sed 's/^/rl /'
 echo "sample: $PROMPT -> $ANSWER"

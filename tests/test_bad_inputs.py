@@ -305,6 +305,9 @@ CASES = [
     Case("dpo-synthetic-1e12", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
          "needs at least"),
     # -- RL and eval ---------------------------------------------------------------------------
+    Case("report-not-a-run", ["report", "data"], "has no metrics.jsonl lines", write("data/d.txt", "hello\n")),
+    Case("report-several-without-out", ["report", "{pre}", "{sft}"], "give --out DIR"),
+    Case("report-out-is-a-file", ["report", "{pre}", "{sft}", "--out", "f.txt"], "is a file", write("f.txt", "x")),
     Case("rl-critic-without-ppo", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.algorithm=grpo", "rl.critic=true"],
          "rl.critic trains PPO's value model: set rl.algorithm=ppo"),
     Case("rl-gae-lambda-above-1", ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.gae_lambda=1.5"], "gae_lambda"),

@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
     average.add_argument("--out", required=True, help="new folder for the averaged model")
 
+    report = commands.add_parser("report", help="rebuild a run's report.md and plots, or overlay several runs' curves")
+    report.add_argument("run_dirs", nargs="+", help="run directories (their metrics.jsonl)")
+    report.add_argument("--out", default=None, help="with several runs: the folder for the overlaid report (required)")
+
     evaluate = commands.add_parser("eval", help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings)")
     evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     _add_config_args(evaluate, required=False)
@@ -308,6 +312,18 @@ def cmd_average(args: argparse.Namespace) -> None:
     print(f"averaged {len(args.checkpoints)} checkpoints into {average_checkpoints(args.checkpoints, args.out)}")
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from tierlm.errors import ConfigError
+    from tierlm.report import overlay_report, write_run_report
+
+    if len(args.run_dirs) == 1 and args.out is None:
+        print(f"wrote {write_run_report(Path(args.run_dirs[0]))}")
+        return
+    if args.out is None:
+        raise ConfigError("several runs overlay into a new folder: give --out DIR")
+    print(f"wrote {overlay_report([Path(d) for d in args.run_dirs], Path(args.out))}")
+
+
 def cmd_config(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.config_files import list_presets
@@ -338,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
-                "plan": cmd_plan, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
+                "plan": cmd_plan, "report": cmd_report, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

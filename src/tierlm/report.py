@@ -1,13 +1,41 @@
-"""Tier 3: plots and report cards from run directories (their metrics.jsonl), with matplotlib."""
+"""Tier 3: plots and reports from run directories (their metrics.jsonl), with matplotlib.
+
+Every run writes `report.md` and `plots/*.png` into its directory (`ReportSink`: refreshed at each
+evaluation and when the loop ends); `tierlm report RUN_DIR` rebuilds one, `tierlm report A B --out DIR`
+overlays several runs in one set of plots.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tierlm.errors import ConfigError
+from tierlm.errors import ConfigError, DataError
+
+# (file, title, x, [(label, record type, key)]): a plot is drawn when one of its series has points.
+PANELS = [
+    ("loss_steps", "loss", "step", [("train (EMA)", "train", "loss_ema"), ("validation", "eval", "val_loss")]),
+    ("loss_tokens", "loss against tokens", "tokens_seen", [("train (EMA)", "train", "loss_ema"), ("validation", "eval", "val_loss")]),
+    ("lr", "learning rate", "step", [("lr", "train", "lr")]),
+    ("grad_norm", "gradient norm (before clipping)", "step", [("grad norm", "train", "grad_norm")]),
+    ("throughput", "tokens per second", "step", [("tokens/s", "train", "tokens_per_sec"), ("trained tokens/s", "train", "trained_tokens_per_sec")]),
+    ("mfu", "model FLOPs utilisation", "step", [("MFU", "train", "mfu")]),
+    ("memory", "memory (MB)", "step", [("resident (process)", "train", "rss_mb"), ("peak allocated (GPU)", "train", "gpu_peak_mb")]),
+    ("reward", "reward and pass@k", "step", [("train reward", "train", "reward_mean"), ("held-out pass@1", "eval", "pass@1"),
+                                             ("held-out pass@k", "eval", "pass@k")]),
+    ("kl", "KL to the reference", "step", [("KL", "train", "kl")]),
+    ("rl_phases", "time per RL step (s)", "step", [("generation", "train", "time_generation_s"), ("scoring", "train", "time_scoring_s"),
+                                                   ("training", "train", "time_training_s")]),
+    ("value_loss", "critic value loss", "step", [("value loss", "train", "value_loss")]),
+    ("dpo", "DPO: reward margin and preference accuracy", "step", [("reward margin", "eval", "reward_margin"),
+                                                                   ("preference accuracy", "eval", "pref_acc")]),
+]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -30,7 +58,7 @@ def _pyplot():
         matplotlib.use("Agg")  # files only, never a window
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("plots need matplotlib: pip install 'tierlm[report]'") from None
+        raise ConfigError("plots need matplotlib: pip install matplotlib (a tierlm dependency)") from None
     return plt
 
 
@@ -88,6 +116,120 @@ def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
             "validation": ([v[0] for v in val], [v[1] for v in val]),
         }, "cross-entropy (nats/token)"))
     return [p for p in written if p is not None]
+
+
+def hardware() -> str:
+    import torch
+
+    device = f"CUDA {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else "CPU only"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {device}; torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def draw_panels(runs: dict[str, list[dict]], plots: Path) -> list[Path]:
+    """The PANELS that have data, one line per (run, series); returns the PNGs written."""
+    written = []
+    for name, title, x, lines in PANELS:
+        series = {}
+        for run, records in runs.items():
+            for label, kind, key in lines:
+                label = f"{run}: {label}" if len(runs) > 1 else label
+                series[label] = _xy(records, kind, x, key if key != "loss_ema" or any("loss_ema" in r for r in records) else "loss")
+        path = plot_series(plots / f"{name}.png", title, "tokens" if x == "tokens_seen" else x, series)
+        if path is not None:
+            written.append(path)
+    return written
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def write_run_report(run_dir: Path) -> Path:
+    """`report.md` and `plots/*.png` of one run directory, from its metrics.jsonl, run.json and config.yaml."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    if not records:
+        raise DataError(f"{run_dir} has no metrics.jsonl lines: not a tierlm run directory (or nothing was logged yet)")
+    plots = draw_panels({run_dir.name: records}, run_dir / "plots")
+    run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    train = [r for r in records if r.get("type") == "train"]
+    evals = [r for r in records if r.get("type") == "eval"]
+    last_train, first_eval, last_eval = (train[-1] if train else {}), (evals[0] if evals else {}), (evals[-1] if evals else {})
+    skip = {"type", "step", "k"}
+    lines = [
+        f"# tierlm run: {run.get('stage', '?')} — {run_dir.name}", "",
+        f"- updated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; tierlm commit {git_commit()}",
+        f"- hardware: {hardware()}",
+        f"- steps: {last_train.get('step', 0)}, elapsed {last_train.get('elapsed_s', 0.0) / 60:.1f} min"
+        + (f", {last_train['tokens_seen']:,} tokens" if "tokens_seen" in last_train else ""), "",
+        "## Evaluation", "", "| | first (step " + str(first_eval.get("step", "-")) + ") | last (step " + str(last_eval.get("step", "-")) + ") |",
+        "|---|---|---|",
+        *[f"| {k} | {_fmt(first_eval.get(k, ''))} | {_fmt(v)} |" for k, v in last_eval.items() if k not in skip and not isinstance(v, (list, dict))],
+        "", "## Last training line", "", "| | |", "|---|---|",
+        *[f"| {k} | {_fmt(v)} |" for k, v in last_train.items() if k not in skip], "",
+        "## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], "",
+        "## Run", "", "```json", json.dumps({k: v for k, v in run.items() if k != "fingerprint"} | run.get("fingerprint", {}), indent=1), "```", "",
+    ]
+    if (run_dir / "config.yaml").is_file():
+        lines += ["## Config", "", "```yaml", (run_dir / "config.yaml").read_text().rstrip(), "```", ""]
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines), encoding="utf-8")
+    return report
+
+
+def overlay_report(run_dirs: list[Path], out: Path) -> Path:
+    """One set of plots with every run's lines, and a report.md that lists the runs' last evaluations."""
+    runs = {}
+    for run_dir in map(Path, run_dirs):
+        records = read_metrics(run_dir)
+        if not records:
+            raise DataError(f"{run_dir} has no metrics.jsonl lines: not a tierlm run directory")
+        runs[run_dir.name if run_dir.name not in runs else str(run_dir)] = records
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for the overlaid report")
+    plots = draw_panels(runs, out / "plots")
+    evals = {name: next((r for r in reversed(records) if r.get("type") == "eval"), {}) for name, records in runs.items()}
+    keys = sorted({k for e in evals.values() for k in e if k not in ("type", "k") and isinstance(e[k], (int, float))})
+    lines = [f"# tierlm runs compared: {', '.join(runs)}", "", f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             "## Last evaluation", "", "| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys),
+             *[f"| {name} | " + " | ".join(_fmt(e.get(k, "")) for k in keys) + " |" for name, e in evals.items()], "",
+             "## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    return out / "report.md"
+
+
+class ReportSink:
+    """A metrics sink that rewrites the run's report at each evaluation after the first and when the
+    loop ends. A report that cannot be drawn is a warning, never a failed run."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.pending = Path(run_dir), False
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.pending = True
+        if record.get("type") == "eval" and record.get("step"):
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            write_run_report(self.run_dir)
+            self.pending = False
+        except (OSError, ValueError, ConfigError, DataError) as e:
+            print(f"tierlm: warning: the run report was not written: {e}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.pending:
+            self._write()
 
 
 def model_figures(folder: Path) -> dict[str, Any]:

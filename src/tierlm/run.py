@@ -169,7 +169,9 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
     if "wandb" in config.training.report_to:
         sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir,
                                entity=config.infra.wandb_entity))
-    return MetricsLogger(sinks)
+    from tierlm.report import ReportSink  # after the JSONL sink: it reads the lines just written
+
+    return MetricsLogger([*sinks, ReportSink(output_dir)])
 
 
 def write_model_extras(folder: Path, tokenizer: Tokenizer, meta: dict[str, Any], manifest: bool = False) -> None:

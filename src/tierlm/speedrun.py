@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
@@ -108,22 +105,9 @@ def _sample_conversations(rl_dir: Path) -> list[tuple[str, str]]:
     return answers
 
 
-def _hardware() -> str:
-    device = f"CUDA {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else "CPU only"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {device}; torch {torch.__version__}, Python {platform.python_version()}"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def write_report_card(out: Path, configs: dict[str, TierlmConfig], record: dict[str, Any]) -> Path:
     """report.md and plots/*.png from the stage runs under `out`."""
-    from tierlm.report import stage_curves
+    from tierlm.report import git_commit, hardware, stage_curves
     from tierlm.run import plan_run
 
     plots = []
@@ -135,8 +119,8 @@ def write_report_card(out: Path, configs: dict[str, TierlmConfig], record: dict[
     total = sum(s.get("seconds", 0.0) for s in stages.values())
     lines = [
         f"# tierlm speedrun: depth {record['depth']}", "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; tierlm commit {_git_commit()}",
-        f"- hardware: {_hardware()}", "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; tierlm commit {git_commit()}",
+        f"- hardware: {hardware()}", "",
         "## Pretraining plan (from the depth, by seed 004's scaling laws)", "", "```", plan.table(), "```", "",
         "## Time per stage", "", "| stage | time |", "|---|---|",
         *[f"| {name} | {s.get('seconds', 0.0) / 60:.1f} min |" for name, s in stages.items()],

@@ -33,4 +33,12 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   PIP_CONSTRAINT=.venv/torch-constraint.txt quiet_pip install --quiet -e ".[$EXTRAS]"
   touch "$STAMP"
 fi
+# The dev install's browser test drives the system's Chromium (Playwright, tests/test_serve.py): install it
+# from the OS packages when it is missing and this user can; otherwise that one test skips, saying so.
+if [ "$EXTRAS" = dev ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing chromium from the OS packages (for the browser test)" >&2
+  { apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } \
+    || echo "[setup] could not install chromium; the browser test will skip" >&2
+fi
 echo "[setup] ready: $("$VPY" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')" >&2

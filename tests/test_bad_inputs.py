@@ -305,6 +305,9 @@ CASES = [
     Case("dpo-synthetic-1e12", ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
          "needs at least"),
     # -- RL and eval ---------------------------------------------------------------------------
+    Case("chat-missing-checkpoint", ["chat", "--checkpoint", "nope"], "nope"),
+    Case("serve-port-out-of-range", ["serve", "--checkpoint", "{sft}", "--port", "70000"], "--port must be in"),
+    Case("chat-temperature-negative", ["chat", "--checkpoint", "{sft}", "--temperature", "-1"], "temperature"),
     Case("report-not-a-run", ["report", "data"], "has no metrics.jsonl lines", write("data/d.txt", "hello\n")),
     Case("report-several-without-out", ["report", "{pre}", "{sft}"], "give --out DIR"),
     Case("report-out-is-a-file", ["report", "{pre}", "{sft}", "--out", "f.txt"], "is a file", write("f.txt", "x")),

@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from tierlm.errors import TierlmError
+from tierlm.errors import ConfigError, TierlmError
 from tierlm.signals import RunInterrupted
 
 
@@ -131,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings)")
     evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     _add_config_args(evaluate, required=False)
+
+    chat = commands.add_parser("chat", help="a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)")
+    chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    chat.add_argument("--temperature", type=_temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
+    chat.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    chat.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    serve = commands.add_parser("serve", help="an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model")
+    serve.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
 
     sample = commands.add_parser("sample", help="generate from a trained model")
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
@@ -312,8 +323,22 @@ def cmd_average(args: argparse.Namespace) -> None:
     print(f"averaged {len(args.checkpoints)} checkpoints into {average_checkpoints(args.checkpoints, args.out)}")
 
 
+def cmd_chat(args: argparse.Namespace) -> None:
+    from tierlm.chat import Chatbot, terminal_chat
+
+    terminal_chat(Chatbot(args.checkpoint, args.device_type), args.temperature, args.max_new_tokens)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tierlm.chat import Chatbot
+    from tierlm.serve import serve
+
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    serve(Chatbot(args.checkpoint, args.device_type), args.host, args.port)
+
+
 def cmd_report(args: argparse.Namespace) -> None:
-    from tierlm.errors import ConfigError
     from tierlm.report import overlay_report, write_run_report
 
     if len(args.run_dirs) == 1 and args.out is None:
@@ -354,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
-                "plan": cmd_plan, "report": cmd_report, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
+                "plan": cmd_plan, "report": cmd_report, "chat": cmd_chat, "serve": cmd_serve, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

@@ -278,8 +278,8 @@ class TrainingConfig(Section):
     """Tokens generated for each sample prompt."""
     logging_steps: int = Field(10, gt=0)
     """Write a train line to metrics.jsonl every N steps."""
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
-    """Extra metric sinks besides metrics.jsonl."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    """Extra metric sinks besides metrics.jsonl (each continues the same run when the run resumes)."""
     logging_dir: str | None = None
     """Where TensorBoard writes (default: <output_dir>/tensorboard)."""
     seed: int = Field(42, ge=0, lt=2**63)

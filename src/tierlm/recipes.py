@@ -268,20 +268,20 @@ def confirm_batch_size(run: Run, model: torch.nn.Module) -> int:
     return rows
 
 
-def run_stage(config: TierlmConfig, stage: str) -> dict:
+def run_stage(config: TierlmConfig, stage: str, callbacks: list | None = None) -> dict:
     """Train one stage ("pretrain" | "sft" | "dpo") as the config says; returns the run summary.
 
     Under torchrun every rank calls this; rank 0 writes the logs and the final model.
     """
     assert stage in ("pretrain", "sft", "dpo"), f"stage must be pretrain, sft or dpo, got {stage!r}"
     run = prepare_run(config, stage)
-    summary = _train_stage(run)
+    summary = _train_stage(run, callbacks or [])
     if run.ctx is not None:  # only after success: a failed rank just exits, and torchrun stops the others
         shutdown_distributed()
     return summary
 
 
-def _train_stage(run: Run) -> dict:
+def _train_stage(run: Run, callbacks: list) -> dict:
     stage, tokenizer, ctx = run.stage, run.tokenizer, run.ctx
     auto_rows = run.config.training.per_device_train_batch_size == "auto"
     config = run.choose_batch_size()
@@ -315,7 +315,7 @@ def _train_stage(run: Run) -> dict:
         backend, strategy, train_loader=train_loader, eval_loader=eval_loader, config=config.training,
         flops_per_token=flops_per_token(model, config.data.max_seq_length), peak_flops=peak_flops(run.device, config.infra.peak_tflops),
         write_extra=extras_writer(config, tokenizer, stage), progress_bar=config.infra.progress_bar,
-        sampler=None if run.seq2seq else eval_sampler(config, tokenizer, stage, run.kind),
+        sampler=None if run.seq2seq else eval_sampler(config, tokenizer, stage, run.kind), callbacks=callbacks,
     )
     run.begin(trainer)
     prefetch = config.data.prefetch_batches if config.data.prefetch_batches is not None else (2 if run.device.type != "cpu" else 0)

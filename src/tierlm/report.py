@@ -209,21 +209,23 @@ def overlay_report(run_dirs: list[Path], out: Path) -> Path:
 
 
 class ReportSink:
-    """A metrics sink that rewrites the run's report at each evaluation after the first and when the
-    loop ends. A report that cannot be drawn is a warning, never a failed run."""
+    """A metrics sink that rewrites the run's report at evaluations (after the first; at most once every
+    `min_interval_s`, drawing costs about a second) and when the loop ends. A report that cannot be drawn
+    is a warning, never a failed run."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.pending = Path(run_dir), False
+    def __init__(self, run_dir: Path, min_interval_s: float = 30.0):
+        self.run_dir, self.pending, self.min_interval_s = Path(run_dir), False, min_interval_s
+        self.last_written = time.monotonic()
 
     def log(self, record: dict[str, Any]) -> None:
         self.pending = True
-        if record.get("type") == "eval" and record.get("step"):
+        if record.get("type") == "eval" and record.get("step") and time.monotonic() - self.last_written >= self.min_interval_s:
             self._write()
 
     def _write(self) -> None:
         try:
             write_run_report(self.run_dir)
-            self.pending = False
+            self.pending, self.last_written = False, time.monotonic()
         except (OSError, ValueError, ConfigError, DataError) as e:
             print(f"tierlm: warning: the run report was not written: {e}", file=sys.stderr)
 

@@ -42,7 +42,7 @@ from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError, DataError
-from tierlm.metrics import JSONLSink, MetricsLogger, TensorBoardSink, WandbSink
+from tierlm.metrics import JSONLSink, MetricsLogger, MLflowSink, TensorBoardSink, WandbSink
 from tierlm.models import family_named, save_model_folder, unwrap_model
 from tierlm.primitives import resolve_device
 from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
@@ -165,7 +165,9 @@ def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> st
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
     sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
     if "tensorboard" in config.training.report_to:
-        sinks.append(TensorBoardSink(config.training.logging_dir or output_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(config.training.logging_dir or output_dir / "tensorboard", resume_step))
+    if "mlflow" in config.training.report_to:
+        sinks.append(MLflowSink(output_dir, config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json")))
     if "wandb" in config.training.report_to:
         sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir,
                                entity=config.infra.wandb_entity))

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from tierlm.backends.protocol import TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
@@ -104,7 +104,10 @@ class Trainer:
         write_extra: Callable[[Path], None] | None = None,
         progress_bar: bool = True,
         sampler: Callable[[Any], list[dict[str, str]]] | None = None,
+        callbacks: list | None = None,
     ):
+        """`callbacks`: objects with any of `on_log(record)` (each train line logged), `on_eval(metrics)`
+        and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three methods)."""
         self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
         config = self.config
         self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
@@ -112,6 +115,7 @@ class Trainer:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.write_extra, self.progress_bar = write_extra, progress_bar
         self.sampler = sampler  # model -> [{"prompt", "completion"}], run by rank 0 at each evaluation
+        self.callbacks = list(callbacks or [])
         self.state = LoopState()
         self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
         self.last_eval: dict[str, float] = {}
@@ -184,7 +188,14 @@ class Trainer:
                          **self._model_figures()})
         for sample in samples:
             self.logger.log({"type": "sample", "step": self.state.step, **sample})
+        self._callback("on_eval", dict(self.last_eval))
         return self.last_eval
+
+    def _callback(self, event: str, argument: Any) -> None:
+        if self.is_main:
+            for callback in self.callbacks:
+                if hasattr(callback, event):
+                    getattr(callback, event)(argument)
 
     def save(self) -> Path:
         trainer_state = {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
@@ -195,6 +206,7 @@ class Trainer:
         # background is simply not counted yet.
         if self.is_main:
             prune_checkpoints(path.parent, self.config.save_total_limit)
+        self._callback("on_save", path)
         return path
 
     def resume(self) -> Path | None:
@@ -239,7 +251,8 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg, state = self.config, self.state
         due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
-        bar = tqdm(total=cfg.num_train_steps, initial=state.step, disable=not (self.progress_bar and self.is_main and sys.stderr.isatty()),
+        shown = sys.stderr.isatty() or "ipykernel" in sys.modules  # a terminal, or a notebook (tqdm.auto draws a widget there)
+        bar = tqdm(total=cfg.num_train_steps, initial=state.step, disable=not (self.progress_bar and self.is_main and shown),
                    dynamic_ncols=True, desc="train")
         if self.eval_set and state.step == 0:
             self.evaluate()
@@ -272,6 +285,7 @@ class Trainer:
                     record.update(self._rates(*window), **self._slow_stats())  # rates over every step since the last line
                     window = [0, 0.0, 0.0]
                     self.logger.log(record)
+                    self._callback("on_log", dict(record))
                     if bar.disable and self.is_main:
                         print(self._log_line(record), file=sys.stderr, flush=True)
                 if self.eval_set and (due(cfg.eval_steps) or state.step == cfg.num_train_steps):

@@ -91,7 +91,10 @@ class Engine:
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        on_token=None,
     ) -> list[Completion]:
+        """`num_samples` completions of `prompt_ids`. `on_token(row, completion)`, when given, is called
+        after each token a row gets (sampled or a forced tool result): streaming."""
         assert prompt_ids, "the prompt is empty"
         assert num_samples >= 1 and max_new_tokens >= 1, f"num_samples={num_samples}, max_new_tokens={max_new_tokens}"
         max_len = min(len(prompt_ids) + max_new_tokens, self.max_len())
@@ -120,6 +123,8 @@ class Engine:
                     completion.tokens.append(step[row])
                     completion.logprobs.append(0.0)
                     completion.mask.append(0)
+                    if on_token is not None:
+                        on_token(row, completion)
                     continue
                 token = step[row]
                 completion.tokens.append(token)
@@ -133,6 +138,8 @@ class Engine:
                     forced[row] = self._tool_result(completion.tokens[call_open[row] : -1])
                     call_open[row] = None
                     completion.tool_calls += 1
+                if on_token is not None:
+                    on_token(row, completion)
             if i == steps - 1 or all(c.finished for c in out):
                 break
             logits = self._decode(torch.tensor(step, device=self.device), cache)

@@ -1,0 +1,134 @@
+"""Tier 3: talking to a trained chat model — `tierlm chat` in a terminal, and the `Chatbot` that
+`tierlm serve` answers HTTP requests with.
+
+A reply streams: the engine calls back after every token, and the text shown so far is the completion
+made readable (`readable_text`: a calculator call appears as `[calculator: 23 + 45 -> 68]` as it runs),
+so each callback hands on only what was added.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tierlm.errors import DataError
+
+
+@dataclass
+class Reply:
+    text: str
+    finish_reason: str  # "stop" (the end-of-turn token) or "length" (max_new_tokens ran out)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Chatbot:
+    """A chat model (a run directory, checkpoint or model folder) with its tokenizer, the calculator when
+    the tokenizer has the tool tokens, and a lock: one generation at a time."""
+
+    def __init__(self, checkpoint: str | Path, device_type: str = "cpu", tools: bool = True):
+        from tierlm.checkpoint.folders import verified_model_location
+        from tierlm.data import load_tokenizer
+        from tierlm.models import load_pretrained_model
+        from tierlm.primitives import resolve_device
+        from tierlm.rollout.engine import Engine
+        from tierlm.rollout.tools import TOOL_CALL_START, Calculator
+
+        location = verified_model_location(str(checkpoint))
+        self.name = Path(str(checkpoint)).name or str(checkpoint)
+        self.tokenizer = load_tokenizer(location)
+        if not self.tokenizer.has_chat_template:
+            raise DataError(f"{checkpoint} has no chat template: chat with a model after `tierlm sft` (a base model: `tierlm sample --raw`)")
+        model = load_pretrained_model(location, device=resolve_device(device_type)).eval()
+        with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
+        self.engine = Engine(model, self.tokenizer.stop_ids, self.tokenizer, [Calculator()] if with_tools else [])
+        self.lock = threading.Lock()
+
+    def reply(self, messages: list[dict], temperature: float = 0.7, max_new_tokens: int = 128, on_text: Callable[[str], None] | None = None,
+              seed: int | None = None) -> Reply:
+        """The assistant's next turn after `messages` (OpenAI role/content dicts); `on_text(piece)` streams it."""
+        from tierlm.rollout.engine import readable_text
+
+        if not messages or any(not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool")
+                                               or not isinstance(m.get("content"), str) for m in messages):
+            raise DataError("messages must be a non-empty list of {role: system|user|assistant|tool, content: text}")
+        if temperature < 0:
+            raise DataError(f"temperature must be >= 0, got {temperature}")
+        prompt = self.tokenizer.render_for_completion(messages)
+        room = self.engine.max_len() - len(prompt)
+        if room < 1:
+            raise DataError(f"the conversation is {len(prompt)} tokens, the model's context is {self.engine.max_len()}: start a new one")
+        shown = [""]
+
+        def stream(row: int, completion) -> None:
+            text = readable_text(self.tokenizer, completion.tokens)
+            if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
+                on_text(text[len(shown[0]):])
+                shown[0] = text
+
+        generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
+        with self.lock:
+            completion = self.engine.generate(prompt, 1, min(max_new_tokens, room), temperature, generator=generator, on_token=stream)[0]
+        text = readable_text(self.tokenizer, completion.tokens)
+        if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
+            on_text(text[len(shown[0]):])
+        return Reply(text, "stop" if completion.finished else "length", len(prompt), len(completion.tokens))
+
+    def history_entry(self, reply: Reply) -> dict:
+        return {"role": "assistant", "content": reply.text}
+
+
+HELP = "commands: /reset (new conversation), /temperature T, /quit"
+
+
+def terminal_chat(bot: Chatbot, temperature: float = 0.7, max_new_tokens: int = 128, read: Callable[[str], str] = input,
+                  write: Callable[[str], None] | None = None) -> None:
+    """The terminal loop: each answer streams as it is generated; /reset, /temperature T, /quit."""
+    def out(text: str) -> None:
+        (write or (lambda t: (sys.stdout.write(t), sys.stdout.flush())))(text)
+
+    messages: list[dict] = []
+    out(f"chatting with {bot.name} (temperature {temperature}); {HELP}\n")
+    while True:
+        try:
+            line = read("you> ").strip()
+        except EOFError:
+            out("\n")
+            return
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return
+        if line == "/reset":
+            messages = []
+            out("(new conversation)\n")
+            continue
+        if line.startswith("/temperature"):
+            try:
+                value = float(line.split()[1])
+                assert value >= 0
+            except (IndexError, ValueError, AssertionError):
+                out("usage: /temperature T (a number >= 0; 0 is greedy)\n")
+                continue
+            temperature = value
+            out(f"(temperature {temperature})\n")
+            continue
+        if line.startswith("/"):
+            out(f"unknown command; {HELP}\n")
+            continue
+        messages.append({"role": "user", "content": line})
+        out("assistant> ")
+        try:
+            reply = bot.reply(messages, temperature, max_new_tokens, on_text=out)
+        except DataError as e:
+            messages.pop()
+            out(f"\n({e})\n")
+            continue
+        out("\n" if reply.finish_reason == "stop" else " [...]\n")
+        messages.append(bot.history_entry(reply))
+

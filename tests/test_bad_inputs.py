@@ -308,6 +308,8 @@ CASES = [
     Case("chat-missing-checkpoint", ["chat", "--checkpoint", "nope"], "nope"),
     Case("serve-port-out-of-range", ["serve", "--checkpoint", "{sft}", "--port", "70000"], "--port must be in"),
     Case("chat-temperature-negative", ["chat", "--checkpoint", "{sft}", "--temperature", "-1"], "temperature"),
+    Case("push-bad-repo-id", ["push", "{sft}", "--repo", "no-slash", "--dry-run"], "is not a Hub repository id"),
+    Case("push-not-a-run", ["push", "nope", "--repo", "me/x", "--dry-run"], "nope"),
     Case("report-not-a-run", ["report", "data"], "has no metrics.jsonl lines", write("data/d.txt", "hello\n")),
     Case("report-several-without-out", ["report", "{pre}", "{sft}"], "give --out DIR"),
     Case("report-out-is-a-file", ["report", "{pre}", "{sft}", "--out", "f.txt"], "is a file", write("f.txt", "x")),

@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
     average.add_argument("--out", required=True, help="new folder for the averaged model")
 
+    push = commands.add_parser("push", help="upload a run's model to the Hugging Face Hub with a model card from the run")
+    push.add_argument("run", help="a run directory, checkpoint or model folder")
+    push.add_argument("--repo", required=True, help="ORG/NAME on the Hub")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--dry-run", action="store_true", help="print the files and the model card; send nothing")
     report = commands.add_parser("report", help="rebuild a run's report.md and plots, or overlay several runs' curves")
     report.add_argument("run_dirs", nargs="+", help="run directories (their metrics.jsonl)")
     report.add_argument("--out", default=None, help="with several runs: the folder for the overlaid report (required)")
@@ -338,6 +343,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(Chatbot(args.checkpoint, args.device_type), args.host, args.port)
 
 
+def cmd_push(args: argparse.Namespace) -> None:
+    from tierlm.push import push
+
+    print(push(args.run, args.repo, private=args.private, dry_run=args.dry_run))
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from tierlm.report import overlay_report, write_run_report
 
@@ -379,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
-                "plan": cmd_plan, "report": cmd_report, "chat": cmd_chat, "serve": cmd_serve, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
+                "plan": cmd_plan, "report": cmd_report, "chat": cmd_chat, "serve": cmd_serve, "push": cmd_push, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

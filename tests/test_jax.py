@@ -186,11 +186,9 @@ def test_the_jax_backend_trains_as_the_pytorch_backend(stage, tmp_path):
     probe = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(jax_backend.model.eval()(probe), torch_backend.model.eval()(probe), atol=1e-4, rtol=0)
-    held_out = strategies[0].prepare_batch(batches[0])
-    want = torch_backend.forward(held_out, strategies[0].compute_metrics).wait()
+    want = torch_backend.forward(strategies[0].prepare_batch(batches[0]), strategies[0].compute_metrics).wait()
     got = jax_backend.forward(strategies[1].prepare_batch(batches[0]), strategies[1].compute_metrics).wait()
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-3 for k in want), (got, want)
-    del held_out
 
 
 @pytest.mark.parametrize("first", ["jax", "pytorch"])

@@ -65,18 +65,19 @@ class Chatbot:
             raise DataError(f"the conversation is {len(prompt)} tokens, the model's context is {self.engine.max_len()}: start a new one")
         shown = [""]
 
-        def stream(row: int, completion) -> None:
-            text = readable_text(self.tokenizer, completion.tokens)
+        def emit(text: str) -> None:  # hand on what was added to the text shown so far
             if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
                 on_text(text[len(shown[0]):])
                 shown[0] = text
+
+        def stream(row: int, completion) -> None:
+            emit(readable_text(self.tokenizer, completion.tokens))
 
         generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
         with self.lock:
             completion = self.engine.generate(prompt, 1, min(max_new_tokens, room), temperature, generator=generator, on_token=stream)[0]
         text = readable_text(self.tokenizer, completion.tokens)
-        if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
-            on_text(text[len(shown[0]):])
+        emit(text)
         return Reply(text, "stop" if completion.finished else "length", len(prompt), len(completion.tokens))
 
     def history_entry(self, reply: Reply) -> dict:

@@ -336,10 +336,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from tierlm.chat import Chatbot
-    from tierlm.serve import serve
+    from tierlm.serve import check_port, serve
 
-    if not 0 <= args.port < 65536:
-        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    check_port(args.port)  # before the model loads
     serve(Chatbot(args.checkpoint, args.device_type), args.host, args.port)
 
 

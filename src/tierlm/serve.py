@@ -99,14 +99,19 @@ def create_app(bot: Chatbot):
     return app
 
 
+def check_port(port: int) -> None:
+    """A TCP port (0: any free one); checked before the model is loaded."""
+    if not 0 <= port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {port}")
+
+
 def serve(bot: Chatbot, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until interrupted."""
     try:
         import uvicorn
     except ImportError:
         raise ConfigError("tierlm serve needs fastapi and uvicorn: pip install 'tierlm[serve]'") from None
-    if not 0 <= port < 65536:
-        raise ConfigError(f"--port must be in [0, 65535], got {port}")
+    check_port(port)
     print(f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     uvicorn.run(create_app(bot), host=host, port=port, log_level="warning")
 

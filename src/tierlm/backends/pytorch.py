@@ -14,7 +14,7 @@ from torch import nn
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
-from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy
+from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy, unwrap_model
 from tierlm.models.lora import adapters_disabled, has_lora
 from tierlm.primitives.losses import (
     count_loss_tokens,
@@ -47,11 +47,6 @@ def _to_host(value: Any) -> float | torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         return value.detach().float().cpu()
     return float(value)
-
-
-def unwrap_named_parameters(model: nn.Module):
-    """(name, parameter) of the model under a DDP wrapper (names without its `module.` prefix)."""
-    return getattr(model, "module", model).named_parameters()
 
 
 def _shares_tensors(optimizer_state: dict, optimizer) -> bool:
@@ -304,13 +299,13 @@ class PyTorchTrainingBackend:
     # -- seed 001's functional surface (tierlm.backends.state; Trainer.train_step) ------------
     def model_state(self) -> ModelState:
         """The live state (a view: the next step changes it in place)."""
-        return ModelState(dict(unwrap_named_parameters(self.model)), self.optimizer.state_dict(), self.step,
+        return ModelState(dict(unwrap_model(self.model).named_parameters()), self.optimizer.state_dict(), self.step,
                           {"lr": [g["lr"] for g in self.optimizer.param_groups]})
 
     @torch.no_grad()
     def load_model_state(self, state: ModelState, optimizer_state: Any | None = None) -> None:
         """Make `state` the backend's (nothing to do for its own live state)."""
-        params = dict(unwrap_named_parameters(self.model))
+        params = dict(unwrap_model(self.model).named_parameters())
         for name, value in state.weights.items():
             if value is not params[name]:
                 params[name].copy_(value)
@@ -321,7 +316,7 @@ class PyTorchTrainingBackend:
 
     def gradient_info(self) -> GradientInfo:
         """The gradients `forward_backward` accumulated (the parameters' `.grad`, sums over the step's tokens)."""
-        grads = {n: p.grad for n, p in unwrap_named_parameters(self.model) if p.grad is not None}
+        grads = {n: p.grad for n, p in unwrap_model(self.model).named_parameters() if p.grad is not None}
         return GradientInfo(grads, float(self._loss_sum), float(self._num_tokens), reduced=self.world_size == 1)
 
     def all_reduce_gradients(self, gradients: GradientInfo) -> GradientInfo:
@@ -332,7 +327,7 @@ class PyTorchTrainingBackend:
 
     def communication_bytes(self) -> int:
         """Gradient bytes each rank sends per step (ring all-reduce; 0 in one process)."""
-        grad_bytes = sum(p.numel() * p.element_size() for _, p in unwrap_named_parameters(self.model) if p.requires_grad)
+        grad_bytes = sum(p.numel() * p.element_size() for _, p in unwrap_model(self.model).named_parameters() if p.requires_grad)
         return ring_all_reduce_bytes(grad_bytes, self.world_size)
 
     def apply_gradients(self, model: nn.Module, gradients: GradientInfo, optimizer=None) -> nn.Module:

@@ -62,6 +62,23 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _task_list(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise argparse.ArgumentTypeError("give task names separated by commas, e.g. hellaswag,arc_easy")
+    return tasks
+
+
 def _temperature(text: str) -> float:
     value = _float(text)
     if not value >= 0:  # also refuses nan
@@ -133,8 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", help="run directories (their metrics.jsonl)")
     report.add_argument("--out", default=None, help="with several runs: the folder for the overlaid report (required)")
 
-    evaluate = commands.add_parser("eval", help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings)")
+    evaluate = commands.add_parser("eval", help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings), "
+                                   "or lm-evaluation-harness tasks (--harness)")
     evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    evaluate.add_argument("--harness", type=_task_list, default=None, metavar="TASKS",
+                          help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) instead of pass@k")
+    evaluate.add_argument("--limit", type=_positive_float, default=None, help="harness: examples per task (a fraction if < 1)")
+    evaluate.add_argument("--num-fewshot", type=_non_negative_int, default=None, help="harness: few-shot examples")
+    evaluate.add_argument("--batch-size", type=_positive_int, default=8, help="harness: sequences per forward pass")
+    evaluate.add_argument("--include-path", default=None, help="harness: a folder of your own task YAML files")
+    evaluate.add_argument("--chat-template", action="store_true", help="harness: render prompts with the model's chat template")
+    evaluate.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     _add_config_args(evaluate, required=False)
 
     chat = commands.add_parser("chat", help="a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)")
@@ -255,6 +281,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.rl.recipe import run_eval
 
+    if args.harness is not None:
+        from tierlm.harness import run_harness
+
+        if args.config or args.overrides:
+            raise ConfigError("--harness evaluates the checkpoint as it is: drop --config and the overrides (they set pass@k evals)")
+        _, table = run_harness(args.checkpoint, args.harness, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                               include_path=args.include_path, chat_template=args.chat_template, device_type=args.device_type)
+        print(table)
+        return
+    harness_only = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
+                                             ("--chat-template", args.chat_template or None)) if value is not None]
+    if harness_only:
+        raise ConfigError(f"{', '.join(harness_only)} set the evaluation harness: add --harness TASKS")
     config = TierlmConfig.load(args.config, args.overrides)
     result = run_eval(config, args.checkpoint)
     tools = " with the calculator" if "calculator" in config.rl.tools else ""

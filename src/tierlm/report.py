@@ -152,6 +152,19 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def harness_table(records: list[dict]) -> list[str]:
+    """The report's lines for `tierlm eval --harness` results: each task's latest metrics (none: no lines)."""
+    latest: dict[str, tuple[int, dict]] = {}
+    for r in records:
+        if r.get("type") == "harness":
+            latest.update({task: (r.get("step", 0), scores) for task, scores in r.get("tasks", {}).items()})
+    if not latest:
+        return []
+    rows = [f"| {task} | {metric} | {_fmt(value)} | {step} |" for task, (step, scores) in sorted(latest.items())
+            for metric, value in scores.items() if not metric.endswith("_stderr")]
+    return ["## Evaluation harness (lm-evaluation-harness)", "", "| task | metric | value | step |", "|---|---|---|---|", *rows, ""]
+
+
 def write_run_report(run_dir: Path) -> Path:
     """`report.md` and `plots/*.png` of one run directory, from its metrics.jsonl, run.json and config.yaml."""
     run_dir = Path(run_dir)
@@ -175,6 +188,7 @@ def write_run_report(run_dir: Path) -> Path:
         *[f"| {k} | {_fmt(first_eval.get(k, ''))} | {_fmt(v)} |" for k, v in last_eval.items() if k not in skip and not isinstance(v, (list, dict))],
         "", "## Last training line", "", "| | |", "|---|---|",
         *[f"| {k} | {_fmt(v)} |" for k, v in last_train.items() if k not in skip], "",
+        *harness_table(records),
         "## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], "",
         "## Run", "", "```json", json.dumps({k: v for k, v in run.items() if k != "fingerprint"} | run.get("fingerprint", {}), indent=1), "```", "",
     ]

@@ -72,11 +72,14 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> tuple[list[str]
             continue
         match = found[int(rng.integers(len(found)))]
         a, b = speaker + match.start(), speaker + match.end()
+        # The masked span takes the word's leading space, as the byte-level BPE's tokens do (" you" is one
+        # token); leaving a lone space before the sentinel asks for a fill no training span ever had.
+        a -= a > 0 and text[a - 1] == " "
         prompt = [tokenizer.mode_ids["R"], *tokenizer.encode(text[:a]), tokenizer.sentinel_ids[0], *tokenizer.encode(text[b:])]
         out = engine.generate(prompt, 1, 12, temperature=0.0)[0].tokens
         filled = tokenizer.decode([t for t in out if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
-        hits += filled.strip() == text[a:b]
-        words.append(text[a:b])
+        hits += filled.strip() == text[a:b].strip()
+        words.append(text[a:b].strip())
         lines.append(f"{text[:a]}[{filled}]{text[b:]}   (original: [{text[a:b]}])")
     constant = max(words.count(w) for w in set(words)) / len(words)
     return lines, hits / len(words), constant

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N] [--optimizer muon]
 
-MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3). Every run trains the same tiny
+MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3) | tp (tensor parallel over the ranks)
+| tp_dp (tensor parallel 2 x FSDP2 over the rest) | pp / pp_gpipe (2 pipeline stages, 1F1B / GPipe). Every run trains the same tiny
 GPT on the same global batches (4 rows x 2 micro-batches per step, uneven trained tokens);
 rank r takes rows [2r, 2r+2) of each micro-batch. Rank 0 writes per-step loss and grad norm.
 """
@@ -63,6 +64,14 @@ def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = Fals
         return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, "cpu", scheduler_fn(optimizer), 0.5)
     if mode == "ddp":
         return DDPTrainingBackend(model, optimizer_fn, gradient_accumulation_steps=ACCUM, **common)
+    if mode in ("tp", "tp_dp", "pp", "pp_gpipe"):  # tensor parallel or 2 pipeline stages; FSDP2 over the rest of the world
+        from tierlm.backends.model_parallel import ModelParallelTrainingBackend
+        from tierlm.primitives.model_parallel import ParallelDims
+
+        sizes = {"pipeline": 2} if mode.startswith("pp") else {"tensor": 2}
+        dims = ParallelDims.from_sizes(torch.distributed.get_world_size(), **sizes)
+        return ModelParallelTrainingBackend(model, optimizer_fn, dims=dims, activation_checkpointing=activation_checkpointing,
+                                            schedule="GPipe" if mode == "pp_gpipe" else "1F1B", **common)
     return FSDPTrainingBackend(model, optimizer_fn, activation_checkpointing=activation_checkpointing, **common)
 
 
@@ -74,13 +83,14 @@ def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: 
     backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer)
     if load:
         backend.load_checkpoint(load).wait()
-    per_rank = ROWS // world
+    share, shares = getattr(backend, "data_rank", rank), getattr(backend, "data_world_size", world)  # a TP group shares rows
+    per_rank = ROWS // shares
     records = []
     for step in range(first, last):
         if mode == "fsdp_raise" and rank == 1 and step == 3:
             raise RuntimeError("injected failure on rank 1 at step 3")
         for batch in global_micro_batches(step):
-            backend.forward_backward({k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()})
+            backend.forward_backward({k: v[share * per_rank : (share + 1) * per_rank] for k, v in batch.items()})
         metrics = backend.optim_step().wait()
         records.append({"step": step + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"]})
         if save_at is not None and step + 1 == save_at:
@@ -109,7 +119,7 @@ def factories(out: Path, model_folder: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "factories"])
+    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "tp", "tp_dp", "pp", "pp_gpipe", "factories"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", default="0:10", help="first:last optimizer steps (0-based, last excluded)")
     parser.add_argument("--load", default=None, help="checkpoint to continue from")

@@ -341,6 +341,20 @@ class InfraConfig(Section):
     distributed_type: Literal["auto", "none", "ddp", "fsdp"] = "auto"
     """Data parallelism under torchrun: "fsdp" (FSDP2, sharded), "ddp" (replicated), "none" (one
     process); "auto" is fsdp when torchrun started more than one rank, else none."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks that split each block's attention heads and MLP (Megatron-style, DTensor plans from the model
+    family; innermost mesh dimension). Data parallelism (FSDP2) takes the rest of the world size."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Ranks that each hold a stage of consecutive blocks (torch.distributed.pipelining)."""
+    pipeline_schedule: Literal["1F1B", "interleaved_1F1B", "GPipe"] = "1F1B"
+    """How the stages take turns: 1F1B (one forward, one backward), interleaved 1F1B (each rank holds
+    several non-adjacent stages: a smaller bubble), or GPipe (all forwards, then all backwards)."""
+    pipeline_microbatches: int | None = Field(None, gt=0)
+    """Micro-batches each step's rows split into for the pipeline (default: the number of stages)."""
+    stages_per_rank: int = Field(1, ge=1)
+    """Pipeline stages each rank holds (interleaved_1F1B: 2 or more)."""
+    context_parallel_size: int = Field(1, ge=1)
+    """Ranks that split each sequence for attention (ring attention over SDPA's CUDA kernels)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False

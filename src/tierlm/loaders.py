@@ -32,7 +32,6 @@ from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, ope
 from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.errors import ConfigError, DataError
-from tierlm.primitives.parallel import DistributedContext
 
 
 # -- data sources, as the config names them --------------------------------------------------
@@ -273,20 +272,20 @@ def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) 
     )
 
 
-def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, ctx: DistributedContext | None = None) -> tuple[PairLoader, PairLoader]:
+def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, rank: int = 0, world: int = 1) -> tuple[PairLoader, PairLoader]:
     """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
-    data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once."""
+    data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once; `rank`
+    reads its share of `world` (data-parallel) shares of each batch."""
     d, tr = config.data, config.training
     if d.mixture or d.streaming:
         raise ConfigError("DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming")
     trains, vals = open_splits(config, "dpo", tokenizer)
     train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
-    world = ctx.world_size if ctx else 1
     if len(train) < tr.per_device_train_batch_size * world:
         raise DataError(f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
                         "ranks; lower training.per_device_train_batch_size")
     return (
         PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed,
-                   rank=ctx.rank if ctx else 0, world_size=world),
+                   rank=rank, world_size=world),
         PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
     )

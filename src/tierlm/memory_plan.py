@@ -297,6 +297,15 @@ def estimate_run_memory(
         else:
             block = _largest_block_numel(unwrap_model(described))
             parts["FSDP gathered blocks"] = block * (2 * gathered_dtype_bytes + 4) * (1 - 1 / shards)
+    elif distributed == "model_parallel":  # the blocks split over tensor x pipeline ranks, then FSDP2 over the rest
+        infra = config.infra
+        model_ranks = infra.tensor_parallel_size * infra.pipeline_parallel_size
+        described_model = unwrap_model(described)
+        blocks = sum(p.numel() for p in family_of(described_model).blocks(described_model).parameters())
+        total = sum(p.numel() for p in described.parameters())
+        share = (blocks / model_ranks + (total - blocks)) / total / max(1, world_size // (model_ranks * infra.context_parallel_size))
+        for name in ("parameters", "gradients", "optimizer state"):
+            parts[name] *= share
     elif distributed == "ddp" and world_size > 1:
         parts["DDP gradient buckets"] = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
     if config.model.lora.r:  # the reference is the base with the adapters off: no second copy

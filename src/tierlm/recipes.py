@@ -155,6 +155,8 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
         if kind == "fsdp":
             raise ConfigError("training.fp16 is for one process or DDP; with FSDP use training.bf16=true")
         bf16, scaler = torch.float16, torch.amp.GradScaler(device.type)
+    if kind == "model_parallel":
+        return model_parallel_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16)
     if kind == "fsdp":
         return FSDPTrainingBackend(
             model, optimizer_fn, None, checkpoint_dir, device, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
@@ -175,6 +177,34 @@ def build_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: 
     return PyTorchTrainingBackend(
         model, optimizer, None, checkpoint_dir, device, scheduler_fn(optimizer), tr.max_grad_norm, bf16, async_save=tr.async_save,
         fused_cross_entropy=tr.fused_cross_entropy, grad_scaler=scaler, flash_attention=config.model.use_flash_attention,
+    )
+
+
+def model_parallel_backend(config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, device: torch.device,
+                           ctx: DistributedContext, optimizer_fn, scheduler_fn, bf16: torch.dtype | None):
+    """Pipeline stages x tensor parallel (the family's plans) x FSDP2 over the data-parallel rest; what it does not do is
+    refused in one line each."""
+    from tierlm.backends.model_parallel import ModelParallelTrainingBackend
+    from tierlm.models.lora import has_lora
+    from tierlm.primitives.model_parallel import ParallelDims
+
+    tr, infra = config.training, config.infra
+    dims = ParallelDims.from_sizes(ctx.world_size, infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size)
+    refusals = {
+        "infra.context_parallel_size > 1 (ring attention needs SDPA's CUDA flash / efficient kernels; not built)": dims.cp > 1,
+        "infra.stages_per_rank > 1 without infra.pipeline_schedule=interleaved_1F1B": infra.stages_per_rank > 1 and infra.pipeline_schedule != "interleaved_1F1B",
+        "training.fp16 (use training.bf16)": tr.fp16, "training.fp8": tr.fp8, "infra.cpu_offload": infra.cpu_offload,
+        f"training.optimizer={tr.optimizer} (AdamW only: Muon orthogonalises and AdamWPrune ranks whole matrices)": tr.optimizer != "adamw",
+        "model.lora": has_lora(model), "infra.fsdp_sharding_strategy=HYBRID_SHARD": infra.fsdp_sharding_strategy == "HYBRID_SHARD",
+    }
+    for what, asked in refusals.items():
+        if asked:
+            raise ConfigError(f"model parallelism does not do {what}: drop it, or train data-parallel (tensor / pipeline sizes 1)")
+    return ModelParallelTrainingBackend(
+        model, optimizer_fn, None, checkpoint_dir, device, dims, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
+        activation_checkpointing=infra.activation_checkpointing, compile=infra.compile, fused_cross_entropy=tr.fused_cross_entropy,
+        flash_attention=config.model.use_flash_attention, schedule=infra.pipeline_schedule, microbatches=infra.pipeline_microbatches,
+        stages_per_rank=infra.stages_per_rank,
     )
 
 
@@ -203,7 +233,7 @@ def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: str, kind: s
     from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
 
     tr = config.training
-    if not tr.sample_prompts or kind == "fsdp":
+    if not tr.sample_prompts or kind in ("fsdp", "model_parallel"):
         return None
     chat = stage != "pretrain" and tokenizer.has_chat_template
     prompts = [(p, prompt_tokens(tokenizer, p, chat)) for p in tr.sample_prompts]
@@ -291,22 +321,22 @@ def _train_stage(run: Run, callbacks: list) -> dict:
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, documents, run.world_size, copies), run.device)
         run.check_memory(documents)
     else:
-        train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size, run.seq2seq)
+        train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.data_parallel_size, run.seq2seq)
         check_fits(memory_needs(config, tokenizer.vocab_size, run.pretrained, train_loader.resident_documents, run.world_size), run.device)
         run.check_memory(train_loader.resident_documents)
     model = build_model(config, tokenizer, run.device, run.pretrained)
-    if auto_rows and run.kind != "fsdp" and confirm_batch_size(run, model) != config.training.per_device_train_batch_size:  # CUDA: halved after an OOM
+    if auto_rows and run.kind not in ("fsdp", "model_parallel") and confirm_batch_size(run, model) != config.training.per_device_train_batch_size:  # CUDA: halved after an OOM
         config = run.config
         if stage != "dpo":
-            train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.world_size, run.seq2seq)
+            train_loader, eval_loader = build_loaders(config, stage, tokenizer, run.data_parallel_size, run.seq2seq)
     if stage == "dpo":
-        train_loader, eval_loader = build_pair_loaders(config, tokenizer, ctx)  # rank-aware: pairs stay whole
+        train_loader, eval_loader = build_pair_loaders(config, tokenizer, run.data_rank, run.data_parallel_size)  # pairs stay whole
     config = run.resolve(model)
     if stage == "dpo":
         torch_reference = config.dpo.reference == "frozen" and config.infra.backend == "pytorch"  # (JAX's: below)
         strategy = DPOStrategy(config.dpo.beta, frozen_reference(model, run.device) if torch_reference else None)
     else:
-        train_loader = RankSlice(train_loader, ctx.rank, run.world_size) if ctx else train_loader
+        train_loader = RankSlice(train_loader, run.data_rank, run.data_parallel_size) if ctx else train_loader
         strategy = (Seq2SeqStrategy if run.seq2seq else PretrainStrategy if stage == "pretrain" else SFTStrategy)(tokenizer.token_bytes())
     backend = build_backend(config, model, run.checkpoint_dir, run.device, ctx)
     if stage == "dpo" and config.dpo.reference == "frozen" and config.infra.backend == "jax":
@@ -326,7 +356,7 @@ def _train_stage(run: Run, callbacks: list) -> dict:
     finally:
         if isinstance(trainer.train_loader, Prefetcher):
             trainer.train_loader.close()
-    run.finish(backend.model, summary)
+    run.finish(backend.model, summary, backend)
     tr = config.training
     if run.is_main and tr.optimizer == "adamw_prune":  # the pruning evaluation, beside the run's model
         write_pruning_results(run.output_dir, summary, backend.optimizer)

@@ -45,6 +45,7 @@ from tierlm.errors import ConfigError, DataError
 from tierlm.metrics import JSONLSink, MetricsLogger, MLflowSink, TensorBoardSink, WandbSink
 from tierlm.models import family_named, save_model_folder, unwrap_model
 from tierlm.primitives import resolve_device
+from tierlm.primitives.model_parallel import ParallelDims
 from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
 from tierlm.signals import GracefulStop
 from tierlm.starting_point import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401 (re-exported)
@@ -143,6 +144,17 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
     """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
     infra, tr = config.infra, config.training
     kind = infra.distributed_type
+    model_parallel = max(infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size) > 1
+    if model_parallel:
+        sizes = f"tensor {infra.tensor_parallel_size} x pipeline {infra.pipeline_parallel_size} x context {infra.context_parallel_size}"
+        if not launched_distributed():
+            raise ConfigError(f"model parallelism ({sizes}) splits the model over ranks: run under `torchrun --nproc_per_node=N -m tierlm ...`")
+        if kind in ("ddp", "none"):
+            raise ConfigError(f"model parallelism ({sizes}) composes with FSDP2 for the data-parallel rest, not with "
+                              f"infra.distributed_type={kind}: use fsdp (or auto)")
+        ParallelDims.from_sizes(int(os.environ["WORLD_SIZE"]), infra.tensor_parallel_size, infra.pipeline_parallel_size,
+                                infra.context_parallel_size)  # the world splits into whole groups, or a ConfigError
+        kind = "fsdp"
     if kind == "auto":
         kind = "fsdp" if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1 else "none"
     if kind == "none":
@@ -157,9 +169,13 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
 
 
 def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
+    """"none" | "ddp" | "fsdp" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for the rest)."""
     if ctx is None:
         return "none"
-    return "fsdp" if config.infra.distributed_type in ("auto", "fsdp") else "ddp"
+    infra = config.infra
+    if max(infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size) > 1:
+        return "model_parallel"
+    return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
 
 
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
@@ -222,7 +238,7 @@ class Run:
     device: torch.device
     pretrained: Path | str | None
     latest: Path | None  # the checkpoint this run resumes from
-    kind: str = "none"  # "none" | "ddp" | "fsdp"
+    kind: str = "none"  # "none" | "ddp" | "fsdp" | "model_parallel"
     tokenizer: Tokenizer | None = None
     stop: GracefulStop = field(default_factory=GracefulStop)
     resumed: Path | None = None
@@ -250,12 +266,29 @@ class Run:
     def world_size(self) -> int:
         return self.ctx.world_size if self.ctx is not None else 1
 
+    @property
+    def dims(self) -> ParallelDims:
+        """How the ranks split (pipeline x data x context x tensor parallel)."""
+        i = self.config.infra
+        return ParallelDims.from_sizes(self.world_size, i.tensor_parallel_size, i.pipeline_parallel_size, i.context_parallel_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares each global batch splits into (the ranks of a model-parallel group share one)."""
+        return self.dims.dp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's share: its coordinate on the mesh's data-parallel dimension (row-major pp, dp, cp, tp)."""
+        d, rank = self.dims, self.ctx.rank if self.ctx is not None else 0
+        return (rank // (d.cp * d.tp)) % d.dp
+
     def resolve(self, model: torch.nn.Module) -> TierlmConfig:
         """Fill in what the config derives from the model (steps, batch, learning rates: `tierlm.plan`),
         print the plan on rank 0, and return the resolved config (the one config.yaml records)."""
         from tierlm.plan import resolve
 
-        self.config, self.plan = resolve(self.config, self.stage, model, self.world_size)
+        self.config, self.plan = resolve(self.config, self.stage, model, self.data_parallel_size)
         if self.is_main:
             print(self.plan.table(), flush=True)  # stdout, with the run summary: stderr stays for problems and progress
         return self.config
@@ -341,14 +374,17 @@ class Run:
         finally:
             trainer.logger.close()
 
-    def finish(self, model: torch.nn.Module, summary: dict[str, Any]) -> dict[str, Any]:
-        """Write the final model folder atomically (gathered to rank 0 under FSDP); returns the summary."""
+    def finish(self, model: torch.nn.Module, summary: dict[str, Any], backend=None) -> dict[str, Any]:
+        """Write the final model folder atomically (gathered to rank 0 under FSDP, tensor and pipeline
+        parallelism: `backend.full_model_state`); returns the summary."""
         final = self.output_dir / "model"
         summary.update(stage=self.stage, output_dir=str(self.output_dir), model_dir=str(final),
                        resumed_from=str(self.resumed) if self.resumed else None, world_size=self.world_size,
                        distributed_type=self.kind)
         state = None
-        if self.ctx is not None:
+        if hasattr(backend, "full_model_state"):  # the PyTorch backends (JAX's model is the live module)
+            model, state = backend.export_model, backend.full_model_state()
+        elif self.ctx is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -399,9 +435,10 @@ def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: 
 
 def rl_parallelism(config: TierlmConfig) -> TierlmConfig:
     """RL shards data, not the model: under torchrun each rank samples its share of the prompts (DDP)."""
-    kind = config.infra.distributed_type
-    if kind == "fsdp":
-        raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun")
+    kind, infra = config.infra.distributed_type, config.infra
+    if kind == "fsdp" or max(infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size) > 1:
+        raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun, "
+                          "without tensor / pipeline / context parallelism")
     if kind == "auto":
         kind = "ddp" if launched_distributed() else "none"
     return config.model_copy(update={"infra": config.infra.model_copy(update={"distributed_type": kind})})

@@ -123,6 +123,8 @@ class Trainer:
         # Data-parallel backends say where this process sits; rank 0 reports and prunes.
         self.rank, self.world_size = getattr(backend, "rank", 0), getattr(backend, "world_size", 1)
         self.is_main = self.rank == 0
+        # Evaluation shards its batches over the data-parallel ranks (a model-parallel group shares its rows).
+        self.data_rank, self.data_world_size = getattr(backend, "data_rank", self.rank), getattr(backend, "data_world_size", self.world_size)
 
     # -- one step, one eval, one save ------------------------------------------------------
     def step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
@@ -169,8 +171,8 @@ class Trainer:
         result does not depend on the world size; every rank runs the same number of forwards
         (a rank short of batches repeats one with weight 0), as FSDP's collectives require."""
         totals: dict[str, float] = defaultdict(float)
-        mine = self.eval_set[self.rank :: self.world_size]
-        rounds = -(-len(self.eval_set) // self.world_size)
+        mine = self.eval_set[self.data_rank :: self.data_world_size]
+        rounds = -(-len(self.eval_set) // self.data_world_size)
         with disable_fp8(self.backend.model):  # FP8 trains; evaluation sees the unquantised model (seed 004)
             for i in range(rounds):
                 batch, weight = (mine[i], 1.0) if i < len(mine) else (self.eval_set[0], 0.0)

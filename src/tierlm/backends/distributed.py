@@ -73,7 +73,7 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
         """Every rank writes its shards; rank 0 adds config, tokenizer and trainer state and seals it."""
         state = {"backend_step": self.step, **(trainer_state or {})}
         path = checkpoint.save_sharded_checkpoint(
-            self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler, state, write_extra, metric
+            self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler, state, write_extra, metric, self.export_model
         )
         return TrainFuture.ready(path)
 

@@ -24,6 +24,7 @@ from tierlm.primitives.losses import (
     token_weights,
 )
 from tierlm.primitives.dtype_device import move_to
+from tierlm.primitives.model_parallel import by_mesh
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
 
@@ -215,6 +216,39 @@ class PyTorchTrainingBackend:
         """What the accumulated gradients are divided by: the step's trained tokens."""
         return num_tokens.clamp(min=1.0)
 
+    @property
+    def export_model(self) -> nn.Module:
+        """The module a final model folder is written from (its config; its weights unless given)."""
+        return self.model
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective under torchrun: the whole model's weights on the CPU of rank 0 (None elsewhere and
+        in one process: the live weights are saved)."""
+        if self.world_size == 1:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's share of the data (model-parallel ranks of one group read the same rows)."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data splits into."""
+        return self.world_size
+
+    def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients' total norm, after clipping them to `max_grad_norm` (0: no clipping)."""
+        if self.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+        return full_tensor(grad_norm)  # FSDP: a DTensor; the same value on every rank
+
     def memory_stats(self) -> dict[str, float]:
         """This rank's parameter and optimizer-state bytes (shards only, when sharded)."""
         params, states = parameter_and_optimizer_bytes(self.model, self.optimizer)
@@ -266,13 +300,10 @@ class PyTorchTrainingBackend:
         grads = self._params_with_grad()
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
-        if grads:
-            torch._foreach_div_([p.grad for p in grads], float(self._grad_divisor(num_tokens)))
-        if self.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
-        grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor; the same value on every rank
+        divisor = float(self._grad_divisor(num_tokens))
+        for same_mesh in by_mesh([p.grad for p in grads]):  # foreach ops take tensors of one kind (plain, or one DTensor mesh)
+            torch._foreach_div_(same_mesh, divisor)
+        grad_norm = self._clip_gradients(grads)
         reported = self._learning_rates()  # the LRs this update uses
         loss = loss_sum / num_tokens.clamp(min=1.0)
         # A NaN/Inf loss or gradient would poison the weights and the optimizer state: skip the

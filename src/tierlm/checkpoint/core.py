@@ -201,14 +201,19 @@ def save_sharded_checkpoint(
     trainer_state: dict[str, Any] | None = None,
     write_extra: Callable[[Path], None] | None = None,
     metric: float | None = None,
+    whole_model: nn.Module | None = None,
 ) -> Path:
     """Collective: every rank writes its shards of the weights and optimizer state into `state/`;
     rank 0 writes the model config, scheduler, trainer state and extras and seals the folder
     atomically, as `write_snapshot` does. The checkpoint directory must be shared by all ranks.
+
+    The optimizer state is flattened (its hyperparameters kept per parameter name), so ranks that hold
+    different parameters — pipeline stages — write one consistent checkpoint that loads at any layout.
+    `whole_model`: the model whose config describes the checkpoint, when `model` is one stage of it.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from tierlm.models import unwrap_model
     from tierlm.models.io import save_model_config
@@ -219,12 +224,12 @@ def save_sharded_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / STATE_DIRNAME).mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, inner_optimizers(optimizer))
+    model_state, optim_state = get_state_dict(model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / STATE_DIRNAME))
     final = root / f"step_{step}"
     if is_main:
         try:
-            save_model_config(unwrap_model(model), tmp / "model")
+            save_model_config(unwrap_model(whole_model if whole_model is not None else model), tmp / "model")
             torch.save(train_state(None, scheduler), tmp / "train_state.pt")
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -358,18 +363,40 @@ def load_checkpoint(
 
 def load_full_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, optimizer_state: dict | None) -> None:
     """Load a full checkpoint's weights (model/) and optimizer state; a sharded `model` takes its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
     from tierlm.models import unwrap_model
 
     full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, read_model_state(unwrap_model(model), path / "model"), options=full)
+    weights = read_model_state(unwrap_model(model), path / "model")
+    stage = getattr(unwrap_model(model), "is_pipeline_stage", False)  # one stage's slice of the whole model
+    if stage:
+        own = set(model.state_dict())
+        weights = {name: value for name, value in weights.items() if name in own}
+    set_model_state_dict(model, weights, options=full)
     if optimizer is None:
         return
     if all(isinstance(k, int) for k in optimizer_state["state"]):  # written by tierlm <= 0.1: keyed by position
         optimizer.load_state_dict(optimizer_state)
+    elif stage:  # the stage's parameters' entries, in its own groups (a subset of the whole model's)
+        own = get_optimizer_state_dict(model, inner_optimizers(optimizer))
+        set_optimizer_state_dict(model, inner_optimizers(optimizer), optimizer_state_slice(optimizer_state, own), options=full)
     else:
         set_optimizer_state_dict(model, inner_optimizers(optimizer), optimizer_state, options=full)
+
+
+def optimizer_state_slice(whole: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """`whole`'s optimizer state (keyed by parameter name) for the parameters of `own` (this model's state
+    dict: its groups), each group with `whole`'s hyperparameters for its parameters.
+
+    >>> whole = {"state": {"w": {"step": 1}, "b": {"step": 1}}, "param_groups": [{"lr": 0.1, "params": ["w", "b"]}]}
+    >>> optimizer_state_slice(whole, {"state": {}, "param_groups": [{"lr": 0.0, "params": ["w"]}]})
+    {'state': {'w': {'step': 1}}, 'param_groups': [{'lr': 0.1, 'params': ['w']}]}
+    """
+    group_of = {name: group for group in whole["param_groups"] for name in group["params"]}
+    groups = [{**({k: v for k, v in group_of[g["params"][0]].items() if k != "params"} if g["params"] else g), "params": g["params"]}
+              for g in own["param_groups"]]
+    return {"state": {name: whole["state"][name] for g in groups for name in g["params"] if name in whole["state"]}, "param_groups": groups}
 
 
 def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -377,16 +404,24 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
-
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from tierlm.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
-    read_dcp_metadata(state_dir)  # refuse a bad index here, in one line, before DCP's own logging of it
+    metadata = read_dcp_metadata(state_dir)  # refuse a bad index here, in one line, before DCP's own logging of it
+    # Flattened optimizer state (hyperparameters per parameter name: tierlm >= 0.3), or the nested form before it.
+    flat = StateDictOptions(flatten_optimizer_state_dict=any(
+        key.startswith("optim.param_groups.") and not key.split(".")[2].isdigit() for key in metadata.state_dict_metadata))
     wanted = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        wanted["optim"] = get_optimizer_state_dict(model, inner_optimizers(optimizer))
+        wanted["optim"] = get_optimizer_state_dict(model, inner_optimizers(optimizer), options=flat)
     try:
         with warnings.catch_warnings():  # "loading in a single process" is what we mean without a job
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -397,7 +432,7 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
                else RuntimeError(first_line(failure))) from None
     set_model_state_dict(model, wanted["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, inner_optimizers(optimizer), wanted["optim"])
+        set_optimizer_state_dict(model, inner_optimizers(optimizer), wanted["optim"], options=flat)
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:

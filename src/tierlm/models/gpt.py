@@ -267,9 +267,10 @@ class Attention(nn.Module):
         one in eager mode; under `torch.compile` the document mask, so the graph does not depend on
         the documents' lengths)."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        # Heads counted from the projections' widths: under tensor parallelism each rank holds a share of them.
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.n_kv_head != self.n_head
         if cache is not None:  # decoding: attend to everything cached so far plus these T tokens

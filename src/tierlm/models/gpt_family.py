@@ -14,6 +14,7 @@ from tierlm.models.gpt import GPT, GPTConfig
 from tierlm.models.hf_export import from_hf_name, to_hf_config, to_hf_name
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import register_family
+from tierlm.primitives.model_parallel import megatron_plan
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings", "window_pattern",
                 "short_window")
@@ -55,6 +56,19 @@ class GPTFamily(NativeCausalLM):
     def blocks(self, model) -> nn.ModuleList:
         return model.blocks
 
+    def owns(self, model) -> bool:
+        return isinstance(model, (GPT, GPTStage))  # a stage reads and describes its slice under the GPT's names
+
+    def pipeline_stage(self, model, block_ids, first, last):
+        if last and not first and model.config.tie_embeddings:
+            raise ConfigError("model.tie_embeddings shares the embedding with the head, which pipeline parallelism puts on "
+                              "different ranks: set model.tie_embeddings=false")
+        return GPTStage(model, block_ids, first, last)
+
+    def tensor_parallel_plan(self, model, tp):
+        c = model.config
+        return megatron_plan("attn.", "mlp.", c.n_head, c.num_kv_heads, c.intermediate_size, tp, qk_norm=True)
+
     def jax_forward(self, model):
         from tierlm.jax.gpt import forward
 
@@ -79,3 +93,44 @@ class GPTFamily(NativeCausalLM):
 
 
 GPT_FAMILY = register_family(GPTFamily())
+
+
+class GPTStage(nn.Module):
+    """Blocks of a native GPT — with the embedding on the first stage, the final norm and head on the last —
+    under the GPT's own parameter names (`blocks.<i>....`), so a stage's state dict is a slice of the model's.
+
+    >>> from tierlm.models.gpt import build_gpt
+    >>> gpt = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
+    >>> ids, positions = torch.randint(0, 50, (2, 8)), torch.arange(8).expand(2, 8)
+    >>> x, positions = GPTStage(gpt, [0], first=True, last=False)(ids, positions)
+    >>> bool(torch.allclose(GPTStage(gpt, [1], first=False, last=True)(x, positions), gpt(ids), atol=1e-5))
+    True
+    """
+
+    is_pipeline_stage = True  # its state dict is a slice of the whole model's (checkpoints load the slice)
+
+    def __init__(self, model: GPT, block_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in block_ids})
+        self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        from tierlm.models.gpt import PackedDocuments, document_causal_mask, document_lengths
+
+        if self.embed is not None:
+            x = self.embed(x)
+        # Sent between stages as float32 (exact below 2**24); clamped, as the pipeline's shape inference runs a
+        # stage once on uninitialised inputs.
+        position_ids = position_ids.nan_to_num(0.0).clamp(0, self.config.max_seq_len - 1).long()
+        cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
+        on_cpu = position_ids.device.type == "cpu"  # as GPT.forward: documents one by one on the CPU, a mask on GPUs
+        mask = PackedDocuments(position_ids, document_lengths(position_ids)) if on_cpu else document_causal_mask(position_ids)
+        for block in self.blocks.values():
+            x = block(x, cos, sin, mask)
+        if self.lm_head is None:
+            return x, position_ids.float()
+        return self.lm_head(self.norm(x))

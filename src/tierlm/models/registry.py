@@ -30,6 +30,7 @@ from torch import nn
 from tierlm.errors import ConfigError, ModelLoadError, first_line
 from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.losses import get_labels, linear_cross_entropy
+from tierlm.primitives.model_parallel import megatron_plan
 
 NATIVE_CONFIG_FILE = "tierlm_model.json"  # in a native model folder: {"family": name, **its config}
 WEIGHTS_FILE = "model.safetensors"
@@ -100,6 +101,20 @@ class ModelFamily:
         from tierlm.primitives.parallel import block_list
 
         return block_list(model)
+
+    def tensor_parallel_plan(self, model: nn.Module, tp: int) -> dict[str, str]:
+        """How each block splits over `tp` ranks: {module path inside a block: "colwise" | "rowwise"}
+        (`tierlm.primitives.model_parallel.apply_tensor_parallel`); a `ConfigError` saying why when it cannot."""
+        raise ConfigError(f"the {self.name} model family has no tensor-parallel plan; use data parallelism (fsdp) "
+                          "or a native GPT / Llama / Qwen3 model")
+
+    def pipeline_stage(self, model: nn.Module, block_ids: list[int], first: bool, last: bool) -> nn.Module:
+        """The part of `model` one pipeline stage runs, under the model's own parameter names: the blocks
+        `block_ids`, with the embedding when `first` and the final norm and head when `last`. Its forward
+        takes (token ids or the residual stream, position ids) and returns (the residual stream, position
+        ids as float32: what travels between stages is floating point), or the logits when `last`."""
+        raise ConfigError(f"the {self.name} model family has no pipeline stages; use tensor parallelism or FSDP2 "
+                          "(pipeline parallelism covers the native GPT)")
 
     # -- folders ---------------------------------------------------------------------------
     def save(self, model: nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -190,6 +205,8 @@ def family_for_folder(folder: Path | str) -> ModelFamily:
 # -- transformers models ---------------------------------------------------------------------
 # Model types whose logits are exactly `lm_head(last hidden state)`: no soft-capping, scaling or
 # bias after the head, so the head may be fused into the loss.
+LLAMA_STYLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Separate q/k/v/o and gate/up/down projections, attention reshaped by head_dim: the tensor-parallel plan fits."""
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "smollm3"})
 
 
@@ -251,6 +268,16 @@ class TransformersFamily(ModelFamily):
         layers = getattr(config, "num_hidden_layers", 0)
         heads = getattr(config, "num_attention_heads", 0)
         return layers, heads * (getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1))
+
+    def tensor_parallel_plan(self, model, tp):
+        """Llama-style blocks (Llama, Mistral, Qwen2, Qwen3): attention and MLP split Megatron-style; their
+        attention reshapes by head_dim, so each rank runs its own heads unchanged."""
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) not in LLAMA_STYLE_MODEL_TYPES:
+            raise ConfigError(f"tensor parallelism covers {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
+                              f"not {getattr(config, 'model_type', type(model).__name__)!r}; use data parallelism (fsdp)")
+        return megatron_plan("self_attn.", "mlp.", config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
+                             config.intermediate_size, tp, qk_norm=config.model_type == "qwen3")
 
     def save(self, model, folder, state_dict=None):
         model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)

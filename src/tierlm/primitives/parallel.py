@@ -128,15 +128,16 @@ def apply_activation_checkpointing(model: nn.Module, blocks: nn.ModuleList | Non
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = blocks if blocks is not None else block_list(model)
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for key in list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks)):  # a pipeline stage's: by name
+        blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=False)
     return model
 
 
 def apply_compile(model: nn.Module, blocks: nn.ModuleList | None = None, **options) -> nn.Module:
     """`torch.compile` each block in place (the blocks are identical, so one graph is reused);
     `options` go to `torch.compile` (e.g. `mode`, or `backend="eager"` to trace without code generation)."""
-    for block in blocks if blocks is not None else block_list(model):
+    blocks = blocks if blocks is not None else block_list(model)
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         block.compile(**options)
     return model
 
@@ -154,6 +155,7 @@ def apply_fsdp(
     blocks: nn.ModuleList | None = None,
     sharding: str = "FULL_SHARD",
     shard_size: int | None = None,
+    mesh=None,
 ) -> nn.Module:
     """FSDP2: `fully_shard` every block (`blocks`, default `block_list(model)`), then the root
     (embeddings, final norm, head).
@@ -164,12 +166,15 @@ def apply_fsdp(
     block after its forward; SHARD_GRAD_OP keeps the gathered parameters until the backward (more
     memory, no second all-gather); HYBRID_SHARD shards within groups of `shard_size` ranks (default:
     the ranks of one machine, LOCAL_WORLD_SIZE) and replicates across them, on a 2-D mesh.
+    `mesh`: shard over this (sub-)mesh instead — the data-parallel dimension of a model-parallel layout.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     assert sharding in FSDP_SHARDING, f"sharding must be one of {FSDP_SHARDING}, got {sharding!r}"
-    if sharding == "HYBRID_SHARD":
+    if mesh is not None:
+        assert sharding != "HYBRID_SHARD", "HYBRID_SHARD builds its own 2-D mesh; give a mesh or the strategy, not both"
+    elif sharding == "HYBRID_SHARD":
         shard_size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         assert world_size % shard_size == 0, f"HYBRID_SHARD: {world_size} ranks do not split into groups of {shard_size}"
         mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
@@ -178,7 +183,8 @@ def apply_fsdp(
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = list(blocks if blocks is not None else block_list(model))
+    blocks = blocks if blocks is not None else block_list(model)
+    blocks = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, reshard_after_forward=sharding != "SHARD_GRAD_OP" and i < len(blocks) - 1, **kwargs)

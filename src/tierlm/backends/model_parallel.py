@@ -1,0 +1,256 @@
+"""Tier 0: a Megatron-style layout on PyTorch's own engine — tensor parallelism (DTensor) composed with
+FSDP2 over the data-parallel rest of the world, on one `DeviceMesh`.
+
+The arithmetic is the other backends': each rank back-propagates the *sum* of its micro-batches' losses
+and `optim_step` divides by the step's trained tokens, counted once per data-parallel rank (the ranks of
+a tensor-parallel group read the same rows). The gradient norm is taken over parameters that live on
+different meshes (tensor-parallel shards, FSDP shards, both, or whole). Checkpoints are DCP's sharded
+ones, so they load at any layout and in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
+from tierlm.errors import ConfigError
+from tierlm.models import family_of
+from tierlm.primitives.dtype_device import move_to
+from tierlm.primitives.optim import inner_optimizers
+from tierlm.primitives.model_parallel import ParallelDims, apply_tensor_parallel, clip_grad_norm, sum_gradients
+from tierlm.primitives.losses import get_labels, reads_label_cross_entropy_only, token_weights
+from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
+
+
+class ModelParallelTrainingBackend(DistributedTrainingBackend):
+    """Pipeline stages over `dims.pp` ranks, tensor parallel over `dims.tp` (the family's plans), FSDP2 over
+    `dims.dp` (when > 1).
+
+    Build it under torchrun after `init_distributed`; `dims.world_size` must be the job's. Under pipeline
+    parallelism `model` is the module holding this rank's stages (the model's own parameter names: its
+    state dict is a slice of the whole model's), `export_model` the whole model's description, and a
+    step's micro-batch is split into `microbatches` pieces that flow through the stages by `schedule`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_fn: OptimizerFactory,
+        loss_fn: Callable | None,
+        checkpoint_dir: str | Path,
+        device: torch.device | str,
+        dims: ParallelDims,
+        scheduler_fn: SchedulerFactory | None = None,
+        max_grad_norm: float = 1.0,
+        param_dtype: torch.dtype | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        fused_cross_entropy: bool = True,
+        flash_attention: bool = True,
+        schedule: str = "1F1B",
+        microbatches: int | None = None,
+        stages_per_rank: int = 1,
+    ):
+        assert dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
+        device = torch.device(device)
+        self.dims, self.mesh = dims, dims.build_mesh(device.type)
+        family = family_of(model)
+        plan = family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}  # a ConfigError, before anything moves
+        self.whole_model = model
+        model = move_to(model, device)
+        parts, held = (self._stage_modules(model, family, stages_per_rank) if dims.pp > 1 else ([model], model))
+        self.tp_summed: list[nn.Parameter] = []
+        for part in parts:  # torchtitan's order: tensor parallel, then activation checkpointing and compile, then FSDP
+            blocks = part.blocks if dims.pp > 1 else family.blocks(part)
+            if dims.tp > 1:
+                self.tp_summed += apply_tensor_parallel(self.mesh["tp"], blocks, plan)
+            if activation_checkpointing:
+                apply_activation_checkpointing(part, blocks)
+            if compile:
+                apply_compile(part, blocks)
+            if dims.dp > 1:
+                apply_fsdp(part, dims.dp, device.type, param_dtype, torch.float32, blocks=blocks, mesh=self.mesh["dp"])
+        self.dp_group = self.mesh["dp"].get_group() if dims.dp > 1 else None
+        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        if dims.pp > 1:
+            self.parts, self.schedule_name, self.microbatches = parts, schedule, microbatches or dims.pp * stages_per_rank
+            self.has_first, self.has_last, self._shape = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids, None
+        super().__init__(  # without FSDP's mixed precision, autocast computes in param_dtype
+            held, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
+            max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy, flash_attention=flash_attention,
+            autocast_dtype=param_dtype if dims.dp == 1 else None,
+        )
+        self._step_parameter_by_parameter()
+
+    # -- pipeline ----------------------------------------------------------------------------------
+    def _stage_modules(self, model: nn.Module, family, stages_per_rank: int) -> tuple[list[nn.Module], nn.Module]:
+        """This rank's stages (loop order: rank r holds stages r, r + pp, ...) and one module holding them all."""
+        blocks = len(family.blocks(model))
+        self.num_stages, pp_rank = self.dims.pp * stages_per_rank, self.mesh["pp"].get_local_rank()
+        if blocks < self.num_stages:
+            raise ConfigError(f"{blocks} blocks cannot fill {self.num_stages} pipeline stages (pipeline_parallel_size x stages_per_rank)")
+        bounds = [round(i * blocks / self.num_stages) for i in range(self.num_stages + 1)]
+        self.stage_ids = [pp_rank + k * self.dims.pp for k in range(stages_per_rank)]
+        last = self.num_stages - 1
+        parts = [family.pipeline_stage(model, list(range(bounds[i], bounds[i + 1])), i == 0, i == last) for i in self.stage_ids]
+        mine = [b for i in self.stage_ids for b in range(bounds[i], bounds[i + 1])]
+        held = family.pipeline_stage(model, mine, 0 in self.stage_ids, last in self.stage_ids)
+        return parts, held
+
+    def _schedule_for(self, shape: tuple[int, ...]):
+        """The schedule over this rank's stages, (re)built when the batch shape changes (between training and
+        evaluation batches): the stages infer the shapes they send from the first batch they run."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        if shape == self._shape:
+            return self.schedule
+        stages = [PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group) for part, i in zip(self.parts, self.stage_ids)]
+        loss = token_cross_entropy_sum  # summed, and scale_grads=False: the gradient of the summed loss, as every backend's
+        if self.schedule_name == "interleaved_1F1B":
+            self.schedule = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss, scale_grads=False)
+        else:
+            assert len(stages) == 1, f"the {self.schedule_name} schedule runs one stage per rank; interleaved_1F1B runs several"
+            self.schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[self.schedule_name](stages[0], self.microbatches, loss_fn=loss,
+                                                                                            scale_grads=False)
+        self._shape = shape
+        return self.schedule
+
+    def _pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor]:
+        """(the first stage's inputs, the last stage's targets); rows added with nothing to train (labels -100)
+        until the rows split into the pipeline's micro-batches."""
+        ids, pad = batch["input_ids"], -batch["input_ids"].shape[0] % self.microbatches
+        if pad:
+            batch = {k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() else v
+                     for k, v in batch.items()}
+            batch["labels"] = get_labels(batch).clone()
+            batch["labels"][-pad:] = -100
+            ids = batch["input_ids"]
+        positions = batch.get("position_ids")
+        positions = positions if positions is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        labels = get_labels(batch).masked_fill(token_weights(get_labels(batch), batch.get("loss_mask")) == 0, -100)
+        return ((ids, positions.float()) if self.has_first else ()), labels
+
+    def _run_pipeline(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass of the schedule: (the batch's summed loss, on every rank of the pipeline; the logits, on the
+        last stage's rank)."""
+        inputs, labels = self._pipeline_inputs(batch)
+        schedule = self._schedule_for(tuple(labels.shape))
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            logits = (schedule.step if train else schedule.eval)(
+                *inputs, target=labels if self.has_last else None, losses=losses if self.has_last else None)
+        total = torch.stack(losses).sum().detach().float() if self.has_last else torch.zeros((), device=self.device)
+        dist.all_reduce(total, group=self.pp_group)  # the last stage's loss, known to every stage
+        return total, logits
+
+    def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
+        if self.dims.pp == 1:
+            return super().forward_backward(batch, loss_fn)
+        self._check_cross_entropy(loss_fn)
+        self.model.train()
+        batch = self._to_device(batch)
+        total, _ = self._run_pipeline(batch, train=True)
+        count = token_weights(get_labels(batch), batch.get("loss_mask")).sum()
+        self._loss_sum += total
+        self._num_tokens += count
+        self._num_micro_batches += 1
+        return TrainFuture(lambda: {"loss": (total / count.clamp(min=1)).item(), "num_tokens": count.item()})
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
+        """Evaluation through the stages: `fn(logits, batch)` runs where the logits are (the last stage) and
+        its numbers are sent to every rank."""
+        if self.dims.pp == 1:
+            return super().forward(batch, fn)
+        was_training = self.model.training
+        self.model.eval()
+        batch = self._to_device(batch)
+        total, logits = self._run_pipeline(batch, train=False)
+        self.model.train(was_training)
+        metrics = [None]
+        if self.has_last:
+            logits = logits[: batch["input_ids"].shape[0]]  # without the rows added to fill the micro-batches
+            out = fn(logits, batch) if fn is not None else {"loss_sum": total, "num_tokens": token_weights(get_labels(batch)).sum()}
+            metrics = [{k: float(v) for k, v in out.items()}]
+        last = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.dims.pp)
+        dist.broadcast_object_list(metrics, src=last, group=self.pp_group)
+        return TrainFuture.ready(metrics[0])
+
+    def _check_cross_entropy(self, loss_fn: Callable | None) -> None:
+        if not reads_label_cross_entropy_only(loss_fn or self.loss_fn):
+            raise ConfigError("pipeline parallelism trains the token cross-entropy (pretraining, SFT); DPO, RL and custom "
+                              "losses need the whole model on a rank: use tensor parallelism or FSDP2")
+
+    @property
+    def export_model(self) -> nn.Module:
+        return self.whole_model
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's weights on rank 0's CPU — each stage's gathered over its tensor- and
+        data-parallel ranks, then the stages' gathered over the pipeline ranks that hold global rank 0."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        state = {name: value.cpu() for name, value in state.items()}
+        if self.dims.pp == 1:
+            return state if self.rank == 0 else None
+        if self.mesh["dp"].get_local_rank() == 0 and (self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0):
+            parts = [None] * self.dims.pp if self.rank == 0 else None
+            dist.gather_object(state, parts, dst=0, group=self.pp_group)
+            if self.rank == 0:
+                return {name: value for part in parts for name, value in part.items()}
+        return None
+
+    def _step_parameter_by_parameter(self) -> None:
+        """A parameter group mixes split and whole parameters (DTensors on different meshes, plain tensors),
+        which the fused and foreach kernels refuse: step parameter by parameter. (Regrouping by mesh would
+        change the groups a checkpoint records, and checkpoints must load at every layout.)"""
+        for inner in inner_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                group.update({key: False for key in ("foreach", "fused") if key in group})
+
+    def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
+        future = super().load_checkpoint(path)
+        self._step_parameter_by_parameter()  # a checkpoint of another layout brings its groups' kernel choice
+        return future
+
+    def _place(self, model: nn.Module) -> nn.Module:
+        return model  # placed (and sharded) above
+
+    @property
+    def data_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def data_world_size(self) -> int:
+        return self.dims.dp
+
+    def reduce_step_totals(self, totals: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None:  # a tensor-parallel group shares its rows: count them once
+            dist.all_reduce(totals, group=self.dp_group)
+        return totals
+
+    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        """Sums over the data-parallel ranks (every rank of a model-parallel group holds the same totals)."""
+        summed = super().all_reduce_sums(values)
+        copies = self.world_size // self.dims.dp
+        return {k: v / copies for k, v in summed.items()}
+
+    def _grad_divisor(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        # FSDP2 averages gradients over the data-parallel ranks; ours are sums, so undo its 1/dp.
+        return num_tokens.clamp(min=1.0) / self.dims.dp
+
+    def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.tp_summed:  # first complete the gradients each rank holds only its heads' share of
+            sum_gradients(self.tp_summed, self.mesh["tp"].get_group())
+        return clip_grad_norm([p.grad for p in grads], self.max_grad_norm, extra_group=self.pp_group)  # stages hold different blocks
+
+
+def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The pipeline's loss: summed token cross-entropy (fp32) of one micro-batch, -100 ignored."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")

@@ -1,0 +1,174 @@
+"""Tier 1: model parallelism on PyTorch's own engine — one `DeviceMesh` for the layout, tensor parallelism
+through `torch.distributed.tensor.parallel` plans that each model family supplies, and the gradient norm
+of parameters that live on different meshes.
+
+The layout is torchtitan's: `pp x dp x cp x tp` ranks, tensor parallel innermost (the ranks that talk
+most, on one machine), data parallel the rest of the world. Tensor parallelism splits each block's
+attention and MLP Megatron-style — the query/key/value and gate/up projections by output columns (each
+rank holds whole heads), the output and down projections by input rows, one all-reduce after each —
+and leaves the norms, the embedding and the head whole on every rank of the group. Data parallelism
+over the other dimension is FSDP2 on the `dp` sub-mesh (torchtitan composes the two the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tierlm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How `world_size` ranks split: pipeline x data x context x tensor parallel (data = the rest).
+
+    >>> ParallelDims.from_sizes(8, tensor=2, pipeline=2)
+    ParallelDims(pp=2, dp=2, cp=1, tp=2)
+    >>> ParallelDims.from_sizes(8, tensor=2, pipeline=2).mesh_shape()
+    (('pp', 2), ('dp', 2), ('tp', 2))
+    """
+
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def from_sizes(cls, world_size: int, tensor: int = 1, pipeline: int = 1, context: int = 1) -> "ParallelDims":
+        model_ranks = tensor * pipeline * context
+        if world_size % model_ranks:
+            raise ConfigError(f"{world_size} ranks do not split into tensor {tensor} x pipeline {pipeline} x context {context} "
+                              f"(= {model_ranks}) groups: make the world size a multiple of {model_ranks}")
+        return cls(pp=pipeline, dp=world_size // model_ranks, cp=context, tp=tensor)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def model_parallel(self) -> bool:
+        """True when the model itself is split (tensor, pipeline or context parallel)."""
+        return self.tp * self.pp * self.cp > 1
+
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of each mesh dimension, outermost first; data parallel kept even at size 1."""
+        return tuple((name, size) for name, size in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
+                     if size > 1 or name == "dp")
+
+    def build_mesh(self, device_type: str):
+        """The `DeviceMesh` of this layout (needs the process group)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, sizes = zip(*self.mesh_shape())
+        assert dist.get_world_size() == self.world_size, f"the layout needs {self.world_size} ranks, the job has {dist.get_world_size()}"
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
+def check_tensor_parallel_shape(n_head: int, n_kv_head: int, intermediate: int, tp: int) -> list[str]:
+    """What stops a model from splitting its heads and MLP over `tp` ranks (each rank takes whole heads).
+
+    >>> check_tensor_parallel_shape(8, 2, 512, 4)
+    ['2 key/value heads do not split over 4 tensor-parallel ranks']
+    """
+    problems = []
+    for what, count in (("attention heads", n_head), ("key/value heads", n_kv_head), ("MLP hidden units", intermediate)):
+        if count % tp:
+            problems.append(f"{count} {what} do not split over {tp} tensor-parallel ranks")
+    return problems
+
+
+def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, intermediate: int, tp: int, qk_norm: bool = False) -> dict[str, str]:
+    """The plan of a Llama-style block whose attention and MLP modules are at `attention` / `mlp`
+    (prefixes inside the block): q/k/v and gate/up by columns, o and down by rows. With `qk_norm`, the
+    per-head norms (shared by all heads, so each rank sees only its heads' share of their gradient) are
+    kept whole with their gradients summed over the group. A `ConfigError` when the heads or the MLP do
+    not split over `tp` ranks.
+
+    >>> megatron_plan("attn.", "mlp.", 4, 2, 64, 2, qk_norm=True)["attn.q_norm"]
+    'grad_allreduce'
+    """
+    problems = check_tensor_parallel_shape(n_head, n_kv_head, intermediate, tp)
+    if problems:
+        raise ConfigError(f"infra.tensor_parallel_size={tp}: {'; '.join(problems)}")
+    plan = {f"{attention}{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+    plan.update({f"{attention}o_proj": "rowwise", f"{mlp}gate_proj": "colwise", f"{mlp}up_proj": "colwise", f"{mlp}down_proj": "rowwise"})
+    if qk_norm:
+        plan.update({f"{attention}q_norm": "grad_allreduce", f"{attention}k_norm": "grad_allreduce"})
+    return plan
+
+
+def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList, plan: dict[str, str]) -> list[nn.Parameter]:
+    """Split every block by `plan` ({module path inside a block: "colwise" | "rowwise" | "grad_allreduce"})
+    over `tp_mesh`; returns the "grad_allreduce" modules' parameters, whose gradients the caller sums
+    over the group before the update (`sum_gradients`).
+
+    Column-wise layers keep their output sharded on the last dimension (local heads / hidden units);
+    row-wise layers take that and all-reduce to a whole activation, so each block's input and output
+    are ordinary tensors, the same on every rank of the group.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    assert set(plan.values()) <= {*styles, "grad_allreduce"}, f"unknown tensor-parallel styles in {plan}"
+    summed = []
+    for block in blocks:
+        parallelize_module(block, tp_mesh, {path: styles[kind]() for path, kind in plan.items() if kind in styles})
+        summed += [p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()]
+    return summed
+
+
+def sum_gradients(params: list[nn.Parameter], group) -> None:
+    """Sum these parameters' gradients over `group`, in one flat all-reduce (an FSDP-sharded gradient:
+    its local shard, the same slice on every rank of a tensor-parallel group)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped for foreach ops: plain tensors together, DTensors by their mesh and placements.
+
+    >>> [len(g) for g in by_mesh([torch.ones(1), torch.ones(2)])]
+    [2]
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        key = (id(t.device_mesh), tuple(t.placements)) if hasattr(t, "device_mesh") else ()
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, extra_group=None) -> torch.Tensor:
+    """The total L2 norm of `grads` — plain tensors and DTensors on any meshes (tensor-parallel shards,
+    FSDP shards, both) — and, when `max_norm` > 0, every gradient scaled as `clip_grad_norm_` does.
+
+    A DTensor's norm is reduced over its own mesh; a plain tensor counts as this rank holds it (the
+    replicated layers of a tensor-parallel group hold the same gradient on every rank). `extra_group`
+    sums the squares over ranks that hold different parameters (pipeline stages).
+
+    >>> mine, torchs = [torch.full((2,), 3.0), torch.full((1,), 4.0)], [torch.full((2,), 3.0), torch.full((1,), 4.0)]
+    >>> params = [torch.nn.Parameter(torch.zeros_like(g)) for g in torchs]
+    >>> for p, g in zip(params, torchs): p.grad = g
+    >>> bool(torch.isclose(clip_grad_norm(mine, 1.0), torch.nn.utils.clip_grad_norm_(params, 1.0)))
+    True
+    >>> all(torch.allclose(a, b) for a, b in zip(mine, torchs))
+    True
+    """
+    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares = squares + norm.double() ** 2
+    if extra_group is not None:
+        dist.all_reduce(squares, group=extra_group)
+    total = squares.sqrt().float()
+    if max_norm > 0 and grads:
+        scale = min(1.0, max_norm / (float(total) + 1e-6))  # a number: DTensors and plain tensors both take it
+        for g in grads:
+            g.mul_(scale)
+    return total

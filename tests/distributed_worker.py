@@ -117,9 +117,31 @@ def factories(out: Path, model_folder: str) -> None:
             out.write_text(json.dumps(losses))
 
 
+def megatron(out: Path, sizes: str) -> None:
+    """Seed 001's distributed example: Trainer(backend=MegatronBackend(...), strategy=PretrainStrategy()), train_step on
+    the same rows on every rank; rank 0 writes the losses."""
+    from tierlm.backends import MegatronBackend
+    from tierlm.strategies import PretrainStrategy
+    from tierlm.trainer import Trainer
+
+    tensor, pipeline = map(int, sizes.split("x"))
+    trainer = Trainer(backend=MegatronBackend(CONFIG, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
+                                              checkpoint_dir=out.parent / "ckpt_megatron", learning_rate=3e-3, device_type="cpu"),
+                      strategy=PretrainStrategy())
+    model_state = trainer.backend.model_state()
+    losses = []
+    for step in range(6):
+        tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
+        result = trainer.train_step({"tokens": tokens}, model_state, model_state.optimizer_state)
+        model_state = result.model_state
+        losses.append(result.metrics["loss"])
+    if trainer.backend.rank == 0:
+        out.write_text(json.dumps(losses))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "tp", "tp_dp", "pp", "pp_gpipe", "factories"])
+    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "tp", "tp_dp", "pp", "pp_gpipe", "factories", "megatron"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", default="0:10", help="first:last optimizer steps (0-based, last excluded)")
     parser.add_argument("--load", default=None, help="checkpoint to continue from")
@@ -128,9 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--activation-checkpointing", type=int, default=0, help="FSDP: recompute each block in backward")
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
     args = parser.parse_args(argv)
     if args.mode == "factories":
         factories(args.out, args.model_folder)
+    elif args.mode == "megatron":
+        megatron(args.out, args.sizes)
     else:
         first, last = map(int, args.steps.split(":"))
         run(args.mode, args.out, first, last, args.load, args.save_at,

@@ -12,6 +12,31 @@ import torch
 from tests.test_distributed import assert_same_steps, run_worker
 
 
+def predicted_weight_bytes(**sizes) -> float:
+    """The fp32 weights `tierlm.layout_plan` expects one rank to hold, for the worker's model."""
+    from tests.distributed_worker import CONFIG
+    from tierlm.layout_plan import ModelShape, layout_memory
+    from tierlm.models import build_gpt
+    from tierlm.primitives.model_parallel import ParallelDims
+
+    dims = ParallelDims.from_sizes(2, **sizes)
+    return layout_memory(ModelShape.of(build_gpt(CONFIG)), dims, 2, 16).parts["weights, gradients, AdamW (fp32)"] / 4
+
+
+def test_plan_prints_the_layouts_and_megatron_backend_needs_torchrun(capsys):
+    from tierlm.backends import MegatronBackend
+    from tierlm.cli import main
+    from tierlm.errors import ConfigError
+
+    assert main(["plan", "--world-size", "4", "--layouts", "--vocab-size", "512", "model.depth=4", "model.aspect_ratio=32",
+                 "model.head_dim=32", "model.n_kv_head=2", "infra.device_type=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "per-rank memory of 4 ranks" in out and "TP 2 x PP 2 x DP 1" in out and "TP 1 x PP 1 x DP 4" in out
+    assert "TP 4 x" not in out  # 2 key/value heads do not split over 4 ranks
+    with pytest.raises(ConfigError, match="torchrun"):
+        MegatronBackend(tensor_parallel_size=2)
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
@@ -21,8 +46,10 @@ def single(tmp_path_factory):
 def test_tensor_parallel_matches_one_process_and_splits_the_blocks(single, tmp_path):
     tp = run_worker("tp", tmp_path / "tp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt")
     assert_same_steps(tp["steps"], single["steps"], tol=1e-4)
-    # each rank holds half of every block's projections (the embeddings, the head and the norms stay whole)
+    # each rank holds half of every block's projections (the embeddings, the head and the norms stay whole):
+    # what `tierlm plan --layouts` predicts for this layout (1%)
     assert tp["memory"]["param_bytes"] < 0.8 * single["memory"]["param_bytes"]
+    assert tp["memory"]["param_bytes"] == pytest.approx(predicted_weight_bytes(tensor=2), rel=0.01)
     # a TP=2 checkpoint resumes in one process as if the run never stopped
     resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
                          checkpoint_dir=tmp_path / "ckpt_single")
@@ -45,6 +72,8 @@ def test_pipeline_stages_match_one_process(single, mode, tmp_path):
     """2 stages of one block each, 2 pipeline micro-batches per micro-batch (1F1B and GPipe)."""
     pp = run_worker(mode, tmp_path / "pp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt")
     assert_same_steps(pp["steps"], single["steps"], tol=1e-4)
+    # rank 0 (the first stage: one block and the embedding), as the layout planner predicts for the busier stage
+    assert pp["memory"]["param_bytes"] <= predicted_weight_bytes(pipeline=2) * 1.01
     if mode == "pp":  # each stage wrote its own blocks and their optimizer state: one checkpoint, resumed in one process
         resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
                              checkpoint_dir=tmp_path / "ckpt_single")
@@ -53,9 +82,19 @@ def test_pipeline_stages_match_one_process(single, mode, tmp_path):
         assert_same_steps(back["steps"], single["steps"][5:], tol=1e-4)
 
 
+QWEN3 = ["model.architecture=qwen3", "model.hf_config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
+         " num_key_value_heads: 2, head_dim: 16, max_position_embeddings: 256}"]
+LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
+    "tp": (["infra.tensor_parallel_size=2"], []),
+    "pp_interleaved": (["infra.pipeline_parallel_size=2", "infra.pipeline_schedule=interleaved_1F1B", "infra.stages_per_rank=2"],
+                       ["model.tie_embeddings=false"]),  # 4 stages of one block, 2 per rank
+    "tp_qwen3": (["infra.tensor_parallel_size=2"], QWEN3),  # a transformers model, split by its family's plan
+}
+
+
 def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(tmp_path):
-    """`torchrun -m tierlm pretrain` with infra.tensor_parallel_size=2, then pipeline_parallel_size=2 (4 blocks, 2
-    stages; evaluation through the stages): the losses and the exported model of one process; a tensor-parallel
+    """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT and transformers Qwen3) and interleaved pipeline
+    stages (evaluation through the stages): the losses and the exported model of one process; a tensor-parallel
     checkpoint resumed in one process."""
     import json
     import shutil
@@ -72,24 +111,39 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [(r["type"], r["step"], r["loss"] if r["type"] == "train" else r["val_loss"]) for r in records if r["type"] in ("train", "eval")]
 
-    one = tmp_path / "one"
-    assert (result := run_cli(*common, f"infra.output_dir={one}")).returncode == 0, result.stderr[-3000:]
-    reference, final = lines(one), load_file(one / "model" / "model.safetensors")
-    for name, sizes in (("tp", ["infra.tensor_parallel_size=2"]), ("pp", ["infra.pipeline_parallel_size=2", "model.tie_embeddings=false"])):
-        if name == "pp":  # the reference with untied embeddings too
-            assert (result := run_cli(*common, *sizes[1:], f"infra.output_dir={one}_untied")).returncode == 0, result.stderr[-3000:]
-            reference, final = lines(tmp_path / "one_untied"), load_file(tmp_path / "one_untied" / "model" / "model.safetensors")
-        run = tmp_path / name
-        result = torchrun("-m", "tierlm", *common, *sizes, f"infra.output_dir={run}")
+    for name, (layout, shared) in LAYOUTS.items():
+        one, run = tmp_path / f"{name}_one", tmp_path / name
+        assert (result := run_cli(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[-3000:]
+        result = torchrun("-m", "tierlm", *common, *shared, *layout, f"infra.output_dir={run}")
         assert result.returncode == 0, result.stderr[-3000:]
-        got = lines(run)
+        got, reference = lines(run), lines(one)
         assert [r[:2] for r in got] == [r[:2] for r in reference]
         assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(got, reference)), (name, got, reference)
-        exported = load_file(run / "model" / "model.safetensors")
+        exported, final = load_file(run / "model" / "model.safetensors"), load_file(one / "model" / "model.safetensors")
         assert exported.keys() == final.keys() and all(torch.allclose(exported[k], final[k], atol=1e-4) for k in final), name
     # the tensor-parallel run's step-3 checkpoint, resumed in one process, ends where the one-process run did
     run = tmp_path / "tp"
     shutil.rmtree(run / "checkpoints" / "step_6")
     (run / "checkpoints" / "latest").write_text("step_3\n")
     assert (result := run_cli(*common, f"infra.output_dir={run}")).returncode == 0, result.stderr[-3000:]
-    assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(one)))
+    assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(tmp_path / "tp_one")))
+
+
+@pytest.mark.parametrize("sizes", ["2x1", "1x2"])
+def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
+    """Seed 001's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..), strategy=PretrainStrategy())`
+    at tensor 2 and at pipeline 2: the losses of `PyTorchBackend` on one process."""
+    from tests.distributed_worker import CONFIG, SEQ
+    from tierlm.backends import MegatronBackend
+    from tierlm.strategies import PretrainStrategy
+    from tierlm.trainer import Trainer
+
+    got = run_worker("megatron", tmp_path / "m.json", sizes=sizes)
+    trainer = Trainer(MegatronBackend(CONFIG, checkpoint_dir=tmp_path / "one", learning_rate=3e-3, device_type="cpu"), PretrainStrategy())
+    state, expected = trainer.backend.model_state(), []
+    for step in range(6):
+        tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
+        result = trainer.train_step({"tokens": tokens}, state, state.optimizer_state)
+        state = result.model_state
+        expected.append(result.metrics["loss"])
+    assert got == pytest.approx(expected, abs=1e-4) and expected[-1] < expected[0]

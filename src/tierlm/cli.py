@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--stage", choices=["pretrain", "sft", "dpo", "rl"], default="pretrain")
     _add_config_args(plan, required=False)
     plan.add_argument("--world-size", type=_positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)")
+    plan.add_argument("--layouts", action="store_true",
+                      help="also the per-rank memory of every tensor x pipeline x data-parallel split of --world-size ranks")
     plan.add_argument("--vocab-size", type=_positive_int, default=None,
                       help="size a model from scratch for this vocabulary instead of training the run's tokenizer here")
     speed = plan.add_mutually_exclusive_group()
@@ -242,6 +244,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
         speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size
     print(plan.table(speed))
     print(plan.memory.table())
+    if args.layouts:
+        from tierlm.layout_plan import ModelShape, layouts_table
+        from tierlm.models import unwrap_model
+
+        tr, infra = resolved.training, resolved.infra
+        budget = infra.max_memory_gb * 1e9 if infra.max_memory_gb else None
+        print(layouts_table(ModelShape.of(unwrap_model(model)), world_size, tr.per_device_train_batch_size, resolved.data.max_seq_length, budget,
+                            compute_bytes=2 if tr.bf16 or tr.fp16 else 4, activation_checkpointing=infra.activation_checkpointing,
+                            fused_cross_entropy=tr.fused_cross_entropy))
 
 
 def _int_list(text: str, what: str) -> list[int]:

@@ -7,6 +7,7 @@
 from tierlm.backends.distributed import DDPTrainingBackend, DistributedTrainingBackend, FSDPTrainingBackend
 from tierlm.backends.factory import (
     JaxBackend,
+    MegatronBackend,
     PyTorchBackend,
     create_backend_with_scheduler,
     create_ddp_backend,
@@ -30,6 +31,7 @@ from tierlm.primitives import (
 __all__ = [
     # tier 2
     "JaxBackend",
+    "MegatronBackend",
     "PyTorchBackend",
     "create_backend_with_scheduler",
     "create_ddp_backend",

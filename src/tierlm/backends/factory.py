@@ -224,3 +224,33 @@ def PyTorchBackend(model_config, checkpoint_dir: str | Path = "checkpoints", lea
     model = _new_model(model_config, seed).to(device)
     optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
     return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, device, max_grad_norm=max_grad_norm)
+
+
+def MegatronBackend(model_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                    checkpoint_dir: str | Path = "checkpoints", learning_rate: float = 1e-3, adam_betas: tuple[float, float] = (0.9, 0.95),
+                    weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0, device_type: str = "auto",
+                    pipeline_schedule: str = "1F1B", pipeline_microbatches: int | None = None, bf16: bool = False):
+    """Seed 001's `MegatronBackend(model_config, tensor_parallel_size=4, pipeline_parallel_size=2)`: a fresh model
+    of `model_config` (default: the native GPT's defaults) split over the ranks of a torchrun job — pipeline
+    stages x tensor parallel x FSDP2 over the rest (`ModelParallelTrainingBackend`: PyTorch's DTensor and
+    pipelining, no other runtime), AdamW. Run the script with `torchrun --nproc_per_node=N script.py`; every
+    rank of a tensor- or pipeline-parallel group is given the same batch. Without torchrun and with both sizes 1:
+    `PyTorchBackend` on one device.
+    """
+    from tierlm.backends.model_parallel import ModelParallelTrainingBackend
+    from tierlm.errors import ConfigError
+    from tierlm.models import GPTConfig
+    from tierlm.primitives.model_parallel import ParallelDims
+    from tierlm.primitives.parallel import launched_distributed
+
+    model_config = model_config if model_config is not None else GPTConfig()
+    if not launched_distributed():
+        if max(tensor_parallel_size, pipeline_parallel_size) > 1:
+            raise ConfigError(f"MegatronBackend(tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size={pipeline_parallel_size}) "
+                              "splits the model over ranks: run the script under `torchrun --nproc_per_node=N`")
+        return PyTorchBackend(model_config, checkpoint_dir, learning_rate, adam_betas, weight_decay, max_grad_norm, seed, device_type)
+    ctx = init_distributed(device_type)
+    dims = ParallelDims.from_sizes(ctx.world_size, tensor=tensor_parallel_size, pipeline=pipeline_parallel_size)
+    return ModelParallelTrainingBackend(_new_model(model_config, seed), _adamw(learning_rate, adam_betas, weight_decay), None, checkpoint_dir,
+                                        ctx.device, dims, max_grad_norm=max_grad_norm, param_dtype=torch.bfloat16 if bf16 else None,
+                                        schedule=pipeline_schedule, microbatches=pipeline_microbatches)

@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
@@ -157,11 +156,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         self.model.train()
         batch = self._to_device(batch)
         total, _ = self._run_pipeline(batch, train=True)
-        count = token_weights(get_labels(batch), batch.get("loss_mask")).sum()
-        self._loss_sum += total
-        self._num_tokens += count
-        self._num_micro_batches += 1
-        return TrainFuture(lambda: {"loss": (total / count.clamp(min=1)).item(), "num_tokens": count.item()})
+        return self._accumulate(total, token_weights(get_labels(batch), batch.get("loss_mask")).sum())
 
     @torch.no_grad()
     def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
@@ -195,11 +190,15 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the whole model's weights on rank 0's CPU — each stage's gathered over its tensor- and
         data-parallel ranks, then the stages' gathered over the pipeline ranks that hold global rank 0."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        state = {name: value.cpu() for name, value in state.items()}
+        keeper = self.mesh["dp"].get_local_rank() == 0 and (self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0)
+        state = {}
+        for name, value in self.model.state_dict().items():  # one whole tensor at a time on the device, then the CPU
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if keeper:
+                state[name] = whole.detach().cpu()
         if self.dims.pp == 1:
             return state if self.rank == 0 else None
-        if self.mesh["dp"].get_local_rank() == 0 and (self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0):
+        if keeper:
             parts = [None] * self.dims.pp if self.rank == 0 else None
             dist.gather_object(state, parts, dst=0, group=self.pp_group)
             if self.rank == 0:

@@ -269,7 +269,10 @@ class PyTorchTrainingBackend:
                 logits = forward_logits(self.model, batch)  # (B, T, V)
             total, count = loss_sum_and_count(loss_fn, logits, batch)
         (self.grad_scaler.scale(total) if self.grad_scaler is not None else total).backward()
-        total, count = total.detach(), count.detach()
+        return self._accumulate(total.detach(), count.detach())
+
+    def _accumulate(self, total: torch.Tensor, count: torch.Tensor) -> TrainFuture[dict[str, float]]:
+        """Add a back-propagated micro-batch's summed loss and trained tokens to the step's."""
         self._loss_sum += total
         self._num_tokens += count
         self._num_micro_batches += 1

@@ -9,6 +9,10 @@ collect_ignore = [str(Path(__file__).parents[1] / "src" / "tierlm" / "__main__.p
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Nothing downloads in tests: a name that could be a Hub id fails at once instead of retrying the network
+# (the CLI's subprocesses inherit it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

@@ -194,7 +194,7 @@ def check_tasks(tasks: list[str], include_path: str | None):
 def summarize(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of the harness's results (numbers only; `acc,none` becomes `acc`)."""
     return {task: {metric.replace(",none", ""): float(value) for metric, value in scores.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and metric != "sample_len"}
             for task, scores in results.get("results", {}).items()}
 
 

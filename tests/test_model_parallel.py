@@ -147,3 +147,11 @@ def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
         state = result.model_state
         expected.append(result.metrics["loss"])
     assert got == pytest.approx(expected, abs=1e-4) and expected[-1] < expected[0]
+
+
+def test_tensor_times_pipeline_on_four_ranks_matches_one_process_and_its_checkpoint_resumes_in_one(single, tmp_path):
+    both = run_worker("tp_pp", tmp_path / "tp_pp.json", nproc=4, save_at=5, checkpoint_dir=tmp_path / "ckpt")
+    assert_same_steps(both["steps"], single["steps"], tol=1e-4)
+    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
+                         checkpoint_dir=tmp_path / "ckpt_single")
+    assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)

@@ -100,7 +100,7 @@ def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, interme
     return plan
 
 
-def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList, plan: dict[str, str]) -> list[nn.Parameter]:
+def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: dict[str, str]) -> list[nn.Parameter]:
     """Split every block by `plan` ({module path inside a block: "colwise" | "rowwise" | "grad_allreduce"})
     over `tp_mesh`; returns the "grad_allreduce" modules' parameters, whose gradients the caller sums
     over the group before the update (`sum_gradients`).
@@ -114,7 +114,7 @@ def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList, plan: dict[str, str]) 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     assert set(plan.values()) <= {*styles, "grad_allreduce"}, f"unknown tensor-parallel styles in {plan}"
     summed = []
-    for block in blocks:
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:  # a pipeline stage's: by name
         parallelize_module(block, tp_mesh, {path: styles[kind]() for path, kind in plan.items() if kind in styles})
         summed += [p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()]
     return summed

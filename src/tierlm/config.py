@@ -377,6 +377,11 @@ class InfraConfig(Section):
     wandb_entity: str | None = None
     """W&B team or user the run belongs to (default: the logged-in user's)."""
 
+    @property
+    def model_parallel(self) -> bool:
+        """Is the model itself split over ranks (tensor, pipeline or context parallel)?"""
+        return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size) > 1
+
 
 class RLConfig(Section):
     algorithm: Literal["reinforce", "grpo", "ppo"] = "reinforce"

@@ -144,8 +144,7 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
     """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
     infra, tr = config.infra, config.training
     kind = infra.distributed_type
-    model_parallel = max(infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size) > 1
-    if model_parallel:
+    if infra.model_parallel:
         sizes = f"tensor {infra.tensor_parallel_size} x pipeline {infra.pipeline_parallel_size} x context {infra.context_parallel_size}"
         if not launched_distributed():
             raise ConfigError(f"model parallelism ({sizes}) splits the model over ranks: run under `torchrun --nproc_per_node=N -m tierlm ...`")
@@ -173,7 +172,7 @@ def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> st
     if ctx is None:
         return "none"
     infra = config.infra
-    if max(infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size) > 1:
+    if infra.model_parallel:
         return "model_parallel"
     return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
 
@@ -279,9 +278,8 @@ class Run:
 
     @property
     def data_rank(self) -> int:
-        """This rank's share: its coordinate on the mesh's data-parallel dimension (row-major pp, dp, cp, tp)."""
-        d, rank = self.dims, self.ctx.rank if self.ctx is not None else 0
-        return (rank // (d.cp * d.tp)) % d.dp
+        """This rank's share: its coordinate on the mesh's data-parallel dimension."""
+        return self.dims.data_rank(self.ctx.rank if self.ctx is not None else 0)
 
     def resolve(self, model: torch.nn.Module) -> TierlmConfig:
         """Fill in what the config derives from the model (steps, batch, learning rates: `tierlm.plan`),
@@ -436,7 +434,7 @@ def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: 
 def rl_parallelism(config: TierlmConfig) -> TierlmConfig:
     """RL shards data, not the model: under torchrun each rank samples its share of the prompts (DDP)."""
     kind, infra = config.infra.distributed_type, config.infra
-    if kind == "fsdp" or max(infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size) > 1:
+    if kind == "fsdp" or infra.model_parallel:
         raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun, "
                           "without tensor / pipeline / context parallelism")
     if kind == "auto":

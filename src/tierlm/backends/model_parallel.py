@@ -1,9 +1,10 @@
-"""Tier 0: a Megatron-style layout on PyTorch's own engine — tensor parallelism (DTensor) composed with
-FSDP2 over the data-parallel rest of the world, on one `DeviceMesh`.
+"""Tier 0: a Megatron-style layout on PyTorch's own engine — pipeline stages (`torch.distributed.pipelining`)
+and tensor parallelism (DTensor) composed with FSDP2 over the data-parallel rest of the world, on one
+`DeviceMesh`.
 
 The arithmetic is the other backends': each rank back-propagates the *sum* of its micro-batches' losses
 and `optim_step` divides by the step's trained tokens, counted once per data-parallel rank (the ranks of
-a tensor-parallel group read the same rows). The gradient norm is taken over parameters that live on
+a model-parallel group read the same rows). The gradient norm is taken over parameters that live on
 different meshes (tensor-parallel shards, FSDP shards, both, or whole). Checkpoints are DCP's sharded
 ones, so they load at any layout and in one process.
 """
@@ -24,7 +25,7 @@ from tierlm.models import family_of
 from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.optim import inner_optimizers
 from tierlm.primitives.model_parallel import ParallelDims, apply_tensor_parallel, clip_grad_norm, sum_gradients
-from tierlm.primitives.losses import get_labels, reads_label_cross_entropy_only, token_weights
+from tierlm.primitives.losses import cross_entropy_sum, get_labels, reads_label_cross_entropy_only, token_weights
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 
@@ -111,7 +112,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         if shape == self._shape:
             return self.schedule
         stages = [PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group) for part, i in zip(self.parts, self.stage_ids)]
-        loss = token_cross_entropy_sum  # summed, and scale_grads=False: the gradient of the summed loss, as every backend's
+        loss = summed_cross_entropy  # and scale_grads=False: the gradient of the summed loss, as every backend's
         if self.schedule_name == "interleaved_1F1B":
             self.schedule = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss, scale_grads=False)
         else:
@@ -136,9 +137,9 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         labels = get_labels(batch).masked_fill(token_weights(get_labels(batch), batch.get("loss_mask")) == 0, -100)
         return ((ids, positions.float()) if self.has_first else ()), labels
 
-    def _run_pipeline(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One pass of the schedule: (the batch's summed loss, on every rank of the pipeline; the logits, on the
-        last stage's rank)."""
+    def _run_pipeline(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One pass of the schedule: (the batch's summed loss, on every rank of the pipeline; its trained tokens;
+        the logits, on the last stage's rank)."""
         inputs, labels = self._pipeline_inputs(batch)
         schedule = self._schedule_for(tuple(labels.shape))
         losses: list[torch.Tensor] = []
@@ -147,7 +148,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
                 *inputs, target=labels if self.has_last else None, losses=losses if self.has_last else None)
         total = torch.stack(losses).sum().detach().float() if self.has_last else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.pp_group)  # the last stage's loss, known to every stage
-        return total, logits
+        return total, token_weights(get_labels(batch), batch.get("loss_mask")).sum(), logits
 
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
         if self.dims.pp == 1:
@@ -155,8 +156,8 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         self._check_cross_entropy(loss_fn)
         self.model.train()
         batch = self._to_device(batch)
-        total, _ = self._run_pipeline(batch, train=True)
-        return self._accumulate(total, token_weights(get_labels(batch), batch.get("loss_mask")).sum())
+        total, count, _ = self._run_pipeline(batch, train=True)
+        return self._accumulate(total, count)
 
     @torch.no_grad()
     def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
@@ -167,12 +168,12 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         was_training = self.model.training
         self.model.eval()
         batch = self._to_device(batch)
-        total, logits = self._run_pipeline(batch, train=False)
+        total, count, logits = self._run_pipeline(batch, train=False)
         self.model.train(was_training)
         metrics = [None]
         if self.has_last:
             logits = logits[: batch["input_ids"].shape[0]]  # without the rows added to fill the micro-batches
-            out = fn(logits, batch) if fn is not None else {"loss_sum": total, "num_tokens": token_weights(get_labels(batch)).sum()}
+            out = fn(logits, batch) if fn is not None else {"loss_sum": total, "num_tokens": count}
             metrics = [{k: float(v) for k, v in out.items()}]
         last = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.dims.pp)
         dist.broadcast_object_list(metrics, src=last, group=self.pp_group)
@@ -250,6 +251,6 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         return clip_grad_norm([p.grad for p in grads], self.max_grad_norm, extra_group=self.pp_group)  # stages hold different blocks
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The pipeline's loss: summed token cross-entropy (fp32) of one micro-batch, -100 ignored."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The pipeline's loss of one micro-batch (the schedule's `loss_fn(output, target)`): `cross_entropy_sum`'s total."""
+    return cross_entropy_sum(logits, labels)[0]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierlm.errors import ConfigError
+from tierlm.primitives.parallel import block_items
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,14 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
-    @property
-    def model_parallel(self) -> bool:
-        """True when the model itself is split (tensor, pipeline or context parallel)."""
-        return self.tp * self.pp * self.cp > 1
+    def data_rank(self, rank: int) -> int:
+        """Global `rank`'s coordinate on the data-parallel dimension of `build_mesh`'s mesh (row-major pp, dp, cp, tp):
+        the share of each batch it reads, before the mesh exists.
+
+        >>> [ParallelDims.from_sizes(8, tensor=2, pipeline=2).data_rank(r) for r in range(8)]
+        [0, 0, 1, 1, 0, 0, 1, 1]
+        """
+        return (rank // (self.cp * self.tp)) % self.dp
 
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each mesh dimension, outermost first; data parallel kept even at size 1."""
@@ -114,7 +119,7 @@ def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     assert set(plan.values()) <= {*styles, "grad_allreduce"}, f"unknown tensor-parallel styles in {plan}"
     summed = []
-    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:  # a pipeline stage's: by name
+    for _, block in block_items(blocks):
         parallelize_module(block, tp_mesh, {path: styles[kind]() for path, kind in plan.items() if kind in styles})
         summed += [p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()]
     return summed

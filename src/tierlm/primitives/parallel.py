@@ -119,6 +119,16 @@ def block_list(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def block_items(blocks: nn.ModuleList | nn.ModuleDict) -> list[tuple[int | str, nn.Module]]:
+    """(key, block) of a model's blocks: by position, or by name for a pipeline stage's (a `ModuleDict`
+    keeping the whole model's indices).
+
+    >>> block_items(nn.ModuleDict({"3": nn.Identity()}))
+    [('3', Identity())]
+    """
+    return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
+
+
 def apply_activation_checkpointing(model: nn.Module, blocks: nn.ModuleList | None = None) -> nn.Module:
     """Recompute each block's activations in the backward pass instead of storing them.
 
@@ -128,16 +138,15 @@ def apply_activation_checkpointing(model: nn.Module, blocks: nn.ModuleList | Non
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = blocks if blocks is not None else block_list(model)
-    for key in list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks)):  # a pipeline stage's: by name
-        blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=False)
+    for key, block in block_items(blocks):
+        blocks[key] = checkpoint_wrapper(block, preserve_rng_state=False)
     return model
 
 
 def apply_compile(model: nn.Module, blocks: nn.ModuleList | None = None, **options) -> nn.Module:
     """`torch.compile` each block in place (the blocks are identical, so one graph is reused);
     `options` go to `torch.compile` (e.g. `mode`, or `backend="eager"` to trace without code generation)."""
-    blocks = blocks if blocks is not None else block_list(model)
-    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+    for _, block in block_items(blocks if blocks is not None else block_list(model)):
         block.compile(**options)
     return model
 
@@ -183,8 +192,7 @@ def apply_fsdp(
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = blocks if blocks is not None else block_list(model)
-    blocks = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    blocks = [block for _, block in block_items(blocks if blocks is not None else block_list(model))]
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, reshard_after_forward=sharding != "SHARD_GRAD_OP" and i < len(blocks) - 1, **kwargs)

@@ -1,11 +1,13 @@
 """Runs under torchrun (or in-process for the single-process reference) for tests/test_distributed.py.
 
     torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N] [--optimizer muon]
+        [--model gpt2]
 
 MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3) | tp (tensor parallel over the ranks)
 | tp_dp (tensor parallel 2 x FSDP2 over the rest) | pp / pp_gpipe (2 pipeline stages, 1F1B / GPipe) | tp_pp (tensor 2 x pipeline 2). Every run trains the same tiny
 GPT on the same global batches (4 rows x 2 micro-batches per step, uneven trained tokens);
-rank r takes rows [2r, 2r+2) of each micro-batch. Rank 0 writes per-step loss and grad norm.
+rank r takes rows [2r, 2r+2) of each micro-batch. Rank 0 writes per-step loss and grad norm. `--model gpt2`: a tiny
+GPT-2 (fused q/k/v, embedding tied to the head) instead.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import torch
 from tierlm.backends import PyTorchTrainingBackend, create_adamw_optimizer
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.models import GPTConfig, build_gpt
+from tierlm.models.gpt2 import GPT2Config
 from tierlm.primitives.optim import RoleSettings, build_optimizer
 from tierlm.primitives.schedules import TrainingSchedule
 from tierlm.primitives.parallel import init_distributed, shutdown_distributed
 
 CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=32)
+GPT2_CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=32)
 ROWS, SEQ, ACCUM = 4, 16, 2
 
 
@@ -50,9 +54,11 @@ def optimizer_factory(name: str, distributed: bool):
     return lambda m: create_adamw_optimizer(m, lr=3e-3, weight_decay=0.1)
 
 
-def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False, optimizer: str = "adamw"):
+def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False, optimizer: str = "adamw", architecture: str = "gpt"):
+    from tierlm.models.gpt2_family import GPT2_FAMILY
+
     torch.manual_seed(0)
-    model = build_gpt(CONFIG)
+    model = build_gpt(CONFIG) if architecture == "gpt" else GPT2_FAMILY.build_from_config(GPT2_CONFIG)
     with torch.no_grad():  # off the zero-initialised projections, so every weight gets a gradient
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -76,11 +82,11 @@ def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = Fals
 
 
 def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: int | None, checkpoint_dir: Path,
-        activation_checkpointing: bool = False, optimizer: str = "adamw") -> None:
+        activation_checkpointing: bool = False, optimizer: str = "adamw", architecture: str = "gpt") -> None:
     distributed = mode != "single"
     ctx = init_distributed("cpu", timeout_s=60) if distributed else None
     rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
-    backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer)
+    backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer, architecture)
     if load:
         backend.load_checkpoint(load).wait()
     share, shares = getattr(backend, "data_rank", rank), getattr(backend, "data_world_size", world)  # a TP group shares rows
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "gpt2"])
     args = parser.parse_args(argv)
     if args.mode == "factories":
         factories(args.out, args.model_folder)
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         first, last = map(int, args.steps.split(":"))
         run(args.mode, args.out, first, last, args.load, args.save_at,
-            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing), args.optimizer)
+            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing), args.optimizer, args.model)
     shutdown_distributed()  # after the backends are out of scope (see its docstring)
 
 

@@ -87,7 +87,7 @@ QWEN3 = ["model.architecture=qwen3", "model.hf_config={hidden_size: 64, intermed
 LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
     "tp": (["infra.tensor_parallel_size=2"], []),
     "pp_interleaved": (["infra.pipeline_parallel_size=2", "infra.pipeline_schedule=interleaved_1F1B", "infra.stages_per_rank=2"],
-                       ["model.tie_embeddings=false"]),  # 4 stages of one block, 2 per rank
+                       ["model.tie_embeddings=true"]),  # 4 stages of one block, 2 per rank; the head tied to the embedding
     "tp_qwen3": (["infra.tensor_parallel_size=2"], QWEN3),  # a transformers model, split by its family's plan
 }
 
@@ -155,3 +155,58 @@ def test_tensor_times_pipeline_on_four_ranks_matches_one_process_and_its_checkpo
     resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
                          checkpoint_dir=tmp_path / "ckpt_single")
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def single_gpt2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_gpt2")
+    return {**run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt", model="gpt2"),
+            "step_5": out / "ckpt" / "step_5"}
+
+
+def test_gpt2_tensor_parallel_splits_its_fused_qkv_and_checkpoints_reshard(single_gpt2, tmp_path):
+    """GPT-2's c_attn holds q, k and v in one matrix: each rank takes its heads' rows of each (a strided shard);
+    the checkpoint (stored as plain shards) resumes in one process, and one process's at TP 2."""
+    tp = run_worker("tp", tmp_path / "tp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", model="gpt2")
+    assert_same_steps(tp["steps"], single_gpt2["steps"], tol=1e-4)
+    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
+                         checkpoint_dir=tmp_path / "ckpt_single", model="gpt2")
+    assert_same_steps(resumed["steps"], single_gpt2["steps"][5:], tol=1e-4)
+    back = run_worker("tp", tmp_path / "back.json", steps="5:10", load=single_gpt2["step_5"], model="gpt2")
+    assert_same_steps(back["steps"], single_gpt2["steps"][5:], tol=1e-4)
+
+
+def test_gpt2_pipeline_stages_share_the_tied_embedding(single_gpt2, tmp_path):
+    """The first stage's embedding and the last stage's head are one tied matrix: its two copies' gradients are
+    summed (and counted once in the norm), so both take the one-process update; checkpoints reshard both ways;
+    tensor x pipeline parallel on 4 ranks matches too."""
+    pp = run_worker("pp", tmp_path / "pp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", model="gpt2")
+    assert_same_steps(pp["steps"], single_gpt2["steps"], tol=1e-4)
+    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
+                         checkpoint_dir=tmp_path / "ckpt_single", model="gpt2")
+    assert_same_steps(resumed["steps"], single_gpt2["steps"][5:], tol=1e-4)
+    back = run_worker("pp", tmp_path / "back.json", steps="5:10", load=single_gpt2["step_5"], model="gpt2")
+    assert_same_steps(back["steps"], single_gpt2["steps"][5:], tol=1e-4)
+    both = run_worker("tp_pp", tmp_path / "tp_pp.json", nproc=4, model="gpt2")
+    assert_same_steps(both["steps"], single_gpt2["steps"], tol=1e-4)
+
+
+def test_gpt2_refusals_name_the_layout_that_works():
+    from tierlm.backends.model_parallel import ModelParallelTrainingBackend
+    from tierlm.errors import ConfigError
+    from tierlm.models.gpt2 import GPT2Config
+    from tierlm.models.gpt2_family import GPT2_FAMILY
+    from tierlm.primitives.model_parallel import ParallelDims
+
+    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16))
+    with pytest.raises(ConfigError, match="pipeline stages"):  # before any process group is needed
+        ModelParallelTrainingBackend(model, None, None, "unused", "cpu", ParallelDims.from_sizes(4, tensor=2))
+    with pytest.raises(ConfigError, match="3 attention heads do not split over 2"):
+        GPT2_FAMILY.tensor_parallel_plan(GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=3, n_embd=48, vocab_size=50,
+                                                                                     block_size=16)), 2)
+    variant = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16, ra_r=4,
+                                                       delay_mode="step"))
+    with pytest.raises(ConfigError, match="ra_r, delay_mode"):
+        GPT2_FAMILY.tensor_parallel_plan(variant, 2)
+    with pytest.raises(ConfigError, match="sets delay_mode"):
+        GPT2_FAMILY.pipeline_stage(variant, [0], True, False)

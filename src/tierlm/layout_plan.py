@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierlm.errors import ConfigError
 from tierlm.models.registry import ModelFamily
 from tierlm.primitives.model_parallel import ParallelDims, check_tensor_parallel_shape
 
@@ -45,6 +46,10 @@ class ModelShape:
     """0 when the head is the embedding (tied)."""
     pipeline: bool = True
     """Whether the model's family splits into pipeline stages."""
+    tensor: bool = True
+    """Whether it has a tensor-parallel plan."""
+    tensor_with_data: bool = True
+    """Whether its tensor-parallel shards take FSDP2 over the data-parallel rest (not a fused q/k/v: GPT-2)."""
 
     @classmethod
     def of(cls, model) -> "ModelShape":
@@ -57,13 +62,18 @@ class ModelShape:
         get = lambda *names: next(getattr(config, n) for n in names if getattr(config, n, None) is not None)  # noqa: E731
         hidden = get("n_embd", "hidden_size")
         heads = get("n_head", "num_attention_heads")
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.embed
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "embed", None) or model.wte
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
         tied = head.weight is embed.weight
+        try:
+            plan = family.tensor_parallel_plan(model, 1)
+        except ConfigError:
+            plan = None
         return cls(layers=len(blocks), hidden=hidden, heads=heads, kv_heads=get("num_kv_heads", "num_key_value_heads", "n_head", "num_attention_heads"),
-                   ffn=get("intermediate_size"), vocab=embed.weight.shape[0], block_params=sum(p.numel() for p in blocks[0].parameters()),
+                   ffn=get("intermediate_size", "mlp_hidden"), vocab=embed.weight.shape[0], block_params=sum(p.numel() for p in blocks[0].parameters()),
                    embedding_params=embed.weight.numel(), head_params=0 if tied else head.weight.numel(),
-                   pipeline=type(family).pipeline_stage is not ModelFamily.pipeline_stage)
+                   pipeline=type(family).pipeline_stage is not ModelFamily.pipeline_stage, tensor=plan is not None,
+                   tensor_with_data=plan is not None and "colwise_qkv" not in plan.values())
 
 
 @dataclass(frozen=True)
@@ -112,15 +122,17 @@ def layout_memory(shape: ModelShape, dims: ParallelDims, rows: int, seq_len: int
 
 
 def candidate_layouts(shape: ModelShape, world_size: int, max_tensor: int = 8) -> list[ParallelDims]:
-    """Every tensor x pipeline split of `world_size` the shape allows (whole heads per tensor-parallel rank,
-    at least one block per stage and a family with pipeline stages, tensor parallel within `max_tensor`
-    ranks: one machine's)."""
+    """Every tensor x pipeline split of `world_size` the shape allows (a family with a tensor-parallel plan,
+    whole heads per tensor-parallel rank, at least one block per stage and a family with pipeline stages,
+    tensor parallel within `max_tensor` ranks: one machine's)."""
     out = []
     for tp in (d for d in range(1, min(world_size, max_tensor) + 1) if world_size % d == 0):
-        if check_tensor_parallel_shape(shape.heads, shape.kv_heads, shape.ffn, tp):
+        if tp > 1 and (not shape.tensor or check_tensor_parallel_shape(shape.heads, shape.kv_heads, shape.ffn, tp)):
             continue
         for pp in (d for d in range(1, world_size // tp + 1) if (world_size // tp) % d == 0 and d <= shape.layers and (d == 1 or shape.pipeline)):
-            out.append(ParallelDims.from_sizes(world_size, tensor=tp, pipeline=pp))
+            dims = ParallelDims.from_sizes(world_size, tensor=tp, pipeline=pp)
+            if dims.tp == 1 or dims.dp == 1 or shape.tensor_with_data:
+                out.append(dims)
     return out
 
 

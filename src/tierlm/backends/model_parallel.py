@@ -59,16 +59,19 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         stages_per_rank: int = 1,
     ):
         assert dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
-        device = torch.device(device)
-        self.dims, self.mesh = dims, dims.build_mesh(device.type)
-        family = family_of(model)
+        device, family = torch.device(device), family_of(model)
         plan = family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}  # a ConfigError, before anything moves
+        if "colwise_qkv" in plan.values() and dims.dp > 1:
+            raise ConfigError("a fused q/k/v projection (GPT-2's c_attn) splits over tensor-parallel ranks as a strided shard, which "
+                              "FSDP2 cannot shard again: give the other ranks pipeline stages (infra.pipeline_parallel_size) or "
+                              "drop infra.tensor_parallel_size")
+        self.dims, self.mesh = dims, dims.build_mesh(device.type)
         self.whole_model = model
         model = move_to(model, device)
         parts, held = (self._stage_modules(model, family, stages_per_rank) if dims.pp > 1 else ([model], model))
         self.tp_summed: list[nn.Parameter] = []
         for part in parts:  # torchtitan's order: tensor parallel, then activation checkpointing and compile, then FSDP
-            blocks = part.blocks if dims.pp > 1 else family.blocks(part)
+            blocks = family.blocks(part)
             if dims.tp > 1:
                 self.tp_summed += apply_tensor_parallel(self.mesh["tp"], blocks, plan)
             if activation_checkpointing:
@@ -79,9 +82,11 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
                 apply_fsdp(part, dims.dp, device.type, param_dtype, torch.float32, blocks=blocks, mesh=self.mesh["dp"])
         self.dp_group = self.mesh["dp"].get_group() if dims.dp > 1 else None
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        self.stage_shared, self.uncounted = [], set()
         if dims.pp > 1:
             self.parts, self.schedule_name, self.microbatches = parts, schedule, microbatches or dims.pp * stages_per_rank
             self.has_first, self.has_last, self._shape = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids, None
+            self._embedding_group(held)
         super().__init__(  # without FSDP's mixed precision, autocast computes in param_dtype
             held, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
             max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy, flash_attention=flash_attention,
@@ -103,6 +108,24 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         mine = [b for i in self.stage_ids for b in range(bounds[i], bounds[i + 1])]
         held = family.pipeline_stage(model, mine, 0 in self.stage_ids, last in self.stage_ids)
         return parts, held
+
+    def _embedding_group(self, held: nn.Module) -> None:
+        """An embedding tied to the head (GPT-2) lives on the first and the last stage: each copy gets its
+        stage's share of the gradient, summed over the pair of ranks before the update (Megatron's embedding
+        group), so both take the same step; the norm counts it once (on the first stage)."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.whole_model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        tied = {n for group in names.values() if len(group) > 1 for n in group}
+        if not tied:
+            return
+        mesh = self.mesh.mesh  # (pp, ...): the first and the last stage's ranks at each other coordinate
+        pairs = torch.stack([mesh[0].flatten(), mesh[(self.num_stages - 1) % self.dims.pp].flatten()], dim=1).tolist()
+        self.tied_group, _ = dist.new_subgroups_by_enumeration(pairs)
+        self.stage_shared = [p for n, p in held.named_parameters(remove_duplicate=False) if n in tied]
+        self.stage_shared = list({id(p): p for p in self.stage_shared}.values())
+        if not self.has_first:
+            self.uncounted = {id(p) for p in self.stage_shared}
 
     def _schedule_for(self, shape: tuple[int, ...]):
         """The schedule over this rank's stages, (re)built when the batch shape changes (between training and
@@ -248,7 +271,11 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
     def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if self.tp_summed:  # first complete the gradients each rank holds only its heads' share of
             sum_gradients(self.tp_summed, self.mesh["tp"].get_group())
-        return clip_grad_norm([p.grad for p in grads], self.max_grad_norm, extra_group=self.pp_group)  # stages hold different blocks
+        if self.stage_shared:  # and the tied embedding's, of which the first and last stage each hold a share
+            sum_gradients(self.stage_shared, self.tied_group)
+        counted = [p.grad for p in grads if id(p) not in self.uncounted]
+        return clip_grad_norm(counted, self.max_grad_norm, extra_group=self.pp_group,  # stages hold different blocks
+                              also_scale=[p.grad for p in grads if id(p) in self.uncounted])
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from torch import nn
 from tierlm.checkpoint.verify import META_FILE, file_manifest, verify_checkpoint
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, is_native_folder, read_model_state, save_model_folder
+from tierlm.primitives.model_parallel import dcp_storable
 from tierlm.primitives.optim import inner_optimizers
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -225,7 +226,7 @@ def save_sharded_checkpoint(
         (tmp / STATE_DIRNAME).mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / STATE_DIRNAME))
+    dcp.save(dcp_storable({"model": model_state, "optim": optim_state})[0], checkpoint_id=str(tmp / STATE_DIRNAME))
     final = root / f"step_{step}"
     if is_main:
         try:
@@ -425,7 +426,9 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
     try:
         with warnings.catch_warnings():  # "loading in a single process" is what we mean without a job
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(wanted, storage_reader=SafeFileSystemReader(state_dir), planner=SafeLoadPlanner())
+            storable, restore = dcp_storable(wanted)
+            dcp.load(storable, storage_reader=SafeFileSystemReader(state_dir), planner=SafeLoadPlanner())
+            restore()
     except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): hand on the first as what it is
         failure = next(iter(e.failures.values()))[0] if e.failures else RuntimeError(str(e))
         raise (failure if isinstance(failure, (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError))

@@ -149,8 +149,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedDocuments | None, cache: LayerCache | None = None,
                 coupling: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))  # (B, H, T, D)
+        B, T, _ = x.shape
+        # Heads counted from the projection's width: under tensor parallelism a rank's c_attn holds its heads' q, k, v.
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))  # (B, H, T, D)
         if self.ra is not None:
             q, k = self.ra(q, k, coupling)
         new_v = v
@@ -173,7 +174,7 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         if self.restart is not None:
             y = self.restart(y, new_v)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))
 
 
 class MLP(nn.Module):

@@ -21,6 +21,7 @@ from tierlm.errors import ConfigError
 from tierlm.models.gpt2 import GPT2, GPT2Config
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import WEIGHTS_FILE, register_family
+from tierlm.primitives.model_parallel import check_tensor_parallel_shape
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias", "variant")
 _CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
@@ -131,8 +132,33 @@ class GPT2Family(NativeCausalLM):
     def attention_shape(self, model):
         return model.config.n_layer, model.config.n_embd
 
-    def blocks(self, model) -> nn.ModuleList:
+    def blocks(self, model) -> nn.ModuleList | nn.ModuleDict:
         return model.h
+
+    def owns(self, model) -> bool:
+        return isinstance(model, (GPT2, GPT2Stage))  # a stage reads and describes its slice under GPT-2's names
+
+    # -- model parallelism: plain GPT-2 (the research variants add per-head or model-wide state) ---------
+    def tensor_parallel_plan(self, model, tp):
+        """c_attn (q, k and v fused) by columns with each rank's share taken from each of the three
+        (a strided shard: rank r holds q_r, k_r, v_r, so it runs whole heads), c_fc by columns, both c_proj by rows."""
+        c = model.config
+        self._refuse_variants(c, "tensor parallelism", also=("ra_r", "self_restart", "rmlp_r_ff", "kv_prune"))
+        problems = check_tensor_parallel_shape(c.n_head, c.n_head, c.mlp_hidden, tp)
+        if problems:
+            raise ConfigError(f"infra.tensor_parallel_size={tp}: {'; '.join(problems)}")
+        return {"attn.c_attn": "colwise_qkv", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+
+    def pipeline_stage(self, model, block_ids, first, last):
+        self._refuse_variants(model.config, "pipeline parallelism")
+        return GPT2Stage(model, block_ids, first, last)
+
+    @staticmethod
+    def _refuse_variants(config: GPT2Config, what: str, also: tuple[str, ...] = ()) -> None:
+        used = [name for name in also if getattr(config, name)] + (["delay_mode"] if config.delay_mode != "none" else [])
+        if used:
+            raise ConfigError(f"{what} covers plain GPT-2 blocks; this variant sets {', '.join(used)} (state shared across heads "
+                              "or stages): train it with data parallelism (infra.distributed=fsdp)")
 
     # -- the transformers twin: GPT2LMHeadModel --------------------------------------------------
     def hf_config(self, config: GPT2Config):
@@ -193,3 +219,45 @@ class GPT2Family(NativeCausalLM):
 
 
 GPT2_FAMILY = register_family(GPT2Family())
+
+
+class GPT2Stage(nn.Module):
+    """Blocks of a GPT-2 — the embeddings on the first stage, the final norm and head on the last — under
+    GPT-2's own parameter names (`h.<i>....`), so a stage's state dict is a slice of the model's. The head
+    is tied to the token embedding: the last stage holds `wte` too (the same parameter as its head, as in
+    the whole model), and the backend sums its gradient with the first stage's copy (Megatron's
+    embedding group), so both copies take the same update.
+
+    >>> config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16)
+    >>> gpt2 = GPT2_FAMILY.build_from_config(config)
+    >>> ids, positions = torch.randint(0, 50, (2, 8)), torch.arange(8).expand(2, 8)
+    >>> x, positions = GPT2Stage(gpt2, [0], first=True, last=False)(ids, positions)
+    >>> bool(torch.allclose(GPT2Stage(gpt2, [1], first=False, last=True)(x, positions), gpt2(ids), atol=1e-5))
+    True
+    """
+
+    is_pipeline_stage = True  # its state dict is a slice of the whole model's (checkpoints load the slice)
+
+    def __init__(self, model: GPT2, block_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.wte = model.wte if first or last else None  # registered before lm_head: the tied parameter's first name, as in GPT2
+        self.wpe, self.drop = (model.wpe, model.drop) if first else (None, None)
+        self.h = nn.ModuleDict({str(i): model.h[i] for i in block_ids})
+        self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
+        self.coupling = None  # delayed activation (model-wide) is refused under pipeline parallelism
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        from tierlm.models.gpt import PackedDocuments, document_causal_mask, document_lengths
+
+        # float32 between stages (exact below 2**24); clamped, as the pipeline's shape inference runs a stage on garbage
+        position_ids = position_ids.nan_to_num(0.0).clamp(0, self.config.block_size - 1).long()
+        if self.wpe is not None:
+            x = self.drop(self.wte(x) + self.wpe(position_ids))
+        on_cpu = position_ids.device.type == "cpu"  # as GPT2.forward: documents one by one on the CPU, a mask on GPUs
+        mask = PackedDocuments(position_ids, document_lengths(position_ids)) if on_cpu else document_causal_mask(position_ids)
+        for block in self.h.values():
+            x = block(x, mask)
+        if self.lm_head is None:
+            return x, position_ids.float()
+        return self.lm_head(self.ln_f(x))

@@ -60,9 +60,6 @@ class GPTFamily(NativeCausalLM):
         return isinstance(model, (GPT, GPTStage))  # a stage reads and describes its slice under the GPT's names
 
     def pipeline_stage(self, model, block_ids, first, last):
-        if last and not first and model.config.tie_embeddings:
-            raise ConfigError("model.tie_embeddings shares the embedding with the head, which pipeline parallelism puts on "
-                              "different ranks: set model.tie_embeddings=false")
         return GPTStage(model, block_ids, first, last)
 
     def tensor_parallel_plan(self, model, tp):
@@ -98,6 +95,8 @@ GPT_FAMILY = register_family(GPTFamily())
 class GPTStage(nn.Module):
     """Blocks of a native GPT — with the embedding on the first stage, the final norm and head on the last —
     under the GPT's own parameter names (`blocks.<i>....`), so a stage's state dict is a slice of the model's.
+    With `tie_embeddings` the last stage holds the embedding too (its head's weight); the backend sums the
+    two copies' gradients.
 
     >>> from tierlm.models.gpt import build_gpt
     >>> gpt = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
@@ -112,7 +111,8 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, block_ids: list[int], first: bool, last: bool):
         super().__init__()
         self.config = model.config
-        self.embed = model.embed if first else None
+        self.first = first
+        self.embed = model.embed if first or (last and model.config.tie_embeddings) else None  # before lm_head, as in GPT
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in block_ids})
         self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
@@ -121,7 +121,7 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         from tierlm.models.gpt import PackedDocuments, document_causal_mask, document_lengths
 
-        if self.embed is not None:
+        if self.first:
             x = self.embed(x)
         # Sent between stages as float32 (exact below 2**24); clamped, as the pipeline's shape inference runs a
         # stage once on uninitialised inputs.

@@ -13,6 +13,7 @@ over the other dimension is FSDP2 on the `dp` sub-mesh (torchtitan composes the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -105,18 +106,40 @@ def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, interme
     return plan
 
 
+def _parallel_styles() -> dict[str, type]:
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    class FusedQKVColwiseParallel(ColwiseParallel):
+        """Column-wise for q, k and v fused in one linear layer (GPT-2's c_attn): each rank takes its share of
+        each of the three (a strided shard of the output rows: q_r, k_r, v_r), so it holds whole heads."""
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            for param_name, param in module.named_parameters():
+                shard = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=self.src_data_rank)
+                module.register_parameter(param_name, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            return outputs.to_local()  # this rank's q_r, k_r, v_r as they are (a plain Shard(-1) would regroup them)
+
+    return {"colwise": ColwiseParallel, "colwise_qkv": FusedQKVColwiseParallel, "rowwise": RowwiseParallel}
+
+
 def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: dict[str, str]) -> list[nn.Parameter]:
-    """Split every block by `plan` ({module path inside a block: "colwise" | "rowwise" | "grad_allreduce"})
-    over `tp_mesh`; returns the "grad_allreduce" modules' parameters, whose gradients the caller sums
-    over the group before the update (`sum_gradients`).
+    """Split every block by `plan` ({module path inside a block: "colwise" | "colwise_qkv" | "rowwise" |
+    "grad_allreduce"}) over `tp_mesh`; returns the "grad_allreduce" modules' parameters, whose gradients
+    the caller sums over the group before the update (`sum_gradients`).
 
     Column-wise layers keep their output sharded on the last dimension (local heads / hidden units);
     row-wise layers take that and all-reduce to a whole activation, so each block's input and output
-    are ordinary tensors, the same on every rank of the group.
+    are ordinary tensors, the same on every rank of the group. "colwise_qkv" is column-wise for fused
+    q/k/v projections.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = _parallel_styles()
     assert set(plan.values()) <= {*styles, "grad_allreduce"}, f"unknown tensor-parallel styles in {plan}"
     summed = []
     for _, block in block_items(blocks):
@@ -132,7 +155,7 @@ def sum_gradients(params: list[nn.Parameter], group) -> None:
     if grads:
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -148,13 +171,14 @@ def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, extra_group=None) -> torch.Tensor:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, extra_group=None, also_scale: list[torch.Tensor] = ()) -> torch.Tensor:
     """The total L2 norm of `grads` — plain tensors and DTensors on any meshes (tensor-parallel shards,
     FSDP shards, both) — and, when `max_norm` > 0, every gradient scaled as `clip_grad_norm_` does.
 
     A DTensor's norm is reduced over its own mesh; a plain tensor counts as this rank holds it (the
     replicated layers of a tensor-parallel group hold the same gradient on every rank). `extra_group`
-    sums the squares over ranks that hold different parameters (pipeline stages).
+    sums the squares over ranks that hold different parameters (pipeline stages); `also_scale` are clipped
+    without counting in the norm (another rank counts them: a tied embedding's copy).
 
     >>> mine, torchs = [torch.full((2,), 3.0), torch.full((1,), 4.0)], [torch.full((2,), 3.0), torch.full((1,), 4.0)]
     >>> params = [torch.nn.Parameter(torch.zeros_like(g)) for g in torchs]
@@ -174,6 +198,57 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, extra_group=None)
     total = squares.sqrt().float()
     if max_norm > 0 and grads:
         scale = min(1.0, max_norm / (float(total) + 1e-6))  # a number: DTensors and plain tensors both take it
-        for g in grads:
+        for g in [*grads, *also_scale]:
             g.mul_(scale)
     return total
+
+
+def _dcp_describable(placements, mesh_sizes) -> bool:
+    """Does each rank hold one contiguous block of the tensor? A strided shard does when it is the outer
+    split of a tensor dimension that later mesh dimensions split `split_factor` ways (FSDP2 over tensor
+    parallel); alone (fused q/k/v) it holds several pieces, which DCP's chunks cannot describe."""
+    for i, placement in enumerate(placements):
+        factor = getattr(placement, "split_factor", None)
+        if factor is not None:
+            later = 1
+            for size, other in zip(mesh_sizes[i + 1:], placements[i + 1:]):
+                later *= size if getattr(other, "dim", None) == placement.dim else 1
+            if later != factor:
+                return False
+    return True
+
+
+def dcp_storable(state: dict) -> tuple[dict, Callable[[], None]]:
+    """`state` (nested dicts of tensors and numbers) as DCP can save and load it: a copy in which every DTensor
+    whose shards are not one block per rank (see `_dcp_describable`) is redistributed to plain shards of the
+    same dimensions. Returns (that copy, a function that hands what DCP loaded into it back to `state`:
+    those DTensors redistributed and copied into the originals, every other value set in place).
+
+    >>> state = {"optim": {"lr": 1.0}}
+    >>> storable, restore = dcp_storable(state)
+    >>> storable["optim"]["lr"] = 0.5  # as DCP's load sets a number
+    >>> restore(); state["optim"]["lr"]
+    0.5
+    """
+    from torch.distributed.tensor import Shard
+
+    def convert(value):
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        if not hasattr(value, "placements") or _dcp_describable(value.placements, value.device_mesh.shape):
+            return value
+        return value.redistribute(value.device_mesh, [Shard(p.dim) if hasattr(p, "split_factor") else p for p in value.placements])
+
+    storable = convert(state)
+
+    def restore(original: dict = state, loaded: dict = storable) -> None:
+        for key, value in loaded.items():
+            if isinstance(value, dict):
+                restore(original[key], value)
+            elif hasattr(value, "placements") and value is not original[key]:
+                with torch.no_grad():
+                    original[key].copy_(value.redistribute(original[key].device_mesh, original[key].placements))
+            else:
+                original[key] = value
+
+    return storable, restore

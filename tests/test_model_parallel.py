@@ -89,13 +89,15 @@ LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
     "pp_interleaved": (["infra.pipeline_parallel_size=2", "infra.pipeline_schedule=interleaved_1F1B", "infra.stages_per_rank=2"],
                        ["model.tie_embeddings=true"]),  # 4 stages of one block, 2 per rank; the head tied to the embedding
     "tp_qwen3": (["infra.tensor_parallel_size=2"], QWEN3),  # a transformers model, split by its family's plan
+    "pp_qwen3": (["infra.pipeline_parallel_size=2"],  # its decoder layers as stages; the head tied to the embedding
+                 [QWEN3[0], QWEN3[1].replace("}", ", tie_word_embeddings: true}")]),
 }
 
 
 def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(tmp_path):
-    """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT and transformers Qwen3) and interleaved pipeline
-    stages (evaluation through the stages): the losses and the exported model of one process; a tensor-parallel
-    checkpoint resumed in one process."""
+    """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT and transformers Qwen3), interleaved pipeline
+    stages and transformers Qwen3 in 2 stages (evaluation through the stages): the losses and the exported model
+    of one process; a tensor-parallel checkpoint resumed in one process."""
     import json
     import shutil
 
@@ -210,3 +212,29 @@ def test_gpt2_refusals_name_the_layout_that_works():
         GPT2_FAMILY.tensor_parallel_plan(variant, 2)
     with pytest.raises(ConfigError, match="sets delay_mode"):
         GPT2_FAMILY.pipeline_stage(variant, [0], True, False)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_transformers_stages_chain_to_the_models_own_logits(model_type):
+    """Each Llama-style family's stages, run one after another on packed rows, give the model's own logits
+    (its masks, sliding windows included, and its rotary embedding); a stage's names are the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tierlm.models import family_of
+
+    config = AutoConfig.for_model(model_type, vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  **({"sliding_window": 3} if model_type == "mistral" else {}))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    family = family_of(model)
+    ids, positions = torch.randint(0, 50, (2, 10)), torch.cat([torch.arange(6), torch.arange(4)]).expand(2, 10)
+    stages = [family.pipeline_stage(model, ids_, i == 0, i == 2) for i, ids_ in enumerate([[0], [1], [2]])]
+    x = ids
+    for stage in stages[:-1]:
+        x, positions_f = stage(x, positions if stage is stages[0] else positions_f)
+    with torch.no_grad():
+        got, expected = stages[-1](x, positions_f), model(ids, position_ids=positions, use_cache=False).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    whole = model.state_dict()
+    assert all(torch.equal(v, whole[k]) for stage in stages for k, v in stage.state_dict().items())
+    assert [len(family.blocks(stage)) for stage in stages] == [1, 1, 1]

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierlm.errors import ConfigError
-from tierlm.models.registry import ModelFamily
 from tierlm.primitives.model_parallel import ParallelDims, check_tensor_parallel_shape
 
 GB = 1e9
@@ -69,10 +68,14 @@ class ModelShape:
             plan = family.tensor_parallel_plan(model, 1)
         except ConfigError:
             plan = None
+        try:
+            pipeline = family.pipeline_stage(model, [0], True, False) is not None  # a view of the model's modules: nothing allocated
+        except ConfigError:
+            pipeline = False
         return cls(layers=len(blocks), hidden=hidden, heads=heads, kv_heads=get("num_kv_heads", "num_key_value_heads", "n_head", "num_attention_heads"),
                    ffn=get("intermediate_size", "mlp_hidden"), vocab=embed.weight.shape[0], block_params=sum(p.numel() for p in blocks[0].parameters()),
                    embedding_params=embed.weight.numel(), head_params=0 if tied else head.weight.numel(),
-                   pipeline=type(family).pipeline_stage is not ModelFamily.pipeline_stage, tensor=plan is not None,
+                   pipeline=pipeline, tensor=plan is not None,
                    tensor_with_data=plan is not None and "colwise_qkv" not in plan.values())
 
 

@@ -113,10 +113,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         """An embedding tied to the head (GPT-2) lives on the first and the last stage: each copy gets its
         stage's share of the gradient, summed over the pair of ranks before the update (Megatron's embedding
         group), so both take the same step; the norm counts it once (on the first stage)."""
-        names: dict[int, list[str]] = {}
-        for name, param in self.whole_model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        tied = {n for group in names.values() if len(group) > 1 for n in group}
+        tied = {n for group in tied_names(self.whole_model) for n in group}
         if not tied:
             return
         mesh = self.mesh.mesh  # (pp, ...): the first and the last stage's ranks at each other coordinate
@@ -226,7 +223,10 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
             parts = [None] * self.dims.pp if self.rank == 0 else None
             dist.gather_object(state, parts, dst=0, group=self.pp_group)
             if self.rank == 0:
-                return {name: value for part in parts for name, value in part.items()}
+                state = {name: value for part in parts for name, value in part.items()}
+                for first, *others in tied_names(self.whole_model):  # one tensor again, as the model's own state dict
+                    state.update({name: state[first] for name in others})
+                return state
         return None
 
     def _step_parameter_by_parameter(self) -> None:
@@ -281,3 +281,17 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The pipeline's loss of one micro-batch (the schedule's `loss_fn(output, target)`): `cross_entropy_sum`'s total."""
     return cross_entropy_sum(logits, labels)[0]
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter `model` holds under several (an embedding tied to the head), first name first.
+
+    >>> head = nn.Linear(4, 10, bias=False); model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": head})
+    >>> head.weight = model["embed"].weight
+    >>> tied_names(model)
+    [['embed.weight', 'head.weight']]
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]

@@ -114,7 +114,7 @@ class ModelFamily:
         takes (token ids or the residual stream, position ids) and returns (the residual stream, position
         ids as float32: what travels between stages is floating point), or the logits when `last`."""
         raise ConfigError(f"the {self.name} model family has no pipeline stages; use tensor parallelism or FSDP2 "
-                          "(pipeline parallelism covers the native GPT)")
+                          "(pipeline stages cover the native GPT, GPT-2 and Llama-style transformers models)")
 
     # -- folders ---------------------------------------------------------------------------
     def save(self, model: nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -278,6 +278,18 @@ class TransformersFamily(ModelFamily):
                               f"not {getattr(config, 'model_type', type(model).__name__)!r}; use data parallelism (fsdp)")
         return megatron_plan("self_attn.", "mlp.", config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
                              config.intermediate_size, tp, qk_norm=config.model_type == "qwen3")
+
+    def blocks(self, model):
+        return model.model.layers if getattr(model, "is_pipeline_stage", False) else super().blocks(model)
+
+    def pipeline_stage(self, model, block_ids, first, last):
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) not in LLAMA_STYLE_MODEL_TYPES:
+            raise ConfigError(f"pipeline stages cover {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
+                              f"not {getattr(config, 'model_type', type(model).__name__)!r}; use tensor parallelism or FSDP2")
+        from tierlm.models.hf_pipeline import TransformersStage
+
+        return TransformersStage(model, block_ids, first, last)
 
     def save(self, model, folder, state_dict=None):
         model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)

@@ -229,11 +229,11 @@ def test_transformers_stages_chain_to_the_models_own_logits(model_type):
     family = family_of(model)
     ids, positions = torch.randint(0, 50, (2, 10)), torch.cat([torch.arange(6), torch.arange(4)]).expand(2, 10)
     stages = [family.pipeline_stage(model, ids_, i == 0, i == 2) for i, ids_ in enumerate([[0], [1], [2]])]
-    x = ids
-    for stage in stages[:-1]:
-        x, positions_f = stage(x, positions if stage is stages[0] else positions_f)
+    x, sent = ids, positions
     with torch.no_grad():
-        got, expected = stages[-1](x, positions_f), model(ids, position_ids=positions, use_cache=False).logits
+        for stage in stages[:-1]:
+            x, sent = stage(x, sent)  # what one stage sends the next: the residual stream, the positions as floats
+        got, expected = stages[-1](x, sent), model(ids, position_ids=positions, use_cache=False).logits
     assert torch.allclose(got, expected, atol=1e-5)
     whole = model.state_dict()
     assert all(torch.equal(v, whole[k]) for stage in stages for k, v in stage.state_dict().items())

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N] [--optimizer muon]
         [--model gpt2]
 
-MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3) | tp (tensor parallel over the ranks)
+MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3) | tp (tensor parallel over the ranks, vocabulary split) | tp_sp (and sequence parallel)
 | tp_dp (tensor parallel 2 x FSDP2 over the rest) | pp / pp_gpipe (2 pipeline stages, 1F1B / GPipe) | tp_pp (tensor 2 x pipeline 2). Every run trains the same tiny
 GPT on the same global batches (4 rows x 2 micro-batches per step, uneven trained tokens);
 rank r takes rows [2r, 2r+2) of each micro-batch. Rank 0 writes per-step loss and grad norm. `--model gpt2`: a tiny
@@ -70,14 +70,14 @@ def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = Fals
         return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, "cpu", scheduler_fn(optimizer), 0.5)
     if mode == "ddp":
         return DDPTrainingBackend(model, optimizer_fn, gradient_accumulation_steps=ACCUM, **common)
-    if mode in ("tp", "tp_dp", "pp", "pp_gpipe", "tp_pp"):  # tensor parallel and/or 2 pipeline stages; FSDP2 over the rest
+    if mode in ("tp", "tp_sp", "tp_dp", "pp", "pp_gpipe", "tp_pp"):  # tensor parallel and/or 2 pipeline stages; FSDP2 over the rest
         from tierlm.backends.model_parallel import ModelParallelTrainingBackend
         from tierlm.primitives.model_parallel import ParallelDims
 
         sizes = {"pipeline": 2} if mode.startswith("pp") else {"tensor": 2, "pipeline": 2} if mode == "tp_pp" else {"tensor": 2}
         dims = ParallelDims.from_sizes(torch.distributed.get_world_size(), **sizes)
         return ModelParallelTrainingBackend(model, optimizer_fn, dims=dims, activation_checkpointing=activation_checkpointing,
-                                            schedule="GPipe" if mode == "pp_gpipe" else "1F1B", **common)
+                                            schedule="GPipe" if mode == "pp_gpipe" else "1F1B", sequence_parallel=mode == "tp_sp", **common)
     return FSDPTrainingBackend(model, optimizer_fn, activation_checkpointing=activation_checkpointing, **common)
 
 
@@ -147,7 +147,7 @@ def megatron(out: Path, sizes: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "tp", "tp_dp", "pp", "pp_gpipe", "tp_pp", "factories", "megatron"])
+    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "tp", "tp_sp", "tp_dp", "pp", "pp_gpipe", "tp_pp", "factories", "megatron"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", default="0:10", help="first:last optimizer steps (0-based, last excluded)")
     parser.add_argument("--load", default=None, help="checkpoint to continue from")

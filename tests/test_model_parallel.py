@@ -56,6 +56,18 @@ def test_tensor_parallel_matches_one_process_and_splits_the_blocks(single, tmp_p
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
 
 
+def test_sequence_parallel_matches_one_process_and_checkpoints_reshard(single, tmp_path):
+    """Tensor parallel 2 with the embedding and head split by vocabulary (97 rows: uneven), the cross-entropy on the
+    split logits, and the norms and residual stream split by sequence: one process's steps; checkpoints both ways."""
+    sp = run_worker("tp_sp", tmp_path / "sp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt")
+    assert_same_steps(sp["steps"], single["steps"], tol=1e-4)
+    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
+                         checkpoint_dir=tmp_path / "ckpt_single")
+    assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
+    back = run_worker("tp_sp", tmp_path / "back.json", steps="5:10", load=single["step_5"])
+    assert_same_steps(back["steps"], single["steps"][5:], tol=1e-4)
+
+
 def test_one_process_checkpoint_resumes_tensor_parallel(single, tmp_path):
     resumed = run_worker("tp", tmp_path / "tp.json", steps="5:10", load=single["step_5"])
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
@@ -85,7 +97,7 @@ def test_pipeline_stages_match_one_process(single, mode, tmp_path):
 QWEN3 = ["model.architecture=qwen3", "model.hf_config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
          " num_key_value_heads: 2, head_dim: 16, max_position_embeddings: 256}"]
 LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
-    "tp": (["infra.tensor_parallel_size=2"], []),
+    "tp": (["infra.tensor_parallel_size=2", "infra.sequence_parallel=true"], []),  # vocabulary split, loss parallel, sequence parallel
     "pp_interleaved": (["infra.pipeline_parallel_size=2", "infra.pipeline_schedule=interleaved_1F1B", "infra.stages_per_rank=2"],
                        ["model.tie_embeddings=true"]),  # 4 stages of one block, 2 per rank; the head tied to the embedding
     "tp_qwen3": (["infra.tensor_parallel_size=2"], QWEN3),  # a transformers model, split by its family's plan
@@ -95,7 +107,8 @@ LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
 
 
 def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(tmp_path):
-    """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT and transformers Qwen3), interleaved pipeline
+    """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT: vocabulary and sequence split too; transformers
+    Qwen3: vocabulary split), interleaved pipeline
     stages and transformers Qwen3 in 2 stages (evaluation through the stages): the losses and the exported model
     of one process; a tensor-parallel checkpoint resumed in one process."""
     import json
@@ -212,6 +225,26 @@ def test_gpt2_refusals_name_the_layout_that_works():
         GPT2_FAMILY.tensor_parallel_plan(variant, 2)
     with pytest.raises(ConfigError, match="sets delay_mode"):
         GPT2_FAMILY.pipeline_stage(variant, [0], True, False)
+    with pytest.raises(ConfigError, match="no sequence-parallel plan"):  # tied: the embedding and head stay whole
+        GPT2_FAMILY.tensor_parallel_model_plan(model, sequence_parallel=True)
+    assert GPT2_FAMILY.tensor_parallel_model_plan(model, sequence_parallel=False) == {}
+
+
+def test_sequence_parallel_refusals_say_why():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tierlm.errors import ConfigError
+    from tierlm.models import GPTConfig, build_gpt, family_of
+
+    tied = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16, tie_embeddings=True))
+    with pytest.raises(ConfigError, match="tie_embeddings=false"):
+        family_of(tied).tensor_parallel_model_plan(tied, sequence_parallel=True)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16, tie_word_embeddings=False))
+    with pytest.raises(ConfigError, match="attention masks"):
+        family_of(qwen3).tensor_parallel_model_plan(qwen3, sequence_parallel=True)
+    assert family_of(qwen3).tensor_parallel_model_plan(qwen3, sequence_parallel=False) == {
+        "model.embed_tokens": "vocab_embedding", "lm_head": "vocab_head"}
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])

@@ -252,7 +252,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         budget = infra.max_memory_gb * 1e9 if infra.max_memory_gb else None
         print(layouts_table(ModelShape.of(unwrap_model(model)), world_size, tr.per_device_train_batch_size, resolved.data.max_seq_length, budget,
                             compute_bytes=2 if tr.bf16 or tr.fp16 else 4, activation_checkpointing=infra.activation_checkpointing,
-                            fused_cross_entropy=tr.fused_cross_entropy))
+                            fused_cross_entropy=tr.fused_cross_entropy, vocab_parallel=infra.vocab_parallel,
+                            sequence_parallel=infra.sequence_parallel))
 
 
 def _int_list(text: str, what: str) -> list[int]:

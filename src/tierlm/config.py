@@ -344,6 +344,14 @@ class InfraConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks that split each block's attention heads and MLP (Megatron-style, DTensor plans from the model
     family; innermost mesh dimension). Data parallelism (FSDP2) takes the rest of the world size."""
+    sequence_parallel: bool = False
+    """Tensor parallel: the norms, residual adds and dropout run on each rank's 1/tp share of the tokens
+    (Korthikanti et al. 2022): less activation memory, the same communication volume. Needs the vocabulary
+    split (infra.vocab_parallel) and a native GPT."""
+    vocab_parallel: bool = True
+    """Tensor parallel: split the token embedding and the LM head by vocabulary, with the cross-entropy
+    computed on the split logits (PyTorch's loss_parallel); false keeps them whole on every rank and the
+    fused chunked head + loss. A head tied to the embedding always stays whole."""
     pipeline_parallel_size: int = Field(1, ge=1)
     """Ranks that each hold a stage of consecutive blocks (torch.distributed.pipelining)."""
     pipeline_schedule: Literal["1F1B", "interleaved_1F1B", "GPipe"] = "1F1B"
@@ -376,6 +384,14 @@ class InfraConfig(Section):
     """W&B run name (default: W&B picks one)."""
     wandb_entity: str | None = None
     """W&B team or user the run belongs to (default: the logged-in user's)."""
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> "InfraConfig":
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("infra.sequence_parallel splits the tokens over the tensor-parallel ranks: set infra.tensor_parallel_size > 1")
+        if self.sequence_parallel and not self.vocab_parallel:
+            raise ValueError("infra.sequence_parallel needs infra.vocab_parallel=true (the split embedding scatters the sequence)")
+        return self
 
     @property
     def model_parallel(self) -> bool:

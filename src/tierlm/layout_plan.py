@@ -4,15 +4,17 @@ pipeline x tensor x data parallel that the model's shape allows, with what one r
 The model is tierlm's (`infra.tensor_parallel_size` / `pipeline_parallel_size`, FSDP2 over the rest):
 
 - weights, gradients and AdamW's two moments are fp32, sharded over the data-parallel ranks (FSDP2); a block's
-  projections split over the tensor-parallel ranks, its norms and the embedding and head stay whole on each; a
-  pipeline stage holds depth / pp blocks, the first the embedding, the last the head;
+  projections split over the tensor-parallel ranks, and so do an untied embedding and head (`infra.vocab_parallel`,
+  without pipeline stages), else they stay whole on each; a pipeline stage holds depth / pp blocks, the first the
+  embedding, the last the head;
 - FSDP2 gathers a block (and prefetches the next) in the compute dtype: 2 blocks' worth of it;
 - activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-  Models", table 2) with flash attention (no s x s scores) and no sequence parallelism: s*b*h*(10 + 24/t) bytes
-  per block in 16-bit compute, or with full activation checkpointing 2*s*b*h per block (its input) plus one
+  Models", table 2) with flash attention (no s x s scores): s*b*h*(10 + 24/t) bytes per block in 16-bit
+  compute, s*b*h*34/t with sequence parallelism, or with full activation checkpointing 2*s*b*h per block (its input; /t with sequence parallelism) plus one
   block recomputed; under 1F1B the first stage keeps `pp` micro-batches in flight, so it holds activations
   for `depth` blocks' worth whatever `pp` is;
-- the loss: the fused head + cross-entropy keeps one ~128 MB chunk of fp32 logits; unfused, s*b*V*4 bytes;
+- the loss: the fused head + cross-entropy keeps one ~128 MB chunk of fp32 logits; unfused, s*b*V*4 bytes; split by
+  vocabulary (loss parallel), s*b*V/t*4;
 - a fixed `runtime` (CUDA context, allocator slack, communication buffers) per rank.
 
 An estimate to choose a layout by, not a promise; `tierlm pretrain` on the real machine measures.
@@ -49,6 +51,8 @@ class ModelShape:
     """Whether it has a tensor-parallel plan."""
     tensor_with_data: bool = True
     """Whether its tensor-parallel shards take FSDP2 over the data-parallel rest (not a fused q/k/v: GPT-2)."""
+    vocab_parallel: bool = False
+    """Whether tensor parallelism splits its embedding and head by vocabulary (untied, with a plan for them)."""
 
     @classmethod
     def of(cls, model) -> "ModelShape":
@@ -69,6 +73,10 @@ class ModelShape:
         except ConfigError:
             plan = None
         try:
+            vocab_parallel = "vocab_head" in family.tensor_parallel_model_plan(model, False).values()
+        except ConfigError:
+            vocab_parallel = False
+        try:
             pipeline = family.pipeline_stage(model, [0], True, False) is not None  # a view of the model's modules: nothing allocated
         except ConfigError:
             pipeline = False
@@ -76,7 +84,7 @@ class ModelShape:
                    ffn=get("intermediate_size", "mlp_hidden"), vocab=embed.weight.shape[0], block_params=sum(p.numel() for p in blocks[0].parameters()),
                    embedding_params=embed.weight.numel(), head_params=0 if tied else head.weight.numel(),
                    pipeline=pipeline, tensor=plan is not None,
-                   tensor_with_data=plan is not None and "colwise_qkv" not in plan.values())
+                   tensor_with_data=plan is not None and "colwise_qkv" not in plan.values(), vocab_parallel=vocab_parallel)
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,8 @@ class LayoutMemory:
 
 
 def layout_memory(shape: ModelShape, dims: ParallelDims, rows: int, seq_len: int, compute_bytes: int = 2,
-                  activation_checkpointing: bool = False, fused_cross_entropy: bool = True, runtime_bytes: float = 2 * GB) -> LayoutMemory:
+                  activation_checkpointing: bool = False, fused_cross_entropy: bool = True, runtime_bytes: float = 2 * GB,
+                  vocab_parallel: bool = True, sequence_parallel: bool = False) -> LayoutMemory:
     """Bytes one rank needs for `rows` x `seq_len` micro-batches of a model of `shape` laid out as `dims`.
 
     >>> shape = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100, block_params=41_000, embedding_params=6_400, head_params=6_400)
@@ -106,20 +115,26 @@ def layout_memory(shape: ModelShape, dims: ParallelDims, rows: int, seq_len: int
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     blocks_per_stage = -(-shape.layers // pp)
     split_block = shape.block_params / tp  # the projections split; the norms are a few thousand parameters: counted split too
-    first = blocks_per_stage * split_block + shape.embedding_params + (shape.head_params if pp == 1 else 0)
-    last = blocks_per_stage * split_block + (shape.head_params or (shape.embedding_params if pp > 1 else 0))
+    vocab_split = tp if shape.vocab_parallel and vocab_parallel and pp == 1 and tp > 1 else 1
+    embedding, head = shape.embedding_params / vocab_split, shape.head_params / vocab_split
+    first = blocks_per_stage * split_block + embedding + (head if pp == 1 else 0)
+    last = blocks_per_stage * split_block + (head or (embedding if pp > 1 else 0))
     held = max(first, last)
     parts = {"weights, gradients, AdamW (fp32)": 16 * held / dp}
     if dp > 1:
         parts["FSDP gathered blocks"] = 2 * split_block * compute_bytes
     s, b, h = seq_len, rows, shape.hidden
-    per_block = s * b * h * (10 + 24 / tp) * compute_bytes / 2  # Korthikanti et al. count 16-bit bytes
+    sequence = tp if sequence_parallel else 1
+    per_block = s * b * h * (34 / tp if sequence_parallel else 10 + 24 / tp) * compute_bytes / 2  # Korthikanti et al.: 16-bit bytes
     if activation_checkpointing:
-        activations = shape.layers * 2 * s * b * h * compute_bytes / 2 + per_block
+        activations = shape.layers * 2 * s * b * h / sequence * compute_bytes / 2 + per_block
     else:
         activations = shape.layers * per_block
     parts["activations"] = activations  # pp micro-batches in flight x layers / pp on the first stage
-    parts["logits"] = min(128e6, 4 * s * b * shape.vocab) if fused_cross_entropy else 4 * s * b * shape.vocab  # fused: ~128 MB chunks
+    if vocab_split > 1:  # loss parallel: each rank's share of the fp32 logits, whole
+        parts["logits"] = 4 * s * b * shape.vocab / vocab_split
+    else:
+        parts["logits"] = min(128e6, 4 * s * b * shape.vocab) if fused_cross_entropy else 4 * s * b * shape.vocab  # fused: ~128 MB chunks
     parts["runtime"] = runtime_bytes
     return LayoutMemory(dims, parts)
 

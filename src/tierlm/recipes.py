@@ -204,7 +204,7 @@ def model_parallel_backend(config: TierlmConfig, model: torch.nn.Module, checkpo
         model, optimizer_fn, None, checkpoint_dir, device, dims, scheduler_fn, tr.max_grad_norm, param_dtype=bf16,
         activation_checkpointing=infra.activation_checkpointing, compile=infra.compile, fused_cross_entropy=tr.fused_cross_entropy,
         flash_attention=config.model.use_flash_attention, schedule=infra.pipeline_schedule, microbatches=infra.pipeline_microbatches,
-        stages_per_rank=infra.stages_per_rank,
+        stages_per_rank=infra.stages_per_rank, vocab_parallel=infra.vocab_parallel, sequence_parallel=infra.sequence_parallel,
     )
 
 

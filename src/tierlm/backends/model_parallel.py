@@ -24,7 +24,7 @@ from tierlm.errors import ConfigError
 from tierlm.models import family_of
 from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.optim import inner_optimizers
-from tierlm.primitives.model_parallel import ParallelDims, apply_tensor_parallel, clip_grad_norm, sum_gradients
+from tierlm.primitives.model_parallel import ParallelDims, apply_tensor_parallel, apply_vocab_parallel, clip_grad_norm, sum_gradients
 from tierlm.primitives.losses import cross_entropy_sum, get_labels, reads_label_cross_entropy_only, token_weights
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
@@ -57,10 +57,19 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         schedule: str = "1F1B",
         microbatches: int | None = None,
         stages_per_rank: int = 1,
+        vocab_parallel: bool = True,
+        sequence_parallel: bool = False,
     ):
         assert dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
         device, family = torch.device(device), family_of(model)
         plan = family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}  # a ConfigError, before anything moves
+        outer = family.tensor_parallel_model_plan(model, sequence_parallel) if dims.tp > 1 and vocab_parallel else {}
+        self.vocab_parallel = "vocab_head" in outer.values()
+        if sequence_parallel and dims.pp > 1:
+            raise ConfigError("sequence parallelism runs without pipeline stages (the stages send whole sequences): "
+                              "drop infra.sequence_parallel or infra.pipeline_parallel_size")
+        if dims.pp > 1:
+            outer = {}  # the stages keep the embedding and the head whole: the pipeline's loss takes whole logits
         if "colwise_qkv" in plan.values() and dims.dp > 1:
             raise ConfigError("a fused q/k/v projection (GPT-2's c_attn) splits over tensor-parallel ranks as a strided shard, which "
                               "FSDP2 cannot shard again: give the other ranks pipeline stages (infra.pipeline_parallel_size) or "
@@ -73,7 +82,8 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         for part in parts:  # torchtitan's order: tensor parallel, then activation checkpointing and compile, then FSDP
             blocks = family.blocks(part)
             if dims.tp > 1:
-                self.tp_summed += apply_tensor_parallel(self.mesh["tp"], blocks, plan)
+                self.tp_summed += apply_tensor_parallel(self.mesh["tp"], blocks, plan, sequence_parallel)
+                apply_vocab_parallel(self.mesh["tp"], part, outer, sequence_parallel)
             if activation_checkpointing:
                 apply_activation_checkpointing(part, blocks)
             if compile:
@@ -170,9 +180,30 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         dist.all_reduce(total, group=self.pp_group)  # the last stage's loss, known to every stage
         return total, token_weights(get_labels(batch), batch.get("loss_mask")).sum(), logits
 
+    # -- vocabulary-parallel logits -------------------------------------------------------------
+    def _loss_parallel(self):
+        """PyTorch's `loss_parallel()` when the head splits the vocabulary (the cross-entropy of split logits,
+        forward and backward), else nothing."""
+        import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if self.vocab_parallel else contextlib.nullcontext()
+
+    def _on_logits(self, fn: Callable | None) -> Callable | None:
+        """`fn` as it can read split logits: the token cross-entropy reads them as they are (`loss_parallel`); any
+        other function gets them gathered whole (DPO, RL, metrics beyond the loss)."""
+        if not self.vocab_parallel or fn is None or reads_label_cross_entropy_only(fn):
+            return fn
+        return lambda logits, batch: fn(logits.full_tensor() if hasattr(logits, "full_tensor") else logits, batch)
+
+    def _fuses(self, model: nn.Module, fn: Callable) -> bool:
+        return not self.vocab_parallel and super()._fuses(model, fn)  # a split head has no whole matrix to fuse
+
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
         if self.dims.pp == 1:
-            return super().forward_backward(batch, loss_fn)
+            with self._loss_parallel():
+                return super().forward_backward(batch, self._on_logits(loss_fn or self.loss_fn))
         self._check_cross_entropy(loss_fn)
         self.model.train()
         batch = self._to_device(batch)
@@ -184,7 +215,8 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         """Evaluation through the stages: `fn(logits, batch)` runs where the logits are (the last stage) and
         its numbers are sent to every rank."""
         if self.dims.pp == 1:
-            return super().forward(batch, fn)
+            with self._loss_parallel():
+                return super().forward(batch, self._on_logits(fn))
         was_training = self.model.training
         self.model.eval()
         batch = self._to_device(batch)

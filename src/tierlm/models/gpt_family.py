@@ -64,7 +64,15 @@ class GPTFamily(NativeCausalLM):
 
     def tensor_parallel_plan(self, model, tp):
         c = model.config
-        return megatron_plan("attn.", "mlp.", c.n_head, c.num_kv_heads, c.intermediate_size, tp, qk_norm=True)
+        return megatron_plan("attn.", "mlp.", c.n_head, c.num_kv_heads, c.intermediate_size, tp, qk_norm=True, norms=("attn_norm", "mlp_norm"))
+
+    def tensor_parallel_model_plan(self, model, sequence_parallel):
+        if model.config.tie_embeddings:
+            if sequence_parallel:
+                raise ConfigError("sequence parallelism splits the embedding and the head by vocabulary, which a tied pair "
+                                  "cannot be: set model.tie_embeddings=false or drop infra.sequence_parallel")
+            return {}
+        return {"embed": "vocab_embedding", "norm": "sequence_norm", "lm_head": "vocab_head"}
 
     def jax_forward(self, model):
         from tierlm.jax.gpt import forward

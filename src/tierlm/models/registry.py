@@ -108,6 +108,14 @@ class ModelFamily:
         raise ConfigError(f"the {self.name} model family has no tensor-parallel plan; use data parallelism (fsdp) "
                           "or a native GPT / Llama / Qwen3 model")
 
+    def tensor_parallel_model_plan(self, model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
+        """How the modules around the blocks split: {module path: "vocab_embedding" | "vocab_head" | "sequence_norm"}
+        (`tierlm.primitives.model_parallel.apply_vocab_parallel`); empty to keep them whole on every rank. A
+        `ConfigError` when `sequence_parallel` cannot be done."""
+        if sequence_parallel:
+            raise ConfigError(f"the {self.name} model family has no sequence-parallel plan: drop infra.sequence_parallel")
+        return {}
+
     def pipeline_stage(self, model: nn.Module, block_ids: list[int], first: bool, last: bool) -> nn.Module:
         """The part of `model` one pipeline stage runs, under the model's own parameter names: the blocks
         `block_ids`, with the embedding when `first` and the final norm and head when `last`. Its forward
@@ -281,6 +289,14 @@ class TransformersFamily(ModelFamily):
 
     def blocks(self, model):
         return model.model.layers if getattr(model, "is_pipeline_stage", False) else super().blocks(model)
+
+    def tensor_parallel_model_plan(self, model, sequence_parallel):
+        if sequence_parallel:  # transformers sizes its masks from the embedding output, which would hold 1/tp of the tokens
+            raise ConfigError("sequence parallelism covers the native GPT (transformers builds its attention masks from the "
+                              "embedding's output, which it splits): drop infra.sequence_parallel")
+        if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+            return {}  # tied: one matrix cannot be split as both (its rows are the vocabulary either way, but two styles re-register it)
+        return {"model.embed_tokens": "vocab_embedding", "lm_head": "vocab_head"}
 
     def pipeline_stage(self, model, block_ids, first, last):
         config = getattr(model, "config", None)

@@ -55,6 +55,8 @@ def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     losses = F.cross_entropy(
         logits.float().reshape(-1, vocab_size), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     )
+    if hasattr(losses, "full_tensor"):  # logits split by vocabulary, under loss_parallel(): the losses are replicated
+        losses = losses.full_tensor()
     return losses.view(labels.shape)
 
 

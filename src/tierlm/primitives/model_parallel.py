@@ -86,15 +86,19 @@ def check_tensor_parallel_shape(n_head: int, n_kv_head: int, intermediate: int, 
     return problems
 
 
-def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, intermediate: int, tp: int, qk_norm: bool = False) -> dict[str, str]:
+def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, intermediate: int, tp: int, qk_norm: bool = False,
+                  norms: tuple[str, str] | None = None) -> dict[str, str]:
     """The plan of a Llama-style block whose attention and MLP modules are at `attention` / `mlp`
     (prefixes inside the block): q/k/v and gate/up by columns, o and down by rows. With `qk_norm`, the
     per-head norms (shared by all heads, so each rank sees only its heads' share of their gradient) are
-    kept whole with their gradients summed over the group. A `ConfigError` when the heads or the MLP do
-    not split over `tp` ranks.
+    kept whole with their gradients summed over the group. `norms` (the block's two norms) make the plan
+    sequence-parallel capable: under `infra.sequence_parallel` the norms run on each rank's share of the
+    sequence, which is gathered into the attention and the MLP and scattered back by their row-wise
+    outputs. A `ConfigError` when the heads or the MLP do not split over `tp` ranks.
 
-    >>> megatron_plan("attn.", "mlp.", 4, 2, 64, 2, qk_norm=True)["attn.q_norm"]
-    'grad_allreduce'
+    >>> plan = megatron_plan("attn.", "mlp.", 4, 2, 64, 2, qk_norm=True, norms=("attn_norm", "mlp_norm"))
+    >>> plan["attn.q_norm"], plan["attn_norm"], plan["attn"]
+    ('grad_allreduce', 'sequence_norm', 'sequence_gather')
     """
     problems = check_tensor_parallel_shape(n_head, n_kv_head, intermediate, tp)
     if problems:
@@ -103,12 +107,21 @@ def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, interme
     plan.update({f"{attention}o_proj": "rowwise", f"{mlp}gate_proj": "colwise", f"{mlp}up_proj": "colwise", f"{mlp}down_proj": "rowwise"})
     if qk_norm:
         plan.update({f"{attention}q_norm": "grad_allreduce", f"{attention}k_norm": "grad_allreduce"})
+    if norms:
+        plan.update({norms[0]: "sequence_norm", norms[1]: "sequence_norm", attention.rstrip("."): "sequence_gather",
+                     mlp.rstrip("."): "sequence_gather"})
     return plan
 
 
-def _parallel_styles() -> dict[str, type]:
-    from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+SEQUENCE_STYLES = ("sequence_norm", "sequence_gather")
+"""Plan entries that only sequence parallelism applies (otherwise the norms run whole on every rank)."""
+
+
+def _parallel_styles(sequence_parallel: bool) -> dict:
+    """Each plan word as a `ParallelStyle` (PyTorch's own, but for the fused q/k/v split and the gather of a
+    sequence-sharded input, which `PrepareModuleInput` would need every positional argument's layout for)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
     from torch.distributed.tensor.placement_types import _StridedShard
 
     class FusedQKVColwiseParallel(ColwiseParallel):
@@ -124,28 +137,62 @@ def _parallel_styles() -> dict[str, type]:
         def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
             return outputs.to_local()  # this rank's q_r, k_r, v_r as they are (a plain Shard(-1) would regroup them)
 
-    return {"colwise": ColwiseParallel, "colwise_qkv": FusedQKVColwiseParallel, "rowwise": RowwiseParallel}
+    class GatherSequence(ParallelStyle):
+        """The module's first input arrives as this rank's share of the sequence (dimension 1) and is gathered
+        whole; in backward its gradient (summed over the group by the column-wise layers) is split back."""
+
+        def _apply(self, module, device_mesh):
+            def gather(_, args):
+                shard = DTensor.from_local(args[0], device_mesh, [Shard(1)], run_check=False)
+                return (shard.redistribute(device_mesh, [Replicate()]).to_local(), *args[1:])
+
+            module.register_forward_pre_hook(gather)
+            return module
+
+    sequence = Shard(1) if sequence_parallel else Replicate()
+    return {"colwise": ColwiseParallel(), "colwise_qkv": FusedQKVColwiseParallel(), "rowwise": RowwiseParallel(output_layouts=sequence),
+            "sequence_norm": SequenceParallel(use_local_output=True), "sequence_gather": GatherSequence(),
+            # the embedding split by vocabulary rows: each rank looks up the ids in its rows, summed (or scattered by sequence)
+            "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
+            # the head split by vocabulary: logits stay sharded by vocabulary, for the loss-parallel cross-entropy
+            "vocab_head": ColwiseParallel(input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False)}
 
 
-def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: dict[str, str]) -> list[nn.Parameter]:
+def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: dict[str, str],
+                          sequence_parallel: bool = False) -> list[nn.Parameter]:
     """Split every block by `plan` ({module path inside a block: "colwise" | "colwise_qkv" | "rowwise" |
-    "grad_allreduce"}) over `tp_mesh`; returns the "grad_allreduce" modules' parameters, whose gradients
-    the caller sums over the group before the update (`sum_gradients`).
+    "grad_allreduce" | "sequence_norm" | "sequence_gather"}) over `tp_mesh`; returns the "grad_allreduce"
+    modules' parameters, whose gradients the caller sums over the group before the update (`sum_gradients`).
 
     Column-wise layers keep their output sharded on the last dimension (local heads / hidden units);
     row-wise layers take that and all-reduce to a whole activation, so each block's input and output
-    are ordinary tensors, the same on every rank of the group. "colwise_qkv" is column-wise for fused
-    q/k/v projections.
+    are ordinary tensors, the same on every rank of the group — or, with `sequence_parallel`,
+    reduce-scatter it by sequence: between the attention and the MLP each rank holds (and its norms
+    compute) a 1/tp share of the tokens. "colwise_qkv" is column-wise for fused q/k/v projections.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = _parallel_styles()
+    styles = _parallel_styles(sequence_parallel)
     assert set(plan.values()) <= {*styles, "grad_allreduce"}, f"unknown tensor-parallel styles in {plan}"
+    wanted = {path: styles[kind] for path, kind in plan.items() if kind in styles and (sequence_parallel or kind not in SEQUENCE_STYLES)}
     summed = []
     for _, block in block_items(blocks):
-        parallelize_module(block, tp_mesh, {path: styles[kind]() for path, kind in plan.items() if kind in styles})
+        parallelize_module(block, tp_mesh, wanted)
         summed += [p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()]
     return summed
+
+
+def apply_vocab_parallel(tp_mesh, model: nn.Module, plan: dict[str, str], sequence_parallel: bool = False) -> None:
+    """Split the modules around the blocks by `plan` ({module path in `model`: "vocab_embedding" | "vocab_head" |
+    "sequence_norm"}): the embedding and the head by vocabulary rows, the final norm by sequence. The head's
+    logits stay sharded by vocabulary (a DTensor): the cross-entropy must run under `loss_parallel()`.
+    Paths `model` does not hold are skipped (a pipeline stage holds the embedding or the head, or neither)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    styles = _parallel_styles(sequence_parallel)
+    held = dict(model.named_modules())
+    parallelize_module(model, tp_mesh, {path: styles[kind] for path, kind in plan.items()
+                                        if path in held and (sequence_parallel or kind not in SEQUENCE_STYLES)})
 
 
 def sum_gradients(params: list[nn.Parameter], group) -> None:

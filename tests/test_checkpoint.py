@@ -42,7 +42,8 @@ SPAM = ["training.optimizer=adamw_spam", "training.spam_interval=15", "training.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", [[], MUON, PRUNE, SPAM], ids=["adamw", "muon+adamw", "adamw_prune", "adamw_spam"])
+# Plain AdamW's state is a subset of AdamWPrune's and AdamWSPAM's (both AdamW with more state): those two cover it.
+@pytest.mark.parametrize("optimizer", [MUON, PRUNE, SPAM], ids=["muon+adamw", "adamw_prune", "adamw_spam"])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
     """2N steps straight == N steps, SIGKILL of the real process, resume for N more (CPU, fp32); with
     Muon + AdamW, the momentum warm-up and the weight-decay schedule run across the kill too."""

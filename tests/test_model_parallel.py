@@ -56,16 +56,23 @@ def test_tensor_parallel_matches_one_process_and_splits_the_blocks(single, tmp_p
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
 
 
+def trains_as_one_and_reshards(mode: str, single: dict, tmp_path, **options) -> dict:
+    """`mode` matches one process over 10 steps; its step-5 checkpoint resumes in one process, and one process's
+    step-5 checkpoint resumes in `mode`, both as if the run never stopped."""
+    run = run_worker(mode, tmp_path / f"{mode}.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", **options)
+    assert_same_steps(run["steps"], single["steps"], tol=1e-4)
+    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
+                         checkpoint_dir=tmp_path / "ckpt_single", **options)
+    assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
+    back = run_worker(mode, tmp_path / "back.json", steps="5:10", load=single["step_5"], **options)
+    assert_same_steps(back["steps"], single["steps"][5:], tol=1e-4)
+    return run
+
+
 def test_sequence_parallel_matches_one_process_and_checkpoints_reshard(single, tmp_path):
     """Tensor parallel 2 with the embedding and head split by vocabulary (97 rows: uneven), the cross-entropy on the
     split logits, and the norms and residual stream split by sequence: one process's steps; checkpoints both ways."""
-    sp = run_worker("tp_sp", tmp_path / "sp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt")
-    assert_same_steps(sp["steps"], single["steps"], tol=1e-4)
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                         checkpoint_dir=tmp_path / "ckpt_single")
-    assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
-    back = run_worker("tp_sp", tmp_path / "back.json", steps="5:10", load=single["step_5"])
-    assert_same_steps(back["steps"], single["steps"][5:], tol=1e-4)
+    trains_as_one_and_reshards("tp_sp", single, tmp_path)
 
 
 def test_one_process_checkpoint_resumes_tensor_parallel(single, tmp_path):
@@ -183,26 +190,14 @@ def single_gpt2(tmp_path_factory):
 def test_gpt2_tensor_parallel_splits_its_fused_qkv_and_checkpoints_reshard(single_gpt2, tmp_path):
     """GPT-2's c_attn holds q, k and v in one matrix: each rank takes its heads' rows of each (a strided shard);
     the checkpoint (stored as plain shards) resumes in one process, and one process's at TP 2."""
-    tp = run_worker("tp", tmp_path / "tp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", model="gpt2")
-    assert_same_steps(tp["steps"], single_gpt2["steps"], tol=1e-4)
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                         checkpoint_dir=tmp_path / "ckpt_single", model="gpt2")
-    assert_same_steps(resumed["steps"], single_gpt2["steps"][5:], tol=1e-4)
-    back = run_worker("tp", tmp_path / "back.json", steps="5:10", load=single_gpt2["step_5"], model="gpt2")
-    assert_same_steps(back["steps"], single_gpt2["steps"][5:], tol=1e-4)
+    trains_as_one_and_reshards("tp", single_gpt2, tmp_path, model="gpt2")
 
 
 def test_gpt2_pipeline_stages_share_the_tied_embedding(single_gpt2, tmp_path):
     """The first stage's embedding and the last stage's head are one tied matrix: its two copies' gradients are
     summed (and counted once in the norm), so both take the one-process update; checkpoints reshard both ways;
     tensor x pipeline parallel on 4 ranks matches too."""
-    pp = run_worker("pp", tmp_path / "pp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", model="gpt2")
-    assert_same_steps(pp["steps"], single_gpt2["steps"], tol=1e-4)
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                         checkpoint_dir=tmp_path / "ckpt_single", model="gpt2")
-    assert_same_steps(resumed["steps"], single_gpt2["steps"][5:], tol=1e-4)
-    back = run_worker("pp", tmp_path / "back.json", steps="5:10", load=single_gpt2["step_5"], model="gpt2")
-    assert_same_steps(back["steps"], single_gpt2["steps"][5:], tol=1e-4)
+    trains_as_one_and_reshards("pp", single_gpt2, tmp_path, model="gpt2")
     both = run_worker("tp_pp", tmp_path / "tp_pp.json", nproc=4, model="gpt2")
     assert_same_steps(both["steps"], single_gpt2["steps"], tol=1e-4)
 

@@ -12,14 +12,14 @@ import torch
 from tests.test_distributed import assert_same_steps, run_worker
 
 
-def predicted_weight_bytes(**sizes) -> float:
+def predicted_weight_bytes(world_size: int = 2, **sizes) -> float:
     """The fp32 weights `tierlm.layout_plan` expects one rank to hold, for the worker's model."""
     from tests.distributed_worker import CONFIG
     from tierlm.layout_plan import ModelShape, layout_memory
     from tierlm.models import build_gpt
     from tierlm.primitives.model_parallel import ParallelDims
 
-    dims = ParallelDims.from_sizes(2, **sizes)
+    dims = ParallelDims.from_sizes(world_size, **sizes)
     return layout_memory(ModelShape.of(build_gpt(CONFIG)), dims, 2, 16).parts["weights, gradients, AdamW (fp32)"] / 4
 
 
@@ -175,6 +175,8 @@ def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
 def test_tensor_times_pipeline_on_four_ranks_matches_one_process_and_its_checkpoint_resumes_in_one(single, tmp_path):
     both = run_worker("tp_pp", tmp_path / "tp_pp.json", nproc=4, save_at=5, checkpoint_dir=tmp_path / "ckpt")
     assert_same_steps(both["steps"], single["steps"], tol=1e-4)
+    # the first stage's embedding split by vocabulary too: within what the planner gives the busier stage
+    assert both["memory"]["param_bytes"] <= predicted_weight_bytes(4, tensor=2, pipeline=2) * 1.01
     resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
                          checkpoint_dir=tmp_path / "ckpt_single")
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)

@@ -4,9 +4,8 @@ pipeline x tensor x data parallel that the model's shape allows, with what one r
 The model is tierlm's (`infra.tensor_parallel_size` / `pipeline_parallel_size`, FSDP2 over the rest):
 
 - weights, gradients and AdamW's two moments are fp32, sharded over the data-parallel ranks (FSDP2); a block's
-  projections split over the tensor-parallel ranks, and so do an untied embedding and head (`infra.vocab_parallel`,
-  without pipeline stages), else they stay whole on each; a pipeline stage holds depth / pp blocks, the first the
-  embedding, the last the head;
+  projections split over the tensor-parallel ranks, and so do an untied embedding and head (`infra.vocab_parallel`),
+  else they stay whole on each; a pipeline stage holds depth / pp blocks, the first the embedding, the last the head;
 - FSDP2 gathers a block (and prefetches the next) in the compute dtype: 2 blocks' worth of it;
 - activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
   Models", table 2) with flash attention (no s x s scores): s*b*h*(10 + 24/t) bytes per block in 16-bit
@@ -115,7 +114,7 @@ def layout_memory(shape: ModelShape, dims: ParallelDims, rows: int, seq_len: int
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     blocks_per_stage = -(-shape.layers // pp)
     split_block = shape.block_params / tp  # the projections split; the norms are a few thousand parameters: counted split too
-    vocab_split = tp if shape.vocab_parallel and vocab_parallel and pp == 1 and tp > 1 else 1
+    vocab_split = tp if shape.vocab_parallel and vocab_parallel and tp > 1 else 1
     embedding, head = shape.embedding_params / vocab_split, shape.head_params / vocab_split
     first = blocks_per_stage * split_block + embedding + (head if pp == 1 else 0)
     last = blocks_per_stage * split_block + (head or (embedding if pp > 1 else 0))

@@ -68,8 +68,6 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         if sequence_parallel and dims.pp > 1:
             raise ConfigError("sequence parallelism runs without pipeline stages (the stages send whole sequences): "
                               "drop infra.sequence_parallel or infra.pipeline_parallel_size")
-        if dims.pp > 1:
-            outer = {}  # the stages keep the embedding and the head whole: the pipeline's loss takes whole logits
         if "colwise_qkv" in plan.values() and dims.dp > 1:
             raise ConfigError("a fused q/k/v projection (GPT-2's c_attn) splits over tensor-parallel ranks as a strided shard, which "
                               "FSDP2 cannot shard again: give the other ranks pipeline stages (infra.pipeline_parallel_size) or "
@@ -173,7 +171,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         inputs, labels = self._pipeline_inputs(batch)
         schedule = self._schedule_for(tuple(labels.shape))
         losses: list[torch.Tensor] = []
-        with self._autocast():
+        with self._autocast(), self._loss_parallel():  # the last stage's loss reads its split logits, forward and backward
             logits = (schedule.step if train else schedule.eval)(
                 *inputs, target=labels if self.has_last else None, losses=losses if self.has_last else None)
         total = torch.stack(losses).sum().detach().float() if self.has_last else torch.zeros((), device=self.device)
@@ -225,7 +223,8 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         metrics = [None]
         if self.has_last:
             logits = logits[: batch["input_ids"].shape[0]]  # without the rows added to fill the micro-batches
-            out = fn(logits, batch) if fn is not None else {"loss_sum": total, "num_tokens": count}
+            with self._loss_parallel():
+                out = self._on_logits(fn)(logits, batch) if fn is not None else {"loss_sum": total, "num_tokens": count}
             metrics = [{k: float(v) for k, v in out.items()}]
         last = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.dims.pp)
         dist.broadcast_object_list(metrics, src=last, group=self.pp_group)

@@ -6,7 +6,8 @@ and after training, and fill a masked word of held-out passages.
 With `model.model_name_or_path=<a transformers Qwen3 folder>` the run starts from that decoder-only model
 (`initialize_from_qwen3`). Prints one line per denoiser (val loss of the initial model -> the trained one,
 nats per target token)
-and the infilling measure and samples (a held-out passage with one word replaced by <extra_id_0>).
+and the infilling measures and samples (a held-out passage with one word replaced by <extra_id_0>; the rank of the
+word's first token with and without the text after it).
 """
 
 from __future__ import annotations
@@ -58,13 +59,26 @@ def denoiser_losses(model, config: TierlmConfig, tokenizer, batches: int = 20) -
     return out
 
 
+@torch.no_grad()
+def first_token_ranks(model, tokenizer, prompt_left: list[int], prompt_right: list[int], word: list[int]) -> tuple[int, int]:
+    """Rank (0 = the decoder's top choice) of the masked word's first token right after <extra_id_0>, with the text
+    after the span in the encoder's input and without it: does the model read the right-hand context?"""
+    ranks = []
+    for right in (prompt_right, []):
+        ids = torch.tensor([[tokenizer.mode_ids["R"], *prompt_left, tokenizer.sentinel_ids[0], *right]])
+        decoder = torch.tensor([[model.config.decoder_start_token_id, tokenizer.sentinel_ids[0]]])
+        logits = model(input_ids=ids, decoder_input_ids=decoder)[0, -1]
+        ranks.append(int((logits > logits[word[0]]).sum()))
+    return ranks[0], ranks[1]
+
+
 def infill(model, tokenizer, texts: list[str], seed: int = 0) -> tuple[list[str], float, float]:
     """One whole word (3+ letters, not the speaker's name) of each held-out passage replaced by
     <extra_id_0> and given to the encoder in R mode; the decoder's greedy answer up to end of text.
     Returns the filled lines, the share filled with exactly the masked word, and the share a constant
     guess of the most frequent masked word would get."""
     engine, rng = Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer), np.random.default_rng(seed)
-    lines, hits, words = [], 0, []
+    lines, hits, words, ranks = [], 0, [], []
     for text in texts:
         speaker = text.index("\n") + 1 if "\n" in text else 0
         found = list(re.finditer(r"[A-Za-z']{3,}", text[speaker:]))
@@ -78,10 +92,15 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> tuple[list[str]
         prompt = [tokenizer.mode_ids["R"], *tokenizer.encode(text[:a]), tokenizer.sentinel_ids[0], *tokenizer.encode(text[b:])]
         out = engine.generate(prompt, 1, 12, temperature=0.0)[0].tokens
         filled = tokenizer.decode([t for t in out if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
+        ranks.append(first_token_ranks(model, tokenizer, tokenizer.encode(text[:a]), tokenizer.encode(text[b:]), tokenizer.encode(text[a:b])))
         hits += filled.strip() == text[a:b].strip()
         words.append(text[a:b].strip())
         lines.append(f"{text[:a]}[{filled}]{text[b:]}   (original: [{text[a:b]}])")
     constant = max(words.count(w) for w in set(words)) / len(words)
+    both, left = np.array(ranks).T
+    print(f"the masked word's first token after <extra_id_0>: top-1 {np.mean(both == 0):.1%} / top-10 {np.mean(both < 10):.1%} "
+          f"(median rank {np.median(both):.0f}) with the text after the span; top-1 {np.mean(left == 0):.1%} / top-10 "
+          f"{np.mean(left < 10):.1%} (median rank {np.median(left):.0f}) with it removed")
     return lines, hits / len(words), constant
 
 

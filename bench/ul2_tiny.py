@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(config.training.seed)
     initial = build_model(config, tokenizer, torch.device("cpu"), pretrained_location(config))  # where training started
     before, after = denoiser_losses(initial, config, tokenizer), denoiser_losses(trained, config, tokenizer)
-    print(f"trained {summary.get('steps', config.training.num_train_steps)} steps; held-out loss per denoiser (nats per target token):")
+    done = f"the run in {args.out}" if args.no_train else f"trained {summary.get('steps', config.training.num_train_steps)} steps"
+    print(f"{done}; held-out loss per denoiser (nats per target token):")
     for denoiser, a, b in zip(DEFAULT_DENOISERS, before, after):
         label = f"{denoiser.name} ({denoiser.mode}" + (f", span {denoiser.mean_span:g}, {denoiser.noise_density:.0%})" if denoiser.mode != "S" else ", prefix LM)")
         print(f"  {label:28s} {a:6.3f} -> {b:6.3f}")

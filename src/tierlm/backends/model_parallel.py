@@ -127,8 +127,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         mesh = self.mesh.mesh  # (pp, ...): the first and the last stage's ranks at each other coordinate
         pairs = torch.stack([mesh[0].flatten(), mesh[(self.num_stages - 1) % self.dims.pp].flatten()], dim=1).tolist()
         self.tied_group, _ = dist.new_subgroups_by_enumeration(pairs)
-        self.stage_shared = [p for n, p in held.named_parameters(remove_duplicate=False) if n in tied]
-        self.stage_shared = list({id(p): p for p in self.stage_shared}.values())
+        self.stage_shared = [p for n, p in held.named_parameters() if n in tied]  # each once, under its first name
         if not self.has_first:
             self.uncounted = {id(p) for p in self.stage_shared}
 

@@ -164,6 +164,18 @@ class PackedDocuments:
     lengths: list[list[int]]
 
 
+def packed_mask(position_ids: torch.Tensor) -> PackedDocuments | torch.Tensor:
+    """How attention sees packed documents: on the CPU each is attended alone (`PackedDocuments`: no mask, no work
+    across documents); on a GPU finding them would cost a host sync, so one call with the (B, 1, T, T) mask.
+
+    >>> packed_mask(torch.tensor([[0, 1, 0, 1, 2]])).lengths
+    [[2, 3]]
+    """
+    if position_ids.device.type == "cpu":
+        return PackedDocuments(position_ids, document_lengths(position_ids))
+    return document_causal_mask(position_ids)
+
+
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
     """Causal attention inside each document of each row, (B, H, T, D): what the document mask
     computes, without the (T, T) mask or the work of its empty blocks (a row of n equal documents
@@ -387,12 +399,7 @@ class GPT(nn.Module):
             cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
         else:
             cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
-            # Packed documents: on the CPU each is attended alone (no mask, no work across documents);
-            # on a GPU, finding the documents would cost a host sync, so one call with the document mask.
-            if position_ids.device.type == "cpu":
-                mask = PackedDocuments(position_ids, document_lengths(position_ids))
-            else:
-                mask = document_causal_mask(position_ids)  # (B, 1, T, T)
+            mask = packed_mask(position_ids)
         x = self.embed(input_ids)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.models.gpt import KVCache, LayerCache, PackedDocuments, attend_documents, document_causal_mask, document_lengths
+from tierlm.models.gpt import KVCache, LayerCache, PackedDocuments, attend_documents, document_causal_mask, packed_mask
 from tierlm.models.gpt2_delay import MODES as DELAY_MODES
 from tierlm.models.gpt2_delay import CouplingWarmup
 from tierlm.models.gpt2_kv import CausalKVPruning
@@ -252,8 +252,7 @@ class GPT2(nn.Module):
             positions, mask = torch.arange(start, start + T, device=input_ids.device), None
         else:
             positions = position_ids
-            mask = (PackedDocuments(position_ids, document_lengths(position_ids)) if position_ids.device.type == "cpu"
-                    else document_causal_mask(position_ids))  # a GPU would pay a host sync to find the documents
+            mask = packed_mask(position_ids)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
         coupling = self.coupling.scale if self.coupling is not None else None
         for i, block in enumerate(self.h):

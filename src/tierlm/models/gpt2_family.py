@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError
+from tierlm.models.gpt import packed_mask
 from tierlm.models.gpt2 import GPT2, GPT2Config
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import WEIGHTS_FILE, register_family
-from tierlm.primitives.model_parallel import check_tensor_parallel_shape
+from tierlm.primitives.model_parallel import check_tensor_parallel_shape, received_positions
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias", "variant")
 _CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
@@ -248,14 +249,10 @@ class GPT2Stage(nn.Module):
         self.coupling = None  # delayed activation (model-wide) is refused under pipeline parallelism
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        from tierlm.models.gpt import PackedDocuments, document_causal_mask, document_lengths
-
-        # float32 between stages (exact below 2**24); clamped, as the pipeline's shape inference runs a stage on garbage
-        position_ids = position_ids.nan_to_num(0.0).clamp(0, self.config.block_size - 1).long()
+        position_ids = received_positions(position_ids, self.config.block_size)
         if self.wpe is not None:
             x = self.drop(self.wte(x) + self.wpe(position_ids))
-        on_cpu = position_ids.device.type == "cpu"  # as GPT2.forward: documents one by one on the CPU, a mask on GPUs
-        mask = PackedDocuments(position_ids, document_lengths(position_ids)) if on_cpu else document_causal_mask(position_ids)
+        mask = packed_mask(position_ids)
         for block in self.h.values():
             x = block(x, mask)
         if self.lm_head is None:

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError
-from tierlm.models.gpt import GPT, GPTConfig
+from tierlm.models.gpt import GPT, GPTConfig, packed_mask
 from tierlm.models.hf_export import from_hf_name, to_hf_config, to_hf_name
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import register_family
-from tierlm.primitives.model_parallel import megatron_plan
+from tierlm.primitives.model_parallel import megatron_plan, received_positions
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings", "window_pattern",
                 "short_window")
@@ -127,16 +127,11 @@ class GPTStage(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        from tierlm.models.gpt import PackedDocuments, document_causal_mask, document_lengths
-
         if self.first:
             x = self.embed(x)
-        # Sent between stages as float32 (exact below 2**24); clamped, as the pipeline's shape inference runs a
-        # stage once on uninitialised inputs.
-        position_ids = position_ids.nan_to_num(0.0).clamp(0, self.config.max_seq_len - 1).long()
+        position_ids = received_positions(position_ids, self.config.max_seq_len)
         cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
-        on_cpu = position_ids.device.type == "cpu"  # as GPT.forward: documents one by one on the CPU, a mask on GPUs
-        mask = PackedDocuments(position_ids, document_lengths(position_ids)) if on_cpu else document_causal_mask(position_ids)
+        mask = packed_mask(position_ids)
         for block in self.blocks.values():
             x = block(x, cos, sin, mask)
         if self.lm_head is None:

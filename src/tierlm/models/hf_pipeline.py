@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tierlm.primitives.model_parallel import received_positions
+
 
 class TransformersStage(nn.Module):
     """One pipeline stage of a transformers `*ForCausalLM` (Llama-style). A head tied to the embedding
@@ -47,8 +49,7 @@ class TransformersStage(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        # float32 between stages (exact below 2**24); clamped, as the pipeline's shape inference runs a stage on garbage
-        position_ids = position_ids.nan_to_num(0.0).clamp(0, self.config.max_position_embeddings - 1).long()
+        position_ids = received_positions(position_ids, self.config.max_position_embeddings)
         if self.first:
             x = self.model.embed_tokens(x)
         masks = dict(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)

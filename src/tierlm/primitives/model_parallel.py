@@ -73,6 +73,17 @@ class ParallelDims:
         return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
+def received_positions(sent: torch.Tensor, limit: int) -> torch.Tensor:
+    """Position ids as a pipeline stage receives them: sent as float32 (what travels between stages is floating
+    point; exact below 2**24), clamped to [0, limit), as the pipeline's shape inference runs a stage once on
+    uninitialised inputs.
+
+    >>> received_positions(torch.tensor([[0.0, 1.0, float("nan"), 9.0]]), 4)
+    tensor([[0, 1, 0, 3]])
+    """
+    return sent.nan_to_num(0.0).clamp(0, limit - 1).long()
+
+
 def check_tensor_parallel_shape(n_head: int, n_kv_head: int, intermediate: int, tp: int) -> list[str]:
     """What stops a model from splitting its heads and MLP over `tp` ranks (each rank takes whole heads).
 

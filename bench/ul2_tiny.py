@@ -1,13 +1,18 @@
 """UL2 on CPU: pretrain the `ul2-tiny` encoder-decoder, then measure each denoiser's held-out loss before
 and after training, and fill a masked word of held-out passages.
 
-    .venv/bin/python bench/ul2_tiny.py [--out runs/ul2-tiny] [--steps 1500] [overrides ...]
+    .venv/bin/python bench/ul2_tiny.py [--out runs/ul2-tiny] [--steps 1500] [--no-train] [--show 10]
+                                       [--judge <a character model folder>] [overrides ...]
 
 With `model.model_name_or_path=<a transformers Qwen3 folder>` the run starts from that decoder-only model
 (`initialize_from_qwen3`). Prints one line per denoiser (val loss of the initial model -> the trained one,
-nats per target token)
-and the infilling measures and samples (a held-out passage with one word replaced by <extra_id_0>; the rank of the
-word's first token with and without the text after it).
+nats per target token), then the infilling measures and samples: a held-out passage with one word replaced
+by <extra_id_0>; the rank of the word's first token with and without the text after it; with `--judge`, how
+often an independent decoder-only model prefers the passage with its own fill to it with other passages'
+fills (50% for fills blind to their context). The judge the README uses (2 min):
+
+    tierlm pretrain --config gpt2-shakespeare-char data.max_seq_length=256 \
+        training.per_device_train_batch_size=3 infra.output_dir=runs/judge-char
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from tierlm.data.ul2 import DEFAULT_DENOISERS  # noqa: E402
 from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
 from tierlm.loaders import open_splits  # noqa: E402
 from tierlm.models import forward_cross_entropy, load_pretrained_model  # noqa: E402
-from tierlm.primitives.losses import token_weights  # noqa: E402
+from tierlm.primitives.losses import IGNORE_INDEX, token_weights  # noqa: E402
 from tierlm.recipes import build_model, run_stage  # noqa: E402
 from tierlm.rollout.engine import Engine  # noqa: E402
 from tierlm.starting_point import pretrained_location  # noqa: E402
@@ -72,13 +77,12 @@ def first_token_ranks(model, tokenizer, prompt_left: list[int], prompt_right: li
     return ranks[0], ranks[1]
 
 
-def infill(model, tokenizer, texts: list[str], seed: int = 0) -> tuple[list[str], float, float]:
+def infill(model, tokenizer, texts: list[str], seed: int = 0) -> list[dict]:
     """One whole word (3+ letters, not the speaker's name) of each held-out passage replaced by
-    <extra_id_0> and given to the encoder in R mode; the decoder's greedy answer up to end of text.
-    Returns the filled lines, the share filled with exactly the masked word, and the share a constant
-    guess of the most frequent masked word would get."""
+    <extra_id_0> and given to the encoder in R mode: the decoder's greedy `fill` up to the next sentinel
+    or end of text, and the rank of the word's first token with and without the text after the span."""
     engine, rng = Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer), np.random.default_rng(seed)
-    lines, hits, words, ranks = [], 0, [], []
+    out = []
     for text in texts:
         speaker = text.index("\n") + 1 if "\n" in text else 0
         found = list(re.finditer(r"[A-Za-z']{3,}", text[speaker:]))
@@ -89,19 +93,46 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> tuple[list[str]
         # The masked span takes the word's leading space, as the byte-level BPE's tokens do (" you" is one
         # token); leaving a lone space before the sentinel asks for a fill no training span ever had.
         a -= a > 0 and text[a - 1] == " "
-        prompt = [tokenizer.mode_ids["R"], *tokenizer.encode(text[:a]), tokenizer.sentinel_ids[0], *tokenizer.encode(text[b:])]
-        out = engine.generate(prompt, 1, 12, temperature=0.0)[0].tokens
-        filled = tokenizer.decode([t for t in out if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
-        ranks.append(first_token_ranks(model, tokenizer, tokenizer.encode(text[:a]), tokenizer.encode(text[b:]), tokenizer.encode(text[a:b])))
-        hits += filled.strip() == text[a:b].strip()
-        words.append(text[a:b].strip())
-        lines.append(f"{text[:a]}[{filled}]{text[b:]}   (original: [{text[a:b]}])")
-    constant = max(words.count(w) for w in set(words)) / len(words)
-    both, left = np.array(ranks).T
-    print(f"the masked word's first token after <extra_id_0>: top-1 {np.mean(both == 0):.1%} / top-10 {np.mean(both < 10):.1%} "
-          f"(median rank {np.median(both):.0f}) with the text after the span; top-1 {np.mean(left == 0):.1%} / top-10 "
-          f"{np.mean(left < 10):.1%} (median rank {np.median(left):.0f}) with it removed")
-    return lines, hits / len(words), constant
+        left, right = tokenizer.encode(text[:a]), tokenizer.encode(text[b:])
+        tokens = engine.generate([tokenizer.mode_ids["R"], *left, tokenizer.sentinel_ids[0], *right], 1, 12, temperature=0.0)[0].tokens
+        fill = tokenizer.decode([t for t in tokens if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
+        ranks = first_token_ranks(model, tokenizer, left, right, tokenizer.encode(text[a:b]))
+        out.append(dict(left=text[:a], word=text[a:b], right=text[b:], fill=fill, ranks=ranks))
+    return out
+
+
+@torch.no_grad()
+def judge_logprob(judge, judge_tokenizer, left: str, middle: str, right: str, window: int = 256) -> float:
+    """log P(middle + right | left) in nats under a decoder-only judge (a character model, so the three
+    strings tokenize on their own), the left context cut to fit the `window` the judge was trained on."""
+    context, rest = judge_tokenizer.encode(left), judge_tokenizer.encode(middle + right)
+    context = context[max(0, len(context) + len(rest) - window):]
+    assert len(context) >= 1 and len(rest) >= 1, "the judge needs some left context and something to score"
+    ids = torch.tensor([context + rest])
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[0, len(context) - 1 : -1] = ids[0, len(context):]
+    _, losses = forward_cross_entropy(judge, {"input_ids": ids, "labels": labels})
+    return -float(losses.sum())
+
+
+def judge_fills(judge_dir: Path, fills: list[dict], others: int = 5, seed: int = 0) -> None:
+    """Are the fills plausible *here*? An independent character-level decoder-only model (trained on the
+    same text, its held-out share containing these passages) scores each passage with its own fill
+    against the same passage with the fills of `others` other passages: a fill that ignores its context
+    wins half the time (ties count half). The masked word itself, scored the same way, is the ceiling."""
+    judge, judge_tokenizer = load_pretrained_model(judge_dir).eval(), load_tokenizer(judge_dir)
+    rng, n = np.random.default_rng(seed), len(fills)
+    shifts = rng.choice(np.arange(1, n), size=others, replace=False)  # each a derangement: passage i gets i + shift's
+    score = lambda i, middle: judge_logprob(judge, judge_tokenizer, fills[i]["left"], middle, fills[i]["right"])  # noqa: E731
+
+    def wins(key: str) -> float:
+        own = np.array([score(i, f[key]) for i, f in enumerate(fills)])
+        swapped = np.array([[score(i, fills[(i + shift) % n][key]) for i in range(n)] for shift in shifts])
+        return float(np.mean(own > swapped) + 0.5 * np.mean(own == swapped))
+
+    print(f"judged by {judge_dir} (log-likelihood of the passage from the span on, given the text before it): the passage "
+          f"with its own fill beats it with another passage's fill {wins('fill'):.1%} of the time ({others} others each; "
+          f"ties half; fills blind to their context: 50%; the masked word itself: {wins('word'):.1%})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/ul2-tiny")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--no-train", action="store_true", help="measure the run already in --out")
+    parser.add_argument("--show", type=int, default=10, help="how many filled passages to print")
+    parser.add_argument("--judge", help="a tierlm decoder-only model folder trained on the same text (a character model) to judge the fills")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = [f"infra.output_dir={args.out}", *([f"training.num_train_steps={args.steps}"] if args.steps else []), *args.overrides]
@@ -126,11 +159,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {label:28s} {a:6.3f} -> {b:6.3f}")
     _, vals = open_splits(config, "pretrain", tokenizer)
     texts = [t for t in vals[0].fetch(range(len(vals[0]))) if 40 < len(t) < 200]
-    lines, exact, constant = infill(trained.eval(), tokenizer, texts)
-    print(f"one masked word in each of {len(lines)} held-out passages: filled exactly {exact:.1%} "
-          f"(always guessing the most frequent masked word: {constant:.1%}); the first 10:")
-    for line in lines[:10]:
-        print("  " + line.replace("\n", " / "))
+    fills = infill(trained.eval(), tokenizer, texts)
+    words = [f["word"].strip() for f in fills]
+    both, left = np.array([f["ranks"] for f in fills]).T
+    print(f"the masked word's first token after <extra_id_0>: top-1 {np.mean(both == 0):.1%} / top-10 {np.mean(both < 10):.1%} "
+          f"(median rank {np.median(both):.0f}) with the text after the span; top-1 {np.mean(left == 0):.1%} / top-10 "
+          f"{np.mean(left < 10):.1%} (median rank {np.median(left):.0f}) with it removed")
+    exact = np.mean([f["fill"].strip() == w for f, w in zip(fills, words)])
+    constant = max(words.count(w) for w in set(words)) / len(words)
+    print(f"one masked word in each of {len(fills)} held-out passages: filled exactly {exact:.1%} "
+          f"(always guessing the most frequent masked word: {constant:.1%}); the first {args.show}:")
+    for f in fills[: args.show]:
+        print("  " + f"{f['left']}[{f['fill']}]{f['right']}   (original: [{f['word']}])".replace("\n", " / "))
+    if args.judge:
+        judge_fills(Path(args.judge), fills)
 
 
 if __name__ == "__main__":

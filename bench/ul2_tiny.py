@@ -64,13 +64,18 @@ def denoiser_losses(model, config: TierlmConfig, tokenizer, batches: int = 20) -
     return out
 
 
+def masked_prompt(tokenizer, left: list[int], right: list[int]) -> list[int]:
+    """The encoder's input for one masked span: R mode, the text before it, <extra_id_0>, the text after it."""
+    return [tokenizer.mode_ids["R"], *left, tokenizer.sentinel_ids[0], *right]
+
+
 @torch.no_grad()
 def first_token_ranks(model, tokenizer, prompt_left: list[int], prompt_right: list[int], word: list[int]) -> tuple[int, int]:
     """Rank (0 = the decoder's top choice) of the masked word's first token right after <extra_id_0>, with the text
     after the span in the encoder's input and without it: does the model read the right-hand context?"""
     ranks = []
     for right in (prompt_right, []):
-        ids = torch.tensor([[tokenizer.mode_ids["R"], *prompt_left, tokenizer.sentinel_ids[0], *right]])
+        ids = torch.tensor([masked_prompt(tokenizer, prompt_left, right)])
         decoder = torch.tensor([[model.config.decoder_start_token_id, tokenizer.sentinel_ids[0]]])
         logits = model(input_ids=ids, decoder_input_ids=decoder)[0, -1]
         ranks.append(int((logits > logits[word[0]]).sum()))
@@ -94,7 +99,7 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> list[dict]:
         # token); leaving a lone space before the sentinel asks for a fill no training span ever had.
         a -= a > 0 and text[a - 1] == " "
         left, right = tokenizer.encode(text[:a]), tokenizer.encode(text[b:])
-        tokens = engine.generate([tokenizer.mode_ids["R"], *left, tokenizer.sentinel_ids[0], *right], 1, 12, temperature=0.0)[0].tokens
+        tokens = engine.generate(masked_prompt(tokenizer, left, right), 1, 12, temperature=0.0)[0].tokens
         fill = tokenizer.decode([t for t in tokens if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
         ranks = first_token_ranks(model, tokenizer, left, right, tokenizer.encode(text[a:b]))
         out.append(dict(left=text[:a], word=text[a:b], right=text[b:], fill=fill, ranks=ranks))

@@ -10,8 +10,8 @@ The model is tierlm's (`infra.tensor_parallel_size` / `pipeline_parallel_size`, 
 - activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
   Models", table 2) with flash attention (no s x s scores): s*b*h*(10 + 24/t) bytes per block in 16-bit
   compute, s*b*h*34/t with sequence parallelism, or with full activation checkpointing 2*s*b*h per block
-  (its input; /t with sequence parallelism) plus one block recomputed; under 1F1B the first stage keeps `pp` micro-batches in flight, so it holds activations
-  for `depth` blocks' worth whatever `pp` is;
+  (its input; /t with sequence parallelism) plus one block recomputed; under 1F1B the first stage keeps `pp`
+  micro-batches in flight, so it holds activations for `depth` blocks' worth whatever `pp` is;
 - the loss: the fused head + cross-entropy keeps one ~128 MB chunk of fp32 logits; unfused, s*b*V*4 bytes; split by
   vocabulary (loss parallel), s*b*V/t*4;
 - a fixed `runtime` (CUDA context, allocator slack, communication buffers) per rank.

@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--judge", help="a tierlm decoder-only model folder trained on the same text (a character model) to judge the fills")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.show < 0:
+        parser.error(f"--show must be >= 0, got {args.show}")
+    if args.judge and not (Path(args.judge) / "config.json").is_file():  # found now, not after the training run
+        parser.error(f"--judge {args.judge} is not a model folder (no config.json); make one with the command in this script's docstring")
     overrides = [f"infra.output_dir={args.out}", *([f"training.num_train_steps={args.steps}"] if args.steps else []), *args.overrides]
     config = TierlmConfig.load("ul2-tiny", overrides)
     summary = {} if args.no_train else run_stage(config, "pretrain")

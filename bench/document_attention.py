@@ -5,7 +5,7 @@
 Forward + backward of one attention layer (4 query heads, 2 key/value heads, head width 64) on 8
 packed rows, side by side in this process (interleaved, median of 5 rounds of 20 calls; 3 for rows of 2,048):
   - masked: `scaled_dot_product_attention` with the (B, 1, T, T) document mask;
-  - per-document: `tierlm.models.gpt.attend_documents`, causal attention inside each document
+  - per-document: `tierlm.models.gpt.model.attend_documents`, causal attention inside each document
     (what the native GPT does for packed rows on CPU).
 Rows: tinyshakespeare paragraphs (median 24 tokens) in rows of 256 and 2,048; SFT-like documents
 (log-normal, median ~160 tokens) in rows of 512; and one document per row (the worst case).
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain import prepare  # noqa: E402
 
-from tierlm.models.gpt import attend_documents, document_causal_mask, document_lengths  # noqa: E402
+from tierlm.models.gpt.model import attend_documents, document_causal_mask, document_lengths  # noqa: E402
 
 
 def packed_positions(rows: int, length: int, draw) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The memory planner against measured peaks: for each config, the estimate (`tierlm.memory_plan`)
-beside the measured RSS growth over the import baseline (`tierlm.memory_probe`), and their ratio.
+"""The memory planner against measured peaks: for each config, the estimate (`tierlm.plan.memory`)
+beside the measured RSS growth over the import baseline (`tierlm.plan.probe`), and their ratio.
 
     .venv/bin/python bench/memory.py [--only NAME ...] [--steps 3]
 
@@ -83,9 +83,9 @@ def measure(stage: str, overrides: list[str], ranks: int, steps: int, workdir: P
         env["OMP_NUM_THREADS"] = "1"
         argv = [a for a in argv if not a.startswith("infra.num_threads")] + ["infra.num_threads=1", "infra.distributed_type=fsdp"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29571",
-               "-m", "tierlm.memory_probe", *argv]
+               "-m", "tierlm.plan.probe", *argv]
     else:
-        cmd = [sys.executable, "-m", "tierlm.memory_probe", *argv]
+        cmd = [sys.executable, "-m", "tierlm.plan.probe", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     records = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("MEMORY_PROBE ")]
     if proc.returncode or not records or any(r["exit_code"] for r in records):

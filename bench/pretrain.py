@@ -69,8 +69,8 @@ def prepare() -> tuple[Path, Path]:
 
 def gpt(vocab: int):
     from tierlm.models import GPTConfig, build_gpt
-    from tierlm.models.gpt2 import GPT2Config
-    from tierlm.models.gpt2_family import GPT2_FAMILY
+    from tierlm.models.gpt2.model import GPT2Config
+    from tierlm.models.gpt2.family import GPT2_FAMILY
 
     torch.manual_seed(0)
     if SHAPE == "small":
@@ -104,7 +104,7 @@ def result(times: dict[int, float], total: int) -> dict:
 
 def tierlm(args) -> dict:
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_stage
+    from tierlm.build.model import run_stage
 
     tok_dir, bin_path = prepare()
     out = Path(tempfile.mkdtemp(prefix="tierlm_bench_run_"))

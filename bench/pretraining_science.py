@@ -85,7 +85,7 @@ def optimizers(steps: int, seeds: int) -> None:
 def scaling(depths: list[int]) -> None:
     sys.path.insert(0, str(REPO / "src"))
     from tierlm.config import TierlmConfig
-    from tierlm.report import plot_series
+    from tierlm.metrics.report import plot_series
     from tierlm.run import plan_run
 
     points = []

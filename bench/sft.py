@@ -50,7 +50,7 @@ def setup() -> tuple[Path, Path, Path]:
     """(tokenizer, transformers model folder, conversations JSONL), made once; the same weights as
     a native GPT folder in WORK / "native"."""
     from tierlm.models import GPTConfig, build_gpt, save_model_folder
-    from tierlm.models.hf_export import to_hf_config
+    from tierlm.models.gpt.hf_export import to_hf_config
 
     tok_dir, _ = prepare()
     model_dir, data = WORK / "model", WORK / "conversations.jsonl"
@@ -64,7 +64,7 @@ def setup() -> tuple[Path, Path, Path]:
                            max_seq_len=2048)
         gpt = build_gpt(config)
         hf = Qwen3ForCausalLM(to_hf_config(config))
-        from tierlm.models.hf_export import to_hf_name
+        from tierlm.models.gpt.hf_export import to_hf_name
 
         hf.load_state_dict({to_hf_name(k): v for k, v in gpt.state_dict().items()}, strict=False)
         hf.save_pretrained(model_dir)
@@ -82,7 +82,7 @@ def rate(times: dict[int, float], trained: dict[int, int], total: int) -> dict:
 
 def tierlm(args, native: bool) -> dict:
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_stage
+    from tierlm.build.model import run_stage
 
     tok_dir, model_dir, data = setup()
     model_dir = WORK / "native" if native else model_dir

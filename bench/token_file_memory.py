@@ -44,7 +44,7 @@ def main() -> None:
 
     from tierlm.config import TierlmConfig
     from tierlm.data import train_bpe_tokenizer
-    from tierlm.recipes import run_stage
+    from tierlm.build.model import run_stage
 
     work = Path(args.dir) / "tierlm_token_file_bench"
     work.mkdir(parents=True, exist_ok=True)

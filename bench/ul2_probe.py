@@ -22,7 +22,7 @@ from tierlm.data import load_tokenizer  # noqa: E402
 from tierlm.data.packing import Documents, text_documents  # noqa: E402
 from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer  # noqa: E402
 from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
-from tierlm.loaders import open_splits  # noqa: E402
+from tierlm.build.loaders import open_splits  # noqa: E402
 from tierlm.models import load_pretrained_model  # noqa: E402
 
 

@@ -33,12 +33,12 @@ from tierlm.data.packing import Documents, text_documents  # noqa: E402
 from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer  # noqa: E402
 from tierlm.data.ul2 import DEFAULT_DENOISERS  # noqa: E402
 from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
-from tierlm.loaders import open_splits  # noqa: E402
+from tierlm.build.loaders import open_splits  # noqa: E402
 from tierlm.models import forward_cross_entropy, load_pretrained_model  # noqa: E402
 from tierlm.primitives.losses import IGNORE_INDEX, token_weights  # noqa: E402
-from tierlm.recipes import build_model, run_stage  # noqa: E402
+from tierlm.build.model import build_model, run_stage  # noqa: E402
 from tierlm.rollout.engine import Engine  # noqa: E402
-from tierlm.starting_point import pretrained_location  # noqa: E402
+from tierlm.build.tokenizer import pretrained_location  # noqa: E402
 
 
 @torch.no_grad()

@@ -104,7 +104,7 @@ RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "
 def tiny_runs(tmp_path_factory):
     """A tiny pretrain run and an SFT run from it, shared (read-only) by the cases."""
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_stage
+    from tierlm.build.model import run_stage
 
     root = tmp_path_factory.mktemp("runs")
     pre, sft = root / "pre", root / "sft"

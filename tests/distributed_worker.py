@@ -22,7 +22,7 @@ import torch
 from tierlm.backends import PyTorchTrainingBackend, create_adamw_optimizer
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.models import GPTConfig, build_gpt
-from tierlm.models.gpt2 import GPT2Config
+from tierlm.models.gpt2.model import GPT2Config
 from tierlm.primitives.optim import RoleSettings, build_optimizer
 from tierlm.primitives.schedules import TrainingSchedule
 from tierlm.primitives.parallel import init_distributed, shutdown_distributed
@@ -55,7 +55,7 @@ def optimizer_factory(name: str, distributed: bool):
 
 
 def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False, optimizer: str = "adamw", architecture: str = "gpt"):
-    from tierlm.models.gpt2_family import GPT2_FAMILY
+    from tierlm.models.gpt2.family import GPT2_FAMILY
 
     torch.manual_seed(0)
     model = build_gpt(CONFIG) if architecture == "gpt" else GPT2_FAMILY.build_from_config(GPT2_CONFIG)
@@ -128,7 +128,7 @@ def megatron(out: Path, sizes: str) -> None:
     the same rows on every rank; rank 0 writes the losses."""
     from tierlm.backends import MegatronBackend
     from tierlm.strategies import PretrainStrategy
-    from tierlm.trainer import Trainer
+    from tierlm.loops.trainer import Trainer
 
     tensor, pipeline = map(int, sizes.split("x"))
     trainer = Trainer(backend=MegatronBackend(CONFIG, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,

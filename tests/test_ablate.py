@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import REPO, TINY, run_cli
-from tierlm.ablate import AblationCoordinator, paired_difference, parse_variant
+from tierlm.commands.ablate import AblationCoordinator, paired_difference, parse_variant
 from tierlm.errors import ConfigError
 
 BASE = ["--config", "tiny_pretrain", *[a for a in TINY if not a.startswith("infra.output_dir")], "training.num_train_steps=30",

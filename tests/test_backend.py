@@ -210,7 +210,7 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
 
 def test_fused_cross_entropy_setting_reaches_the_backend(tiny_gpt_config, tmp_path):
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import build_backend
+    from tierlm.build.model import build_backend
 
     for value in (True, False):
         config = TierlmConfig.load(None, [f"training.fused_cross_entropy={str(value).lower()}"])

@@ -1,6 +1,6 @@
 """Every bad input is one line, exit 2, nothing written — over every command.
 
-Each case runs `tierlm.cli.main(argv)` in this process (a traceback would fail the test as an
+Each case runs `tierlm.commands.cli.main(argv)` in this process (a traceback would fail the test as an
 error) inside an empty working folder, after an optional setup that writes the bad input. It
 asserts exit code 2, exactly one stderr line `tierlm: error: ...` matching what the case names,
 and that neither the working folder nor the shared trained runs changed by a single byte.
@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from tierlm.cli import main
+from tierlm.commands.cli import main
 
 from conftest import CHAT, RL, TINY
 
@@ -456,7 +456,7 @@ def _swap_weights(run: Path) -> None:
     from tierlm.models import GPTConfig, build_gpt
 
     other = build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=50, max_seq_len=16))
-    from tierlm.models.hf_export import to_hf_name
+    from tierlm.models.gpt.hf_export import to_hf_name
 
     save_file({to_hf_name(k): v.contiguous() for k, v in other.state_dict().items()}, run / "model" / "model.safetensors")
     meta = json.loads((run / "model" / "training_meta.json").read_text())

@@ -150,7 +150,7 @@ def test_malicious_pickle_is_never_executed(tmp_path):
 
 def test_damaged_latest_falls_back_to_the_previous(tmp_path, capsys):
     from tierlm.config import TierlmConfig
-    from tierlm.recipes import run_stage
+    from tierlm.build.model import run_stage
 
     overrides = [*TINY_RUN, "training.num_train_steps=10", "training.save_steps=5", f"infra.output_dir={tmp_path}"]
     config = TierlmConfig.load("configs/tiny_pretrain.yaml", overrides)
@@ -221,7 +221,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, tiny_tokenizer
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     from tierlm.config import TrainingConfig
     from tierlm.strategies import PretrainStrategy
-    from tierlm.trainer import Trainer
+    from tierlm.loops.trainer import Trainer
 
     class PoisonedStrategy(PretrainStrategy):
         poisoned_steps: set = {3, 5, 6, 7}

@@ -354,7 +354,7 @@ def test_stream_mode_reads_a_text_file_as_consecutive_windows():
     from tierlm.config import TierlmConfig
     from tierlm.data import train_char_tokenizer
     from tierlm.data.sources import builtin_corpus
-    from tierlm.loaders import build_loaders
+    from tierlm.build.loaders import build_loaders
 
     text = builtin_corpus("builtin:tinyshakespeare").read_text()
     tokenizer = train_char_tokenizer([text])

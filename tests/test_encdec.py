@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierlm.models.qwen3_encdec import Qwen3EncDecConfig, build_qwen3_encdec, initialize_from_qwen3
+from tierlm.models.qwen3_encdec.model import Qwen3EncDecConfig, build_qwen3_encdec, initialize_from_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_incremental_decoding_equals_the_full_forward():
 def test_saved_and_loaded_as_a_tierlm_folder(tmp_path):
     from tierlm.config import TierlmConfig
     from tierlm.models import family_for_folder, load_pretrained_model, save_model_folder
-    from tierlm.plan import new_model
+    from tierlm.plan.scaling import new_model
 
     config = TierlmConfig.load("ul2-tiny", ["model.depth=1"])
     model = new_model(config, 300, "cpu")
@@ -185,7 +185,7 @@ def test_ul2_starts_from_a_decoder_only_qwen3_folder_and_reads_a_stream(tmp_path
     from test_streaming import parquet_shards
     from tierlm.config import TierlmConfig
     from tierlm.models import family_for_folder
-    from tierlm.recipes import build_model
+    from tierlm.build.model import build_model
     from tierlm.run import run_tokenizer
 
     torch.manual_seed(0)

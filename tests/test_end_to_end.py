@@ -8,7 +8,7 @@ import torch
 from conftest import run_cli
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.recipes import run_stage
+from tierlm.build.model import run_stage
 
 TINY = [
     "model.depth=2", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300",
@@ -183,7 +183,7 @@ def test_sft_on_a_jsonl_file_and_a_mixture(tmp_path):
 
 
 def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
-    from tierlm.loaders import open_splits
+    from tierlm.build.loaders import open_splits
 
     data = _conversation_file(tmp_path / "my.jsonl", count=48)
     held_out = _conversation_file(tmp_path / "val.jsonl", count=10)

@@ -15,7 +15,7 @@ pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install 'ti
 
 import torch  # noqa: E402
 
-from tierlm.cli import main  # noqa: E402
+from tierlm.commands.cli import main  # noqa: E402
 
 CONTEXTS = [("What is 2 + 3?", " 5"), ("What is 12 + 7? The answer", " is 19"), ("", "7 + 8 = 15"), ("Add 4 and 4: ", "8")]
 TEXT = "What is 23 + 45? 23 + 45 = 68. What is 7 + 9? 7 + 9 = 16. " * 4
@@ -47,7 +47,7 @@ def instances(kind: str, args: list[tuple]):
 @pytest.fixture(scope="module")
 def lm(tiny_runs):
     from tierlm.data import load_tokenizer
-    from tierlm.harness import TierlmLM
+    from tierlm.commands.harness import TierlmLM
     from tierlm.models import load_pretrained_model
 
     folder = tiny_runs / "pre" / "model"
@@ -74,7 +74,7 @@ def test_loglikelihoods_match_transformers_own_model_of_the_folder(lm, tiny_runs
 def test_rolling_scores_match_the_harness_own_hf_model(lm, tiny_runs):
     from lm_eval.models.huggingface import HFLM
 
-    from tierlm.harness import TierlmLM
+    from tierlm.commands.harness import TierlmLM
 
     requests = instances("loglikelihood_rolling", [(TEXT,), (TEXT[:30],)])
     short = TierlmLM(lm.model, lm.tokenizer, batch_size=3, max_length=24)
@@ -98,8 +98,8 @@ def test_generation_is_the_engines_greedy_text_cut_at_the_stop_string(lm):
 def test_an_encoder_decoder_scores_the_continuation_with_its_decoder_given_the_context(tmp_path):
     from tierlm.data import train_bpe_tokenizer
     from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
-    from tierlm.harness import TierlmLM
-    from tierlm.models.qwen3_encdec import Qwen3EncDecConfig, build_qwen3_encdec
+    from tierlm.commands.harness import TierlmLM
+    from tierlm.models.qwen3_encdec.model import Qwen3EncDecConfig, build_qwen3_encdec
 
     tokenizer = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer([TEXT] * 20, 300), num_sentinel_tokens=2)
     model = build_qwen3_encdec(Qwen3EncDecConfig(vocab_size=len(tokenizer.hf), hidden_size=32, num_encoder_layers=1, num_decoder_layers=1,

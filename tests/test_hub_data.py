@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY, run_cli
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, DataError
-from tierlm.loaders import open_splits
+from tierlm.build.loaders import open_splits
 
 
 def _chat(i: int, tag: str) -> dict:
@@ -154,7 +154,7 @@ def test_rl_tasks_from_a_gsm8k_like_folder_and_an_answer_pattern(tmp_path):
     folder = parquet_folder(tmp_path / "gsm8k", {"train": gsm8k_rows(20, "train"), "test": gsm8k_rows(5, "test")},
                             configs={"main": "main", "socratic": "socratic"})
     config = TierlmConfig.load("tiny_rl", [f"data.dataset_name={folder}", "data.dataset_config=main"])
-    from tierlm.rl.recipe import open_tasks
+    from tierlm.stages.rl import open_tasks
 
     train, val = open_tasks(config)
     assert len(train) == 20 and len(val) == 5

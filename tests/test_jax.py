@@ -46,7 +46,7 @@ def _model(tied: bool = False, **shape) -> torch.nn.Module:
 @pytest.mark.parametrize("shape", [{}, {"tie_embeddings": True}, {"window_pattern": "SL", "short_window": 5, "n_kv_head": 1}],
                          ids=["untied", "tied", "windows-mqa"])
 def test_the_jax_forward_is_the_pytorch_model(shape):
-    from tierlm.jax.gpt import forward, params_from_torch
+    from tierlm.models.gpt.jax import forward, params_from_torch
 
     model = _model(**shape).eval()
     ids = torch.randint(0, V, (2, 12))
@@ -60,8 +60,8 @@ def test_the_jax_forward_is_the_pytorch_model(shape):
 
 
 def _gpt2(**shape) -> torch.nn.Module:
-    from tierlm.models.gpt2 import GPT2Config
-    from tierlm.models.gpt2_family import GPT2_FAMILY
+    from tierlm.models.gpt2.model import GPT2Config
+    from tierlm.models.gpt2.family import GPT2_FAMILY
 
     torch.manual_seed(0)
     model = GPT2_FAMILY.build_from_config(GPT2Config(**{"n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": V, "block_size": 64, **shape}))
@@ -73,8 +73,8 @@ def _gpt2(**shape) -> torch.nn.Module:
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_jax_gpt2_is_the_pytorch_gpt2(bias):
-    from tierlm.jax.gpt import params_from_torch
-    from tierlm.jax.gpt2 import forward
+    from tierlm.models.gpt.jax import params_from_torch
+    from tierlm.models.gpt2.jax import forward
 
     model = _gpt2(bias=bias).eval()
     ids = torch.randint(0, V, (2, 12))
@@ -94,9 +94,9 @@ def test_gpt2_variants_are_refused_by_the_jax_backend(tmp_path):
 
 
 def test_functional_optimizers_equal_torch_and_optax_step_for_step():
-    from tierlm.jax.optim import JaxAdam
-    from tierlm.primitives.functional_optim import FunctionalMuon, PyTorchAdam, apply_updates
-    from tierlm.primitives.muon import Muon
+    from tierlm.primitives.optim.jax import JaxAdam
+    from tierlm.primitives.optim.functional import FunctionalMuon, PyTorchAdam, apply_updates
+    from tierlm.primitives.optim.muon import Muon
 
     g = torch.Generator().manual_seed(0)
     start = {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g)}

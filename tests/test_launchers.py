@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.launchers import accelerate_overrides
+from tierlm.config.launchers import accelerate_overrides
 
 SEED_FSDP2_YAML = """\
 compute_environment: LOCAL_MACHINE

@@ -38,7 +38,7 @@ def _ids():
 
 
 def test_only_adapters_train_with_the_expected_count(tiny_runs):
-    from tierlm.recipes import build_model
+    from tierlm.build.model import build_model
 
     config = TierlmConfig.load(REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"])
     tokenizer = load_tokenizer(tiny_runs / "pre" / "model")
@@ -154,7 +154,7 @@ def test_lora_dpo_and_rl_run_against_the_adapter_free_reference(tiny_runs, tmp_p
 
 def test_the_memory_planner_traces_the_adapted_model(tiny_runs):
     """Fake trace == the real step; optimizer state is the adapters' AdamW moments only; no reference copy."""
-    from tierlm.memory_plan import estimate_run_memory, trace_step
+    from tierlm.plan.memory import estimate_run_memory, trace_step
 
     config = TierlmConfig.load(REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"])
     fake = trace_step(config, "sft", 300, 4, 64, tiny_runs / "pre" / "model")

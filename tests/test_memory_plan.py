@@ -1,4 +1,4 @@
-"""The memory planner (tierlm.memory_plan) and seed 002's memory utilities (tierlm.metrics.memory).
+"""The memory planner (tierlm.plan.memory) and seed 002's memory utilities (tierlm.metrics.memory).
 
 The estimate is checked three ways: its fake-tensor trace against the same step on real tensors;
 its parts against what each option must change (checkpointing, the fused head, FSDP, DDP, DPO's
@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, run_cli
 from tierlm.config import DataConfig, FullConfig, InfraConfig, ModelConfig, TierlmConfig, TrainingConfig
 from tierlm.errors import ConfigError
-from tierlm.memory_plan import MemoryEstimate, auto_batch_size, check_memory, estimate_run_memory, memory_budget, trace_step
+from tierlm.plan.memory import MemoryEstimate, auto_batch_size, check_memory, estimate_run_memory, memory_budget, trace_step
 from tierlm.metrics.memory import auto_find_batch_size, clear_memory, estimate_model_memory, get_memory_stats, log_memory_stats
 
 
@@ -179,7 +179,7 @@ def test_estimate_parts_follow_the_options():
 
 
 def test_estimate_of_dpo_and_rl(tmp_path):
-    from tierlm.plan import new_model
+    from tierlm.plan.scaling import new_model
 
     model = new_model(small(), 512, "cpu")
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
@@ -298,7 +298,7 @@ VALIDATED = ["gpt", "qwen3", "gpt-fsdp2"]
 
 
 def test_estimates_within_15_percent_of_measured_peaks():
-    """Each config trains 3 steps under tierlm.memory_probe; the run's own estimate (its
+    """Each config trains 3 steps under tierlm.plan.probe; the run's own estimate (its
     memory_estimate.json) is within 15% of its peak RSS growth over the import baseline. The same
     run's peak varies by up to ~7% from one run to the next (glibc's arenas, which thread frees
     first): a config outside the band is measured once more and judged on the mean of the two."""

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from conftest import REPO, TINY
-from tierlm.cli import main
+from tierlm.commands.cli import main
 from tierlm.models import FAMILIES, family_for_folder, family_named, forward_cross_entropy, forward_logits, load_pretrained_model, save_model_folder
-from tierlm.models.gpt2 import GPT2Config
-from tierlm.models.gpt2_family import GPT2_FAMILY
+from tierlm.models.gpt2.model import GPT2Config
+from tierlm.models.gpt2.family import GPT2_FAMILY
 from tierlm.models.native import NativeFamily
 from tierlm.models.registry import register_family
 
@@ -263,7 +263,7 @@ def test_r_mlp_is_the_gated_split_written_plainly():
 
 
 def test_delayed_activation_is_applied_in_the_forward():
-    from tierlm.models.gpt2_family import GPT2_FAMILY as family
+    from tierlm.models.gpt2.family import GPT2_FAMILY as family
 
     model = _gpt2(ra_r=4, rmlp_r_ff=16, delay_mode="step", delay_start_step=3)
     ids = torch.randint(0, 50, (2, 10))
@@ -286,7 +286,7 @@ def test_delayed_activation_is_applied_in_the_forward():
 
 
 def test_loss_stability_switches_on_when_the_loss_settles():
-    from tierlm.models.gpt2_delay import CouplingWarmup
+    from tierlm.models.gpt2.delay import CouplingWarmup
 
     warmup = CouplingWarmup("loss_stability", window=5, cv_threshold=0.01)
     warmup.init_weights()
@@ -367,7 +367,7 @@ def test_kv_pruning_is_causal(kv):
 
 
 def test_kv_pruning_keeps_the_budget_and_prunes_for_real():
-    from tierlm.models.gpt2_kv import CausalKVPruning
+    from tierlm.models.gpt2.kv import CausalKVPruning
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)

@@ -13,9 +13,9 @@ from tests.test_distributed import assert_same_steps, run_worker
 
 
 def predicted_weight_bytes(world_size: int = 2, **sizes) -> float:
-    """The fp32 weights `tierlm.layout_plan` expects one rank to hold, for the worker's model."""
+    """The fp32 weights `tierlm.plan.layouts` expects one rank to hold, for the worker's model."""
     from tests.distributed_worker import CONFIG
-    from tierlm.layout_plan import ModelShape, layout_memory
+    from tierlm.plan.layouts import ModelShape, layout_memory
     from tierlm.models import build_gpt
     from tierlm.primitives.model_parallel import ParallelDims
 
@@ -25,7 +25,7 @@ def predicted_weight_bytes(world_size: int = 2, **sizes) -> float:
 
 def test_plan_prints_the_layouts_and_megatron_backend_needs_torchrun(capsys):
     from tierlm.backends import MegatronBackend
-    from tierlm.cli import main
+    from tierlm.commands.cli import main
     from tierlm.errors import ConfigError
 
     assert main(["plan", "--world-size", "4", "--layouts", "--vocab-size", "512", "model.depth=4", "model.aspect_ratio=32",
@@ -159,7 +159,7 @@ def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
     from tests.distributed_worker import CONFIG, SEQ
     from tierlm.backends import MegatronBackend
     from tierlm.strategies import PretrainStrategy
-    from tierlm.trainer import Trainer
+    from tierlm.loops.trainer import Trainer
 
     got = run_worker("megatron", tmp_path / "m.json", sizes=sizes)
     trainer = Trainer(MegatronBackend(CONFIG, checkpoint_dir=tmp_path / "one", learning_rate=3e-3, device_type="cpu"), PretrainStrategy())
@@ -207,8 +207,8 @@ def test_gpt2_pipeline_stages_share_the_tied_embedding(single_gpt2, tmp_path):
 def test_gpt2_refusals_name_the_layout_that_works():
     from tierlm.backends.model_parallel import ModelParallelTrainingBackend
     from tierlm.errors import ConfigError
-    from tierlm.models.gpt2 import GPT2Config
-    from tierlm.models.gpt2_family import GPT2_FAMILY
+    from tierlm.models.gpt2.model import GPT2Config
+    from tierlm.models.gpt2.family import GPT2_FAMILY
     from tierlm.primitives.model_parallel import ParallelDims
 
     model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16))

@@ -56,7 +56,7 @@ def test_documents_attended_one_by_one_equal_the_document_mask():
     document mask: outputs and gradients, with grouped-query heads and rows of 1 to 3 documents."""
     import torch.nn.functional as F
 
-    from tierlm.models.gpt import attend_documents, document_causal_mask, document_lengths
+    from tierlm.models.gpt.model import attend_documents, document_causal_mask, document_lengths
 
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])
     q = torch.randn(3, 4, 8, 16, requires_grad=True)
@@ -87,7 +87,7 @@ def _windowed_model(pattern="SSL", window=5):
 def _dense_reference(model, ids):
     """The model's forward with attention written out: scores, an explicit dense mask per layer
     (causal, and at most `window` keys back, itself included), softmax, values."""
-    from tierlm.models.gpt import apply_rotary
+    from tierlm.models.gpt.model import apply_rotary
 
     c, T = model.config, ids.shape[1]
     x = model.embed(ids)

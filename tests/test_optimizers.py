@@ -10,8 +10,8 @@ from torch import nn
 
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.plan import new_model, optimal_batch_tokens, parameter_counts, resolve
-from tierlm.primitives.muon import Muon, newton_schulz_orthogonalize
+from tierlm.plan.scaling import new_model, optimal_batch_tokens, parameter_counts, resolve
+from tierlm.primitives.optim.muon import Muon, newton_schulz_orthogonalize
 from tierlm.primitives.optim import OptimizerContainer, RoleSettings, build_optimizer, parameter_roles
 from tierlm.primitives.schedules import TrainingSchedule, create_warmup_scheduler
 
@@ -273,7 +273,7 @@ def reference_spam(w, grads, lr, betas, eps, wd, theta, interval, warmup, clip_d
 
 
 def test_adamw_spam_equals_the_reference_across_a_reset_and_clipping():
-    from tierlm.primitives.spam import AdamWSPAM
+    from tierlm.primitives.optim.spam import AdamWSPAM
 
     g = torch.Generator().manual_seed(3)
     grads = [torch.randn(6, 5, generator=g) * (50.0 if step in (12, 17) else 1.0) for step in range(20)]  # two spikes
@@ -291,7 +291,7 @@ def test_adamw_spam_equals_the_reference_across_a_reset_and_clipping():
 
 
 def test_adamw_spam_without_resets_spikes_or_warmup_is_torch_adamw():
-    from tierlm.primitives.spam import AdamWSPAM
+    from tierlm.primitives.optim.spam import AdamWSPAM
 
     ours, theirs = _model(), _model()
     _train(ours, AdamWSPAM(ours.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, theta=float("inf"), interval=0, warmup=0))
@@ -329,7 +329,7 @@ def reference_prune(ws, grads, lr, betas, eps, final, warmup, frequency, total, 
 
 @pytest.mark.parametrize("score", ["fourth_root_v", "magnitude"])
 def test_adamw_prune_equals_the_reference_and_follows_the_schedule(score):
-    from tierlm.primitives.prune import AdamWPrune, target_sparsity
+    from tierlm.primitives.optim.prune import AdamWPrune, target_sparsity
 
     g = torch.Generator().manual_seed(4)
     shapes = [(8, 6), (6, 10)]
@@ -356,7 +356,7 @@ def test_adamw_prune_equals_the_reference_and_follows_the_schedule(score):
 
 
 def test_adamw_prune_samples_the_threshold_of_a_large_model():
-    from tierlm.primitives.prune import AdamWPrune
+    from tierlm.primitives.optim.prune import AdamWPrune
 
     w = nn.Parameter(torch.randn(200, 100, generator=torch.Generator().manual_seed(5)))
     opt = AdamWPrune([{"params": [w], "prune": True}], score="magnitude", final_sparsity=0.5, warmup=0, frequency=1, total_steps=1,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from tierlm.cli import main
+from tierlm.commands.cli import main
 from tierlm.config import TierlmConfig
-from tierlm.config_files import list_presets
+from tierlm.config.files import list_presets
 
 
 def test_presets_are_listed_and_loaded_by_name(capsys):
@@ -67,7 +67,7 @@ def test_every_preset_is_a_valid_config():
     tokens_per_step = baseline.training.per_device_train_batch_size * baseline.training.gradient_accumulation_steps * baseline.data.max_seq_length
     assert (baseline.model.depth, baseline.model.depth * baseline.model.aspect_ratio, tokens_per_step) == (12, 768, 16 * 4 * 1024)
     # Seed 003's ablation presets: the baseline's model and budget, their variants, their optimizer.
-    from tierlm.ablate import parse_variant
+    from tierlm.commands.ablate import parse_variant
 
     ra, kv = TierlmConfig.load("gpt2-ra-ablation"), TierlmConfig.load("gpt2-kv-pruning-ablation")
     assert [parse_variant(v).name for v in ra.ablation.variants] == ["V0", "V1", "V3", "V7", "V9"]

@@ -4,8 +4,8 @@ create_repo + upload_folder (recorded here, never sent), and loadable as the car
 
 from __future__ import annotations
 
-from tierlm.cli import main
-from tierlm.push import stage_upload
+from tierlm.commands.cli import main
+from tierlm.commands.push import stage_upload
 
 
 def test_a_dry_run_prints_the_files_and_the_card(tiny_runs, capsys):
@@ -34,7 +34,7 @@ def test_the_staged_folder_loads_as_the_card_says(tiny_runs, tmp_path):
 def test_a_push_creates_the_repo_and_uploads_the_staged_folder(tiny_runs, monkeypatch):
     import huggingface_hub
 
-    from tierlm.push import push
+    from tierlm.commands.push import push
 
     calls = []
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from tierlm.cli import main
-from tierlm.report import overlay_report, write_run_report
+from tierlm.commands.cli import main
+from tierlm.metrics.report import overlay_report, write_run_report
 
 
 def _run(folder, stage: str, lines: list[dict]):

@@ -13,8 +13,9 @@ from tierlm.backends import PyTorchTrainingBackend
 from tierlm.errors import DataError
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rl.loop import Rollout, pass_at_k, rollout_batch
-from tierlm.rl.tasks import exact_number_reward, open_task
+from tierlm.loops.rl import Rollout, pass_at_k, rollout_batch
+from tierlm.build.tasks import open_task
+from tierlm.tasks import exact_number_reward
 from tierlm.rollout import generate
 from tierlm.rollout.engine import Engine, answer_text
 from tierlm.rollout.tools import Calculator
@@ -230,8 +231,8 @@ def test_pass_at_k_against_enumeration():
 
 def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_tokenizer):
     from tierlm.config import RLConfig, TrainingConfig
-    from tierlm.rl.loop import RLTrainer
-    from tierlm.rl.tasks import ArithmeticChain
+    from tierlm.loops.rl import RLTrainer
+    from tierlm.tasks import ArithmeticChain
 
     tok = tiny_tokenizer
     peek = ArithmeticChain("val", 4, seed=0)
@@ -274,8 +275,8 @@ def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_pa
     from tierlm.backends import FrozenReference
     from tierlm.config import RLConfig, TrainingConfig
     from tierlm.models import GPTConfig
-    from tierlm.rl.loop import RLTrainer
-    from tierlm.rl.tasks import open_task
+    from tierlm.loops.rl import RLTrainer
+    from tierlm.build.tasks import open_task
     from tierlm.strategies.rl import PPOStrategy
 
     tok = tiny_tokenizer
@@ -331,7 +332,7 @@ def test_clipped_value_loss_takes_the_worse_of_clipped_and_unclipped():
 
 def test_the_value_model_is_the_policy_with_a_zero_value_head(tiny_gpt_config):
     from tierlm.models import GPTConfig
-    from tierlm.rl.critic import value_model
+    from tierlm.loops.critic import value_model
 
     for tied in (False, True):
         policy = build_gpt(GPTConfig(**{**tiny_gpt_config.to_dict(), "tie_embeddings": tied}))

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import CHAT, REPO, TINY
 from tierlm import checkpoint
-from tierlm.cli import main
+from tierlm.commands.cli import main
 from tierlm.errors import CheckpointError
 
 
@@ -365,7 +365,7 @@ def test_the_preflight_only_describes_the_model(tmp_path):
     initialises the real model (a fresh run's weights are the same with or without the check)."""
     from tierlm.config import TierlmConfig
     from tierlm.metrics.memory import rss_mb
-    from tierlm.recipes import memory_needs
+    from tierlm.build.model import memory_needs
 
     config = TierlmConfig.load(REPO / "configs/tiny_pretrain.yaml", ["data.max_seq_length=100000000", "model.depth=8"])
     torch.manual_seed(0)

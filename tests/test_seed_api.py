@@ -14,7 +14,7 @@ from tierlm.backends import PyTorchBackend
 from tierlm.models import GPTConfig
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.rl import PPOStrategy, token_logprobs
-from tierlm.trainer import Trainer, TrainingResult
+from tierlm.loops.trainer import Trainer, TrainingResult
 
 V = 61
 MODEL_CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=V, max_seq_len=32)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tierlm.chat import Chatbot, terminal_chat
+from tierlm.commands.chat import Chatbot, terminal_chat
 
 QUESTION = "What is 2 + 3?"
 
@@ -55,7 +55,7 @@ def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
 def server(bot):
     pytest.importorskip("fastapi")
     uvicorn = pytest.importorskip("uvicorn")
-    from tierlm.serve import create_app
+    from tierlm.commands.serve import create_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

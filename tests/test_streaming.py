@@ -12,7 +12,7 @@ import torch
 from conftest import TINY, kill_at_checkpoint, run_cli
 from tierlm.config import TierlmConfig
 from tierlm.data import RankSlice
-from tierlm.loaders import build_loaders
+from tierlm.build.loaders import build_loaders
 
 
 def parquet_shards(root, shards: int = 3, rows: int = 20, words: int = 12):

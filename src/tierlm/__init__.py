@@ -1,7 +1,7 @@
 """tierlm: train language models through every stage from one small protocol.
 
 Tiers, each built only from those below it:
-  3 application   `tierlm` CLI, `tierlm.trainer.Trainer`, recipes
+  3 application   `tierlm` CLI, `tierlm.loops.trainer.Trainer`, recipes
   2 convenience   `tierlm.backends.create_pytorch_backend`, `create_backend_with_scheduler`
   1 primitives    `tierlm.primitives` (dtype, device, model loading, optimizers, losses, schedules)
   0 protocol      `tierlm.backends.TrainingBackend`, `TrainFuture`, `PyTorchTrainingBackend`
@@ -29,10 +29,10 @@ def train(config, stage: str = "pretrain", overrides: list[str] | None = None, c
         config = TierlmConfig.load(config, overrides or [])
     if stage == "rl":
         assert not callbacks, "callbacks are for the pretrain / SFT / DPO loop"
-        from tierlm.rl.recipe import run_rl
+        from tierlm.stages.rl import run_rl
 
         return run_rl(config)
-    from tierlm.recipes import run_stage
+    from tierlm.build.model import run_stage
 
     return run_stage(config, stage, callbacks=callbacks)
 

@@ -11,7 +11,7 @@ the PyTorch backend saves them, so a checkpoint crosses between the two backends
 The step math is the PyTorch backend's: each micro-batch's gradient is that of its summed loss;
 `optim_step` divides the accumulated gradients by the step's trained tokens, clips their global norm
 as `torch.nn.utils.clip_grad_norm_` does, skips a non-finite step, then updates. Losses come from the
-strategies' JAX twins (`tierlm.jax.losses.jax_twin`). Several local devices (GPUs, TPU cores, or CPU
+strategies' JAX twins (`tierlm.primitives.jax_losses.jax_twin`). Several local devices (GPUs, TPU cores, or CPU
 devices from XLA_FLAGS=--xla_force_host_platform_device_count=N) split each batch's rows with
 `jax.sharding`; the parameters are replicated.
 """
@@ -40,8 +40,8 @@ class JaxTrainingBackend:
                  max_grad_norm: float = 1.0, loss_fn: Callable | None = None, jax_forward: Callable | None = None):
         import jax
 
-        from tierlm.jax.gpt import params_from_torch
-        from tierlm.jax.optim import JaxAdam
+        from tierlm.models.gpt.jax import params_from_torch
+        from tierlm.primitives.optim.jax import JaxAdam
 
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         if not isinstance(optimizer, torch.optim.AdamW) and type(optimizer) is not torch.optim.Adam:
@@ -70,7 +70,7 @@ class JaxTrainingBackend:
     def model(self) -> torch.nn.Module:
         """The PyTorch module holding the current weights (copied from JAX when they changed)."""
         if not self._synced:
-            from tierlm.jax.gpt import params_into_torch
+            from tierlm.models.gpt.jax import params_into_torch
 
             params_into_torch(self.params, self._module)
             self._synced = True
@@ -116,7 +116,7 @@ class JaxTrainingBackend:
 
     def _loss(self, loss_fn: Callable | None) -> tuple[Any, Callable]:
         """(cache key, JAX twin) of a strategy loss; the default is token cross-entropy."""
-        from tierlm.jax.losses import cross_entropy_sum, jax_twin
+        from tierlm.primitives.jax_losses import cross_entropy_sum, jax_twin
 
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
@@ -230,7 +230,7 @@ class JaxTrainingBackend:
     def _optimizer_from_torch(self) -> None:
         import jax.numpy as jnp
 
-        from tierlm.jax.gpt import params_from_torch
+        from tierlm.models.gpt.jax import params_from_torch
 
         self.params, self._synced = params_from_torch(self._module), True
         named = dict(self._module.named_parameters())

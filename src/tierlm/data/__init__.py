@@ -13,7 +13,7 @@ from tierlm.data.packing import (
     text_documents,
 )
 from tierlm.data.sources import Examples, Fields, ListExamples, SourceOptions, holdout_split, open_examples
-from tierlm.data.synthetic import ArithmeticTask, Problem
+from tierlm.tasks.arithmetic import ArithmeticTask, Problem
 from tierlm.data.tokenizer import (
     Tokenizer,
     load_tokenizer,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tierlm.errors import DataError, first_line
+from tierlm.tasks import synthetic_name
 
 PARQUET_SUFFIXES = (".parquet",)
 
@@ -86,7 +87,7 @@ def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | No
 
 def available_splits(spec: str, options) -> list[str] | None:
     """The split names of a dataset with named splits (a hub name, a Hub-layout or saved folder), else None."""
-    if spec.startswith(("synthetic:", "builtin:")) or not has_named_splits(spec, options.data_files):
+    if synthetic_name(spec) is not None or spec.startswith("builtin:") or not has_named_splits(spec, options.data_files):
         return None
     import datasets
 

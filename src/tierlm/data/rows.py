@@ -14,12 +14,12 @@ kind of example a row becomes, and which columns hold it (`Fields`, from the con
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from tierlm.data.tokenizer import check_conversation
 from tierlm.errors import DataError
+from tierlm.tasks import TaskExample, extract_answer
 
 KINDS = ("text", "chat", "preference", "task")
 
@@ -50,18 +50,6 @@ class PreferencePair:
     ref_rejected_logp: float | None = None
 
 
-@dataclass(frozen=True)
-class TaskExample:
-    messages: list[dict]
-    """The conversation so far (ends with a user turn); the model writes the assistant turn."""
-    reference: Any
-    """What the reward compares against (e.g. the exact answer)."""
-
-    @property
-    def prompt(self) -> str:
-        return self.messages[-1]["content"]
-
-
 class Conversation(list):
     """A conversation (a list of messages) with the `tools` (function schemas) it may call, which the
     chat template renders (see `tierlm.data.chat_templates`)."""
@@ -84,43 +72,6 @@ def read_tools(value: Any, where: str) -> list[dict] | None:
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise DataError(f"{where}: tools must be a list of function schemas, got {type(value).__name__}")
     return _without_nones(value)
-
-
-# -- answers ---------------------------------------------------------------------------------
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def extract_final_number(text: str) -> float | None:
-    """The answer a completion commits to: the number after '####' if present (GSM8K style), else the last number.
-
-    >>> extract_final_number("She has 3 + 4 = 7 apples. #### 7"), extract_final_number("so 1,250 in total")
-    (7.0, 1250.0)
-    >>> extract_final_number("no idea") is None
-    True
-    """
-    tail = text.rsplit("####", 1)[1] if "####" in text else text
-    numbers = _NUMBER.findall(tail)
-    if not numbers:
-        return None
-    try:
-        return float(numbers[-1].replace(",", ""))
-    except ValueError:
-        return None
-
-
-def extract_answer(text: str, pattern: str | None = None) -> float | None:
-    r"""The reference number of an answer column: `pattern`'s first group (or whole match), read as a
-    number; without a pattern, `extract_final_number`'s rule.
-
-    >>> extract_answer("Final: 42 (checked 3 times)", r"Final: (\S+)"), extract_answer("3 + 4 = 7\n#### 7")
-    (42.0, 7.0)
-    """
-    if pattern is None:
-        return extract_final_number(text)
-    found = re.search(pattern, text)
-    if found is None:
-        return None
-    return extract_final_number(found.group(1) if found.groups() else found.group(0))
 
 
 # -- conversations ---------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from tierlm.data.hub import PARQUET_SUFFIXES, has_named_splits, load_split
-from tierlm.data.synthetic import SYNTHETIC_TASKS
-from tierlm.data.rows import KINDS, Fields, PreferencePair, TaskExample, convert_row
+from tierlm.data.rows import KINDS, Fields, PreferencePair, convert_row
 from tierlm.errors import DataError, first_line
+from tierlm.tasks import SYNTHETIC, TaskExample, synthetic_generator, synthetic_name
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -297,7 +297,7 @@ def _files(spec: str) -> list[Path]:
             raise DataError(f"folder {spec} has no .txt, .jsonl, .parquet, .bin or .npy files")
         return files
     raise DataError(f"dataset {spec!r} is neither an existing file or folder nor a hub dataset id (owner/name, e.g. "
-                    f"HuggingFaceH4/ultrachat_200k); check the path, or give the id (also: synthetic:<task>, {', '.join(SYNTHETIC_TASKS)})")
+                    f"HuggingFaceH4/ultrachat_200k); check the path, or give the id (also: synthetic:<task>, {', '.join(SYNTHETIC)})")
 
 
 class ConcatExamples(Examples):
@@ -363,11 +363,8 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
     """A random-access collection of `options.kind` examples from `spec` (see the module docstring)."""
     stats = stats if stats is not None else ReadStats()
     assert options.kind in KINDS, f"kind must be one of {KINDS}, got {options.kind!r}"
-    if spec.startswith("synthetic:"):
-        name = spec.split(":", 1)[1]
-        if name not in SYNTHETIC_TASKS:
-            raise DataError(f"unknown synthetic task {name!r}; available: {', '.join(SYNTHETIC_TASKS)}")
-        return SyntheticExamples(SYNTHETIC_TASKS[name](), options.split, options.synthetic_count, options.seed, options.kind)
+    if synthetic_name(spec) is not None:
+        return SyntheticExamples(synthetic_generator(spec), options.split, options.synthetic_count, options.seed, options.kind)
     spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
     if has_named_splits(spec, options.data_files):  # a hub dataset name, a saved dataset, a Hub-layout folder, data_files
         return ArrowExamples(load_split(spec, options), options.kind, options.fields, spec)
@@ -401,7 +398,7 @@ def open_stream(spec: str, options: SourceOptions) -> Any:
     """`options.split` of `spec` as a `datasets.IterableDataset` of rows, read lazily (data.streaming): a hub
     name, a folder (Hub-layout or plain, of parquet / JSONL files), a saved dataset, a parquet or JSONL file."""
     path = Path(spec)
-    if spec.startswith(("synthetic:", "builtin:")) or path.suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES:
+    if synthetic_name(spec) is not None or spec.startswith("builtin:") or path.suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES:
         raise DataError(f"data.streaming reads datasets (a hub name, a folder of parquet or JSONL files, a parquet or JSONL file); "
                         f"{spec} is read in place without it: drop data.streaming")
     if not path.exists() and not has_named_splits(spec, options.data_files):

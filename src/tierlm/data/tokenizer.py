@@ -14,27 +14,30 @@ import numpy as np
 import torch
 
 from tierlm.errors import DataError, ModelLoadError, first_line
+from tierlm.special_tokens import (  # noqa: F401  (BOS, PAD, UNK, SPECIAL_TOKENS: this module's names too)
+    ASSISTANT_END,
+    ASSISTANT_START,
+    BOS,
+    PAD,
+    ROLES,
+    SPECIAL_TOKENS,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TOOL_RESULT_END,
+    TOOL_RESULT_START,
+    UNK,
+)
 
-BOS = "<|bos|>"
-PAD = "<|pad|>"
-UNK = "<|unk|>"
-ROLES = ("system", "user", "assistant", "tool")
-# Tool-call tokens are reserved now so tokenizers trained today serve the RL tool-use work later.
-SPECIAL_TOKENS = [BOS, PAD, UNK] + [f"<|{role}_{edge}|>" for role in ROLES for edge in ("start", "end")] + [
-    "<|tool_call_start|>",
-    "<|tool_call_end|>",
-]
-ASSISTANT_END = "<|assistant_end|>"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '_start|>' + (message['content'] or '') }}"
     "{% for call in message['tool_calls'] or [] %}{% set call = call['function'] if call['function'] is defined else call %}"
-    "{{ '<|tool_call_start|>' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '<|tool_call_end|>' }}"
+    "{{ '" + TOOL_CALL_START + "' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '" + TOOL_CALL_END + "' }}"
     "{% endfor %}"
     "{{ '<|' + message['role'] + '_end|>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '" + ASSISTANT_START + "' }}{% endif %}"
 )
 """tierlm's own template: role markers around each turn; an assistant's structured `tool_calls` (if any)
 as <|tool_call_start|>{"name", "arguments"}<|tool_call_end|> after its text."""
@@ -250,7 +253,7 @@ class Tokenizer:
         """Tool results inside assistant turns (<|tool_start|> ... <|tool_end|>) come from the tool,
         not the model: never trained on (the engine splices them in at sampling time)."""
         vocab = self.hf.get_vocab()
-        start, end = vocab.get("<|tool_start|>"), vocab.get("<|tool_end|>")
+        start, end = vocab.get(TOOL_RESULT_START), vocab.get(TOOL_RESULT_END)
         if start is None or end is None:
             return
         inside = False

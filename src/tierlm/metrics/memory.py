@@ -1,6 +1,6 @@
 """Memory readings and seed 002's memory utilities: resident set size and device memory
 (`get_memory_stats`, `log_memory_stats`, `clear_memory`), a quick formula for a transformer's
-training memory (`estimate_model_memory`; `tierlm.memory_plan.estimate_run_memory` traces a
+training memory (`estimate_model_memory`; `tierlm.plan.memory.estimate_run_memory` traces a
 config's own step instead), and `auto_find_batch_size`.
 """
 
@@ -124,7 +124,7 @@ def estimate_model_memory(
     fp32), plus 5 x a x s^2 x b when the attention scores are materialised (no flash attention,
     `num_heads` = a); with checkpointing each layer keeps only its input (2 x s x b x h in 16-bit)
     and one layer is recomputed at a time. The logits (s x b x V, fp32, with their gradient) when
-    `vocab_size` is given. For a config's exact figure, `tierlm.memory_plan.estimate_run_memory`
+    `vocab_size` is given. For a config's exact figure, `tierlm.plan.memory.estimate_run_memory`
     traces its own step.
 
     >>> est = estimate_model_memory(num_params=1_000_000_000, batch_size=4, seq_length=8192, hidden_size=1024, num_layers=28)

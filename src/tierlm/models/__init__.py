@@ -12,8 +12,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from tierlm.models import gpt2_family, gpt_family, qwen3_encdec_family  # noqa: F401  (each registers its family)
-from tierlm.models.gpt import GPT, GPTConfig, build_gpt
+from tierlm.models.gpt import family as _gpt  # noqa: F401  (each family module registers its family)
+from tierlm.models.gpt2 import family as _gpt2  # noqa: F401
+from tierlm.models.qwen3_encdec import family as _qwen3_encdec  # noqa: F401
+from tierlm.models.gpt.model import GPT, GPTConfig, build_gpt
 from tierlm.models.io import (
     build_model_from_folder_config,
     is_native_folder,

@@ -66,7 +66,7 @@ def all_linear_targets(model: nn.Module) -> list[str]:
     """The leaf names of the linear layers inside the model's repeated blocks (PEFT matches a target
     name against the end of each module's name): attention and MLP, never the embeddings or the head.
 
-    >>> from tierlm.models.gpt import GPT, GPTConfig
+    >>> from tierlm.models.gpt.model import GPT, GPTConfig
     >>> all_linear_targets(GPT(GPTConfig(vocab_size=64, depth=1, aspect_ratio=32, head_dim=32)))
     ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']
     """

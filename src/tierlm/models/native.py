@@ -21,7 +21,7 @@ from torch import nn
 from torch._guards import active_fake_mode
 
 from tierlm.errors import ModelLoadError, first_line
-from tierlm.models.gpt import KVCache
+from tierlm.models.gpt.model import KVCache
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, ModelFamily, native_description
 from tierlm.primitives.losses import get_labels
 

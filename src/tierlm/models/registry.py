@@ -8,7 +8,7 @@ backends, engine, metrics and checkpoints ask `family_of(model)` (or `family_for
 `family_named(model.architecture)`) and never check a model's type.
 
 Adding a family is one module with a `ModelFamily` subclass and one `register_family(...)` line
-(see `tierlm.models.gpt2` and the README's walk-through). Any architecture name that is not a
+(see `tierlm.models.gpt2.model` and the README's walk-through). Any architecture name that is not a
 registered family is a transformers `model_type` ("qwen3", "llama", ...), served by
 `TransformersFamily`.
 
@@ -303,7 +303,7 @@ class TransformersFamily(ModelFamily):
         if getattr(config, "model_type", None) not in LLAMA_STYLE_MODEL_TYPES:
             raise ConfigError(f"pipeline stages cover {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
                               f"not {getattr(config, 'model_type', type(model).__name__)!r}; use tensor parallelism or FSDP2")
-        from tierlm.models.hf_pipeline import TransformersStage
+        from tierlm.models.transformers.pipeline import TransformersStage
 
         return TransformersStage(model, block_ids, first, last)
 

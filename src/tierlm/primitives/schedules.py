@@ -13,7 +13,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from tierlm.primitives.muon import get_muon_momentum, get_weight_decay
+from tierlm.primitives.optim.muon import get_muon_momentum, get_weight_decay
 
 from tierlm.errors import ConfigError
 
@@ -115,7 +115,7 @@ class TrainingSchedule(LambdaLR):
     other optimizers keep theirs.
 
     >>> import torch
-    >>> from tierlm.primitives.muon import Muon
+    >>> from tierlm.primitives.optim.muon import Muon
     >>> opt = Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02, momentum=0.95, weight_decay=0.1)
     >>> sched = TrainingSchedule(opt, lambda step: 1.0, num_training_steps=10, momentum_warmup_steps=4)
     >>> for _ in range(2): opt.step(); sched.step()

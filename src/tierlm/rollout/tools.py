@@ -8,8 +8,7 @@ import ast
 import operator
 from typing import Callable, Protocol
 
-TOOL_CALL_START, TOOL_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
-TOOL_RESULT_START, TOOL_RESULT_END = "<|tool_start|>", "<|tool_end|>"
+from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START  # noqa: F401
 
 _BINARY: dict[type, Callable] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

@@ -85,16 +85,16 @@ class CrossEntropyStrategy:
             metrics["num_bytes"] = nbytes.sum()
         return metrics
 
-    # -- the JAX backend's twins (tierlm.jax.losses.jax_twin), tested equal to the methods above --------
+    # -- the JAX backend's twins (tierlm.primitives.jax_losses.jax_twin), tested equal to the methods above --------
     def jax_compute_loss(self, logits, batch):
-        from tierlm.jax.losses import cross_entropy_sum
+        from tierlm.primitives.jax_losses import cross_entropy_sum
 
         return cross_entropy_sum(logits, get_labels(batch), batch.get("loss_mask"))
 
     def jax_compute_metrics(self, logits, batch):
         import jax.numpy as jnp
 
-        from tierlm.jax.losses import per_token_cross_entropy, token_weights as jax_token_weights
+        from tierlm.primitives.jax_losses import per_token_cross_entropy, token_weights as jax_token_weights
 
         labels = get_labels(batch)
         weights = jax_token_weights(labels, batch.get("loss_mask"))

@@ -80,14 +80,14 @@ class DPOStrategy:
             "policy_correct": ((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).sum(),
         }
 
-    # -- the JAX backend's twins (tierlm.jax.losses.jax_twin), tested equal to the methods above --------
+    # -- the JAX backend's twins (tierlm.primitives.jax_losses.jax_twin), tested equal to the methods above --------
     def jax_logps(self, logits, batch):
-        from tierlm.jax.losses import token_logprobs
+        from tierlm.primitives.jax_losses import token_logprobs
 
         return {"logps": token_logprobs(logits, batch["labels"]).sum(axis=-1)}
 
     def _jax_pairs(self, logits, batch):
-        from tierlm.jax.losses import dpo_loss as jax_dpo_loss
+        from tierlm.primitives.jax_losses import dpo_loss as jax_dpo_loss
 
         policy = self.jax_logps(logits, batch)["logps"]
         ref, n = batch["ref_logps"], policy.shape[0] // 2

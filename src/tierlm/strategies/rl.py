@@ -190,7 +190,7 @@ class PPOStrategy(PolicyGradientStrategy):
     """PPO: clipping over stored old log-probs for several inner epochs, KL to a frozen reference.
 
     Critic-free by default (the baseline is the group mean, as in GRPO). With `critic=True` the RL loop
-    trains a value model beside the policy (`tierlm.rl.critic`): per-token advantages by GAE (`gamma`,
+    trains a value model beside the policy (`tierlm.loops.critic`): per-token advantages by GAE (`gamma`,
     `lam`), whitened over the batch, and the clipped value loss (`value_clip_range`).
     """
 

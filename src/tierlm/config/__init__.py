@@ -1,0 +1,19 @@
+"""Typed config sections (`sections`, `model`), YAML files and `key=value` overrides (`files`), what a
+launcher such as `accelerate launch` says (`launchers`), and the presets shipped in `presets/`."""
+
+from tierlm.config.model import DelayConfig, KVPruningConfig, LoraConfig, ModelConfig, RAConfig, RMLPConfig, Section, TokenizerConfig
+from tierlm.config.sections import (
+    AblationConfig,
+    DataConfig,
+    DPOConfig,
+    FullConfig,
+    InfraConfig,
+    MixtureComponent,
+    RLConfig,
+    TierlmConfig,
+    TrainingConfig,
+)
+
+__all__ = ["AblationConfig", "DPOConfig", "DataConfig", "DelayConfig", "FullConfig", "InfraConfig", "KVPruningConfig", "LoraConfig",
+           "MixtureComponent", "ModelConfig", "RAConfig", "RLConfig", "RMLPConfig", "Section", "TierlmConfig", "TokenizerConfig",
+           "TrainingConfig"]

@@ -1,0 +1,340 @@
+"""The RL loop: sample groups -> score -> advantages -> policy-gradient updates, with pass@k evals.
+
+It speaks to the policy only through the tier-0 protocol (`forward`, `forward_backward`,
+`optim_step`, `save_checkpoint`, `load_checkpoint`); generation goes through an `Engine` that
+shares the policy's weights.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tierlm.checkpoint import prune_checkpoints
+from tierlm.config import RLConfig, TrainingConfig
+from tierlm.data.tokenizer import Tokenizer
+from tierlm.metrics import MetricsLogger
+from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.tasks import Environment, Task, is_environment
+from tierlm.rollout.engine import Completion, Engine, answer_text
+from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
+from tierlm.loops.signals import GracefulStop, RunInterrupted
+from tierlm.loops.trainer import resume_backend
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion: Completion
+    reward: float
+    text: str
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k).
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 4)
+    (0.25, 1.0, 0.0)
+    """
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of prompt + completion: labels only on tokens the model sampled (prompt, tool results and
+    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels."""
+    width = max(len(r.prompt_ids) + len(r.completion.tokens) for r in rollouts) - 1
+    n = len(rollouts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+    sampler = torch.zeros(n, width)
+    for row, r in enumerate(rollouts):
+        ids = r.prompt_ids + r.completion.tokens
+        input_ids[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+        start = len(r.prompt_ids) - 1  # position whose next token is the first completion token
+        for j, (token, trained, logp) in enumerate(zip(r.completion.tokens, r.completion.mask, r.completion.logprobs)):
+            if trained:
+                labels[row, start + j] = token
+                sampler[row, start + j] = logp
+    return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
+
+
+@dataclass
+class RLState:
+    step: int = 0
+    elapsed_s: float = 0.0
+    best_pass_at_1: float | None = None
+    initial_pass_at_1: float | None = None
+    rollout_tokens: int = 0
+    last_eval: dict = field(default_factory=dict)  # the latest eval's figures: a run resumed at its end reports them
+
+
+@dataclass
+class RLTrainer:
+    backend: Any
+    strategy: PolicyGradientStrategy
+    engine: Engine
+    tokenizer: Tokenizer
+    train_task: Task | Environment
+    eval_task: Task | Environment
+    rl: RLConfig
+    config: TrainingConfig
+    logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
+    reference: Any = None
+    critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
+    write_extra: Callable[[Path], None] | None = None
+    state: RLState = field(default_factory=RLState)
+    stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
+
+    @property
+    def rank(self) -> int:
+        return getattr(self.backend, "rank", 0)
+
+    @property
+    def world_size(self) -> int:
+        return getattr(self.backend, "world_size", 1)
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        return self.backend.all_reduce_sums(values) if self.world_size > 1 else values
+
+    # -- rollouts --------------------------------------------------------------------------
+    def _prompt(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.render_for_completion(messages)
+
+    def _generator(self, *salt: int) -> torch.Generator:
+        key = (self.config.seed, *salt) if self.world_size == 1 else (self.config.seed, self.rank, *salt)  # ranks sample apart
+        return torch.Generator(device=self.engine.device).manual_seed(hash(key) % 2**62)
+
+    def collect(self, examples: list, generator: torch.Generator) -> list[list[Rollout]]:
+        """`rl.group_size` samples of each example, scored by the task's reward."""
+        groups = []
+        for example in examples:
+            prompt = self._prompt(example.messages)
+            completions = self.engine.generate(prompt, self.rl.group_size, self.rl.max_new_tokens, self.rl.temperature,
+                                               self.rl.top_k, self.rl.top_p, generator)
+            group = []
+            for c in completions:
+                text = answer_text(self.tokenizer, c.tokens)
+                group.append(Rollout(prompt, c, self.train_task.reward(example.prompt, text, example.reference), text))
+            groups.append(group)
+        return groups
+
+    def run_episode(self, env: Environment, index: int, temperature: float, generator: torch.Generator) -> Rollout:
+        """One multi-turn episode, sampled turn by turn. The tokens between the model's turns (the
+        environment's messages and the next assistant header) join the completion as forced tokens,
+        so the model's own tokens are kept exactly as sampled and only they are trained on."""
+        messages = env.reset(index)
+        prompt = self._prompt(messages)
+        sequence, episode, total = list(prompt), Completion(), 0.0
+        while True:
+            room = self.engine.max_len() - len(sequence)
+            if room < 2:
+                break
+            turn = self.engine.generate(sequence, 1, min(self.rl.max_new_tokens, room - 1), temperature, self.rl.top_k, self.rl.top_p,
+                                        generator)[0]
+            for name in ("tokens", "logprobs", "mask"):
+                getattr(episode, name).extend(getattr(turn, name))
+            episode.tool_calls += turn.tool_calls
+            sequence += turn.tokens
+            reply = answer_text(self.tokenizer, turn.tokens)
+            observation, reward = env.step(reply)
+            total += reward
+            if observation is None or not turn.finished:
+                break
+            history = messages + [{"role": "assistant", "content": self.tokenizer.decode(turn.tokens[:-1])}]
+            bridge = self.tokenizer.continuation_ids(history, [observation])
+            episode.tokens += bridge
+            episode.logprobs += [0.0] * len(bridge)
+            episode.mask += [0] * len(bridge)
+            sequence += bridge
+            messages = history + [observation]
+        episode.finished = True
+        return Rollout(prompt, episode, total, self.tokenizer.decode(episode.tokens, skip_special_tokens=True))
+
+    def _indices(self, step: int) -> list[int]:
+        """The prompts of `step`: a fresh permutation of the task per epoch, a pure function of (seed, step)."""
+        n, per = len(self.train_task), self.rl.prompts_per_step
+        orders: dict[int, np.ndarray] = {}
+        out = []
+        for k in range(step * per, (step + 1) * per):
+            epoch, pos = divmod(k, n)
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([self.config.seed, epoch]).permutation(n)
+            out.append(int(orders[epoch][pos]))
+        return out
+
+    def _micro(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        size = self.rl.micro_batch_size
+        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
+
+    # -- one step --------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        # This rank's share of the step's prompts (DDP: the backend sums gradients and tokens over ranks).
+        indices, generator = self._indices(self.state.step)[self.rank :: self.world_size], self._generator(self.state.step)
+        if is_environment(self.train_task):
+            groups = [[self.run_episode(self.train_task, i, self.rl.temperature, generator) for _ in range(self.rl.group_size)]
+                      for i in indices]
+        else:
+            groups = self.collect([self.train_task.example(i) for i in indices], generator)
+        t1 = time.perf_counter()
+        rollouts = [r for g in groups for r in g]
+        rewards = torch.tensor([r.reward for r in rollouts])
+        batch = rollout_batch(rollouts, self.strategy.advantages(rewards, self.rl.group_size), self.tokenizer.pad_id)
+        micro = self._micro(batch)
+        # Trainer-side log-probs of the sampled tokens: the old log-probs for clipping, and the parity check.
+        for mb in micro:
+            mb["old_logprobs"] = self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+            if self.reference is not None:
+                mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+        trained = batch["labels"] != IGNORE_INDEX
+        if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
+            self._critic_targets(micro, rewards, trained)
+        old = torch.cat([mb["old_logprobs"] for mb in micro])
+        parity = ((old - batch["sampler_logprobs"]).abs() * trained).sum() / trained.sum().clamp(min=1)
+        kl = None
+        if self.reference is not None:  # KL(policy || reference) on the sampled tokens, before this step's update
+            ref = torch.cat([mb["ref_logprobs"] for mb in micro])
+            kl = float((kl_penalty(old, ref) * trained).sum() / trained.sum().clamp(min=1))
+        t2 = time.perf_counter()
+        for _ in range(self.rl.ppo_epochs):
+            for mb in micro:
+                self.backend.forward_backward({k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss)
+                if self.critic is not None:
+                    self.critic.accumulate(mb)
+            update = self.backend.optim_step().wait()
+            value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
+        t3 = time.perf_counter()
+        totals = self._sum_over_ranks({  # statistics of the whole step, over every rank's rollouts
+            "rows": len(rollouts), "groups": len(groups), "reward": float(rewards.sum()), "reward_sq": float((rewards**2).sum()),
+            "signal": float(sum(len({r.reward for r in g}) > 1 for g in groups)), "tokens": sum(len(r.completion.tokens) for r in rollouts),
+            "finished": float(sum(r.completion.finished for r in rollouts)), "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
+        })
+        n, tokens = totals["rows"], totals["tokens"]
+        self.state.rollout_tokens += int(tokens)
+        reward_mean = totals["reward"] / n
+        return {
+            "loss": update["loss"], "lr": update["lr"], "grad_norm": update["grad_norm"], "skipped": update["skipped"],
+            "reward_mean": reward_mean, "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
+            "groups_with_signal": totals["signal"] / totals["groups"],
+            "logprob_abs_diff": float(parity),
+            "completion_len": tokens / n, "finished_frac": totals["finished"] / n,
+            "tool_calls": totals["tool_calls"],
+            "time_generation_s": t1 - t0, "time_scoring_s": t2 - t1, "time_training_s": t3 - t2,  # scoring: rewards + log-probs
+            "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
+            **({"kl": kl} if kl is not None else {}),
+            **({"value_loss": value_update["loss"]} if value_update is not None else {}),
+        }
+
+    def _critic_targets(self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor) -> None:
+        """Each micro-batch gets the critic's values at sampling time, the GAE returns and the whitened
+        per-token advantages (over this rank's whole batch)."""
+        for mb in micro:
+            mb["old_values"] = self.critic.values(mb)
+        values = torch.cat([mb["old_values"] for mb in micro])
+        advantages, returns = self.strategy.token_advantages(rewards, values, trained)
+        start = 0
+        for mb in micro:
+            rows = mb["input_ids"].shape[0]
+            mb["advantages"], mb["returns"] = advantages[start : start + rows], returns[start : start + rows]
+            start += rows
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """pass@1 and pass@k over the first `rl.eval_problems` held-out problems (or episodes), k samples each."""
+        k, n = self.rl.eval_k, min(self.rl.eval_problems, len(self.eval_task))
+        generator = self._generator(-1)  # the same samples' randomness at every eval
+        p1, pk, rewards, tool_rows = [], [], [], 0
+        for index in range(self.rank, n, self.world_size):  # ranks share the problems
+            if is_environment(self.eval_task):
+                episodes = [self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)]
+                completions, scores = [e.completion for e in episodes], [e.reward for e in episodes]
+            else:
+                example = self.eval_task.example(index)
+                completions = self.engine.generate(self._prompt(example.messages), k, self.rl.max_new_tokens, self.rl.eval_temperature,
+                                                   self.rl.top_k, self.rl.top_p, generator)
+                scores = [self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference)
+                          for c in completions]
+            correct = sum(s >= 1.0 - 1e-6 for s in scores)  # full marks (every turn right, for episodes)
+            tool_rows += sum(c.tool_calls > 0 for c in completions)
+            p1.append(pass_at_k(k, correct, 1))
+            pk.append(pass_at_k(k, correct, k))
+            rewards.extend(scores)
+        sums = self._sum_over_ranks({"p1": float(sum(p1)), "pk": float(sum(pk)), "reward": float(sum(rewards)), "tool": float(tool_rows)})
+        result = {"pass@1": sums["p1"] / n, "pass@k": sums["pk"] / n, "k": k, "eval_problems": n,
+                  "eval_reward_mean": sums["reward"] / (n * k), "eval_tool_use": sums["tool"] / (n * k)}
+        if self.state.step == 0:
+            self.state.initial_pass_at_1 = result["pass@1"]
+        if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
+            self.state.best_pass_at_1 = result["pass@1"]
+        self.state.last_eval = result
+        self.logger.log({"type": "eval", "step": self.state.step, **result})
+        return result
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, metric: float | None) -> None:
+        if self.critic is not None:  # first: a policy checkpoint on disk always has its critic's
+            self.critic.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, None, metric)  # the same retention
+            if hasattr(self.critic.backend, "wait_for_save"):
+                self.critic.backend.wait_for_save()
+            if self.rank == 0:
+                prune_checkpoints(self.critic.backend.checkpoint_dir, self.config.save_total_limit)
+        self.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, self.write_extra, metric)
+        if hasattr(self.backend, "wait_for_save"):
+            self.backend.wait_for_save()
+        if self.rank == 0:
+            prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
+
+    def resume(self) -> Path | None:
+        found = resume_backend(self.backend, warn=self.rank == 0)
+        if found is None:
+            return None
+        path, state = found
+        self.state = RLState(**state["loop"])
+        if self.critic is not None:
+            critic_path = self.critic.backend.checkpoint_dir / path.name
+            self.critic.backend.load_checkpoint(critic_path).wait()  # the same step's (a missing one is a CheckpointError)
+        return path
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg, state = self.config, self.state
+        due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
+        last_eval = self.evaluate() if state.step == 0 else dict(state.last_eval)  # before the first update
+        start = time.perf_counter() - state.elapsed_s
+        while state.step < cfg.num_train_steps:
+            metrics = self.train_step()
+            state.step += 1
+            state.elapsed_s = time.perf_counter() - start
+            if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
+                self.logger.log({"type": "train", "step": state.step, **metrics, "rollout_tokens": state.rollout_tokens,
+                                 "elapsed_s": state.elapsed_s})
+                if self.rank == 0:
+                    print(f"step {state.step}/{cfg.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss {metrics['loss']:.4f} | "
+                          f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
+                          f"train {metrics['time_training_s']:.1f}s", file=sys.stderr, flush=True)
+            is_eval = due(cfg.eval_steps) or state.step == cfg.num_train_steps
+            if is_eval:
+                last_eval = self.evaluate()
+                if self.rank == 0:
+                    print(f"step {state.step}: pass@1 {last_eval['pass@1']:.3f}, pass@{last_eval['k']} {last_eval['pass@k']:.3f}",
+                          file=sys.stderr, flush=True)
+            saved = due(cfg.save_steps) or state.step == cfg.num_train_steps
+            # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
+            metric = 1.0 - last_eval["pass@1"] if is_eval else None
+            if saved:
+                self.save(metric)
+            signum = self.stop.agreed_signal(self._sum_over_ranks if self.world_size > 1 else None) if self.stop else 0
+            if signum and state.step < cfg.num_train_steps:
+                if not saved:
+                    self.save(metric)
+                raise RunInterrupted(signum, state.step, self.backend.checkpoint_dir / f"step_{state.step}")
+        return {"step": state.step, "elapsed_s": state.elapsed_s, "initial_pass@1": state.initial_pass_at_1, **last_eval}

@@ -1,0 +1,139 @@
+"""The native GPT as a model family (`model.architecture: gpt`): built from `model.depth` and
+`model.aspect_ratio`, run with the fused head + loss and its own KV cache, saved under
+transformers Qwen3 names (it is Qwen3 without biases; its S layers are Qwen3's sliding-window layers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierlm.errors import ConfigError
+from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
+from tierlm.models.gpt.hf_export import from_hf_name, to_hf_config, to_hf_name
+from tierlm.models.native import NativeCausalLM
+from tierlm.models.registry import register_family
+from tierlm.primitives.model_parallel import megatron_plan, received_positions
+
+SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings", "window_pattern",
+                "short_window")
+
+
+class GPTFamily(NativeCausalLM):
+    name = "gpt"
+    model_class = GPT
+    config_class = GPTConfig
+
+    def config_fields(self, model_config) -> dict[str, Any]:
+        shape = self._shape(model_config)
+        if shape["window_pattern"].upper() == "L":  # full attention everywhere: as runs recorded before windows existed
+            shape.pop("window_pattern")
+            shape.pop("short_window", None)
+        return {f"model.{k}": v for k, v in shape.items()}
+
+    @staticmethod
+    def _shape(model_config) -> dict[str, Any]:
+        shape = {k: getattr(model_config, k) for k in SHAPE_FIELDS}
+        shape["mlp_ratio"] = shape["mlp_ratio"] if shape["mlp_ratio"] is not None else 8 / 3  # SwiGLU's usual width
+        if shape["short_window"] is None:
+            del shape["short_window"]  # the model's default; new_model sets it from data.max_seq_length
+        return shape
+
+    def gpt_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPTConfig:
+        config = GPTConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, **self._shape(model_config))
+        problems = config.validate()
+        if problems:
+            raise ConfigError(f"model.{problems[0]}")
+        return config
+
+    def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
+        return self.build_from_config(self.gpt_config(model_config, vocab_size, max_seq_len), device, dtype)
+
+    def attention_shape(self, model):
+        return model.config.depth, model.config.n_head * model.config.head_dim
+
+    def blocks(self, model) -> nn.ModuleList:
+        return model.blocks
+
+    def owns(self, model) -> bool:
+        return isinstance(model, (GPT, GPTStage))  # a stage reads and describes its slice under the GPT's names
+
+    def pipeline_stage(self, model, block_ids, first, last):
+        return GPTStage(model, block_ids, first, last)
+
+    def tensor_parallel_plan(self, model, tp):
+        c = model.config
+        return megatron_plan("attn.", "mlp.", c.n_head, c.num_kv_heads, c.intermediate_size, tp, qk_norm=True, norms=("attn_norm", "mlp_norm"))
+
+    def tensor_parallel_model_plan(self, model, sequence_parallel):
+        if model.config.tie_embeddings:
+            if sequence_parallel:
+                raise ConfigError("sequence parallelism splits the embedding and the head by vocabulary, which a tied pair "
+                                  "cannot be: set model.tie_embeddings=false or drop infra.sequence_parallel")
+            return {}
+        return {"embed": "vocab_embedding", "norm": "sequence_norm", "lm_head": "vocab_head"}
+
+    def jax_forward(self, model):
+        from tierlm.models.gpt.jax import forward
+
+        config = model.config
+        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
+
+    # -- the transformers twin: Qwen3 ------------------------------------------------------
+    def hf_config(self, config):
+        return to_hf_config(config)
+
+    def to_hf_state(self, model, state):
+        out = {to_hf_name(k): v for k, v in state.items()}
+        if model.config.tie_embeddings:
+            out.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens
+        return out
+
+    def from_hf_state(self, model, state):
+        out = {from_hf_name(k): v for k, v in state.items()}
+        if model.config.tie_embeddings and "embed.weight" in out:
+            out.setdefault("lm_head.weight", out["embed.weight"])
+        return out
+
+
+GPT_FAMILY = register_family(GPTFamily())
+
+
+class GPTStage(nn.Module):
+    """Blocks of a native GPT — with the embedding on the first stage, the final norm and head on the last —
+    under the GPT's own parameter names (`blocks.<i>....`), so a stage's state dict is a slice of the model's.
+    With `tie_embeddings` the last stage holds the embedding too (its head's weight); the backend sums the
+    two copies' gradients.
+
+    >>> from tierlm.models.gpt.model import build_gpt
+    >>> gpt = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
+    >>> ids, positions = torch.randint(0, 50, (2, 8)), torch.arange(8).expand(2, 8)
+    >>> x, positions = GPTStage(gpt, [0], first=True, last=False)(ids, positions)
+    >>> bool(torch.allclose(GPTStage(gpt, [1], first=False, last=True)(x, positions), gpt(ids), atol=1e-5))
+    True
+    """
+
+    is_pipeline_stage = True  # its state dict is a slice of the whole model's (checkpoints load the slice)
+
+    def __init__(self, model: GPT, block_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.first = first
+        self.embed = model.embed if first or (last and model.config.tie_embeddings) else None  # before lm_head, as in GPT
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in block_ids})
+        self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if self.first:
+            x = self.embed(x)
+        position_ids = received_positions(position_ids, self.config.max_seq_len)
+        cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
+        mask = packed_mask(position_ids)
+        for block in self.blocks.values():
+            x = block(x, cos, sin, mask)
+        if self.lm_head is None:
+            return x, position_ids.float()
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,77 @@
+"""Native GPT <-> transformers Qwen3: the config and the parameter names, both ways.
+
+The native GPT is Qwen3 without biases, so the mapping is a rename (its sliding-window layers are
+Qwen3's `sliding_attention` layers).
+"""
+
+from __future__ import annotations
+
+import re
+
+from tierlm.models.gpt.model import GPTConfig
+
+# (native prefix, transformers prefix); {i} is the block index. lm_head.weight is the same on both sides.
+_PREFIXES = [
+    ("embed.", "model.embed_tokens."),
+    ("norm.", "model.norm."),
+    ("blocks.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
+    ("blocks.{i}.mlp_norm.", "model.layers.{i}.post_attention_layernorm."),
+    ("blocks.{i}.attn.", "model.layers.{i}.self_attn."),
+    ("blocks.{i}.mlp.", "model.layers.{i}.mlp."),
+]
+
+
+def _rule(source: str, target: str) -> tuple[re.Pattern, str]:
+    pattern = "^" + re.escape(source).replace(re.escape("{i}"), r"(\d+)")
+    return re.compile(pattern), target.replace("{i}", r"\1")
+
+
+_TO_HF = [_rule(native, hf) for native, hf in _PREFIXES]
+_FROM_HF = [_rule(hf, native) for native, hf in _PREFIXES]
+
+
+def _rename(name: str, rules: list[tuple[re.Pattern, str]]) -> str:
+    for pattern, replacement in rules:
+        new, count = pattern.subn(replacement, name)
+        if count:
+            return new
+    return name
+
+
+def to_hf_name(name: str) -> str:
+    """>>> to_hf_name("blocks.3.attn.q_norm.weight")
+    'model.layers.3.self_attn.q_norm.weight'
+    """
+    return _rename(name, _TO_HF)
+
+
+def from_hf_name(name: str) -> str:
+    """>>> from_hf_name("model.layers.0.post_attention_layernorm.weight")
+    'blocks.0.mlp_norm.weight'
+    """
+    return _rename(name, _FROM_HF)
+
+
+def to_hf_config(config: GPTConfig):
+    """The `transformers.Qwen3Config` with the same architecture as `config`."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.depth,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_embeddings,
+        attention_bias=False,
+        use_sliding_window="S" in config.window_pattern.upper(),
+        sliding_window=config.short_window,
+        layer_types=["full_attention" if w is None else "sliding_attention" for w in config.layer_windows()],
+        hidden_act="silu",
+        architectures=["Qwen3ForCausalLM"],
+    )

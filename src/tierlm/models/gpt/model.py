@@ -1,0 +1,431 @@
+"""The native GPT: one readable file, no distributed code.
+
+Depth-parameterised as nanochat: width = depth x aspect_ratio (rounded up to whole heads).
+Pre-norm blocks with RMSNorm, rotary position embeddings, QK-norm, grouped-query attention
+through `scaled_dot_product_attention`, and a SwiGLU MLP. The architecture is exactly Qwen3's
+(without biases or sliding windows), so `tierlm.models.gpt.hf_export` can write a folder that
+`transformers.AutoModelForCausalLM.from_pretrained` loads with the same logits.
+
+Build on the meta device, allocate, then initialise in one place:
+
+>>> config = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=64, max_seq_len=32)
+>>> with torch.device("meta"):
+...     model = GPT(config)
+>>> model = model.to_empty(device="cpu")
+>>> model.tie_weights()  # to_empty allocates every parameter anew; shared ones must be shared again
+>>> model.init_weights()
+>>> model(torch.randint(0, 64, (2, 8))).shape  # (B, T, V)
+torch.Size([2, 8, 64])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from tierlm.primitives.losses import linear_cross_entropy
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the native GPT. Every other size follows from `depth` and `aspect_ratio`."""
+
+    depth: int = 4
+    """Number of transformer blocks."""
+    aspect_ratio: int = 64
+    """Model width per layer of depth: n_embd = depth * aspect_ratio, rounded up to whole heads."""
+    head_dim: int = 64
+    """Width of one attention head."""
+    n_kv_head: int | None = None
+    """Key/value heads for grouped-query attention; None means one per query head."""
+    vocab_size: int = 32768
+    """Token vocabulary size (rows of the embedding and the LM head)."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary tables cover."""
+    mlp_ratio: float = 8 / 3
+    """SwiGLU hidden width as a multiple of n_embd (rounded up to a multiple of 32)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the LM head."""
+    window_pattern: str = "L"
+    """Attention span per layer, tiled over the depth: L full context, S a sliding window of
+    `short_window` tokens (nanochat's "SSSL"); the last layer is always L."""
+    short_window: int = 1024
+    """Tokens an S layer's query sees, itself included (transformers' `sliding_window`)."""
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's window (None: full context).
+
+        >>> GPTConfig(depth=5, window_pattern="SL", short_window=8).layer_windows()
+        [8, None, 8, None, None]
+        """
+        pattern = self.window_pattern.upper()
+        windows = [self.short_window if pattern[i % len(pattern)] == "S" else None for i in range(self.depth)]
+        return windows[:-1] + [None]
+
+    @property
+    def n_embd(self) -> int:
+        return math.ceil(self.depth * self.aspect_ratio / self.head_dim) * self.head_dim
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def intermediate_size(self) -> int:
+        return math.ceil(self.mlp_ratio * self.n_embd / 32) * 32
+
+    def validate(self) -> list[str]:
+        """Problems with this config, as 'field: reason' strings (empty when valid)."""
+        problems = []
+        for name in ("depth", "aspect_ratio", "head_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
+            problems.append(f"n_kv_head ({self.n_kv_head}) must divide the number of heads ({self.n_head})")
+        if self.mlp_ratio <= 0:
+            problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            problems.append(f"window_pattern must be a string of S (sliding window) and L (full context), got {self.window_pattern!r}")
+        if self.short_window < 1:
+            problems.append(f"short_window must be >= 1, got {self.short_window}")
+        return problems
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def rotary_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., head_dim) for integer `positions`, in fp32, halves duplicated (as transformers)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (..., head_dim / 2)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask (B, 1, T, T) for packed rows: causal, and never across documents.
+
+    A new document starts wherever the position does not continue the previous one (as
+    transformers reads packed `position_ids`).
+
+    >>> document_causal_mask(torch.tensor([[0, 1, 0, 1]]))[0, 0].int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 0, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    B, T = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc_ids = starts.cumsum(dim=1)  # (B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :])).unsqueeze(1)
+
+
+def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
+    """For each packed row, the lengths of its documents (a document starts where positions restart).
+
+    >>> document_lengths(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+    [[3, 2], [5]]
+    """
+    B, T = position_ids.shape
+    if is_fake(position_ids):  # the memory planner's fake tensors carry no values: one document a row
+        return [[T] for _ in range(B)]
+    restarts = torch.ones_like(position_ids, dtype=torch.bool)
+    restarts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    lengths = []
+    for starts in (row.nonzero().squeeze(1).tolist() for row in restarts):
+        lengths.append([end - start for start, end in zip(starts, starts[1:] + [T])])
+    return lengths
+
+
+@dataclass
+class PackedDocuments:
+    """Where the documents of packed rows lie: their `position_ids` (B, T), and each row's
+    document lengths, read on the host (free on CPU)."""
+
+    position_ids: torch.Tensor
+    lengths: list[list[int]]
+
+
+def packed_mask(position_ids: torch.Tensor) -> PackedDocuments | torch.Tensor:
+    """How attention sees packed documents: on the CPU each is attended alone (`PackedDocuments`: no mask, no work
+    across documents); on a GPU finding them would cost a host sync, so one call with the (B, 1, T, T) mask.
+
+    >>> packed_mask(torch.tensor([[0, 1, 0, 1, 2]])).lengths
+    [[2, 3]]
+    """
+    if position_ids.device.type == "cpu":
+        return PackedDocuments(position_ids, document_lengths(position_ids))
+    return document_causal_mask(position_ids)
+
+
+def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
+    """Causal attention inside each document of each row, (B, H, T, D): what the document mask
+    computes, without the (T, T) mask or the work of its empty blocks (a row of n equal documents
+    costs ~1/n of the masked call). Split and concatenated, so the backward is one concatenation."""
+    gqa = k.shape[1] != q.shape[1]
+    if all(len(row) == 1 for row in lengths):  # one document a row: plain causal attention, one call
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    rows = []
+    for qb, kb, vb, row in zip(q.unbind(0), k.unbind(0), v.unbind(0), lengths):  # (H, T, D) each
+        parts = [F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, enable_gqa=gqa)  # 4-D: the flash kernel
+                 for qd, kd, vd in zip(qb.split(row, dim=1), kb.split(row, dim=1), vb.split(row, dim=1))]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return torch.cat(rows)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by the position's angle; first and second halves pair up."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+@torch.no_grad()
+def fill_rotary(module: nn.Module, head_dim: int, theta: float) -> None:
+    """Fill a model's non-persistent `rope_cos` / `rope_sin` buffers (positions x head_dim) with their tables."""
+    positions = torch.arange(module.rope_cos.shape[0], device=module.rope_cos.device)
+    cos, sin = rotary_tables(head_dim, positions, theta)
+    module.rope_cos.copy_(cos)
+    module.rope_sin.copy_(sin)
+
+
+class LayerCache:
+    """One layer's keys and values for incremental decoding, preallocated to `max_len` positions."""
+
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T new positions; return all cached keys and values (B, Hkv, length, D)."""
+        end = self.length + k.shape[2]
+        assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def repeat(self, n: int) -> None:
+        """Copy each row n times (a prompt prefilled once, then sampled n ways)."""
+        self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
+
+
+class KVCache:
+    """Keys and values of every layer of a native GPT, for `GPT.forward(..., cache=...)`."""
+
+    def __init__(self, config: "GPTConfig", batch: int, max_len: int, device, dtype=torch.float32):
+        assert max_len <= config.max_seq_len, f"max_len {max_len} > the model's max_seq_len {config.max_seq_len}"
+        self.layers = [LayerCache(batch, config.num_kv_heads, max_len, config.head_dim, device, dtype) for _ in range(config.depth)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def repeat(self, n: int) -> None:
+        for layer in self.layers:
+            layer.repeat(n)
+
+
+def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """Boolean (queries, keys) mask: causal, and each query sees at most `window` keys (itself
+    included); the queries are the last `queries` positions of the `keys`.
+
+    >>> window_mask(4, 4, 2, "cpu").int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    q = torch.arange(keys - queries, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    return (k <= q) & (q - k < window)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig, window: int | None = None):
+        super().__init__()
+        self.window = window  # None: full context; else a sliding window of this many tokens
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        # QK-norm keeps attention logits bounded, which lets tiny and large models share LRs.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PackedDocuments | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """`mask`: None (causal), a boolean (B, 1, T, T) mask, or `PackedDocuments` (attended one by
+        one in eager mode; under `torch.compile` the document mask, so the graph does not depend on
+        the documents' lengths)."""
+        B, T, _ = x.shape
+        # Heads counted from the projections' widths: under tensor parallelism each rank holds a share of them.
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = self.n_kv_head != self.n_head
+        if cache is not None:  # decoding: attend to everything cached so far plus these T tokens
+            k, v = cache.append(k, v)
+        if self.window is not None and k.shape[2] > self.window:  # a sliding window that cuts something off
+            band = window_mask(T, k.shape[2], self.window, x.device)  # (T, S)
+            if isinstance(mask, PackedDocuments):
+                mask = document_causal_mask(mask.position_ids)
+            mask = band if mask is None else mask & band
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        if T == 1 and cache is not None:  # one new token attends to everything cached: no mask at all
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        if isinstance(mask, PackedDocuments):
+            if not torch.compiler.is_compiling():  # eager: each document alone
+                return self.o_proj(attend_documents(q, k, v, mask.lengths).transpose(1, 2).reshape(B, T, -1))
+            mask = document_causal_mask(mask.position_ids)  # compiled: one graph for every layout of documents
+        if mask is None and k.shape[2] != T:  # T new queries after cached keys: causal, offset by the cache
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, window: int | None = None):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn = Attention(config, window)
+        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PackedDocuments | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        problems = config.validate()
+        assert not problems, f"invalid GPTConfig: {'; '.join(problems)}"
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, window) for window in config.layer_windows())
+        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
+        # Rotary tables are derived, not learned: non-persistent, rebuilt by init_weights().
+        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when configured (again after `to_empty`, which unties)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The single source of initial values (nanochat's scheme)."""
+        c = self.config
+        self.init_rotary()
+        bound = math.sqrt(3.0 / c.n_embd)  # uniform with std 1/sqrt(n_embd)
+        for block in self.blocks:
+            for linear in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.mlp.gate_proj, block.mlp.up_proj):
+                nn.init.uniform_(linear.weight, -bound, bound)
+            # Zero output projections: every block starts as the identity on the residual stream.
+            nn.init.zeros_(block.attn.o_proj.weight)
+            nn.init.zeros_(block.mlp.down_proj.weight)
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        if c.tie_embeddings:
+            nn.init.normal_(self.embed.weight, std=c.n_embd**-0.5)
+        else:
+            nn.init.normal_(self.embed.weight, std=1.0)
+            nn.init.normal_(self.lm_head.weight, std=0.001)
+
+    @torch.no_grad()
+    def init_rotary(self) -> None:
+        fill_rotary(self, self.config.head_dim, self.config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None):
+        """Logits (B, T, V) for token ids (B, T); with `labels`, the loss instead.
+
+        `position_ids` (B, T) mark packed documents: positions restart at each one, and attention
+        stays inside each one, so a packed row computes what its documents would alone.
+        With a `cache`, the T tokens continue the cached ones (incremental decoding).
+        With `labels` (B, T; -100 not trained) and optional `loss_weights` (B, T), returns
+        (sum of weighted cross-entropy, per-token cross-entropy (B, T)) from the LM head fused
+        into the loss (`linear_cross_entropy`): the (B, T, V) logits never exist at once.
+        """
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        assert start + T <= self.config.max_seq_len, f"sequence length {start + T} > max_seq_len {self.config.max_seq_len}"
+        assert cache is None or position_ids is None, "a KV cache decodes one sequence per row: no packed position_ids"
+        if position_ids is None:
+            cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
+        else:
+            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
+            mask = packed_mask(position_ids)
+        x = self.embed(input_ids)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)
+        x = self.norm(x)
+        if labels is None:
+            return self.lm_head(x)
+        weights = loss_weights.flatten() if loss_weights is not None else None
+        total, losses = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
+        return total, losses.view(labels.shape)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.config.tie_embeddings:
+            n -= self.embed.weight.numel()
+        return n
+
+
+def build_gpt(config: GPTConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    """Build on the meta device, allocate on `device`, initialise once.
+
+    >>> build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=10, max_seq_len=8)).num_params()
+    4496
+    """
+    with torch.device("meta"):
+        model = GPT(config)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights()
+    return model.to(dtype=dtype) if dtype != torch.float32 else model

@@ -1,1 +1,0 @@
-"""Reinforcement learning: tasks and rewards, the RL loop and pass@k."""

@@ -33,15 +33,22 @@ def step_rate(args, fused: bool) -> dict:
     from tierlm.strategies import CrossEntropyStrategy
 
     torch.manual_seed(0)
-    model = build_gpt(GPTConfig(depth=2, aspect_ratio=256, head_dim=64, n_kv_head=4, vocab_size=args.vocab, max_seq_len=SEQ))
-    backend = PyTorchTrainingBackend(model, create_adamw_optimizer(model, 1e-4), None, tempfile.mkdtemp(), "cpu",
-                                     fused_cross_entropy=fused)
+    model = build_gpt(
+        GPTConfig(depth=2, aspect_ratio=256, head_dim=64, n_kv_head=4, vocab_size=args.vocab, max_seq_len=SEQ)
+    )
+    backend = PyTorchTrainingBackend(
+        model, create_adamw_optimizer(model, 1e-4), None, tempfile.mkdtemp(), "cpu", fused_cross_entropy=fused
+    )
     strategy = CrossEntropyStrategy()
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, args.vocab, (ROWS, SEQ), generator=g)
     labels[torch.rand(ROWS, SEQ, generator=g) > TRAINED] = -100
     positions = torch.cat([torch.arange(200), torch.arange(312)]).expand(ROWS, -1)  # two documents a row
-    batch = {"input_ids": torch.randint(0, args.vocab, (ROWS, SEQ), generator=g), "labels": labels, "position_ids": positions}
+    batch = {
+        "input_ids": torch.randint(0, args.vocab, (ROWS, SEQ), generator=g),
+        "labels": labels,
+        "position_ids": positions,
+    }
     trained = int((labels != -100).sum())
     for step in range(2 + args.steps):
         if step == 2:
@@ -49,8 +56,11 @@ def step_rate(args, fused: bool) -> dict:
         backend.forward_backward(batch, strategy.compute_loss)
         loss = backend.optim_step().wait()["loss"]
     elapsed = time.perf_counter() - start
-    return {"trained_tokens_per_sec": trained * args.steps / elapsed, "final_loss": loss,
-            "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    return {
+        "trained_tokens_per_sec": trained * args.steps / elapsed,
+        "final_loss": loss,
+        "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
 
 
 CONTENDERS = {"fused": lambda a: step_rate(a, fused=True), "logits": lambda a: step_rate(a, fused=False)}
@@ -61,6 +71,14 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     args = p.parse_args()
     if args.contender is None:
-        print(f"vocab {args.vocab:,}, {ROWS} rows x {SEQ} tokens, {TRAINED:.0%} trained, {args.steps} timed steps", file=sys.stderr)
-    run(CONTENDERS, args, [f"--vocab={args.vocab}", f"--steps={args.steps}", f"--threads={args.threads}"],
-        "trained_tokens_per_sec", "logits")
+        print(
+            f"vocab {args.vocab:,}, {ROWS} rows x {SEQ} tokens, {TRAINED:.0%} trained, {args.steps} timed steps",
+            file=sys.stderr,
+        )
+    run(
+        CONTENDERS,
+        args,
+        [f"--vocab={args.vocab}", f"--steps={args.steps}", f"--threads={args.threads}"],
+        "trained_tokens_per_sec",
+        "logits",
+    )

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain import prepare  # noqa: E402
-
 from tierlm.models.gpt.model import attend_documents, document_causal_mask, document_lengths  # noqa: E402
 
 
@@ -68,7 +67,9 @@ def main() -> None:
         k, v = (torch.randn(8, 2, length, 64, requires_grad=True) for _ in range(2))
 
         def masked():
-            F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(positions), enable_gqa=True).sum().backward()
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=document_causal_mask(positions), enable_gqa=True
+            ).sum().backward()
 
         def per_document():
             attend_documents(q, k, v, document_lengths(positions)).sum().backward()

@@ -31,7 +31,9 @@ def model_folder() -> Path:
 
     if not (MODEL_DIR / "model.safetensors").is_file():
         torch.manual_seed(0)
-        gpt = build_gpt(GPTConfig(depth=4, aspect_ratio=64, head_dim=64, n_kv_head=2, vocab_size=4096, max_seq_len=1024))
+        gpt = build_gpt(
+            GPTConfig(depth=4, aspect_ratio=64, head_dim=64, n_kv_head=2, vocab_size=4096, max_seq_len=1024)
+        )
         with torch.no_grad():  # trained-looking weights: non-degenerate distributions
             for p in gpt.parameters():
                 p.add_(0.05 * torch.randn_like(p))
@@ -79,8 +81,18 @@ def transformers_generate(args) -> dict:
 
     @torch.no_grad()
     def go():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         assert out.shape == (args.batch, 16 + args.new_tokens)
 
     return _time(go, args.batch, args.new_tokens)

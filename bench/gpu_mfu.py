@@ -6,7 +6,8 @@
 MFU = FLOPs per token (PaLM / nanochat count: 6 N + 12 L H Q T) x tokens/s / peak, with the
 peak of the GPU's dense bf16 (989 TFLOP/s for H100/H200; see tierlm.metrics.flops). The model is
 trained through tierlm's own backend (fp32 master weights, bf16 autocast, fused AdamW, token-sum
-loss with the LM head fused into it unless --logits-loss); steps after the warm-up are timed with the device synchronised at both ends.
+loss with the LM head fused into it unless --logits-loss); steps after the warm-up are timed with the device
+synchronised at both ends.
 """
 
 from __future__ import annotations
@@ -24,15 +25,28 @@ from tierlm.primitives import create_adamw_optimizer
 from tierlm.primitives.parallel import apply_compile
 
 
-def measure(config: GPTConfig, batch: int, seq: int, steps: int, warmup: int, compile: bool, device: torch.device,
-            fused_cross_entropy: bool = True) -> dict:
+def measure(
+    config: GPTConfig,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    compile: bool,
+    device: torch.device,
+    fused_cross_entropy: bool = True,
+) -> dict:
     torch.manual_seed(0)
     model = build_gpt(config, device=device)
     if compile:
         apply_compile(model)
     backend = PyTorchTrainingBackend(
-        model, create_adamw_optimizer(model, lr=3e-4), None, "/tmp/tierlm_gpu_mfu", device,
-        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None, fused_cross_entropy=fused_cross_entropy,
+        model,
+        create_adamw_optimizer(model, lr=3e-4),
+        None,
+        "/tmp/tierlm_gpu_mfu",
+        device,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        fused_cross_entropy=fused_cross_entropy,
     )
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
     step_batch = {"input_ids": data[:, :-1], "labels": data[:, 1:]}
@@ -56,9 +70,18 @@ def measure(config: GPTConfig, batch: int, seq: int, steps: int, warmup: int, co
     fpt = flops_per_token(model, seq)
     peak = peak_flops(device)
     return {
-        "compile": compile, "fused_cross_entropy": fused_cross_entropy, "params": sum(p.numel() for p in model.parameters()), "batch": batch, "seq": seq, "steps": steps,
-        "tokens_per_sec": tokens_per_sec, "flops_per_token": fpt, "peak_flops": peak, "mfu": fpt * tokens_per_sec / peak if peak else None,
-        "loss": metrics["loss"], "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "compile": compile,
+        "fused_cross_entropy": fused_cross_entropy,
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "tokens_per_sec": tokens_per_sec,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "mfu": fpt * tokens_per_sec / peak if peak else None,
+        "loss": metrics["loss"],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
 
@@ -72,15 +95,22 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true", help="only the eager run")
-    parser.add_argument("--logits-loss", action="store_true", help="logits, then the loss (default: the LM head fused into the loss)")
+    parser.add_argument(
+        "--logits-loss", action="store_true", help="logits, then the loss (default: the LM head fused into the loss)"
+    )
     args = parser.parse_args()
     if args.dry_run:
-        config, device = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64), torch.device("cpu")
+        config, device = (
+            GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64),
+            torch.device("cpu"),
+        )
         batch, seq, steps, warmup, modes = 2, 64, 3, 1, [False]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_mfu.py: no CUDA GPU here; use --dry-run to check the script on CPU")
-        config = GPTConfig(depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=args.seq)
+        config = GPTConfig(
+            depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=args.seq
+        )
         device, batch, seq, steps, warmup = torch.device("cuda"), args.batch, args.seq, args.steps, 5
         modes = [False] if args.no_compile else [False, True]
     for compile in modes:

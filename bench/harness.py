@@ -29,8 +29,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def run(contenders: dict[str, Callable[[argparse.Namespace], dict]], args: argparse.Namespace, argv: list[str],
-        metric: str, reference: str) -> dict[str, list[dict]]:
+def run(
+    contenders: dict[str, Callable[[argparse.Namespace], dict]],
+    args: argparse.Namespace,
+    argv: list[str],
+    metric: str,
+    reference: str,
+) -> dict[str, list[dict]]:
     """In a child: run one contender and print its JSON. In the parent: run them all and print the table."""
     if args.contender is not None:
         import torch
@@ -41,18 +46,29 @@ def run(contenders: dict[str, Callable[[argparse.Namespace], dict]], args: argpa
         print("RESULT " + json.dumps(figures), flush=True)
         return {}
     names = args.only.split(",") if args.only else list(contenders)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     results: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):
-        order = names[repeat % len(names):] + names[: repeat % len(names)]
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
         for name in order:
-            out = subprocess.run([sys.executable, sys.argv[0], *argv, "--contender", name], env=env, capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, sys.argv[0], *argv, "--contender", name], env=env, capture_output=True, text=True
+            )
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 raise SystemExit(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-            results[name].append(json.loads(lines[-1][len("RESULT "):]))
-            print(f"  repeat {repeat + 1}/{args.repeats} {name}: {results[name][-1][metric]:,.1f} {metric}", file=sys.stderr, flush=True)
+            results[name].append(json.loads(lines[-1][len("RESULT ") :]))
+            print(
+                f"  repeat {repeat + 1}/{args.repeats} {name}: {results[name][-1][metric]:,.1f} {metric}",
+                file=sys.stderr,
+                flush=True,
+            )
     table(results, metric, reference)
     if args.json:
         with open(args.json, "w") as f:
@@ -62,12 +78,16 @@ def run(contenders: dict[str, Callable[[argparse.Namespace], dict]], args: argpa
 
 def table(results: dict[str, list[dict]], metric: str, reference: str) -> None:
     medians = {name: statistics.median(r[metric] for r in runs) for name, runs in results.items()}
-    keys = sorted({k for runs in results.values() for r in runs for k in r if k != metric and isinstance(r[k], (int, float))})
+    keys = sorted(
+        {k for runs in results.values() for r in runs for k in r if k != metric and isinstance(r[k], (int, float))}
+    )
     print(f"| contender | {metric} (median) | vs {reference} | " + " | ".join(keys) + " |")
     print("|---|---|---|" + "---|" * len(keys))
     for name, runs in results.items():
         ratio = medians[name] / medians[reference] if reference in medians else float("nan")
-        extra = " | ".join(_number(statistics.median(r[k] for r in runs if k in r)) if any(k in r for r in runs) else "" for k in keys)
+        extra = " | ".join(
+            _number(statistics.median(r[k] for r in runs if k in r)) if any(k in r for r in runs) else "" for k in keys
+        )
         print(f"| {name} | {medians[name]:,.1f} | {ratio:.2f}x | {extra} |")
 
 

@@ -1,5 +1,5 @@
 """The memory planner against measured peaks: for each config, the estimate (`tierlm.plan.memory`)
-beside the measured RSS growth over the import baseline (`tierlm.plan.probe`), and their ratio.
+beside the measured RSS growth over the import baseline (`tierlm.commands.probe`), and their ratio.
 
     .venv/bin/python bench/memory.py [--only NAME ...] [--steps 3]
 
@@ -19,12 +19,28 @@ from pathlib import Path
 
 # A model of ~14M parameters (depth 6, width 384) on 4,096-token micro-batches: activations of
 # about 1 GB, so the parts the planner models dominate the measurement.
-GPT = ["model.architecture=gpt", "model.depth=6", "model.aspect_ratio=64", "tokenizer.kind=char",
-       "data.num_synthetic_examples=4000", "data.max_seq_length=512", "training.per_device_train_batch_size=8"]
-QWEN3 = ["model.architecture=qwen3", "model.hf_config.hidden_size=384", "model.hf_config.intermediate_size=1024",
-         "model.hf_config.num_hidden_layers=4", "model.hf_config.num_attention_heads=6", "model.hf_config.num_key_value_heads=2",
-         "model.hf_config.head_dim=64", "tokenizer.kind=char", "data.num_synthetic_examples=4000", "data.max_seq_length=512",
-         "training.per_device_train_batch_size=8"]
+GPT = [
+    "model.architecture=gpt",
+    "model.depth=6",
+    "model.aspect_ratio=64",
+    "tokenizer.kind=char",
+    "data.num_synthetic_examples=4000",
+    "data.max_seq_length=512",
+    "training.per_device_train_batch_size=8",
+]
+QWEN3 = [
+    "model.architecture=qwen3",
+    "model.hf_config.hidden_size=384",
+    "model.hf_config.intermediate_size=1024",
+    "model.hf_config.num_hidden_layers=4",
+    "model.hf_config.num_attention_heads=6",
+    "model.hf_config.num_key_value_heads=2",
+    "model.hf_config.head_dim=64",
+    "tokenizer.kind=char",
+    "data.num_synthetic_examples=4000",
+    "data.max_seq_length=512",
+    "training.per_device_train_batch_size=8",
+]
 
 BPE = ["tokenizer.kind=bpe", "tokenizer.vocab_size=4096", "data.dataset_name=builtin:tinyshakespeare"]
 
@@ -40,23 +56,58 @@ CONFIGS: dict[str, tuple[str, list[str], int]] = {  # name: (stage, overrides, r
     "qwen3": ("pretrain", QWEN3, 1),
     "gpt-fsdp2": ("pretrain", GPT, 2),
     "gpt-sft": ("sft", GPT, 1),
-    "gpt-dpo": ("dpo", ["model.model_name_or_path={sft_model}", "data.dataset_name={long_pairs}", "data.max_seq_length=512",
-                        "training.per_device_train_batch_size=4"], 1),
+    "gpt-dpo": (
+        "dpo",
+        [
+            "model.model_name_or_path={sft_model}",
+            "data.dataset_name={long_pairs}",
+            "data.max_seq_length=512",
+            "training.per_device_train_batch_size=4",
+        ],
+        1,
+    ),
     "gpt-muon": ("pretrain", GPT + ["training.optimizer=muon"], 1),
     # An untrained model's completions end at a random end-of-turn; 64 of them make the longest (the
     # padded width of the micro-batch) reach max_new_tokens, as the planner assumes.
-    "gpt-rl": ("rl", ["model.model_name_or_path={sft_model}", "data.max_seq_length=512", "rl.group_size=16", "rl.prompts_per_step=4",
-                      "rl.max_new_tokens=48", "rl.micro_batch_size=64", "rl.eval_problems=4", "rl.kl_coef=0.01"], 1),
+    "gpt-rl": (
+        "rl",
+        [
+            "model.model_name_or_path={sft_model}",
+            "data.max_seq_length=512",
+            "rl.group_size=16",
+            "rl.prompts_per_step=4",
+            "rl.max_new_tokens=48",
+            "rl.micro_batch_size=64",
+            "rl.eval_problems=4",
+            "rl.kl_coef=0.01",
+        ],
+        1,
+    ),
 }
-COMMON = ["training.eval_steps=0", "training.save_steps=0", "training.warmup_steps=0", "infra.progress_bar=false",
-          "training.logging_steps=1", "infra.num_threads=2"]
+COMMON = [
+    "training.eval_steps=0",
+    "training.save_steps=0",
+    "training.warmup_steps=0",
+    "infra.progress_bar=false",
+    "training.logging_steps=1",
+    "infra.num_threads=2",
+]
 
 
 def source_model(workdir: Path) -> Path:
     """An SFT run of the GPT config (one step) for RL to start from, made once per work folder."""
     out = workdir / "sft-source"
     if not (out / "model").exists():
-        cmd = [sys.executable, "-m", "tierlm", "sft", *GPT, *COMMON, "training.num_train_steps=1", f"infra.output_dir={out}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierlm",
+            "sft",
+            *GPT,
+            *COMMON,
+            "training.num_train_steps=1",
+            f"infra.output_dir={out}",
+        ]
         subprocess.run(cmd, check=True, capture_output=True, timeout=900)
     return out
 
@@ -66,8 +117,14 @@ def long_pairs(workdir: Path) -> Path:
     the synthetic pairs are a few dozen tokens), in the characters the arithmetic tokenizer knows."""
     path = workdir / "long_pairs.jsonl"
     if not path.exists():
-        rows = [{"prompt": f"What is {i} + {i}?", "chosen": f"{i} + {i} = {2 * i}. " * 30, "rejected": f"{i} + {i} = {2 * i + 1}. " * 30}
-                for i in range(10, 74)]
+        rows = [
+            {
+                "prompt": f"What is {i} + {i}?",
+                "chosen": f"{i} + {i} = {2 * i}. " * 30,
+                "rejected": f"{i} + {i} = {2 * i + 1}. " * 30,
+            }
+            for i in range(10, 74)
+        ]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -81,17 +138,36 @@ def measure(stage: str, overrides: list[str], ranks: int, steps: int, workdir: P
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if ranks > 1:
         env["OMP_NUM_THREADS"] = "1"
-        argv = [a for a in argv if not a.startswith("infra.num_threads")] + ["infra.num_threads=1", "infra.distributed_type=fsdp"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29571",
-               "-m", "tierlm.plan.probe", *argv]
+        argv = [a for a in argv if not a.startswith("infra.num_threads")] + [
+            "infra.num_threads=1",
+            "infra.distributed_type=fsdp",
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            "29571",
+            "-m",
+            "tierlm.commands.probe",
+            *argv,
+        ]
     else:
-        cmd = [sys.executable, "-m", "tierlm.plan.probe", *argv]
+        cmd = [sys.executable, "-m", "tierlm.commands.probe", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    records = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("MEMORY_PROBE ")]
+    records = [
+        json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("MEMORY_PROBE ")
+    ]
     if proc.returncode or not records or any(r["exit_code"] for r in records):
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     worst = max(records, key=lambda r: r["growth_mb"])
-    return {"estimate_mb": worst["estimate_mb"], "measured_mb": worst["growth_mb"], "ratio": worst["estimate_mb"] / worst["growth_mb"]}
+    return {
+        "estimate_mb": worst["estimate_mb"],
+        "measured_mb": worst["growth_mb"],
+        "ratio": worst["estimate_mb"] / worst["growth_mb"],
+    }
 
 
 def main() -> None:
@@ -106,7 +182,11 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             r = measure(stage, overrides, ranks, args.steps, Path(tmp))
-            print(f"| {name} | {stage} | {ranks} | {r['estimate_mb']:,.0f} | {r['measured_mb']:,.0f} | {r['ratio']:.2f} |", flush=True)
+            print(
+                f"| {name} | {stage} | {ranks} | {r['estimate_mb']:,.0f} | {r['measured_mb']:,.0f} | {r['ratio']:.2f} "
+                f"|",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ from tierlm.strategies import SFTStrategy
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def long_tailed_conversations(text: str, count: int, seed: int, user_words: float = 60, assistant_words: float = 120) -> list[list[dict]]:
+def long_tailed_conversations(
+    text: str, count: int, seed: int, user_words: float = 60, assistant_words: float = 120
+) -> list[list[dict]]:
     """User and assistant turns of log-normal length in words (median `user_words` and `assistant_words`, long tail)."""
     words, rng = text.split(), np.random.default_rng(seed)
 
@@ -40,7 +42,10 @@ def long_tailed_conversations(text: str, count: int, seed: int, user_words: floa
         turns = int(rng.choice([1, 1, 1, 2, 3]))
         conversation = []
         for _ in range(turns):
-            conversation += [{"role": "user", "content": span(user_words)}, {"role": "assistant", "content": span(assistant_words)}]
+            conversation += [
+                {"role": "user", "content": span(user_words)},
+                {"role": "assistant", "content": span(assistant_words)},
+            ]
         conversations.append(conversation)
     return conversations
 
@@ -60,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=2000)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (ours) and conversations per batch (padding)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="rows per batch (ours) and conversations per batch (padding)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -70,12 +77,21 @@ def main() -> None:
     conversations = long_tailed_conversations(text, args.conversations, args.seed)
     rendered = [tokenizer.render_conversation(c) for c in conversations]
     lengths = np.array([len(ids) for ids, _ in rendered])
-    print(f"{len(conversations)} conversations, tokens per conversation: median {np.median(lengths):.0f}, "
-          f"p90 {np.percentile(lengths, 90):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}")
+    print(
+        f"{len(conversations)} conversations, tokens per conversation: median {np.median(lengths):.0f}, "
+        f"p90 {np.percentile(lengths, 90):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}"
+    )
 
     documents = Documents(ListExamples(conversations), chat_documents(tokenizer))
-    loader = PackedLoader(documents, args.batch_size, args.seq_len, mode="pad", pad_id=tokenizer.pad_id,
-                          seed=args.seed, document_positions=True)
+    loader = PackedLoader(
+        documents,
+        args.batch_size,
+        args.seq_len,
+        mode="pad",
+        pad_id=tokenizer.pad_id,
+        seed=args.seed,
+        document_positions=True,
+    )
     loader.repeat = False
     start = time.perf_counter()
     batches = list(loader)
@@ -93,7 +109,9 @@ def main() -> None:
 
     # The loader's speed, rendering included, against a training step on the same rows (tiny GPT, CPU).
     loader_tps = row_tokens / loader_s
-    model = build_gpt(GPTConfig(depth=4, aspect_ratio=64, head_dim=64, vocab_size=tokenizer.vocab_size, max_seq_len=args.seq_len))
+    model = build_gpt(
+        GPTConfig(depth=4, aspect_ratio=64, head_dim=64, vocab_size=tokenizer.vocab_size, max_seq_len=args.seq_len)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     strategy, steps, train_tokens = SFTStrategy(), 3, 0
     start = time.perf_counter()
@@ -105,8 +123,10 @@ def main() -> None:
         optimizer.zero_grad()
         train_tokens += prepared["input_ids"].numel()
     train_tps = train_tokens / (time.perf_counter() - start)
-    print(f"\nloader: {loader_tps:,.0f} tokens/s (render + pack, one process)   "
-          f"training step (depth-4 GPT, CPU): {train_tps:,.0f} tokens/s   loader / trainer: {loader_tps / train_tps:.0f}x")
+    print(
+        f"\nloader: {loader_tps:,.0f} tokens/s (render + pack, one process)   "
+        f"training step (depth-4 GPT, CPU): {train_tps:,.0f} tokens/s   loader / trainer: {loader_tps / train_tps:.0f}x"
+    )
 
 
 if __name__ == "__main__":

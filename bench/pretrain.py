@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import parser, run  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-SHAPES = {"default": {"batch": 8, "seq": 256, "tokenizer": "bpe"}, "small": {"batch": 12, "seq": 64, "tokenizer": "char"}}
+SHAPES = {
+    "default": {"batch": 8, "seq": 256, "tokenizer": "bpe"},
+    "small": {"batch": 12, "seq": 64, "tokenizer": "char"},
+}
 WARMUP, LR = 5, 1e-3
 SHAPE = "default"
 BATCH, SEQ = SHAPES[SHAPE]["batch"], SHAPES[SHAPE]["seq"]
@@ -57,7 +60,11 @@ def prepare() -> tuple[Path, Path]:
     if not bin_path.is_file():
         work().mkdir(parents=True, exist_ok=True)
         paragraphs = [p for p in DATA.read_text().split("\n\n") if p.strip()]
-        tokenizer = train_char_tokenizer(paragraphs) if SHAPES[SHAPE]["tokenizer"] == "char" else train_bpe_tokenizer(paragraphs, 4096)
+        tokenizer = (
+            train_char_tokenizer(paragraphs)
+            if SHAPES[SHAPE]["tokenizer"] == "char"
+            else train_bpe_tokenizer(paragraphs, 4096)
+        )
         tokenizer.save(tok_dir)
         tokenizer = load_tokenizer(tok_dir)
         ids = []
@@ -69,23 +76,35 @@ def prepare() -> tuple[Path, Path]:
 
 def gpt(vocab: int):
     from tierlm.models import GPTConfig, build_gpt
-    from tierlm.models.gpt2.model import GPT2Config
     from tierlm.models.gpt2.family import GPT2_FAMILY
+    from tierlm.models.gpt2.model import GPT2Config
 
     torch.manual_seed(0)
     if SHAPE == "small":
-        return GPT2_FAMILY.build_from_config(GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=vocab, block_size=2048))
+        return GPT2_FAMILY.build_from_config(
+            GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=vocab, block_size=2048)
+        )
     return build_gpt(GPTConfig(depth=4, aspect_ratio=64, head_dim=64, n_kv_head=2, vocab_size=vocab, max_seq_len=SEQ))
 
 
 def model_overrides() -> list[str]:
     if SHAPE == "small":
         return ["model.architecture=gpt2", "model.depth=4", "model.aspect_ratio=32", "model.head_dim=32"]
-    return ["model.architecture=gpt", "model.depth=4", "model.aspect_ratio=64", "model.head_dim=64", "model.n_kv_head=2"]
+    return [
+        "model.architecture=gpt",
+        "model.depth=4",
+        "model.aspect_ratio=64",
+        "model.head_dim=64",
+        "model.n_kv_head=2",
+    ]
 
 
 def schedule(total: int):
-    return lambda step: (step + 1) / WARMUP if step < WARMUP else 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, total - WARMUP)))
+    return lambda step: (
+        (step + 1) / WARMUP
+        if step < WARMUP
+        else 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, total - WARMUP)))
+    )
 
 
 def windows(bin_path: Path, steps: int):
@@ -104,19 +123,36 @@ def result(times: dict[int, float], total: int) -> dict:
 
 def tierlm(args) -> dict:
     from tierlm.config import TierlmConfig
-    from tierlm.build.model import run_stage
+    from tierlm.stages import run_stage
 
     tok_dir, bin_path = prepare()
     out = Path(tempfile.mkdtemp(prefix="tierlm_bench_run_"))
     total = WARMUP + args.steps
-    config = TierlmConfig.load(None, [
-        *model_overrides(), f"model.tokenizer_name_or_path={tok_dir}", f"data.dataset_name={bin_path}", f"data.max_seq_length={SEQ}",
-        f"training.per_device_train_batch_size={BATCH}", f"training.learning_rate={LR}", "training.adam_beta2=0.95",
-        f"training.num_train_steps={total}", f"training.warmup_steps={WARMUP}", "training.lr_scheduler_type=cosine",
-        "training.min_lr_ratio=0.0", "training.max_grad_norm=1.0", "training.eval_steps=0", "training.eval_batches=1",
-        f"training.logging_steps={WARMUP}", "training.save_steps=0", f"infra.output_dir={out}", "infra.device_type=cpu",
-        "infra.progress_bar=false", *args.overrides,
-    ])
+    config = TierlmConfig.load(
+        None,
+        [
+            *model_overrides(),
+            f"model.tokenizer_name_or_path={tok_dir}",
+            f"data.dataset_name={bin_path}",
+            f"data.max_seq_length={SEQ}",
+            f"training.per_device_train_batch_size={BATCH}",
+            f"training.learning_rate={LR}",
+            "training.adam_beta2=0.95",
+            f"training.num_train_steps={total}",
+            f"training.warmup_steps={WARMUP}",
+            "training.lr_scheduler_type=cosine",
+            "training.min_lr_ratio=0.0",
+            "training.max_grad_norm=1.0",
+            "training.eval_steps=0",
+            "training.eval_batches=1",
+            f"training.logging_steps={WARMUP}",
+            "training.save_steps=0",
+            f"infra.output_dir={out}",
+            "infra.device_type=cpu",
+            "infra.progress_bar=false",
+            *args.overrides,
+        ],
+    )
     run_stage(config, "pretrain")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["elapsed_s"] for r in lines if r["type"] == "train"}
@@ -175,12 +211,32 @@ def hf_trainer(args) -> dict:
 
     clock = Clock()
     training_args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="tierlm_bench_hf_"), max_steps=total, per_device_train_batch_size=BATCH,
-        learning_rate=LR, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, lr_scheduler_type="cosine", warmup_steps=WARMUP,
-        max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10_000, save_strategy="no", eval_strategy="no", report_to=[],
-        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0,
+        output_dir=tempfile.mkdtemp(prefix="tierlm_bench_hf_"),
+        max_steps=total,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=WARMUP,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused",
+        logging_steps=10_000,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
     )
-    Trainer(model=WithLoss(gpt(load_tokenizer(tok_dir).vocab_size)), args=training_args, train_dataset=rows, callbacks=[clock]).train()
+    Trainer(
+        model=WithLoss(gpt(load_tokenizer(tok_dir).vocab_size)),
+        args=training_args,
+        train_dataset=rows,
+        callbacks=[clock],
+    ).train()
     return result(clock.times, total)
 
 
@@ -201,6 +257,15 @@ if __name__ == "__main__":
     use_shape(args.shape)
     if args.contender is None:
         prepare()
-        print(f"pretrain ({SHAPE}), batch {BATCH} x {SEQ} tokens, {args.steps} timed steps, {args.threads} threads", file=sys.stderr)
-    argv = [f"--steps={args.steps}", f"--threads={args.threads}", f"--shape={args.shape}", "--overrides", *args.overrides]
+        print(
+            f"pretrain ({SHAPE}), batch {BATCH} x {SEQ} tokens, {args.steps} timed steps, {args.threads} threads",
+            file=sys.stderr,
+        )
+    argv = [
+        f"--steps={args.steps}",
+        f"--threads={args.threads}",
+        f"--shape={args.shape}",
+        "--overrides",
+        *args.overrides,
+    ]
     run(CONTENDERS, args, argv, "tokens_per_sec", "hand-loop")

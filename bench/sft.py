@@ -40,8 +40,10 @@ ROWS, SEQ, WARMUP, LR, CONVERSATIONS = 8, 512, 5, 1e-4, 1000
 # rendering is unchanged; TRL needs the markers to mask everything else).
 GENERATION_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{{ '<|assistant_start|>' }}{% generation %}{{ message['content'] + '<|assistant_end|>' }}"
-    "{% endgeneration %}{% else %}{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + message['role'] + '_end|>' }}"
+    "{% if message['role'] == 'assistant' %}{{ '<|assistant_start|>' }}{% generation %}{{ message['content'] + "
+    "'<|assistant_end|>' }}"
+    "{% endgeneration %}{% else %}{{ '<|' + message['role'] + '_start|>' + message['content'] + '<|' + message['role'] "
+    "+ '_end|>' }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}"
 )
 
@@ -55,13 +57,20 @@ def setup() -> tuple[Path, Path, Path]:
     tok_dir, _ = prepare()
     model_dir, data = WORK / "model", WORK / "conversations.jsonl"
     if not (model_dir / "model.safetensors").is_file():
-        from tierlm.data import load_tokenizer
         from transformers import Qwen3ForCausalLM
+
+        from tierlm.data import load_tokenizer
 
         WORK.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
-        config = GPTConfig(depth=4, aspect_ratio=64, head_dim=64, n_kv_head=2, vocab_size=load_tokenizer(tok_dir).vocab_size,
-                           max_seq_len=2048)
+        config = GPTConfig(
+            depth=4,
+            aspect_ratio=64,
+            head_dim=64,
+            n_kv_head=2,
+            vocab_size=load_tokenizer(tok_dir).vocab_size,
+            max_seq_len=2048,
+        )
         gpt = build_gpt(config)
         hf = Qwen3ForCausalLM(to_hf_config(config))
         from tierlm.models.gpt.hf_export import to_hf_name
@@ -71,37 +80,58 @@ def setup() -> tuple[Path, Path, Path]:
         save_model_folder(gpt, WORK / "native")
         with open(data, "w") as f:
             # Turns of median 15 and 30 words: conversations of median ~190 tokens with a tail far past a row.
-            for conversation in long_tailed_conversations(DATA.read_text(), CONVERSATIONS, seed=0, user_words=15, assistant_words=30):
+            for conversation in long_tailed_conversations(
+                DATA.read_text(), CONVERSATIONS, seed=0, user_words=15, assistant_words=30
+            ):
                 f.write(json.dumps({"messages": conversation}) + "\n")
     return tok_dir, model_dir, data
 
 
 def rate(times: dict[int, float], trained: dict[int, int], total: int) -> dict:
-    return {"trained_tokens_per_sec": (trained[total] - trained[WARMUP]) / (times[total] - times[WARMUP]), "timed_steps": total - WARMUP}
+    return {
+        "trained_tokens_per_sec": (trained[total] - trained[WARMUP]) / (times[total] - times[WARMUP]),
+        "timed_steps": total - WARMUP,
+    }
 
 
 def tierlm(args, native: bool) -> dict:
     from tierlm.config import TierlmConfig
-    from tierlm.build.model import run_stage
+    from tierlm.stages import run_stage
 
     tok_dir, model_dir, data = setup()
     model_dir = WORK / "native" if native else model_dir
     out, total = Path(tempfile.mkdtemp(prefix="tierlm_bench_sft_")), WARMUP + args.steps
-    config = TierlmConfig.load(None, [
-        f"model.model_name_or_path={model_dir}", f"model.tokenizer_name_or_path={tok_dir}", f"data.dataset_name={data}",
-        f"data.max_seq_length={SEQ}", "data.val_fraction=0.01", "data.long_conversations=truncate",
-        f"training.per_device_train_batch_size={ROWS}", f"training.learning_rate={LR}", f"training.num_train_steps={total}",
-        f"training.warmup_steps={WARMUP}", "training.lr_scheduler_type=constant", "training.eval_steps=0", "training.eval_batches=1",
-        "training.logging_steps=1", "training.save_steps=0", f"infra.output_dir={out}", "infra.device_type=cpu",
-        "infra.progress_bar=false",
-    ])
+    config = TierlmConfig.load(
+        None,
+        [
+            f"model.model_name_or_path={model_dir}",
+            f"model.tokenizer_name_or_path={tok_dir}",
+            f"data.dataset_name={data}",
+            f"data.max_seq_length={SEQ}",
+            "data.val_fraction=0.01",
+            "data.long_conversations=truncate",
+            f"training.per_device_train_batch_size={ROWS}",
+            f"training.learning_rate={LR}",
+            f"training.num_train_steps={total}",
+            f"training.warmup_steps={WARMUP}",
+            "training.lr_scheduler_type=constant",
+            "training.eval_steps=0",
+            "training.eval_batches=1",
+            "training.logging_steps=1",
+            "training.save_steps=0",
+            f"infra.output_dir={out}",
+            "infra.device_type=cpu",
+            "infra.progress_bar=false",
+        ],
+    )
     run_stage(config, "sft")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     return rate({r["step"]: r["elapsed_s"] for r in lines}, {r["step"]: r["trained_tokens"] for r in lines}, total)
 
 
 class Clock:
-    """A transformers TrainerCallback timing steps and counting trained tokens (built lazily: transformers imports slowly)."""
+    """A transformers TrainerCallback timing steps and counting trained tokens (built lazily: transformers imports
+    slowly)."""
 
     @staticmethod
     def make():
@@ -158,13 +188,27 @@ def hf_trainer_padded(args) -> dict:
 
     clock = Clock.make()
     training_args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="tierlm_bench_hf_"), max_steps=total, per_device_train_batch_size=ROWS, learning_rate=LR,
-        warmup_steps=WARMUP, lr_scheduler_type="constant_with_warmup", optim="adamw_torch_fused", logging_steps=10_000,
-        save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-        remove_unused_columns=False, seed=0,
+        output_dir=tempfile.mkdtemp(prefix="tierlm_bench_hf_"),
+        max_steps=total,
+        per_device_train_batch_size=ROWS,
+        learning_rate=LR,
+        warmup_steps=WARMUP,
+        lr_scheduler_type="constant_with_warmup",
+        optim="adamw_torch_fused",
+        logging_steps=10_000,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        seed=0,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    Trainer(model=model, args=training_args, train_dataset=rows, data_collator=counting(pad, clock), callbacks=[clock]).train()
+    Trainer(
+        model=model, args=training_args, train_dataset=rows, data_collator=counting(pad, clock), callbacks=[clock]
+    ).train()
     return rate(clock.times, clock.trained, total)
 
 
@@ -180,15 +224,32 @@ def trl(args, packed: bool) -> dict:
         tokenizer.chat_template = GENERATION_TEMPLATE
         extra = {"packing": True, "assistant_only_loss": True}
     config = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="tierlm_bench_trl_"), max_steps=total, per_device_train_batch_size=ROWS, learning_rate=LR,
-        warmup_steps=WARMUP, lr_scheduler_type="constant_with_warmup", optim="adamw_torch_fused", logging_steps=10_000,
-        save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-        max_length=SEQ, seed=0, **extra,
+        output_dir=tempfile.mkdtemp(prefix="tierlm_bench_trl_"),
+        max_steps=total,
+        per_device_train_batch_size=ROWS,
+        learning_rate=LR,
+        warmup_steps=WARMUP,
+        lr_scheduler_type="constant_with_warmup",
+        optim="adamw_torch_fused",
+        logging_steps=10_000,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_length=SEQ,
+        seed=0,
+        **extra,
     )
     clock = Clock.make()
-    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config,
-                         train_dataset=load_dataset("json", data_files=str(data), split="train"), processing_class=tokenizer,
-                         callbacks=[clock])
+    trainer = SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=config,
+        train_dataset=load_dataset("json", data_files=str(data), split="train"),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.data_collator = counting(trainer.data_collator, clock)
     trainer.train()
     print("batch shapes:", clock.shapes[:3], file=sys.stderr)
@@ -210,4 +271,10 @@ if __name__ == "__main__":
     if args.contender is None:
         setup()
         print(f"sft, {ROWS} rows of <= {SEQ} tokens, {args.steps} timed steps, {args.threads} threads", file=sys.stderr)
-    run(CONTENDERS, args, [f"--steps={args.steps}", f"--threads={args.threads}"], "trained_tokens_per_sec", "hf-trainer-padded")
+    run(
+        CONTENDERS,
+        args,
+        [f"--steps={args.steps}", f"--threads={args.threads}"],
+        "trained_tokens_per_sec",
+        "hf-trainer-padded",
+    )

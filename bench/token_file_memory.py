@@ -44,7 +44,7 @@ def main() -> None:
 
     from tierlm.config import TierlmConfig
     from tierlm.data import train_bpe_tokenizer
-    from tierlm.build.model import run_stage
+    from tierlm.stages import run_stage
 
     work = Path(args.dir) / "tierlm_token_file_bench"
     work.mkdir(parents=True, exist_ok=True)
@@ -53,14 +53,26 @@ def main() -> None:
     data = work / "tokens.bin"
     start = time.perf_counter()
     n_tokens = write_token_file(data, args.gigabytes, tokenizer.document_separator_id, tokenizer.vocab_size)
-    print(f"wrote {data}: {n_tokens:,} tokens ({data.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - start:.0f} s")
+    print(
+        f"wrote {data}: {n_tokens:,} tokens ({data.stat().st_size / 2**30:.2f} GiB) in "
+        f"{time.perf_counter() - start:.0f} s"
+    )
 
-    config = TierlmConfig.load("configs/tiny_pretrain.yaml", [
-        f"data.dataset_name={data}", f"model.tokenizer_name_or_path={work / 'tokenizer'}",
-        f"training.num_train_steps={args.steps}", "training.warmup_steps=0", "training.eval_steps=0",
-        "training.eval_batches=2", "infra.progress_bar=false", f"infra.output_dir={work / 'run'}", "training.resume=auto",
-        "training.logging_steps=50",
-    ])
+    config = TierlmConfig.load(
+        "configs/tiny_pretrain.yaml",
+        [
+            f"data.dataset_name={data}",
+            f"model.tokenizer_name_or_path={work / 'tokenizer'}",
+            f"training.num_train_steps={args.steps}",
+            "training.warmup_steps=0",
+            "training.eval_steps=0",
+            "training.eval_batches=2",
+            "infra.progress_bar=false",
+            f"infra.output_dir={work / 'run'}",
+            "training.resume=auto",
+            "training.logging_steps=50",
+        ],
+    )
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM): writing the file is not the question
     before = status_mb("VmRSS")
     start = time.perf_counter()

@@ -17,12 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from tierlm.build.loaders import open_splits  # noqa: E402
 from tierlm.config import TierlmConfig  # noqa: E402
 from tierlm.data import load_tokenizer  # noqa: E402
 from tierlm.data.packing import Documents, text_documents  # noqa: E402
 from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer  # noqa: E402
 from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
-from tierlm.build.loaders import open_splits  # noqa: E402
 from tierlm.models import load_pretrained_model  # noqa: E402
 
 
@@ -30,16 +30,30 @@ from tierlm.models import load_pretrained_model  # noqa: E402
 def sentinel_states(model, tokenizer, config: TierlmConfig, examples, batches: int):
     """(encoder states at sentinels (N, C), left neighbours (N,), right neighbours (N,)) of R1 examples."""
     d = config.data
-    loader = create_ul2_dataset(Documents(examples, text_documents(tokenizer)), tokenizer, d.max_encoder_length, d.max_decoder_length,
-                                batch_size=16, task_weights=[1, 0, 0, 0, 0], seed=3, shuffle=False)
+    loader = create_ul2_dataset(
+        Documents(examples, text_documents(tokenizer)),
+        tokenizer,
+        d.max_encoder_length,
+        d.max_decoder_length,
+        batch_size=16,
+        task_weights=[1, 0, 0, 0, 0],
+        seed=3,
+        shuffle=False,
+    )
     loader.repeat = False
     sentinels, states, left, right = set(tokenizer.sentinel_ids), [], [], []
     for i, batch in enumerate(loader):
         if i == batches:
             break
         ids, segments = batch["input_ids"], batch["encoder_segment_ids"]
-        encoded = model.encode(ids, encoder_positions=batch["encoder_positions"], mask=segments[:, None, :, None] == segments[:, None, None, :])
-        for b, t in (torch.isin(ids[:, 1:-1], torch.tensor(sorted(sentinels))).nonzero() + torch.tensor([0, 1])).tolist():
+        encoded = model.encode(
+            ids,
+            encoder_positions=batch["encoder_positions"],
+            mask=segments[:, None, :, None] == segments[:, None, None, :],
+        )
+        for b, t in (
+            torch.isin(ids[:, 1:-1], torch.tensor(sorted(sentinels))).nonzero() + torch.tensor([0, 1])
+        ).tolist():
             neighbours = int(ids[b, t - 1]), int(ids[b, t + 1])
             if not sentinels & set(neighbours) and segments[b, t - 1] == segments[b, t] == segments[b, t + 1]:
                 states.append(encoded[b, t])
@@ -68,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     config = TierlmConfig.load("ul2-tiny", [f"infra.output_dir={args.out}", *args.overrides])
     tokenizer = Qwen3EncoderDecoderTokenizer(load_tokenizer(Path(args.out) / "model"), config.model.num_sentinel_tokens)
     model = load_pretrained_model(Path(args.out) / "model").eval()
-    trains, vals = open_splits(config, "pretrain", tokenizer)
+    trains, vals = open_splits(config, "text", tokenizer)
     train_x, train_left, train_right = sentinel_states(model, tokenizer, config, trains[0][0], 60)
     test_x, test_left, test_right = sentinel_states(model, tokenizer, config, vals[0], 20)
     print(f"{len(train_x)} training and {len(test_x)} held-out sentinels between two uncorrupted tokens")

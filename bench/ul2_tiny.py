@@ -27,31 +27,40 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from tierlm.build.loaders import open_splits  # noqa: E402
+from tierlm.build.model import build_model
+from tierlm.build.tokenizer import pretrained_location  # noqa: E402
 from tierlm.config import TierlmConfig  # noqa: E402
 from tierlm.data import load_tokenizer  # noqa: E402
 from tierlm.data.packing import Documents, text_documents  # noqa: E402
 from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer  # noqa: E402
 from tierlm.data.ul2 import DEFAULT_DENOISERS  # noqa: E402
 from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
-from tierlm.build.loaders import open_splits  # noqa: E402
 from tierlm.models import forward_cross_entropy, load_pretrained_model  # noqa: E402
 from tierlm.primitives.losses import IGNORE_INDEX, token_weights  # noqa: E402
-from tierlm.build.model import build_model, run_stage  # noqa: E402
 from tierlm.rollout.engine import Engine  # noqa: E402
-from tierlm.build.tokenizer import pretrained_location  # noqa: E402
+from tierlm.stages import run_stage  # noqa: E402
 
 
 @torch.no_grad()
 def denoiser_losses(model, config: TierlmConfig, tokenizer, batches: int = 20) -> list[float]:
     """Held-out loss (nats per target token) of each denoiser alone, on the same validation documents."""
-    _, vals = open_splits(config, "pretrain", tokenizer)
+    _, vals = open_splits(config, "text", tokenizer)
     docs = Documents(vals[0], text_documents(tokenizer))
     d, out = config.data, []
     model.eval()
     for which in range(len(DEFAULT_DENOISERS)):
         weights = [1.0 if i == which else 0.0 for i in range(len(DEFAULT_DENOISERS))]
-        loader = create_ul2_dataset(docs, tokenizer, d.max_encoder_length, d.max_decoder_length, batch_size=16,
-                                    task_weights=weights, seed=1, shuffle=False)
+        loader = create_ul2_dataset(
+            docs,
+            tokenizer,
+            d.max_encoder_length,
+            d.max_decoder_length,
+            batch_size=16,
+            task_weights=weights,
+            seed=1,
+            shuffle=False,
+        )
         loader.repeat = False
         total = count = 0.0
         for i, batch in enumerate(loader):
@@ -70,7 +79,9 @@ def masked_prompt(tokenizer, left: list[int], right: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def first_token_ranks(model, tokenizer, prompt_left: list[int], prompt_right: list[int], word: list[int]) -> tuple[int, int]:
+def first_token_ranks(
+    model, tokenizer, prompt_left: list[int], prompt_right: list[int], word: list[int]
+) -> tuple[int, int]:
     """Rank (0 = the decoder's top choice) of the masked word's first token right after <extra_id_0>, with the text
     after the span in the encoder's input and without it: does the model read the right-hand context?"""
     ranks = []
@@ -86,7 +97,10 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> list[dict]:
     """One whole word (3+ letters, not the speaker's name) of each held-out passage replaced by
     <extra_id_0> and given to the encoder in R mode: the decoder's greedy `fill` up to the next sentinel
     or end of text, and the rank of the word's first token with and without the text after the span."""
-    engine, rng = Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer), np.random.default_rng(seed)
+    engine, rng = (
+        Engine(model, [tokenizer.hf.eos_token_id, tokenizer.sentinel_ids[1]], tokenizer),
+        np.random.default_rng(seed),
+    )
     out = []
     for text in texts:
         speaker = text.index("\n") + 1 if "\n" in text else 0
@@ -100,7 +114,9 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> list[dict]:
         a -= a > 0 and text[a - 1] == " "
         left, right = tokenizer.encode(text[:a]), tokenizer.encode(text[b:])
         tokens = engine.generate(masked_prompt(tokenizer, left, right), 1, 12, temperature=0.0)[0].tokens
-        fill = tokenizer.decode([t for t in tokens if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id])
+        fill = tokenizer.decode(
+            [t for t in tokens if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id]
+        )
         ranks = first_token_ranks(model, tokenizer, left, right, tokenizer.encode(text[a:b]))
         out.append(dict(left=text[:a], word=text[a:b], right=text[b:], fill=fill, ranks=ranks))
     return out
@@ -111,11 +127,11 @@ def judge_logprob(judge, judge_tokenizer, left: str, middle: str, right: str, wi
     """log P(middle + right | left) in nats under a decoder-only judge (a character model, so the three
     strings tokenize on their own), the left context cut to fit the `window` the judge was trained on."""
     context, rest = judge_tokenizer.encode(left), judge_tokenizer.encode(middle + right)
-    context = context[max(0, len(context) + len(rest) - window):]
+    context = context[max(0, len(context) + len(rest) - window) :]
     assert len(context) >= 1 and len(rest) >= 1, "the judge needs some left context and something to score"
     ids = torch.tensor([context + rest])
     labels = torch.full_like(ids, IGNORE_INDEX)
-    labels[0, len(context) - 1 : -1] = ids[0, len(context):]
+    labels[0, len(context) - 1 : -1] = ids[0, len(context) :]
     _, losses = forward_cross_entropy(judge, {"input_ids": ids, "labels": labels})
     return -float(losses.sum())
 
@@ -135,9 +151,12 @@ def judge_fills(judge_dir: Path, fills: list[dict], others: int = 5, seed: int =
         swapped = np.array([[score(i, fills[(i + shift) % n][key]) for i in range(n)] for shift in shifts])
         return float(np.mean(own > swapped) + 0.5 * np.mean(own == swapped))
 
-    print(f"judged by {judge_dir} (log-likelihood of the passage from the span on, given the text before it): the passage "
-          f"with its own fill beats it with another passage's fill {wins('fill'):.1%} of the time ({others} others each; "
-          f"ties half; fills blind to their context: 50%; the masked word itself: {wins('word'):.1%})")
+    print(
+        f"judged by {judge_dir} (log-likelihood of the passage from the span on, given the text before it): the "
+        f"passage "
+        f"with its own fill beats it with another passage's fill {wins('fill'):.1%} of the time ({others} others each; "
+        f"ties half; fills blind to their context: 50%; the masked word itself: {wins('word'):.1%})"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,14 +165,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--no-train", action="store_true", help="measure the run already in --out")
     parser.add_argument("--show", type=int, default=10, help="how many filled passages to print")
-    parser.add_argument("--judge", help="a tierlm decoder-only model folder trained on the same text (a character model) to judge the fills")
+    parser.add_argument(
+        "--judge",
+        help="a tierlm decoder-only model folder trained on the same text (a character model) to judge the fills",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.show < 0:
         parser.error(f"--show must be >= 0, got {args.show}")
     if args.judge and not (Path(args.judge) / "config.json").is_file():  # found now, not after the training run
-        parser.error(f"--judge {args.judge} is not a model folder (no config.json); make one with the command in this script's docstring")
-    overrides = [f"infra.output_dir={args.out}", *([f"training.num_train_steps={args.steps}"] if args.steps else []), *args.overrides]
+        parser.error(
+            f"--judge {args.judge} is not a model folder (no config.json); make one with the command in this script's "
+            f"docstring"
+        )
+    overrides = [
+        f"infra.output_dir={args.out}",
+        *([f"training.num_train_steps={args.steps}"] if args.steps else []),
+        *args.overrides,
+    ]
     config = TierlmConfig.load("ul2-tiny", overrides)
     summary = {} if args.no_train else run_stage(config, "pretrain")
     tokenizer = Qwen3EncoderDecoderTokenizer(load_tokenizer(Path(args.out) / "model"), config.model.num_sentinel_tokens)
@@ -161,23 +190,34 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(config.training.seed)
     initial = build_model(config, tokenizer, torch.device("cpu"), pretrained_location(config))  # where training started
     before, after = denoiser_losses(initial, config, tokenizer), denoiser_losses(trained, config, tokenizer)
-    done = f"the run in {args.out}" if args.no_train else f"trained {summary.get('steps', config.training.num_train_steps)} steps"
+    done = (
+        f"the run in {args.out}"
+        if args.no_train
+        else f"trained {summary.get('steps', config.training.num_train_steps)} steps"
+    )
     print(f"{done}; held-out loss per denoiser (nats per target token):")
     for denoiser, a, b in zip(DEFAULT_DENOISERS, before, after):
-        label = f"{denoiser.name} ({denoiser.mode}" + (f", span {denoiser.mean_span:g}, {denoiser.noise_density:.0%})" if denoiser.mode != "S" else ", prefix LM)")
+        label = f"{denoiser.name} ({denoiser.mode}" + (
+            f", span {denoiser.mean_span:g}, {denoiser.noise_density:.0%})" if denoiser.mode != "S" else ", prefix LM)"
+        )
         print(f"  {label:28s} {a:6.3f} -> {b:6.3f}")
-    _, vals = open_splits(config, "pretrain", tokenizer)
+    _, vals = open_splits(config, "text", tokenizer)
     texts = [t for t in vals[0].fetch(range(len(vals[0]))) if 40 < len(t) < 200]
     fills = infill(trained.eval(), tokenizer, texts)
     words = [f["word"].strip() for f in fills]
     both, left = np.array([f["ranks"] for f in fills]).T
-    print(f"the masked word's first token after <extra_id_0>: top-1 {np.mean(both == 0):.1%} / top-10 {np.mean(both < 10):.1%} "
-          f"(median rank {np.median(both):.0f}) with the text after the span; top-1 {np.mean(left == 0):.1%} / top-10 "
-          f"{np.mean(left < 10):.1%} (median rank {np.median(left):.0f}) with it removed")
+    print(
+        f"the masked word's first token after <extra_id_0>: top-1 {np.mean(both == 0):.1%} / top-10 "
+        f"{np.mean(both < 10):.1%} "
+        f"(median rank {np.median(both):.0f}) with the text after the span; top-1 {np.mean(left == 0):.1%} / top-10 "
+        f"{np.mean(left < 10):.1%} (median rank {np.median(left):.0f}) with it removed"
+    )
     exact = np.mean([f["fill"].strip() == w for f, w in zip(fills, words)])
     constant = max(words.count(w) for w in set(words)) / len(words)
-    print(f"one masked word in each of {len(fills)} held-out passages: filled exactly {exact:.1%} "
-          f"(always guessing the most frequent masked word: {constant:.1%}); the first {args.show}:")
+    print(
+        f"one masked word in each of {len(fills)} held-out passages: filled exactly {exact:.1%} "
+        f"(always guessing the most frequent masked word: {constant:.1%}); the first {args.show}:"
+    )
     for f in fills[: args.show]:
         print("  " + f"{f['left']}[{f['fill']}]{f['right']}   (original: [{f['word']}])".replace("\n", " / "))
     if args.judge:

@@ -41,7 +41,12 @@ def run_cli(*args, cwd=None, timeout=600):
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
-        [sys.executable, "-m", "tierlm", *map(str, args)], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "tierlm", *map(str, args)],
+        cwd=cwd or REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -50,7 +55,15 @@ def torchrun(*args, nproc: int = 2, timeout: int = 300, **popen):
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *map(str, args),
+    ]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
@@ -62,8 +75,13 @@ def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
     import time
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "tierlm", *map(str, args), f"infra.output_dir={output_dir}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierlm", *map(str, args), f"infra.output_dir={output_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest, deadline = output_dir / "checkpoints" / "latest", time.time() + 300
     while not (latest.is_file() and latest.read_text().strip() == f"step_{step}"):
         assert proc.poll() is None and time.time() < deadline, "the run ended before the checkpoint"
@@ -89,14 +107,36 @@ def resume_from_checkpoint(args, output_dir: Path, step: int):
 
 # Tiny CLI-sized runs (seconds on 2 cores) for tests that need a trained run directory.
 TINY = [
-    "model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",
-    "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16", "data.max_seq_length=32",
-    "training.num_train_steps=2", "training.warmup_steps=0", "training.eval_steps=0", "training.eval_batches=1", "training.per_device_train_batch_size=4",
-    "infra.progress_bar=false", "infra.device_type=cpu", "infra.output_dir=out",
+    "model.depth=1",
+    "model.aspect_ratio=32",
+    "model.head_dim=32",
+    "tokenizer.vocab_size=300",
+    "tokenizer.num_train_docs=200",
+    "data.num_synthetic_examples=200",
+    "data.num_synthetic_eval_examples=16",
+    "data.max_seq_length=32",
+    "training.num_train_steps=2",
+    "training.warmup_steps=0",
+    "training.eval_steps=0",
+    "training.eval_batches=1",
+    "training.per_device_train_batch_size=4",
+    "infra.progress_bar=false",
+    "infra.device_type=cpu",
+    "infra.output_dir=out",
 ]
-CHAT = ["data.max_seq_length=64", "training.num_train_steps=2", "training.warmup_steps=0", "training.eval_steps=0", "training.eval_batches=1",
-        "training.per_device_train_batch_size=4", "infra.progress_bar=false", "infra.device_type=cpu", "infra.output_dir=out",
-        "data.num_synthetic_examples=64", "data.num_synthetic_eval_examples=8"]
+CHAT = [
+    "data.max_seq_length=64",
+    "training.num_train_steps=2",
+    "training.warmup_steps=0",
+    "training.eval_steps=0",
+    "training.eval_batches=1",
+    "training.per_device_train_batch_size=4",
+    "infra.progress_bar=false",
+    "infra.device_type=cpu",
+    "infra.output_dir=out",
+    "data.num_synthetic_examples=64",
+    "data.num_synthetic_eval_examples=8",
+]
 RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "rl.eval_k=2", "rl.max_new_tokens=4"]
 
 
@@ -104,12 +144,20 @@ RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "
 def tiny_runs(tmp_path_factory):
     """A tiny pretrain run and an SFT run from it, shared (read-only) by the cases."""
     from tierlm.config import TierlmConfig
-    from tierlm.build.model import run_stage
+    from tierlm.stages import run_stage
 
     root = tmp_path_factory.mktemp("runs")
     pre, sft = root / "pre", root / "sft"
-    run_stage(TierlmConfig.load(REPO / "configs/tiny_pretrain.yaml", [*TINY, "training.num_train_steps=3", f"infra.output_dir={pre}"]), "pretrain")
-    run_stage(TierlmConfig.load(REPO / "configs/tiny_sft.yaml", [*CHAT, f"model.model_name_or_path={pre}", f"infra.output_dir={sft}"]), "sft")
+    run_stage(
+        TierlmConfig.load(
+            REPO / "configs/tiny_pretrain.yaml", [*TINY, "training.num_train_steps=3", f"infra.output_dir={pre}"]
+        ),
+        "pretrain",
+    )
+    run_stage(
+        TierlmConfig.load(
+            REPO / "configs/tiny_sft.yaml", [*CHAT, f"model.model_name_or_path={pre}", f"infra.output_dir={sft}"]
+        ),
+        "sft",
+    )
     return root
-
-

@@ -1,13 +1,14 @@
 """Runs under torchrun (or in-process for the single-process reference) for tests/test_distributed.py.
 
-    torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N] [--optimizer muon]
-        [--model gpt2]
+    torchrun --nproc_per_node=2 tests/distributed_worker.py MODE OUT.json [--steps A:B] [--load CKPT] [--save-at N]
+        [--optimizer muon] [--model gpt2]
 
-MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3) | tp (tensor parallel over the ranks, vocabulary split) | tp_sp (and sequence parallel)
-| tp_dp (tensor parallel 2 x FSDP2 over the rest) | pp / pp_gpipe (2 pipeline stages, 1F1B / GPipe) | tp_pp (tensor 2 x pipeline 2). Every run trains the same tiny
-GPT on the same global batches (4 rows x 2 micro-batches per step, uneven trained tokens);
-rank r takes rows [2r, 2r+2) of each micro-batch. Rank 0 writes per-step loss and grad norm. `--model gpt2`: a tiny
-GPT-2 (fused q/k/v, embedding tied to the head) instead.
+MODE: single | ddp | fsdp | fsdp_raise (rank 1 raises at step 3) | tp (tensor parallel over the ranks, vocabulary
+split) | tp_sp (and sequence parallel) | tp_dp (tensor parallel 2 x FSDP2 over the rest) | pp / pp_gpipe (2 pipeline
+stages, 1F1B / GPipe) | tp_pp (tensor 2 x pipeline 2). Every run trains the same tiny GPT on the same global
+batches (4 rows x 2 micro-batches per step, uneven trained tokens); rank r takes rows [2r, 2r+2) of each
+micro-batch. Rank 0 writes per-step loss and grad norm. `--model gpt2`: a tiny GPT-2 (fused q/k/v, embedding tied
+to the head) instead.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
 from tierlm.models import GPTConfig, build_gpt
 from tierlm.models.gpt2.model import GPT2Config
 from tierlm.primitives.optim import RoleSettings, build_optimizer
-from tierlm.primitives.schedules import TrainingSchedule
 from tierlm.primitives.parallel import init_distributed, shutdown_distributed
+from tierlm.primitives.schedules import TrainingSchedule
 
 CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=32)
 GPT2_CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=32)
@@ -48,13 +49,25 @@ def global_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
 def optimizer_factory(name: str, distributed: bool):
     """AdamW over everything, or Muon (hidden matrices) + AdamW (the rest) in one container."""
     if name == "muon":
-        settings = RoleSettings(matrix_lr=0.02, embedding_lr=3e-3, unembedding_lr=3e-3, scalar_lr=3e-3, weight_decay=0.1,
-                                distributed=distributed)
+        settings = RoleSettings(
+            matrix_lr=0.02,
+            embedding_lr=3e-3,
+            unembedding_lr=3e-3,
+            scalar_lr=3e-3,
+            weight_decay=0.1,
+            distributed=distributed,
+        )
         return lambda m: build_optimizer("muon", m, settings)
     return lambda m: create_adamw_optimizer(m, lr=3e-3, weight_decay=0.1)
 
 
-def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = False, optimizer: str = "adamw", architecture: str = "gpt"):
+def build(
+    mode: str,
+    checkpoint_dir: Path,
+    activation_checkpointing: bool = False,
+    optimizer: str = "adamw",
+    architecture: str = "gpt",
+):
     from tierlm.models.gpt2.family import GPT2_FAMILY
 
     torch.manual_seed(0)
@@ -63,33 +76,71 @@ def build(mode: str, checkpoint_dir: Path, activation_checkpointing: bool = Fals
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     optimizer_fn = optimizer_factory(optimizer, distributed=mode != "single")
-    scheduler_fn = lambda o: TrainingSchedule(o, lambda s: 1.0 / (1 + s), num_training_steps=10, momentum_warmup_steps=5)  # noqa: E731
-    common = dict(loss_fn=None, checkpoint_dir=checkpoint_dir, device="cpu", scheduler_fn=scheduler_fn, max_grad_norm=0.5)
+
+    def scheduler_fn(o):
+        return TrainingSchedule(o, lambda s: 1.0 / (1 + s), num_training_steps=10, momentum_warmup_steps=5)
+
+    common = dict(
+        loss_fn=None, checkpoint_dir=checkpoint_dir, device="cpu", scheduler_fn=scheduler_fn, max_grad_norm=0.5
+    )
     if mode == "single":
         optimizer = optimizer_fn(model)
         return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, "cpu", scheduler_fn(optimizer), 0.5)
     if mode == "ddp":
         return DDPTrainingBackend(model, optimizer_fn, gradient_accumulation_steps=ACCUM, **common)
-    if mode in ("tp", "tp_sp", "tp_dp", "pp", "pp_gpipe", "tp_pp"):  # tensor parallel and/or 2 pipeline stages; FSDP2 over the rest
+    if mode in (
+        "tp",
+        "tp_sp",
+        "tp_dp",
+        "pp",
+        "pp_gpipe",
+        "tp_pp",
+    ):  # tensor parallel and/or 2 pipeline stages; FSDP2 over the rest
         from tierlm.backends.model_parallel import ModelParallelTrainingBackend
         from tierlm.primitives.model_parallel import ParallelDims
 
-        sizes = {"pipeline": 2} if mode.startswith("pp") else {"tensor": 2, "pipeline": 2} if mode == "tp_pp" else {"tensor": 2}
+        sizes = (
+            {"pipeline": 2}
+            if mode.startswith("pp")
+            else {"tensor": 2, "pipeline": 2}
+            if mode == "tp_pp"
+            else {"tensor": 2}
+        )
         dims = ParallelDims.from_sizes(torch.distributed.get_world_size(), **sizes)
-        return ModelParallelTrainingBackend(model, optimizer_fn, dims=dims, activation_checkpointing=activation_checkpointing,
-                                            schedule="GPipe" if mode == "pp_gpipe" else "1F1B", sequence_parallel=mode == "tp_sp", **common)
+        return ModelParallelTrainingBackend(
+            model,
+            optimizer_fn,
+            dims=dims,
+            activation_checkpointing=activation_checkpointing,
+            schedule="GPipe" if mode == "pp_gpipe" else "1F1B",
+            sequence_parallel=mode == "tp_sp",
+            **common,
+        )
     return FSDPTrainingBackend(model, optimizer_fn, activation_checkpointing=activation_checkpointing, **common)
 
 
-def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: int | None, checkpoint_dir: Path,
-        activation_checkpointing: bool = False, optimizer: str = "adamw", architecture: str = "gpt") -> None:
+def run(
+    mode: str,
+    out: Path,
+    first: int,
+    last: int,
+    load: str | None,
+    save_at: int | None,
+    checkpoint_dir: Path,
+    activation_checkpointing: bool = False,
+    optimizer: str = "adamw",
+    architecture: str = "gpt",
+) -> None:
     distributed = mode != "single"
     ctx = init_distributed("cpu", timeout_s=60) if distributed else None
     rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
     backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer, architecture)
     if load:
         backend.load_checkpoint(load).wait()
-    share, shares = getattr(backend, "data_rank", rank), getattr(backend, "data_world_size", world)  # a TP group shares rows
+    share, shares = (
+        getattr(backend, "data_rank", rank),
+        getattr(backend, "data_world_size", world),
+    )  # a TP group shares rows
     per_rank = ROWS // shares
     records = []
     for step in range(first, last):
@@ -98,7 +149,9 @@ def run(mode: str, out: Path, first: int, last: int, load: str | None, save_at: 
         for batch in global_micro_batches(step):
             backend.forward_backward({k: v[share * per_rank : (share + 1) * per_rank] for k, v in batch.items()})
         metrics = backend.optim_step().wait()
-        records.append({"step": step + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"]})
+        records.append(
+            {"step": step + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"]}
+        )
         if save_at is not None and step + 1 == save_at:
             backend.save_checkpoint(step + 1, {"note": "test"}).wait()
     memory = backend.memory_stats()
@@ -112,12 +165,16 @@ def factories(out: Path, model_folder: str) -> None:
 
     losses = {}
     for name, create in (("fsdp", create_fsdp_backend), ("ddp", create_ddp_backend)):
-        backend = create(model_folder, out.parent / f"ckpt_factory_{name}", device_type="cpu", learning_rate=1e-3, bf16=False)
+        backend = create(
+            model_folder, out.parent / f"ckpt_factory_{name}", device_type="cpu", learning_rate=1e-3, bf16=False
+        )
         per_rank = ROWS // backend.world_size
         losses[name] = []
         for _ in range(3):
             batch = global_micro_batches(0)[0]  # the same batch: the loss must fall
-            backend.forward_backward({k: v[backend.rank * per_rank : (backend.rank + 1) * per_rank] for k, v in batch.items()})
+            backend.forward_backward(
+                {k: v[backend.rank * per_rank : (backend.rank + 1) * per_rank] for k, v in batch.items()}
+            )
             losses[name].append(backend.optim_step().wait()["loss"])
         if backend.rank == 0:
             out.write_text(json.dumps(losses))
@@ -127,13 +184,21 @@ def megatron(out: Path, sizes: str) -> None:
     """Seed 001's distributed example: Trainer(backend=MegatronBackend(...), strategy=PretrainStrategy()), train_step on
     the same rows on every rank; rank 0 writes the losses."""
     from tierlm.backends import MegatronBackend
-    from tierlm.strategies import PretrainStrategy
     from tierlm.loops.trainer import Trainer
+    from tierlm.strategies import PretrainStrategy
 
     tensor, pipeline = map(int, sizes.split("x"))
-    trainer = Trainer(backend=MegatronBackend(CONFIG, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
-                                              checkpoint_dir=out.parent / "ckpt_megatron", learning_rate=3e-3, device_type="cpu"),
-                      strategy=PretrainStrategy())
+    trainer = Trainer(
+        backend=MegatronBackend(
+            CONFIG,
+            tensor_parallel_size=tensor,
+            pipeline_parallel_size=pipeline,
+            checkpoint_dir=out.parent / "ckpt_megatron",
+            learning_rate=3e-3,
+            device_type="cpu",
+        ),
+        strategy=PretrainStrategy(),
+    )
     model_state = trainer.backend.model_state()
     losses = []
     for step in range(6):
@@ -147,13 +212,31 @@ def megatron(out: Path, sizes: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["single", "ddp", "fsdp", "fsdp_raise", "tp", "tp_sp", "tp_dp", "pp", "pp_gpipe", "tp_pp", "factories", "megatron"])
+    parser.add_argument(
+        "mode",
+        choices=[
+            "single",
+            "ddp",
+            "fsdp",
+            "fsdp_raise",
+            "tp",
+            "tp_sp",
+            "tp_dp",
+            "pp",
+            "pp_gpipe",
+            "tp_pp",
+            "factories",
+            "megatron",
+        ],
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", default="0:10", help="first:last optimizer steps (0-based, last excluded)")
     parser.add_argument("--load", default=None, help="checkpoint to continue from")
     parser.add_argument("--save-at", type=int, default=None)
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
-    parser.add_argument("--activation-checkpointing", type=int, default=0, help="FSDP: recompute each block in backward")
+    parser.add_argument(
+        "--activation-checkpointing", type=int, default=0, help="FSDP: recompute each block in backward"
+    )
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
@@ -165,8 +248,18 @@ def main(argv: list[str] | None = None) -> None:
         megatron(args.out, args.sizes)
     else:
         first, last = map(int, args.steps.split(":"))
-        run(args.mode, args.out, first, last, args.load, args.save_at,
-            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}", bool(args.activation_checkpointing), args.optimizer, args.model)
+        run(
+            args.mode,
+            args.out,
+            first,
+            last,
+            args.load,
+            args.save_at,
+            args.checkpoint_dir or args.out.parent / f"ckpt_{args.mode}",
+            bool(args.activation_checkpointing),
+            args.optimizer,
+            args.model,
+        )
     shutdown_distributed()  # after the backends are out of scope (see its docstring)
 
 

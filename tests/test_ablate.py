@@ -14,12 +14,24 @@ from conftest import REPO, TINY, run_cli
 from tierlm.commands.ablate import AblationCoordinator, paired_difference, parse_variant
 from tierlm.errors import ConfigError
 
-BASE = ["--config", "tiny_pretrain", *[a for a in TINY if not a.startswith("infra.output_dir")], "training.num_train_steps=30",
-        "training.save_steps=10", "training.eval_steps=10", "training.logging_steps=5", "training.sample_prompts=[]"]
+BASE = [
+    "--config",
+    "tiny_pretrain",
+    *[a for a in TINY if not a.startswith("infra.output_dir")],
+    "training.num_train_steps=30",
+    "training.save_steps=10",
+    "training.eval_steps=10",
+    "training.logging_steps=5",
+    "training.sample_prompts=[]",
+]
 
 
 def _digest(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_variants_parse_and_budget_changes_are_refused(tmp_path):
@@ -28,8 +40,9 @@ def test_variants_parse_and_budget_changes_are_refused(tmp_path):
         parse_variant("big")
     with pytest.raises(ConfigError, match="name:section.key=value"):
         parse_variant("x:training.seed")
-    coordinator = AblationCoordinator("tiny_pretrain", [parse_variant("V0"), parse_variant("short:training.num_train_steps=5")],
-                                      out=tmp_path / "a")
+    coordinator = AblationCoordinator(
+        "tiny_pretrain", [parse_variant("V0"), parse_variant("short:training.num_train_steps=5")], out=tmp_path / "a"
+    )
     with pytest.raises(ConfigError, match="same data order and token budget"):
         coordinator.check()
     with pytest.raises(ConfigError, match="must differ"):
@@ -41,8 +54,20 @@ def test_variants_parse_and_budget_changes_are_refused(tmp_path):
 @pytest.mark.slow
 def test_ablation_runs_isolates_failures_and_reports(tmp_path):
     out = tmp_path / "abl"
-    args = ["ablate", *BASE, "--variant", "base:training.learning_rate=3e-3", "--variant", "wide:model.aspect_ratio=64",
-            "--variant", "broken:data.dataset_name=missing.txt", "--seeds", "0,1", "--out", out]
+    args = [
+        "ablate",
+        *BASE,
+        "--variant",
+        "base:training.learning_rate=3e-3",
+        "--variant",
+        "wide:model.aspect_ratio=64",
+        "--variant",
+        "broken:data.dataset_name=missing.txt",
+        "--seeds",
+        "0,1",
+        "--out",
+        out,
+    ]
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr[-2000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
@@ -50,7 +75,9 @@ def test_ablation_runs_isolates_failures_and_reports(tmp_path):
     for name in ("base", "wide"):
         for seed in ("0", "1"):
             r = runs[name][seed]
-            assert r["finished"] and r["steps"] == 30 and r["tokens"] == runs["base"]["0"]["tokens"]  # equal token budgets
+            assert (
+                r["finished"] and r["steps"] == 30 and r["tokens"] == runs["base"]["0"]["tokens"]
+            )  # equal token budgets
             assert r["final_val_loss"] < 6 and "latency_ms_p50_T64" in r
     assert runs["broken"]["0"]["error"] and "missing.txt" in runs["broken"]["0"]["error"]
     # The same seed gives the same initial draw and data order: base seed 0 twice would be equal; seeds differ.
@@ -73,8 +100,14 @@ def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path)
 
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "tierlm", "ablate", *BASE, *variants, "--out", str(killed)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierlm", "ablate", *BASE, *variants, "--out", str(killed)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     latest, deadline = killed / "b_seed0" / "checkpoints" / "latest", time.time() + 300
     while not (latest.is_file() and latest.read_text().strip() == "step_10"):
         assert proc.poll() is None and time.time() < deadline, "the ablation ended before b's first checkpoint"
@@ -88,5 +121,8 @@ def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path)
     after = _digest(killed / "a_seed0")
     assert {k: after[k] for k in finished} == finished  # untouched (the results only add inference.json beside it)
     for run in ("a_seed0", "b_seed0"):
-        a, b = (straight / run / "model" / "model.safetensors").read_bytes(), (killed / run / "model" / "model.safetensors").read_bytes()
+        a, b = (
+            (straight / run / "model" / "model.safetensors").read_bytes(),
+            (killed / run / "model" / "model.safetensors").read_bytes(),
+        )
         assert a == b, run  # b continued from its checkpoint bit-exactly

@@ -174,10 +174,19 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
     from tierlm.models import fuses_cross_entropy
     from tierlm.strategies import CrossEntropyStrategy
 
-    shape = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8)
-    config_cls, model_cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[architecture]
+    shape = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    config_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[architecture]
     strategy = CrossEntropyStrategy()
     batch = _micro_batches(61)[1]
     batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
@@ -186,8 +195,14 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
         torch.manual_seed(0)
         model = model_cls(config_cls(**shape))
         assert fuses_cross_entropy(model)
-        backend = PyTorchTrainingBackend(model, torch.optim.SGD(model.parameters(), lr=1.0), None, tmp_path / str(fused), "cpu",
-                                         fused_cross_entropy=fused)
+        backend = PyTorchTrainingBackend(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            None,
+            tmp_path / str(fused),
+            "cpu",
+            fused_cross_entropy=fused,
+        )
         calls = []
         model.lm_head.register_forward_hook(lambda *_: calls.append(1))
         backend.forward_backward(batch, loss_fn=strategy.compute_loss)
@@ -209,8 +224,8 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
 
 
 def test_fused_cross_entropy_setting_reaches_the_backend(tiny_gpt_config, tmp_path):
+    from tierlm.build.backend import build_backend
     from tierlm.config import TierlmConfig
-    from tierlm.build.model import build_backend
 
     for value in (True, False):
         config = TierlmConfig.load(None, [f"training.fused_cross_entropy={str(value).lower()}"])

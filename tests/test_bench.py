@@ -8,7 +8,9 @@ from conftest import REPO
 
 
 def test_gpu_mfu_dry_run_on_cpu():
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--dry-run"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout.splitlines()[-1])
     assert record["tokens_per_sec"] > 0 and 0 < record["mfu"] < 1 and record["loss"] > 0

@@ -19,10 +19,20 @@ from tierlm.errors import CheckpointError, TrainingDiverged
 from tierlm.models import GPTConfig, build_gpt
 
 TINY_RUN = [
-    "model.depth=2", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300",
-    "data.num_synthetic_examples=3000", "data.num_synthetic_eval_examples=64", "data.max_seq_length=64",
-    "training.per_device_train_batch_size=8", "training.eval_batches=1", "training.eval_steps=0", "training.logging_steps=1",
-    "training.warmup_steps=2", "infra.progress_bar=false", "infra.device_type=cpu",
+    "model.depth=2",
+    "model.aspect_ratio=32",
+    "model.head_dim=32",
+    "tokenizer.vocab_size=300",
+    "data.num_synthetic_examples=3000",
+    "data.num_synthetic_eval_examples=64",
+    "data.max_seq_length=64",
+    "training.per_device_train_batch_size=8",
+    "training.eval_batches=1",
+    "training.eval_steps=0",
+    "training.logging_steps=1",
+    "training.warmup_steps=2",
+    "infra.progress_bar=false",
+    "infra.device_type=cpu",
 ]
 
 
@@ -37,8 +47,18 @@ def _weights(run):
 
 
 MUON = ["training.optimizer=muon", "training.muon_momentum_warmup_steps=40", "training.weight_decay=0.1"]
-PRUNE = ["training.optimizer=adamw_prune", "training.prune_warmup=10", "training.prune_frequency=5", "training.prune_sparsity=0.5"]
-SPAM = ["training.optimizer=adamw_spam", "training.spam_interval=15", "training.spam_warmup=5", "training.spam_theta=50"]
+PRUNE = [
+    "training.optimizer=adamw_prune",
+    "training.prune_warmup=10",
+    "training.prune_frequency=5",
+    "training.prune_sparsity=0.5",
+]
+SPAM = [
+    "training.optimizer=adamw_spam",
+    "training.spam_interval=15",
+    "training.spam_warmup=5",
+    "training.spam_theta=50",
+]
 
 
 @pytest.mark.slow
@@ -48,8 +68,15 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
     """2N steps straight == N steps, SIGKILL of the real process, resume for N more (CPU, fp32); with
     Muon + AdamW, the momentum warm-up and the weight-decay schedule run across the kill too."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY_RUN, *optimizer, "training.num_train_steps=60",
-            "training.save_steps=20"]
+    args = [
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        *TINY_RUN,
+        *optimizer,
+        "training.num_train_steps=60",
+        "training.save_steps=20",
+    ]
     assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
 
     kill_at_checkpoint(args, killed, 20)
@@ -61,13 +88,17 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
     assert losses(killed) == losses(straight) and len(losses(straight)) == 60
     a, b = _weights(straight), _weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    if optimizer is PRUNE:  # the saved (exportable) weights are the masked ones: half the hidden matrices' entries are 0
+    if (
+        optimizer is PRUNE
+    ):  # the saved (exportable) weights are the masked ones: half the hidden matrices' entries are 0
         hidden = [v for k, v in a.items() if k.startswith("model.layers.") and v.ndim == 2]
         zeros = sum(int((v == 0).sum()) for v in hidden) / sum(v.numel() for v in hidden)
         assert abs(zeros - 0.5) < 0.01, zeros
         assert "sparsity" in [r for r in _lines(killed / "metrics.jsonl") if r["type"] == "train"][-1]
         results = json.loads((killed / "results.json").read_text())  # the pruning evaluation beside the model
-        assert abs(results["sparsity"] - 0.5) < 0.01 and 0.25 < results["weight_zeros"] < zeros  # all matrices, embeddings too
+        assert (
+            abs(results["sparsity"] - 0.5) < 0.01 and 0.25 < results["weight_zeros"] < zeros
+        )  # all matrices, embeddings too
         assert {"perplexity", "latency_ms_p50_T64", "latency_ms_p95_T64", "peak_rss_mb"} <= set(results)
 
 
@@ -114,7 +145,9 @@ def test_sigkill_while_writing_never_leaves_a_bad_latest(tmp_path):
 
 def _backend(tmp_path, **kwargs):
     model = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=40, max_seq_len=16))
-    return PyTorchTrainingBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path / "ckpt", "cpu", **kwargs)
+    return PyTorchTrainingBackend(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path / "ckpt", "cpu", **kwargs
+    )
 
 
 def _batch():
@@ -150,7 +183,7 @@ def test_malicious_pickle_is_never_executed(tmp_path):
 
 def test_damaged_latest_falls_back_to_the_previous(tmp_path, capsys):
     from tierlm.config import TierlmConfig
-    from tierlm.build.model import run_stage
+    from tierlm.stages import run_stage
 
     overrides = [*TINY_RUN, "training.num_train_steps=10", "training.save_steps=5", f"infra.output_dir={tmp_path}"]
     config = TierlmConfig.load("configs/tiny_pretrain.yaml", overrides)
@@ -180,8 +213,7 @@ def test_retention_keeps_newest_and_best(tmp_path):
 
 
 def test_average_equals_hand_computed_mean(tmp_path):
-    from tierlm.models import save_model_folder
-    from tierlm.models import load_native_model
+    from tierlm.models import load_native_model, save_model_folder
 
     config = GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=40, max_seq_len=16)
     models = [build_gpt(config) for _ in range(3)]
@@ -220,8 +252,8 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, tiny_tokenizer
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     from tierlm.config import TrainingConfig
-    from tierlm.strategies import PretrainStrategy
     from tierlm.loops.trainer import Trainer
+    from tierlm.strategies import PretrainStrategy
 
     class PoisonedStrategy(PretrainStrategy):
         poisoned_steps: set = {3, 5, 6, 7}
@@ -240,8 +272,14 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
 
     backend = _backend(tmp_path, max_grad_norm=1.0)
     strategy = PoisonedStrategy()
-    trainer = Trainer(backend, strategy, train_loader=Loader(), config=TrainingConfig(
-        num_train_steps=10, save_steps=2, eval_steps=0, logging_steps=1, max_consecutive_nonfinite=3))
+    trainer = Trainer(
+        backend,
+        strategy,
+        train_loader=Loader(),
+        config=TrainingConfig(
+            num_train_steps=10, save_steps=2, eval_steps=0, logging_steps=1, max_consecutive_nonfinite=3
+        ),
+    )
     original = trainer.step
 
     def step_and_count(batches):
@@ -269,10 +307,14 @@ def test_failing_writer_is_a_clear_error_and_keeps_older_checkpoints(tmp_path, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint.core.torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match="could not write checkpoint .*step_2: No space left on device; older checkpoints"):
+    with pytest.raises(
+        CheckpointError, match="could not write checkpoint .*step_2: No space left on device; older checkpoints"
+    ):
         backend.save_checkpoint(2).wait()
     assert checkpoint.find_latest_checkpoint(tmp_path / "ckpt") == first and checkpoint.verify_checkpoint(first) is None
-    assert [p.name for p in (tmp_path / "ckpt").iterdir()] and not any(p.name.startswith(".tmp") for p in (tmp_path / "ckpt").iterdir())
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] and not any(
+        p.name.startswith(".tmp") for p in (tmp_path / "ckpt").iterdir()
+    )
 
 
 def test_async_save_writes_the_same_files_as_sync(tmp_path):

@@ -8,7 +8,9 @@ from tierlm.errors import ConfigError
 
 
 def test_yaml_overrides_and_round_trip(tmp_path):
-    config = TierlmConfig.load(REPO / "configs" / "tiny_pretrain.yaml", ["training.learning_rate=1e-3", "model.depth=3"])
+    config = TierlmConfig.load(
+        REPO / "configs" / "tiny_pretrain.yaml", ["training.learning_rate=1e-3", "model.depth=3"]
+    )
     assert config.training.learning_rate == 1e-3 and config.model.depth == 3
     assert config.data.dataset_name == "synthetic:arithmetic"
     config.to_yaml(tmp_path / "c.yaml")
@@ -58,8 +60,20 @@ def test_bad_yaml_and_missing_file(tmp_path):
         ["pretrain", "infra.device_type=cuda", "infra.output_dir={tmp}/run"],
         ["sample", "--checkpoint", "/definitely/not/here", "--prompt", "hi"],
         # A missing earlier stage is a one-line error at once, never a hub download with retries.
-        ["sft", "--config", "configs/tiny_sft.yaml", "model.model_name_or_path=./no_such_run", "infra.output_dir={tmp}/run"],
-        ["rl", "--config", "configs/tiny_rl.yaml", "model.model_name_or_path=tests/no_such_run", "infra.output_dir={tmp}/run"],
+        [
+            "sft",
+            "--config",
+            "configs/tiny_sft.yaml",
+            "model.model_name_or_path=./no_such_run",
+            "infra.output_dir={tmp}/run",
+        ],
+        [
+            "rl",
+            "--config",
+            "configs/tiny_rl.yaml",
+            "model.model_name_or_path=tests/no_such_run",
+            "infra.output_dir={tmp}/run",
+        ],
         ["rl", "--config", "configs/tiny_rl.yaml", "rl.prompts_per_step=0", "infra.output_dir={tmp}/run"],
         ["eval", "--checkpoint", "./no_such_run", "--config", "configs/tiny_rl.yaml"],
         ["dpo", "--config", "configs/tiny_dpo.yaml", "dpo.beta=0", "infra.output_dir={tmp}/run"],

@@ -20,6 +20,7 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.errors import DataError
+from tierlm.stages import STAGES
 
 
 def test_arithmetic_splits_are_disjoint_and_deterministic():
@@ -33,7 +34,10 @@ def test_arithmetic_splits_are_disjoint_and_deterministic():
 
 def _docs(n=60, seed=0):
     rng = np.random.default_rng(seed)
-    return Documents(ListExamples([np.arange(1, rng.integers(3, 20)) for _ in range(n)]), lambda items: [Document(np.asarray(x)) for x in items])
+    return Documents(
+        ListExamples([np.arange(1, rng.integers(3, 20)) for _ in range(n)]),
+        lambda items: [Document(np.asarray(x)) for x in items],
+    )
 
 
 def _same(a, b):
@@ -73,7 +77,9 @@ def test_prefetcher_hands_out_the_same_batches_and_resumable_state():
 
 def test_rows_open_with_the_oldest_document_then_fill_best_fit():
     """Documents of 11, 6, 4, 3 and 13 tokens (unshuffled, then again next epoch) into rows of 16."""
-    docs = Documents(ListExamples([[9] + [1] * n for n in (10, 5, 3, 2, 12)]), lambda xs: [Document(np.asarray(x)) for x in xs])
+    docs = Documents(
+        ListExamples([[9] + [1] * n for n in (10, 5, 3, 2, 12)]), lambda xs: [Document(np.asarray(x)) for x in xs]
+    )
     loader = PackedLoader(docs, batch_size=1, seq_len=15, mode="crop", shuffle=False, document_positions=True)
     rows = [loader.next_batch() for _ in range(3)]
     lengths = [np.diff(np.flatnonzero(np.r_[r["position_ids"][0].numpy() == 0, True])).tolist() for r in rows]
@@ -92,8 +98,12 @@ def test_rows_open_in_arrival_order_so_no_document_waits_long():
     rng = np.random.default_rng(0)
     sizes = rng.integers(5, 60, size=3000)
     # document i is made of the value i + 1, so rows tell which documents they hold
-    docs = Documents(ListExamples([np.full(n, i + 1) for i, n in enumerate(sizes)]), lambda xs: [Document(np.asarray(x)) for x in xs])
-    loader = PackedLoader(docs, batch_size=4, seq_len=127, mode="pad", shuffle=False, buffer_docs=200, document_positions=True)
+    docs = Documents(
+        ListExamples([np.full(n, i + 1) for i, n in enumerate(sizes)]), lambda xs: [Document(np.asarray(x)) for x in xs]
+    )
+    loader = PackedLoader(
+        docs, batch_size=4, seq_len=127, mode="pad", shuffle=False, buffer_docs=200, document_positions=True
+    )
     placed: set[int] = set()
     openers = []
     while len(placed) < 2500:
@@ -118,10 +128,14 @@ def test_pad_mode_never_drops_a_token_and_fills_rows():
 
 def test_rank_shards_cover_documents_once():
     n = 90
-    docs = Documents(ListExamples([[i] * (1 + i % 5) for i in range(n)]), lambda xs: [Document(np.asarray(x)) for x in xs])
+    docs = Documents(
+        ListExamples([[i] * (1 + i % 5) for i in range(n)]), lambda xs: [Document(np.asarray(x)) for x in xs]
+    )
     seen = []
     for rank in range(3):
-        loader = PackedLoader(docs, batch_size=2, seq_len=15, mode="pad", seed=2, rank=rank, world_size=3, buffer_docs=16)
+        loader = PackedLoader(
+            docs, batch_size=2, seq_len=15, mode="pad", seed=2, rank=rank, world_size=3, buffer_docs=16
+        )
         loader.repeat = False
         ranks_docs = set()
         for batch in loader:
@@ -158,18 +172,39 @@ def test_packed_row_loss_equals_documents_alone(tiny_tokenizer):
     with torch.no_grad():
         for p in native.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
+    hf = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    ).eval()
     conversations = [p.conversation for p in ArithmeticTask().problems("train", 6, seed=4)]
-    conversations[2] = conversations[2] + [{"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+    conversations[2] = conversations[2] + [
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
     docs = Documents(ListExamples(conversations), chat_documents(tiny_tokenizer))
-    loader = PackedLoader(docs, batch_size=1, seq_len=127, mode="pad", shuffle=False, document_positions=True,
-                          pad_id=tiny_tokenizer.pad_id)
+    loader = PackedLoader(
+        docs,
+        batch_size=1,
+        seq_len=127,
+        mode="pad",
+        shuffle=False,
+        document_positions=True,
+        pad_id=tiny_tokenizer.pad_id,
+    )
     strategy = SFTStrategy()
     raw = loader.next_batch()
     packed = strategy.prepare_batch(raw)
     starts = (raw["position_ids"][0] == 0).nonzero().flatten().tolist() + [raw["tokens"].shape[1]]
-    documents = [(raw["tokens"][:, a:b], raw["mask"][:, a:b]) for a, b in zip(starts, starts[1:]) if raw["mask"][0, a:b].any()]
+    documents = [
+        (raw["tokens"][:, a:b], raw["mask"][:, a:b]) for a, b in zip(starts, starts[1:]) if raw["mask"][0, a:b].any()
+    ]
     assert len(documents) >= 4, "several conversations share the row"
     for model in (native, hf):
         with torch.no_grad():
@@ -187,8 +222,14 @@ def test_sources_text_jsonl_parquet_dataset_folder(tmp_path):
     import datasets
 
     (tmp_path / "a.txt").write_text("first doc\nline two\n\nsecond doc\n")
-    assert open_examples(str(tmp_path / "a.txt"), SourceOptions()).fetch([0, 1]) == ["first doc\nline two", "second doc"]
-    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"prompt": "p", "completion": "c"}]
+    assert open_examples(str(tmp_path / "a.txt"), SourceOptions()).fetch([0, 1]) == [
+        "first doc\nline two",
+        "second doc",
+    ]
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"prompt": "p", "completion": "c"},
+    ]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     chats = open_examples(str(tmp_path / "d.jsonl"), SourceOptions(kind="chat"))
     assert chats[1] == [{"role": "user", "content": "p"}, {"role": "assistant", "content": "c"}]
@@ -234,7 +275,7 @@ def test_token_file_trains_with_flat_resident_memory(tmp_path):
     with open(path, "wb") as f:
         for _ in range(16):
             chunk = rng.integers(1, 1000, size=n_tokens // 16, dtype=np.uint16)
-            chunk[:: 997] = 0  # a document every ~1k tokens
+            chunk[::997] = 0  # a document every ~1k tokens
             f.write(chunk.tobytes())
     before = rss_mb()
     examples = open_examples(str(path), SourceOptions(separator_id=0, vocab_size=1000))
@@ -256,9 +297,14 @@ def _write(tmp_path, name, content):
     "name,content,kind,match",
     [
         ("d.jsonl", '{"text": "ok"}\n{"text": oops}\n', "text", r"d.jsonl:2: malformed JSON"),
-        ("d.jsonl", '{"body": "x", "id": 1}\n', "text", r"d.jsonl:1: no 'text' field; fields present: \['body', 'id'\]"),
+        (
+            "d.jsonl",
+            '{"body": "x", "id": 1}\n',
+            "text",
+            r"d.jsonl:1: no 'text' field; fields present: \['body', 'id'\]",
+        ),
         ("d.jsonl", '{"question": "x"}\n', "chat", r"fields present: \['question'\]"),
-        ("d.jsonl", '[1, 2]\n', "text", r"d.jsonl:1: expected a JSON object, got list"),
+        ("d.jsonl", "[1, 2]\n", "text", r"d.jsonl:1: expected a JSON object, got list"),
         ("d.jsonl", "\n\n", "text", "holds no examples"),
         ("d.txt", b"\xff\xfe bad bytes", "text", "not UTF-8"),
         ("d.txt", "plain text", "chat", "chat examples come from JSONL"),
@@ -326,9 +372,8 @@ def test_split_long_documents_trains_on_every_token_once_per_epoch():
 
 
 def test_split_documents_resume_exactly_mid_document():
-    from tierlm.data import Document, PackedLoader
+    from tierlm.data import Document, Documents, PackedLoader
     from tierlm.data.sources import ListExamples
-    from tierlm.data import Documents
 
     rng = np.random.default_rng(0)
     docs = [Document(rng.integers(0, 100, size=n)) for n in rng.integers(5, 200, size=60)]
@@ -351,15 +396,15 @@ def test_stream_mode_reads_a_text_file_as_consecutive_windows():
     once per epoch, the held-out tail after it."""
     from collections import Counter
 
+    from tierlm.build.loaders import build_loaders
     from tierlm.config import TierlmConfig
     from tierlm.data import train_char_tokenizer
     from tierlm.data.sources import builtin_corpus
-    from tierlm.build.loaders import build_loaders
 
     text = builtin_corpus("builtin:tinyshakespeare").read_text()
     tokenizer = train_char_tokenizer([text])
     config = TierlmConfig.load("gpt2-shakespeare-char", ["data.stream=true"])
-    train, val = build_loaders(config, "pretrain", tokenizer)
+    train, val = build_loaders(config, STAGES["pretrain"], tokenizer)
     ids = tokenizer.encode(text)
     cut = int(len(ids) * 0.9)
     expected = Counter(tuple(ids[i * 64 : i * 64 + 65]) for i in range((cut - 1) // 64))

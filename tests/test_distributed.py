@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from tests.conftest import REPO, run_cli, torchrun
 
 WORKER = REPO / "tests" / "distributed_worker.py"
@@ -47,7 +46,10 @@ def assert_same_steps(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    return {**run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt"), "step_5": out / "ckpt" / "step_5"}
+    return {
+        **run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt"),
+        "step_5": out / "ckpt" / "step_5",
+    }
 
 
 def test_ddp_matches_one_process(single, tmp_path):
@@ -85,7 +87,9 @@ def test_sharded_checkpoint_resumes_at_one_rank_as_if_never_stopped(single, tmp_
     run_worker("fsdp", tmp_path / "first.json", steps="0:5", save_at=5, checkpoint_dir=tmp_path / "ckpt")
     checkpoint = tmp_path / "ckpt" / "step_5"
     assert (checkpoint / "state").is_dir() and not (checkpoint / "model" / "model.safetensors").exists()
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=checkpoint, checkpoint_dir=tmp_path / "c1")
+    resumed = run_worker(
+        "single", tmp_path / "resumed.json", steps="5:10", load=checkpoint, checkpoint_dir=tmp_path / "c1"
+    )
     assert_same_steps(resumed["steps"], single["steps"][5:])
 
 
@@ -93,14 +97,21 @@ def test_full_checkpoint_resumes_at_two_ranks(single, tmp_path):
     """A one-process checkpoint (step 5) continued by 2 FSDP ranks (with activation checkpointing)
     equals the run that never stopped."""
     assert (single["step_5"] / "model" / "model.safetensors").is_file()
-    resumed = run_worker("fsdp", tmp_path / "resumed.json", steps="5:10", load=single["step_5"], checkpoint_dir=tmp_path / "c2",
-                         activation_checkpointing=1)
+    resumed = run_worker(
+        "fsdp",
+        tmp_path / "resumed.json",
+        steps="5:10",
+        load=single["step_5"],
+        checkpoint_dir=tmp_path / "c2",
+        activation_checkpointing=1,
+    )
     assert_same_steps(resumed["steps"], single["steps"][5:])
 
 
 def test_tier2_factories_train_the_same_steps(tmp_path):
     """`create_fsdp_backend` and `create_ddp_backend` from one model folder compute the same 3 updates."""
     from tests.distributed_worker import CONFIG
+
     from tierlm.models import build_gpt, save_model_folder
 
     torch.manual_seed(0)
@@ -139,10 +150,27 @@ _JOB_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 def _start_training_job(out: Path, *overrides: str) -> subprocess.Popen:
     """A 2-rank DDP `tierlm pretrain` under torchrun, returned once it has logged a few training steps."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "tierlm",
-               "pretrain", "--config", "configs/tiny_pretrain.yaml", f"infra.output_dir={out}", "training.warmup_steps=1",
-               "training.logging_steps=1", "training.eval_steps=0", "data.num_synthetic_examples=3000", "infra.progress_bar=false",
-               "infra.distributed_type=ddp", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "tierlm",
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        f"infra.output_dir={out}",
+        "training.warmup_steps=1",
+        "training.logging_steps=1",
+        "training.eval_steps=0",
+        "data.num_synthetic_examples=3000",
+        "infra.progress_bar=false",
+        "infra.distributed_type=ddp",
+        *overrides,
+    ]
     job = subprocess.Popen(command, cwd=REPO, env=_JOB_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
@@ -175,9 +203,18 @@ def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
 def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     """`torchrun -m tierlm pretrain` at 2 ranks == 1 process at the same global batch; its sharded
     checkpoint resumes in one process (same losses), and `tierlm export` gathers it into a full folder."""
-    common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=12", "training.warmup_steps=2",
-              "training.save_steps=6", "training.eval_steps=6", "training.logging_steps=3", "data.num_synthetic_examples=3000",
-              "infra.progress_bar=false"]
+    common = [
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        "training.num_train_steps=12",
+        "training.warmup_steps=2",
+        "training.save_steps=6",
+        "training.eval_steps=6",
+        "training.logging_steps=3",
+        "data.num_synthetic_examples=3000",
+        "infra.progress_bar=false",
+    ]
     two = tmp_path / "two"
     result = torchrun("-m", "tierlm", *common, f"infra.output_dir={two}", "training.per_device_train_batch_size=8")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -186,7 +223,9 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     result = run_cli(*common, f"infra.output_dir={one}", "training.per_device_train_batch_size=16")
     assert result.returncode == 0, result.stderr[-3000:]
 
-    def lines(run: Path) -> list[dict]:  # train and eval lines (FSDP ranks write no "sample" lines: they would generate together)
+    def lines(
+        run: Path,
+    ) -> list[dict]:  # train and eval lines (FSDP ranks write no "sample" lines: they would generate together)
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return [r for r in records if r["type"] in ("train", "eval")]
 
@@ -197,7 +236,10 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     assert [(r["type"], r["step"]) for r in a] == [(r["type"], r["step"]) for r in b]
     assert all(abs(key(x) - key(y)) < 1e-4 for x, y in zip(a, b)), list(zip(map(key, a), map(key, b)))
     last_a, last_b = (next(r for r in reversed(rs) if r["type"] == "train") for rs in (a, b))
-    assert last_a["param_bytes"] < 0.55 * last_b["param_bytes"] and last_a["optimizer_bytes"] < 0.55 * last_b["optimizer_bytes"]
+    assert (
+        last_a["param_bytes"] < 0.55 * last_b["param_bytes"]
+        and last_a["optimizer_bytes"] < 0.55 * last_b["optimizer_bytes"]
+    )
 
     # Resume the 2-rank run's step-6 checkpoint in one process.
     import shutil
@@ -211,11 +253,16 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     assert all(abs(key(x) - key(y)) < 1e-4 for x, y in zip(c, b))
 
     # Export a sharded checkpoint: transformers loads it, with the weights the run ended with.
-    result = torchrun("-m", "tierlm", *common, f"infra.output_dir={tmp_path / 'three'}", "training.per_device_train_batch_size=8")
+    result = torchrun(
+        "-m", "tierlm", *common, f"infra.output_dir={tmp_path / 'three'}", "training.per_device_train_batch_size=8"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_cli("export", tmp_path / "three" / "checkpoints" / "step_12", tmp_path / "exported")
     assert result.returncode == 0, result.stderr
-    exported, final = load_file(tmp_path / "exported" / "model.safetensors"), load_file(tmp_path / "three" / "model" / "model.safetensors")
+    exported, final = (
+        load_file(tmp_path / "exported" / "model.safetensors"),
+        load_file(tmp_path / "three" / "model" / "model.safetensors"),
+    )
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     from transformers import AutoModelForCausalLM
 
@@ -229,19 +276,36 @@ def test_fsdp_sharding_strategies_match_one_process(tmp_path):
     """infra.fsdp_sharding_strategy: SHARD_GRAD_OP (blocks stay gathered until their backward) and
     HYBRID_SHARD (a 2-D replicate x shard mesh; one machine here, so 1 x 2) train as one process does
     on the same global batch; the planner counts SHARD_GRAD_OP's gathered blocks."""
-    common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=6", "training.warmup_steps=0",
-              "training.eval_steps=0", "training.save_steps=0", "training.logging_steps=2", "data.num_synthetic_examples=2000",
-              "infra.progress_bar=false"]
+    common = [
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        "training.num_train_steps=6",
+        "training.warmup_steps=0",
+        "training.eval_steps=0",
+        "training.save_steps=0",
+        "training.logging_steps=2",
+        "data.num_synthetic_examples=2000",
+        "infra.progress_bar=false",
+    ]
     result = run_cli(*common, f"infra.output_dir={tmp_path / 'one'}", "training.per_device_train_batch_size=16")
     assert result.returncode == 0, result.stderr[-3000:]
 
     def losses(run: Path) -> list[float]:
-        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+        return [
+            r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"
+        ]
 
     for strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD"):
         out = tmp_path / strategy
-        result = torchrun("-m", "tierlm", *common, f"infra.output_dir={out}", "training.per_device_train_batch_size=8",
-                          f"infra.fsdp_sharding_strategy={strategy}")
+        result = torchrun(
+            "-m",
+            "tierlm",
+            *common,
+            f"infra.output_dir={out}",
+            "training.per_device_train_batch_size=8",
+            f"infra.fsdp_sharding_strategy={strategy}",
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert losses(out) == pytest.approx(losses(tmp_path / "one"), abs=1e-4), strategy
         estimate = json.loads((out / "memory_estimate.json").read_text())["parts_bytes"]
@@ -250,9 +314,20 @@ def test_fsdp_sharding_strategies_match_one_process(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fsdp_bf16_on_one_gpu(tmp_path):
-    result = torchrun("-m", "tierlm", "pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=20",
-                      "training.warmup_steps=2", "training.bf16=true", "infra.distributed_type=fsdp", "infra.device_type=cuda",
-                      f"infra.output_dir={tmp_path}", nproc=1)
+    result = torchrun(
+        "-m",
+        "tierlm",
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        "training.num_train_steps=20",
+        "training.warmup_steps=2",
+        "training.bf16=true",
+        "infra.distributed_type=fsdp",
+        "infra.device_type=cuda",
+        f"infra.output_dir={tmp_path}",
+        nproc=1,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -261,16 +336,49 @@ def test_rl_and_dpo_under_torchrun(tmp_path):
     pass@k problems are shared out and summed; rank 0 writes the logs and the model. `tierlm dpo`
     under torchrun (FSDP) matches one process on the same global batch."""
     sft = tmp_path / "sft"
-    tiny = ["model.depth=2", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "data.max_seq_length=64",
-            "data.num_synthetic_examples=2000", "data.num_synthetic_eval_examples=32", "training.eval_batches=1",
-            "infra.device_type=cpu", "infra.progress_bar=false"]
-    result = run_cli("sft", "--config", "configs/tiny_sft.yaml", "model.model_name_or_path=null", "model.architecture=gpt", *tiny,
-                     "training.num_train_steps=20", "training.eval_steps=0", f"infra.output_dir={sft}")
+    tiny = [
+        "model.depth=2",
+        "model.aspect_ratio=32",
+        "model.head_dim=32",
+        "tokenizer.vocab_size=300",
+        "data.max_seq_length=64",
+        "data.num_synthetic_examples=2000",
+        "data.num_synthetic_eval_examples=32",
+        "training.eval_batches=1",
+        "infra.device_type=cpu",
+        "infra.progress_bar=false",
+    ]
+    result = run_cli(
+        "sft",
+        "--config",
+        "configs/tiny_sft.yaml",
+        "model.model_name_or_path=null",
+        "model.architecture=gpt",
+        *tiny,
+        "training.num_train_steps=20",
+        "training.eval_steps=0",
+        f"infra.output_dir={sft}",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rl = tmp_path / "rl"
-    result = torchrun("-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", f"model.model_name_or_path={sft}", *tiny,
-                      "training.num_train_steps=2", "training.eval_steps=2", "training.logging_steps=1", "rl.eval_problems=4",
-                      "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.micro_batch_size=2", f"infra.output_dir={rl}")
+    result = torchrun(
+        "-m",
+        "tierlm",
+        "rl",
+        "--config",
+        "configs/tiny_rl.yaml",
+        f"model.model_name_or_path={sft}",
+        *tiny,
+        "training.num_train_steps=2",
+        "training.eval_steps=2",
+        "training.logging_steps=1",
+        "rl.eval_problems=4",
+        "rl.prompts_per_step=4",
+        "rl.group_size=2",
+        "rl.max_new_tokens=6",
+        "rl.micro_batch_size=2",
+        f"infra.output_dir={rl}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("held-out pass@1") == 1
     records = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
@@ -280,15 +388,35 @@ def test_rl_and_dpo_under_torchrun(tmp_path):
     assert (rl / "checkpoints" / "step_2" / "state").is_dir() and (rl / "model" / "model.safetensors").is_file()
 
     # DPO at 2 ranks x 4 pairs computes what 1 process x 8 pairs does (pairs are never split across ranks).
-    dpo = ["dpo", "--config", "configs/tiny_dpo.yaml", f"model.model_name_or_path={sft}", *tiny, "data.num_synthetic_examples=64",
-           "data.num_synthetic_eval_examples=16", "training.num_train_steps=4", "training.eval_steps=2", "training.logging_steps=1",
-           "training.warmup_steps=0", "training.per_device_eval_batch_size=4", "training.eval_batches=4"]
-    result = torchrun("-m", "tierlm", *dpo, "training.per_device_train_batch_size=4", f"infra.output_dir={tmp_path / 'dpo2'}")
+    dpo = [
+        "dpo",
+        "--config",
+        "configs/tiny_dpo.yaml",
+        f"model.model_name_or_path={sft}",
+        *tiny,
+        "data.num_synthetic_examples=64",
+        "data.num_synthetic_eval_examples=16",
+        "training.num_train_steps=4",
+        "training.eval_steps=2",
+        "training.logging_steps=1",
+        "training.warmup_steps=0",
+        "training.per_device_eval_batch_size=4",
+        "training.eval_batches=4",
+    ]
+    result = torchrun(
+        "-m", "tierlm", *dpo, "training.per_device_train_batch_size=4", f"infra.output_dir={tmp_path / 'dpo2'}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_cli(*dpo, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'dpo1'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    two, one = ([r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines()) if r["type"] in ("train", "eval")]
-                for run in ("dpo2", "dpo1"))  # FSDP writes no "sample" lines
+    two, one = (
+        [
+            r
+            for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] in ("train", "eval")
+        ]
+        for run in ("dpo2", "dpo1")
+    )  # FSDP writes no "sample" lines
     assert [(r["type"], r["step"]) for r in two] == [(r["type"], r["step"]) for r in one]
     for a, b in zip(two, one):
         for key in ("loss", "val_loss", "pref_acc", "reward_margin"):
@@ -301,8 +429,14 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Only rank 1 is signalled: the ranks agree at the next step boundary, write one complete sharded
     checkpoint together, exit 143, and the same command resumes from it to the end."""
     out = tmp_path / "run"
-    job = _start_training_job(out, "training.num_train_steps=60", "training.save_steps=0", "model.depth=2", "model.aspect_ratio=32",
-                              "data.max_seq_length=64")
+    job = _start_training_job(
+        out,
+        "training.num_train_steps=60",
+        "training.save_steps=0",
+        "model.depth=2",
+        "model.aspect_ratio=32",
+        "data.max_seq_length=64",
+    )
     try:
         pid = _rank_pid(job.pid, 1)
         assert pid is not None, "rank 1's process not found"
@@ -328,13 +462,40 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 def test_an_ablation_under_torchrun_runs_each_variant_on_every_rank(tmp_path):
     """`torchrun -m tierlm ablate`: the variants run one after another on both ranks in one process
     group (joining a new group per variant would hang); rank 0 alone writes the records."""
-    tiny = ["model.depth=1", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=200",
-            "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16", "data.max_seq_length=32", "training.num_train_steps=4",
-            "training.warmup_steps=0", "training.eval_steps=2", "training.eval_batches=1", "training.per_device_train_batch_size=4",
-            "training.sample_prompts=[]", "infra.progress_bar=false", "infra.device_type=cpu"]
+    tiny = [
+        "model.depth=1",
+        "model.aspect_ratio=32",
+        "model.head_dim=32",
+        "tokenizer.vocab_size=300",
+        "tokenizer.num_train_docs=200",
+        "data.num_synthetic_examples=200",
+        "data.num_synthetic_eval_examples=16",
+        "data.max_seq_length=32",
+        "training.num_train_steps=4",
+        "training.warmup_steps=0",
+        "training.eval_steps=2",
+        "training.eval_batches=1",
+        "training.per_device_train_batch_size=4",
+        "training.sample_prompts=[]",
+        "infra.progress_bar=false",
+        "infra.device_type=cpu",
+    ]
     out = tmp_path / "abl"
-    result = torchrun("-m", "tierlm", "ablate", "--config", "configs/tiny_pretrain.yaml", *tiny, "--variant", "a:training.learning_rate=3e-3",
-                      "--variant", "b:training.learning_rate=1e-3", "--out", out, timeout=240)
+    result = torchrun(
+        "-m",
+        "tierlm",
+        "ablate",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        *tiny,
+        "--variant",
+        "a:training.learning_rate=3e-3",
+        "--variant",
+        "b:training.learning_rate=1e-3",
+        "--out",
+        out,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert all(runs[v]["0"]["finished"] and runs[v]["0"]["steps"] == 4 for v in ("a", "b"))

@@ -14,8 +14,17 @@ def qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=120,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
@@ -24,7 +33,9 @@ def test_initialised_from_qwen3_the_decoder_is_the_source_model(qwen3, tied):
     if tied:
         from transformers import Qwen3ForCausalLM
 
-        qwen3 = Qwen3ForCausalLM(qwen3.config.__class__(**{**qwen3.config.to_dict(), "tie_word_embeddings": True})).eval()
+        qwen3 = Qwen3ForCausalLM(
+            qwen3.config.__class__(**{**qwen3.config.to_dict(), "tie_word_embeddings": True})
+        ).eval()
     model = initialize_from_qwen3(qwen3, num_sentinel_tokens=10).eval()
     assert model.config.vocab_size == 120 + 10 + 3 and model.config.tie_word_embeddings == tied
     ids = torch.randint(0, 120, (2, 17))
@@ -43,21 +54,39 @@ def test_initialised_from_qwen3_the_decoder_is_the_source_model(qwen3, tied):
 
 def test_a_packed_row_computes_its_examples_alone():
     torch.manual_seed(1)
-    model = build_qwen3_encdec(Qwen3EncDecConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                                 num_key_value_heads=2, head_dim=8)).eval()
+    model = build_qwen3_encdec(
+        Qwen3EncDecConfig(
+            vocab_size=60,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    ).eval()
     with torch.no_grad():
         for module in model.modules():  # the fresh model's residual projections are zero: make everything matter
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(std=0.2)
-    examples = [(torch.randint(0, 60, (5,)), torch.randint(0, 60, (4,))), (torch.randint(0, 60, (7,)), torch.randint(0, 60, (3,)))]
+    examples = [
+        (torch.randint(0, 60, (5,)), torch.randint(0, 60, (4,))),
+        (torch.randint(0, 60, (7,)), torch.randint(0, 60, (3,))),
+    ]
     from tierlm.data.ul2 import UL2DataCollator
 
     batch = UL2DataCollator(max_encoder_length=14, max_decoder_length=9, pad_token_id=0, eos_token_id=1)(
-        [(e.tolist(), d.tolist()) for e, d in examples])
+        [(e.tolist(), d.tolist()) for e, d in examples]
+    )
     assert batch["input_ids"].shape[0] == 1  # both in one row
     with torch.no_grad():
-        packed = model(batch["input_ids"], batch["decoder_input_ids"], batch["encoder_segment_ids"], batch["decoder_segment_ids"],
-                       batch["encoder_positions"], batch["decoder_positions"])
+        packed = model(
+            batch["input_ids"],
+            batch["decoder_input_ids"],
+            batch["encoder_segment_ids"],
+            batch["decoder_segment_ids"],
+            batch["encoder_positions"],
+            batch["decoder_positions"],
+        )
         for segment, (enc, dec) in enumerate(examples, start=1):
             alone = model(enc[None], torch.cat([torch.tensor([0]), dec])[None])[0]
             torch.testing.assert_close(packed[0][batch["decoder_segment_ids"][0] == segment], alone, rtol=0, atol=1e-5)
@@ -65,8 +94,17 @@ def test_a_packed_row_computes_its_examples_alone():
 
 def _tiny_model():
     torch.manual_seed(2)
-    model = build_qwen3_encdec(Qwen3EncDecConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64)).eval()
+    model = build_qwen3_encdec(
+        Qwen3EncDecConfig(
+            vocab_size=60,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+    ).eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
@@ -95,13 +133,17 @@ def test_incremental_decoding_equals_the_full_forward():
 
 
 def test_saved_and_loaded_as_a_tierlm_folder(tmp_path):
+    from tierlm.build.model import new_model
     from tierlm.config import TierlmConfig
     from tierlm.models import family_for_folder, load_pretrained_model, save_model_folder
-    from tierlm.plan.scaling import new_model
 
     config = TierlmConfig.load("ul2-tiny", ["model.depth=1"])
     model = new_model(config, 300, "cpu")
-    assert type(model).__name__ == "Qwen3ForSeq2SeqLM" and model.config.hidden_size == 64 and model.config.num_key_value_heads == 2
+    assert (
+        type(model).__name__ == "Qwen3ForSeq2SeqLM"
+        and model.config.hidden_size == 64
+        and model.config.num_key_value_heads == 2
+    )
     save_model_folder(model, tmp_path / "m")
     assert family_for_folder(tmp_path / "m").name == "qwen3_encdec" and not (tmp_path / "m" / "config.json").exists()
     loaded = load_pretrained_model(tmp_path / "m")
@@ -118,10 +160,24 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
 
     from conftest import resume_from_checkpoint, run_cli
 
-    args = ["pretrain", "--config", "ul2-tiny", "model.depth=1", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=300",
-            "training.num_train_steps=6", "training.save_steps=3", "training.eval_steps=6", "training.eval_batches=2",
-            "training.logging_steps=1", "training.warmup_steps=1", "training.per_device_train_batch_size=4",
-            "data.max_encoder_length=64", "data.max_decoder_length=32", "infra.progress_bar=false"]
+    args = [
+        "pretrain",
+        "--config",
+        "ul2-tiny",
+        "model.depth=1",
+        "tokenizer.vocab_size=300",
+        "tokenizer.num_train_docs=300",
+        "training.num_train_steps=6",
+        "training.save_steps=3",
+        "training.eval_steps=6",
+        "training.eval_batches=2",
+        "training.logging_steps=1",
+        "training.warmup_steps=1",
+        "training.per_device_train_batch_size=4",
+        "data.max_encoder_length=64",
+        "data.max_decoder_length=32",
+        "infra.progress_bar=false",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
         result = run_cli(*args, f"infra.output_dir={out}")
@@ -131,7 +187,9 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     def lines(run, kind):
         return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == kind]
 
-    assert [(r["step"], r["loss"]) for r in lines(resumed, "train")][-3:] == [(r["step"], r["loss"]) for r in lines(straight, "train")][-3:]
+    assert [(r["step"], r["loss"]) for r in lines(resumed, "train")][-3:] == [
+        (r["step"], r["loss"]) for r in lines(straight, "train")
+    ][-3:]
     assert lines(straight, "eval")[-1]["val_loss"] == lines(resumed, "eval")[-1]["val_loss"]
     a, b = load_file(straight / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -141,8 +199,18 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     assert "<extra_id_31>" in tokenizer.hf.get_vocab()
     saved = json.loads((straight / "model" / "tierlm_model.json").read_text())
     assert saved["decoder_start_token_id"] == tokenizer.pad_id  # generation starts where training's decoder rows start
-    sample = run_cli("sample", "--checkpoint", straight, "--prompt", "[R]ROMEO: what light <extra_id_0> window breaks", "--max-new-tokens", "6")
-    assert sample.returncode == 0 and not sample.stderr.strip(), sample.stderr[-2000:]  # 6 steps in, it may well answer end-of-text at once
+    sample = run_cli(
+        "sample",
+        "--checkpoint",
+        straight,
+        "--prompt",
+        "[R]ROMEO: what light <extra_id_0> window breaks",
+        "--max-new-tokens",
+        "6",
+    )
+    assert sample.returncode == 0 and not sample.stderr.strip(), sample.stderr[
+        -2000:
+    ]  # 6 steps in, it may well answer end-of-text at once
 
 
 @pytest.mark.slow
@@ -153,18 +221,41 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
 
     from conftest import run_cli, torchrun
 
-    common = ["pretrain", "--config", "ul2-tiny", "model.depth=1", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=300",
-              "training.num_train_steps=4", "training.warmup_steps=0", "training.eval_steps=4", "training.eval_batches=2",
-              "training.save_steps=0", "training.logging_steps=1", "data.max_encoder_length=64", "data.max_decoder_length=32",
-              "infra.progress_bar=false"]
+    common = [
+        "pretrain",
+        "--config",
+        "ul2-tiny",
+        "model.depth=1",
+        "tokenizer.vocab_size=300",
+        "tokenizer.num_train_docs=300",
+        "training.num_train_steps=4",
+        "training.warmup_steps=0",
+        "training.eval_steps=4",
+        "training.eval_batches=2",
+        "training.save_steps=0",
+        "training.logging_steps=1",
+        "data.max_encoder_length=64",
+        "data.max_decoder_length=32",
+        "infra.progress_bar=false",
+    ]
     one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun("-m", "tierlm", *common, "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp",
-                   f"infra.output_dir={tmp_path / 'two'}")
+    two = torchrun(
+        "-m",
+        "tierlm",
+        *common,
+        "training.per_device_train_batch_size=4",
+        "infra.distributed_type=fsdp",
+        f"infra.output_dir={tmp_path / 'two'}",
+    )
     assert two.returncode == 0, two.stderr[-3000:]
 
     def records(run):
-        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] in ("train", "eval")]
+        return [
+            r
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] in ("train", "eval")
+        ]
 
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
     assert [(r["type"], r["step"]) for r in a] == [(r["type"], r["step"]) for r in b] and len(a) == 6  # eval at 0 and 4
@@ -183,31 +274,60 @@ def test_ul2_starts_from_a_decoder_only_qwen3_folder_and_reads_a_stream(tmp_path
 
     from conftest import run_cli
     from test_streaming import parquet_shards
+    from tierlm.build.model import build_model
+    from tierlm.build.tokenizer import run_tokenizer
     from tierlm.config import TierlmConfig
     from tierlm.models import family_for_folder
-    from tierlm.build.model import build_model
-    from tierlm.run import run_tokenizer
 
     torch.manual_seed(0)
     vocab = len(tiny_tokenizer.hf)
-    source = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)).eval()
+    source = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        )
+    ).eval()
     source.save_pretrained(tmp_path / "qwen3")
     tiny_tokenizer.save(tmp_path / "qwen3")
     data = parquet_shards(tmp_path / "data", words=40)
-    overrides = [f"model.model_name_or_path={tmp_path / 'qwen3'}", f"data.dataset_name={data}", "data.streaming=true",
-                 "data.shuffle_buffer_size=8", "data.eval_stream_examples=8", "data.max_encoder_length=64", "data.max_decoder_length=32",
-                 "training.num_train_steps=3", "training.eval_steps=3", "training.eval_batches=2", "training.warmup_steps=1",
-                 "training.per_device_train_batch_size=2", "training.save_steps=3", "infra.progress_bar=false", f"infra.output_dir={tmp_path / 'run'}"]
+    overrides = [
+        f"model.model_name_or_path={tmp_path / 'qwen3'}",
+        f"data.dataset_name={data}",
+        "data.streaming=true",
+        "data.shuffle_buffer_size=8",
+        "data.eval_stream_examples=8",
+        "data.max_encoder_length=64",
+        "data.max_decoder_length=32",
+        "training.num_train_steps=3",
+        "training.eval_steps=3",
+        "training.eval_batches=2",
+        "training.warmup_steps=1",
+        "training.per_device_train_batch_size=2",
+        "training.save_steps=3",
+        "infra.progress_bar=false",
+        f"infra.output_dir={tmp_path / 'run'}",
+    ]
 
     config = TierlmConfig.load("ul2-tiny", overrides)
-    tokenizer = run_tokenizer(config, "pretrain", tmp_path / "qwen3", None, None)
+    tokenizer = run_tokenizer(config, "text", tmp_path / "qwen3", None, None)
     model = build_model(config, tokenizer, torch.device("cpu"), tmp_path / "qwen3").eval()
     assert type(model).__name__ == "Qwen3ForSeq2SeqLM" and tokenizer.vocab_size == vocab + 32 + 3
     assert model.config.decoder_start_token_id == tokenizer.pad_id
     ids = torch.randint(0, vocab, (2, 11))
     with torch.no_grad():
-        torch.testing.assert_close(model(torch.randint(0, tokenizer.vocab_size, (2, 5)), ids)[..., :vocab], source(ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(torch.randint(0, tokenizer.vocab_size, (2, 5)), ids)[..., :vocab],
+            source(ids).logits,
+            rtol=0,
+            atol=1e-5,
+        )
 
     result = run_cli("pretrain", "--config", "ul2-tiny", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,13 +8,23 @@ import torch
 from conftest import run_cli
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.build.model import run_stage
+from tierlm.stages import run_stage
 
 TINY = [
-    "model.depth=2", "model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300",
-    "data.num_synthetic_examples=3000", "data.num_synthetic_eval_examples=64", "data.max_seq_length=64",
-    "training.per_device_train_batch_size=8", "training.per_device_eval_batch_size=16", "training.eval_batches=2",
-    "training.learning_rate=3e-3", "training.logging_steps=5", "infra.progress_bar=false", "infra.device_type=cpu",
+    "model.depth=2",
+    "model.aspect_ratio=32",
+    "model.head_dim=32",
+    "tokenizer.vocab_size=300",
+    "data.num_synthetic_examples=3000",
+    "data.num_synthetic_eval_examples=64",
+    "data.max_seq_length=64",
+    "training.per_device_train_batch_size=8",
+    "training.per_device_eval_batch_size=16",
+    "training.eval_batches=2",
+    "training.learning_rate=3e-3",
+    "training.logging_steps=5",
+    "infra.progress_bar=false",
+    "infra.device_type=cpu",
 ]
 
 
@@ -25,8 +35,16 @@ def _lines(path):
 @pytest.mark.slow
 def test_cli_pretrain_sft_sample(tmp_path):
     pre, sft = tmp_path / "pre", tmp_path / "sft"
-    result = run_cli("pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY, "training.num_train_steps=40",
-                     "training.eval_steps=20", "training.warmup_steps=2", f"infra.output_dir={pre}")
+    result = run_cli(
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        *TINY,
+        "training.num_train_steps=40",
+        "training.eval_steps=20",
+        "training.warmup_steps=2",
+        f"infra.output_dir={pre}",
+    )
     assert result.returncode == 0, result.stderr
     assert f"run directory: {pre}" in result.stdout and "final val loss:" in result.stdout
 
@@ -38,8 +56,17 @@ def test_cli_pretrain_sft_sample(tmp_path):
     assert evals[-1]["val_loss"] < 0.7 * evals[0]["val_loss"]
     assert (pre / "config.yaml").is_file() and (pre / "model" / "tokenizer.json").is_file()
 
-    result = run_cli("sft", "--config", "configs/tiny_sft.yaml", *TINY, f"model.model_name_or_path={pre}",
-                     "training.num_train_steps=20", "training.eval_steps=10", "training.warmup_steps=0", f"infra.output_dir={sft}")
+    result = run_cli(
+        "sft",
+        "--config",
+        "configs/tiny_sft.yaml",
+        *TINY,
+        f"model.model_name_or_path={pre}",
+        "training.num_train_steps=20",
+        "training.eval_steps=10",
+        "training.warmup_steps=0",
+        f"infra.output_dir={sft}",
+    )
     assert result.returncode == 0, result.stderr
     sft_evals = [r for r in _lines(sft / "metrics.jsonl") if r["type"] == "eval"]
     assert sft_evals[-1]["val_loss"] < sft_evals[0]["val_loss"]
@@ -50,26 +77,55 @@ def test_cli_pretrain_sft_sample(tmp_path):
 
     # RL and DPO start from the SFT run: eval lines before the first update and at the end.
     rl = tmp_path / "rl"
-    rl_args = ["rl", "--config", "configs/tiny_rl.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",
-               "training.num_train_steps=4", "training.eval_steps=2", "training.save_steps=2", "training.logging_steps=1",
-               "rl.eval_problems=3", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", f"infra.output_dir={rl}",
-               "infra.device_type=cpu"]
+    rl_args = [
+        "rl",
+        "--config",
+        "configs/tiny_rl.yaml",
+        f"model.model_name_or_path={sft}",
+        "data.max_seq_length=64",
+        "training.num_train_steps=4",
+        "training.eval_steps=2",
+        "training.save_steps=2",
+        "training.logging_steps=1",
+        "rl.eval_problems=3",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "rl.max_new_tokens=8",
+        f"infra.output_dir={rl}",
+        "infra.device_type=cpu",
+    ]
     result = run_cli(*rl_args)
     assert result.returncode == 0, result.stderr
     assert "held-out pass@1" in result.stdout
     records = _lines(rl / "metrics.jsonl")
     evals = [r for r in records if r["type"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 2, 4] and all({"pass@1", "pass@k", "k"} <= set(r) and r["k"] == 4 for r in evals)
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(
+        {"pass@1", "pass@k", "k"} <= set(r) and r["k"] == 4 for r in evals
+    )
     train = [r for r in records if r["type"] == "train"]
-    assert all({"logprob_abs_diff", "time_generation_s", "time_scoring_s", "time_training_s", "rollout_tokens_per_sec"} <= set(r)
-               for r in train)
+    assert all(
+        {"logprob_abs_diff", "time_generation_s", "time_scoring_s", "time_training_s", "rollout_tokens_per_sec"}
+        <= set(r)
+        for r in train
+    )
     assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # sampler and trainer agree on the sampled tokens
     assert (rl / "model" / "model.safetensors").is_file()
     # `tierlm eval` reproduces the run's last pass@k eval (the same seeded samples) without training.
-    result = run_cli("eval", "--checkpoint", rl, "--config", "configs/tiny_rl.yaml", "data.max_seq_length=64", "rl.eval_problems=3",
-                     "rl.max_new_tokens=8", "infra.device_type=cpu")
+    result = run_cli(
+        "eval",
+        "--checkpoint",
+        rl,
+        "--config",
+        "configs/tiny_rl.yaml",
+        "data.max_seq_length=64",
+        "rl.eval_problems=3",
+        "rl.max_new_tokens=8",
+        "infra.device_type=cpu",
+    )
     assert result.returncode == 0, result.stderr
-    assert f"pass@1 {evals[-1]['pass@1']:.3f}, pass@4 {evals[-1]['pass@k']:.3f} over 3 held-out problems" in result.stdout
+    assert (
+        f"pass@1 {evals[-1]['pass@1']:.3f}, pass@4 {evals[-1]['pass@k']:.3f} over 3 held-out problems" in result.stdout
+    )
     # Rewound to step 2 and resumed, RL repeats steps 3 and 4 exactly (rollouts are seeded by step).
     import shutil
 
@@ -82,9 +138,20 @@ def test_cli_pretrain_sft_sample(tmp_path):
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in train]
 
     dpo = tmp_path / "dpo"
-    result = run_cli("dpo", "--config", "configs/tiny_dpo.yaml", f"model.model_name_or_path={sft}", "data.max_seq_length=64",
-                     "data.num_synthetic_examples=64", "data.num_synthetic_eval_examples=16", "training.num_train_steps=3",
-                     "training.eval_steps=3", "training.warmup_steps=0", f"infra.output_dir={dpo}", "infra.device_type=cpu")
+    result = run_cli(
+        "dpo",
+        "--config",
+        "configs/tiny_dpo.yaml",
+        f"model.model_name_or_path={sft}",
+        "data.max_seq_length=64",
+        "data.num_synthetic_examples=64",
+        "data.num_synthetic_eval_examples=16",
+        "training.num_train_steps=3",
+        "training.eval_steps=3",
+        "training.warmup_steps=0",
+        f"infra.output_dir={dpo}",
+        "infra.device_type=cpu",
+    )
     assert result.returncode == 0, result.stderr
     evals = [r for r in _lines(dpo / "metrics.jsonl") if r["type"] == "eval"]
     assert evals[0]["pref_acc"] == 0.5 and evals[0]["reward_margin"] == 0.0  # policy == reference at step 0
@@ -92,8 +159,14 @@ def test_cli_pretrain_sft_sample(tmp_path):
 
 
 def _config(tmp_path, steps, **extra):
-    overrides = TINY + [f"training.num_train_steps={steps}", "training.eval_steps=0", "training.save_steps=5",
-                        "training.warmup_steps=2", "training.lr_scheduler_type=linear", f"infra.output_dir={tmp_path}"]
+    overrides = TINY + [
+        f"training.num_train_steps={steps}",
+        "training.eval_steps=0",
+        "training.save_steps=5",
+        "training.warmup_steps=2",
+        "training.lr_scheduler_type=linear",
+        f"infra.output_dir={tmp_path}",
+    ]
     return TierlmConfig.load("configs/tiny_pretrain.yaml", overrides + [f"{k}={v}" for k, v in extra.items()])
 
 
@@ -134,10 +207,23 @@ def test_transformers_architecture_from_scratch_with_tensorboard(tmp_path):
     """model.architecture=llama trains from a config; the folder reloads in transformers; TensorBoard gets events."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = ["model.architecture=llama", "model.hf_config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,"
-          " num_attention_heads: 2, num_key_value_heads: 1, max_position_embeddings: 128}", "training.report_to=[tensorboard]"]
-    config = TierlmConfig.load("configs/tiny_pretrain.yaml", [*TINY, *hf, "training.num_train_steps=4", "training.eval_steps=2",
-                                                              "training.warmup_steps=0", f"infra.output_dir={tmp_path}"])
+    hf = [
+        "model.architecture=llama",
+        "model.hf_config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,"
+        " num_attention_heads: 2, num_key_value_heads: 1, max_position_embeddings: 128}",
+        "training.report_to=[tensorboard]",
+    ]
+    config = TierlmConfig.load(
+        "configs/tiny_pretrain.yaml",
+        [
+            *TINY,
+            *hf,
+            "training.num_train_steps=4",
+            "training.eval_steps=2",
+            "training.warmup_steps=0",
+            f"infra.output_dir={tmp_path}",
+        ],
+    )
     summary = run_stage(config, "pretrain")
     assert summary["step"] == 4 and "val_loss" in summary
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
@@ -149,7 +235,9 @@ def test_transformers_architecture_from_scratch_with_tensorboard(tmp_path):
 def test_cli_tokenizer_train(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"line {i} of some text, with words and numbers {i * 7}" for i in range(200)))
-    result = run_cli("tokenizer", "train", "--data", corpus, "--out", tmp_path / "tok", "--vocab-size", "300", timeout=120)
+    result = run_cli(
+        "tokenizer", "train", "--data", corpus, "--out", tmp_path / "tok", "--vocab-size", "300", timeout=120
+    )
     assert result.returncode == 0, result.stderr
     from tierlm.data import load_tokenizer
 
@@ -169,16 +257,21 @@ def test_sft_on_a_jsonl_file_and_a_mixture(tmp_path):
     """data.dataset_name=my.jsonl just works; so does a weighted mixture; packed SFT logs its row fill."""
     data = _conversation_file(tmp_path / "my.jsonl")
     base = [*TINY, "training.num_train_steps=3", "training.eval_steps=0", "training.warmup_steps=0"]
-    config = TierlmConfig.load("configs/tiny_sft.yaml", [*base, "model.model_name_or_path=null", f"data.dataset_name={data}",
-                                                          f"infra.output_dir={tmp_path / 'a'}"])
+    config = TierlmConfig.load(
+        "configs/tiny_sft.yaml",
+        [*base, "model.model_name_or_path=null", f"data.dataset_name={data}", f"infra.output_dir={tmp_path / 'a'}"],
+    )
     summary = run_stage(config, "sft")
     assert summary["step"] == 3 and summary["val_loss"] > 0
     train = [r for r in _lines(tmp_path / "a" / "metrics.jsonl") if r["type"] == "train"]
     assert 0 < train[-1]["data_fill"] <= 1 and train[-1]["rss_mb"] > 0
 
-    mixture = f"data.mixture=[{{dataset_name: '{data}', weight: 2}}, {{dataset_name: 'synthetic:arithmetic', weight: 0.5}}]"
-    config = TierlmConfig.load("configs/tiny_sft.yaml", [*base, "model.model_name_or_path=null", mixture,
-                                                          f"infra.output_dir={tmp_path / 'b'}"])
+    mixture = (
+        f"data.mixture=[{{dataset_name: '{data}', weight: 2}}, {{dataset_name: 'synthetic:arithmetic', weight: 0.5}}]"
+    )
+    config = TierlmConfig.load(
+        "configs/tiny_sft.yaml", [*base, "model.model_name_or_path=null", mixture, f"infra.output_dir={tmp_path / 'b'}"]
+    )
     assert run_stage(config, "sft")["step"] == 3
 
 
@@ -187,9 +280,11 @@ def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
 
     data = _conversation_file(tmp_path / "my.jsonl", count=48)
     held_out = _conversation_file(tmp_path / "val.jsonl", count=10)
-    mixture = f"data.mixture=[{{dataset_name: '{data}', weight: 1}}, {{dataset_name: 'synthetic:arithmetic', weight: 1}}]"
+    mixture = (
+        f"data.mixture=[{{dataset_name: '{data}', weight: 1}}, {{dataset_name: 'synthetic:arithmetic', weight: 1}}]"
+    )
     config = TierlmConfig.load("configs/tiny_sft.yaml", [*TINY, mixture, f"data.eval_dataset_name={held_out}"])
-    trains, vals = open_splits(config, "sft", None)
+    trains, vals = open_splits(config, "chat", None)
     assert [len(t) for t, _ in trains] == [48, 3000] and [len(v) for v in vals] == [10]
 
 
@@ -197,15 +292,27 @@ def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
     "content,message",
     [
         ('{"messages": []}\n', "bad.jsonl:1: a conversation must be a non-empty list"),
-        ('{"text": "not a chat"}\n', "bad.jsonl:1: needs a 'messages' list or 'prompt'/'completion' fields; fields present: ['text']"),
-        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{oops\n',
-         "bad.jsonl:2: malformed JSON"),
+        (
+            '{"text": "not a chat"}\n',
+            "bad.jsonl:1: needs a 'messages' list or 'prompt'/'completion' fields; fields present: ['text']",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{oops\n',
+            "bad.jsonl:2: malformed JSON",
+        ),
     ],
 )
 def test_cli_bad_data_is_one_line_exit_2(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
-    result = run_cli("sft", "--config", "configs/tiny_sft.yaml", "model.model_name_or_path=null",
-                     f"data.dataset_name={tmp_path / 'bad.jsonl'}", f"infra.output_dir={tmp_path / 'run'}", timeout=120)
+    result = run_cli(
+        "sft",
+        "--config",
+        "configs/tiny_sft.yaml",
+        "model.model_name_or_path=null",
+        f"data.dataset_name={tmp_path / 'bad.jsonl'}",
+        f"infra.output_dir={tmp_path / 'run'}",
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -215,8 +322,13 @@ def test_cli_token_file_beyond_vocab_is_one_line_exit_2(tmp_path, tiny_tokenizer
 
     tiny_tokenizer.save(tmp_path / "tok")
     np.array([0, 5, 6, tiny_tokenizer.vocab_size + 3], dtype=np.uint16).tofile(tmp_path / "t.bin")
-    result = run_cli("pretrain", f"data.dataset_name={tmp_path / 't.bin'}", f"model.tokenizer_name_or_path={tmp_path / 'tok'}",
-                     f"infra.output_dir={tmp_path / 'run'}", timeout=120)
+    result = run_cli(
+        "pretrain",
+        f"data.dataset_name={tmp_path / 't.bin'}",
+        f"model.tokenizer_name_or_path={tmp_path / 'tok'}",
+        f"infra.output_dir={tmp_path / 'run'}",
+        timeout=120,
+    )
     assert result.returncode == 2 and f">= vocab size {tiny_tokenizer.vocab_size}" in result.stderr, result.stderr
 
 
@@ -225,25 +337,54 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
     """`tierlm speedrun`: tokenizer -> pretrain (sized from the depth) -> SFT -> RL -> report.md with
     PNG curves; a second invocation finds every stage finished and rebuilds the card."""
     out = tmp_path / "sr"
-    small = ["model.aspect_ratio=32", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=500",
-             "data.num_synthetic_examples=500", "data.num_synthetic_eval_examples=16", "data.max_seq_length=64",
-             "training.per_device_train_batch_size=4", "training.eval_batches=1", "training.num_train_steps=4", "training.eval_steps=2",
-             "rl.eval_problems=2", "rl.eval_k=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
-             "infra.progress_bar=false", "infra.device_type=cpu"]
+    small = [
+        "model.aspect_ratio=32",
+        "model.head_dim=32",
+        "tokenizer.vocab_size=300",
+        "tokenizer.num_train_docs=500",
+        "data.num_synthetic_examples=500",
+        "data.num_synthetic_eval_examples=16",
+        "data.max_seq_length=64",
+        "training.per_device_train_batch_size=4",
+        "training.eval_batches=1",
+        "training.num_train_steps=4",
+        "training.eval_steps=2",
+        "rl.eval_problems=2",
+        "rl.eval_k=2",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "rl.max_new_tokens=8",
+        "infra.progress_bar=false",
+        "infra.device_type=cpu",
+    ]
     result = run_cli("speedrun", "--depth", "1", "--out", out, *small)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"report card: {out / 'report.md'}" in result.stdout
     report = (out / "report.md").read_text()
-    for section in ("# tierlm speedrun: depth 1", "## Pretraining plan", "## Time per stage", "## Results", "pass@1", "## Sample conversations",
-                    "![pretrain_loss](plots/pretrain_loss.png)", "![sft_loss](plots/sft_loss.png)", "![rl_reward](plots/rl_reward.png)"):
+    for section in (
+        "# tierlm speedrun: depth 1",
+        "## Pretraining plan",
+        "## Time per stage",
+        "## Results",
+        "pass@1",
+        "## Sample conversations",
+        "![pretrain_loss](plots/pretrain_loss.png)",
+        "![sft_loss](plots/sft_loss.png)",
+        "![rl_reward](plots/rl_reward.png)",
+    ):
         assert section in report, section
     for png in ("pretrain_loss", "sft_loss", "rl_reward"):
         assert (out / "plots" / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out / "speedrun.json").read_text())
-    assert list(record["stages"]) == ["tokenizer", "pretrain", "sft", "rl"] and all(s["done"] for s in record["stages"].values())
+    assert list(record["stages"]) == ["tokenizer", "pretrain", "sft", "rl"] and all(
+        s["done"] for s in record["stages"].values()
+    )
 
     again = run_cli("speedrun", "--depth", "1", "--out", out, *small)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert json.loads((out / "speedrun.json").read_text())["stages"]["pretrain"]["seconds"] == record["stages"]["pretrain"]["seconds"]
+    assert (
+        json.loads((out / "speedrun.json").read_text())["stages"]["pretrain"]["seconds"]
+        == record["stages"]["pretrain"]["seconds"]
+    )
     wrong = run_cli("speedrun", "--depth", "2", "--out", out, *small)
     assert wrong.returncode == 2 and "depth-1 speedrun" in wrong.stderr

@@ -17,24 +17,44 @@ import torch  # noqa: E402
 
 from tierlm.commands.cli import main  # noqa: E402
 
-CONTEXTS = [("What is 2 + 3?", " 5"), ("What is 12 + 7? The answer", " is 19"), ("", "7 + 8 = 15"), ("Add 4 and 4: ", "8")]
+CONTEXTS = [
+    ("What is 2 + 3?", " 5"),
+    ("What is 12 + 7? The answer", " is 19"),
+    ("", "7 + 8 = 15"),
+    ("Add 4 and 4: ", "8"),
+]
 TEXT = "What is 23 + 45? 23 + 45 = 68. What is 7 + 9? 7 + 9 = 16. " * 4
 
 
 def write_tasks(folder: Path) -> Path:
     """Three harness tasks over local JSON lines (offline): multiple choice, perplexity, generation."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"question": f"What is {a} + {b}?", "choices": [str(a + b), str(a + b + 1), str(a * b + 2)], "answer": 0, "text": f"{a} + {b} = {a + b}"}
-            for a, b in [(2, 3), (12, 7), (4, 4), (9, 1), (6, 5), (3, 8)]]
+    rows = [
+        {
+            "question": f"What is {a} + {b}?",
+            "choices": [str(a + b), str(a + b + 1), str(a * b + 2)],
+            "answer": 0,
+            "text": f"{a} + {b} = {a + b}",
+        }
+        for a, b in [(2, 3), (12, 7), (4, 4), (9, 1), (6, 5), (3, 8)]
+    ]
     (folder / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'sums.jsonl'}\ntest_split: test\n"
-    (folder / "mc.yaml").write_text(f"task: tierlm_sums_mc\n{common}output_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
-                                    "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
-    (folder / "ppl.yaml").write_text(f"task: tierlm_sums_ppl\n{common}output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
-                                     "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
-    (folder / "gen.yaml").write_text(f"task: tierlm_sums_gen\n{common}output_type: generate_until\ndoc_to_text: '{{{{question}}}} '\n"
-                                     "doc_to_target: '{{choices[0]}}'\ngeneration_kwargs:\n  until: ['?']\n  max_gen_toks: 6\n"
-                                     "metric_list:\n  - metric: exact_match\n")
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'sums.jsonl'}\ntest_split: test\n"
+    )
+    (folder / "mc.yaml").write_text(
+        f"task: tierlm_sums_mc\n{common}output_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    (folder / "ppl.yaml").write_text(
+        f"task: tierlm_sums_ppl\n{common}output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"
+    )
+    (folder / "gen.yaml").write_text(
+        f"task: tierlm_sums_gen\n{common}output_type: generate_until\ndoc_to_text: '{{{{question}}}} '\n"
+        "doc_to_target: '{{choices[0]}}'\ngeneration_kwargs:\n  until: ['?']\n  max_gen_toks: 6\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
     return folder
 
 
@@ -46,8 +66,8 @@ def instances(kind: str, args: list[tuple]):
 
 @pytest.fixture(scope="module")
 def lm(tiny_runs):
-    from tierlm.data import load_tokenizer
     from tierlm.commands.harness import TierlmLM
+    from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
 
     folder = tiny_runs / "pre" / "model"
@@ -61,8 +81,11 @@ def test_loglikelihoods_match_transformers_own_model_of_the_folder(lm, tiny_runs
     got = lm.loglikelihood(instances("loglikelihood", CONTEXTS), disable_tqdm=True)
     bos = lm.tokenizer.document_separator_id
     for (context, continuation), (score, greedy) in zip(CONTEXTS, got):
-        context_ids = [bos, *lm.tokenizer.encode(context.rstrip())]  # the harness moves a context's trailing space into the continuation
-        whole = [bos, *lm.tokenizer.encode(context.rstrip() + context[len(context.rstrip()):] + continuation)]
+        context_ids = [
+            bos,
+            *lm.tokenizer.encode(context.rstrip()),
+        ]  # the harness moves a context's trailing space into the continuation
+        whole = [bos, *lm.tokenizer.encode(context.rstrip() + context[len(context.rstrip()) :] + continuation)]
         n = len(whole) - len(context_ids)
         with torch.no_grad():
             logprobs = reference(torch.tensor([whole[:-1]])).logits[0].log_softmax(-1)[-n:]
@@ -82,29 +105,45 @@ def test_rolling_scores_match_the_harness_own_hf_model(lm, tiny_runs):
     hf = HFLM(pretrained=str(tiny_runs / "pre" / "model"), batch_size=2, device="cpu", max_length=short.max_length)
     expected = hf.loglikelihood_rolling(requests, disable_tqdm=True)
     assert short.loglikelihood_rolling(requests, disable_tqdm=True) == pytest.approx(expected, abs=1e-3)
-    assert lm.loglikelihood_rolling(requests, disable_tqdm=True) != pytest.approx(expected, abs=1e-1)  # one window sees more
+    assert lm.loglikelihood_rolling(requests, disable_tqdm=True) != pytest.approx(
+        expected, abs=1e-1
+    )  # one window sees more
 
 
 def test_generation_is_the_engines_greedy_text_cut_at_the_stop_string(lm):
     from tierlm.rollout.engine import Engine
 
     (text,) = lm.generate_until(instances("generate_until", [("What is 2 + 3?", {"until": ["="], "max_gen_toks": 8})]))
-    tokens = Engine(lm.model, sorted({*lm.tokenizer.stop_ids, lm.eot_token_id})).generate(
-        lm.tok_encode("What is 2 + 3?"), 1, 8, temperature=0.0)[0].tokens
+    tokens = (
+        Engine(lm.model, sorted({*lm.tokenizer.stop_ids, lm.eot_token_id}))
+        .generate(lm.tok_encode("What is 2 + 3?"), 1, 8, temperature=0.0)[0]
+        .tokens
+    )
     full = lm.tokenizer.decode([t for t in tokens if t not in lm.tokenizer.stop_ids], skip_special_tokens=True)
     assert text == full.split("=")[0] and "=" not in text
 
 
 def test_an_encoder_decoder_scores_the_continuation_with_its_decoder_given_the_context(tmp_path):
+    from tierlm.commands.harness import TierlmLM
     from tierlm.data import train_bpe_tokenizer
     from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
-    from tierlm.commands.harness import TierlmLM
     from tierlm.models.qwen3_encdec.model import Qwen3EncDecConfig, build_qwen3_encdec
 
     tokenizer = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer([TEXT] * 20, 300), num_sentinel_tokens=2)
-    model = build_qwen3_encdec(Qwen3EncDecConfig(vocab_size=len(tokenizer.hf), hidden_size=32, num_encoder_layers=1, num_decoder_layers=1,
-                                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
-                                                 max_position_embeddings=64, decoder_start_token_id=tokenizer.pad_id)).eval()
+    model = build_qwen3_encdec(
+        Qwen3EncDecConfig(
+            vocab_size=len(tokenizer.hf),
+            hidden_size=32,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            decoder_start_token_id=tokenizer.pad_id,
+        )
+    ).eval()
     lm = TierlmLM(model, tokenizer, batch_size=2)
     got = lm.loglikelihood(instances("loglikelihood", CONTEXTS[:2]), disable_tqdm=True)
     for (context, continuation), (score, _) in zip(CONTEXTS, got):
@@ -120,14 +159,32 @@ def test_the_command_writes_the_results_into_the_run(tiny_runs, tmp_path, capsys
     run = tmp_path / "pre"
     shutil.copytree(tiny_runs / "pre", run)
     tasks = write_tasks(tmp_path / "tasks")
-    assert main(["eval", "--checkpoint", str(run), "--harness", "tierlm_sums_mc,tierlm_sums_ppl,tierlm_sums_gen",
-                 "--include-path", str(tasks), "--limit", "4", "--device-type", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(run),
+                "--harness",
+                "tierlm_sums_mc,tierlm_sums_ppl,tierlm_sums_gen",
+                "--include-path",
+                str(tasks),
+                "--limit",
+                "4",
+                "--device-type",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     for name in ("tierlm_sums_mc", "tierlm_sums_ppl", "tierlm_sums_gen", "acc", "word_perplexity", "exact_match"):
         assert name in table, name
     record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert record["type"] == "harness" and record["limit"] == 4 and record["step"] == 3
-    assert 0 <= record["tasks"]["tierlm_sums_mc"]["acc"] <= 1 and record["tasks"]["tierlm_sums_ppl"]["word_perplexity"] > 1
+    assert (
+        0 <= record["tasks"]["tierlm_sums_mc"]["acc"] <= 1 and record["tasks"]["tierlm_sums_ppl"]["word_perplexity"] > 1
+    )
     assert json.loads((run / "harness.json").read_text())["n-samples"]["tierlm_sums_mc"]["effective"] == 4
     report = (run / "report.md").read_text()
     assert "## Evaluation harness" in report and "| tierlm_sums_ppl | bits_per_byte |" in report

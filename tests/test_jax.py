@@ -35,16 +35,31 @@ V = 97
 
 def _model(tied: bool = False, **shape) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build_gpt(GPTConfig(**{"depth": 2, "aspect_ratio": 32, "head_dim": 16, "n_kv_head": 2, "vocab_size": V, "max_seq_len": 64,
-                                   "tie_embeddings": tied, **shape}))
+    model = build_gpt(
+        GPTConfig(
+            **{
+                "depth": 2,
+                "aspect_ratio": 32,
+                "head_dim": 16,
+                "n_kv_head": 2,
+                "vocab_size": V,
+                "max_seq_len": 64,
+                "tie_embeddings": tied,
+                **shape,
+            }
+        )
+    )
     with torch.no_grad():  # the fresh model's output projections are zero: make every weight matter
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
 
 
-@pytest.mark.parametrize("shape", [{}, {"tie_embeddings": True}, {"window_pattern": "SL", "short_window": 5, "n_kv_head": 1}],
-                         ids=["untied", "tied", "windows-mqa"])
+@pytest.mark.parametrize(
+    "shape",
+    [{}, {"tie_embeddings": True}, {"window_pattern": "SL", "short_window": 5, "n_kv_head": 1}],
+    ids=["untied", "tied", "windows-mqa"],
+)
 def test_the_jax_forward_is_the_pytorch_model(shape):
     from tierlm.models.gpt.jax import forward, params_from_torch
 
@@ -55,16 +70,20 @@ def test_the_jax_forward_is_the_pytorch_model(shape):
     with torch.no_grad():
         for pos in (None, positions):
             want = model(ids, position_ids=pos)
-            got = forward(params, model.config, jnp.asarray(ids.numpy()), None if pos is None else jnp.asarray(pos.numpy()))
+            got = forward(
+                params, model.config, jnp.asarray(ids.numpy()), None if pos is None else jnp.asarray(pos.numpy())
+            )
             np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=0)
 
 
 def _gpt2(**shape) -> torch.nn.Module:
-    from tierlm.models.gpt2.model import GPT2Config
     from tierlm.models.gpt2.family import GPT2_FAMILY
+    from tierlm.models.gpt2.model import GPT2Config
 
     torch.manual_seed(0)
-    model = GPT2_FAMILY.build_from_config(GPT2Config(**{"n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": V, "block_size": 64, **shape}))
+    model = GPT2_FAMILY.build_from_config(
+        GPT2Config(**{"n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": V, "block_size": 64, **shape})
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -81,7 +100,12 @@ def test_the_jax_gpt2_is_the_pytorch_gpt2(bias):
     positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
     with torch.no_grad():
         for pos in (None, positions):
-            got = forward(params_from_torch(model), model.config, jnp.asarray(ids.numpy()), None if pos is None else jnp.asarray(pos.numpy()))
+            got = forward(
+                params_from_torch(model),
+                model.config,
+                jnp.asarray(ids.numpy()),
+                None if pos is None else jnp.asarray(pos.numpy()),
+            )
             np.testing.assert_allclose(np.asarray(got), model(ids, position_ids=pos).numpy(), atol=1e-5, rtol=0)
 
 
@@ -94,8 +118,8 @@ def test_gpt2_variants_are_refused_by_the_jax_backend(tmp_path):
 
 
 def test_functional_optimizers_equal_torch_and_optax_step_for_step():
-    from tierlm.primitives.optim.jax import JaxAdam
     from tierlm.primitives.optim.functional import FunctionalMuon, PyTorchAdam, apply_updates
+    from tierlm.primitives.optim.jax import JaxAdam
     from tierlm.primitives.optim.muon import Muon
 
     g = torch.Generator().manual_seed(0)
@@ -104,7 +128,10 @@ def test_functional_optimizers_equal_torch_and_optax_step_for_step():
     for weight_decay, reference in ((0.1, torch.optim.AdamW), (0.0, torch.optim.Adam)):
         params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
         torch_opt = reference(params.values(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-        functional, jax_opt = PyTorchAdam(0.01, 0.9, 0.95, 1e-8, weight_decay), JaxAdam(0.01, 0.9, 0.95, 1e-8, weight_decay)
+        functional, jax_opt = (
+            PyTorchAdam(0.01, 0.9, 0.95, 1e-8, weight_decay),
+            JaxAdam(0.01, 0.9, 0.95, 1e-8, weight_decay),
+        )
         f_params, j_params = dict(start), {k: jnp.asarray(v.numpy()) for k, v in start.items()}
         f_state, j_state = functional.init(f_params), jax_opt.init(j_params)
         for step_grads in grads:
@@ -113,14 +140,19 @@ def test_functional_optimizers_equal_torch_and_optax_step_for_step():
             torch_opt.step()
             updates, f_state = functional.update(step_grads, f_state, f_params)
             f_params = apply_updates(f_params, updates)
-            j_updates, j_state = jax_opt.update({k: jnp.asarray(v.numpy()) for k, v in step_grads.items()}, j_state, j_params)
+            j_updates, j_state = jax_opt.update(
+                {k: jnp.asarray(v.numpy()) for k, v in step_grads.items()}, j_state, j_params
+            )
             j_params = {k: j_params[k] + j_updates[k] for k in j_params}
         for k, p in params.items():
             torch.testing.assert_close(f_params[k], p.detach(), atol=1e-6, rtol=0)
             np.testing.assert_allclose(np.asarray(j_params[k]), p.detach().numpy(), atol=1e-6, rtol=0)
         assert JaxAdam.moments(j_state)[0] == 20
     w = torch.nn.Parameter(start["w"].clone())
-    muon, functional = Muon([w], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32), FunctionalMuon(0.02, weight_decay=0.1)
+    muon, functional = (
+        Muon([w], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32),
+        FunctionalMuon(0.02, weight_decay=0.1),
+    )
     f_w, state = {"w": start["w"].clone()}, functional.init({"w": start["w"]})
     for step_grads in grads[:5]:
         w.grad = step_grads["w"].clone()
@@ -140,8 +172,11 @@ def _backends(model: torch.nn.Module, tmp_path, steps: int = 20):
         optimizer = build_adamw(m, settings)
         scheduler = create_warmup_scheduler(optimizer, 3, steps, "cosine", 0.1)
         folder = tmp_path / kind
-        out.append(PyTorchTrainingBackend(m, optimizer, None, folder, "cpu", scheduler, 1.0) if kind == "pytorch"
-                   else JaxTrainingBackend(m, optimizer, folder, scheduler, 1.0))
+        out.append(
+            PyTorchTrainingBackend(m, optimizer, None, folder, "cpu", scheduler, 1.0)
+            if kind == "pytorch"
+            else JaxTrainingBackend(m, optimizer, folder, scheduler, 1.0)
+        )
     return out
 
 
@@ -151,8 +186,10 @@ def _batches(kind: str, n: int = 20):
     if kind == "pretrain":
         return [{"tokens": torch.randint(0, V, (4, 17), generator=g)} for _ in range(4)] * (n // 4)
     if kind == "sft":
-        return [{"tokens": torch.randint(0, V, (4, 17), generator=g), "mask": (torch.rand(4, 17, generator=g) > 0.4).long()}
-                for _ in range(4)] * (n // 4)
+        return [
+            {"tokens": torch.randint(0, V, (4, 17), generator=g), "mask": (torch.rand(4, 17, generator=g) > 0.4).long()}
+            for _ in range(4)
+        ] * (n // 4)
     batches = []  # DPO: 2 pairs a batch, chosen rows then rejected rows, labels only on the responses
     for _ in range(4):
         ids = torch.randint(0, V, (4, 16), generator=g)
@@ -169,7 +206,10 @@ def test_the_jax_backend_trains_as_the_pytorch_backend(stage, tmp_path):
     torch_backend, jax_backend = _backends(_gpt2() if stage.startswith("gpt2") else _model(), tmp_path)
     stage = stage.removeprefix("gpt2-")
     if stage == "dpo":
-        strategies = (DPOStrategy(0.1, FrozenReference(copy.deepcopy(torch_backend.model), "cpu")), DPOStrategy(0.1, jax_backend.frozen_reference()))
+        strategies = (
+            DPOStrategy(0.1, FrozenReference(copy.deepcopy(torch_backend.model), "cpu")),
+            DPOStrategy(0.1, jax_backend.frozen_reference()),
+        )
     else:
         strategies = ((PretrainStrategy if stage == "pretrain" else SFTStrategy)(torch.ones(V, dtype=torch.long)),) * 2
     batches, losses = _batches(stage), {}
@@ -185,7 +225,9 @@ def test_the_jax_backend_trains_as_the_pytorch_backend(stage, tmp_path):
     # lr-sized steps that change nothing the model computes).
     probe = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        torch.testing.assert_close(jax_backend.model.eval()(probe), torch_backend.model.eval()(probe), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            jax_backend.model.eval()(probe), torch_backend.model.eval()(probe), atol=1e-4, rtol=0
+        )
     want = torch_backend.forward(strategies[0].prepare_batch(batches[0]), strategies[0].compute_metrics).wait()
     got = jax_backend.forward(strategies[1].prepare_batch(batches[0]), strategies[1].compute_metrics).wait()
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-3 for k in want), (got, want)
@@ -235,8 +277,13 @@ print(json.dumps({"devices": len(jax.local_devices()), "losses": losses}))
     runs = {}
     for n in (1, 2):
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "OMP_NUM_THREADS": "1"}
-        result = subprocess.run([sys.executable, "-c", script, str(REPO / "tests"), str(tmp_path / str(n))], env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(REPO / "tests"), str(tmp_path / str(n))],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         runs[n] = json.loads(result.stdout.strip().splitlines()[-1])
     assert runs[2]["devices"] == 2
@@ -248,12 +295,29 @@ def test_tierlm_pretrain_with_the_jax_backend(tmp_path):
     from conftest import run_cli
 
     out = tmp_path / "run"
-    args = ["pretrain", "--config", "tiny_pretrain", "infra.backend=jax", "training.num_train_steps=8", "training.warmup_steps=1",
-            "training.eval_steps=4", "training.save_steps=4", "training.eval_batches=2", "data.num_synthetic_examples=2000",
-            "infra.progress_bar=false", f"infra.output_dir={out}"]
+    args = [
+        "pretrain",
+        "--config",
+        "tiny_pretrain",
+        "infra.backend=jax",
+        "training.num_train_steps=8",
+        "training.warmup_steps=1",
+        "training.eval_steps=4",
+        "training.save_steps=4",
+        "training.eval_batches=2",
+        "data.num_synthetic_examples=2000",
+        "infra.progress_bar=false",
+        f"infra.output_dir={out}",
+    ]
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "eval"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
-    resumed = run_cli(*args[:-1], "infra.backend=pytorch", "training.num_train_steps=10", "training.resume=auto", f"infra.output_dir={out}")
+    resumed = run_cli(
+        *args[:-1],
+        "infra.backend=pytorch",
+        "training.num_train_steps=10",
+        "training.resume=auto",
+        f"infra.output_dir={out}",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # the JAX run's checkpoint continues under PyTorch

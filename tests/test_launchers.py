@@ -12,8 +12,8 @@ import pytest
 
 from conftest import REPO
 from tierlm.config import TierlmConfig
-from tierlm.errors import ConfigError
 from tierlm.config.launchers import accelerate_overrides
+from tierlm.errors import ConfigError
 
 SEED_FSDP2_YAML = """\
 compute_environment: LOCAL_MACHINE
@@ -46,15 +46,23 @@ tpu_use_cluster: false
 tpu_use_sudo: false
 use_cpu: false
 """
-ENV = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
-       "FSDP_OFFLOAD_PARAMS": "false", "FSDP_ACTIVATION_CHECKPOINTING": "true"}
+ENV = {
+    "ACCELERATE_MIXED_PRECISION": "bf16",
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_OFFLOAD_PARAMS": "false",
+    "FSDP_ACTIVATION_CHECKPOINTING": "true",
+}
 
 
 def test_the_settings_are_taken_and_conflicts_refused():
     config = accelerate_overrides(TierlmConfig.load("ul2-tiny"), ENV)
     assert config.training.bf16 and not config.training.fp16 and config.infra.distributed_type == "fsdp"
     assert config.infra.activation_checkpointing and config.infra.fsdp_sharding_strategy == "FULL_SHARD"
-    assert accelerate_overrides(TierlmConfig.load("ul2-tiny"), {}) == TierlmConfig.load("ul2-tiny")  # not under Accelerate
+    assert accelerate_overrides(TierlmConfig.load("ul2-tiny"), {}) == TierlmConfig.load(
+        "ul2-tiny"
+    )  # not under Accelerate
     with pytest.raises(ConfigError, match="sets training.bf16=True but the tierlm config says False"):
         accelerate_overrides(TierlmConfig.load("ul2-tiny", ["training.bf16=false"]), ENV)
     with pytest.raises(ConfigError, match="FSDP2: set fsdp_version: 2"):
@@ -65,8 +73,23 @@ def test_the_settings_are_taken_and_conflicts_refused():
 
 def test_a_conflict_is_one_line_and_exit_2(tmp_path):
     env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "tierlm", "pretrain", "--config", "ul2-tiny", "training.bf16=false",
-                             f"infra.output_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierlm",
+            "pretrain",
+            "--config",
+            "ul2-tiny",
+            "training.bf16=false",
+            f"infra.output_dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "make them agree" in result.stderr and not (tmp_path / "run").exists()
 
@@ -76,13 +99,40 @@ def test_accelerate_launch_with_the_seed_s_fsdp2_config(tmp_path):
     (tmp_path / "fsdp2.yaml").write_text(SEED_FSDP2_YAML)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml"),
-                             "--num_processes", "2", "-m", "tierlm", "pretrain", "--config", "ul2-tiny", "model.depth=1",
-                             "tokenizer.vocab_size=300", "tokenizer.num_train_docs=300", "training.num_train_steps=3",
-                             "training.warmup_steps=0", "training.eval_steps=3", "training.eval_batches=1", "training.save_steps=3",
-                             "data.max_encoder_length=64", "data.max_decoder_length=32", "training.per_device_train_batch_size=2",
-                             "infra.progress_bar=false", f"infra.output_dir={out}"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(tmp_path / "fsdp2.yaml"),
+            "--num_processes",
+            "2",
+            "-m",
+            "tierlm",
+            "pretrain",
+            "--config",
+            "ul2-tiny",
+            "model.depth=1",
+            "tokenizer.vocab_size=300",
+            "tokenizer.num_train_docs=300",
+            "training.num_train_steps=3",
+            "training.warmup_steps=0",
+            "training.eval_steps=3",
+            "training.eval_batches=1",
+            "training.save_steps=3",
+            "data.max_encoder_length=64",
+            "data.max_decoder_length=32",
+            "training.per_device_train_batch_size=2",
+            "infra.progress_bar=false",
+            f"infra.output_dir={out}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("final val loss") == 1  # rank 0 reports
     meta = json.loads((out / "model" / "training_meta.json").read_text())
@@ -90,5 +140,9 @@ def test_accelerate_launch_with_the_seed_s_fsdp2_config(tmp_path):
     import yaml
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert saved["training"]["bf16"] and saved["infra"]["activation_checkpointing"] and saved["infra"]["fsdp_sharding_strategy"] == "FULL_SHARD"
+    assert (
+        saved["training"]["bf16"]
+        and saved["infra"]["activation_checkpointing"]
+        and saved["infra"]["fsdp_sharding_strategy"] == "FULL_SHARD"
+    )
     assert (out / "checkpoints" / "step_3" / "state").is_dir()  # FSDP's sharded checkpoint

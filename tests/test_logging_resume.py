@@ -10,8 +10,15 @@ import pytest
 
 from conftest import TINY, resume_from_checkpoint, run_cli
 
-ARGS = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *[a for a in TINY if not a.startswith("infra.output_dir")],
-        "training.num_train_steps=6", "training.save_steps=3", "training.logging_steps=1"]
+ARGS = [
+    "pretrain",
+    "--config",
+    "configs/tiny_pretrain.yaml",
+    *[a for a in TINY if not a.startswith("infra.output_dir")],
+    "training.num_train_steps=6",
+    "training.save_steps=3",
+    "training.logging_steps=1",
+]
 
 
 def _tensorboard_losses(run) -> list[tuple[int, float]]:
@@ -42,8 +49,11 @@ def test_tensorboard_and_mlflow_continue_the_same_run(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     run_id = (resumed / "mlflow_run_id").read_text()
     resume_from_checkpoint(args, resumed, 3)
-    want = [(r["step"], round(r["loss"], 6)) for r in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines())
-            if r["type"] == "train"]
+    want = [
+        (r["step"], round(r["loss"], 6))
+        for r in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines())
+        if r["type"] == "train"
+    ]
     assert [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
     assert _tensorboard_losses(resumed) == _tensorboard_losses(straight) == want  # steps 4-6 purged, then logged again
     assert _mlflow_losses(resumed) == _mlflow_losses(straight) == want  # one run, each step once
@@ -68,7 +78,9 @@ def test_wandb_resumes_the_run_the_directory_keeps(tmp_path):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert (out / "wandb_run_id").read_text().strip() == run_id
     offline = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
-    assert len(offline) == 2 and all(name.endswith(run_id) for name in offline)  # both parts are the one run (synced as one)
+    assert len(offline) == 2 and all(
+        name.endswith(run_id) for name in offline
+    )  # both parts are the one run (synced as one)
 
 
 def test_tierlm_train_from_python_calls_the_callbacks(tmp_path):
@@ -88,8 +100,14 @@ def test_tierlm_train_from_python_calls_the_callbacks(tmp_path):
         def on_save(self, path):
             events.append(("save", path.name))
 
-    overrides = [*[a for a in TINY if not a.startswith("infra.output_dir")], "training.num_train_steps=4", "training.eval_steps=2",
-                 "training.save_steps=2", "training.logging_steps=2", f"infra.output_dir={tmp_path / 'run'}"]
+    overrides = [
+        *[a for a in TINY if not a.startswith("infra.output_dir")],
+        "training.num_train_steps=4",
+        "training.eval_steps=2",
+        "training.save_steps=2",
+        "training.logging_steps=2",
+        f"infra.output_dir={tmp_path / 'run'}",
+    ]
     summary = tierlm.train("tiny_pretrain", "pretrain", overrides, callbacks=[Recorder()])
     assert summary["step"] == 4 and (tmp_path / "run" / "report.md").is_file()
     kinds = [e[0] for e in events]

@@ -16,6 +16,7 @@ from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import forward_logits, load_pretrained_model, save_model_folder
 from tierlm.models.lora import adapters_disabled, all_linear_targets, apply_lora, has_lora
+from tierlm.stages import STAGES
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
@@ -40,23 +41,40 @@ def _ids():
 def test_only_adapters_train_with_the_expected_count(tiny_runs):
     from tierlm.build.model import build_model
 
-    config = TierlmConfig.load(REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"])
+    config = TierlmConfig.load(
+        REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"]
+    )
     tokenizer = load_tokenizer(tiny_runs / "pre" / "model")
     base = load_pretrained_model(tiny_runs / "pre" / "model")
     model = build_model(config, tokenizer, torch.device("cpu"), tiny_runs / "pre" / "model")
     targets = set(all_linear_targets(base))
-    expected = sum(4 * (m.in_features + m.out_features) for n, m in base.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets)
+    expected = sum(
+        4 * (m.in_features + m.out_features)
+        for n, m in base.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets
+    )
     trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     assert sum(trainable.values()) == expected and all(".lora_" in n for n in trainable)
-    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # not lm_head, not embed
-    torch.testing.assert_close(forward_logits(model, _ids()), forward_logits(base, _ids()), rtol=0, atol=0)  # B = 0: unchanged
+    assert targets == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }  # not lm_head, not embed
+    torch.testing.assert_close(
+        forward_logits(model, _ids()), forward_logits(base, _ids()), rtol=0, atol=0
+    )  # B = 0: unchanged
 
 
 def test_merged_and_unmerged_folders_compute_the_adapted_model(tiny_runs, tmp_path):
     model = _adapted(tiny_runs)
     want = forward_logits(model, _ids())
-    assert not torch.allclose(want, forward_logits(load_pretrained_model(tiny_runs / "pre" / "model"), _ids()), atol=1e-3)
+    assert not torch.allclose(
+        want, forward_logits(load_pretrained_model(tiny_runs / "pre" / "model"), _ids()), atol=1e-3
+    )
     save_model_folder(model, tmp_path / "merged", merge_lora=True)
     save_model_folder(model, tmp_path / "apart")  # as a checkpoint keeps it: the frozen base and the adapters
     for folder in ("merged", "apart"):
@@ -77,7 +95,9 @@ def test_peft_loads_the_exported_adapter_onto_the_exported_base(tiny_runs, tmp_p
     want = forward_logits(model, _ids())
     save_model_folder(model, tmp_path / "run_model", merge_lora=True)
     save_model_folder(model, tmp_path / "base")  # its weights: the (perturbed) frozen base alone
-    shutil.copytree(tmp_path / "run_model" / "adapter", tmp_path / "adapter", ignore=shutil.ignore_patterns("tierlm_adapter.json"))
+    shutil.copytree(
+        tmp_path / "run_model" / "adapter", tmp_path / "adapter", ignore=shutil.ignore_patterns("tierlm_adapter.json")
+    )
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     torch.testing.assert_close(peft_model(**_ids()).logits, want, rtol=0, atol=1e-5)
@@ -94,24 +114,44 @@ def test_the_reference_is_the_base_with_adapters_off(tiny_runs):
     base = load_pretrained_model(tiny_runs / "pre" / "model")
     with torch.no_grad():
         for name, param in base.named_parameters():  # the same perturbed base weights as _adapted's
-            param.copy_(dict(model.named_parameters())[name.replace("_proj.weight", "_proj.base_layer.weight")
-                                                       if any(f"{p}_proj.weight" in name for p in ("q", "k", "v", "o", "gate", "up", "down"))
-                                                       else name])
+            param.copy_(
+                dict(model.named_parameters())[
+                    name.replace("_proj.weight", "_proj.base_layer.weight")
+                    if any(f"{p}_proj.weight" in name for p in ("q", "k", "v", "o", "gate", "up", "down"))
+                    else name
+                ]
+            )
     got = reference.forward(_ids(), lambda logits, batch: {"logits": logits}).wait()["logits"]
     torch.testing.assert_close(got, forward_logits(base, _ids()), rtol=0, atol=1e-6)
-    assert model.training and not torch.allclose(forward_logits(model, _ids()), got, atol=1e-3)  # adapters back on, mode restored
+    assert model.training and not torch.allclose(
+        forward_logits(model, _ids()), got, atol=1e-3
+    )  # adapters back on, mode restored
     with adapters_disabled(model):
         torch.testing.assert_close(forward_logits(model.eval(), _ids()), got, rtol=0, atol=1e-6)
 
 
 def _train_losses(run):
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    return [
+        (r["step"], r["loss"])
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["type"] == "train"
+    ]
 
 
 @pytest.mark.slow
 def test_lora_sft_resumes_bit_exactly_and_exports(tiny_runs, tmp_path):
-    args = ["sft", "--config", "configs/tiny_sft.yaml", *CHAT, *LORA, "model.lora.dropout=0.1", f"model.model_name_or_path={tiny_runs / 'pre'}",
-            "training.num_train_steps=6", "training.save_steps=3", "training.logging_steps=1"]
+    args = [
+        "sft",
+        "--config",
+        "configs/tiny_sft.yaml",
+        *CHAT,
+        *LORA,
+        "model.lora.dropout=0.1",
+        f"model.model_name_or_path={tiny_runs / 'pre'}",
+        "training.num_train_steps=6",
+        "training.save_steps=3",
+        "training.logging_steps=1",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
     result = run_cli(*args, f"infra.output_dir={resumed}")
@@ -125,29 +165,56 @@ def test_lora_sft_resumes_bit_exactly_and_exports(tiny_runs, tmp_path):
     base = load_file(tiny_runs / "pre" / "model" / "model.safetensors")
     final = load_file(straight / "model" / "model.safetensors")
     assert torch.equal(base["model.embed_tokens.weight"], final["model.embed_tokens.weight"])
-    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"], final["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        base["model.layers.0.self_attn.q_proj.weight"], final["model.layers.0.self_attn.q_proj.weight"]
+    )
     # `tierlm export` of the step-3 checkpoint (base + adapters apart) merges; --adapter-only is PEFT's folder.
     assert run_cli("export", straight / "checkpoints" / "step_3", tmp_path / "merged").returncode == 0
     result = run_cli("export", straight / "checkpoints" / "step_3", tmp_path / "adapter", "--adapter-only")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_runs / "pre" / "model"), tmp_path / "adapter").eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_runs / "pre" / "model"), tmp_path / "adapter"
+    ).eval()
     torch.testing.assert_close(merged(**_ids()).logits, peft_model(**_ids()).logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_lora_dpo_and_rl_run_against_the_adapter_free_reference(tiny_runs, tmp_path):
-    dpo = run_cli("dpo", "--config", "configs/tiny_dpo.yaml", *CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'sft'}",
-                  "training.eval_steps=2", f"infra.output_dir={tmp_path / 'dpo'}")
+    dpo = run_cli(
+        "dpo",
+        "--config",
+        "configs/tiny_dpo.yaml",
+        *CHAT,
+        *LORA,
+        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        "training.eval_steps=2",
+        f"infra.output_dir={tmp_path / 'dpo'}",
+    )
     assert dpo.returncode == 0, dpo.stderr[-3000:]
-    first = [r for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"][0]
+    first = [
+        r
+        for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
+        if r["type"] == "train"
+    ][0]
     assert abs(first["loss"] - 0.6931) < 1e-3, first  # step 1: policy == reference (B = 0), so the DPO loss is log 2
-    rl = run_cli("rl", "--config", "configs/tiny_rl.yaml", *RL, *LORA, "rl.kl_coef=0.1", f"model.model_name_or_path={tiny_runs / 'sft'}",
-                 f"infra.output_dir={tmp_path / 'rl'}")
+    rl = run_cli(
+        "rl",
+        "--config",
+        "configs/tiny_rl.yaml",
+        *RL,
+        *LORA,
+        "rl.kl_coef=0.1",
+        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        f"infra.output_dir={tmp_path / 'rl'}",
+    )
     assert rl.returncode == 0, rl.stderr[-3000:]
     assert (tmp_path / "rl" / "model" / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -156,31 +223,60 @@ def test_the_memory_planner_traces_the_adapted_model(tiny_runs):
     """Fake trace == the real step; optimizer state is the adapters' AdamW moments only; no reference copy."""
     from tierlm.plan.memory import estimate_run_memory, trace_step
 
-    config = TierlmConfig.load(REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"])
-    fake = trace_step(config, "sft", 300, 4, 64, tiny_runs / "pre" / "model")
-    real = trace_step(config, "sft", 300, 4, 64, tiny_runs / "pre" / "model", fake=False)
+    config = TierlmConfig.load(
+        REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"]
+    )
+    fake = trace_step(config, STAGES["sft"], 300, 4, 64, tiny_runs / "pre" / "model")
+    real = trace_step(config, STAGES["sft"], 300, 4, 64, tiny_runs / "pre" / "model", fake=False)
     assert fake["Optstate"] == real["Optstate"] and abs(fake["Activation"] - real["Activation"]) <= 4096
     adapters = sum(p.numel() for n, p in _adapted(tiny_runs).named_parameters() if ".lora_" in n)
     assert 2 * 4 * adapters <= fake["Optstate"] <= 2 * 4 * adapters + 4 * 64  # exp_avg + exp_avg_sq (+ step counters)
-    dpo = TierlmConfig.load(REPO / "configs/tiny_dpo.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'sft'}"])
-    assert estimate_run_memory(dpo, 1, "dpo", vocab_size=300, pretrained=tiny_runs / "sft" / "model").parts["reference model"] == 0
+    dpo = TierlmConfig.load(
+        REPO / "configs/tiny_dpo.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'sft'}"]
+    )
+    assert (
+        estimate_run_memory(dpo, 1, STAGES["dpo"], vocab_size=300, pretrained=tiny_runs / "sft" / "model").parts[
+            "reference model"
+        ]
+        == 0
+    )
 
 
 @pytest.mark.slow
 def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
     """FSDP2 shards frozen base and trainable adapters together; 2 ranks x 4 rows train as 1 process x 8;
     the sharded checkpoint (adapters inside the shards, adapter_config.json beside) exports merged."""
-    common = ["sft", "--config", "configs/tiny_sft.yaml", *CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}",
-              "training.num_train_steps=4", "training.save_steps=4", "training.logging_steps=1"]
+    common = [
+        "sft",
+        "--config",
+        "configs/tiny_sft.yaml",
+        *CHAT,
+        *LORA,
+        f"model.model_name_or_path={tiny_runs / 'pre'}",
+        "training.num_train_steps=4",
+        "training.save_steps=4",
+        "training.logging_steps=1",
+    ]
     one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun("-m", "tierlm", *common, "training.per_device_train_batch_size=4", "infra.distributed_type=fsdp",
-                   f"infra.output_dir={tmp_path / 'two'}")
+    two = torchrun(
+        "-m",
+        "tierlm",
+        *common,
+        "training.per_device_train_batch_size=4",
+        "infra.distributed_type=fsdp",
+        f"infra.output_dir={tmp_path / 'two'}",
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    assert [loss for _, loss in _train_losses(tmp_path / "two")] == pytest.approx([loss for _, loss in _train_losses(tmp_path / "one")], abs=1e-4)
+    assert [loss for _, loss in _train_losses(tmp_path / "two")] == pytest.approx(
+        [loss for _, loss in _train_losses(tmp_path / "one")], abs=1e-4
+    )
     checkpoint = tmp_path / "two" / "checkpoints" / "step_4"
     assert (checkpoint / "state").is_dir() and (checkpoint / "model" / "adapter" / "adapter_config.json").is_file()
     result = run_cli("export", checkpoint, tmp_path / "exported")
     assert result.returncode == 0, result.stderr[-2000:]
-    a, b = load_file(tmp_path / "exported" / "model.safetensors"), load_file(tmp_path / "two" / "model" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "exported" / "model.safetensors"),
+        load_file(tmp_path / "two" / "model" / "model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -20,13 +20,19 @@ import torch
 from conftest import REPO, run_cli
 from tierlm.config import DataConfig, FullConfig, InfraConfig, ModelConfig, TierlmConfig, TrainingConfig
 from tierlm.errors import ConfigError
-from tierlm.plan.memory import MemoryEstimate, auto_batch_size, check_memory, estimate_run_memory, memory_budget, trace_step
-from tierlm.metrics.memory import auto_find_batch_size, clear_memory, estimate_model_memory, get_memory_stats, log_memory_stats
+from tierlm.metrics.memory import auto_find_batch_size, clear_memory, get_memory_stats, log_memory_stats
+from tierlm.plan.batch import auto_batch_size
+from tierlm.plan.memory import MemoryEstimate, check_memory, estimate_run_memory, memory_budget, trace_step
+from tierlm.plan.memory.bounds import estimate_model_memory
+from tierlm.stages import STAGES
 
 
 def small(**sections) -> TierlmConfig:
-    base = {"model": {"depth": 2, "aspect_ratio": 32, "head_dim": 16}, "data": {"max_seq_length": 64},
-            "training": {"per_device_train_batch_size": 4}}
+    base = {
+        "model": {"depth": 2, "aspect_ratio": 32, "head_dim": 16},
+        "data": {"max_seq_length": 64},
+        "training": {"per_device_train_batch_size": 4},
+    }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     return TierlmConfig.model_validate(base)
@@ -71,8 +77,16 @@ class TestSeedConfigurations:
 
 class TestSeedMemoryUtils:
     def test_estimate_model_memory(self):
-        estimates = estimate_model_memory(num_params=1_000_000_000, batch_size=4, seq_length=8192, hidden_size=1024, num_layers=28,
-                                          dtype=torch.bfloat16, optimizer="adamw", gradient_checkpointing=True)
+        estimates = estimate_model_memory(
+            num_params=1_000_000_000,
+            batch_size=4,
+            seq_length=8192,
+            hidden_size=1024,
+            num_layers=28,
+            dtype=torch.bfloat16,
+            optimizer="adamw",
+            gradient_checkpointing=True,
+        )
         assert "model_gb" in estimates and "optimizer_gb" in estimates and "total_gb" in estimates
         assert estimates["model_gb"] > 0
         assert estimates["optimizer_gb"] > estimates["model_gb"]
@@ -80,18 +94,36 @@ class TestSeedMemoryUtils:
 
     def test_estimate_model_memory_no_checkpointing(self):
         kwargs = dict(num_params=1_000_000_000, batch_size=4, seq_length=2048, hidden_size=1024, num_layers=28)
-        assert estimate_model_memory(**kwargs, gradient_checkpointing=False)["activation_gb"] > \
-            estimate_model_memory(**kwargs, gradient_checkpointing=True)["activation_gb"]
+        assert (
+            estimate_model_memory(**kwargs, gradient_checkpointing=False)["activation_gb"]
+            > estimate_model_memory(**kwargs, gradient_checkpointing=True)["activation_gb"]
+        )
 
     def test_estimate_model_memory_formula(self):
         """Korthikanti et al.'s 34 sbh per layer (16-bit), and 5 a s^2 b more with materialised scores."""
-        est = estimate_model_memory(num_params=0, batch_size=2, seq_length=100, hidden_size=10, num_layers=3, gradient_checkpointing=False)
+        est = estimate_model_memory(
+            num_params=0, batch_size=2, seq_length=100, hidden_size=10, num_layers=3, gradient_checkpointing=False
+        )
         assert est["activation_gb"] * 1e9 == pytest.approx(3 * 34 * 2 * 100 * 10)
-        scores = estimate_model_memory(num_params=0, batch_size=2, seq_length=100, hidden_size=10, num_layers=3,
-                                       gradient_checkpointing=False, flash_attention=False, num_heads=4)
+        scores = estimate_model_memory(
+            num_params=0,
+            batch_size=2,
+            seq_length=100,
+            hidden_size=10,
+            num_layers=3,
+            gradient_checkpointing=False,
+            flash_attention=False,
+            num_heads=4,
+        )
         assert (scores["activation_gb"] - est["activation_gb"]) * 1e9 == pytest.approx(3 * 5 * 4 * 100 * 2 * 100)
-        assert estimate_model_memory(num_params=10, batch_size=1, seq_length=1, hidden_size=1, num_layers=1, optimizer="muon")["optimizer_gb"] \
-            == pytest.approx(estimate_model_memory(num_params=10, batch_size=1, seq_length=1, hidden_size=1, num_layers=1)["optimizer_gb"] / 2)
+        assert estimate_model_memory(
+            num_params=10, batch_size=1, seq_length=1, hidden_size=1, num_layers=1, optimizer="muon"
+        )["optimizer_gb"] == pytest.approx(
+            estimate_model_memory(num_params=10, batch_size=1, seq_length=1, hidden_size=1, num_layers=1)[
+                "optimizer_gb"
+            ]
+            / 2
+        )
 
     def test_memory_stats_log_and_clear(self, caplog):
         stats = get_memory_stats()
@@ -120,7 +152,9 @@ class TestAutoFindBatchSize:
                     raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
                 return self.layer(x).sum()
 
-        size = auto_find_batch_size(Picky(), lambda n: {"x": torch.randn(n, 4)}, start_batch_size=32, predict_on_cpu=False)
+        size = auto_find_batch_size(
+            Picky(), lambda n: {"x": torch.randn(n, 4)}, start_batch_size=32, predict_on_cpu=False
+        )
         assert size == 8 and tried == [32, 16, 8]
 
     def test_cpu_prediction_fits_the_budget(self):
@@ -130,8 +164,13 @@ class TestAutoFindBatchSize:
         model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(2)])
 
         def find(available):
-            return auto_find_batch_size(model, lambda n: {"input": torch.randn(n, 4096)}, start_batch_size=1024,
-                                        loss_of=lambda out: out.square().sum(), available=int(available))
+            return auto_find_batch_size(
+                model,
+                lambda n: {"input": torch.randn(n, 4096)},
+                start_batch_size=1024,
+                loss_of=lambda out: out.square().sum(),
+                available=int(available),
+            )
 
         assert 64 <= find(0.45e9) <= 512
         assert find(2e9) == 1024
@@ -143,16 +182,28 @@ def test_fake_trace_matches_the_real_step():
     tracked the same way, holds the same bytes (native GPT; SFT's packed rows under checkpointing).
     transformers' Qwen3 holds one (B, H, T, T) fp32 tensor more in fake tensors (its attention-mask
     code takes another branch when it cannot read values): bounded, and on the safe side."""
-    for config, stage in ((small(), "pretrain"), (small(infra={"activation_checkpointing": True}), "sft"),
-                          (small(training={"optimizer": "muon"}), "pretrain")):
+    for config, stage in (
+        (small(), STAGES["pretrain"]),
+        (small(infra={"activation_checkpointing": True}), STAGES["sft"]),
+        (small(training={"optimizer": "muon"}), STAGES["pretrain"]),
+    ):
         fake = trace_step(config, stage, 512, 4, 64)
         real = trace_step(config, stage, 512, 4, 64, fake=False)
         assert fake["Total"] == pytest.approx(real["Total"], rel=1e-3), (stage, fake, real)  # SFT: the real rows' index
         assert all(fake[k] == real[k] for k in ("Parameter", "Buffer", "Optstate")), (stage, fake, real)
-    qwen = {"architecture": "qwen3", "hf_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
-    fake = trace_step(small(model=qwen), "pretrain", 512, 4, 64)
-    real = trace_step(small(model=qwen), "pretrain", 512, 4, 64, fake=False)
+    qwen = {
+        "architecture": "qwen3",
+        "hf_config": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+        },
+    }
+    fake = trace_step(small(model=qwen), STAGES["pretrain"], 512, 4, 64)
+    real = trace_step(small(model=qwen), STAGES["pretrain"], 512, 4, 64, fake=False)
     assert 0 <= fake["Total"] - real["Total"] <= 4 * 4 * 64 * 64 * 4 and fake["Optstate"] == real["Optstate"]
 
 
@@ -166,9 +217,13 @@ def test_estimate_parts_follow_the_options():
     logits = 4 * 64 * 4096 * 4  # (B, T, V) fp32
     assert unfused["activations"] - parts["activations"] > logits  # the logits, their softmax and gradient
     muon = estimate_run_memory(small(training={"optimizer": "muon"}), vocab_size=4096).parts
-    assert parts["optimizer state"] / 2 < muon["optimizer state"] < parts["optimizer state"]  # one moment for the matrices
+    assert (
+        parts["optimizer state"] / 2 < muon["optimizer state"] < parts["optimizer state"]
+    )  # one moment for the matrices
     fsdp = estimate_run_memory(small(), world_size=2, vocab_size=4096, distributed="fsdp").parts
-    assert fsdp["parameters"] == pytest.approx(parts["parameters"] / 2) and fsdp["optimizer state"] == pytest.approx(parts["optimizer state"] / 2)
+    assert fsdp["parameters"] == pytest.approx(parts["parameters"] / 2) and fsdp["optimizer state"] == pytest.approx(
+        parts["optimizer state"] / 2
+    )
     assert fsdp["FSDP gathered blocks"] > 0 and fsdp["activations"] == parts["activations"]
     ddp = estimate_run_memory(small(), world_size=2, vocab_size=4096, distributed="ddp").parts
     assert ddp["DDP gradient buckets"] == pytest.approx(parts["parameters"], rel=0.01)  # fp32 gradients, once more
@@ -179,29 +234,38 @@ def test_estimate_parts_follow_the_options():
 
 
 def test_estimate_of_dpo_and_rl(tmp_path):
-    from tierlm.plan.scaling import new_model
+    from tierlm.build.model import new_model
 
     model = new_model(small(), 512, "cpu")
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
-    dpo = estimate_run_memory(small(), stage="dpo", vocab_size=512)
+    dpo = estimate_run_memory(small(), stage=STAGES["dpo"], vocab_size=512)
     assert dpo.micro_batch == (8, 64) and dpo.parts["reference model"] == param_bytes  # pairs: two rows each
     assert dpo.parts["parameters"] == pytest.approx(param_bytes, rel=0.01)
-    precomputed = estimate_run_memory(small(dpo={"reference": "precomputed"}), stage="dpo", vocab_size=512)
+    precomputed = estimate_run_memory(small(dpo={"reference": "precomputed"}), stage=STAGES["dpo"], vocab_size=512)
     assert precomputed.parts["reference model"] == 0
-    rl = estimate_run_memory(small(rl={"group_size": 64, "prompts_per_step": 1, "micro_batch_size": 2}), stage="rl", vocab_size=512, row_tokens=64)
+    rl = estimate_run_memory(
+        small(rl={"group_size": 64, "prompts_per_step": 1, "micro_batch_size": 2}),
+        stage=STAGES["rl"],
+        vocab_size=512,
+        row_tokens=64,
+    )
     cache = 2 * 2 * 64 * 64 * 64 * 4  # K and V x layers x samples x positions x kv width (n_kv_head = heads) x fp32
     assert rl.parts["generation KV cache"] >= cache - rl.parts["activations"]
     assert rl.parts["reference model"] == 0
-    with_kl = estimate_run_memory(small(rl={"kl_coef": 0.1}), stage="rl", vocab_size=512)
+    with_kl = estimate_run_memory(small(rl={"kl_coef": 0.1}), stage=STAGES["rl"], vocab_size=512)
     assert with_kl.parts["reference model"] == param_bytes
 
 
 def test_check_memory_and_budget():
-    estimate = MemoryEstimate({"parameters": 1e9, "activations": 3e9, "framework": 1e8},
-                              fixes={"activations": "set infra.activation_checkpointing=true"})
+    estimate = MemoryEstimate(
+        {"parameters": 1e9, "activations": 3e9, "framework": 1e8},
+        fixes={"activations": "set infra.activation_checkpointing=true"},
+    )
     check_memory(estimate, 5e9)
     check_memory(estimate, None)  # nothing known: nothing refused
-    with pytest.raises(ConfigError, match=r"the largest part is activations .*: set infra.activation_checkpointing=true"):
+    with pytest.raises(
+        ConfigError, match=r"the largest part is activations .*: set infra.activation_checkpointing=true"
+    ):
         check_memory(estimate, 3e9)
     assert memory_budget(torch.device("cpu"), max_memory_gb=2.0) == 2e9
     assert memory_budget(torch.device("cpu"), ranks=2) <= memory_budget(torch.device("cpu")) / 2 + 1
@@ -210,7 +274,9 @@ def test_check_memory_and_budget():
 def test_cheapest_fix_is_named():
     fixes = estimate_run_memory(small(), vocab_size=512).fixes
     assert fixes["activations"] == "set infra.activation_checkpointing=true"
-    fixes = estimate_run_memory(small(infra={"activation_checkpointing": True}, training={"fused_cross_entropy": False}), vocab_size=512).fixes
+    fixes = estimate_run_memory(
+        small(infra={"activation_checkpointing": True}, training={"fused_cross_entropy": False}), vocab_size=512
+    ).fixes
     assert fixes["activations"] == "set training.fused_cross_entropy=true"
     assert "FSDP" in fixes["optimizer state"]
 
@@ -218,20 +284,33 @@ def test_cheapest_fix_is_named():
 def test_auto_batch_size_fits_and_divides():
     config = small(training={"per_device_train_batch_size": "auto"})
     one = estimate_run_memory(small(training={"per_device_train_batch_size": 4}), vocab_size=512).total
-    rows, why = auto_batch_size(config, "pretrain", 1.2 * one * 1.01, vocab_size=512)
+    rows, why = auto_batch_size(config, STAGES["pretrain"], 1.2 * one * 1.01, vocab_size=512)
     assert rows == 4, why
-    fixed = small(training={"per_device_train_batch_size": "auto", "total_batch_size": 2 * 64 * 3})  # 6 rows a step: 2 divides, 4 does not
-    rows, why = auto_batch_size(fixed, "pretrain", 1.2 * one * 1.01, vocab_size=512)
+    fixed = small(
+        training={"per_device_train_batch_size": "auto", "total_batch_size": 2 * 64 * 3}
+    )  # 6 rows a step: 2 divides, 4 does not
+    rows, why = auto_batch_size(fixed, STAGES["pretrain"], 1.2 * one * 1.01, vocab_size=512)
     assert rows == 2 and "do not divide" in why
     with pytest.raises(ConfigError, match="rl.micro_batch_size"):
-        auto_batch_size(config, "rl", 1e9)
+        auto_batch_size(config, STAGES["rl"], 1e9)
     with pytest.raises(ConfigError, match="not even one row"):
-        auto_batch_size(config, "pretrain", 1e6, vocab_size=512)
+        auto_batch_size(config, STAGES["pretrain"], 1e6, vocab_size=512)
 
 
 # -- the commands ----------------------------------------------------------------------------------
-TINY = ["--config", "tiny_pretrain", "model.depth=2", "training.num_train_steps=6", "training.warmup_steps=0", "training.eval_steps=0",
-        "training.save_steps=0", "training.logging_steps=1", "infra.progress_bar=false", "data.num_synthetic_examples=2000", "data.max_seq_length=64"]
+TINY = [
+    "--config",
+    "tiny_pretrain",
+    "model.depth=2",
+    "training.num_train_steps=6",
+    "training.warmup_steps=0",
+    "training.eval_steps=0",
+    "training.save_steps=0",
+    "training.logging_steps=1",
+    "infra.progress_bar=false",
+    "data.num_synthetic_examples=2000",
+    "data.max_seq_length=64",
+]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -242,29 +321,50 @@ def _losses(run_dir: Path) -> list[float]:
 def test_auto_batch_size_trains_as_the_hand_set_equivalent(tmp_path):
     """With the total batch fixed at 8 rows, a budget that fits 4 rows (not 8) makes auto pick 4 and
     accumulate 2: the same losses as the hand-set 4 x 2, and (summation order aside) as 8 x 1."""
-    from tierlm.run import plan_run
+    from tierlm.plan import plan_run
 
     def config(rows):
-        return TierlmConfig.load("tiny_pretrain", TINY[2:] + [f"training.per_device_train_batch_size={rows}", "training.total_batch_size=512"])
+        return TierlmConfig.load(
+            "tiny_pretrain",
+            TINY[2:] + [f"training.per_device_train_batch_size={rows}", "training.total_batch_size=512"],
+        )
 
-    four, eight = (estimate_run_memory(config(n), vocab_size=plan_run(config(n), "pretrain")[2].config.vocab_size).total for n in (4, 8))
+    four, eight = (
+        estimate_run_memory(config(n), vocab_size=plan_run(config(n), STAGES["pretrain"])[2].config.vocab_size).total
+        for n in (4, 8)
+    )
     budget_gb = (1.2 * four + 1.2 * eight) / 2 / 1e9  # room for 4 rows and the margin, not for 8
     runs = {}
-    for name, rows, extra in (("auto", "auto", [f"infra.max_memory_gb={budget_gb}"]), ("four", 4, []), ("eight", 8, [])):
+    for name, rows, extra in (
+        ("auto", "auto", [f"infra.max_memory_gb={budget_gb}"]),
+        ("four", 4, []),
+        ("eight", 8, []),
+    ):
         out = tmp_path / name
-        result = run_cli("pretrain", *TINY, f"training.per_device_train_batch_size={rows}", "training.total_batch_size=512",
-                         f"infra.output_dir={out}", *extra)
+        result = run_cli(
+            "pretrain",
+            *TINY,
+            f"training.per_device_train_batch_size={rows}",
+            "training.total_batch_size=512",
+            f"infra.output_dir={out}",
+            *extra,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         runs[name] = (_losses(out), result.stdout)
     assert "training.per_device_train_batch_size=auto: 4 rows (predicted" in runs["auto"][1]
-    assert "4 rows x 64 tokens" in runs["auto"][1] or "= 256 per micro-batch x 1 rank(s) x 2 accumulation" in runs["auto"][1]
+    assert (
+        "4 rows x 64 tokens" in runs["auto"][1]
+        or "= 256 per micro-batch x 1 rank(s) x 2 accumulation" in runs["auto"][1]
+    )
     recorded = TierlmConfig.from_yaml(tmp_path / "auto" / "config.yaml").training
     assert (recorded.per_device_train_batch_size, recorded.gradient_accumulation_steps) == (4, 2)
     assert runs["auto"][0] == runs["four"][0] and len(runs["auto"][0]) == 6
     assert runs["auto"][0] == pytest.approx(runs["eight"][0], rel=1e-4)
 
 
-@pytest.mark.parametrize("override", ["infra.max_memory_gb=0.05", "data.max_seq_length=100000000"], ids=["small-budget", "seq-1e8"])
+@pytest.mark.parametrize(
+    "override", ["infra.max_memory_gb=0.05", "data.max_seq_length=100000000"], ids=["small-budget", "seq-1e8"]
+)
 def test_preflight_refuses_in_one_line_and_writes_nothing(tmp_path, override):
     """A run that cannot fit: one line naming the largest part, exit 2, under 10 s, no run directory."""
     out = tmp_path / "run"
@@ -292,13 +392,14 @@ def _bench():
     return module
 
 
-# The suite's share of bench/memory.py's configs (it runs them all: recomputed activations, GPT-2, DPO's frozen reference,
+# The suite's share of bench/memory.py's configs (it runs them all: recomputed activations, GPT-2, DPO's frozen
+# reference,
 # unfused BPE and RL too): a native and a transformers model, and FSDP2 ranks.
 VALIDATED = ["gpt", "qwen3", "gpt-fsdp2"]
 
 
 def test_estimates_within_15_percent_of_measured_peaks():
-    """Each config trains 3 steps under tierlm.plan.probe; the run's own estimate (its
+    """Each config trains 3 steps under tierlm.commands.probe; the run's own estimate (its
     memory_estimate.json) is within 15% of its peak RSS growth over the import baseline. The same
     run's peak varies by up to ~7% from one run to the next (glibc's arenas, which thread frees
     first): a config outside the band is measured once more and judged on the mean of the two."""
@@ -313,5 +414,8 @@ def test_estimates_within_15_percent_of_measured_peaks():
                 measured = (r["measured_mb"] + again["measured_mb"]) / 2
                 r = {**r, "measured_mb": measured, "ratio": r["estimate_mb"] / measured}
             rows.append((name, r))
-    table = "\n".join(f"{name}: estimate {r['estimate_mb']:.0f} MiB, measured {r['measured_mb']:.0f} MiB, ratio {r['ratio']:.2f}" for name, r in rows)
+    table = "\n".join(
+        f"{name}: estimate {r['estimate_mb']:.0f} MiB, measured {r['measured_mb']:.0f} MiB, ratio {r['ratio']:.2f}"
+        for name, r in rows
+    )
     assert all(0.85 <= r["ratio"] <= 1.15 for _, r in rows), table

@@ -12,9 +12,17 @@ from torch import nn
 
 from conftest import REPO, TINY
 from tierlm.commands.cli import main
-from tierlm.models import FAMILIES, family_for_folder, family_named, forward_cross_entropy, forward_logits, load_pretrained_model, save_model_folder
-from tierlm.models.gpt2.model import GPT2Config
+from tierlm.models import (
+    FAMILIES,
+    family_for_folder,
+    family_named,
+    forward_cross_entropy,
+    forward_logits,
+    load_pretrained_model,
+    save_model_folder,
+)
 from tierlm.models.gpt2.family import GPT2_FAMILY
+from tierlm.models.gpt2.model import GPT2Config
 from tierlm.models.native import NativeFamily
 from tierlm.models.registry import register_family
 
@@ -24,8 +32,18 @@ def _hf_gpt2(tmp_path: Path):
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(HFConfig(vocab_size=61, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    model = GPT2LMHeadModel(
+        HFConfig(
+            vocab_size=61,
+            n_positions=32,
+            n_embd=48,
+            n_layer=2,
+            n_head=3,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ).eval()
     model.save_pretrained(tmp_path / "hf")
     return model, tmp_path / "hf"
 
@@ -36,7 +54,7 @@ def _greedy_by_recomputation(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_gpt2_loads_transformers_weights_with_the_same_logits_and_loss(tmp_path):
@@ -54,7 +72,9 @@ def test_gpt2_loads_transformers_weights_with_the_same_logits_and_loss(tmp_path)
 def test_gpt2_exports_to_transformers_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=24)).eval()
+    model = GPT2_FAMILY.build_from_config(
+        GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=24)
+    ).eval()
     folder = save_model_folder(model, tmp_path / "m")
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(hf).__name__ == "GPT2LMHeadModel"
@@ -66,7 +86,9 @@ def test_gpt2_exports_to_transformers_with_the_same_logits(tmp_path):
 
 
 def test_gpt2_without_biases_saves_a_tierlm_folder(tmp_path):
-    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8, bias=False))
+    model = GPT2_FAMILY.build_from_config(
+        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8, bias=False)
+    )
     folder = save_model_folder(model, tmp_path / "m")
     assert not (folder / "config.json").exists() and family_for_folder(folder).name == "gpt2"
     assert GPT2_FAMILY.exportable(model) is not None
@@ -75,7 +97,9 @@ def test_gpt2_without_biases_saves_a_tierlm_folder(tmp_path):
 
 
 def test_gpt2_packed_documents_compute_what_they_would_alone():
-    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16)).eval()
+    model = GPT2_FAMILY.build_from_config(
+        GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16)
+    ).eval()
     a, b = torch.randint(0, 50, (1, 5)), torch.randint(0, 50, (1, 7))
     packed = torch.cat([a, b], dim=1)
     positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
@@ -88,7 +112,9 @@ def test_gpt2_packed_documents_compute_what_they_would_alone():
 def test_gpt2_cached_greedy_decoding_equals_recomputation():
     from tierlm.rollout.engine import Engine
 
-    model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=32)).eval()
+    model = GPT2_FAMILY.build_from_config(
+        GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=32)
+    ).eval()
     prompt = [3, 14, 15, 9]
     tokens = Engine(model).generate(prompt, 1, 10, temperature=0.0)[0].tokens
     assert tokens == _greedy_by_recomputation(model, prompt, 10)
@@ -96,8 +122,20 @@ def test_gpt2_cached_greedy_decoding_equals_recomputation():
 
 def test_gpt2_trains_through_the_cli_and_beats_the_unigram_level(tmp_path):
     run = tmp_path / "gpt2"
-    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.dropout=0.1",
-                 "training.num_train_steps=40", "training.learning_rate=3e-3", "training.eval_steps=40", f"infra.output_dir={run}"])
+    code = main(
+        [
+            "pretrain",
+            "--config",
+            str(REPO / "configs/tiny_pretrain.yaml"),
+            *TINY,
+            "model.architecture=gpt2",
+            "model.dropout=0.1",
+            "training.num_train_steps=40",
+            "training.learning_rate=3e-3",
+            "training.eval_steps=40",
+            f"infra.output_dir={run}",
+        ]
+    )
     assert code == 0
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals[-1]["val_loss"] < 0.75 * evals[0]["val_loss"]
@@ -172,8 +210,19 @@ def toy_family():
 
 def test_a_registered_family_trains_samples_and_saves_through_the_cli(toy_family, tmp_path, capsys):
     run = tmp_path / "toy"
-    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=toy_bigram",
-                 "training.num_train_steps=30", "training.learning_rate=0.1", "training.eval_steps=30", f"infra.output_dir={run}"])
+    code = main(
+        [
+            "pretrain",
+            "--config",
+            str(REPO / "configs/tiny_pretrain.yaml"),
+            *TINY,
+            "model.architecture=toy_bigram",
+            "training.num_train_steps=30",
+            "training.learning_rate=0.1",
+            "training.eval_steps=30",
+            f"infra.output_dir={run}",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     assert json.loads((run / "model" / "tierlm_model.json").read_text())["family"] == "toy_bigram"
     model = load_pretrained_model(run / "model")
@@ -190,7 +239,9 @@ def test_a_registered_family_trains_samples_and_saves_through_the_cli(toy_family
 # -- GPT-2 research variants -------------------------------------------------------------------
 def _gpt2(**variant):
     torch.manual_seed(0)
-    return GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16, **variant)).eval()
+    return GPT2_FAMILY.build_from_config(
+        GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16, **variant)
+    ).eval()
 
 
 def test_unified_ra_scores_are_the_gated_sum_of_the_two_slices():
@@ -203,7 +254,9 @@ def test_unified_ra_scores_are_the_gated_sum_of_the_two_slices():
         x = torch.randn(1, 6, 32)
         q, k, v = (t.view(1, 6, 2, 16).transpose(1, 2) for t in attn.c_attn(x).split(32, dim=2))
         ws, wr = attn.ra.w_std[None, :, None, None], attn.ra.w_rec[None, :, None, None]
-        scores = (ws * q[..., :12] @ k[..., :12].transpose(-1, -2) + wr * q[..., 12:] @ k[..., 12:].transpose(-1, -2)) / 16**0.5
+        scores = (
+            ws * q[..., :12] @ k[..., :12].transpose(-1, -2) + wr * q[..., 12:] @ k[..., 12:].transpose(-1, -2)
+        ) / 16**0.5
         scores = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
         expected = attn.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(1, 6, 32))
         assert torch.allclose(attn(x, None), expected, atol=1e-6)
@@ -212,12 +265,18 @@ def test_unified_ra_scores_are_the_gated_sum_of_the_two_slices():
 def test_variants_reduce_to_v0_with_their_gates_neutral():
     v0 = _gpt2()
     ids = torch.randint(0, 50, (2, 10))
-    for variant in ({"ra_r": 4}, {"ra_r": 8, "ra_per_head": True}, {"ra_r": 4, "self_restart": True},
-                    {"rmlp_r_ff": 16, "rmlp_mixer": True, "rmlp_gate_alpha": True, "rmlp_attention_aware": True}):
+    for variant in (
+        {"ra_r": 4},
+        {"ra_r": 8, "ra_per_head": True},
+        {"ra_r": 4, "self_restart": True},
+        {"rmlp_r_ff": 16, "rmlp_mixer": True, "rmlp_gate_alpha": True, "rmlp_attention_aware": True},
+    ):
         model = _gpt2(**variant)
         missing, unexpected = model.load_state_dict(v0.state_dict(), strict=False)
-        assert not unexpected and all(k.rsplit(".", 1)[1] in ("w_std", "w_rec", "alpha", "gate_alpha", "attn_alpha") or "mixer" in k
-                                      for k in missing), missing
+        assert not unexpected and all(
+            k.rsplit(".", 1)[1] in ("w_std", "w_rec", "alpha", "gate_alpha", "attn_alpha") or "mixer" in k
+            for k in missing
+        ), missing
         with torch.no_grad():
             for block in model.h:
                 if block.attn.ra is not None:
@@ -225,10 +284,14 @@ def test_variants_reduce_to_v0_with_their_gates_neutral():
                     block.attn.ra.w_rec.fill_(1.0)
                 if block.attn.restart is not None:
                     block.attn.restart.alpha.zero_()
-                if hasattr(block.mlp, "w_rec"):  # R-MLP: gates 1, the options neutral (identity mixer, alpha 1, no attention input)
+                if hasattr(
+                    block.mlp, "w_rec"
+                ):  # R-MLP: gates 1, the options neutral (identity mixer, alpha 1, no attention input)
                     block.mlp.w_std.fill_(1.0)
                     block.mlp.w_rec.fill_(1.0)
-            assert torch.allclose(model(ids), v0(ids), atol=1e-6), variant  # R-MLP splits the MLP's GELU and matmuls: rounding
+            assert torch.allclose(model(ids), v0(ids), atol=1e-6), (
+                variant
+            )  # R-MLP splits the MLP's GELU and matmuls: rounding
 
 
 def test_ra_off_is_v0_exactly():
@@ -236,7 +299,9 @@ def test_ra_off_is_v0_exactly():
 
     def build(**fields):
         torch.manual_seed(0)
-        return GPT2_FAMILY.build(ModelConfig(architecture="gpt2", depth=2, aspect_ratio=16, head_dim=16, **fields), 50, 16).eval()
+        return GPT2_FAMILY.build(
+            ModelConfig(architecture="gpt2", depth=2, aspect_ratio=16, head_dim=16, **fields), 50, 16
+        ).eval()
 
     ids = torch.randint(0, 50, (2, 10))
     v0, off = build(variant="V0"), build(variant="V1", ra={"r": 0})
@@ -268,17 +333,21 @@ def test_delayed_activation_is_applied_in_the_forward():
     model = _gpt2(ra_r=4, rmlp_r_ff=16, delay_mode="step", delay_start_step=3)
     ids = torch.randint(0, 50, (2, 10))
     blocks = model.h
+
     def bump_reciprocal_gates():
         with torch.no_grad():
             for block in blocks:
                 block.attn.ra.w_rec.add_(0.5)
                 block.mlp.w_rec.add_(0.5)
+
     before = model(ids)
     bump_reciprocal_gates()
     assert torch.equal(model(ids), before), "while the scale is 0 the reciprocal gates must not matter"
     loss = model(ids).logsumexp(-1).sum()
     loss.backward()
-    assert all(float(b.attn.ra.w_rec.grad.abs().sum()) == 0 and float(b.mlp.w_rec.grad.abs().sum()) == 0 for b in blocks)
+    assert all(
+        float(b.attn.ra.w_rec.grad.abs().sum()) == 0 and float(b.mlp.w_rec.grad.abs().sum()) == 0 for b in blocks
+    )
     for step in (1, 2, 3):
         family.on_step(model, step, 1.0)
     assert float(model.coupling.scale) == 1.0
@@ -298,9 +367,19 @@ def test_loss_stability_switches_on_when_the_loss_settles():
 
 
 def test_a_delayed_run_resumes_exactly(tmp_path):
-    common = ["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.head_dim=16",
-              "model.variant=V16", "model.delay.window=3", "model.delay.cv_threshold=0.5", "training.num_train_steps=12",
-              "training.logging_steps=1"]
+    common = [
+        "pretrain",
+        "--config",
+        str(REPO / "configs/tiny_pretrain.yaml"),
+        *TINY,
+        "model.architecture=gpt2",
+        "model.head_dim=16",
+        "model.variant=V16",
+        "model.delay.window=3",
+        "model.delay.cv_threshold=0.5",
+        "training.num_train_steps=12",
+        "training.logging_steps=1",
+    ]
     assert main([*common, f"infra.output_dir={tmp_path / 'straight'}"]) == 0
     assert main([*common, "training.save_steps=6", f"infra.output_dir={tmp_path / 'resumed'}"]) == 0
     import shutil
@@ -311,7 +390,10 @@ def test_a_delayed_run_resumes_exactly(tmp_path):
     assert main([*common, "training.save_steps=6", f"infra.output_dir={tmp_path / 'resumed'}"]) == 0
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "straight" / "model" / "model.safetensors"), load_file(tmp_path / "resumed" / "model" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "straight" / "model" / "model.safetensors"),
+        load_file(tmp_path / "resumed" / "model" / "model.safetensors"),
+    )
     assert a.keys() == b.keys() and "transformer.coupling.switched_at" in a
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert int(a["transformer.coupling.switched_at"]) > 0  # it switched on during the run
@@ -320,12 +402,32 @@ def test_a_delayed_run_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("variant", [f"V{i}" for i in range(20)])
 def test_each_variant_trains_20_steps(variant, tmp_path):
     run = tmp_path / variant
-    wide = ["model.aspect_ratio=384"] if variant in ("V13", "V15", "V18") else []  # R_ff = 1,152 needs an MLP wider than 1,152 (4 x 384)
+    wide = (
+        ["model.aspect_ratio=384"] if variant in ("V13", "V15", "V18") else []
+    )  # R_ff = 1,152 needs an MLP wider than 1,152 (4 x 384)
     delay = ["model.delay.start_step=15"] if variant in ("V11", "V12", "V13", "V14", "V15") else []
-    recency = ["model.kv_pruning.recency=8"] if variant in ("V14", "V15", "V17", "V18", "V19") else []  # rows of 32: prune for real
-    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.head_dim=16",
-                 f"model.variant={variant}", "training.num_train_steps=20", "training.learning_rate=3e-3", "training.logging_steps=10",
-                 "training.eval_steps=20", f"infra.output_dir={run}", *wide, *delay, *recency])
+    recency = (
+        ["model.kv_pruning.recency=8"] if variant in ("V14", "V15", "V17", "V18", "V19") else []
+    )  # rows of 32: prune for real
+    code = main(
+        [
+            "pretrain",
+            "--config",
+            str(REPO / "configs/tiny_pretrain.yaml"),
+            *TINY,
+            "model.architecture=gpt2",
+            "model.head_dim=16",
+            f"model.variant={variant}",
+            "training.num_train_steps=20",
+            "training.learning_rate=3e-3",
+            "training.logging_steps=10",
+            "training.eval_steps=20",
+            f"infra.output_dir={run}",
+            *wide,
+            *delay,
+            *recency,
+        ]
+    )
     assert code == 0
     lines = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] != "sample"]
     evals = [r for r in lines if r["type"] == "eval"]
@@ -345,7 +447,16 @@ def test_each_variant_trains_20_steps(variant, tmp_path):
 
 
 def test_an_unknown_variant_is_one_line(capsys):
-    code = main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "model.architecture=gpt2", "model.variant=V20"])
+    code = main(
+        [
+            "pretrain",
+            "--config",
+            str(REPO / "configs/tiny_pretrain.yaml"),
+            *TINY,
+            "model.architecture=gpt2",
+            "model.variant=V20",
+        ]
+    )
     assert code == 2 and "model.variant 'V20' is not a V-series step" in capsys.readouterr().err
 
 
@@ -375,7 +486,9 @@ def test_kv_pruning_keeps_the_budget_and_prunes_for_real():
     pruned.init_weights()
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     out = pruned(q, k, v)
-    assert torch.allclose(out[:, :, :2], dense[:, :, :2], atol=1e-6)  # the first queries see only recent keys: nothing pruned
+    assert torch.allclose(
+        out[:, :, :2], dense[:, :, :2], atol=1e-6
+    )  # the first queries see only recent keys: nothing pruned
     assert not torch.allclose(out[:, :, 8:], dense[:, :, 8:])  # later ones keep 3 of 9-12 keys
     full = CausalKVPruning(keep_ratio=1.0, recency=2)
     full.init_weights()

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tests.test_distributed import assert_same_steps, run_worker
 
 
 def predicted_weight_bytes(world_size: int = 2, **sizes) -> float:
     """The fp32 weights `tierlm.plan.layouts` expects one rank to hold, for the worker's model."""
     from tests.distributed_worker import CONFIG
-    from tierlm.plan.layouts import ModelShape, layout_memory
+
     from tierlm.models import build_gpt
+    from tierlm.plan.layouts import ModelShape, layout_memory
     from tierlm.primitives.model_parallel import ParallelDims
 
     dims = ParallelDims.from_sizes(world_size, **sizes)
@@ -28,8 +28,24 @@ def test_plan_prints_the_layouts_and_megatron_backend_needs_torchrun(capsys):
     from tierlm.commands.cli import main
     from tierlm.errors import ConfigError
 
-    assert main(["plan", "--world-size", "4", "--layouts", "--vocab-size", "512", "model.depth=4", "model.aspect_ratio=32",
-                 "model.head_dim=32", "model.n_kv_head=2", "infra.device_type=cpu"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--world-size",
+                "4",
+                "--layouts",
+                "--vocab-size",
+                "512",
+                "model.depth=4",
+                "model.aspect_ratio=32",
+                "model.head_dim=32",
+                "model.n_kv_head=2",
+                "infra.device_type=cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "per-rank memory of 4 ranks" in out and "TP 2 x PP 2 x DP 1" in out and "TP 1 x PP 1 x DP 4" in out
     assert "TP 4 x" not in out  # 2 key/value heads do not split over 4 ranks
@@ -40,7 +56,10 @@ def test_plan_prints_the_layouts_and_megatron_backend_needs_torchrun(capsys):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    return {**run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt"), "step_5": out / "ckpt" / "step_5"}
+    return {
+        **run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt"),
+        "step_5": out / "ckpt" / "step_5",
+    }
 
 
 def test_tensor_parallel_matches_one_process_and_splits_the_blocks(single, tmp_path):
@@ -51,8 +70,13 @@ def test_tensor_parallel_matches_one_process_and_splits_the_blocks(single, tmp_p
     assert tp["memory"]["param_bytes"] < 0.8 * single["memory"]["param_bytes"]
     assert tp["memory"]["param_bytes"] == pytest.approx(predicted_weight_bytes(tensor=2), rel=0.01)
     # a TP=2 checkpoint resumes in one process as if the run never stopped
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                         checkpoint_dir=tmp_path / "ckpt_single")
+    resumed = run_worker(
+        "single",
+        tmp_path / "resumed.json",
+        steps="5:10",
+        load=tmp_path / "ckpt" / "step_5",
+        checkpoint_dir=tmp_path / "ckpt_single",
+    )
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
 
 
@@ -61,8 +85,14 @@ def trains_as_one_and_reshards(mode: str, single: dict, tmp_path, **options) -> 
     step-5 checkpoint resumes in `mode`, both as if the run never stopped."""
     run = run_worker(mode, tmp_path / f"{mode}.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", **options)
     assert_same_steps(run["steps"], single["steps"], tol=1e-4)
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                         checkpoint_dir=tmp_path / "ckpt_single", **options)
+    resumed = run_worker(
+        "single",
+        tmp_path / "resumed.json",
+        steps="5:10",
+        load=tmp_path / "ckpt" / "step_5",
+        checkpoint_dir=tmp_path / "ckpt_single",
+        **options,
+    )
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
     back = run_worker(mode, tmp_path / "back.json", steps="5:10", load=single["step_5"], **options)
     assert_same_steps(back["steps"], single["steps"][5:], tol=1e-4)
@@ -93,22 +123,40 @@ def test_pipeline_stages_match_one_process(single, mode, tmp_path):
     assert_same_steps(pp["steps"], single["steps"], tol=1e-4)
     # rank 0 (the first stage: one block and the embedding), as the layout planner predicts for the busier stage
     assert pp["memory"]["param_bytes"] <= predicted_weight_bytes(pipeline=2) * 1.01
-    if mode == "pp":  # each stage wrote its own blocks and their optimizer state: one checkpoint, resumed in one process
-        resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                             checkpoint_dir=tmp_path / "ckpt_single")
+    if (
+        mode == "pp"
+    ):  # each stage wrote its own blocks and their optimizer state: one checkpoint, resumed in one process
+        resumed = run_worker(
+            "single",
+            tmp_path / "resumed.json",
+            steps="5:10",
+            load=tmp_path / "ckpt" / "step_5",
+            checkpoint_dir=tmp_path / "ckpt_single",
+        )
         assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
         back = run_worker("pp", tmp_path / "back.json", steps="5:10", load=single["step_5"])
         assert_same_steps(back["steps"], single["steps"][5:], tol=1e-4)
 
 
-QWEN3 = ["model.architecture=qwen3", "model.hf_config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
-         " num_key_value_heads: 2, head_dim: 16, max_position_embeddings: 256}"]
+QWEN3 = [
+    "model.architecture=qwen3",
+    "model.hf_config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,"
+    " num_key_value_heads: 2, head_dim: 16, max_position_embeddings: 256}",
+]
 LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
-    "tp": (["infra.tensor_parallel_size=2", "infra.sequence_parallel=true"], []),  # vocabulary split, loss parallel, sequence parallel
-    "pp_interleaved": (["infra.pipeline_parallel_size=2", "infra.pipeline_schedule=interleaved_1F1B", "infra.stages_per_rank=2"],
-                       ["model.tie_embeddings=true"]),  # 4 stages of one block, 2 per rank; the head tied to the embedding
+    "tp": (
+        ["infra.tensor_parallel_size=2", "infra.sequence_parallel=true"],
+        [],
+    ),  # vocabulary split, loss parallel, sequence parallel
+    "pp_interleaved": (
+        ["infra.pipeline_parallel_size=2", "infra.pipeline_schedule=interleaved_1F1B", "infra.stages_per_rank=2"],
+        ["model.tie_embeddings=true"],
+    ),  # 4 stages of one block, 2 per rank; the head tied to the embedding
     "tp_qwen3": (["infra.tensor_parallel_size=2"], QWEN3),  # a transformers model, split by its family's plan
-    "pp_qwen3": (["infra.pipeline_parallel_size=2"], QWEN3),  # its decoder layers as stages (the same one-process reference)
+    "pp_qwen3": (
+        ["infra.pipeline_parallel_size=2"],
+        QWEN3,
+    ),  # its decoder layers as stages (the same one-process reference)
 }
 
 
@@ -121,29 +169,48 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     import shutil
 
     from safetensors.torch import load_file
-
     from tests.conftest import run_cli, torchrun
 
-    common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", "model.depth=4", "model.aspect_ratio=16", "training.num_train_steps=6",
-              "training.warmup_steps=1", "training.save_steps=3", "training.eval_steps=3", "training.logging_steps=1",
-              "data.num_synthetic_examples=2000", "training.per_device_train_batch_size=4", "infra.progress_bar=false"]
+    common = [
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        "model.depth=4",
+        "model.aspect_ratio=16",
+        "training.num_train_steps=6",
+        "training.warmup_steps=1",
+        "training.save_steps=3",
+        "training.eval_steps=3",
+        "training.logging_steps=1",
+        "data.num_synthetic_examples=2000",
+        "training.per_device_train_batch_size=4",
+        "infra.progress_bar=false",
+    ]
 
     def lines(run) -> list[tuple]:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [(r["type"], r["step"], r["loss"] if r["type"] == "train" else r["val_loss"]) for r in records if r["type"] in ("train", "eval")]
+        return [
+            (r["type"], r["step"], r["loss"] if r["type"] == "train" else r["val_loss"])
+            for r in records
+            if r["type"] in ("train", "eval")
+        ]
 
     references: dict[tuple, object] = {}  # one one-process run per shared config
     for name, (layout, shared) in LAYOUTS.items():
         one, run = references.setdefault(tuple(shared), tmp_path / f"{name}_one"), tmp_path / name
         if not one.exists():
-            assert (result := run_cli(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[-3000:]
+            assert (result := run_cli(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[
+                -3000:
+            ]
         result = torchrun("-m", "tierlm", *common, *shared, *layout, f"infra.output_dir={run}")
         assert result.returncode == 0, result.stderr[-3000:]
         got, reference = lines(run), lines(one)
         assert [r[:2] for r in got] == [r[:2] for r in reference]
         assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(got, reference)), (name, got, reference)
         exported, final = load_file(run / "model" / "model.safetensors"), load_file(one / "model" / "model.safetensors")
-        assert exported.keys() == final.keys() and all(torch.allclose(exported[k], final[k], atol=1e-4) for k in final), name
+        assert exported.keys() == final.keys() and all(
+            torch.allclose(exported[k], final[k], atol=1e-4) for k in final
+        ), name
     # the tensor-parallel run's step-3 checkpoint, resumed in one process, ends where the one-process run did
     run = tmp_path / "tp"
     shutil.rmtree(run / "checkpoints" / "step_6")
@@ -154,15 +221,20 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
 
 @pytest.mark.parametrize("sizes", ["2x1", "1x2"])
 def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
-    """Seed 001's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..), strategy=PretrainStrategy())`
+    """Seed 001's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
+    strategy=PretrainStrategy())`
     at tensor 2 and at pipeline 2: the losses of `PyTorchBackend` on one process."""
     from tests.distributed_worker import CONFIG, SEQ
+
     from tierlm.backends import MegatronBackend
-    from tierlm.strategies import PretrainStrategy
     from tierlm.loops.trainer import Trainer
+    from tierlm.strategies import PretrainStrategy
 
     got = run_worker("megatron", tmp_path / "m.json", sizes=sizes)
-    trainer = Trainer(MegatronBackend(CONFIG, checkpoint_dir=tmp_path / "one", learning_rate=3e-3, device_type="cpu"), PretrainStrategy())
+    trainer = Trainer(
+        MegatronBackend(CONFIG, checkpoint_dir=tmp_path / "one", learning_rate=3e-3, device_type="cpu"),
+        PretrainStrategy(),
+    )
     state, expected = trainer.backend.model_state(), []
     for step in range(6):
         tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
@@ -177,16 +249,23 @@ def test_tensor_times_pipeline_on_four_ranks_matches_one_process_and_its_checkpo
     assert_same_steps(both["steps"], single["steps"], tol=1e-4)
     # the first stage's embedding split by vocabulary too: within what the planner gives the busier stage
     assert both["memory"]["param_bytes"] <= predicted_weight_bytes(4, tensor=2, pipeline=2) * 1.01
-    resumed = run_worker("single", tmp_path / "resumed.json", steps="5:10", load=tmp_path / "ckpt" / "step_5",
-                         checkpoint_dir=tmp_path / "ckpt_single")
+    resumed = run_worker(
+        "single",
+        tmp_path / "resumed.json",
+        steps="5:10",
+        load=tmp_path / "ckpt" / "step_5",
+        checkpoint_dir=tmp_path / "ckpt_single",
+    )
     assert_same_steps(resumed["steps"], single["steps"][5:], tol=1e-4)
 
 
 @pytest.fixture(scope="module")
 def single_gpt2(tmp_path_factory):
     out = tmp_path_factory.mktemp("single_gpt2")
-    return {**run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt", model="gpt2"),
-            "step_5": out / "ckpt" / "step_5"}
+    return {
+        **run_worker("single", out / "single.json", save_at=5, checkpoint_dir=out / "ckpt", model="gpt2"),
+        "step_5": out / "ckpt" / "step_5",
+    }
 
 
 def test_gpt2_tensor_parallel_splits_its_fused_qkv_and_checkpoints_reshard(single_gpt2, tmp_path):
@@ -207,18 +286,20 @@ def test_gpt2_pipeline_stages_share_the_tied_embedding(single_gpt2, tmp_path):
 def test_gpt2_refusals_name_the_layout_that_works():
     from tierlm.backends.model_parallel import ModelParallelTrainingBackend
     from tierlm.errors import ConfigError
-    from tierlm.models.gpt2.model import GPT2Config
     from tierlm.models.gpt2.family import GPT2_FAMILY
+    from tierlm.models.gpt2.model import GPT2Config
     from tierlm.primitives.model_parallel import ParallelDims
 
     model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16))
     with pytest.raises(ConfigError, match="pipeline stages"):  # before any process group is needed
         ModelParallelTrainingBackend(model, None, None, "unused", "cpu", ParallelDims.from_sizes(4, tensor=2))
     with pytest.raises(ConfigError, match="3 attention heads do not split over 2"):
-        GPT2_FAMILY.tensor_parallel_plan(GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=3, n_embd=48, vocab_size=50,
-                                                                                     block_size=16)), 2)
-    variant = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16, ra_r=4,
-                                                       delay_mode="step"))
+        GPT2_FAMILY.tensor_parallel_plan(
+            GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=3, n_embd=48, vocab_size=50, block_size=16)), 2
+        )
+    variant = GPT2_FAMILY.build_from_config(
+        GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16, ra_r=4, delay_mode="step")
+    )
     with pytest.raises(ConfigError, match="ra_r, delay_mode"):
         GPT2_FAMILY.tensor_parallel_plan(variant, 2)
     with pytest.raises(ConfigError, match="sets delay_mode"):
@@ -234,15 +315,29 @@ def test_sequence_parallel_refusals_say_why():
     from tierlm.errors import ConfigError
     from tierlm.models import GPTConfig, build_gpt, family_of
 
-    tied = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16, tie_embeddings=True))
+    tied = build_gpt(
+        GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16, tie_embeddings=True)
+    )
     with pytest.raises(ConfigError, match="tie_embeddings=false"):
         family_of(tied).tensor_parallel_model_plan(tied, sequence_parallel=True)
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=16, tie_word_embeddings=False))
+    qwen3 = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=False,
+        )
+    )
     with pytest.raises(ConfigError, match="attention masks"):
         family_of(qwen3).tensor_parallel_model_plan(qwen3, sequence_parallel=True)
     assert family_of(qwen3).tensor_parallel_model_plan(qwen3, sequence_parallel=False) == {
-        "model.embed_tokens": "vocab_embedding", "lm_head": "vocab_head"}
+        "model.embed_tokens": "vocab_embedding",
+        "lm_head": "vocab_head",
+    }
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
@@ -253,9 +348,17 @@ def test_transformers_stages_chain_to_the_models_own_logits(model_type):
 
     from tierlm.models import family_of
 
-    config = AutoConfig.for_model(model_type, vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  **({"sliding_window": 3} if model_type == "mistral" else {}))
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **({"sliding_window": 3} if model_type == "mistral" else {}),
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     family = family_of(model)
     ids, positions = torch.randint(0, 50, (2, 10)), torch.cat([torch.arange(6), torch.arange(4)]).expand(2, 10)

@@ -29,7 +29,9 @@ def test_meta_build_then_single_init(tiny_gpt_config):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_export_reloads_in_transformers_with_equal_logits(tmp_path, tie):
-    config = GPTConfig(depth=2, aspect_ratio=48, head_dim=16, n_kv_head=1, vocab_size=101, max_seq_len=64, tie_embeddings=tie)
+    config = GPTConfig(
+        depth=2, aspect_ratio=48, head_dim=16, n_kv_head=1, vocab_size=101, max_seq_len=64, tie_embeddings=tie
+    )
     model = build_gpt(config)
     with torch.no_grad():  # init zeroes the output projections; randomise everything so the check bites
         for p in model.parameters():
@@ -44,7 +46,9 @@ def test_export_reloads_in_transformers_with_equal_logits(tmp_path, tie):
             delta = (forward_logits(model, batch) - forward_logits(hf, batch)).abs().max().item()
             assert delta <= 1e-4, delta
         # Packed documents are isolated: the packed row equals each document run alone.
-        alone = torch.cat([forward_logits(model, {"input_ids": ids[:, :25]}), forward_logits(model, {"input_ids": ids[:, 25:]})], 1)
+        alone = torch.cat(
+            [forward_logits(model, {"input_ids": ids[:, :25]}), forward_logits(model, {"input_ids": ids[:, 25:]})], 1
+        )
         packed = forward_logits(model, {"input_ids": ids, "position_ids": positions})
         assert (alone - packed).abs().max().item() <= 1e-5
         reloaded = load_pretrained_model(folder)
@@ -66,7 +70,10 @@ def test_documents_attended_one_by_one_equal_the_document_mask():
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(positions), enable_gqa=True)
     assert (ours - reference).abs().max().item() <= 1e-5
     weights = torch.randn_like(reference)
-    for a, b in zip(torch.autograd.grad((ours * weights).sum(), (q, k, v)), torch.autograd.grad((reference * weights).sum(), (q, k, v))):
+    for a, b in zip(
+        torch.autograd.grad((ours * weights).sum(), (q, k, v)),
+        torch.autograd.grad((reference * weights).sum(), (q, k, v)),
+    ):
         assert (a - b).abs().max().item() <= 1e-5
     whole = torch.arange(8).expand(3, 8)  # one document a row: the single-call path
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(whole), enable_gqa=True)
@@ -75,8 +82,16 @@ def test_documents_attended_one_by_one_equal_the_document_mask():
 
 def _windowed_model(pattern="SSL", window=5):
     torch.manual_seed(0)
-    config = GPTConfig(depth=3, aspect_ratio=32, head_dim=16, n_kv_head=1, vocab_size=50, max_seq_len=64,
-                       window_pattern=pattern, short_window=window)
+    config = GPTConfig(
+        depth=3,
+        aspect_ratio=32,
+        head_dim=16,
+        n_kv_head=1,
+        vocab_size=50,
+        max_seq_len=64,
+        window_pattern=pattern,
+        short_window=window,
+    )
     model = build_gpt(config)
     with torch.no_grad():  # off the zero-initialised projections, so attention matters
         for p in model.parameters():
@@ -134,7 +149,10 @@ def test_sliding_window_decodes_with_the_cache_and_exports_to_qwen3(tmp_path):
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:15], atol=1e-5, rtol=0)
     folder = save_model_folder(model, tmp_path / "m")
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert hf.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] and hf.config.sliding_window == 5
+    assert (
+        hf.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+        and hf.config.sliding_window == 5
+    )
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, full, atol=1e-5, rtol=0)
 

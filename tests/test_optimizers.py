@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from tierlm.build.model import new_model
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.plan.scaling import new_model, optimal_batch_tokens, parameter_counts, resolve
-from tierlm.primitives.optim.muon import Muon, newton_schulz_orthogonalize
+from tierlm.plan.scaling import optimal_batch_tokens, parameter_counts, resolve
 from tierlm.primitives.optim import OptimizerContainer, RoleSettings, build_optimizer, parameter_roles
+from tierlm.primitives.optim.muon import Muon, newton_schulz_orthogonalize
 from tierlm.primitives.schedules import TrainingSchedule, create_warmup_scheduler
 
 
@@ -63,8 +64,14 @@ def test_newton_schulz_approaches_the_polar_factor():
 
 def _model():
     torch.manual_seed(0)
-    return nn.ModuleDict({"embed": nn.Embedding(20, 8), "hidden": nn.Linear(8, 8), "norm": nn.LayerNorm(8),
-                          "lm_head": nn.Linear(8, 20, bias=False)})
+    return nn.ModuleDict(
+        {
+            "embed": nn.Embedding(20, 8),
+            "hidden": nn.Linear(8, 8),
+            "norm": nn.LayerNorm(8),
+            "lm_head": nn.Linear(8, 20, bias=False),
+        }
+    )
 
 
 def _train(model, opt, steps=4):
@@ -81,7 +88,12 @@ def _train(model, opt, steps=4):
 def test_roles():
     roles = parameter_roles(_model())
     shapes = {role: sorted(tuple(p.shape) for p in ps) for role, ps in roles.items()}
-    assert shapes == {"matrix": [(8, 8)], "embedding": [(20, 8)], "unembedding": [(20, 8)], "scalar": [(8,), (8,), (8,)]}
+    assert shapes == {
+        "matrix": [(8, 8)],
+        "embedding": [(20, 8)],
+        "unembedding": [(20, 8)],
+        "scalar": [(8,), (8,), (8,)],
+    }
     tied = nn.Module()
     tied.wte, tied.lm_head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
     tied.lm_head.weight = tied.wte.weight
@@ -92,12 +104,16 @@ def test_adamw_by_roles_equals_torch_adamw():
     settings = RoleSettings(matrix_lr=1e-2, embedding_lr=2e-2, unembedding_lr=3e-3, scalar_lr=5e-3, weight_decay=0.1)
     ours, theirs = _model(), _model()
     p = dict(theirs.named_parameters())
-    reference = torch.optim.AdamW([
-        {"params": [p["hidden.weight"]], "lr": 1e-2, "weight_decay": 0.1},
-        {"params": [p["embed.weight"]], "lr": 2e-2, "weight_decay": 0.0},
-        {"params": [p["lm_head.weight"]], "lr": 3e-3, "weight_decay": 0.0},
-        {"params": [p["hidden.bias"], p["norm.weight"], p["norm.bias"]], "lr": 5e-3, "weight_decay": 0.0},
-    ], betas=(0.9, 0.95), eps=1e-8)
+    reference = torch.optim.AdamW(
+        [
+            {"params": [p["hidden.weight"]], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": [p["embed.weight"]], "lr": 2e-2, "weight_decay": 0.0},
+            {"params": [p["lm_head.weight"]], "lr": 3e-3, "weight_decay": 0.0},
+            {"params": [p["hidden.bias"], p["norm.weight"], p["norm.bias"]], "lr": 5e-3, "weight_decay": 0.0},
+        ],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     _train(ours, build_optimizer("adamw", ours, settings))
     _train(theirs, reference)
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
@@ -105,19 +121,27 @@ def test_adamw_by_roles_equals_torch_adamw():
 
 
 def test_muon_container_equals_muon_plus_torch_adamw():
-    settings = RoleSettings(matrix_lr=0.02, embedding_lr=2e-2, unembedding_lr=3e-3, scalar_lr=5e-3, weight_decay=0.1, muon_momentum=0.9)
+    settings = RoleSettings(
+        matrix_lr=0.02, embedding_lr=2e-2, unembedding_lr=3e-3, scalar_lr=5e-3, weight_decay=0.1, muon_momentum=0.9
+    )
     ours, theirs = _model(), _model()
     opt = build_optimizer("muon", ours, settings)
     assert isinstance(opt, OptimizerContainer) and [type(o).__name__ for o in opt.optimizers] == ["Muon", "AdamW"]
     p = dict(theirs.named_parameters())
-    reference = OptimizerContainer([
-        Muon([p["hidden.weight"]], lr=0.02, momentum=0.9, weight_decay=0.1),
-        torch.optim.AdamW([
-            {"params": [p["embed.weight"]], "lr": 2e-2, "weight_decay": 0.0},
-            {"params": [p["lm_head.weight"]], "lr": 3e-3, "weight_decay": 0.0},
-            {"params": [p["hidden.bias"], p["norm.weight"], p["norm.bias"]], "lr": 5e-3, "weight_decay": 0.0},
-        ], betas=(0.9, 0.95), eps=1e-8),
-    ])
+    reference = OptimizerContainer(
+        [
+            Muon([p["hidden.weight"]], lr=0.02, momentum=0.9, weight_decay=0.1),
+            torch.optim.AdamW(
+                [
+                    {"params": [p["embed.weight"]], "lr": 2e-2, "weight_decay": 0.0},
+                    {"params": [p["lm_head.weight"]], "lr": 3e-3, "weight_decay": 0.0},
+                    {"params": [p["hidden.bias"], p["norm.weight"], p["norm.bias"]], "lr": 5e-3, "weight_decay": 0.0},
+                ],
+                betas=(0.9, 0.95),
+                eps=1e-8,
+            ),
+        ]
+    )
     _train(ours, opt)
     _train(theirs, reference)
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
@@ -162,9 +186,16 @@ def test_muon_refuses_vectors_and_models_without_matrices():
 
 # -- the plan: seed 004's formulas, checked against hand-computed values ------------------------
 def _plan(depth, world_size=8, **training):
-    overrides = [f"model.depth={depth}", "data.max_seq_length=2048", "training.per_device_train_batch_size=32",
-                 "training.target_param_data_ratio=10.5", "training.total_batch_size=auto", "training.optimizer=muon",
-                 "training.weight_decay=0.2", *[f"training.{k}={v}" for k, v in training.items()]]
+    overrides = [
+        f"model.depth={depth}",
+        "data.max_seq_length=2048",
+        "training.per_device_train_batch_size=32",
+        "training.target_param_data_ratio=10.5",
+        "training.total_batch_size=auto",
+        "training.optimizer=muon",
+        "training.weight_decay=0.2",
+        *[f"training.{k}={v}" for k, v in training.items()],
+    ]
     config = TierlmConfig.load(None, overrides)
     return resolve(config, "pretrain", new_model(config, 32768, "meta"), world_size)
 
@@ -178,7 +209,9 @@ def test_plan_d12_is_the_reference():
     assert plan.predicted_batch == 524_288 and plan.accumulation == 1  # 32 rows x 2048 tokens x 8 ranks
     assert plan.lr_scale == 1.0 and plan.weight_decay_scale == 1.0
     assert config.training.num_train_steps == 1_156_055_040 // 524_288 == 2205
-    assert config.training.matrix_lr == 0.02 and config.training.embedding_lr == pytest.approx(0.2)  # width 768: unscaled
+    assert config.training.matrix_lr == 0.02 and config.training.embedding_lr == pytest.approx(
+        0.2
+    )  # width 768: unscaled
 
 
 def test_plan_d20_by_hand():
@@ -208,16 +241,19 @@ def test_plan_explicit_values_win_and_bad_batches_are_refused():
     with pytest.raises(ConfigError, match="must be a multiple of one micro-batch"):
         _plan(12, total_batch_size=100_000)
     config, plan = _plan(12, world_size=1, total_batch_size=2**18)
-    assert plan.accumulation == 4 and plan.lr_scale == pytest.approx(0.5 ** 0.5)
+    assert plan.accumulation == 4 and plan.lr_scale == pytest.approx(0.5**0.5)
     assert optimal_batch_tokens(1.0, 1.0) == 524_288
 
 
 def test_parameter_counts_of_a_native_model():
     config = TierlmConfig.load(None, ["model.depth=2", "model.aspect_ratio=32", "model.head_dim=32"])
     counts = parameter_counts(new_model(config, 100, "meta"))
-    # width 64, SwiGLU ceil(8/3 x 64 / 32) x 32 = 192: 2 x (4 x 64^2 + 3 x 64 x 192) = 106,496; head and embedding 100 x 64.
+    # width 64, SwiGLU ceil(8/3 x 64 / 32) x 32 = 192: 2 x (4 x 64^2 + 3 x 64 x 192) = 106,496; head and embedding 100 x
+    # 64.
     assert counts["matrix"] == 106_496 and counts["unembedding"] == counts["embedding"] == 6_400
-    assert counts["scalar"] == 2 * (2 * 64 + 2 * 32) + 64  # two norms of 64 and q/k norms of 32 per block; the final norm
+    assert (
+        counts["scalar"] == 2 * (2 * 64 + 2 * 32) + 64
+    )  # two norms of 64 and q/k norms of 32 per block; the final norm
 
 
 @pytest.mark.slow
@@ -231,24 +267,43 @@ def test_tierlm_plan_matches_what_the_run_does(tmp_path):
 
     from conftest import TINY, run_cli
 
-    args = ["--config", "tiny_pretrain", *TINY, "data.max_seq_length=64", "training.per_device_train_batch_size=16",
-            "training.target_param_data_ratio=10.5", "training.total_batch_size=auto", "training.num_train_steps=null",
-            "training.optimizer=muon", "training.weight_decay=0.1", f"infra.output_dir={tmp_path / 'run'}"]
+    args = [
+        "--config",
+        "tiny_pretrain",
+        *TINY,
+        "data.max_seq_length=64",
+        "training.per_device_train_batch_size=16",
+        "training.target_param_data_ratio=10.5",
+        "training.total_batch_size=auto",
+        "training.num_train_steps=null",
+        "training.optimizer=muon",
+        "training.weight_decay=0.1",
+        f"infra.output_dir={tmp_path / 'run'}",
+    ]
     planned = run_cli("plan", *args)
     assert planned.returncode == 0, planned.stderr
     steps = int(re.search(r"steps\s+([\d,]+) \(", planned.stdout).group(1).replace(",", ""))
-    batch, accumulation = re.search(r"batch\s+([\d,]+) tokens/step = 1,024 per micro-batch x 1 rank\(s\) x (\d+) accumulation",
-                                    planned.stdout).groups()
+    batch, accumulation = re.search(
+        r"batch\s+([\d,]+) tokens/step = 1,024 per micro-batch x 1 rank\(s\) x (\d+) accumulation", planned.stdout
+    ).groups()
     batch = int(batch.replace(",", ""))
     assert batch == 1024 * int(accumulation) and steps >= 2, planned.stdout
 
     trained = run_cli("pretrain", *args)
     assert trained.returncode == 0, trained.stderr
-    plan_table = planned.stdout.split("memory per rank")[0].strip()  # (the memory estimate follows it; the run prints its own)
+    plan_table = planned.stdout.split("memory per rank")[
+        0
+    ].strip()  # (the memory estimate follows it; the run prints its own)
     assert plan_table in trained.stdout and "memory per rank" in trained.stdout  # the same table, logged at the start
     recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["training"]
-    assert (recorded["num_train_steps"], recorded["total_batch_size"], recorded["gradient_accumulation_steps"]) == (steps, batch, int(accumulation))
-    train = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert (recorded["num_train_steps"], recorded["total_batch_size"], recorded["gradient_accumulation_steps"]) == (
+        steps,
+        batch,
+        int(accumulation),
+    )
+    train = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"train"' in line
+    ]
     assert train[-1]["step"] == steps and train[-1]["tokens_seen"] == steps * batch
 
 
@@ -279,14 +334,18 @@ def test_adamw_spam_equals_the_reference_across_a_reset_and_clipping():
     grads = [torch.randn(6, 5, generator=g) * (50.0 if step in (12, 17) else 1.0) for step in range(20)]  # two spikes
     w0 = torch.randn(6, 5, generator=g)
     p = nn.Parameter(w0.clone())
-    opt = AdamWSPAM([p], lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, theta=4.0, interval=8, warmup=3, clip_delay=2)
+    opt = AdamWSPAM(
+        [p], lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, theta=4.0, interval=8, warmup=3, clip_delay=2
+    )
     for grad in grads:
         p.grad = grad.clone()
         opt.step()
     ref = reference_spam(w0.double(), [x.double() for x in grads], 0.01, (0.9, 0.999), 1e-8, 0.1, 4.0, 8, 3, 2)
     torch.testing.assert_close(p.detach().double(), ref, atol=1e-6, rtol=0)
     # Clipping happened (theta = 4 is tight): without it the weights differ.
-    unclipped = reference_spam(w0.double(), [x.double() for x in grads], 0.01, (0.9, 0.999), 1e-8, 0.1, float("inf"), 8, 3, 2)
+    unclipped = reference_spam(
+        w0.double(), [x.double() for x in grads], 0.01, (0.9, 0.999), 1e-8, 0.1, float("inf"), 8, 3, 2
+    )
     assert (unclipped - ref).abs().max() > 1e-3
 
 
@@ -294,7 +353,12 @@ def test_adamw_spam_without_resets_spikes_or_warmup_is_torch_adamw():
     from tierlm.primitives.optim.spam import AdamWSPAM
 
     ours, theirs = _model(), _model()
-    _train(ours, AdamWSPAM(ours.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, theta=float("inf"), interval=0, warmup=0))
+    _train(
+        ours,
+        AdamWSPAM(
+            ours.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, theta=float("inf"), interval=0, warmup=0
+        ),
+    )
     _train(theirs, torch.optim.AdamW(theirs.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1))
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -336,19 +400,39 @@ def test_adamw_prune_equals_the_reference_and_follows_the_schedule(score):
     w0 = [torch.randn(s, generator=g) for s in shapes]
     grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(20)]
     params = [nn.Parameter(w.clone()) for w in w0]
-    opt = AdamWPrune([{"params": params, "prune": True}], lr=0.01, betas=(0.9, 0.95), score=score, final_sparsity=0.5, warmup=4,
-                     frequency=3, total_steps=16)
+    opt = AdamWPrune(
+        [{"params": params, "prune": True}],
+        lr=0.01,
+        betas=(0.9, 0.95),
+        score=score,
+        final_sparsity=0.5,
+        warmup=4,
+        frequency=3,
+        total_steps=16,
+    )
     seen = []
     for step, gs in enumerate(grads, start=1):
         for p, grad in zip(params, gs):
             p.grad = grad.clone()
         opt.step()
         seen.append(opt.sparsity())
-        expected = target_sparsity(4 + 3 * ((step - 4) // 3), 0.5, 4, 16) if step > 4 else 0.0  # the last mask update's target
+        expected = (
+            target_sparsity(4 + 3 * ((step - 4) // 3), 0.5, 4, 16) if step > 4 else 0.0
+        )  # the last mask update's target
         assert abs(seen[-1] - int(expected * 108) / 108) < 1e-9, (step, seen[-1], expected)
     assert len(set(seen)) > 3 and seen[-1] == 54 / 108  # several mask changes, ending at 50%
-    ref, masks = reference_prune([w.double() for w in w0], [[x.double() for x in gs] for gs in grads], 0.01, (0.9, 0.95), 1e-8,
-                                 0.5, 4, 3, 16, score)
+    ref, masks = reference_prune(
+        [w.double() for w in w0],
+        [[x.double() for x in gs] for gs in grads],
+        0.01,
+        (0.9, 0.95),
+        1e-8,
+        0.5,
+        4,
+        3,
+        16,
+        score,
+    )
     for p, r, mk in zip(params, ref, masks):
         torch.testing.assert_close(p.detach().double(), r, atol=1e-6, rtol=0)
         assert torch.equal(p.detach() == 0, ~mk)  # pruned entries are exactly zero
@@ -359,8 +443,15 @@ def test_adamw_prune_samples_the_threshold_of_a_large_model():
     from tierlm.primitives.optim.prune import AdamWPrune
 
     w = nn.Parameter(torch.randn(200, 100, generator=torch.Generator().manual_seed(5)))
-    opt = AdamWPrune([{"params": [w], "prune": True}], score="magnitude", final_sparsity=0.5, warmup=0, frequency=1, total_steps=1,
-                     sample_size=2000)  # 20,000 scores: a 2,000-score sample sets the threshold
+    opt = AdamWPrune(
+        [{"params": [w], "prune": True}],
+        score="magnitude",
+        final_sparsity=0.5,
+        warmup=0,
+        frequency=1,
+        total_steps=1,
+        sample_size=2000,
+    )  # 20,000 scores: a 2,000-score sample sets the threshold
     w.grad = torch.zeros_like(w)
     opt.step()
     assert abs(opt.sparsity() - 0.5) < 0.03 and bool((w == 0).eq(~opt.state[w]["mask"]).all())

@@ -30,8 +30,17 @@ def test_activation_checkpointing_same_gradients_and_names(tiny_gpt_config):
 
 
 def test_block_list_finds_transformers_layers():
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
     assert block_list(model) is model.model.layers
 
 

@@ -62,8 +62,15 @@ def _steps_side_by_side(*pairs, steps: int = 5):
 def test_adamw_matches_torch(exclude, fused):
     ours_model = _model()
     ref_model = copy.deepcopy(ours_model)
-    ours = create_adamw_optimizer(ours_model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  exclude_norms_biases_embeddings=exclude, fused=fused)
+    ours = create_adamw_optimizer(
+        ours_model,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        exclude_norms_biases_embeddings=exclude,
+        fused=fused,
+    )
     if exclude:
         decay = [ref_model[1].weight, ref_model[3].weight]
         no_decay = [ref_model[0].weight, ref_model[1].bias, ref_model[2].weight, ref_model[2].bias, ref_model[3].bias]
@@ -100,8 +107,15 @@ def test_adamw_groups_exempt_norms_biases_embeddings():
 def test_cross_entropy_equals_transformers_loss():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = Qwen3ForCausalLM(config).eval()
     input_ids = torch.randint(0, 50, (3, 12))
     hf_labels = input_ids.clone()
@@ -147,8 +161,11 @@ def test_warmup_cosine_matches_torch_sequential_lr():
 
     ours_opt, ref_opt = _optimizer(2.0), _optimizer(2.0)
     ours = create_warmup_cosine_scheduler(ours_opt, num_warmup_steps=10, num_training_steps=50, min_lr_ratio=0.1)
-    ref = SequentialLR(ref_opt, [LinearLR(ref_opt, 0.1, 1.0, total_iters=10), CosineAnnealingLR(ref_opt, T_max=40, eta_min=0.2)],
-                       milestones=[10])
+    ref = SequentialLR(
+        ref_opt,
+        [LinearLR(ref_opt, 0.1, 1.0, total_iters=10), CosineAnnealingLR(ref_opt, T_max=40, eta_min=0.2)],
+        milestones=[10],
+    )
     for a, b in zip(_lrs(ours, ours_opt, 50), _lrs(ref, ref_opt, 50)):
         assert abs(a - b) < 1e-9
 
@@ -229,13 +246,27 @@ def test_fp8_swaps_the_hidden_linears_and_disable_fp8_runs_them_plain():
             unquantised = model(ids)
         again = model(ids)
     assert torch.equal(unquantised, plain(ids))
-    assert not torch.allclose(quantised, unquantised, atol=1e-4) and torch.equal(again, quantised)  # FP8 back after the block
+    assert not torch.allclose(quantised, unquantised, atol=1e-4) and torch.equal(
+        again, quantised
+    )  # FP8 back after the block
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs an H100-class GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs an H100-class GPU"
+)
 def test_fp8_trains_on_a_gpu(tmp_path):  # pragma: no cover - no such GPU on the CI machines
     from conftest import TINY, run_cli
 
-    result = run_cli("pretrain", "--config", "tiny_pretrain", *TINY, "infra.device_type=cuda", "training.fp8=true",
-                     "training.bf16=true", "model.aspect_ratio=64", "training.num_train_steps=20", f"infra.output_dir={tmp_path}")
+    result = run_cli(
+        "pretrain",
+        "--config",
+        "tiny_pretrain",
+        *TINY,
+        "infra.device_type=cuda",
+        "training.fp8=true",
+        "training.bf16=true",
+        "model.aspect_ratio=64",
+        "training.num_train_steps=20",
+        f"infra.output_dir={tmp_path}",
+    )
     assert result.returncode == 0, result.stderr

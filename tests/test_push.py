@@ -15,7 +15,9 @@ def test_a_dry_run_prints_the_files_and_the_card(tiny_runs, capsys):
     for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "plots/loss_steps.png"):
         assert f"  {name}  (" in out, name
     assert "library_name: transformers" in out and "## Evaluation (last)" in out and "val_loss" in out
-    assert "![loss_steps](plots/loss_steps.png)" in out and 'AutoModelForCausalLM.from_pretrained("me/tiny-chat")' in out
+    assert (
+        "![loss_steps](plots/loss_steps.png)" in out and 'AutoModelForCausalLM.from_pretrained("me/tiny-chat")' in out
+    )
 
 
 def test_the_staged_folder_loads_as_the_card_says(tiny_runs, tmp_path):
@@ -27,8 +29,12 @@ def test_the_staged_folder_loads_as_the_card_says(tiny_runs, tmp_path):
     folder, files = stage_upload(tiny_runs / "sft", "me/tiny-chat", tmp_path / "upload")
     ids = torch.randint(0, 100, (1, 6))
     with torch.no_grad():
-        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(folder)(ids).logits,
-                                   load_pretrained_model(tiny_runs / "sft" / "model")(ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            AutoModelForCausalLM.from_pretrained(folder)(ids).logits,
+            load_pretrained_model(tiny_runs / "sft" / "model")(ids),
+            atol=1e-4,
+            rtol=0,
+        )
 
 
 def test_a_push_creates_the_repo_and_uploads_the_staged_folder(tiny_runs, monkeypatch):

@@ -10,17 +10,17 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tierlm.backends import PyTorchTrainingBackend
+from tierlm.build.tasks import open_task
 from tierlm.errors import DataError
+from tierlm.loops.rl import Rollout, pass_at_k, rollout_batch
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.loops.rl import Rollout, pass_at_k, rollout_batch
-from tierlm.build.tasks import open_task
-from tierlm.tasks import exact_number_reward
 from tierlm.rollout import generate
 from tierlm.rollout.engine import Engine, answer_text
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.dpo import DPOStrategy, dpo_loss
 from tierlm.strategies.rl import ReinforceStrategy, group_advantages, kl_penalty, policy_gradient_loss, token_logprobs
+from tierlm.tasks import exact_number_reward
 
 
 def _models(tiny_gpt_config):
@@ -29,8 +29,18 @@ def _models(tiny_gpt_config):
     with torch.no_grad():  # off the zero init so greedy decoding is not trivially constant
         for p in gpt.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=tiny_gpt_config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)).eval()
+    hf = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=tiny_gpt_config.vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+        )
+    ).eval()
     return {"native": gpt, "transformers": hf}
 
 
@@ -89,7 +99,9 @@ def test_calculator_result_is_spliced_in_and_masked(tiny_tokenizer):
     result = [vocab["<|tool_start|>"], *tok.encode("42"), vocab["<|tool_end|>"]]
     answer = [*tok.encode("17 + 25 = 42"), vocab["<|assistant_end|>"]]
     filler = [tok.encode("9")[0]] * len(result)  # what the model "wanted" while the engine forced the result
-    engine = ScriptedEngine(call + filler + answer, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()])
+    engine = ScriptedEngine(
+        call + filler + answer, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()]
+    )
     [completion] = engine.generate([1, 2], 1, 64, temperature=0.0)
     assert completion.tokens == call + result + answer and completion.finished and completion.tool_calls == 1
     assert completion.mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
@@ -112,13 +124,16 @@ def test_group_advantages_against_hand_computation():
     torch.testing.assert_close(std[4:], (rewards[4:] - 0.75) / math.sqrt(0.1875), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("ratio", "advantage", "zero_grad"), [
-    (1.5, 1.0, True),    # above 1 + eps with A > 0: clipped, no gradient
-    (0.5, -1.0, True),   # below 1 - eps with A < 0: clipped, no gradient
-    (1.1, 1.0, False),   # inside the region: the gradient of ratio * A
-    (0.5, 1.0, False),   # below 1 - eps with A > 0: the unclipped term is the minimum, gradient flows
-    (1.5, -1.0, False),  # above 1 + eps with A < 0: likewise
-])
+@pytest.mark.parametrize(
+    ("ratio", "advantage", "zero_grad"),
+    [
+        (1.5, 1.0, True),  # above 1 + eps with A > 0: clipped, no gradient
+        (0.5, -1.0, True),  # below 1 - eps with A < 0: clipped, no gradient
+        (1.1, 1.0, False),  # inside the region: the gradient of ratio * A
+        (0.5, 1.0, False),  # below 1 - eps with A > 0: the unclipped term is the minimum, gradient flows
+        (1.5, -1.0, False),  # above 1 + eps with A < 0: likewise
+    ],
+)
 def test_clipping_gradient_is_zero_outside_the_clip_region(ratio, advantage, zero_grad):
     logp = torch.tensor([[-1.0]], requires_grad=True)
     old = torch.tensor([[-1.0 - math.log(ratio)]])
@@ -152,7 +167,9 @@ def test_kl_penalty_is_the_exact_kl_in_expectation():
     torch.testing.assert_close((p * k3).sum(), expected)
     # And the loss adds kl_coef * KL per token.
     logp = p.log()[None]
-    with_kl, _, stats = policy_gradient_loss(logp, torch.zeros(1), torch.ones(1, 3), ref_logprobs=r.log()[None], kl_coef=0.1)
+    with_kl, _, stats = policy_gradient_loss(
+        logp, torch.zeros(1), torch.ones(1, 3), ref_logprobs=r.log()[None], kl_coef=0.1
+    )
     torch.testing.assert_close(with_kl, 0.1 * k3.sum())
 
 
@@ -194,17 +211,24 @@ def test_dpo_loss_against_the_formula(tiny_gpt_config):
     strategy = DPOStrategy(beta=beta)
     total, count = strategy.compute_loss(logits, {"labels": labels, "ref_logps": ref})
     logp = [sum(math.log(torch.softmax(logits[r, t], -1)[labels[r, t]].item()) for t in range(2, 5)) for r in range(4)]
-    expected = [math.log(1 + math.exp(-beta * ((logp[i] - ref[i].item()) - (logp[i + 2] - ref[i + 2].item())))) for i in range(2)]
+    expected = [
+        math.log(1 + math.exp(-beta * ((logp[i] - ref[i].item()) - (logp[i + 2] - ref[i + 2].item()))))
+        for i in range(2)
+    ]
     assert count == 2
     assert total.item() == pytest.approx(sum(expected), rel=1e-5)
-    loss, chosen, rejected = dpo_loss(torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), 0.1)
+    loss, chosen, rejected = dpo_loss(
+        torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), 0.1
+    )
     assert loss.item() == pytest.approx(math.log(2))
 
 
 def test_token_logprobs_match_cross_entropy():
     logits = torch.randn(2, 3, 11)
     labels = torch.tensor([[1, 2, IGNORE_INDEX], [4, IGNORE_INDEX, 6]])
-    ce = torch.nn.functional.cross_entropy(logits.view(-1, 11), labels.view(-1), reduction="none", ignore_index=IGNORE_INDEX)
+    ce = torch.nn.functional.cross_entropy(
+        logits.view(-1, 11), labels.view(-1), reduction="none", ignore_index=IGNORE_INDEX
+    )
     torch.testing.assert_close(token_logprobs(logits, labels).view(-1), -ce)
 
 
@@ -228,7 +252,6 @@ def test_pass_at_k_against_enumeration():
     assert pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws))
 
 
-
 def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_tokenizer):
     from tierlm.config import RLConfig, TrainingConfig
     from tierlm.loops.rl import RLTrainer
@@ -242,16 +265,22 @@ def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_
     reply1, reply2 = f"{messages[0]['content'][8:-1]} = {first}", f"{second}"
     turn1, turn2 = tok.encode(reply1) + [end], tok.encode(reply2) + [end]
     engine = ScriptedEngine(turn1 + turn2, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok)
-    trainer = RLTrainer(None, ReinforceStrategy(), engine, tok, None, None, RLConfig(max_new_tokens=16), TrainingConfig())
+    trainer = RLTrainer(
+        None, ReinforceStrategy(), engine, tok, None, None, RLConfig(max_new_tokens=16), TrainingConfig()
+    )
     rollout = trainer.run_episode(ArithmeticChain("val", 4, seed=0), 2, 1.0, torch.Generator().manual_seed(0))
     assert rollout.reward == 1.0  # both turns right
     c = rollout.completion
     bridge = len(c.tokens) - len(turn1) - len(turn2)
-    assert bridge > 0 and c.tokens[: len(turn1)] == turn1 and c.tokens[-len(turn2):] == turn2
+    assert bridge > 0 and c.tokens[: len(turn1)] == turn1 and c.tokens[-len(turn2) :] == turn2
     assert c.mask == [1] * len(turn1) + [0] * bridge + [1] * len(turn2)
     # The episode's tokens are exactly the chat template's rendering of the whole conversation.
-    conversation = [messages[0], {"role": "assistant", "content": reply1},
-                    {"role": "user", "content": peek.next_question}, {"role": "assistant", "content": reply2}]
+    conversation = [
+        messages[0],
+        {"role": "assistant", "content": reply1},
+        {"role": "user", "content": peek.next_question},
+        {"role": "assistant", "content": reply2},
+    ]
     ids, _ = tok.render_conversation(conversation)
     assert rollout.prompt_ids + c.tokens == ids
 
@@ -264,19 +293,25 @@ def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
     freq = torch.bincount(sample_next_token(logits, 1.0, generator=g), minlength=4).float() / 20000
     torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.01, rtol=0)
     top2 = torch.bincount(sample_next_token(logits, 1.0, top_k=2, generator=g), minlength=4).float() / 20000
-    torch.testing.assert_close(top2, torch.tensor([0.0, 1.0, 2.0, -1.0])[[1, 2]].softmax(-1).new_tensor([0, 0.2689, 0.7311, 0]),
-                               atol=0.01, rtol=0)
-    assert set(sample_next_token(logits, 1.0, top_p=0.5, generator=g).tolist()) == {2}  # the top token alone covers 0.64
+    torch.testing.assert_close(
+        top2,
+        torch.tensor([0.0, 1.0, 2.0, -1.0])[[1, 2]].softmax(-1).new_tensor([0, 0.2689, 0.7311, 0]),
+        atol=0.01,
+        rtol=0,
+    )
+    assert set(sample_next_token(logits, 1.0, top_p=0.5, generator=g).tolist()) == {
+        2
+    }  # the top token alone covers 0.64
 
 
 def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_path):
     import copy
 
     from tierlm.backends import FrozenReference
-    from tierlm.config import RLConfig, TrainingConfig
-    from tierlm.models import GPTConfig
-    from tierlm.loops.rl import RLTrainer
     from tierlm.build.tasks import open_task
+    from tierlm.config import RLConfig, TrainingConfig
+    from tierlm.loops.rl import RLTrainer
+    from tierlm.models import GPTConfig
     from tierlm.strategies.rl import PPOStrategy
 
     tok = tiny_tokenizer
@@ -285,8 +320,17 @@ def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_pa
     reference = FrozenReference(copy.deepcopy(model), "cpu")
     backend = PyTorchTrainingBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path, "cpu")
     rl = RLConfig(algorithm="ppo", group_size=2, prompts_per_step=2, max_new_tokens=4, ppo_epochs=3, kl_coef=0.1)
-    trainer = RLTrainer(backend, PPOStrategy(kl_coef=0.1, clip_range=0.2), Engine(model, tok.stop_ids, tok), tok,
-                        open_task("synthetic:arithmetic", "train", 50, 0), open_task("synthetic:arithmetic", "val", 10, 0), rl, TrainingConfig(), reference=reference)
+    trainer = RLTrainer(
+        backend,
+        PPOStrategy(kl_coef=0.1, clip_range=0.2),
+        Engine(model, tok.stop_ids, tok),
+        tok,
+        open_task("synthetic:arithmetic", "train", 50, 0),
+        open_task("synthetic:arithmetic", "val", 10, 0),
+        rl,
+        TrainingConfig(),
+        reference=reference,
+    )
     first = trainer.train_step()
     assert backend.step == 3  # one optimizer step per inner epoch
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # before any update the policy is the reference
@@ -325,21 +369,25 @@ def test_clipped_value_loss_takes_the_worse_of_clipped_and_unclipped():
     old, ret, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, -1.0]]), torch.tensor([[1, 1]])
     values = torch.tensor([[0.5, 0.5]])  # moved 0.5 from old; clip 0.2 keeps 0.2
     total, count = clipped_value_loss(values, old, ret, mask, 0.2)
-    # token 0: unclipped (0.5-1)^2 = 0.25, clipped (0.2-1)^2 = 0.64 -> 0.64; token 1: (1.5)^2 = 2.25 vs (1.2)^2 = 1.44 -> 2.25
+    # token 0: unclipped (0.5-1)^2 = 0.25, clipped (0.2-1)^2 = 0.64 -> 0.64; token 1: (1.5)^2 = 2.25 vs (1.2)^2 = 1.44
+    # -> 2.25
     assert total.item() == pytest.approx(0.5 * (0.64 + 2.25)) and count.item() == 2
     assert clipped_value_loss(values, old, ret, mask, None)[0].item() == pytest.approx(0.5 * (0.25 + 2.25))
 
 
 def test_the_value_model_is_the_policy_with_a_zero_value_head(tiny_gpt_config):
-    from tierlm.models import GPTConfig
     from tierlm.loops.critic import value_model
+    from tierlm.models import GPTConfig
 
     for tied in (False, True):
         policy = build_gpt(GPTConfig(**{**tiny_gpt_config.to_dict(), "tie_embeddings": tied}))
         critic = value_model(policy)
         ids = torch.randint(0, 97, (2, 5))
         assert critic(ids).shape == (2, 5, 1) and (critic(ids) == 0).all()
-        assert policy(ids).shape == (2, 5, 97) and policy.lm_head.weight.shape == (97, policy.config.n_embd)  # the policy untouched
+        assert policy(ids).shape == (2, 5, 97) and policy.lm_head.weight.shape == (
+            97,
+            policy.config.n_embd,
+        )  # the policy untouched
 
 
 @pytest.mark.slow
@@ -351,10 +399,27 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
 
     from conftest import resume_from_checkpoint, run_cli
 
-    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.algorithm=ppo", "rl.critic=true",
-            "rl.ppo_epochs=2", "rl.group_size=2", "rl.prompts_per_step=2", "rl.max_new_tokens=6", "rl.eval_problems=4", "rl.eval_k=2",
-            "training.num_train_steps=4", "training.save_steps=2", "training.eval_steps=0", "training.logging_steps=1",
-            "infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]
+    args = [
+        "rl",
+        "--config",
+        "tiny_rl",
+        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        "rl.algorithm=ppo",
+        "rl.critic=true",
+        "rl.ppo_epochs=2",
+        "rl.group_size=2",
+        "rl.prompts_per_step=2",
+        "rl.max_new_tokens=6",
+        "rl.eval_problems=4",
+        "rl.eval_k=2",
+        "training.num_train_steps=4",
+        "training.save_steps=2",
+        "training.eval_steps=0",
+        "training.logging_steps=1",
+        "infra.device_type=cpu",
+        "data.num_synthetic_examples=200",
+        "data.num_synthetic_eval_examples=16",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
         result = run_cli(*args, f"infra.output_dir={out}")
@@ -363,8 +428,11 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
     resume_from_checkpoint(args, resumed, 2)
 
     def lines(run):
-        return [(r["step"], r["loss"], r["value_loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                if r["type"] == "train"]
+        return [
+            (r["step"], r["loss"], r["value_loss"])
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "train"
+        ]
 
     assert all(math.isfinite(v) for _, _, v in lines(straight))
     assert lines(resumed)[-2:] == lines(straight)[-2:]

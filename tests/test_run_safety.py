@@ -81,8 +81,9 @@ def sharded(tmp_path, tiny_runs):
         model(torch.randint(0, 100, (1, 8))).sum().backward()
         optimizer.step()
         writer = extras_writer(TierlmConfig.load(None), load_tokenizer(tiny_runs / "pre" / "model"), "pretrain")
-        path = checkpoint.save_sharded_checkpoint(tmp_path / "run" / "checkpoints", 3, model, optimizer, None,
-                                                  {"loop": {}}, writer)
+        path = checkpoint.save_sharded_checkpoint(
+            tmp_path / "run" / "checkpoints", 3, model, optimizer, None, {"loop": {}}, writer
+        )
     finally:
         dist.destroy_process_group()
     return path
@@ -148,7 +149,9 @@ def test_non_tensor_items_are_read_without_unpickling_code(tmp_path):
 
 # -- full checkpoints and model folders, through every command ------------------------------------
 @pytest.mark.parametrize("target", ["model/model.safetensors", "train_state.pt", "model/tokenizer.json"])
-def test_a_payload_in_a_run_never_runs_on_resume_export_average_sample_or_eval(target, tiny_runs, tmp_path, monkeypatch, capsys):
+def test_a_payload_in_a_run_never_runs_on_resume_export_average_sample_or_eval(
+    target, tiny_runs, tmp_path, monkeypatch, capsys
+):
     marker = tmp_path / "pwned"
     run = tmp_path / "pre"
     shutil.copytree(tiny_runs / "pre", run)
@@ -158,12 +161,27 @@ def test_a_payload_in_a_run_never_runs_on_resume_export_average_sample_or_eval(t
             forge_manifest(folder)
     monkeypatch.chdir(tmp_path)
     commands = [
-        ["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, "training.num_train_steps=4", f"infra.output_dir={run}"],
+        [
+            "pretrain",
+            "--config",
+            str(REPO / "configs/tiny_pretrain.yaml"),
+            *TINY,
+            "training.num_train_steps=4",
+            f"infra.output_dir={run}",
+        ],
         ["export", str(latest(run)), str(tmp_path / "exported")],
         ["average", str(latest(run)), str(tiny_runs / "pre"), "--out", str(tmp_path / "averaged")],
         ["sample", "--checkpoint", str(run), "--prompt", "hi"],
         ["sample", "--checkpoint", str(latest(run)), "--prompt", "hi"],
-        ["eval", "--checkpoint", str(run), "--config", str(REPO / "configs/tiny_rl.yaml"), "rl.eval_problems=2", "rl.eval_k=1"],
+        [
+            "eval",
+            "--checkpoint",
+            str(run),
+            "--config",
+            str(REPO / "configs/tiny_rl.yaml"),
+            "rl.eval_problems=2",
+            "rl.eval_k=1",
+        ],
     ]
     for argv in commands:
         code = main(argv)
@@ -187,30 +205,42 @@ def test_a_link_inside_a_checkpoint_is_never_followed(tiny_runs, tmp_path):
 
 # -- run directories ------------------------------------------------------------------------------
 def _pretrain(run: Path, *extra: str) -> int:
-    return main(["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, f"infra.output_dir={run}", *extra])
+    return main(
+        ["pretrain", "--config", str(REPO / "configs/tiny_pretrain.yaml"), *TINY, f"infra.output_dir={run}", *extra]
+    )
 
 
 def test_a_run_from_before_run_json_still_refuses_another_stage(tiny_runs, tmp_path, capsys):
     run = tmp_path / "pre"
     shutil.copytree(tiny_runs / "pre", run)
     (run / "run.json").unlink()
-    code = main(["sft", "--config", str(REPO / "configs/tiny_sft.yaml"), *CHAT, f"model.model_name_or_path={tiny_runs / 'pre'}",
-                 f"infra.output_dir={run}"])
+    code = main(
+        [
+            "sft",
+            "--config",
+            str(REPO / "configs/tiny_sft.yaml"),
+            *CHAT,
+            f"model.model_name_or_path={tiny_runs / 'pre'}",
+            f"infra.output_dir={run}",
+        ]
+    )
     assert code == 2
     assert "holds a pretrain run" in capsys.readouterr().err
 
 
 def test_resume_takes_the_tokenizer_from_the_checkpoint(tiny_runs, tmp_path):
+    from tierlm.build.tokenizer import train_tokenizer
     from tierlm.config import TierlmConfig
-    from tierlm.run import train_tokenizer
 
     run = tmp_path / "pre"
     shutil.copytree(tiny_runs / "pre", run)
     saved = (latest(run) / "model" / "tokenizer.json").read_bytes()
     config = TierlmConfig.load(REPO / "configs/tiny_pretrain.yaml", [*TINY, "tokenizer.num_train_docs=2"])
-    retrained = train_tokenizer(config, "pretrain")
+    retrained = train_tokenizer(config, "text")
     retrained.save(tmp_path / "retrained")
-    assert (tmp_path / "retrained" / "tokenizer.json").read_bytes() != saved, "the test needs a retrained tokenizer to differ"
+    assert (tmp_path / "retrained" / "tokenizer.json").read_bytes() != saved, (
+        "the test needs a retrained tokenizer to differ"
+    )
     assert _pretrain(run, "training.num_train_steps=5", "tokenizer.num_train_docs=2") == 0
     assert (run / "model" / "tokenizer.json").read_bytes() == saved
 
@@ -245,7 +275,12 @@ def test_the_final_model_folder_is_whole_and_verified(tiny_runs):
     folder = tiny_runs / "sft" / "model"
     assert checkpoint.verified_model_folder(folder) == folder
     meta = json.loads((folder / "training_meta.json").read_text())
-    assert set(meta["manifest"]["sha256"]) >= {"model.safetensors", "tokenizer.json", "config.json", "generation_config.json"}
+    assert set(meta["manifest"]["sha256"]) >= {
+        "model.safetensors",
+        "tokenizer.json",
+        "config.json",
+        "generation_config.json",
+    }
     assert not any(p.name.startswith(".model") for p in (tiny_runs / "sft").iterdir())
 
 
@@ -283,7 +318,7 @@ def test_transformers_generate_stops_at_the_end_of_turn(tiny_runs, tmp_path):
     save_model_folder(model, folder)
     write_model_extras(folder, tokenizer, {"stage": "sft"})
     hf = AutoModelForCausalLM.from_pretrained(folder)
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     assert out == chain[1:], out
     (folder / "generation_config.json").unlink()  # without it, generation runs past the end of the turn
     bare = AutoModelForCausalLM.from_pretrained(folder)
@@ -304,17 +339,45 @@ def test_every_saved_model_folder_carries_the_generation_config(tiny_runs):
 
 # -- signals ----------------------------------------------------------------------------------------
 SIGNAL_RUN = [
-    "model.depth=2", "model.aspect_ratio=64", "model.head_dim=32", "tokenizer.vocab_size=300", "tokenizer.num_train_docs=500",
-    "data.num_synthetic_examples=2000", "data.num_synthetic_eval_examples=32", "data.max_seq_length=64",
-    "training.per_device_train_batch_size=8", "training.num_train_steps=100", "training.warmup_steps=2", "training.eval_steps=15",
-    "training.eval_batches=2", "training.logging_steps=1", "training.save_steps=0", "infra.progress_bar=false", "infra.device_type=cpu",
+    "model.depth=2",
+    "model.aspect_ratio=64",
+    "model.head_dim=32",
+    "tokenizer.vocab_size=300",
+    "tokenizer.num_train_docs=500",
+    "data.num_synthetic_examples=2000",
+    "data.num_synthetic_eval_examples=32",
+    "data.max_seq_length=64",
+    "training.per_device_train_batch_size=8",
+    "training.num_train_steps=100",
+    "training.warmup_steps=2",
+    "training.eval_steps=15",
+    "training.eval_batches=2",
+    "training.logging_steps=1",
+    "training.save_steps=0",
+    "infra.progress_bar=false",
+    "infra.device_type=cpu",
 ]
 
 
 def _start(run: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, "-m", "tierlm", "pretrain", "--config", "configs/tiny_pretrain.yaml", *SIGNAL_RUN,
-                             f"infra.output_dir={run}"], cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierlm",
+            "pretrain",
+            "--config",
+            "configs/tiny_pretrain.yaml",
+            *SIGNAL_RUN,
+            f"infra.output_dir={run}",
+        ],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -355,7 +418,14 @@ def test_signals_at_random_moments_save_and_resume_bit_for_bit(tmp_path):
     assert mine.keys() == theirs.keys()
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), f"{name} differs after resuming at steps {stops}"
-    train = lambda r: {(x["step"], x["loss"]) for x in map(json.loads, (r / "metrics.jsonl").read_text().splitlines()) if x["type"] == "train"}  # noqa: E731
+
+    def train(r):
+        return {
+            (x["step"], x["loss"])
+            for x in map(json.loads, (r / "metrics.jsonl").read_text().splitlines())
+            if x["type"] == "train"
+        }
+
     assert train(run) == train(reference)
 
 
@@ -365,7 +435,7 @@ def test_the_preflight_only_describes_the_model(tmp_path):
     initialises the real model (a fresh run's weights are the same with or without the check)."""
     from tierlm.config import TierlmConfig
     from tierlm.metrics.memory import rss_mb
-    from tierlm.build.model import memory_needs
+    from tierlm.plan.memory.bounds import memory_needs
 
     config = TierlmConfig.load(REPO / "configs/tiny_pretrain.yaml", ["data.max_seq_length=100000000", "model.depth=8"])
     torch.manual_seed(0)
@@ -373,4 +443,7 @@ def test_the_preflight_only_describes_the_model(tmp_path):
     needs = memory_needs(config, 512, None, 1000)
     assert torch.equal(torch.get_rng_state(), before_rng)
     assert rss_mb() - before_mb < 200
-    assert needs["the model's buffers (rotary tables for 100,000,000 positions)"][0] == 2 * 4 * config.model.head_dim * 100_000_000
+    assert (
+        needs["the model's buffers (rotary tables for 100,000,000 positions)"][0]
+        == 2 * 4 * config.model.head_dim * 100_000_000
+    )

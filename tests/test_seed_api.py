@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tierlm.backends import PyTorchBackend
+from tierlm.loops.trainer import Trainer, TrainingResult
 from tierlm.models import GPTConfig
 from tierlm.strategies import PretrainStrategy, SFTStrategy
 from tierlm.strategies.rl import PPOStrategy, token_logprobs
-from tierlm.loops.trainer import Trainer, TrainingResult
 
 V = 61
 MODEL_CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=V, max_seq_len=32)
@@ -94,7 +94,13 @@ def test_seed_rl_example_ppo(tmp_path):
     labels[:, :6] = -100  # prompt tokens are not trained
     with torch.no_grad():
         old = token_logprobs(backend.model(ids), labels)
-    rollout_batch = {"input_ids": ids, "labels": labels, "advantages": torch.tensor([1.0, -1.0]), "old_logprobs": old, "ref_logprobs": old}
+    rollout_batch = {
+        "input_ids": ids,
+        "labels": labels,
+        "advantages": torch.tensor([1.0, -1.0]),
+        "old_logprobs": old,
+        "ref_logprobs": old,
+    }
     for _ in range(3):
         result = trainer.train_step(rollout_batch, model_state, model_state.optimizer_state)
         model_state = result.model_state

@@ -14,22 +14,38 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return str(folder)
 
 
 def _batch():
     ids = torch.randint(0, 64, (2, 10))
-    return {"input_ids": ids, "labels": torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1), "loss_mask": torch.ones(2, 10)}
+    return {
+        "input_ids": ids,
+        "labels": torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1),
+        "loss_mask": torch.ones(2, 10),
+    }
 
 
 def test_tier2_one_call(local_model, tmp_path):
     from tierlm.backends import create_pytorch_backend
 
-    backend = create_pytorch_backend(model_name=local_model, checkpoint_dir=Path(tmp_path / "checkpoints"),
-                                     device_type="cpu", gpu_rank=0, learning_rate=1e-4)
+    backend = create_pytorch_backend(
+        model_name=local_model,
+        checkpoint_dir=Path(tmp_path / "checkpoints"),
+        device_type="cpu",
+        gpu_rank=0,
+        learning_rate=1e-4,
+    )
 
     async def train():
         future = backend.forward_backward(_batch())
@@ -46,8 +62,13 @@ def test_tier2_one_call(local_model, tmp_path):
 def test_tier2_backend_with_scheduler(local_model, tmp_path):
     from tierlm.backends import create_backend_with_scheduler
 
-    backend, scheduler = create_backend_with_scheduler(model_name=local_model, checkpoint_dir=Path(tmp_path / "ckpts"),
-                                                       num_training_steps=100, device_type="cpu", dtype="float32")
+    backend, scheduler = create_backend_with_scheduler(
+        model_name=local_model,
+        checkpoint_dir=Path(tmp_path / "ckpts"),
+        num_training_steps=100,
+        device_type="cpu",
+        dtype="float32",
+    )
     lrs = []
     for _ in range(4):
         backend.forward_backward(_batch())
@@ -75,8 +96,13 @@ def test_tier1_granular_into_tier0_with_custom_loss(local_model, tmp_path):
         seen.append(tuple(logits.shape))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
-    backend = PyTorchTrainingBackend(model=model, optimizer=optimizer, loss_fn=my_custom_loss,
-                                     checkpoint_dir=Path(tmp_path / "checkpoints"), device=torch.device("cpu"))
+    backend = PyTorchTrainingBackend(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=my_custom_loss,
+        checkpoint_dir=Path(tmp_path / "checkpoints"),
+        device=torch.device("cpu"),
+    )
     before = [p.detach().clone() for p in model.parameters()]
     metrics = backend.forward_backward(_batch()).wait()
     backend.optim_step().wait()

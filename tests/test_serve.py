@@ -24,7 +24,9 @@ def bot(tiny_runs):
 
 def test_a_streamed_reply_is_the_reply(bot):
     pieces = []
-    reply = bot.reply([{"role": "user", "content": QUESTION}], temperature=0.0, max_new_tokens=24, on_text=pieces.append)
+    reply = bot.reply(
+        [{"role": "user", "content": QUESTION}], temperature=0.0, max_new_tokens=24, on_text=pieces.append
+    )
     assert "".join(pieces) == reply.text and reply.completion_tokens > 0 and reply.finish_reason in ("stop", "length")
     again = bot.reply([{"role": "user", "content": QUESTION}], temperature=0.0, max_new_tokens=24)
     assert again.text == reply.text  # greedy: the same answer
@@ -78,13 +80,19 @@ def test_the_openai_client_talks_to_the_server(bot, server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     want = bot.reply([{"role": "user", "content": QUESTION}], temperature=0.0, max_new_tokens=24)
     assert [m.id for m in client.models.list().data] == [bot.name]
-    response = client.chat.completions.create(model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24)
+    response = client.chat.completions.create(
+        model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24
+    )
     assert response.choices[0].message.content == want.text and response.choices[0].finish_reason == want.finish_reason
     assert response.usage.completion_tokens == want.completion_tokens
-    stream = client.chat.completions.create(model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24, stream=True
+    )
     chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text and chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+        and chunks[-1].choices[0].finish_reason == want.finish_reason
+    )
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=bot.name, messages=[{"role": "robot", "content": "hi"}])
 

@@ -9,8 +9,12 @@ from tierlm.strategies import PretrainStrategy, SFTStrategy
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4"}],
-    [{"role": "user", "content": "What is 10 - 3?"}, {"role": "assistant", "content": "10 - 3 = 7"},
-     {"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2"}],
+    [
+        {"role": "user", "content": "What is 10 - 3?"},
+        {"role": "assistant", "content": "10 - 3 = 7"},
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "1 + 1 = 2"},
+    ],
 ]
 
 

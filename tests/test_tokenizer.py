@@ -47,13 +47,15 @@ def test_train_on_settings(tiny_tokenizer):
 def test_sampling_prompt_is_a_prefix_of_the_training_rendering(tiny_tokenizer):
     ids, _ = tiny_tokenizer.render_conversation(CONVERSATION[:3])
     prompt = tiny_tokenizer.render_for_completion(CONVERSATION[:2])
-    assert ids[: len(prompt)] == prompt and tiny_tokenizer.decode(ids[len(prompt):]) == "4<|assistant_end|>"
+    assert ids[: len(prompt)] == prompt and tiny_tokenizer.decode(ids[len(prompt) :]) == "4<|assistant_end|>"
 
 
 def test_saved_folder_loads_in_transformers_with_chat_template(tiny_tokenizer, tmp_path):
     tiny_tokenizer.save(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True).endswith("<|assistant_start|>")
+    assert hf.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True).endswith(
+        "<|assistant_start|>"
+    )
     again = load_tokenizer(tmp_path)
     assert again.render_conversation(CONVERSATION) == tiny_tokenizer.render_conversation(CONVERSATION)
 
@@ -109,7 +111,9 @@ def test_guardrail_training_and_sampling_prompts_agree(tiny_tokenizer, monkeypat
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.hf.chat_template = tok.hf.chat_template.replace("'<|assistant_start|>'", "'<|assistant_start|>A:'").replace(
-        "'<|' + message['role'] + '_start|>'", "'<|' + message['role'] + '_start|>' + ('A:' if message['role'] == 'assistant' else '')")
+        "'<|' + message['role'] + '_start|>'",
+        "'<|' + message['role'] + '_start|>' + ('A:' if message['role'] == 'assistant' else '')",
+    )
     ids, mask = tok.render_conversation(CONVERSATION)  # consistent tokenizer: passes
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "4<|assistant_end|>6<|assistant_end|>"
     original = type(tok.hf).__call__

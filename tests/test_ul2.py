@@ -67,7 +67,9 @@ def test_corruption_is_lossless_and_sentinels_come_in_order():
         assert sorted(body) == sorted(piece)  # every token exactly once across input and target
         used = [t for t in inputs if t in SENTINELS]
         assert used == SENTINELS[: len(used)] and [t for t in target if t in SENTINELS] == used
-    assert mixture.denoise(list(range(50)), 7) == mixture.denoise(list(range(50)), 7)  # a pure function of (seed, index)
+    assert mixture.denoise(list(range(50)), 7) == mixture.denoise(
+        list(range(50)), 7
+    )  # a pure function of (seed, index)
 
 
 def test_the_spans_are_the_mask_s_runs():
@@ -110,16 +112,26 @@ def test_packed_rows_hold_what_one_row_per_example_holds():
     examples = []
     for i in range(40):
         which = mixture.choose(i)
-        inputs, target, _ = mixture.denoise(rng.integers(0, 900, int(rng.integers(2, mixture.lengths[which] + 1))).tolist(), i)
+        inputs, target, _ = mixture.denoise(
+            rng.integers(0, 900, int(rng.integers(2, mixture.lengths[which] + 1))).tolist(), i
+        )
         examples.append((inputs, target))
     packed = UL2DataCollator(max_encoder_length=128, max_decoder_length=48, pad_token_id=0, eos_token_id=2)(examples)
-    single = UL2DataCollator(max_encoder_length=128, max_decoder_length=48, pad_token_id=0, eos_token_id=2, pack=False)(examples)
+    single = UL2DataCollator(max_encoder_length=128, max_decoder_length=48, pad_token_id=0, eos_token_id=2, pack=False)(
+        examples
+    )
     assert packed["input_ids"].shape[0] < len(examples) == single["input_ids"].shape[0]
     seen = 0
     for row in range(packed["input_ids"].shape[0]):
         for segment in range(1, int(packed["encoder_segment_ids"][row].max()) + 1):
             enc, dec = packed["encoder_segment_ids"][row] == segment, packed["decoder_segment_ids"][row] == segment
-            match = [i for i in range(len(examples)) if torch.equal(single["input_ids"][i][single["attention_mask"][i].bool()], packed["input_ids"][row][enc])]
+            match = [
+                i
+                for i in range(len(examples))
+                if torch.equal(
+                    single["input_ids"][i][single["attention_mask"][i].bool()], packed["input_ids"][row][enc]
+                )
+            ]
             assert match, (row, segment)
             i = match[0]
             one = single["decoder_attention_mask"][i].bool()
@@ -147,7 +159,9 @@ def test_the_sentinel_tokenizer_round_trips_through_transformers(tiny_tokenizer,
     hf = AutoTokenizer.from_pretrained(tmp_path / "ul2")
     assert hf(text, add_special_tokens=False)["input_ids"] == ids
     again = Qwen3EncoderDecoderTokenizer.from_pretrained(tmp_path / "ul2", num_sentinel_tokens=100)
-    assert again.sentinel_ids == tok.sentinel_ids and again.mode_ids == tok.mode_ids and again.vocab_size == tok.vocab_size
+    assert (
+        again.sentinel_ids == tok.sentinel_ids and again.mode_ids == tok.mode_ids and again.vocab_size == tok.vocab_size
+    )
 
 
 def _saved(tokenizer, folder):

@@ -16,4 +16,8 @@ TOOL_CALL_START, TOOL_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
 TOOL_RESULT_START, TOOL_RESULT_END = "<|tool_start|>", "<|tool_end|>"
 """Around the tool's answer, spliced in by the engine (the tool role's markers; masked from the loss)."""
 
-SPECIAL_TOKENS = [BOS, PAD, UNK] + [f"<|{role}_{edge}|>" for role in ROLES for edge in ("start", "end")] + [TOOL_CALL_START, TOOL_CALL_END]
+SPECIAL_TOKENS = (
+    [BOS, PAD, UNK]
+    + [f"<|{role}_{edge}|>" for role in ROLES for edge in ("start", "end")]
+    + [TOOL_CALL_START, TOOL_CALL_END]
+)

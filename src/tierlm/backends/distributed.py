@@ -31,7 +31,9 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 
 
-def prepare_model(model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool, fp8: bool = False) -> nn.Module:
+def prepare_model(
+    model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool, fp8: bool = False
+) -> nn.Module:
     """The model transforms, in their one order, before any wrapping (FSDP2 / DDP come after):
     on the device, FP8 linear layers, per-block activation checkpointing, per-block compile."""
     model = move_to(model, device)
@@ -48,8 +50,12 @@ def prepare_model(model: nn.Module, device: torch.device, activation_checkpointi
 class DistributedTrainingBackend(PyTorchTrainingBackend):
     """What DDP and FSDP2 share: reductions across ranks and sharded checkpoints."""
 
-    def __init__(self, model: nn.Module, optimizer_fn: OptimizerFactory, scheduler_fn: SchedulerFactory | None, **kwargs):
-        assert dist.is_initialized(), "join the process group first (tierlm.primitives.parallel.init_distributed, under torchrun)"
+    def __init__(
+        self, model: nn.Module, optimizer_fn: OptimizerFactory, scheduler_fn: SchedulerFactory | None, **kwargs
+    ):
+        assert dist.is_initialized(), (
+            "join the process group first (tierlm.primitives.parallel.init_distributed, under torchrun)"
+        )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         optimizer = optimizer_fn(model)  # after wrapping: FSDP2's parameters are DTensor shards
         super().__init__(model, optimizer, scheduler=scheduler_fn(optimizer) if scheduler_fn else None, **kwargs)
@@ -68,12 +74,25 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
         # DDP and FSDP2 average gradients over ranks; ours are sums, so undo the 1/world_size.
         return num_tokens.clamp(min=1.0) / self.world_size
 
-    def save_checkpoint(self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None,
-                        metric: float | None = None) -> TrainFuture[Path]:
+    def save_checkpoint(
+        self,
+        step: int,
+        trainer_state: dict | None = None,
+        write_extra: Callable[[Path], None] | None = None,
+        metric: float | None = None,
+    ) -> TrainFuture[Path]:
         """Every rank writes its shards; rank 0 adds config, tokenizer and trainer state and seals it."""
         state = {"backend_step": self.step, **(trainer_state or {})}
         path = checkpoint.save_sharded_checkpoint(
-            self.checkpoint_dir, step, self.model, self.optimizer, self.scheduler, state, write_extra, metric, self.export_model
+            self.checkpoint_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state,
+            write_extra,
+            metric,
+            self.export_model,
         )
         return TrainFuture.ready(path)
 
@@ -103,14 +122,24 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         grad_scaler: torch.amp.GradScaler | None = None,
         flash_attention: bool = True,
     ):
-        assert gradient_accumulation_steps >= 1, f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+        assert gradient_accumulation_steps >= 1, (
+            f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+        )
         self.gradient_accumulation_steps = gradient_accumulation_steps
         device = torch.device(device)
         model = prepare_model(model, device, activation_checkpointing, compile, fp8)
         super().__init__(
-            apply_ddp(model, device), optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir,
-            device=device, max_grad_norm=max_grad_norm, autocast_dtype=autocast_dtype, fused_cross_entropy=fused_cross_entropy,
-            grad_scaler=grad_scaler, flash_attention=flash_attention,
+            apply_ddp(model, device),
+            optimizer_fn,
+            scheduler_fn,
+            loss_fn=loss_fn,
+            checkpoint_dir=checkpoint_dir,
+            device=device,
+            max_grad_norm=max_grad_norm,
+            autocast_dtype=autocast_dtype,
+            fused_cross_entropy=fused_cross_entropy,
+            grad_scaler=grad_scaler,
+            flash_attention=flash_attention,
         )
 
     @property
@@ -159,12 +188,27 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
     ):
         device = torch.device(device)
         model = prepare_model(model, device, activation_checkpointing, compile, fp8)
-        apply_fsdp(model, dist.get_world_size(), device.type, param_dtype, reduce_dtype, cpu_offload, family_of(model).blocks(model),
-                   sharding=sharding)
+        apply_fsdp(
+            model,
+            dist.get_world_size(),
+            device.type,
+            param_dtype,
+            reduce_dtype,
+            cpu_offload,
+            family_of(model).blocks(model),
+            sharding=sharding,
+        )
         self.cpu_offload = cpu_offload
         super().__init__(
-            model, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
-            max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy, flash_attention=flash_attention,
+            model,
+            optimizer_fn,
+            scheduler_fn,
+            loss_fn=loss_fn,
+            checkpoint_dir=checkpoint_dir,
+            device=device,
+            max_grad_norm=max_grad_norm,
+            fused_cross_entropy=fused_cross_entropy,
+            flash_attention=flash_attention,
         )
 
     def _place(self, model: nn.Module) -> nn.Module:

@@ -42,7 +42,8 @@ def create_pytorch_backend(
 
     >>> import tempfile; from pathlib import Path
     >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
-    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16)),
+    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50,
+    ...     max_seq_len=16)),
     ...                            Path(tempfile.mkdtemp()) / "tiny")
     >>> backend = create_pytorch_backend(
     ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), device_type="cpu", dtype="float32")
@@ -88,7 +89,8 @@ def create_backend_with_scheduler(
 
     >>> import tempfile; from pathlib import Path
     >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
-    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16)),
+    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50,
+    ...     max_seq_len=16)),
     ...                            Path(tempfile.mkdtemp()) / "tiny")
     >>> backend, scheduler = create_backend_with_scheduler(
     ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), num_training_steps=100,
@@ -113,10 +115,14 @@ def create_backend_with_scheduler(
     return backend, backend.scheduler
 
 
-def _model_on_this_rank(model_name: str, device_type: str, trust_remote_code: bool) -> tuple[torch.nn.Module, torch.device]:
+def _model_on_this_rank(
+    model_name: str, device_type: str, trust_remote_code: bool
+) -> tuple[torch.nn.Module, torch.device]:
     """Join torchrun's process group and load the (fp32) model onto this rank's device."""
     ctx = init_distributed(device_type)
-    model = load_pretrained_model(model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = load_pretrained_model(
+        model_name, device=ctx.device, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
     return model, ctx.device
 
 
@@ -200,13 +206,21 @@ def _new_model(model_config, seed: int) -> torch.nn.Module:
     return family.build_from_config(model_config, "cpu", torch.float32)
 
 
-def JaxBackend(model_config, checkpoint_dir: str | Path = "checkpoints", learning_rate: float = 1e-3,
-               adam_betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0):
-    """Seed 001's `JaxBackend(model_config)`: a fresh model of that config trained by JAX (AdamW).
+def JaxBackend(
+    model_config,
+    checkpoint_dir: str | Path = "checkpoints",
+    learning_rate: float = 1e-3,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+):
+    """The trainer API's `JaxBackend(model_config)`: a fresh model of that config trained by JAX (AdamW).
 
     >>> from tierlm.models import GPTConfig
     >>> backend = JaxBackend(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
-    >>> sorted(backend.forward_backward({"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2, 8))}).wait())
+    >>> sorted(backend.forward_backward({"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2,
+    ...     8))}).wait())
     ['loss', 'num_tokens']
     """
     from tierlm.backends.jax_backend import JaxTrainingBackend
@@ -216,9 +230,16 @@ def JaxBackend(model_config, checkpoint_dir: str | Path = "checkpoints", learnin
     return JaxTrainingBackend(model, optimizer, checkpoint_dir, max_grad_norm=max_grad_norm)
 
 
-def PyTorchBackend(model_config, checkpoint_dir: str | Path = "checkpoints", learning_rate: float = 1e-3,
-                   adam_betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
-                   device_type: str = "auto") -> PyTorchTrainingBackend:
+def PyTorchBackend(
+    model_config,
+    checkpoint_dir: str | Path = "checkpoints",
+    learning_rate: float = 1e-3,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    device_type: str = "auto",
+) -> PyTorchTrainingBackend:
     """`JaxBackend`'s twin: a fresh model of `model_config` trained by PyTorch (AdamW) on one device."""
     device = resolve_device(device_type)
     model = _new_model(model_config, seed).to(device)
@@ -226,11 +247,23 @@ def PyTorchBackend(model_config, checkpoint_dir: str | Path = "checkpoints", lea
     return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, device, max_grad_norm=max_grad_norm)
 
 
-def MegatronBackend(model_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                    checkpoint_dir: str | Path = "checkpoints", learning_rate: float = 1e-3, adam_betas: tuple[float, float] = (0.9, 0.95),
-                    weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0, device_type: str = "auto",
-                    pipeline_schedule: str = "1F1B", pipeline_microbatches: int | None = None, bf16: bool = False):
-    """Seed 001's `MegatronBackend(model_config, tensor_parallel_size=4, pipeline_parallel_size=2)`: a fresh model
+def MegatronBackend(
+    model_config=None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    checkpoint_dir: str | Path = "checkpoints",
+    learning_rate: float = 1e-3,
+    adam_betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    device_type: str = "auto",
+    pipeline_schedule: str = "1F1B",
+    pipeline_microbatches: int | None = None,
+    bf16: bool = False,
+):
+    """The trainer API's `MegatronBackend(model_config, tensor_parallel_size=4, pipeline_parallel_size=2)`: a fresh
+    model
     of `model_config` (default: the native GPT's defaults) split over the ranks of a torchrun job — pipeline
     stages x tensor parallel x FSDP2 over the rest (`ModelParallelTrainingBackend`: PyTorch's DTensor and
     pipelining, no other runtime), AdamW. Run the script with `torchrun --nproc_per_node=N script.py`; every
@@ -246,11 +279,25 @@ def MegatronBackend(model_config=None, tensor_parallel_size: int = 1, pipeline_p
     model_config = model_config if model_config is not None else GPTConfig()
     if not launched_distributed():
         if max(tensor_parallel_size, pipeline_parallel_size) > 1:
-            raise ConfigError(f"MegatronBackend(tensor_parallel_size={tensor_parallel_size}, pipeline_parallel_size={pipeline_parallel_size}) "
-                              "splits the model over ranks: run the script under `torchrun --nproc_per_node=N`")
-        return PyTorchBackend(model_config, checkpoint_dir, learning_rate, adam_betas, weight_decay, max_grad_norm, seed, device_type)
+            raise ConfigError(
+                f"MegatronBackend(tensor_parallel_size={tensor_parallel_size}, "
+                f"pipeline_parallel_size={pipeline_parallel_size}) "
+                "splits the model over ranks: run the script under `torchrun --nproc_per_node=N`"
+            )
+        return PyTorchBackend(
+            model_config, checkpoint_dir, learning_rate, adam_betas, weight_decay, max_grad_norm, seed, device_type
+        )
     ctx = init_distributed(device_type)
     dims = ParallelDims.from_sizes(ctx.world_size, tensor=tensor_parallel_size, pipeline=pipeline_parallel_size)
-    return ModelParallelTrainingBackend(_new_model(model_config, seed), _adamw(learning_rate, adam_betas, weight_decay), None, checkpoint_dir,
-                                        ctx.device, dims, max_grad_norm=max_grad_norm, param_dtype=torch.bfloat16 if bf16 else None,
-                                        schedule=pipeline_schedule, microbatches=pipeline_microbatches)
+    return ModelParallelTrainingBackend(
+        _new_model(model_config, seed),
+        _adamw(learning_rate, adam_betas, weight_decay),
+        None,
+        checkpoint_dir,
+        ctx.device,
+        dims,
+        max_grad_norm=max_grad_norm,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        schedule=pipeline_schedule,
+        microbatches=pipeline_microbatches,
+    )

@@ -25,19 +25,25 @@ import numpy as np
 import torch
 
 from tierlm import checkpoint
-from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.errors import ConfigError
 from tierlm.models import family_of
 
 
-class JaxTrainingBackend:
+class JaxTrainingBackend(TrainingBackend):
     """One model trained by JAX on the local devices (data parallel over them when there are several)."""
 
-    rank, world_size = 0, 1
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str | Path, scheduler: Any | None = None,
-                 max_grad_norm: float = 1.0, loss_fn: Callable | None = None, jax_forward: Callable | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        checkpoint_dir: str | Path,
+        scheduler: Any | None = None,
+        max_grad_norm: float = 1.0,
+        loss_fn: Callable | None = None,
+        jax_forward: Callable | None = None,
+    ):
         import jax
 
         from tierlm.models.gpt.jax import params_from_torch
@@ -45,11 +51,15 @@ class JaxTrainingBackend:
 
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         if not isinstance(optimizer, torch.optim.AdamW) and type(optimizer) is not torch.optim.Adam:
-            raise ConfigError(f"the JAX backend trains with AdamW (its groups become optax AdamW); got {type(optimizer).__name__}: "
-                              "set training.optimizer=adamw")
+            raise ConfigError(
+                f"the JAX backend trains with AdamW (its groups become optax AdamW); got {type(optimizer).__name__}: "
+                "set training.optimizer=adamw"
+            )
         self.forward_fn = jax_forward or family_of(model).jax_forward(model)
         if self.forward_fn is None:
-            raise ConfigError(f"the JAX backend has no twin of the {family_of(model).name} family; use infra.backend=pytorch")
+            raise ConfigError(
+                f"the JAX backend has no twin of the {family_of(model).name} family; use infra.backend=pytorch"
+            )
         self._module, self.optimizer, self.scheduler = model.float().cpu(), optimizer, scheduler
         optimizer._opt_called = True  # it never steps (it carries the LRs): no "scheduler before optimizer" warning
         self.checkpoint_dir, self.max_grad_norm, self.loss_fn = Path(checkpoint_dir), max_grad_norm, loss_fn
@@ -81,12 +91,6 @@ class JaxTrainingBackend:
     def memory_stats(self) -> dict[str, float]:
         params = sum(int(np.prod(v.shape)) * 4 for v in self.params.values())
         return {"param_bytes": float(params), "optimizer_bytes": float(2 * params)}
-
-    def wait_for_save(self) -> None:
-        """Saves are synchronous here (the protocol's call for a backend that saves in the background)."""
-
-    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
-        return values
 
     # -- helpers ---------------------------------------------------------------------------
     def _group(self, tree: dict, i: int) -> dict:
@@ -120,7 +124,9 @@ class JaxTrainingBackend:
 
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
-            return "cross_entropy", lambda logits, batch: cross_entropy_sum(logits, batch["labels"], batch.get("loss_mask"))
+            return "cross_entropy", lambda logits, batch: cross_entropy_sum(
+                logits, batch["labels"], batch.get("loss_mask")
+            )
         return (id(getattr(loss_fn, "__self__", None)), getattr(loss_fn, "__name__", "")), jax_twin(loss_fn)
 
     def _compiled(self, kind: str, loss_fn: Callable | None) -> Callable:
@@ -130,6 +136,7 @@ class JaxTrainingBackend:
         if (kind, key) not in self._jitted:
             forward = self.forward_fn
             if kind == "grad":
+
                 def loss(params, batch):
                     total, count = twin(forward(params, batch), batch)
                     return total, count
@@ -151,11 +158,15 @@ class JaxTrainingBackend:
         self._num_micro_batches += 1
         return TrainFuture.ready({"loss": total / max(count, 1.0), "num_tokens": count})
 
-    def forward(self, batch: Batch, fn: Callable | None = None, params: dict | None = None) -> TrainFuture[dict[str, float]]:
+    def forward(
+        self, batch: Batch, fn: Callable | None = None, params: dict | None = None
+    ) -> TrainFuture[dict[str, float]]:
         out = self._compiled("eval", fn)(self.params if params is None else params, self._to_jax(batch))
         if fn is None and self.loss_fn is None:
             out = {"loss_sum": out[0], "num_tokens": out[1]}
-        return TrainFuture.ready({k: float(v) if np.ndim(v) == 0 else torch.from_numpy(np.array(v)) for k, v in out.items()})
+        return TrainFuture.ready(
+            {k: float(v) if np.ndim(v) == 0 else torch.from_numpy(np.array(v)) for k, v in out.items()}
+        )
 
     def optim_step(self) -> TrainFuture[dict[str, float]]:
         import jax
@@ -169,7 +180,14 @@ class JaxTrainingBackend:
             scale = self.max_grad_norm / (grad_norm + 1e-6)
             grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        reported = {"lr": lrs[0], **({f"lr_{g['role']}": g["lr"] for g in self.optimizer.param_groups if "role" in g} if len(set(lrs)) > 1 else {})}
+        reported = {
+            "lr": lrs[0],
+            **(
+                {f"lr_{g['role']}": g["lr"] for g in self.optimizer.param_groups if "role" in g}
+                if len(set(lrs)) > 1
+                else {}
+            ),
+        }
         finite = bool(np.isfinite(grad_norm) and np.isfinite(loss))
         if finite:
             params = dict(self.params)
@@ -183,12 +201,16 @@ class JaxTrainingBackend:
             self.scheduler.step()
         self.step += 1
         self._reset_accumulators()
-        return TrainFuture.ready({"loss": loss, "grad_norm": grad_norm, **reported, "num_tokens": num_tokens, "skipped": float(not finite)})
+        return TrainFuture.ready(
+            {"loss": loss, "grad_norm": grad_norm, **reported, "num_tokens": num_tokens, "skipped": float(not finite)}
+        )
 
-    # -- seed 001's functional surface (tierlm.backends.state; Trainer.train_step) ------------
+    # -- the functional trainer API (tierlm.backends.state; Trainer.train_step) ------------
     def model_state(self) -> ModelState:
         """The current state, a value (JAX arrays never change): hand an older one back to step from it."""
-        return ModelState(dict(self.params), list(self.opt_states), self.step, {"lr": [g["lr"] for g in self.optimizer.param_groups]})
+        return ModelState(
+            dict(self.params), list(self.opt_states), self.step, {"lr": [g["lr"] for g in self.optimizer.param_groups]}
+        )
 
     def load_model_state(self, state: ModelState, optimizer_state: Any | None = None) -> None:
         self.params, self._synced = dict(state.weights), False
@@ -207,7 +229,11 @@ class JaxTrainingBackend:
 
     def apply_gradients(self, model, gradients: GradientInfo, optimizer=None):
         """Normalise, clip, update (`optim_step`); returns the new parameters; metrics in `last_step_metrics`."""
-        self._grads, self._loss_sum, self._num_tokens = dict(gradients.gradients), gradients.loss_sum, gradients.num_tokens
+        self._grads, self._loss_sum, self._num_tokens = (
+            dict(gradients.gradients),
+            gradients.loss_sum,
+            gradients.num_tokens,
+        )
         self._num_micro_batches = max(self._num_micro_batches, 1)
         self.last_step_metrics = self.optim_step().wait()
         return self.params
@@ -224,8 +250,11 @@ class JaxTrainingBackend:
             count, mu, nu = adam.moments(self.opt_states[i])
             for name in self.groups[i]:
                 if count:
-                    self.optimizer.state[named[name]] = {"step": torch.tensor(float(count)), "exp_avg": torch.from_numpy(np.array(mu[name])),
-                                                         "exp_avg_sq": torch.from_numpy(np.array(nu[name]))}
+                    self.optimizer.state[named[name]] = {
+                        "step": torch.tensor(float(count)),
+                        "exp_avg": torch.from_numpy(np.array(mu[name])),
+                        "exp_avg_sq": torch.from_numpy(np.array(nu[name])),
+                    }
 
     def _optimizer_from_torch(self) -> None:
         import jax.numpy as jnp
@@ -244,19 +273,32 @@ class JaxTrainingBackend:
             nu = {name: jnp.asarray(s["exp_avg_sq"].float().numpy()) for name, s in zip(self.groups[i], states)}
             self.opt_states[i] = adam.with_moments(adam.init(self._group(self.params, i)), count, mu, nu)
 
-    def save_checkpoint(self, step: int, trainer_state: dict | None = None, write_extra: Callable[[Path], None] | None = None,
-                        metric: float | None = None) -> TrainFuture[Path]:
+    def save_checkpoint(
+        self,
+        step: int,
+        trainer_state: dict | None = None,
+        write_extra: Callable[[Path], None] | None = None,
+        metric: float | None = None,
+    ) -> TrainFuture[Path]:
         self._optimizer_into_torch()
         snapshot = checkpoint.take_snapshot(self.model, self.optimizer, self.scheduler)
-        checkpoint.write_snapshot(self.checkpoint_dir, step, snapshot, {"backend_step": self.step, **(trainer_state or {})}, write_extra, metric)
+        checkpoint.write_snapshot(
+            self.checkpoint_dir,
+            step,
+            snapshot,
+            {"backend_step": self.step, **(trainer_state or {})},
+            write_extra,
+            metric,
+        )
         return TrainFuture.ready(self.checkpoint_dir / f"step_{step}")
 
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
-        state = checkpoint.load_checkpoint(checkpoint.checkpoint_to_load(path, self.checkpoint_dir), self._module, self.optimizer, self.scheduler)
+        state = checkpoint.load_checkpoint(
+            checkpoint.checkpoint_to_load(path, self.checkpoint_dir), self._module, self.optimizer, self.scheduler
+        )
         self._optimizer_from_torch()
         self.step = state.get("backend_step", self.step)
         return TrainFuture.ready(state)
-
 
 
 class JaxFrozenReference:

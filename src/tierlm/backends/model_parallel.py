@@ -18,14 +18,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
+from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.errors import ConfigError
 from tierlm.models import family_of
 from tierlm.primitives.dtype_device import move_to
-from tierlm.primitives.optim import inner_optimizers
-from tierlm.primitives.model_parallel import ParallelDims, apply_tensor_parallel, apply_vocab_parallel, clip_grad_norm, sum_gradients
 from tierlm.primitives.losses import cross_entropy_sum, get_labels, reads_label_cross_entropy_only, token_weights
+from tierlm.primitives.model_parallel import (
+    ParallelDims,
+    apply_tensor_parallel,
+    apply_vocab_parallel,
+    clip_grad_norm,
+    sum_gradients,
+)
+from tierlm.primitives.optim import inner_optimizers
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 
@@ -62,20 +68,26 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
     ):
         assert dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
         device, family = torch.device(device), family_of(model)
-        plan = family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}  # a ConfigError, before anything moves
+        plan = (
+            family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}
+        )  # a ConfigError, before anything moves
         outer = family.tensor_parallel_model_plan(model, sequence_parallel) if dims.tp > 1 and vocab_parallel else {}
         self.vocab_parallel = "vocab_head" in outer.values()
         if sequence_parallel and dims.pp > 1:
-            raise ConfigError("sequence parallelism runs without pipeline stages (the stages send whole sequences): "
-                              "drop infra.sequence_parallel or infra.pipeline_parallel_size")
+            raise ConfigError(
+                "sequence parallelism runs without pipeline stages (the stages send whole sequences): "
+                "drop infra.sequence_parallel or infra.pipeline_parallel_size"
+            )
         if "colwise_qkv" in plan.values() and dims.dp > 1:
-            raise ConfigError("a fused q/k/v projection (GPT-2's c_attn) splits over tensor-parallel ranks as a strided shard, which "
-                              "FSDP2 cannot shard again: give the other ranks pipeline stages (infra.pipeline_parallel_size) or "
-                              "drop infra.tensor_parallel_size")
+            raise ConfigError(
+                "a fused q/k/v projection (GPT-2's c_attn) splits over tensor-parallel ranks as a strided shard, which "
+                "FSDP2 cannot shard again: give the other ranks pipeline stages (infra.pipeline_parallel_size) or "
+                "drop infra.tensor_parallel_size"
+            )
         self.dims, self.mesh = dims, dims.build_mesh(device.type)
         self.whole_model = model
         model = move_to(model, device)
-        parts, held = (self._stage_modules(model, family, stages_per_rank) if dims.pp > 1 else ([model], model))
+        parts, held = self._stage_modules(model, family, stages_per_rank) if dims.pp > 1 else ([model], model)
         self.tp_summed: list[nn.Parameter] = []
         for part in parts:  # torchtitan's order: tensor parallel, then activation checkpointing and compile, then FSDP
             blocks = family.blocks(part)
@@ -92,12 +104,27 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.stage_shared, self.uncounted = [], set()
         if dims.pp > 1:
-            self.parts, self.schedule_name, self.microbatches = parts, schedule, microbatches or dims.pp * stages_per_rank
-            self.has_first, self.has_last, self._shape = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids, None
+            self.parts, self.schedule_name, self.microbatches = (
+                parts,
+                schedule,
+                microbatches or dims.pp * stages_per_rank,
+            )
+            self.has_first, self.has_last, self._shape = (
+                0 in self.stage_ids,
+                self.num_stages - 1 in self.stage_ids,
+                None,
+            )
             self._embedding_group(held)
         super().__init__(  # without FSDP's mixed precision, autocast computes in param_dtype
-            held, optimizer_fn, scheduler_fn, loss_fn=loss_fn, checkpoint_dir=checkpoint_dir, device=device,
-            max_grad_norm=max_grad_norm, fused_cross_entropy=fused_cross_entropy, flash_attention=flash_attention,
+            held,
+            optimizer_fn,
+            scheduler_fn,
+            loss_fn=loss_fn,
+            checkpoint_dir=checkpoint_dir,
+            device=device,
+            max_grad_norm=max_grad_norm,
+            fused_cross_entropy=fused_cross_entropy,
+            flash_attention=flash_attention,
             autocast_dtype=param_dtype if dims.dp == 1 else None,
         )
         self._step_parameter_by_parameter()
@@ -108,11 +135,17 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         blocks = len(family.blocks(model))
         self.num_stages, pp_rank = self.dims.pp * stages_per_rank, self.mesh["pp"].get_local_rank()
         if blocks < self.num_stages:
-            raise ConfigError(f"{blocks} blocks cannot fill {self.num_stages} pipeline stages (pipeline_parallel_size x stages_per_rank)")
+            raise ConfigError(
+                f"{blocks} blocks cannot fill {self.num_stages} pipeline stages (pipeline_parallel_size x "
+                f"stages_per_rank)"
+            )
         bounds = [round(i * blocks / self.num_stages) for i in range(self.num_stages + 1)]
         self.stage_ids = [pp_rank + k * self.dims.pp for k in range(stages_per_rank)]
         last = self.num_stages - 1
-        parts = [family.pipeline_stage(model, list(range(bounds[i], bounds[i + 1])), i == 0, i == last) for i in self.stage_ids]
+        parts = [
+            family.pipeline_stage(model, list(range(bounds[i], bounds[i + 1])), i == 0, i == last)
+            for i in self.stage_ids
+        ]
         mine = [b for i in self.stage_ids for b in range(bounds[i], bounds[i + 1])]
         held = family.pipeline_stage(model, mine, 0 in self.stage_ids, last in self.stage_ids)
         return parts, held
@@ -138,14 +171,20 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
 
         if shape == self._shape:
             return self.schedule
-        stages = [PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group) for part, i in zip(self.parts, self.stage_ids)]
+        stages = [
+            PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
+            for part, i in zip(self.parts, self.stage_ids)
+        ]
         loss = summed_cross_entropy  # and scale_grads=False: the gradient of the summed loss, as every backend's
         if self.schedule_name == "interleaved_1F1B":
             self.schedule = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss, scale_grads=False)
         else:
-            assert len(stages) == 1, f"the {self.schedule_name} schedule runs one stage per rank; interleaved_1F1B runs several"
-            self.schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[self.schedule_name](stages[0], self.microbatches, loss_fn=loss,
-                                                                                            scale_grads=False)
+            assert len(stages) == 1, (
+                f"the {self.schedule_name} schedule runs one stage per rank; interleaved_1F1B runs several"
+            )
+            self.schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[self.schedule_name](
+                stages[0], self.microbatches, loss_fn=loss, scale_grads=False
+            )
         self._shape = shape
         return self.schedule
 
@@ -154,8 +193,10 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         until the rows split into the pipeline's micro-batches."""
         ids, pad = batch["input_ids"], -batch["input_ids"].shape[0] % self.microbatches
         if pad:
-            batch = {k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() else v
-                     for k, v in batch.items()}
+            batch = {
+                k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in batch.items()
+            }
             batch["labels"] = get_labels(batch).clone()
             batch["labels"][-pad:] = -100
             ids = batch["input_ids"]
@@ -164,15 +205,21 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         labels = get_labels(batch).masked_fill(token_weights(get_labels(batch), batch.get("loss_mask")) == 0, -100)
         return ((ids, positions.float()) if self.has_first else ()), labels
 
-    def _run_pipeline(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _run_pipeline(
+        self, batch: dict[str, torch.Tensor], train: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One pass of the schedule: (the batch's summed loss, on every rank of the pipeline; its trained tokens;
         the logits, on the last stage's rank)."""
         inputs, labels = self._pipeline_inputs(batch)
         schedule = self._schedule_for(tuple(labels.shape))
         losses: list[torch.Tensor] = []
-        with self._autocast(), self._loss_parallel():  # the last stage's loss reads its split logits, forward and backward
+        with (
+            self._autocast(),
+            self._loss_parallel(),
+        ):  # the last stage's loss reads its split logits, forward and backward
             logits = (schedule.step if train else schedule.eval)(
-                *inputs, target=labels if self.has_last else None, losses=losses if self.has_last else None)
+                *inputs, target=labels if self.has_last else None, losses=losses if self.has_last else None
+            )
         total = torch.stack(losses).sum().detach().float() if self.has_last else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.pp_group)  # the last stage's loss, known to every stage
         return total, token_weights(get_labels(batch), batch.get("loss_mask")).sum(), logits
@@ -231,8 +278,10 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
 
     def _check_cross_entropy(self, loss_fn: Callable | None) -> None:
         if not reads_label_cross_entropy_only(loss_fn or self.loss_fn):
-            raise ConfigError("pipeline parallelism trains the token cross-entropy (pretraining, SFT); DPO, RL and custom "
-                              "losses need the whole model on a rank: use tensor parallelism or FSDP2")
+            raise ConfigError(
+                "pipeline parallelism trains the token cross-entropy (pretraining, SFT); DPO, RL and custom "
+                "losses need the whole model on a rank: use tensor parallelism or FSDP2"
+            )
 
     @property
     def export_model(self) -> nn.Module:
@@ -304,12 +353,17 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         if self.stage_shared:  # and the tied embedding's, of which the first and last stage each hold a share
             sum_gradients(self.stage_shared, self.tied_group)
         counted = [p.grad for p in grads if id(p) not in self.uncounted]
-        return clip_grad_norm(counted, self.max_grad_norm, extra_group=self.pp_group,  # stages hold different blocks
-                              also_scale=[p.grad for p in grads if id(p) in self.uncounted])
+        return clip_grad_norm(
+            counted,
+            self.max_grad_norm,
+            extra_group=self.pp_group,  # stages hold different blocks
+            also_scale=[p.grad for p in grads if id(p) in self.uncounted],
+        )
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The pipeline's loss of one micro-batch (the schedule's `loss_fn(output, target)`): `cross_entropy_sum`'s total."""
+    """The pipeline's loss of one micro-batch (the schedule's `loss_fn(output, target)`): `cross_entropy_sum`'s
+    total."""
     return cross_entropy_sum(logits, labels)[0]
 
 

@@ -66,12 +66,25 @@ class TrainFuture(Generic[T]):
 
 @runtime_checkable
 class TrainingBackend(Protocol):
-    """What a trainer, strategy or RL loop may ask of a backend."""
+    """What a trainer, strategy, RL loop or run may ask of a backend: every member its callers use.
+
+    Backends subclass it (`PyTorchTrainingBackend`, `JaxTrainingBackend`), which gives them the defaults of a
+    backend in one process that saves synchronously; any object with the same members is a backend too.
+    """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     device: torch.device
+    checkpoint_dir: Path
+    """Where `save_checkpoint` writes `step_<n>` folders (created by the first save)."""
+    step: int
+    """Optimizer steps taken."""
+    last_step_metrics: dict[str, float]
+    """The metrics of the last `apply_gradients`."""
+    rank: int = 0
+    world_size: int = 1
 
+    # -- the protocol's calls --------------------------------------------------------------
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
         """Forward and backward one micro-batch; gradients accumulate until `optim_step`."""
         ...
@@ -97,3 +110,72 @@ class TrainingBackend(Protocol):
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
         """Load `path` (default: the latest checkpoint); the result is the saved trainer state."""
         ...
+
+    # -- where this process sits -----------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """The rank that reports, prunes checkpoints and writes the final model."""
+        return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's share of the data (the ranks of one model-parallel group read the same rows)."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data splits into."""
+        return self.world_size
+
+    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum metric totals over the ranks (one process: themselves)."""
+        return values
+
+    # -- models and saves ------------------------------------------------------------------
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The module evaluation samples from (unwrapped of what only training needs)."""
+        return self.model
+
+    @property
+    def export_model(self) -> torch.nn.Module:
+        """The module a final model folder is written from (its config; its weights unless `full_model_state` gives
+        them)."""
+        return self.model
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective under torchrun: the whole model's weights on rank 0's CPU; None where the live weights are
+        saved."""
+        return None
+
+    def wait_for_save(self) -> None:
+        """Block until a save running in the background has finished (saves here are synchronous)."""
+
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's parameter and optimizer-state bytes, when the backend knows them."""
+        return {}
+
+    def frozen_reference(self) -> Any:
+        """The model as it is now, frozen, behind `forward(batch, fn)` (DPO's reference where the backend makes it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} makes no frozen reference; use tierlm.backends.frozen_reference(model)"
+        )
+
+    # -- the functional surface (tierlm.backends.state; Trainer.train_step) -------------------
+    def model_state(self) -> Any:
+        """The current `ModelState` (weights, optimizer state, step, learning rates)."""
+        ...
+
+    def load_model_state(self, state: Any, optimizer_state: Any | None = None) -> None: ...
+
+    def gradient_info(self) -> Any:
+        """The accumulated gradients as a `GradientInfo`."""
+        ...
+
+    def all_reduce_gradients(self, gradients: Any) -> Any: ...
+
+    def apply_gradients(self, model: Any, gradients: Any, optimizer: Any = None) -> Any: ...
+
+    def communication_bytes(self) -> int:
+        """Gradient bytes each rank sends per step."""
+        return 0

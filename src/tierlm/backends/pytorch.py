@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from tierlm import checkpoint
-from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
 from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy, unwrap_model
 from tierlm.models.lora import adapters_disabled, has_lora
+from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.losses import (
     count_loss_tokens,
     create_cross_entropy_loss,
@@ -23,7 +24,6 @@ from tierlm.primitives.losses import (
     reads_label_cross_entropy_only,
     token_weights,
 )
-from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.model_parallel import by_mesh
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
@@ -52,9 +52,16 @@ def _to_host(value: Any) -> float | torch.Tensor:
 
 def _shares_tensors(optimizer_state: dict, optimizer) -> bool:
     """Is `optimizer_state` the optimizer's own (its `state_dict()`, sharing the state tensors)?"""
+
     def tensors(state_dict: dict) -> list[torch.Tensor]:  # an OptimizerContainer's holds its optimizers' states
         parts = state_dict["optimizers"] if "optimizers" in state_dict else [state_dict]
-        return [t for part in parts for s in part.get("state", {}).values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [
+            t
+            for part in parts
+            for s in part.get("state", {}).values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        ]
 
     mine = tensors(optimizer.state_dict())
     theirs = tensors(optimizer_state)
@@ -98,7 +105,9 @@ class AdapterFreeReference(FrozenReference):
             self.model.train(was_training)
 
 
-def frozen_reference(model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None) -> FrozenReference:
+def frozen_reference(
+    model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None
+) -> FrozenReference:
     """What DPO and RL's KL term compare against: the model as training starts (a copy), or for a LoRA
     model its base with the adapters off."""
     if has_lora(model):
@@ -106,7 +115,7 @@ def frozen_reference(model: nn.Module, device: torch.device | str, autocast_dtyp
     return FrozenReference(copy.deepcopy(model), device, autocast_dtype)
 
 
-class PyTorchTrainingBackend:
+class PyTorchTrainingBackend(TrainingBackend):
     """One model on one device.
 
     Gradients of each micro-batch are those of its *summed* loss; `optim_step` divides them by
@@ -201,25 +210,15 @@ class PyTorchTrainingBackend:
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
 
-    # One process; the distributed backends override these four.
-    rank, world_size = 0, 1
+    # One process; the distributed backends override these (and the protocol's rank, world_size, all_reduce_sums).
 
     def reduce_step_totals(self, totals: torch.Tensor) -> torch.Tensor:
         """[loss sum, trained tokens] of the step summed over ranks (one process: itself)."""
         return totals
 
-    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
-        """Sum metric totals over ranks (evaluation shards its batches across ranks)."""
-        return values
-
     def _grad_divisor(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """What the accumulated gradients are divided by: the step's trained tokens."""
         return num_tokens.clamp(min=1.0)
-
-    @property
-    def export_model(self) -> nn.Module:
-        """The module a final model folder is written from (its config; its weights unless given)."""
-        return self.model
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """Collective under torchrun: the whole model's weights on the CPU of rank 0 (None elsewhere and
@@ -230,16 +229,6 @@ class PyTorchTrainingBackend:
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
-
-    @property
-    def data_rank(self) -> int:
-        """This rank's share of the data (model-parallel ranks of one group read the same rows)."""
-        return self.rank
-
-    @property
-    def data_world_size(self) -> int:
-        """How many shares the data splits into."""
-        return self.world_size
 
     def _clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The gradients' total norm, after clipping them to `max_grad_norm` (0: no clipping)."""
@@ -304,7 +293,9 @@ class PyTorchTrainingBackend:
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         divisor = float(self._grad_divisor(num_tokens))
-        for same_mesh in by_mesh([p.grad for p in grads]):  # foreach ops take tensors of one kind (plain, or one DTensor mesh)
+        for same_mesh in by_mesh(
+            [p.grad for p in grads]
+        ):  # foreach ops take tensors of one kind (plain, or one DTensor mesh)
             torch._foreach_div_(same_mesh, divisor)
         grad_norm = self._clip_gradients(grads)
         reported = self._learning_rates()  # the LRs this update uses
@@ -326,15 +317,24 @@ class PyTorchTrainingBackend:
         self.step += 1
         self._reset_accumulators()
         return TrainFuture(
-            lambda: {"loss": loss.item(), "grad_norm": grad_norm.item(), **reported, "num_tokens": num_tokens.item(),
-                     "skipped": float(not finite)}
+            lambda: {
+                "loss": loss.item(),
+                "grad_norm": grad_norm.item(),
+                **reported,
+                "num_tokens": num_tokens.item(),
+                "skipped": float(not finite),
+            }
         )
 
-    # -- seed 001's functional surface (tierlm.backends.state; Trainer.train_step) ------------
+    # -- the functional trainer API (tierlm.backends.state; Trainer.train_step) ------------
     def model_state(self) -> ModelState:
         """The live state (a view: the next step changes it in place)."""
-        return ModelState(dict(unwrap_model(self.model).named_parameters()), self.optimizer.state_dict(), self.step,
-                          {"lr": [g["lr"] for g in self.optimizer.param_groups]})
+        return ModelState(
+            dict(unwrap_model(self.model).named_parameters()),
+            self.optimizer.state_dict(),
+            self.step,
+            {"lr": [g["lr"] for g in self.optimizer.param_groups]},
+        )
 
     @torch.no_grad()
     def load_model_state(self, state: ModelState, optimizer_state: Any | None = None) -> None:
@@ -361,7 +361,9 @@ class PyTorchTrainingBackend:
 
     def communication_bytes(self) -> int:
         """Gradient bytes each rank sends per step (ring all-reduce; 0 in one process)."""
-        grad_bytes = sum(p.numel() * p.element_size() for _, p in unwrap_model(self.model).named_parameters() if p.requires_grad)
+        grad_bytes = sum(
+            p.numel() * p.element_size() for _, p in unwrap_model(self.model).named_parameters() if p.requires_grad
+        )
         return ring_all_reduce_bytes(grad_bytes, self.world_size)
 
     def apply_gradients(self, model: nn.Module, gradients: GradientInfo, optimizer=None) -> nn.Module:
@@ -410,7 +412,9 @@ class PyTorchTrainingBackend:
             raise error
 
     def load_checkpoint(self, path: str | Path | None = None) -> TrainFuture[dict]:
-        state = checkpoint.load_checkpoint(checkpoint.checkpoint_to_load(path, self.checkpoint_dir), self.model, self.optimizer, self.scheduler)
+        state = checkpoint.load_checkpoint(
+            checkpoint.checkpoint_to_load(path, self.checkpoint_dir), self.model, self.optimizer, self.scheduler
+        )
         self.step = state.get("backend_step", self.step)
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])

@@ -1,4 +1,4 @@
-"""Tier 0: seed 001's states, as the functional surface of the backends (`Trainer.train_step(batch,
+"""Tier 0: the functional trainer API's states, as the functional surface of the backends (`Trainer.train_step(batch,
 model_state, optimizer_state) -> TrainingResult`).
 
 On PyTorch a `ModelState` is a *view* of the backend's: its weights are the model's parameters and its

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.data import (
     Documents,
@@ -32,44 +33,60 @@ from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, ope
 from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.errors import ConfigError, DataError
+from tierlm.tasks import synthetic_name
 
 
 # -- data sources, as the config names them --------------------------------------------------
 def _fields(config: TierlmConfig) -> Fields:
     d = config.data
-    return Fields(text=d.text_column, messages=d.messages_column, prompt=d.prompt_column, completion=d.completion_column,
-                  chosen=d.chosen_column, rejected=d.rejected_column, question=d.question_column, answer=d.answer_column,
-                  answer_pattern=d.answer_pattern, tools=d.tools_column)
+    return Fields(
+        text=d.text_column,
+        messages=d.messages_column,
+        prompt=d.prompt_column,
+        completion=d.completion_column,
+        chosen=d.chosen_column,
+        rejected=d.rejected_column,
+        question=d.question_column,
+        answer=d.answer_column,
+        answer_pattern=d.answer_pattern,
+        tools=d.tools_column,
+    )
 
 
-STAGE_KINDS = {"pretrain": "text", "sft": "chat", "dpo": "preference", "rl": "task"}
-"""The kind of example each stage reads a row as (tierlm.data.rows)."""
-
-
-def source_options(config: TierlmConfig, stage: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
+def source_options(config: TierlmConfig, kind: str, split: str, tokenizer: Tokenizer | None) -> SourceOptions:
     """How to read the data's sources; `split` "train" is data.split for datasets with named splits
     (synthetic tasks keep their own "train" and "val")."""
     d = config.data
     return SourceOptions(
-        split=split, kind=STAGE_KINDS[stage], seed=config.training.seed,
-        dataset_config=d.dataset_config, revision=d.revision, data_files=d.data_files, streaming=d.streaming,
+        split=split,
+        kind=kind,
+        seed=config.training.seed,
+        dataset_config=d.dataset_config,
+        revision=d.revision,
+        data_files=d.data_files,
+        streaming=d.streaming,
         num_proc=d.preprocessing_num_workers,
         synthetic_count=d.num_synthetic_examples if split == "train" else d.num_synthetic_eval_examples,
-        fields=_fields(config), on_bad_line=d.on_bad_line, token_dtype=d.token_dtype,
-        separator_id=tokenizer.document_separator_id if tokenizer else None, vocab_size=tokenizer.vocab_size if tokenizer else None,
+        fields=_fields(config),
+        on_bad_line=d.on_bad_line,
+        token_dtype=d.token_dtype,
+        separator_id=tokenizer.document_separator_id if tokenizer else None,
+        vocab_size=tokenizer.vocab_size if tokenizer else None,
     )
 
 
 def named_split(name: str, options: SourceOptions, split: str) -> SourceOptions:
     """`options` reading `split` of `name`, unless `name` is a synthetic task (its splits are its own)."""
-    return options if name.startswith("synthetic:") else dataclasses.replace(options, split=split)
+    return options if synthetic_name(name) is not None else dataclasses.replace(options, split=split)
 
 
 def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
     return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
 
 
-def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -> tuple[list[tuple[Examples, float]], list[Examples]]:
+def open_splits(
+    config: TierlmConfig, kind: str, tokenizer: Tokenizer | None
+) -> tuple[list[tuple[Examples, float]], list[Examples]]:
     """([(train, weight)] for each data source, [val sets]).
 
     Training reads data.split of datasets with named splits. Validation is data.eval_dataset_name
@@ -79,12 +96,12 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
     """
     d, trains, vals = config.data, [], []
     for name, weight in data_components(config):
-        options = named_split(name, source_options(config, stage, "train", tokenizer), d.split)
+        options = named_split(name, source_options(config, kind, "train", tokenizer), d.split)
         train = open_examples(name, options)
         if d.eval_dataset_name:
             pass  # one shared eval set, opened below
-        elif name.startswith("synthetic:"):
-            vals.append(open_examples(name, source_options(config, stage, "val", tokenizer)))
+        elif synthetic_name(name) is not None:
+            vals.append(open_examples(name, source_options(config, kind, "val", tokenizer)))
         else:
             eval_split = evaluation_split(config, name, options, hold_out="data.val_fraction")
             if eval_split is not None:  # the dataset's own evaluation split
@@ -94,13 +111,17 @@ def open_splits(config: TierlmConfig, stage: str, tokenizer: Tokenizer | None) -
                 vals.append(val)
         trains.append((train, weight))
     if d.eval_dataset_name:
-        options = source_options(config, stage, "val", tokenizer)
+        options = source_options(config, kind, "val", tokenizer)
         split = evaluation_split(config, d.eval_dataset_name, options)
-        vals = [open_examples(d.eval_dataset_name, named_split(d.eval_dataset_name, options, split) if split else options)]
+        vals = [
+            open_examples(d.eval_dataset_name, named_split(d.eval_dataset_name, options, split) if split else options)
+        ]
     return trains, vals
 
 
-def evaluation_split(config: TierlmConfig, name: str, options: SourceOptions, hold_out: str | None = None) -> str | None:
+def evaluation_split(
+    config: TierlmConfig, name: str, options: SourceOptions, hold_out: str | None = None
+) -> str | None:
     """The split of `name` that evaluates, None when it has no named splits (a file or folder of files).
 
     The training source (`hold_out` names what evaluates instead of a split it lacks): data.eval_split,
@@ -112,8 +133,10 @@ def evaluation_split(config: TierlmConfig, name: str, options: SourceOptions, ho
     splits = available_splits(name, options)
     if splits is None:
         if hold_out is not None and d.eval_split is not None:
-            raise ConfigError(f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
-                              f"(a file or folder of files): use {hold_out} or data.eval_dataset_name")
+            raise ConfigError(
+                f"data.eval_split={d.eval_split} names a split, but {name} has no named splits "
+                f"(a file or folder of files): use {hold_out} or data.eval_dataset_name"
+            )
         return None
     if hold_out is None:
         return d.eval_split or default_eval_split(splits) or d.split
@@ -125,11 +148,15 @@ def splits_long_documents(config: TierlmConfig) -> bool:
     (a corpus whose "documents" are paragraphs or a stream), crop otherwise."""
     if config.data.long_documents != "auto":
         return config.data.long_documents == "split"
-    return all(name.startswith("builtin:") or Path(name).suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES for name, _ in data_components(config))
+    return all(
+        name.startswith("builtin:") or Path(name).suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES
+        for name, _ in data_components(config)
+    )
 
 
-def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int = 1,
-                  seq2seq: bool = False) -> tuple[PackedLoader, PackedLoader]:
+def build_loaders(
+    config: TierlmConfig, stage: Stage, tokenizer: Tokenizer, world_size: int = 1, seq2seq: bool = False
+) -> tuple[PackedLoader, PackedLoader]:
     """Best-fit packed train and eval loaders: pretraining crops, SFT pads (and isolates documents).
 
     The train loader packs the global batch (world_size x per-device rows); see `RankSlice`.
@@ -138,18 +165,22 @@ def build_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_
     if seq2seq:
         return ul2_loaders(config, tokenizer, world_size)
     if d.stream:
-        if stage != "pretrain":
+        if stage.packing != "crop":
             raise ConfigError("data.stream reads text as one token stream: a pretraining option")
         return stream_loaders(config, tokenizer, world_size)
-    convert = text_documents(tokenizer) if stage == "pretrain" else chat_documents(tokenizer, d.train_on)
+    convert = text_documents(tokenizer) if stage.example_kind == "text" else chat_documents(tokenizer, d.train_on)
     if d.streaming:
         return streaming_loaders(config, stage, tokenizer, world_size, convert)
-    trains, vals = open_splits(config, stage, tokenizer)
+    trains, vals = open_splits(config, stage.example_kind, tokenizer)
     if len(trains) == 1 and trains[0][1] == 1.0:
         train = Documents(trains[0][0], convert)
     else:
         train = Mixture([(Documents(t, convert), w) for t, w in trains], seed=tr.seed)
-    val = Documents(vals[0], convert) if len(vals) == 1 else Mixture([(Documents(v, convert), 1.0) for v in vals], seed=tr.seed)
+    val = (
+        Documents(vals[0], convert)
+        if len(vals) == 1
+        else Mixture([(Documents(v, convert), 1.0) for v in vals], seed=tr.seed)
+    )
     common = _packing(config, stage, tokenizer)
     return (
         PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, **common),
@@ -164,41 +195,67 @@ def ul2_loaders(config: TierlmConfig, tokenizer, world_size: int) -> tuple[UL2Lo
     d, tr = config.data, config.training
     if d.stream or d.mixture:
         raise ConfigError("UL2 pretraining reads one text source: drop data.stream / data.mixture")
-    common = dict(tokenizer=tokenizer, max_encoder_length=d.max_encoder_length, max_decoder_length=d.max_decoder_length,
-                  task_weights=d.ul2_task_weights, seed=tr.seed)
-    sizes = dict(batch_size=tr.per_device_train_batch_size * world_size), dict(batch_size=tr.per_device_eval_batch_size, shuffle=False)
+    common = dict(
+        tokenizer=tokenizer,
+        max_encoder_length=d.max_encoder_length,
+        max_decoder_length=d.max_decoder_length,
+        task_weights=d.ul2_task_weights,
+        seed=tr.seed,
+    )
+    sizes = (
+        dict(batch_size=tr.per_device_train_batch_size * world_size),
+        dict(batch_size=tr.per_device_eval_batch_size, shuffle=False),
+    )
     if d.streaming:
-        streams = _streams(config, "pretrain", tokenizer, text_documents(tokenizer))
-        return tuple(create_ul2_dataset(stream, to_documents=docs, block_size=d.shuffle_buffer_size, name=docs.name, **size, **common)
-                     for (stream, docs), size in zip(streams, sizes))
-    trains, vals = open_splits(config, "pretrain", tokenizer)
+        streams = _streams(config, "text", tokenizer, text_documents(tokenizer))
+        return tuple(
+            create_ul2_dataset(
+                stream, to_documents=docs, block_size=d.shuffle_buffer_size, name=docs.name, **size, **common
+            )
+            for (stream, docs), size in zip(streams, sizes)
+        )
+    trains, vals = open_splits(config, "text", tokenizer)
     convert = text_documents(tokenizer)
-    return tuple(create_ul2_dataset(Documents(source, convert), **size, **common) for source, size in zip((trains[0][0], vals[0]), sizes))
-
-
-def _packing(config: TierlmConfig, stage: str, tokenizer: Tokenizer) -> dict:
-    d = config.data
-    isolate = d.isolate_documents if d.isolate_documents is not None else stage == "sft"
-    return dict(
-        mode="crop" if stage == "pretrain" else "pad", pad_id=tokenizer.pad_id, buffer_docs=d.packing_buffer,
-        long_documents=d.long_conversations, document_positions=isolate, split_long=stage == "pretrain" and splits_long_documents(config),
+    return tuple(
+        create_ul2_dataset(Documents(source, convert), **size, **common)
+        for source, size in zip((trains[0][0], vals[0]), sizes)
     )
 
 
-def _streams(config: TierlmConfig, stage: str, tokenizer: Tokenizer, convert):
+def _packing(config: TierlmConfig, stage: Stage, tokenizer: Tokenizer) -> dict:
+    d = config.data
+    assert stage.packing is not None, f"the {stage.name} stage does not train on packed rows"
+    isolate = d.isolate_documents if d.isolate_documents is not None else stage.isolate_documents
+    return dict(
+        mode=stage.packing,
+        pad_id=tokenizer.pad_id,
+        buffer_docs=d.packing_buffer,
+        long_documents=d.long_conversations,
+        document_positions=isolate,
+        split_long=stage.packing == "crop" and splits_long_documents(config),
+    )
+
+
+def _streams(config: TierlmConfig, kind: str, tokenizer: Tokenizer, convert):
     """data.split read as a stream and its evaluation stream: the dataset's eval split (data.eval_split,
     else the first of validation / val / test it has), data.eval_dataset_name, or the stream's first
     data.eval_stream_examples rows, which training then skips. Each with its rows -> documents function
     (`.name`: the dataset it reads)."""
     d = config.data
-    options = named_split(d.dataset_name, source_options(config, stage, "train", tokenizer), d.split)
+    options = named_split(d.dataset_name, source_options(config, kind, "train", tokenizer), d.split)
     train = open_stream(d.dataset_name, options)
     if d.eval_dataset_name:
-        eval_options = source_options(config, stage, "val", tokenizer)
+        eval_options = source_options(config, kind, "val", tokenizer)
         eval_split = evaluation_split(config, d.eval_dataset_name, eval_options) or "train"
-        val, val_name = open_stream(d.eval_dataset_name, named_split(d.eval_dataset_name, eval_options, eval_split)), d.eval_dataset_name
+        val, val_name = (
+            open_stream(d.eval_dataset_name, named_split(d.eval_dataset_name, eval_options, eval_split)),
+            d.eval_dataset_name,
+        )
     else:
-        eval_split, val_name = evaluation_split(config, d.dataset_name, options, hold_out="data.eval_stream_examples"), d.dataset_name
+        eval_split, val_name = (
+            evaluation_split(config, d.dataset_name, options, hold_out="data.eval_stream_examples"),
+            d.dataset_name,
+        )
         if eval_split is not None:
             val = open_stream(d.dataset_name, named_split(d.dataset_name, options, eval_split))
         else:  # the stream's head evaluates; training starts after it
@@ -207,22 +264,41 @@ def _streams(config: TierlmConfig, stage: str, tokenizer: Tokenizer, convert):
     def documents_of(name: str):
         def documents(rows, first):
             return convert(convert_rows(rows, options, name, first))
+
         documents.name = name
         return documents
 
     return (train, documents_of(d.dataset_name)), (val, documents_of(val_name))
 
 
-def streaming_loaders(config: TierlmConfig, stage: str, tokenizer: Tokenizer, world_size: int, convert) -> tuple[StreamingLoader, StreamingLoader]:
+def streaming_loaders(
+    config: TierlmConfig, stage: Stage, tokenizer: Tokenizer, world_size: int, convert
+) -> tuple[StreamingLoader, StreamingLoader]:
     """data.streaming: best-fit packed batches from the stream and its evaluation stream (`_streams`)."""
     d, tr = config.data, config.training
-    (train, train_docs), (val, val_docs) = _streams(config, stage, tokenizer, convert)
+    (train, train_docs), (val, val_docs) = _streams(config, stage.example_kind, tokenizer, convert)
     common = _packing(config, stage, tokenizer)
     return (
-        StreamingLoader(train, train_docs, tr.per_device_train_batch_size * world_size, d.max_seq_length,
-                        block_size=d.shuffle_buffer_size, name=train_docs.name, seed=tr.seed, **common),
-        StreamingLoader(val, val_docs, tr.per_device_eval_batch_size, d.max_seq_length,
-                        block_size=d.shuffle_buffer_size, name=val_docs.name, shuffle=False, **common),
+        StreamingLoader(
+            train,
+            train_docs,
+            tr.per_device_train_batch_size * world_size,
+            d.max_seq_length,
+            block_size=d.shuffle_buffer_size,
+            name=train_docs.name,
+            seed=tr.seed,
+            **common,
+        ),
+        StreamingLoader(
+            val,
+            val_docs,
+            tr.per_device_eval_batch_size,
+            d.max_seq_length,
+            block_size=d.shuffle_buffer_size,
+            name=val_docs.name,
+            shuffle=False,
+            **common,
+        ),
     )
 
 
@@ -240,20 +316,28 @@ def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.n
         return tokens._map()
     if path.is_file() and path.suffix in TEXT_SUFFIXES:
         if path.stat().st_size > STREAM_MAX_TOKENS:
-            raise DataError(f"{path} is {path.stat().st_size:,} bytes: too large to stream from text; pre-tokenize it into a .bin file")
+            raise DataError(
+                f"{path} is {path.stat().st_size:,} bytes: too large to stream from text; pre-tokenize it into a .bin "
+                f"file"
+            )
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text near byte {e.start}") from None
         return np.asarray(tokenizer.encode(text), dtype=np.int32)
-    documents = Documents(open_examples(name, source_options(config, "pretrain", "train", tokenizer)), text_documents(tokenizer))
+    documents = Documents(
+        open_examples(name, source_options(config, "text", "train", tokenizer)), text_documents(tokenizer)
+    )
     parts, total = [], 0
     for lo in range(0, len(documents), 4096):
         for doc in documents.fetch(range(lo, min(len(documents), lo + 4096))):
             parts.append(doc.ids.astype(np.int32))
             total += len(doc.ids)
         if total > STREAM_MAX_TOKENS:
-            raise DataError(f"{name} holds over {STREAM_MAX_TOKENS:,} tokens: too many to stream in memory; pre-tokenize it into a .bin file")
+            raise DataError(
+                f"{name} holds over {STREAM_MAX_TOKENS:,} tokens: too many to stream in memory; pre-tokenize it into a "
+                f".bin file"
+            )
     return np.concatenate(parts)
 
 
@@ -261,31 +345,48 @@ def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) 
     """`data.stream`: every source one token stream, its tail held out, both cut into windows of a row."""
     d, tr = config.data, config.training
     if d.mixture or d.eval_dataset_name:
-        raise ConfigError("data.stream reads one data.dataset_name and holds out its tail; drop data.mixture / data.eval_dataset_name")
+        raise ConfigError(
+            "data.stream reads one data.dataset_name and holds out its tail; drop data.mixture / data.eval_dataset_name"
+        )
     tokens = source_stream(d.dataset_name, config, tokenizer)
     cut = int(len(tokens) * (1 - d.val_fraction))
     window = d.max_seq_length + 1
     train, val = StreamWindows(tokens[:cut], window), StreamWindows(tokens[cut:], window)
     return (
-        PackedLoader(train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, pad_id=tokenizer.pad_id),
+        PackedLoader(
+            train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, pad_id=tokenizer.pad_id
+        ),
         PackedLoader(val, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False, pad_id=tokenizer.pad_id),
     )
 
 
-def build_pair_loaders(config: TierlmConfig, tokenizer: Tokenizer, rank: int = 0, world: int = 1) -> tuple[PairLoader, PairLoader]:
+def build_pair_loaders(
+    config: TierlmConfig, tokenizer: Tokenizer, rank: int = 0, world: int = 1
+) -> tuple[PairLoader, PairLoader]:
     """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
     data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once; `rank`
     reads its share of `world` (data-parallel) shares of each batch."""
     d, tr = config.data, config.training
     if d.mixture or d.streaming:
-        raise ConfigError("DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming")
-    trains, vals = open_splits(config, "dpo", tokenizer)
+        raise ConfigError(
+            "DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming"
+        )
+    trains, vals = open_splits(config, "preference", tokenizer)
     train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
     if len(train) < tr.per_device_train_batch_size * world:
-        raise DataError(f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
-                        "ranks; lower training.per_device_train_batch_size")
+        raise DataError(
+            f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
+            "ranks; lower training.per_device_train_batch_size"
+        )
     return (
-        PairLoader(train, tokenizer, tr.per_device_train_batch_size, d.max_seq_length, seed=tr.seed,
-                   rank=rank, world_size=world),
+        PairLoader(
+            train,
+            tokenizer,
+            tr.per_device_train_batch_size,
+            d.max_seq_length,
+            seed=tr.seed,
+            rank=rank,
+            world_size=world,
+        ),
         PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
     )

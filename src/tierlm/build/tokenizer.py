@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm.build.loaders import data_components, named_split, source_options
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer
@@ -16,7 +17,6 @@ from tierlm.data.chat_templates import set_chat_template
 from tierlm.data.rows import example_texts
 from tierlm.data.sources import convert_rows, open_stream
 from tierlm.errors import ConfigError, DataError
-from tierlm.build.loaders import data_components, named_split, source_options
 from tierlm.models import family_for_folder, family_named, is_native_folder
 from tierlm.primitives.parallel import DistributedContext
 
@@ -30,10 +30,16 @@ def pretrained_location(config: TierlmConfig) -> Path | str | None:
         return None
     location = verified_model_location(name)
     saved = family_for_folder(location) if isinstance(location, Path) and is_native_folder(location) else None
-    if saved is not None and "architecture" in config.model.model_fields_set and \
-            getattr(saved, "seq2seq", False) != getattr(family_named(architecture), "seq2seq", False):
-        raise ConfigError(f"{name} holds a {saved.name!r} model but model.architecture is {architecture!r}: drop model.architecture to "
-                          "train the model as it is (an encoder-decoder starts from a transformers Qwen3 folder)")
+    if (
+        saved is not None
+        and "architecture" in config.model.model_fields_set
+        and saved.seq2seq != family_named(architecture).seq2seq
+    ):
+        raise ConfigError(
+            f"{name} holds a {saved.name!r} model but model.architecture is {architecture!r}: drop model.architecture "
+            f"to "
+            "train the model as it is (an encoder-decoder starts from a transformers Qwen3 folder)"
+        )
     return location
 
 
@@ -46,13 +52,16 @@ def existing_tokenizer(config: TierlmConfig, pretrained: Path | str | None) -> T
     return None
 
 
-def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
-    """A new tokenizer, trained on the first tokenizer.num_train_docs examples of each source."""
+def train_tokenizer(config: TierlmConfig, kind: str) -> Tokenizer:
+    """A new tokenizer, trained on the first tokenizer.num_train_docs examples (of `kind`: text, chat, ...) of each
+    source."""
     t, texts = config.tokenizer, []
     for name, _ in data_components(config):
         if Path(name).suffix in (".bin", ".npy"):
-            raise DataError(f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it")
-        options = named_split(name, source_options(config, stage, "train", None), config.data.split)
+            raise DataError(
+                f"{name} is already tokenized: set model.tokenizer_name_or_path to the tokenizer that made it"
+            )
+        options = named_split(name, source_options(config, kind, "train", None), config.data.split)
         if config.data.streaming:  # the stream's first documents
             stream = iter(open_stream(name, options))
             rows = list(itertools.islice(stream, t.num_train_docs))
@@ -66,19 +75,23 @@ def train_tokenizer(config: TierlmConfig, stage: str) -> Tokenizer:
     return train_char_tokenizer(texts) if t.kind == "char" else train_bpe_tokenizer(texts, t.vocab_size)
 
 
-def run_tokenizer(config: TierlmConfig, stage: str, pretrained, ctx: DistributedContext | None, latest: Path | None) -> Tokenizer:
+def run_tokenizer(
+    config: TierlmConfig, kind: str, pretrained, ctx: DistributedContext | None, latest: Path | None
+) -> Tokenizer:
     """The run's tokenizer: a resumed run's own (from its checkpoint), the model's or the named one,
     or a new one trained on the data (by rank 0, read by the others from the run directory)."""
     if latest is not None:
-        tokenizer = load_tokenizer(latest / "model", config.model.trust_remote_code)  # with the run's chat template and sentinels
+        tokenizer = load_tokenizer(
+            latest / "model", config.model.trust_remote_code
+        )  # with the run's chat template and sentinels
     else:
         tokenizer = existing_tokenizer(config, pretrained)
     if tokenizer is None and ctx is None:
-        tokenizer = train_tokenizer(config, stage)
+        tokenizer = train_tokenizer(config, kind)
     elif tokenizer is None:
         folder = Path(config.infra.output_dir) / "tokenizer"
         if ctx.is_main:
-            train_tokenizer(config, stage).save(folder)
+            train_tokenizer(config, kind).save(folder)
         torch.distributed.barrier()
         tokenizer = load_tokenizer(folder)
     if is_seq2seq(config, pretrained):  # UL2's sentinels and mode tokens (kept as they are when the tokenizer has them)
@@ -93,4 +106,4 @@ def is_seq2seq(config: TierlmConfig, pretrained: Path | str | None) -> bool:
     model.architecture: a transformers decoder-only folder may start an encoder-decoder)?"""
     native = isinstance(pretrained, Path) and is_native_folder(pretrained)
     family = family_for_folder(pretrained) if native else family_named(config.model.architecture)
-    return bool(getattr(family, "seq2seq", False))
+    return family.seq2seq

@@ -168,7 +168,9 @@ def save_checkpoint(
     `write_extra(folder)` adds files (tokenizer, resolved config) before the folder is sealed;
     `metric` (lower is better, e.g. the val loss) lets retention keep the best checkpoint.
     """
-    return write_snapshot(checkpoint_dir, step, take_snapshot(model, optimizer, scheduler), trainer_state, write_extra, metric)
+    return write_snapshot(
+        checkpoint_dir, step, take_snapshot(model, optimizer, scheduler), trainer_state, write_extra, metric
+    )
 
 
 def write_snapshot(
@@ -189,7 +191,9 @@ def write_snapshot(
         torch.save(snapshot.train_state, tmp / "train_state.pt")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {root / f'step_{step}'}: {e.strerror or e}; older checkpoints are untouched") from e
+        raise CheckpointError(
+            f"could not write checkpoint {root / f'step_{step}'}: {e.strerror or e}; older checkpoints are untouched"
+        ) from e
     return seal_checkpoint(tmp, root, step, trainer_state, write_extra, metric)
 
 
@@ -225,7 +229,9 @@ def save_sharded_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / STATE_DIRNAME).mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True))
+    model_state, optim_state = get_state_dict(
+        model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
     dcp.save(dcp_storable({"model": model_state, "optim": optim_state})[0], checkpoint_id=str(tmp / STATE_DIRNAME))
     final = root / f"step_{step}"
     if is_main:
@@ -234,7 +240,9 @@ def save_sharded_checkpoint(
             torch.save(train_state(None, scheduler), tmp / "train_state.pt")
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched") from e
+            raise CheckpointError(
+                f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched"
+            ) from e
         seal_checkpoint(tmp, root, step, trainer_state, write_extra, metric)
     dist.barrier()
     return final
@@ -254,15 +262,23 @@ def seal_checkpoint(
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=1) + "\n")
         if write_extra is not None:
             write_extra(tmp)
-        meta = {"step": step, "saved_at": time.time(), "metric": metric, "native": is_native_folder(tmp / "model"),
-                "sharded": (tmp / STATE_DIRNAME).is_dir(), **file_manifest(tmp)}
+        meta = {
+            "step": step,
+            "saved_at": time.time(),
+            "metric": metric,
+            "native": is_native_folder(tmp / "model"),
+            "sharded": (tmp / STATE_DIRNAME).is_dir(),
+            **file_manifest(tmp),
+        }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         _fsync_tree(tmp)
         replace_folder(tmp, final, root / f".old_step_{step}_{os.getpid()}")  # re-saving the same step swaps
         _write_text_atomic(root / LATEST_FILE, final.name + "\n")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched") from e
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched"
+        ) from e
     return final
 
 
@@ -362,9 +378,16 @@ def load_checkpoint(
     return trainer_state
 
 
-def load_full_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, optimizer_state: dict | None) -> None:
+def load_full_state(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, optimizer_state: dict | None
+) -> None:
     """Load a full checkpoint's weights (model/) and optimizer state; a sharded `model` takes its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from tierlm.models import unwrap_model
 
@@ -381,7 +404,9 @@ def load_full_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         optimizer.load_state_dict(optimizer_state)
     elif stage:  # the stage's parameters' entries, in its own groups (a subset of the whole model's)
         own = get_optimizer_state_dict(model, inner_optimizers(optimizer))
-        set_optimizer_state_dict(model, inner_optimizers(optimizer), optimizer_state_slice(optimizer_state, own), options=full)
+        set_optimizer_state_dict(
+            model, inner_optimizers(optimizer), optimizer_state_slice(optimizer_state, own), options=full
+        )
     else:
         set_optimizer_state_dict(model, inner_optimizers(optimizer), optimizer_state, options=full)
 
@@ -395,9 +420,17 @@ def optimizer_state_slice(whole: dict[str, Any], own: dict[str, Any]) -> dict[st
     {'state': {'w': {'step': 1}}, 'param_groups': [{'lr': 0.1, 'params': ['w']}]}
     """
     group_of = {name: group for group in whole["param_groups"] for name in group["params"]}
-    groups = [{**({k: v for k, v in group_of[g["params"][0]].items() if k != "params"} if g["params"] else g), "params": g["params"]}
-              for g in own["param_groups"]]
-    return {"state": {name: whole["state"][name] for g in groups for name in g["params"] if name in whole["state"]}, "param_groups": groups}
+    groups = [
+        {
+            **({k: v for k, v in group_of[g["params"][0]].items() if k != "params"} if g["params"] else g),
+            "params": g["params"],
+        }
+        for g in own["param_groups"]
+    ]
+    return {
+        "state": {name: whole["state"][name] for g in groups for name in g["params"] if name in whole["state"]},
+        "param_groups": groups,
+    }
 
 
 def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -418,8 +451,12 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
 
     metadata = read_dcp_metadata(state_dir)  # refuse a bad index here, in one line, before DCP's own logging of it
     # Flattened optimizer state (hyperparameters per parameter name: tierlm >= 0.3), or the nested form before it.
-    flat = StateDictOptions(flatten_optimizer_state_dict=any(
-        key.startswith("optim.param_groups.") and not key.split(".")[2].isdigit() for key in metadata.state_dict_metadata))
+    flat = StateDictOptions(
+        flatten_optimizer_state_dict=any(
+            key.startswith("optim.param_groups.") and not key.split(".")[2].isdigit()
+            for key in metadata.state_dict_metadata
+        )
+    )
     wanted = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         wanted["optim"] = get_optimizer_state_dict(model, inner_optimizers(optimizer), options=flat)
@@ -431,8 +468,11 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
             restore()
     except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): hand on the first as what it is
         failure = next(iter(e.failures.values()))[0] if e.failures else RuntimeError(str(e))
-        raise (failure if isinstance(failure, (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError))
-               else RuntimeError(first_line(failure))) from None
+        raise (
+            failure
+            if isinstance(failure, (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError))
+            else RuntimeError(first_line(failure))
+        ) from None
     set_model_state_dict(model, wanted["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, inner_optimizers(optimizer), wanted["optim"], options=flat)
@@ -467,7 +507,9 @@ def resolve_model_folder(path: str | Path) -> Path:
         raise CheckpointError(f"{path} does not exist")
     if (path / "config.json").is_file() or is_native_folder(path):
         if not (path / WEIGHTS_FILE).is_file() and is_sharded_checkpoint(path.parent):
-            raise CheckpointError(f"{path.parent} is a sharded checkpoint: run `tierlm export {path.parent} OUT_DIR` for a model folder")
+            raise CheckpointError(
+                f"{path.parent} is a sharded checkpoint: run `tierlm export {path.parent} OUT_DIR` for a model folder"
+            )
         return path
     if (path / "model").is_dir():
         return resolve_model_folder(path / "model")
@@ -483,7 +525,11 @@ def clean_stale_temporaries(checkpoint_dir: str | Path) -> list[Path]:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
-    stale = [p for p in root.iterdir() if p.name.startswith((".tmp_step_", ".old_step_")) and p.is_dir() and not p.is_symlink()]
+    stale = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith((".tmp_step_", ".old_step_")) and p.is_dir() and not p.is_symlink()
+    ]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale

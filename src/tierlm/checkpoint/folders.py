@@ -25,7 +25,13 @@ from tierlm.checkpoint.core import (
     resolve_model_folder,
     resolve_model_location,
 )
-from tierlm.checkpoint.verify import META_FILE, MODEL_META_FILE, check_file_formats, verify_checkpoint, verify_model_folder
+from tierlm.checkpoint.verify import (
+    META_FILE,
+    MODEL_META_FILE,
+    check_file_formats,
+    verify_checkpoint,
+    verify_model_folder,
+)
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, save_model_folder
 from tierlm.models.lora import ADAPTER_DIR, ADAPTER_MARK, adapter_apart, mark_adapter, saved_adapter
@@ -114,12 +120,16 @@ def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
     keys = states[0].keys()
     for folder, state in zip(folders[1:], states[1:]):
         if state.keys() != keys or any(state[k].shape != states[0][k].shape for k in keys):
-            raise CheckpointError(f"{folder} does not have the same weights as {folders[0]}; only the same model can be averaged")
+            raise CheckpointError(
+                f"{folder} does not have the same weights as {folders[0]}; only the same model can be averaged"
+            )
     average = {k: (sum(s[k].double() for s in states) / len(states)).to(states[0][k].dtype) for k in keys}
     tmp = staging_folder(out)
     try:
         shutil.copytree(folders[-1], tmp, ignore=shutil.ignore_patterns(MODEL_META_FILE))
-        save_file(average, tmp / WEIGHTS_FILE, metadata={"format": "pt", "averaged_from": ",".join(str(f) for f in folders)})
+        save_file(
+            average, tmp / WEIGHTS_FILE, metadata={"format": "pt", "averaged_from": ",".join(str(f) for f in folders)}
+        )
         return publish_folder(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -160,7 +170,9 @@ def export_checkpoint(path: str | Path, out_dir: str | Path, adapter_only: bool 
                 shutil.copytree(folder, full)
         if adapter_only:
             if saved_adapter(full) is None:
-                raise CheckpointError(f"{path} has no LoRA adapter (it was not trained with model.lora): export the whole model")
+                raise CheckpointError(
+                    f"{path} has no LoRA adapter (it was not trained with model.lora): export the whole model"
+                )
             shutil.copytree(full / ADAPTER_DIR, tmp, ignore=shutil.ignore_patterns(ADAPTER_MARK))
         return publish_folder(tmp, out)
     except OSError as e:

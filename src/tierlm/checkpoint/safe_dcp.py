@@ -28,8 +28,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
     (_DCP_METADATA, name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
@@ -66,16 +74,22 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
     with open(folder / ".metadata", "rb") as f:
         metadata = _MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"{folder / '.metadata'} does not hold DCP metadata (got {type(metadata).__name__})")
+        raise pickle.UnpicklingError(
+            f"{folder / '.metadata'} does not hold DCP metadata (got {type(metadata).__name__})"
+        )
     for info in (metadata.storage_data or {}).values():
         relative = getattr(info, "relative_path", None)
         if not isinstance(relative, str) or Path(relative).name != relative or relative in ("", ".", ".."):
             raise pickle.UnpicklingError(f"{folder / '.metadata'} names a shard outside its folder: {relative!r}")
         shard = folder / relative
         if shard.is_symlink() or not shard.is_file():
-            raise pickle.UnpicklingError(f"shard {relative} named by {folder / '.metadata'} is not a plain file of the checkpoint")
+            raise pickle.UnpicklingError(
+                f"shard {relative} named by {folder / '.metadata'} is not a plain file of the checkpoint"
+            )
         if getattr(info, "transform_descriptors", None):
-            raise pickle.UnpicklingError(f"{folder / '.metadata'} asks for storage transforms {info.transform_descriptors}; tierlm writes none")
+            raise pickle.UnpicklingError(
+                f"{folder / '.metadata'} asks for storage transforms {info.transform_descriptors}; tierlm writes none"
+            )
     return metadata
 
 

@@ -1,4 +1,4 @@
-"""Tier 3: ablations you can trust — `tierlm ablate` and `AblationCoordinator` (seed 003).
+"""Tier 3: ablations you can trust — `tierlm ablate` and `AblationCoordinator`.
 
     tierlm ablate --config gpt2-shakespeare-char --variants V0,V1,V3 --seeds 0,1,2 [section.key=value ...]
     tierlm ablate --config gpt2-shakespeare-char --variant spam:training.optimizer=adamw_spam --variant ...
@@ -33,15 +33,52 @@ from pathlib import Path
 from typing import Any
 
 from tierlm.config import TierlmConfig
-from tierlm.errors import ConfigError
+from tierlm.errors import ConfigError, TierlmError
 from tierlm.metrics.report import model_figures, read_metrics
 
 SPEC_FILE = "ablation.json"
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96.
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110,
-       2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-BUDGET_KEYS = ("training.num_train_steps", "training.per_device_train_batch_size", "training.gradient_accumulation_steps",
-               "training.total_batch_size", "training.target_param_data_ratio", "data.max_seq_length", "training.seed")
+T95 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
+BUDGET_KEYS = (
+    "training.num_train_steps",
+    "training.per_device_train_batch_size",
+    "training.gradient_accumulation_steps",
+    "training.total_batch_size",
+    "training.target_param_data_ratio",
+    "data.max_seq_length",
+    "training.seed",
+)
 
 
 @dataclass(frozen=True)
@@ -54,17 +91,26 @@ def parse_variant(spec: str) -> Variant:
     """A V-step or `name:key=value,key=value`.
 
     >>> parse_variant("V3"), parse_variant("spam:training.optimizer=adamw_spam,training.spam_theta=50")
-    (Variant(name='V3', overrides=('model.variant=V3',)), Variant(name='spam', overrides=('training.optimizer=adamw_spam', 'training.spam_theta=50')))
+    (Variant(name='V3', overrides=('model.variant=V3',)), Variant(name='spam',
+    overrides=('training.optimizer=adamw_spam', 'training.spam_theta=50')))
     """
     spec = spec.strip()
     if ":" not in spec:
-        if not spec or not spec[0] in "vV" or not spec[1:].isdigit():
+        if not spec or spec[0] not in "vV" or not spec[1:].isdigit():
             raise ConfigError(f"variant {spec!r} is neither a V-step (V0-V19) nor name:key=value,key=value")
         return Variant(spec.upper(), (f"model.variant={spec.upper()}",))
     name, _, body = spec.partition(":")
     items = tuple(item.strip() for item in body.split(",") if item.strip())
-    if not name or not name.replace("-", "").replace("_", "").isalnum() or not items or any("=" not in i for i in items):
-        raise ConfigError(f"variant {spec!r} must look like name:section.key=value[,section.key=value] (name: letters, digits, - and _)")
+    if (
+        not name
+        or not name.replace("-", "").replace("_", "").isalnum()
+        or not items
+        or any("=" not in i for i in items)
+    ):
+        raise ConfigError(
+            f"variant {spec!r} must look like name:section.key=value[,section.key=value] (name: letters, digits, - and "
+            f"_)"
+        )
     return Variant(name, items)
 
 
@@ -108,8 +154,15 @@ class AblationCoordinator:
 
     # -- planning --------------------------------------------------------------------------
     def run_config(self, variant: Variant, seed: int) -> TierlmConfig:
-        return TierlmConfig.load(self.config, [*self.overrides, *variant.overrides, f"training.seed={seed}",
-                                               f"infra.output_dir={self.run_dir(variant, seed)}"])
+        return TierlmConfig.load(
+            self.config,
+            [
+                *self.overrides,
+                *variant.overrides,
+                f"training.seed={seed}",
+                f"infra.output_dir={self.run_dir(variant, seed)}",
+            ],
+        )
 
     def run_dir(self, variant: Variant, seed: int) -> Path:
         return self.out / f"{variant.name}_seed{seed}"
@@ -119,8 +172,10 @@ class AblationCoordinator:
         for variant in self.variants:
             bad = [o.split("=", 1)[0] for o in variant.overrides if o.split("=", 1)[0] in BUDGET_KEYS]
             if bad:
-                raise ConfigError(f"variant {variant.name} sets {', '.join(bad)}: every variant trains on the same data "
-                                  "order and token budget; put those in the base config or the command's overrides")
+                raise ConfigError(
+                    f"variant {variant.name} sets {', '.join(bad)}: every variant trains on the same data "
+                    "order and token budget; put those in the base config or the command's overrides"
+                )
             self.run_config(variant, self.seeds[0])  # validates
 
     # -- running ---------------------------------------------------------------------------
@@ -130,9 +185,19 @@ class AblationCoordinator:
         main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank trains; rank 0 writes the records
         self.out.mkdir(parents=True, exist_ok=True)
         if main_rank:
-            (self.out / SPEC_FILE).write_text(json.dumps({
-                "config": self.config, "stage": self.stage, "seeds": self.seeds, "overrides": self.overrides,
-                "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in self.variants]}, indent=1) + "\n")
+            (self.out / SPEC_FILE).write_text(
+                json.dumps(
+                    {
+                        "config": self.config,
+                        "stage": self.stage,
+                        "seeds": self.seeds,
+                        "overrides": self.overrides,
+                        "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in self.variants],
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
         for variant in self.variants:
             for seed in self.seeds:
                 run_dir = self.run_dir(variant, seed)
@@ -155,15 +220,27 @@ class AblationCoordinator:
 
     def _train(self, variant: Variant, seed: int) -> str | None:
         """One run: in this process under torchrun (all ranks together), else in a child process."""
-        args = [self.stage, "--config", self.config, *self.overrides, *variant.overrides, f"training.seed={seed}",
-                f"infra.output_dir={self.run_dir(variant, seed)}"]
+        overrides = [
+            *self.overrides,
+            *variant.overrides,
+            f"training.seed={seed}",
+            f"infra.output_dir={self.run_dir(variant, seed)}",
+        ]
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from tierlm.commands.cli import main
-            from tierlm.primitives.parallel import process_group_kept
+            from tierlm.stages import run_stage
 
-            with process_group_kept():  # the variants share this job's process group
-                return None if main(args) == 0 else "the run failed (see its rank's error above)"
-        result = subprocess.run([sys.executable, "-m", "tierlm", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:  # the variants share this job's process group
+                run_stage(TierlmConfig.load(self.config, overrides), self.stage, leave_group=False)
+            except TierlmError as error:
+                print(f"tierlm: error: [rank {os.environ.get('RANK', '0')}] {error}", file=sys.stderr, flush=True)
+                return "the run failed (see its rank's error above)"
+            return None
+        result = subprocess.run(
+            [sys.executable, "-m", "tierlm", self.stage, "--config", self.config, *overrides],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if result.returncode == 0:
             return None
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -175,18 +252,34 @@ class AblationCoordinator:
 def run_result(run_dir: Path) -> dict[str, Any]:
     """The figures of one run from its directory (metrics.jsonl, the model folder, its status)."""
     records = read_metrics(run_dir)
-    status = json.loads((run_dir / "ablation_status.json").read_text()) if (run_dir / "ablation_status.json").is_file() else {}
+    status = (
+        json.loads((run_dir / "ablation_status.json").read_text())
+        if (run_dir / "ablation_status.json").is_file()
+        else {}
+    )
     train = [r for r in records if r.get("type") == "train"]
     evals = [r for r in records if r.get("type") == "eval" and "val_loss" in r]
-    out: dict[str, Any] = {"run_dir": str(run_dir), "finished": (run_dir / "model").is_dir(), "error": status.get("error")}
+    out: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "finished": (run_dir / "model").is_dir(),
+        "error": status.get("error"),
+    }
     if evals:
         final, best = evals[-1]["val_loss"], min(r["val_loss"] for r in evals)
-        out.update(final_val_loss=final, best_val_loss=best, final_ppl=math.exp(min(final, 50)), best_ppl=math.exp(min(best, 50)))
+        out.update(
+            final_val_loss=final,
+            best_val_loss=best,
+            final_ppl=math.exp(min(final, 50)),
+            best_ppl=math.exp(min(best, 50)),
+        )
     if train:
-        late = train[len(train) // 2:]
-        out.update(steps=train[-1]["step"], tokens=train[-1]["tokens_seen"],
-                   tokens_per_sec=statistics.mean(r["tokens_per_sec"] for r in late),
-                   peak_rss_mb=max((r.get("rss_mb", 0.0) for r in train), default=0.0))
+        late = train[len(train) // 2 :]
+        out.update(
+            steps=train[-1]["step"],
+            tokens=train[-1]["tokens_seen"],
+            tokens_per_sec=statistics.mean(r["tokens_per_sec"] for r in late),
+            peak_rss_mb=max((r.get("rss_mb", 0.0) for r in train), default=0.0),
+        )
         if "sparsity" in train[-1]:
             out["sparsity"] = train[-1]["sparsity"]
     if out["finished"]:
@@ -217,12 +310,17 @@ def write_results(out: Path) -> dict[str, Any]:
 def summary_markdown(spec: dict, results: dict[str, dict[str, dict]], plots: list[Path]) -> str:
     base_name = spec["variants"][0]["name"]
     base = results[base_name]
-    lines = [f"# Ablation: {spec['config']} ({spec['stage']})", "",
-             f"Variants x seeds {spec['seeds']}, the same data order, seed per replicate and token budget; overrides: "
-             f"{' '.join(spec['overrides']) or 'none'}. Δ is against {base_name}, paired by seed, with a 95% t interval.", "",
-             "| variant | runs | final val loss | best val loss | final ppl | Δ final val loss vs " + base_name +
-             " | parameters | tokens/s | peak RSS MB | steps | tokens | sparsity | latency p50/p95 ms (T=64; T=256) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Ablation: {spec['config']} ({spec['stage']})",
+        "",
+        f"Variants x seeds {spec['seeds']}, the same data order, seed per replicate and token budget; overrides: "
+        f"{' '.join(spec['overrides']) or 'none'}. Δ is against {base_name}, paired by seed, with a 95% t interval.",
+        "",
+        "| variant | runs | final val loss | best val loss | final ppl | Δ final val loss vs "
+        + base_name
+        + " | parameters | tokens/s | peak RSS MB | steps | tokens | sparsity | latency p50/p95 ms (T=64; T=256) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     failures = []
     for v in spec["variants"]:
         runs = results[v["name"]]
@@ -231,17 +329,42 @@ def summary_markdown(spec: dict, results: dict[str, dict[str, dict]], plots: lis
         paired = [s for s in done if s in base and base[s].get("finished") and "final_val_loss" in base[s]]
         delta = "n/a"
         if v["name"] != base_name and paired:
-            mean, half = paired_difference([done[s]["final_val_loss"] for s in paired], [base[s]["final_val_loss"] for s in paired])
-            delta = f"{mean:+.4f}" + (f" [{mean - half:+.4f}, {mean + half:+.4f}]" if half is not None else " (one seed)")
+            mean, half = paired_difference(
+                [done[s]["final_val_loss"] for s in paired], [base[s]["final_val_loss"] for s in paired]
+            )
+            delta = f"{mean:+.4f}" + (
+                f" [{mean - half:+.4f}, {mean + half:+.4f}]" if half is not None else " (one seed)"
+            )
         one = next(iter(done.values()), {})
-        latency = (f"{one['latency_ms_p50_T64']:.2f}/{one['latency_ms_p95_T64']:.2f}; {one['latency_ms_p50_T256']:.2f}/"
-                   f"{one['latency_ms_p95_T256']:.2f}") if "latency_ms_p50_T256" in one else "n/a"
+        latency = (
+            (
+                f"{one['latency_ms_p50_T64']:.2f}/{one['latency_ms_p95_T64']:.2f}; {one['latency_ms_p50_T256']:.2f}/"
+                f"{one['latency_ms_p95_T256']:.2f}"
+            )
+            if "latency_ms_p50_T256" in one
+            else "n/a"
+        )
         col = lambda key: [r[key] for r in done.values() if key in r]  # noqa: E731
-        lines.append(" | ".join([
-            f"| {v['name']}", f"{len(done)}/{len(runs)}", _mean_std(col("final_val_loss")), _mean_std(col("best_val_loss")),
-            _mean_std(col("final_ppl")), delta, f"{one.get('parameters', 0):,}", f"{statistics.mean(col('tokens_per_sec')):,.0f}"
-            if col("tokens_per_sec") else "n/a", f"{max(col('peak_rss_mb'), default=0):.0f}", str(one.get("steps", "n/a")),
-            f"{one.get('tokens', 0):,}", f"{statistics.mean(col('sparsity')):.3f}" if col("sparsity") else "-", latency]) + " |")
+        lines.append(
+            " | ".join(
+                [
+                    f"| {v['name']}",
+                    f"{len(done)}/{len(runs)}",
+                    _mean_std(col("final_val_loss")),
+                    _mean_std(col("best_val_loss")),
+                    _mean_std(col("final_ppl")),
+                    delta,
+                    f"{one.get('parameters', 0):,}",
+                    f"{statistics.mean(col('tokens_per_sec')):,.0f}" if col("tokens_per_sec") else "n/a",
+                    f"{max(col('peak_rss_mb'), default=0):.0f}",
+                    str(one.get("steps", "n/a")),
+                    f"{one.get('tokens', 0):,}",
+                    f"{statistics.mean(col('sparsity')):.3f}" if col("sparsity") else "-",
+                    latency,
+                ]
+            )
+            + " |"
+        )
     if failures:
         lines += ["", "## Failed runs", "", *failures]
     lines += ["", "## Plots", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
@@ -267,6 +390,8 @@ def _plots(out: Path, spec: dict, results: dict[str, dict[str, dict]]) -> list[P
         if gate_steps:
             steps = sorted(gate_steps)
             gates[v["name"]] = (steps, [statistics.mean(gate_steps[s]) for s in steps])
-    plots = [plot_series(out / "plots" / "val_loss.png", "validation loss (mean over seeds)", "tokens", curves, "val loss"),
-             plot_series(out / "plots" / "ra_gates.png", "Unified RA: mean reciprocal gate w_rec", "step", gates, "w_rec")]
+    plots = [
+        plot_series(out / "plots" / "val_loss.png", "validation loss (mean over seeds)", "tokens", curves, "val loss"),
+        plot_series(out / "plots" / "ra_gates.png", "Unified RA: mean reciprocal gate w_rec", "step", gates, "w_rec"),
+    ]
     return [p for p in plots if p is not None]

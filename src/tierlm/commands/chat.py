@@ -43,31 +43,47 @@ class Chatbot:
         self.name = Path(str(checkpoint)).name or str(checkpoint)
         self.tokenizer = load_tokenizer(location)
         if not self.tokenizer.has_chat_template:
-            raise DataError(f"{checkpoint} has no chat template: chat with a model after `tierlm sft` (a base model: `tierlm sample --raw`)")
+            raise DataError(
+                f"{checkpoint} has no chat template: chat with a model after `tierlm sft` (a base model: `tierlm "
+                f"sample --raw`)"
+            )
         model = load_pretrained_model(location, device=resolve_device(device_type)).eval()
         with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
         self.engine = Engine(model, self.tokenizer.stop_ids, self.tokenizer, [Calculator()] if with_tools else [])
         self.lock = threading.Lock()
 
-    def reply(self, messages: list[dict], temperature: float = 0.7, max_new_tokens: int = 128, on_text: Callable[[str], None] | None = None,
-              seed: int | None = None) -> Reply:
+    def reply(
+        self,
+        messages: list[dict],
+        temperature: float = 0.7,
+        max_new_tokens: int = 128,
+        on_text: Callable[[str], None] | None = None,
+        seed: int | None = None,
+    ) -> Reply:
         """The assistant's next turn after `messages` (OpenAI role/content dicts); `on_text(piece)` streams it."""
         from tierlm.rollout.engine import readable_text
 
-        if not messages or any(not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool")
-                                               or not isinstance(m.get("content"), str) for m in messages):
+        if not messages or any(
+            not isinstance(m, dict)
+            or m.get("role") not in ("system", "user", "assistant", "tool")
+            or not isinstance(m.get("content"), str)
+            for m in messages
+        ):
             raise DataError("messages must be a non-empty list of {role: system|user|assistant|tool, content: text}")
         if temperature < 0:
             raise DataError(f"temperature must be >= 0, got {temperature}")
         prompt = self.tokenizer.render_for_completion(messages)
         room = self.engine.max_len() - len(prompt)
         if room < 1:
-            raise DataError(f"the conversation is {len(prompt)} tokens, the model's context is {self.engine.max_len()}: start a new one")
+            raise DataError(
+                f"the conversation is {len(prompt)} tokens, the model's context is {self.engine.max_len()}: start a "
+                f"new one"
+            )
         shown = [""]
 
         def emit(text: str) -> None:  # hand on what was added to the text shown so far
             if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
-                on_text(text[len(shown[0]):])
+                on_text(text[len(shown[0]) :])
                 shown[0] = text
 
         def stream(row: int, completion) -> None:
@@ -75,7 +91,9 @@ class Chatbot:
 
         generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
         with self.lock:
-            completion = self.engine.generate(prompt, 1, min(max_new_tokens, room), temperature, generator=generator, on_token=stream)[0]
+            completion = self.engine.generate(
+                prompt, 1, min(max_new_tokens, room), temperature, generator=generator, on_token=stream
+            )[0]
         text = readable_text(self.tokenizer, completion.tokens)
         emit(text)
         return Reply(text, "stop" if completion.finished else "length", len(prompt), len(completion.tokens))
@@ -87,9 +105,15 @@ class Chatbot:
 HELP = "commands: /reset (new conversation), /temperature T, /quit"
 
 
-def terminal_chat(bot: Chatbot, temperature: float = 0.7, max_new_tokens: int = 128, read: Callable[[str], str] = input,
-                  write: Callable[[str], None] | None = None) -> None:
+def terminal_chat(
+    bot: Chatbot,
+    temperature: float = 0.7,
+    max_new_tokens: int = 128,
+    read: Callable[[str], str] = input,
+    write: Callable[[str], None] | None = None,
+) -> None:
     """The terminal loop: each answer streams as it is generated; /reset, /temperature T, /quit."""
+
     def out(text: str) -> None:
         (write or (lambda t: (sys.stdout.write(t), sys.stdout.flush())))(text)
 
@@ -132,4 +156,3 @@ def terminal_chat(bot: Chatbot, temperature: float = 0.7, max_new_tokens: int = 
             continue
         out("\n" if reply.finish_reason == "stop" else " [...]\n")
         messages.append(bot.history_entry(reply))
-

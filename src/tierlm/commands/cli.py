@@ -9,10 +9,12 @@
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE_OR_PRESET] [section.key=value ...]
     tierlm config list
-    tierlm ablate --config PRESET [--variants V0,V1] [--variant name:key=value,...] [--seeds 0,1,2] [--out DIR] [overrides]
+    tierlm ablate --config PRESET [--variants V0,V1] [--variant name:key=value,...] [--seeds 0,1,2] [--out DIR]
+    [overrides]
     tierlm ablate --report DIR
     tierlm speedrun [--depth D] [--out DIR] [--pretrain-data NAME] [section.key=value ...]
-    tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure] [section.key=value ...]
+    tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure]
+    [section.key=value ...]
     tierlm export CHECKPOINT OUT_DIR [--adapter-only]
     tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from tierlm.errors import ConfigError, TierlmError
 from tierlm.loops.signals import RunInterrupted
+from tierlm.stages import STAGES, run_stage
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,56 +97,104 @@ def _probability(text: str) -> float:
 
 
 def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument("--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4")
+    parser.add_argument(
+        "--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT, DPO, RL.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for stage, about in (("pretrain", "pretrain on text (next-token prediction)"), ("sft", "fine-tune on conversations (assistant tokens only)"),
-                         ("dpo", "preference-optimise a chat model on chosen/rejected pairs"),
-                         ("rl", "reinforcement learning on rewarded tasks (REINFORCE / GRPO / PPO), with pass@k evals")):
-        stage_parser = commands.add_parser(stage, help=about, description=about)
+    for stage in STAGES.values():
+        stage_parser = commands.add_parser(stage.name, help=stage.about, description=stage.about)
         _add_config_args(stage_parser, required=False)
-        stage_parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)")
+        stage_parser.add_argument(
+            "--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)"
+        )
 
-    plan = commands.add_parser("plan", help="print what a run would do (model, tokens, batch, optimizer groups, time) without training")
-    plan.add_argument("--stage", choices=["pretrain", "sft", "dpo", "rl"], default="pretrain")
+    plan = commands.add_parser(
+        "plan", help="print what a run would do (model, tokens, batch, optimizer groups, time) without training"
+    )
+    plan.add_argument("--stage", choices=list(STAGES), default="pretrain")
     _add_config_args(plan, required=False)
-    plan.add_argument("--world-size", type=_positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)")
-    plan.add_argument("--layouts", action="store_true",
-                      help="also the per-rank memory of every tensor x pipeline x data-parallel split of --world-size ranks")
-    plan.add_argument("--vocab-size", type=_positive_int, default=None,
-                      help="size a model from scratch for this vocabulary instead of training the run's tokenizer here")
+    plan.add_argument(
+        "--world-size", type=_positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)"
+    )
+    plan.add_argument(
+        "--layouts",
+        action="store_true",
+        help="also the per-rank memory of every tensor x pipeline x data-parallel split of --world-size ranks",
+    )
+    plan.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        default=None,
+        help="size a model from scratch for this vocabulary instead of training the run's tokenizer here",
+    )
     speed = plan.add_mutually_exclusive_group()
-    speed.add_argument("--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed")
-    speed.add_argument("--measure", action="store_true", help="time a few training steps of the model here to estimate the time")
+    speed.add_argument(
+        "--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed"
+    )
+    speed.add_argument(
+        "--measure", action="store_true", help="time a few training steps of the model here to estimate the time"
+    )
 
-    ablate = commands.add_parser("ablate", help="run variants x seeds of one config at equal tokens; results, summary.md, plots")
+    ablate = commands.add_parser(
+        "ablate", help="run variants x seeds of one config at equal tokens; results, summary.md, plots"
+    )
     _add_config_args(ablate, required=False)
-    ablate.add_argument("--variants", default=None, help="comma-separated V-steps, e.g. V0,V1,V3 (the first is the baseline)")
-    ablate.add_argument("--variant", action="append", default=[], help="name:section.key=value[,section.key=value] (repeatable)")
-    ablate.add_argument("--seeds", default=None, help="comma-separated seeds, one replicate each (default: the config's, or 0)")
+    ablate.add_argument(
+        "--variants", default=None, help="comma-separated V-steps, e.g. V0,V1,V3 (the first is the baseline)"
+    )
+    ablate.add_argument(
+        "--variant", action="append", default=[], help="name:section.key=value[,section.key=value] (repeatable)"
+    )
+    ablate.add_argument(
+        "--seeds", default=None, help="comma-separated seeds, one replicate each (default: the config's, or 0)"
+    )
     ablate.add_argument("--out", default=None, help="ablation folder (default runs/ablate_<config name>)")
-    ablate.add_argument("--stage", choices=["pretrain", "sft"], default="pretrain")
-    ablate.add_argument("--report", default=None, metavar="DIR", help="only rebuild results.json, summary.md and plots of DIR")
+    ablate.add_argument(
+        "--stage", choices=[name for name, stage in STAGES.items() if stage.token_rows], default="pretrain"
+    )
+    ablate.add_argument(
+        "--report", default=None, metavar="DIR", help="only rebuild results.json, summary.md and plots of DIR"
+    )
 
-    speedrun = commands.add_parser("speedrun", help="tokenizer -> pretrain (sized from --depth) -> SFT -> RL -> report card")
-    speedrun.add_argument("--depth", type=_positive_int, default=None, help="model depth; everything else follows (default 4: ~10 min on 2 CPU cores)")
-    speedrun.add_argument("--out", default=None, help="folder for the four runs and report.md (default runs/speedrun_d<depth>)")
-    speedrun.add_argument("--pretrain-data", default=None, help="pretraining data instead of the embedded arithmetic text")
-    speedrun.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every stage, e.g. infra.device_type=cuda")
+    speedrun = commands.add_parser(
+        "speedrun", help="tokenizer -> pretrain (sized from --depth) -> SFT -> RL -> report card"
+    )
+    speedrun.add_argument(
+        "--depth",
+        type=_positive_int,
+        default=None,
+        help="model depth; everything else follows (default 4: ~10 min on 2 CPU cores)",
+    )
+    speedrun.add_argument(
+        "--out", default=None, help="folder for the four runs and report.md (default runs/speedrun_d<depth>)"
+    )
+    speedrun.add_argument(
+        "--pretrain-data", default=None, help="pretraining data instead of the embedded arithmetic text"
+    )
+    speedrun.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="applied to every stage, e.g. infra.device_type=cuda"
+    )
 
     export = commands.add_parser("export", help="write a checkpoint as a transformers model folder")
     export.add_argument("checkpoint", help="a checkpoint, run directory or model folder")
     export.add_argument("out_dir", help="new folder for the model (weights, config, tokenizer)")
-    export.add_argument("--adapter-only", action="store_true", help="a LoRA run: write only the adapter, in PEFT's format")
+    export.add_argument(
+        "--adapter-only", action="store_true", help="a LoRA run: write only the adapter, in PEFT's format"
+    )
     average = commands.add_parser("average", help="average the weights of several checkpoints")
     average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
     average.add_argument("--out", required=True, help="new folder for the averaged model")
 
-    push = commands.add_parser("push", help="upload a run's model to the Hugging Face Hub with a model card from the run")
+    push = commands.add_parser(
+        "push", help="upload a run's model to the Hugging Face Hub with a model card from the run"
+    )
     push.add_argument("run", help="a run directory, checkpoint or model folder")
     push.add_argument("--repo", required=True, help="ORG/NAME on the Hub")
     push.add_argument("--private", action="store_true")
@@ -152,25 +203,41 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", help="run directories (their metrics.jsonl)")
     report.add_argument("--out", default=None, help="with several runs: the folder for the overlaid report (required)")
 
-    evaluate = commands.add_parser("eval", help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings), "
-                                   "or lm-evaluation-harness tasks (--harness)")
+    evaluate = commands.add_parser(
+        "eval",
+        help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings), "
+        "or lm-evaluation-harness tasks (--harness)",
+    )
     evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
-    evaluate.add_argument("--harness", type=_task_list, default=None, metavar="TASKS",
-                          help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) instead of pass@k")
-    evaluate.add_argument("--limit", type=_positive_float, default=None, help="harness: examples per task (a fraction if < 1)")
+    evaluate.add_argument(
+        "--harness",
+        type=_task_list,
+        default=None,
+        metavar="TASKS",
+        help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) instead of pass@k",
+    )
+    evaluate.add_argument(
+        "--limit", type=_positive_float, default=None, help="harness: examples per task (a fraction if < 1)"
+    )
     evaluate.add_argument("--num-fewshot", type=_non_negative_int, default=None, help="harness: few-shot examples")
     evaluate.add_argument("--batch-size", type=_positive_int, default=8, help="harness: sequences per forward pass")
     evaluate.add_argument("--include-path", default=None, help="harness: a folder of your own task YAML files")
-    evaluate.add_argument("--chat-template", action="store_true", help="harness: render prompts with the model's chat template")
+    evaluate.add_argument(
+        "--chat-template", action="store_true", help="harness: render prompts with the model's chat template"
+    )
     evaluate.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     _add_config_args(evaluate, required=False)
 
-    chat = commands.add_parser("chat", help="a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)")
+    chat = commands.add_parser(
+        "chat", help="a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)"
+    )
     chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     chat.add_argument("--temperature", type=_temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
     chat.add_argument("--max-new-tokens", type=_positive_int, default=128)
     chat.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    serve = commands.add_parser("serve", help="an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model")
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model"
+    )
     serve.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -189,13 +256,22 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--raw", dest="chat", action="store_false", help="continue the prompt as plain text")
     sample.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
 
-    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools").add_subparsers(dest="tokenizer_command", required=True)
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools").add_subparsers(
+        dest="tokenizer_command", required=True
+    )
     train = tokenizer.add_parser("train", help="train a byte-level BPE or character tokenizer")
-    train.add_argument("--data", required=True, action="append", help="text/JSONL file, folder or synthetic:<task> (repeatable)")
+    train.add_argument(
+        "--data", required=True, action="append", help="text/JSONL file, folder or synthetic:<task> (repeatable)"
+    )
     train.add_argument("--out", required=True, help="folder to save the tokenizer to")
     train.add_argument("--kind", choices=["bpe", "char"], default="bpe")
     train.add_argument("--vocab-size", type=_positive_int, default=512)
-    train.add_argument("--num-docs", type=_positive_int, default=20000, help="documents read from each source (generated, for synthetic tasks)")
+    train.add_argument(
+        "--num-docs",
+        type=_positive_int,
+        default=20000,
+        help="documents read from each source (generated, for synthetic tasks)",
+    )
 
     config = commands.add_parser("config", help="config tools").add_subparsers(dest="config_command", required=True)
     _add_config_args(config.add_parser("show", help="print the resolved config"), required=False)
@@ -206,25 +282,26 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.config.launchers import accelerate_overrides
-    from tierlm.build.model import run_stage
 
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
-    config = accelerate_overrides(TierlmConfig.load(args.config, overrides), os.environ)  # under `accelerate launch`: its settings
-    if args.command == "rl":
-        from tierlm.stages.rl import run_rl
-
-        summary = run_rl(config)
-    else:
-        summary = run_stage(config, args.command)
+    config = accelerate_overrides(
+        TierlmConfig.load(args.config, overrides), os.environ
+    )  # under `accelerate launch`: its settings
+    summary = run_stage(config, args.command)
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 reports for the job
     print(f"run directory: {summary['output_dir']}")
     if "pass@1" in summary:
         start = f"{summary['initial_pass@1']:.3f} -> " if summary.get("initial_pass@1") is not None else ""
-        print(f"held-out pass@1 {start}{summary['pass@1']:.3f}, pass@{summary['k']} {summary['pass@k']:.3f} "
-              f"({summary['eval_problems']} problems)")
+        print(
+            f"held-out pass@1 {start}{summary['pass@1']:.3f}, pass@{summary['k']} {summary['pass@k']:.3f} "
+            f"({summary['eval_problems']} problems)"
+        )
     if "pref_acc" in summary:
-        print(f"held-out preference accuracy {summary['policy_pref_acc']:.3f} (implicit reward: {summary['pref_acc']:.3f})")
+        print(
+            f"held-out preference accuracy {summary['policy_pref_acc']:.3f} (implicit reward: "
+            f"{summary['pref_acc']:.3f})"
+        )
     if "val_loss" in summary:
         bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
         print(f"final val loss: {summary['val_loss']:.4f}{bpb}")
@@ -232,28 +309,39 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    from tierlm.build.tokenizer import pretrained_location
     from tierlm.config import TierlmConfig
+    from tierlm.plan import plan_run
     from tierlm.plan.scaling import measure_tokens_per_sec
-    from tierlm.run import plan_run, pretrained_location
 
     config = TierlmConfig.load(args.config, args.overrides)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    resolved, plan, model = plan_run(config, args.stage, world_size, args.vocab_size)
+    resolved, plan, model = plan_run(config, STAGES[args.stage], world_size, args.vocab_size)
     speed = args.tokens_per_sec
     if args.measure:  # one process measured; the ranks of a data-parallel run add up
         speed = measure_tokens_per_sec(resolved, model.config.vocab_size, pretrained_location(config)) * world_size
     print(plan.table(speed))
     print(plan.memory.table())
     if args.layouts:
-        from tierlm.plan.layouts import ModelShape, layouts_table
         from tierlm.models import unwrap_model
+        from tierlm.plan.layouts import ModelShape, layouts_table
 
         tr, infra = resolved.training, resolved.infra
         budget = infra.max_memory_gb * 1e9 if infra.max_memory_gb else None
-        print(layouts_table(ModelShape.of(unwrap_model(model)), world_size, tr.per_device_train_batch_size, resolved.data.max_seq_length, budget,
-                            compute_bytes=2 if tr.bf16 or tr.fp16 else 4, activation_checkpointing=infra.activation_checkpointing,
-                            fused_cross_entropy=tr.fused_cross_entropy, vocab_parallel=infra.vocab_parallel,
-                            sequence_parallel=infra.sequence_parallel))
+        print(
+            layouts_table(
+                ModelShape.of(unwrap_model(model)),
+                world_size,
+                tr.per_device_train_batch_size,
+                resolved.data.max_seq_length,
+                budget,
+                compute_bytes=2 if tr.bf16 or tr.fp16 else 4,
+                activation_checkpointing=infra.activation_checkpointing,
+                fused_cross_entropy=tr.fused_cross_entropy,
+                vocab_parallel=infra.vocab_parallel,
+                sequence_parallel=infra.sequence_parallel,
+            )
+        )
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -276,7 +364,9 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     base = TierlmConfig.load(args.config, args.overrides)
     specs = [v for v in (args.variants or "").split(",") if v.strip()] + args.variant or base.ablation.variants
     seeds = _int_list(args.seeds, "--seeds") if args.seeds else base.ablation.seeds
-    coordinator = AblationCoordinator(args.config, [parse_variant(v) for v in specs], seeds, list(args.overrides), args.out, args.stage)
+    coordinator = AblationCoordinator(
+        args.config, [parse_variant(v) for v in specs], seeds, list(args.overrides), args.out, args.stage
+    )
     coordinator.run()
     print(f"summary: {coordinator.out / 'summary.md'}")
 
@@ -290,27 +380,48 @@ def cmd_speedrun(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from tierlm.commands.evaluate import run_eval
     from tierlm.config import TierlmConfig
-    from tierlm.stages.rl import run_eval
 
     if args.harness is not None:
         from tierlm.commands.harness import run_harness
 
         if args.config or args.overrides:
-            raise ConfigError("--harness evaluates the checkpoint as it is: drop --config and the overrides (they set pass@k evals)")
-        _, table = run_harness(args.checkpoint, args.harness, limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                               include_path=args.include_path, chat_template=args.chat_template, device_type=args.device_type)
+            raise ConfigError(
+                "--harness evaluates the checkpoint as it is: drop --config and the overrides (they set pass@k evals)"
+            )
+        _, table = run_harness(
+            args.checkpoint,
+            args.harness,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            batch_size=args.batch_size,
+            include_path=args.include_path,
+            chat_template=args.chat_template,
+            device_type=args.device_type,
+        )
         print(table)
         return
-    harness_only = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--include-path", args.include_path),
-                                             ("--chat-template", args.chat_template or None)) if value is not None]
+    harness_only = [
+        flag
+        for flag, value in (
+            ("--limit", args.limit),
+            ("--num-fewshot", args.num_fewshot),
+            ("--include-path", args.include_path),
+            ("--chat-template", args.chat_template or None),
+        )
+        if value is not None
+    ]
     if harness_only:
         raise ConfigError(f"{', '.join(harness_only)} set the evaluation harness: add --harness TASKS")
     config = TierlmConfig.load(args.config, args.overrides)
     result = run_eval(config, args.checkpoint)
     tools = " with the calculator" if "calculator" in config.rl.tools else ""
-    print(f"pass@1 {result['pass@1']:.3f}, pass@{result['k']} {result['pass@k']:.3f} over {result['eval_problems']} held-out problems"
-          f"{tools} (tool use {result['eval_tool_use']:.3f})")
+    print(
+        f"pass@1 {result['pass@1']:.3f}, pass@{result['k']} {result['pass@k']:.3f} over {result['eval_problems']} "
+        f"held-out problems"
+        f"{tools} (tool use {result['eval_tool_use']:.3f})"
+    )
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
@@ -333,24 +444,29 @@ def cmd_sample(args: argparse.Namespace) -> None:
         stage = json.loads(meta_file.read_text()).get("stage") if meta_file.is_file() else None
     except (OSError, ValueError, AttributeError) as e:
         raise TierlmError(f"{meta_file} is not readable JSON ({e}); restore it or delete it") from None
-    chat = args.chat if args.chat is not None else (stage in ("sft", "dpo", "rl") and tokenizer.has_chat_template)
-    if getattr(family_of(model), "seq2seq", False):  # the prompt goes to the encoder
+    chat = (
+        args.chat if args.chat is not None else (stage in STAGES and STAGES[stage].chat and tokenizer.has_chat_template)
+    )
+    if family_of(model).seq2seq:  # the prompt goes to the encoder
         chat, prompt_ids = False, encoder_prompt_tokens(tokenizer, args.prompt)
     else:
         prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
     tools = [Calculator()] if chat and TOOL_CALL_START in tokenizer.hf.get_vocab() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
-    completion = engine.generate(prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator)[0]
+    completion = engine.generate(
+        prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator
+    )[0]
     print(readable_text(tokenizer, completion.tokens))
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
+    from tierlm.checkpoint.folders import check_new_folder, publish_tokenizer
     from tierlm.data import SourceOptions, open_examples, train_bpe_tokenizer, train_char_tokenizer
 
-    from tierlm.checkpoint.folders import check_new_folder, publish_tokenizer
-
-    check_new_folder(Path(args.out), [Path(spec) for spec in args.data if not spec.startswith(("synthetic:", "builtin:"))])
+    check_new_folder(
+        Path(args.out), [Path(spec) for spec in args.data if not spec.startswith(("synthetic:", "builtin:"))]
+    )
     texts = []
     for spec in args.data:  # the first --num-docs documents of each source, never a whole corpus
         examples = open_examples(spec, SourceOptions(synthetic_count=args.num_docs))
@@ -368,8 +484,11 @@ def cmd_export(args: argparse.Namespace) -> None:
     if args.adapter_only:
         print(f"exported the LoRA adapter to {out} (peft.PeftModel.from_pretrained(base_model, {str(out)!r}))")
     elif is_native_folder(out) and not (out / "config.json").is_file():
-        print(f"exported to {out}: a tierlm model folder (transformers has no class for this {family_for_folder(out).name} model; "
-              "tierlm loads it)")
+        print(
+            f"exported to {out}: a tierlm model folder (transformers has no class for this "
+            f"{family_for_folder(out).name} model; "
+            "tierlm loads it)"
+        )
     else:
         print(f"exported to {out}")
 
@@ -425,8 +544,10 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 
 def _rank_prefix() -> str:
-    """"[rank N] " inside a multi-rank torchrun job, so an error says which rank raised it."""
-    return f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+    """ "[rank N] " inside a multi-rank torchrun job, so an error says which rank raised it."""
+    return (
+        f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+    )
 
 
 def _say(line: str) -> None:
@@ -436,12 +557,25 @@ def _say(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Loading a local folder needs no download bars; errors stay one line. (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.)
+    # Loading a local folder needs no download bars; errors stay one line. (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them
+    # back.)
     if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": cmd_train, "sft": cmd_train, "dpo": cmd_train, "rl": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export, "average": cmd_average,
-                "plan": cmd_plan, "report": cmd_report, "chat": cmd_chat, "serve": cmd_serve, "push": cmd_push, "speedrun": cmd_speedrun, "ablate": cmd_ablate}
+    handlers = {
+        **dict.fromkeys(STAGES, cmd_train),
+        "eval": cmd_eval,
+        "sample": cmd_sample,
+        "export": cmd_export,
+        "average": cmd_average,
+        "plan": cmd_plan,
+        "report": cmd_report,
+        "chat": cmd_chat,
+        "serve": cmd_serve,
+        "push": cmd_push,
+        "speedrun": cmd_speedrun,
+        "ablate": cmd_ablate,
+    }
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:
         handler(args)

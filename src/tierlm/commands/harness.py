@@ -45,7 +45,7 @@ class TierlmLM(TemplateLM):
         super().__init__()
         self.model, self.tokenizer, self.batch_size = model.eval(), tokenizer, batch_size
         self.family = family_of(model)
-        self.seq2seq = bool(getattr(self.family, "seq2seq", False))
+        self.seq2seq = self.family.seq2seq
         self.backend = "seq2seq" if self.seq2seq else "causal"
         self.max_length = max_length or model_max_seq_len(model) or 2048
         self._device = next(model.parameters()).device
@@ -83,9 +83,12 @@ class TierlmLM(TemplateLM):
             contexts = [ctx for ctx, _ in rows]
             targets = [cont for _, cont in rows]
             decoder_in = [[self.model.config.decoder_start_token_id, *cont[:-1]] for cont in targets]
-            batch = {"input_ids": self._pad(contexts, pad), "decoder_input_ids": self._pad(decoder_in, pad),
-                     "encoder_segment_ids": self._pad([[1] * len(c) for c in contexts], 0),
-                     "decoder_segment_ids": self._pad([[1] * len(d) for d in decoder_in], 0)}
+            batch = {
+                "input_ids": self._pad(contexts, pad),
+                "decoder_input_ids": self._pad(decoder_in, pad),
+                "encoder_segment_ids": self._pad([[1] * len(c) for c in contexts], 0),
+                "decoder_segment_ids": self._pad([[1] * len(d) for d in decoder_in], 0),
+            }
             starts = [0] * len(rows)
         else:
             inputs = [(ctx + cont)[:-1] for ctx, cont in rows]
@@ -97,7 +100,9 @@ class TierlmLM(TemplateLM):
         for row, (start, target) in enumerate(zip(starts, targets)):
             scores = logits[row, start : start + len(target)].float().log_softmax(-1)  # only the scored positions
             target_ids = torch.as_tensor(target, device=scores.device)
-            out.append((float(scores.gather(-1, target_ids[:, None]).sum()), bool((scores.argmax(-1) == target_ids).all())))
+            out.append(
+                (float(scores.gather(-1, target_ids[:, None]).sum()), bool((scores.argmax(-1) == target_ids).all()))
+            )
         return out
 
     def _pad(self, rows: list[list[int]], fill: int) -> torch.Tensor:
@@ -131,13 +136,21 @@ class TierlmLM(TemplateLM):
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         if self.seq2seq:
-            raise ConfigError("perplexity tasks (loglikelihood_rolling) need a decoder-only model; this one is an encoder-decoder")
+            raise ConfigError(
+                "perplexity tasks (loglikelihood_rolling) need a decoder-only model; this one is an encoder-decoder"
+            )
         out = []
         for request in requests:
             tokens = self.tok_encode(request.args[0], add_special_tokens=False)
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)]
-            total = sum(score for score, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True))
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                )
+            ]
+            total = sum(
+                score for score, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True)
+            )
             self.cache_hook.add_partial("loglikelihood_rolling", (request.args[0],), total)
             out.append(total)
         return out
@@ -172,7 +185,9 @@ class TierlmLM(TemplateLM):
         return getattr(self.tokenizer.hf, "chat_template", None) if chat_template else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.hf.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.hf.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
 
 def check_tasks(tasks: list[str], include_path: str | None):
@@ -186,21 +201,38 @@ def check_tasks(tasks: list[str], include_path: str | None):
     if unknown:
         close = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
         hints = "; ".join(f"{t!r}" + (f" (did you mean {', '.join(c)}?)" if c else "") for t, c in close.items())
-        raise ConfigError(f"the evaluation harness has no task {hints}: `python -m lm_eval ls tasks` lists them, "
-                          "--include-path DIR adds your own YAML tasks")
+        raise ConfigError(
+            f"the evaluation harness has no task {hints}: `python -m lm_eval ls tasks` lists them, "
+            "--include-path DIR adds your own YAML tasks"
+        )
     return manager
 
 
 def summarize(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of the harness's results (numbers only; `acc,none` becomes `acc`)."""
-    return {task: {metric.replace(",none", ""): float(value) for metric, value in scores.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and metric != "sample_len"}
-            for task, scores in results.get("results", {}).items()}
+    return {
+        task: {
+            metric.replace(",none", ""): float(value)
+            for metric, value in scores.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and metric != "sample_len"
+        }
+        for task, scores in results.get("results", {}).items()
+    }
 
 
-def run_harness(checkpoint: str | Path, tasks: list[str], *, limit: float | None = None, num_fewshot: int | None = None,
-                batch_size: int = 8, include_path: str | None = None, chat_template: bool = False,
-                device_type: str = "cpu", seed: int = 0, bootstrap_iters: int = 1000) -> tuple[dict[str, dict[str, float]], str]:
+def run_harness(
+    checkpoint: str | Path,
+    tasks: list[str],
+    *,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    include_path: str | None = None,
+    chat_template: bool = False,
+    device_type: str = "cpu",
+    seed: int = 0,
+    bootstrap_iters: int = 1000,
+) -> tuple[dict[str, dict[str, float]], str]:
     """Evaluate a run / checkpoint / model folder on harness `tasks`; ({task: {metric: value}}, the table).
     A run directory also gets the results in its metrics.jsonl, harness.json and report.md. `bootstrap_iters`:
     the harness's resampling for standard errors of metrics with no closed form (perplexity, F1, ...)."""
@@ -223,12 +255,25 @@ def run_harness(checkpoint: str | Path, tasks: list[str], *, limit: float | None
     model = load_pretrained_model(location, device=resolve_device(device_type))
     lm = TierlmLM(model, tokenizer, batch_size=batch_size)
     try:
-        results = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                                  log_samples=False, apply_chat_template=chat_template, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters)
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            apply_chat_template=chat_template,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            bootstrap_iters=bootstrap_iters,
+        )
     except (ConnectionError, FileNotFoundError, DatasetNotFoundError) as e:
-        raise DataError(f"a task's dataset cannot be read: {first_line(e)} (Hub datasets need the network once, then the "
-                        "datasets cache; local tasks: --include-path DIR with dataset_path: json)") from e
+        raise DataError(
+            f"a task's dataset cannot be read: {first_line(e)} (Hub datasets need the network once, then the "
+            "datasets cache; local tasks: --include-path DIR with dataset_path: json)"
+        ) from e
     assert results is not None, "simple_evaluate returned nothing on the main process"
     summary = summarize(results)
     if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
@@ -237,15 +282,25 @@ def run_harness(checkpoint: str | Path, tasks: list[str], *, limit: float | None
 
 
 def record_results(run_dir: Path, results: dict[str, Any], summary: dict[str, dict[str, float]], **settings) -> None:
-    """The run's metrics.jsonl gets a `harness` line at its last step; harness.json the full results; report.md is rebuilt."""
+    """The run's metrics.jsonl gets a `harness` line at its last step; harness.json the full results; report.md is
+    rebuilt."""
     from tierlm.metrics.report import read_metrics, write_run_report
 
     records = read_metrics(run_dir)
     last = next((r for r in reversed(records) if r.get("type") == "train"), {})
-    record = {"type": "harness", "step": last.get("step", 0), **({"tokens_seen": last["tokens_seen"]} if "tokens_seen" in last else {}),
-              "tasks": summary, **{k: v for k, v in settings.items() if v is not None}}
+    record = {
+        "type": "harness",
+        "step": last.get("step", 0),
+        **({"tokens_seen": last["tokens_seen"]} if "tokens_seen" in last else {}),
+        "tasks": summary,
+        **{k: v for k, v in settings.items() if v is not None},
+    }
     with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-    keep = {k: results[k] for k in ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples") if k in results}
+    keep = {
+        k: results[k]
+        for k in ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples")
+        if k in results
+    }
     (run_dir / "harness.json").write_text(json.dumps(keep, indent=1, default=str), encoding="utf-8")
     write_run_report(run_dir)

@@ -21,8 +21,8 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-
 
 def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
     """The card: front matter the Hub reads, then what the run was and how it did."""
-    from tierlm.models import is_native_folder
     from tierlm.metrics.report import read_metrics
+    from tierlm.models import is_native_folder
 
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     records = read_metrics(run_dir)
@@ -32,27 +32,60 @@ def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
     transformers_ready = (model_dir / "config.json").is_file()
     native = is_native_folder(model_dir)
     lines = [
-        "---", f"library_name: {'transformers' if transformers_ready else 'tierlm'}", "tags:", "- tierlm", f"- {run.get('stage', 'model')}",
-        *([f"datasets:\n- {fingerprint['data.dataset_name']}"] if str(fingerprint.get("data.dataset_name", "")).count("/") == 1 else []),
-        "---", "", f"# {repo.split('/')[1]}", "",
-        f"Trained with [tierlm](https://github.com/) ({run.get('stage', '?')} stage, {last_train.get('step', '?')} steps"
-        + (f", {last_train['tokens_seen']:,} tokens" if "tokens_seen" in last_train else "") + ").", "",
-        "## Training", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in fingerprint.items() if k != "stage"], "",
+        "---",
+        f"library_name: {'transformers' if transformers_ready else 'tierlm'}",
+        "tags:",
+        "- tierlm",
+        f"- {run.get('stage', 'model')}",
+        *(
+            [f"datasets:\n- {fingerprint['data.dataset_name']}"]
+            if str(fingerprint.get("data.dataset_name", "")).count("/") == 1
+            else []
+        ),
+        "---",
+        "",
+        f"# {repo.split('/')[1]}",
+        "",
+        f"Trained with [tierlm](https://github.com/) ({run.get('stage', '?')} stage, {last_train.get('step', '?')} "
+        f"steps" + (f", {last_train['tokens_seen']:,} tokens" if "tokens_seen" in last_train else "") + ").",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in fingerprint.items() if k != "stage"],
+        "",
     ]
     if last_eval:
-        lines += ["## Evaluation (last)", "", "| | |", "|---|---|",
-                  *[f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in last_eval.items() if k not in ("type",)], ""]
+        lines += [
+            "## Evaluation (last)",
+            "",
+            "| | |",
+            "|---|---|",
+            *[
+                f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+                for k, v in last_eval.items()
+                if k not in ("type",)
+            ],
+            "",
+        ]
     plots = sorted((run_dir / "plots").glob("*.png")) if (run_dir / "plots").is_dir() else []
     if plots:
         lines += ["## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
     lines += ["## Use", "", "```python"]
     if transformers_ready:
-        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  f'model = AutoModelForCausalLM.from_pretrained("{repo}")', f'tokenizer = AutoTokenizer.from_pretrained("{repo}")']
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
     else:
-        lines += ["from huggingface_hub import snapshot_download", "from tierlm.models import load_pretrained_model",
-                  f'model = load_pretrained_model(snapshot_download("{repo}"))'
-                  + ("  # a tierlm model family (no transformers class represents it)" if native else "")]
+        lines += [
+            "from huggingface_hub import snapshot_download",
+            "from tierlm.models import load_pretrained_model",
+            f'model = load_pretrained_model(snapshot_download("{repo}"))'
+            + ("  # a tierlm model family (no transformers class represents it)" if native else ""),
+        ]
     lines += ["```", ""]
     if (run_dir / "config.yaml").is_file():
         lines += ["## Config", "", "```yaml", (run_dir / "config.yaml").read_text().rstrip(), "```", ""]
@@ -82,7 +115,8 @@ def push(run: str | Path, repo: str, private: bool = False, dry_run: bool = Fals
         listing = "\n".join(f"  {name}  ({size:,} bytes)" for name, size in files)
         if dry_run:
             card = (folder / "README.md").read_text()
-            return f"would upload to https://huggingface.co/{repo} ({'private' if private else 'public'}):\n{listing}\n\n--- README.md ---\n{card}"
+            where = f"https://huggingface.co/{repo} ({'private' if private else 'public'})"
+            return f"would upload to {where}:\n{listing}\n\n--- README.md ---\n{card}"
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
@@ -91,5 +125,7 @@ def push(run: str | Path, repo: str, private: bool = False, dry_run: bool = Fals
             api.create_repo(repo, private=private, exist_ok=True)
             commit = api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload a tierlm model")
         except (HfHubHTTPError, OSError) as e:
-            raise DataError(f"could not push to {repo}: {str(e).splitlines()[0]} (log in with `hf auth login`, or try --dry-run)") from None
+            raise DataError(
+                f"could not push to {repo}: {str(e).splitlines()[0]} (log in with `hf auth login`, or try --dry-run)"
+            ) from None
         return f"pushed {len(files)} files to {getattr(commit, 'repo_url', repo)}"

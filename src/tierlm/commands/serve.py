@@ -20,6 +20,7 @@ import uuid
 from tierlm.commands.chat import Chatbot
 from tierlm.errors import ConfigError, DataError
 
+
 def create_app(bot: Chatbot):
     """The FastAPI app answering for `bot`."""
     try:
@@ -61,14 +62,33 @@ def create_app(bot: Chatbot):
                 reply = bot.reply(messages, **settings)
             except DataError as e:
                 raise HTTPException(status_code=400, detail=str(e)) from None
-            return {"id": ident, "object": "chat.completion", "created": created, "model": bot.name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": reply.finish_reason}],
-                    "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-                              "total_tokens": reply.prompt_tokens + reply.completion_tokens}}
+            return {
+                "id": ident,
+                "object": "chat.completion",
+                "created": created,
+                "model": bot.name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply.text},
+                        "finish_reason": reply.finish_reason,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": reply.prompt_tokens,
+                    "completion_tokens": reply.completion_tokens,
+                    "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+                },
+            }
 
         def chunk(delta: dict, finish_reason: str | None = None) -> str:
-            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": bot.name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+            body = {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": bot.name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            }
             return f"data: {json.dumps(body)}\n\n"
 
         def events():
@@ -76,7 +96,9 @@ def create_app(bot: Chatbot):
 
             def generate() -> None:
                 try:
-                    pieces.put(("done", bot.reply(messages, on_text=lambda text: pieces.put(("text", text)), **settings)))
+                    pieces.put(
+                        ("done", bot.reply(messages, on_text=lambda text: pieces.put(("text", text)), **settings))
+                    )
                 except DataError as e:
                     pieces.put(("error", str(e)))
 
@@ -112,7 +134,9 @@ def serve(bot: Chatbot, host: str = "127.0.0.1", port: int = 8000) -> None:
     except ImportError:
         raise ConfigError("tierlm serve needs fastapi and uvicorn: pip install 'tierlm[serve]'") from None
     check_port(port)
-    print(f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    print(
+        f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 (Ctrl-C stops)", flush=True
+    )
     uvicorn.run(create_app(bot), host=host, port=port, log_level="warning")
 
 

@@ -1,7 +1,16 @@
 """Typed config sections (`sections`, `model`), YAML files and `key=value` overrides (`files`), what a
 launcher such as `accelerate launch` says (`launchers`), and the presets shipped in `presets/`."""
 
-from tierlm.config.model import DelayConfig, KVPruningConfig, LoraConfig, ModelConfig, RAConfig, RMLPConfig, Section, TokenizerConfig
+from tierlm.config.model import (
+    DelayConfig,
+    KVPruningConfig,
+    LoraConfig,
+    ModelConfig,
+    RAConfig,
+    RMLPConfig,
+    Section,
+    TokenizerConfig,
+)
 from tierlm.config.sections import (
     AblationConfig,
     DataConfig,
@@ -14,6 +23,22 @@ from tierlm.config.sections import (
     TrainingConfig,
 )
 
-__all__ = ["AblationConfig", "DPOConfig", "DataConfig", "DelayConfig", "FullConfig", "InfraConfig", "KVPruningConfig", "LoraConfig",
-           "MixtureComponent", "ModelConfig", "RAConfig", "RLConfig", "RMLPConfig", "Section", "TierlmConfig", "TokenizerConfig",
-           "TrainingConfig"]
+__all__ = [
+    "AblationConfig",
+    "DPOConfig",
+    "DataConfig",
+    "DelayConfig",
+    "FullConfig",
+    "InfraConfig",
+    "KVPruningConfig",
+    "LoraConfig",
+    "MixtureComponent",
+    "ModelConfig",
+    "RAConfig",
+    "RLConfig",
+    "RMLPConfig",
+    "Section",
+    "TierlmConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
+]

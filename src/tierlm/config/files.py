@@ -75,7 +75,9 @@ def resolve_config_path(name: str | Path) -> Path:
     if path.parent == Path(".") and preset.is_file():
         return preset
     if path.parent == Path(".") and path.suffix != ".yaml":
-        raise ConfigError(f"config {name} is neither a file nor a preset; presets: {', '.join(list_presets())} (tierlm config list)")
+        raise ConfigError(
+            f"config {name} is neither a file nor a preset; presets: {', '.join(list_presets())} (tierlm config list)"
+        )
     return path
 
 
@@ -106,5 +108,5 @@ def describe_error(error: dict, root: type[BaseModel]) -> str:
         return f"{key} must be one of {ctx.get('expected')}, got {value!r}"
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
-    msg = error['msg']
+    msg = error["msg"]
     return f"{key}: {msg[:1].lower() + msg[1:]}, got {value!r}"

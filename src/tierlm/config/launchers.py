@@ -15,8 +15,14 @@ from typing import Mapping
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 
-SHARDING = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "4": "HYBRID_SHARD",
-            "FULL_SHARD": "FULL_SHARD", "SHARD_GRAD_OP": "SHARD_GRAD_OP", "HYBRID_SHARD": "HYBRID_SHARD"}
+SHARDING = {
+    "1": "FULL_SHARD",
+    "2": "SHARD_GRAD_OP",
+    "4": "HYBRID_SHARD",
+    "FULL_SHARD": "FULL_SHARD",
+    "SHARD_GRAD_OP": "SHARD_GRAD_OP",
+    "HYBRID_SHARD": "HYBRID_SHARD",
+}
 
 
 def _true(value: str | None) -> bool:
@@ -26,23 +32,32 @@ def _true(value: str | None) -> bool:
 def accelerate_settings(env: Mapping[str, str]) -> dict[tuple[str, str], object]:
     """{(section, field): value} that an Accelerate launch asks for (empty when not launched by Accelerate).
 
-    >>> accelerate_settings({"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
-    ...                      "FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_ACTIVATION_CHECKPOINTING": "true"})[("training", "bf16")]
+    >>> settings = accelerate_settings({"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_FSDP": "true",
+    ...     "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_ACTIVATION_CHECKPOINTING": "true"})
+    >>> settings[("training", "bf16")]
     True
     """
     out: dict[tuple[str, str], object] = {}
     precision = env.get("ACCELERATE_MIXED_PRECISION")
     if precision is not None:
         if precision not in ("no", "bf16", "fp16"):
-            raise ConfigError(f"the Accelerate config's mixed_precision {precision!r} is not one tierlm trains with: use no, bf16 or fp16")
+            raise ConfigError(
+                f"the Accelerate config's mixed_precision {precision!r} is not one tierlm trains with: use no, bf16 or "
+                f"fp16"
+            )
         out[("training", "bf16")], out[("training", "fp16")] = precision == "bf16", precision == "fp16"
     if _true(env.get("ACCELERATE_USE_FSDP")):
         if env.get("FSDP_VERSION", "1") != "2":
-            raise ConfigError("the Accelerate config asks for FSDP version 1; tierlm shards with FSDP2: set fsdp_version: 2 in its fsdp_config")
+            raise ConfigError(
+                "the Accelerate config asks for FSDP version 1; tierlm shards with FSDP2: set fsdp_version: 2 in its "
+                "fsdp_config"
+            )
         strategy = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
         if strategy not in SHARDING:
-            raise ConfigError(f"the Accelerate config's fsdp_sharding_strategy {strategy!r} is not one tierlm's FSDP2 has: "
-                              "FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD")
+            raise ConfigError(
+                f"the Accelerate config's fsdp_sharding_strategy {strategy!r} is not one tierlm's FSDP2 has: "
+                "FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD"
+            )
         out[("infra", "distributed_type")] = "fsdp"
         out[("infra", "fsdp_sharding_strategy")] = SHARDING[strategy]
         out[("infra", "cpu_offload")] = _true(env.get("FSDP_OFFLOAD_PARAMS"))
@@ -59,8 +74,10 @@ def accelerate_overrides(config: TierlmConfig, env: Mapping[str, str]) -> Tierlm
     for (section, field), value in settings.items():
         current = getattr(config, section)
         if field in current.model_fields_set and getattr(current, field) != value:
-            raise ConfigError(f"the Accelerate config sets {section}.{field}={value} but the tierlm config says "
-                              f"{getattr(current, field)}: make them agree (or drop it from one of them)")
+            raise ConfigError(
+                f"the Accelerate config sets {section}.{field}={value} but the tierlm config says "
+                f"{getattr(current, field)}: make them agree (or drop it from one of them)"
+            )
         updates.setdefault(section, {})[field] = value
     # model_copy keeps which fields the user set (the plan reads that); the values are of the fields' types
     return config.model_copy(update={s: getattr(config, s).model_copy(update=u) for s, u in updates.items()})

@@ -80,7 +80,8 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     model_name_or_path: str | None = None
-    """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from scratch."""
+    """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from
+    scratch."""
     architecture: str = "gpt"
     """From scratch: a tierlm family ("gpt": the native GPT, "gpt2": GPT-2, "qwen3_encdec": the Qwen3 encoder-decoder
     trained with UL2) or a transformers model_type such as "qwen3" or "llama"."""
@@ -95,7 +96,8 @@ class ModelConfig(Section):
     bias: bool = True
     """GPT-2: biases in linear layers and LayerNorms (off: no transformers twin; saved as a tierlm folder)."""
     variant: str | None = None
-    """GPT-2: a step of seed 003's V-series, V0-V19; model.ra.*, model.rmlp.*, model.delay.*, model.kv_pruning.* and model.mlp_ratio override it."""
+    """GPT-2: a step of the GPT-2 research V-series, V0-V19; model.ra.*, model.rmlp.*, model.delay.*,
+    model.kv_pruning.* and model.mlp_ratio override it."""
     ra: RAConfig = Field(default_factory=RAConfig)
     """GPT-2: Unified RA and self-restart (see tierlm.models.gpt2.ra)."""
     rmlp: RMLPConfig = Field(default_factory=RMLPConfig)
@@ -115,7 +117,7 @@ class ModelConfig(Section):
     """Native GPT: share the input embedding with the output head."""
     window_pattern: str = "L"
     """Native GPT: attention span per layer, tiled over the depth (last layer always L): L full
-    context, S a sliding window of model.short_window tokens; seed 004's "SSSL"."""
+    context, S a sliding window of model.short_window tokens; nanochat's "SSSL"."""
     short_window: int | None = Field(None, gt=0)
     """Native GPT: tokens an S layer's query sees, itself included (None: half of data.max_seq_length)."""
     hf_config: dict[str, Any] = Field(default_factory=dict)
@@ -130,7 +132,8 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
     num_sentinel_tokens: int = Field(100, gt=0)
-    """qwen3_encdec: UL2's span sentinels <extra_id_0..N-1> added to the tokenizer (with the mode tokens [R], [X], [S])."""
+    """qwen3_encdec: UL2's span sentinels <extra_id_0..N-1> added to the tokenizer (with the mode tokens [R], [X],
+    [S])."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Parameter-efficient fine-tuning with LoRA adapters (PEFT): model.lora.r > 0 freezes the model and
     trains the adapters; the final model folder holds the merged weights and the adapter alone in adapter/."""

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tierlm.config.files import describe_error, read_config
@@ -35,9 +34,25 @@ from tierlm.config.model import (
     TokenizerConfig,
 )
 
-__all__ = ["AblationConfig", "DPOConfig", "DataConfig", "DelayConfig", "FullConfig", "InfraConfig", "KVPruningConfig", "LoraConfig",
-           "MixtureComponent", "ModelConfig", "RAConfig", "RLConfig", "RMLPConfig", "Section", "TierlmConfig", "TokenizerConfig",
-           "TrainingConfig"]
+__all__ = [
+    "AblationConfig",
+    "DPOConfig",
+    "DataConfig",
+    "DelayConfig",
+    "FullConfig",
+    "InfraConfig",
+    "KVPruningConfig",
+    "LoraConfig",
+    "MixtureComponent",
+    "ModelConfig",
+    "RAConfig",
+    "RLConfig",
+    "RMLPConfig",
+    "Section",
+    "TierlmConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
+]
 from tierlm.errors import ConfigError
 
 
@@ -50,7 +65,8 @@ class MixtureComponent(Section):
 
 class DataConfig(Section):
     dataset_name: str = "synthetic:arithmetic"
-    """Training data: "synthetic:<task>", a .txt/.jsonl/.parquet/.bin/.npy file, a folder of them, a saved HF dataset, or a hub dataset name."""
+    """Training data: "synthetic:<task>", a .txt/.jsonl/.parquet/.bin/.npy file, a folder of them, a saved HF
+    dataset, or a hub dataset name."""
     mixture: list[MixtureComponent] = Field(default_factory=list)
     """Train on several sources instead of dataset_name: a list of {dataset_name, weight}."""
     dataset_config: str | None = None
@@ -65,7 +81,8 @@ class DataConfig(Section):
     """A hub dataset's branch, tag or commit."""
     data_files: str | list[str] | dict[str, str | list[str]] | None = None
     """datasets' data_files: which files of a folder or hub dataset to read (a glob, a list, or
-    {split: glob(s)}); with a builder name as data.dataset_name ("json", "parquet", "csv", "text") the files themselves."""
+    {split: glob(s)}); with a builder name as data.dataset_name ("json", "parquet", "csv", "text") the files
+    themselves."""
     streaming: bool = False
     """Read a hub dataset (or a folder or parquet file through datasets) as a stream: nothing is
     downloaded or cached up front; the position in the stream is part of the loader state (exact resume).
@@ -77,9 +94,11 @@ class DataConfig(Section):
     eval_stream_examples: int = Field(200, gt=0)
     """Streaming without an eval split: rows at the stream's head held out for evaluation."""
     preprocessing_num_workers: int | None = Field(None, gt=0)
-    """Processes datasets uses to prepare a (non-streamed) dataset on first load (seed 002's name)."""
+    """Processes datasets uses to prepare a (non-streamed) dataset on first load (the name transformers' example
+    training scripts use)."""
     eval_dataset_name: str | None = None
-    """Validation data; None holds out data.val_fraction of the training data (synthetic tasks have a disjoint val split)."""
+    """Validation data; None holds out data.val_fraction of the training data (synthetic tasks have a disjoint val
+    split)."""
     val_fraction: float = Field(0.05, gt=0, lt=1)
     """Share of file-based examples held out for validation when no eval dataset is given."""
     num_synthetic_examples: int = Field(50000, gt=0)
@@ -133,7 +152,8 @@ class DataConfig(Section):
     long_conversations: Literal["truncate", "drop"] = "truncate"
     """SFT: what happens to a conversation longer than max_seq_length (counted in the metrics either way)."""
     isolate_documents: bool | None = None
-    """Packed documents get their own positions and never attend to each other. None: on for SFT, off for pretraining (nanochat)."""
+    """Packed documents get their own positions and never attend to each other. None: on for SFT, off for pretraining
+    (nanochat)."""
     packing_buffer: int = Field(1000, gt=0)
     """Documents held for best-fit packing: more fills rows better and costs memory."""
     prefetch_batches: int | None = Field(None, ge=0)
@@ -158,14 +178,18 @@ class DataConfig(Section):
     @classmethod
     def _task_weights(cls, value: list[float]) -> list[float]:
         if len(value) != 5 or any(w < 0 for w in value) or not sum(value) > 0:
-            raise ValueError(f"data.ul2_task_weights must be 5 weights >= 0 (R, R, X, X, S) with a positive sum, got {value}")
+            raise ValueError(
+                f"data.ul2_task_weights must be 5 weights >= 0 (R, R, X, X, S) with a positive sum, got {value}"
+            )
         return value
 
     @model_validator(mode="after")
     def _check_streaming(self) -> "DataConfig":
         if self.streaming and self.stream:
-            raise ValueError("data.stream (one token stream cut into windows) and data.streaming (a dataset read as a stream) "
-                             "are two ways to read: set one")
+            raise ValueError(
+                "data.stream (one token stream cut into windows) and data.streaming (a dataset read as a stream) "
+                "are two ways to read: set one"
+            )
         if self.streaming and self.mixture:
             raise ValueError("data.streaming reads one data.dataset_name; drop data.mixture")
         return self
@@ -181,15 +205,16 @@ class TrainingConfig(Section):
     """Micro-batches per optimizer step."""
     optimizer: Literal["adamw", "muon", "adamw_spam", "adamw_prune"] = "adamw"
     """adamw: AdamW over every parameter; muon: Muon for the hidden matrices, AdamW for embeddings,
-    the output head and scalars (norms, biases), stepped as one (seed 004); adamw_spam: AdamW with
+    the output head and scalars (norms, biases), stepped as one (nanochat); adamw_spam: AdamW with
     SPAM's momentum reset and spike clipping; adamw_prune: AdamW pruning the hidden matrices by
-    scores from its own state (seed 003)."""
+    scores from its own state."""
     learning_rate: float = Field(3e-4, gt=0, lt=1)
     """Peak learning rate (AdamW's; the default of every parameter role under adamw)."""
     matrix_lr: float | None = Field(None, gt=0, lt=1)
     """Peak LR of the hidden 2-D weights (None: learning_rate under adamw, 0.02 under muon)."""
     embedding_lr: float | None = Field(None, gt=0, lt=1)
-    """Peak LR of the input embeddings (None: learning_rate under adamw; under muon 0.2 x (d_model/768)^-0.5, nanochat's)."""
+    """Peak LR of the input embeddings (None: learning_rate under adamw; under muon 0.2 x (d_model/768)^-0.5,
+    nanochat's)."""
     unembedding_lr: float | None = Field(None, gt=0, lt=1)
     """Peak LR of the output head (None: learning_rate under adamw; under muon 0.004 x (d_model/768)^-0.5)."""
     scalar_lr: float | None = Field(None, gt=0, lt=1)
@@ -213,12 +238,12 @@ class TrainingConfig(Section):
     prune_frequency: int = Field(50, gt=0)
     """adamw_prune: the masks are recomputed every this many steps (sparsity = final x p^3)."""
     weight_decay: float = Field(0.0, ge=0)
-    """Weight decay of the hidden matrices (under muon it falls linearly to 0 over training, seed 004)."""
+    """Weight decay of the hidden matrices (under muon it falls linearly to 0 over training, nanochat)."""
     decay_norms_and_embeddings: bool = False
     """Apply weight decay to biases, norms and embeddings too (off: they are exempt)."""
     target_param_data_ratio: float | None = Field(None, gt=0)
     """Pretraining from scratch: train for this many tokens per scaling parameter (hidden matrices +
-    output head; 10.5 in seed 004); num_train_steps follows unless set."""
+    output head; 10.5 in nanochat); num_train_steps follows unless set."""
     total_batch_size: Literal["auto"] | int | None = None
     """Tokens per optimizer step over all ranks: a number (gradient_accumulation_steps follows), auto
     (predicted from the token horizon, B = 524,288 x (D / D_d12)^0.383 to a power of two; needs
@@ -285,7 +310,8 @@ class TrainingConfig(Section):
     seed: int = Field(42, ge=0, lt=2**63)
     """Seed for initialisation, data order and sampling."""
     resume: Literal["auto", "never"] = "auto"
-    """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run directory."""
+    """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run
+    directory."""
 
     @field_validator("per_device_train_batch_size", mode="before")
     @classmethod
@@ -310,15 +336,27 @@ class TrainingConfig(Section):
         if self.fp16 and self.bf16:
             raise ValueError("training.fp16 and training.bf16 are two precisions: set one")
         if isinstance(self.total_batch_size, int) and self.total_batch_size <= 0:
-            raise ValueError(f"training.total_batch_size must be auto or a number of tokens > 0, got {self.total_batch_size}")
+            raise ValueError(
+                f"training.total_batch_size must be auto or a number of tokens > 0, got {self.total_batch_size}"
+            )
         if self.total_batch_size == "auto" and self.target_param_data_ratio is None:
-            raise ValueError("training.total_batch_size=auto predicts the batch from the token horizon: "
-                             "set training.target_param_data_ratio (10.5 in seed 004) or give a number of tokens")
-        derived = self.target_param_data_ratio is not None and (self.num_train_steps is None or "num_train_steps" not in self.model_fields_set)
+            raise ValueError(
+                "training.total_batch_size=auto predicts the batch from the token horizon: "
+                "set training.target_param_data_ratio (10.5 in nanochat) or give a number of tokens"
+            )
+        derived = self.target_param_data_ratio is not None and (
+            self.num_train_steps is None or "num_train_steps" not in self.model_fields_set
+        )
         if self.num_train_steps is None and self.target_param_data_ratio is None:
-            raise ValueError("training.num_train_steps=null derives the steps from the token horizon: set training.target_param_data_ratio")
+            raise ValueError(
+                "training.num_train_steps=null derives the steps from the token horizon: set "
+                "training.target_param_data_ratio"
+            )
         if not derived and self.warmup_steps >= self.num_train_steps:  # a derived horizon is checked once known
-            raise ValueError(f"training.warmup_steps ({self.warmup_steps}) must be < training.num_train_steps ({self.num_train_steps})")
+            raise ValueError(
+                f"training.warmup_steps ({self.warmup_steps}) must be < training.num_train_steps "
+                f"({self.num_train_steps})"
+            )
         return self
 
 
@@ -388,9 +426,14 @@ class InfraConfig(Section):
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> "InfraConfig":
         if self.sequence_parallel and self.tensor_parallel_size == 1:
-            raise ValueError("infra.sequence_parallel splits the tokens over the tensor-parallel ranks: set infra.tensor_parallel_size > 1")
+            raise ValueError(
+                "infra.sequence_parallel splits the tokens over the tensor-parallel ranks: set "
+                "infra.tensor_parallel_size > 1"
+            )
         if self.sequence_parallel and not self.vocab_parallel:
-            raise ValueError("infra.sequence_parallel needs infra.vocab_parallel=true (the split embedding scatters the sequence)")
+            raise ValueError(
+                "infra.sequence_parallel needs infra.vocab_parallel=true (the split embedding scatters the sequence)"
+            )
         return self
 
     @property
@@ -425,7 +468,8 @@ class RLConfig(Section):
     value_clip_range: float = Field(0.2, gt=0)
     """ppo with a critic: how far the value may move from its value at sampling time in the clipped loss."""
     ppo_epochs: int = Field(1, gt=0)
-    """Optimizer steps per rollout batch; after the first, the clipped ratio against the stored old log-probs applies."""
+    """Optimizer steps per rollout batch; after the first, the clipped ratio against the stored old log-probs
+    applies."""
     clip_range: float = Field(0.2, gt=0)
     """PPO/GRPO ratio clip epsilon."""
     kl_coef: float = Field(0.0, ge=0)
@@ -448,7 +492,8 @@ class DPOConfig(Section):
     beta: float = Field(0.1, gt=0)
     """Strength of the implicit KL constraint: rewards are beta * (policy - reference) log-probs."""
     reference: Literal["frozen", "precomputed"] = "frozen"
-    """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp / ref_rejected_logp."""
+    """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
+    ref_rejected_logp."""
 
 
 class AblationConfig(Section):
@@ -494,4 +539,5 @@ class TierlmConfig(Section):
 
 
 FullConfig = TierlmConfig
-"""Seed 002's name for the complete configuration (`FullConfig.from_yaml(path)`, `config.to_yaml(path)`)."""
+"""The complete configuration under the name Accelerate-style training scripts use (`FullConfig.from_yaml(path)`,
+`config.to_yaml(path)`)."""

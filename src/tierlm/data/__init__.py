@@ -13,13 +13,13 @@ from tierlm.data.packing import (
     text_documents,
 )
 from tierlm.data.sources import Examples, Fields, ListExamples, SourceOptions, holdout_split, open_examples
-from tierlm.tasks.arithmetic import ArithmeticTask, Problem
 from tierlm.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
     train_bpe_tokenizer,
     train_char_tokenizer,
 )
+from tierlm.tasks.arithmetic import ArithmeticTask, Problem
 
 __all__ = [
     "ArithmeticTask",

@@ -25,7 +25,7 @@ CHATML_TEMPLATE = (
     " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '"
-    " + '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n'"
+    ' + \'<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\''
     " + '</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -36,7 +36,7 @@ CHATML_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set call = call.function if call.function is defined else call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
     "{{- call.arguments if call.arguments is string else (call.arguments | tojson) }}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
@@ -66,7 +66,9 @@ def resolve_chat_template(spec: str) -> str:
         return TEMPLATES[spec]
     path = Path(spec)
     if not path.is_file():
-        raise ConfigError(f"data.chat_template={spec}: neither a template name ({', '.join(TEMPLATES)}) nor a Jinja file")
+        raise ConfigError(
+            f"data.chat_template={spec}: neither a template name ({', '.join(TEMPLATES)}) nor a Jinja file"
+        )
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -82,14 +84,21 @@ def set_chat_template(tokenizer: Tokenizer, spec: str) -> Tokenizer:
     vocab = tokenizer.hf.get_vocab()
     missing = [m for m in MARKERS.get(spec, ()) if m not in vocab]
     if missing:
-        raise ConfigError(f"data.chat_template={spec} needs the tokens {', '.join(missing)}, which this tokenizer does not have; "
-                          f"use a template whose markers it has ({', '.join(n for n, ms in MARKERS.items() if all(m in vocab for m in ms)) or 'a Jinja file'})")
+        raise ConfigError(
+            f"data.chat_template={spec} needs the tokens {', '.join(missing)}, which this tokenizer does not have; "
+            f"use a template whose markers it has "
+            f"({', '.join(n for n, ms in MARKERS.items() if all(m in vocab for m in ms)) or 'a Jinja file'})"
+        )
     previous = tokenizer.hf.chat_template
     tokenizer.hf.chat_template = source
     try:
-        tokenizer.hf.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], tokenize=False)
+        tokenizer.hf.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], tokenize=False
+        )
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         tokenizer.hf.chat_template = previous
-        raise ConfigError(f"data.chat_template={spec}: the template does not render a conversation ({first_line(e)})") from None
+        raise ConfigError(
+            f"data.chat_template={spec}: the template does not render a conversation ({first_line(e)})"
+        ) from None
     tokenizer._stop_ids = None  # the stop tokens follow the template's end-of-turn marker
     return tokenizer

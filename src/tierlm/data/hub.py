@@ -39,8 +39,15 @@ def _load_dataset_dict(spec: str, options) -> Any:
     problems), once per process and version of its files: the train split, the eval split and the split
     names of one source are one load. A streamed dataset is opened lazily (nothing is read yet)."""
     data_files = json.dumps(options.data_files, sort_keys=True) if options.data_files is not None else None
-    return _load_dataset_once(spec, options.dataset_config, options.revision, data_files, options.streaming, options.num_proc,
-                              _files_signature(spec))
+    return _load_dataset_once(
+        spec,
+        options.dataset_config,
+        options.revision,
+        data_files,
+        options.streaming,
+        options.num_proc,
+        _files_signature(spec),
+    )
 
 
 def _files_signature(spec: str) -> tuple[int, int]:
@@ -52,8 +59,15 @@ def _files_signature(spec: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | None, data_files: str | None, streaming: bool,
-                       num_proc: int | None, signature: tuple[int, int]):
+def _load_dataset_once(
+    spec: str,
+    dataset_config: str | None,
+    revision: str | None,
+    data_files: str | None,
+    streaming: bool,
+    num_proc: int | None,
+    signature: tuple[int, int],
+):
     import datasets
 
     datasets.disable_progress_bars()
@@ -81,13 +95,18 @@ def _load_dataset_once(spec: str, dataset_config: str | None, revision: str | No
         fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if Path(spec).exists() else {}
         return datasets.load_dataset(spec, dataset_config, revision=revision, **fresh, **extra)
     except Exception as e:  # datasets raises many types; all mean "cannot open this"
-        raise DataError(f"cannot open dataset {spec!r}{f' (config {dataset_config!r})' if dataset_config else ''}: "
-                        f"{first_line(e)}") from e
+        raise DataError(
+            f"cannot open dataset {spec!r}{f' (config {dataset_config!r})' if dataset_config else ''}: {first_line(e)}"
+        ) from e
 
 
 def available_splits(spec: str, options) -> list[str] | None:
     """The split names of a dataset with named splits (a hub name, a Hub-layout or saved folder), else None."""
-    if synthetic_name(spec) is not None or spec.startswith("builtin:") or not has_named_splits(spec, options.data_files):
+    if (
+        synthetic_name(spec) is not None
+        or spec.startswith("builtin:")
+        or not has_named_splits(spec, options.data_files)
+    ):
         return None
     import datasets
 
@@ -137,7 +156,9 @@ def load_split(spec: str, options) -> Any:
     loaded = _load_dataset_dict(spec, options)
     if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if options.split not in loaded:
-            raise DataError(f"dataset {spec!r} has splits {', '.join(loaded)}; there is no {options.split!r} "
-                            "(set data.split, or data.eval_split for evaluation)")
+            raise DataError(
+                f"dataset {spec!r} has splits {', '.join(loaded)}; there is no {options.split!r} "
+                "(set data.split, or data.eval_split for evaluation)"
+            )
         loaded = loaded[options.split]
     return loaded

@@ -63,8 +63,14 @@ def text_documents(tokenizer: Tokenizer | None) -> Callable[[list], list[Documen
             return [Document(np.asarray(x, dtype=np.int64)) for x in items]
         assert tokenizer is not None, "text documents need a tokenizer"
         sep, encoded = tokenizer.document_separator_id, iter(tokenizer.encode_batch(texts))
-        return [Document(np.asarray([sep] + next(encoded), dtype=np.int64) if isinstance(x, str) else np.asarray(x, dtype=np.int64))
-                for x in items]
+        return [
+            Document(
+                np.asarray([sep] + next(encoded), dtype=np.int64)
+                if isinstance(x, str)
+                else np.asarray(x, dtype=np.int64)
+            )
+            for x in items
+        ]
 
     return convert
 
@@ -173,7 +179,9 @@ class PackedLoader(BatchIterable):
         self.rank, self.world_size, self.buffer_docs = rank, world_size, buffer_docs
         self.long_documents, self.document_positions = long_documents, document_positions
         assert not split_long or mode == "crop", "split_long is a pretraining (crop mode) option"
-        self.split_long = split_long  # crop mode: a document longer than the room goes on in the next row instead of being cut
+        self.split_long = (
+            split_long  # crop mode: a document longer than the room goes on in the next row instead of being cut
+        )
         self.repeat = True  # False: one pass, then stop (evaluation)
         self.rewind()
 
@@ -189,12 +197,24 @@ class PackedLoader(BatchIterable):
         self.buffer_offsets: list[int] = []  # where each buffered document resumes (split_long continuations)
         self.buffer: list[Document] = []
         self.buffer_lengths: list[int] = []  # len(doc.ids) of each buffered document, for the best-fit search
-        self.counts = {"tokens_in": 0, "tokens_cropped": 0, "tokens_placed": 0, "tokens_padding": 0, "truncated": 0, "dropped": 0}
+        self.counts = {
+            "tokens_in": 0,
+            "tokens_cropped": 0,
+            "tokens_placed": 0,
+            "tokens_padding": 0,
+            "truncated": 0,
+            "dropped": 0,
+        }
         self._order_epoch = -1
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": list(self.buffer_ids), "offsets": list(self.buffer_offsets),
-                "counts": dict(self.counts)}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "buffer": list(self.buffer_ids),
+            "offsets": list(self.buffer_offsets),
+            "counts": dict(self.counts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
@@ -226,8 +246,10 @@ class PackedLoader(BatchIterable):
     def _check_something_kept(self) -> None:
         """At the end of a pass: if every document was dropped, no batch can ever be made."""
         if self.counts["tokens_in"] == 0 and self.counts["dropped"]:
-            raise DataError(f"all {self.counts['dropped']} documents are longer than a row ({self.row_len} tokens) and "
-                            "data.long_conversations=drop drops them; raise data.max_seq_length or use truncate")
+            raise DataError(
+                f"all {self.counts['dropped']} documents are longer than a row ({self.row_len} tokens) and "
+                "data.long_conversations=drop drops them; raise data.max_seq_length or use truncate"
+            )
 
     def _admit(self, doc: Document, count: bool = True) -> Document | None:
         """Apply the long-document policy (SFT rows never crop, so a too-long one is cut or dropped here)."""
@@ -346,14 +368,19 @@ class StreamWindows:
         self.tokens, self.window = tokens, window
         self.count = (len(tokens) - 1) // (window - 1)
         if self.count < 1:
-            raise DataError(f"the stream holds {len(tokens)} tokens: fewer than one row of {window}; lower data.max_seq_length")
+            raise DataError(
+                f"the stream holds {len(tokens)} tokens: fewer than one row of {window}; lower data.max_seq_length"
+            )
 
     def __len__(self) -> int:
         return self.count
 
     def fetch(self, indices: Sequence[int]) -> list[Document]:
         step = self.window - 1
-        return [Document(np.asarray(self.tokens[int(i) * step : int(i) * step + self.window], dtype=np.int64)) for i in indices]
+        return [
+            Document(np.asarray(self.tokens[int(i) * step : int(i) * step + self.window], dtype=np.int64))
+            for i in indices
+        ]
 
 
 class RankSlice:

@@ -29,11 +29,22 @@ class PairLoader(BatchIterable):
     its end-of-turn token). Pairs longer than `max_len` tokens are dropped and counted.
     """
 
-    def __init__(self, pairs: list[PreferencePair], tokenizer: Tokenizer, batch_size: int, max_len: int, seed: int = 0,
-                 shuffle: bool = True, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        pairs: list[PreferencePair],
+        tokenizer: Tokenizer,
+        batch_size: int,
+        max_len: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.rows, self.dropped = [], 0
         for pair in pairs:
-            rendered = [tokenizer.render_conversation(c, train_on="last_assistant") for c in (pair.chosen, pair.rejected)]
+            rendered = [
+                tokenizer.render_conversation(c, train_on="last_assistant") for c in (pair.chosen, pair.rejected)
+            ]
             if max(len(ids) for ids, _ in rendered) > max_len + 1:
                 self.dropped += 1
                 continue

@@ -7,8 +7,10 @@ kind of example a row becomes, and which columns hold it (`Fields`, from the con
 |---|---|---|
 | text | `text` | a pretraining document |
 | chat | `messages` (OpenAI `role`/`content`, or ShareGPT `from`/`value`), or `prompt` + `completion` | a conversation |
-| preference | `prompt` + `chosen` + `rejected` strings, or `chosen` / `rejected` conversations (with or without a separate `prompt`) | a `PreferencePair` |
-| task | a `question` (or `prompt` / `messages`) and an `answer` whose final number the extraction rule finds | a `TaskExample` |
+| preference | `prompt` + `chosen` + `rejected` strings, or `chosen` / `rejected` chats [1] | a `PreferencePair` |
+| task | a `question` (or `prompt` / `messages`) and an `answer` whose final number is the reference | a `TaskExample` |
+
+[1] With or without a separate `prompt`.
 """
 
 from __future__ import annotations
@@ -75,8 +77,17 @@ def read_tools(value: Any, where: str) -> list[dict] | None:
 
 
 # -- conversations ---------------------------------------------------------------------------
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                  "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
 """ShareGPT's `from` values and the roles they become (Axolotl's and LLaMA-Factory's mapping)."""
 
 
@@ -91,7 +102,9 @@ def as_messages(value: Any, where: str) -> list[dict]:
         for i, turn in enumerate(value):
             role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
             if role is None:
-                raise DataError(f"{where}: ShareGPT turn {i} is from {turn['from']!r}; known speakers: {', '.join(SHAREGPT_ROLES)}")
+                raise DataError(
+                    f"{where}: ShareGPT turn {i} is from {turn['from']!r}; known speakers: {', '.join(SHAREGPT_ROLES)}"
+                )
             out.append({"role": role, "content": turn["value"]})
         return out
     if isinstance(value, list):  # keep only what a chat template reads (datasets adds None for absent keys)
@@ -131,7 +144,10 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
     if fields.messages in row:
         messages = as_messages(row[fields.messages], where)
     elif fields.prompt in row and fields.completion in row:
-        messages = [{"role": "user", "content": row[fields.prompt]}, {"role": "assistant", "content": row[fields.completion]}]
+        messages = [
+            {"role": "user", "content": row[fields.prompt]},
+            {"role": "assistant", "content": row[fields.completion]},
+        ]
     else:
         raise DataError(
             f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "
@@ -149,7 +165,12 @@ def _reply(value: Any, prompt: list[dict] | None, where: str) -> list[dict]:
             raise DataError(f"{where}: chosen/rejected are strings, so the row needs a prompt column")
         return prompt + [{"role": "assistant", "content": value}]
     messages = as_messages(value, where)
-    if isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get("role") != "assistant":
+    if (
+        isinstance(messages, list)
+        and messages
+        and isinstance(messages[0], dict)
+        and messages[0].get("role") != "assistant"
+    ):
         return messages
     if prompt is None:
         raise DataError(f"{where}: chosen/rejected hold only the reply, so the row needs a prompt column")
@@ -185,17 +206,25 @@ def row_to_task(row: dict, fields: Fields, where: str) -> TaskExample:
             messages = [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value, where)
             break
     else:
-        raise DataError(f"{where}: no {fields.question!r} or {fields.prompt!r} field; fields present: {sorted(row)} "
-                        "(set data.question_column)")
+        raise DataError(
+            f"{where}: no {fields.question!r} or {fields.prompt!r} field; fields present: {sorted(row)} "
+            "(set data.question_column)"
+        )
     messages = _checked(messages, where, needs_assistant=False)
     if messages[-1]["role"] != "user":
         raise DataError(f"{where}: the prompt must end with a user turn")
     answer = _column(row, fields.answer, where, "set data.answer_column")
     reference = extract_answer(str(answer), fields.answer_pattern)
     if reference is None:
-        rule = f"data.answer_pattern {fields.answer_pattern!r}" if fields.answer_pattern else "a final number (or '#### N')"
-        raise DataError(f"{where}: the answer {str(answer)[:60]!r} has no reference by the extraction rule ({rule}); "
-                        "fix the row or set data.answer_pattern")
+        rule = (
+            f"data.answer_pattern {fields.answer_pattern!r}"
+            if fields.answer_pattern
+            else "a final number (or '#### N')"
+        )
+        raise DataError(
+            f"{where}: the answer {str(answer)[:60]!r} has no reference by the extraction rule ({rule}); "
+            "fix the row or set data.answer_pattern"
+        )
     return TaskExample(messages, reference)
 
 

@@ -12,7 +12,8 @@ from tierlm.data.ul2 import MODE_TOKENS, sentinel_token
 
 
 class Qwen3EncoderDecoderTokenizer(Tokenizer):
-    """A tokenizer with UL2's sentinel and mode tokens (seed 002's name; nothing in it is Qwen-specific).
+    """A tokenizer with UL2's sentinel and mode tokens (named for the Qwen3 encoder-decoder; nothing in it is
+    Qwen-specific).
 
     >>> from tierlm.data import train_bpe_tokenizer
     >>> tok = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer(["a b c"] * 10, 300), num_sentinel_tokens=4)

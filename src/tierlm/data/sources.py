@@ -6,8 +6,8 @@
 |---|---|---|
 | synthetic task | generated from (seed, split, index) | nothing |
 | .txt / .md | a paragraph (documents are split at blank lines) | byte offsets |
-| .jsonl | a row, as the stage's kind of example (`tierlm.data.rows`: text, conversation, preference pair, task) | byte offsets |
-| .parquet, a saved HF dataset folder, a hub dataset name (`tierlm.data.hub`) | a row, as with JSONL | Arrow memory map |
+| .jsonl | a row, as the stage's kind of example (`tierlm.data.rows`) | byte offsets |
+| .parquet, a saved HF dataset, a hub dataset name (`tierlm.data.hub`) | a row, as with JSONL | Arrow memory map |
 | .bin / .npy token file | a token array (documents split at the separator token) | document offsets |
 
 Every collection has `len()` and `fetch(indices)`, so loaders shuffle, shard by rank and resume
@@ -60,7 +60,9 @@ def parse_json_object(raw: bytes | str, where: str) -> dict:
     except RecursionError:
         raise DataError(f"{where}: malformed JSON (nested too deeply); fix or remove that line") from None
     except ValueError as e:
-        raise DataError(f"{where}: malformed JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e}); fix or remove that line") from None
+        raise DataError(
+            f"{where}: malformed JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e}); fix or remove that line"
+        ) from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}; fix or remove that line")
     return row
@@ -163,7 +165,9 @@ class JSONLExamples(Examples):
         with open(self.path, "rb") as f:
             for i in indices:
                 f.seek(int(self.offsets[i]))
-                out.append(convert_row(json.loads(f.readline()), self.kind, self.fields, f"{self.path}:{self.lines[i]}"))
+                out.append(
+                    convert_row(json.loads(f.readline()), self.kind, self.fields, f"{self.path}:{self.lines[i]}")
+                )
         return out
 
 
@@ -218,8 +222,10 @@ class ArrowExamples(Examples):
     def fetch(self, indices: Sequence[int]) -> list[Any]:
         rows = self.dataset[[int(i) for i in indices]]  # columnar: {field: [values]}
         keys = list(rows)
-        return [convert_row({k: rows[k][j] for k in keys}, self.kind, self.fields, f"{self.name} row {i}")
-                for j, i in enumerate(indices)]
+        return [
+            convert_row({k: rows[k][j] for k in keys}, self.kind, self.fields, f"{self.name} row {i}")
+            for j, i in enumerate(indices)
+        ]
 
 
 class TokenFileExamples(Examples):
@@ -245,7 +251,10 @@ class TokenFileExamples(Examples):
                 raise DataError(f"{path}: negative token id {int(chunk.min())} at position {at}; token ids are >= 0")
             if top >= vocab_size:
                 at = lo + int(np.argmax(chunk >= vocab_size))
-                raise DataError(f"{path}: token id {top} at position {at} >= vocab size {vocab_size}; the file was made with another tokenizer")
+                raise DataError(
+                    f"{path}: token id {top} at position {at} >= vocab size {vocab_size}; the file was made with "
+                    f"another tokenizer"
+                )
             starts.append(np.flatnonzero(chunk == separator_id).astype(np.int64) + lo)
         bounds = np.unique(np.concatenate(starts + [np.asarray([self.num_tokens], dtype=np.int64)]))
         self.bounds = bounds  # document i is tokens [bounds[i], bounds[i + 1])
@@ -256,9 +265,13 @@ class TokenFileExamples(Examples):
             try:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)  # never unpickle: object arrays are refused
             except (ValueError, OSError, EOFError) as e:
-                raise DataError(f"{path}: not a readable token array ({first_line(e)}); save a 1-D integer array with numpy.save") from None
+                raise DataError(
+                    f"{path}: not a readable token array ({first_line(e)}); save a 1-D integer array with numpy.save"
+                ) from None
             if array.ndim != 1 or array.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
-                raise DataError(f"{path}: expected a 1-D integer token array, got {array.dtype} with shape {array.shape}")
+                raise DataError(
+                    f"{path}: expected a 1-D integer token array, got {array.dtype} with shape {array.shape}"
+                )
             return array.dtype, array.offset, len(array)
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -296,8 +309,11 @@ def _files(spec: str) -> list[Path]:
         if not files:
             raise DataError(f"folder {spec} has no .txt, .jsonl, .parquet, .bin or .npy files")
         return files
-    raise DataError(f"dataset {spec!r} is neither an existing file or folder nor a hub dataset id (owner/name, e.g. "
-                    f"HuggingFaceH4/ultrachat_200k); check the path, or give the id (also: synthetic:<task>, {', '.join(SYNTHETIC)})")
+    raise DataError(
+        f"dataset {spec!r} is neither an existing file or folder nor a hub dataset id (owner/name, e.g. "
+        f"HuggingFaceH4/ultrachat_200k); check the path, or give the id (also: synthetic:<task>, "
+        f"{', '.join(SYNTHETIC)})"
+    )
 
 
 class ConcatExamples(Examples):
@@ -364,9 +380,13 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
     stats = stats if stats is not None else ReadStats()
     assert options.kind in KINDS, f"kind must be one of {KINDS}, got {options.kind!r}"
     if synthetic_name(spec) is not None:
-        return SyntheticExamples(synthetic_generator(spec), options.split, options.synthetic_count, options.seed, options.kind)
+        return SyntheticExamples(
+            synthetic_generator(spec), options.split, options.synthetic_count, options.seed, options.kind
+        )
     spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
-    if has_named_splits(spec, options.data_files):  # a hub dataset name, a saved dataset, a Hub-layout folder, data_files
+    if has_named_splits(
+        spec, options.data_files
+    ):  # a hub dataset name, a saved dataset, a Hub-layout folder, data_files
         return ArrowExamples(load_split(spec, options), options.kind, options.fields, spec)
     parts: list[Examples] = []
     for file in _files(spec):
@@ -377,11 +397,15 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
         elif file.suffix in TOKEN_SUFFIXES:
             if options.kind != "text":
                 raise DataError(f"{file}: a token file holds pretraining documents, not {options.kind} examples")
-            assert options.separator_id is not None and options.vocab_size is not None, "token files need separator_id and vocab_size"
+            assert options.separator_id is not None and options.vocab_size is not None, (
+                "token files need separator_id and vocab_size"
+            )
             parts.append(TokenFileExamples(file, options.token_dtype, options.separator_id, options.vocab_size))
         else:
             if options.kind != "text":
-                raise DataError(f"{file}: {options.kind} examples come from JSONL, parquet or a dataset, not plain text")
+                raise DataError(
+                    f"{file}: {options.kind} examples come from JSONL, parquet or a dataset, not plain text"
+                )
             parts.append(TextExamples(file))
     examples = parts[0] if len(parts) == 1 else ConcatExamples(parts)
     if not len(examples):
@@ -391,7 +415,9 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
 
 def convert_rows(rows: list[dict], options: SourceOptions, name: str, first: int = 0) -> list[Any]:
     """Rows read from a stream as `options.kind` examples; errors name the row's place in the stream."""
-    return [convert_row(row, options.kind, options.fields, f"{name} stream row {first + i}") for i, row in enumerate(rows)]
+    return [
+        convert_row(row, options.kind, options.fields, f"{name} stream row {first + i}") for i, row in enumerate(rows)
+    ]
 
 
 def open_stream(spec: str, options: SourceOptions) -> Any:
@@ -399,8 +425,10 @@ def open_stream(spec: str, options: SourceOptions) -> Any:
     name, a folder (Hub-layout or plain, of parquet / JSONL files), a saved dataset, a parquet or JSONL file."""
     path = Path(spec)
     if synthetic_name(spec) is not None or spec.startswith("builtin:") or path.suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES:
-        raise DataError(f"data.streaming reads datasets (a hub name, a folder of parquet or JSONL files, a parquet or JSONL file); "
-                        f"{spec} is read in place without it: drop data.streaming")
+        raise DataError(
+            f"data.streaming reads datasets (a hub name, a folder of parquet or JSONL files, a parquet or JSONL file); "
+            f"{spec} is read in place without it: drop data.streaming"
+        )
     if not path.exists() and not has_named_splits(spec, options.data_files):
         _files(spec)  # one line: neither a path nor a hub id
     return load_split(spec, options)
@@ -410,7 +438,9 @@ def holdout_split(examples: Examples, val_fraction: float) -> tuple[Examples, Ex
     """(train, val) views: the last `val_fraction` of the examples (at least one) is held out."""
     n = len(examples)
     if n < 2:
-        raise DataError(f"need at least 2 examples to hold some out for validation, got {n}; set data.eval_dataset_name")
+        raise DataError(
+            f"need at least 2 examples to hold some out for validation, got {n}; set data.eval_dataset_name"
+        )
     n_val = max(1, int(n * val_fraction))
     return Subset(examples, np.arange(n - n_val)), Subset(examples, np.arange(n - n_val, n))
 

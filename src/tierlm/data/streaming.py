@@ -44,7 +44,9 @@ class StreamBlocks:
     the start of an epoch), `epoch`, `epoch_docs` and `repeat`.
     """
 
-    def _init_stream(self, dataset: Any, to_documents: Callable[[list[dict], int], list[Document]], block_size: int, name: str) -> None:
+    def _init_stream(
+        self, dataset: Any, to_documents: Callable[[list[dict], int], list[Document]], block_size: int, name: str
+    ) -> None:
         assert block_size > 0, f"block_size must be > 0, got {block_size}"
         self.dataset, self.to_documents, self.block_size, self.name = dataset, to_documents, block_size, name
 
@@ -78,7 +80,9 @@ class StreamBlocks:
         finally:
             reader[1].close()
 
-    def _read_next_block(self, at_epoch_end: Callable[[], None] = lambda: None) -> tuple[list[Document], dict | None] | None:
+    def _read_next_block(
+        self, at_epoch_end: Callable[[], None] = lambda: None
+    ) -> tuple[list[Document], dict | None] | None:
         """The next block's documents and the stream state where it starts (a new epoch at the stream's
         end, after `at_epoch_end()`); None at the end of a single pass."""
         while True:
@@ -121,8 +125,17 @@ class StreamingLoader(StreamBlocks, PackedLoader):
     """A `PackedLoader` whose documents come from a stream (`StreamBlocks`); `block_size` rows are read,
     tokenized and shuffled at a time."""
 
-    def __init__(self, dataset: Any, to_documents: Callable[[list[dict], int], list[Document]], batch_size: int, seq_len: int,
-                 *, block_size: int = 1000, name: str = "stream", **packing):
+    def __init__(
+        self,
+        dataset: Any,
+        to_documents: Callable[[list[dict], int], list[Document]],
+        batch_size: int,
+        seq_len: int,
+        *,
+        block_size: int = 1000,
+        name: str = "stream",
+        **packing,
+    ):
         self._init_stream(dataset, to_documents, block_size, name)
         super().__init__(None, batch_size, seq_len, **packing)
 
@@ -144,9 +157,17 @@ class StreamingLoader(StreamBlocks, PackedLoader):
 
     def state_dict(self) -> dict:
         referenced = self._referenced_blocks()
-        return {"epoch": self.epoch, "block": self.block, "cursor": self.cursor, "after": self.after, "epoch_docs": self.epoch_docs,
-                "block_starts": {str(b): s for b, s in self.block_starts.items() if b in referenced},
-                "buffer": [list(i) for i in self.buffer_ids], "offsets": list(self.buffer_offsets), "counts": dict(self.counts)}
+        return {
+            "epoch": self.epoch,
+            "block": self.block,
+            "cursor": self.cursor,
+            "after": self.after,
+            "epoch_docs": self.epoch_docs,
+            "block_starts": {str(b): s for b, s in self.block_starts.items() if b in referenced},
+            "buffer": [list(i) for i in self.buffer_ids],
+            "offsets": list(self.buffer_offsets),
+            "counts": dict(self.counts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rewind()
@@ -160,8 +181,10 @@ class StreamingLoader(StreamBlocks, PackedLoader):
             self.block_order = self._order_of(self.block, len(self.block_docs[self.block]))
         self.buffer_ids = [(int(b), int(i)) for b, i in state["buffer"]]
         self.buffer_offsets = [int(o) for o in state["offsets"]]
-        self.buffer = [_tail(self._admit(self.block_docs[b][i], count=False), offset)
-                       for (b, i), offset in zip(self.buffer_ids, self.buffer_offsets)]
+        self.buffer = [
+            _tail(self._admit(self.block_docs[b][i], count=False), offset)
+            for (b, i), offset in zip(self.buffer_ids, self.buffer_offsets)
+        ]
         self.buffer_lengths = [len(doc.ids) for doc in self.buffer]
 
     # -- filling the buffer ----------------------------------------------------------------

@@ -32,8 +32,13 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '_start|>' + (message['content'] or '') }}"
-    "{% for call in message['tool_calls'] or [] %}{% set call = call['function'] if call['function'] is defined else call %}"
-    "{{ '" + TOOL_CALL_START + "' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '" + TOOL_CALL_END + "' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set call = call['function'] if call['function'] is defined else "
+    "call %}"
+    "{{ '"
+    + TOOL_CALL_START
+    + "' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '"
+    + TOOL_CALL_END
+    + "' }}"
     "{% endfor %}"
     "{{ '<|' + message['role'] + '_end|>' }}"
     "{% endfor %}"
@@ -75,7 +80,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> "Tokenizer":
 
     floor = 256 + len(SPECIAL_TOKENS)
     if vocab_size < floor:
-        raise DataError(f"BPE vocab_size must be >= {floor} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        raise DataError(
+            f"BPE vocab_size must be >= {floor} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+        )
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -121,7 +128,9 @@ def load_tokenizer(name_or_path: str | Path, trust_remote_code: bool = False) ->
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first_line(e)}") from e
     if not getattr(hf, "is_fast", False):
-        raise ModelLoadError(f"tokenizer {str(name_or_path)!r} has no fast (Rust) version; tierlm needs one for offsets")
+        raise ModelLoadError(
+            f"tokenizer {str(name_or_path)!r} has no fast (Rust) version; tierlm needs one for offsets"
+        )
     return Tokenizer(hf)
 
 
@@ -161,7 +170,9 @@ class Tokenizer:
         """Tokens that end a generated answer: end of turn / EOS, and BOS (a new document)."""
         if self._stop_ids is None:
             vocab = self.hf.get_vocab()
-            ids = {self.hf.eos_token_id, self.hf.bos_token_id} | {vocab[t] for t in (ASSISTANT_END, "<|im_end|>", "<|eot_id|>") if t in vocab}
+            ids = {self.hf.eos_token_id, self.hf.bos_token_id} | {
+                vocab[t] for t in (ASSISTANT_END, "<|im_end|>", "<|eot_id|>") if t in vocab
+            }
             self._stop_ids = sorted(i for i in ids if i is not None)
         return self._stop_ids
 
@@ -203,7 +214,9 @@ class Tokenizer:
     # -- chat ------------------------------------------------------------------------------
     def _render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         """The template's text; a conversation's `tools` (function schemas) go to the template too."""
-        return self.hf.apply_chat_template(list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def render_conversation(self, messages: list[dict], train_on: str = "all_assistant") -> tuple[list[int], list[int]]:
         """Token ids and a 0/1 mask of the tokens to train on.
@@ -213,13 +226,16 @@ class Tokenizer:
         rendering is the chat template's, so it is the same one sampling uses.
 
         >>> tok = train_char_tokenizer(["What is 1+1? 2"])
-        >>> ids, mask = tok.render_conversation([{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}])
+        >>> ids, mask = tok.render_conversation([{"role": "user", "content": "1+1"}, {"role": "assistant",
+        ...     "content": "2"}])
         >>> [tok.decode([i]) for i, m in zip(ids, mask) if m]
         ['2', '<|assistant_end|>']
         """
         check_conversation(messages)
         if not self.has_chat_template:
-            raise DataError("this tokenizer has no chat template; SFT needs one (train a tierlm tokenizer or use a chat model's)")
+            raise DataError(
+                "this tokenizer has no chat template; SFT needs one (train a tierlm tokenizer or use a chat model's)"
+            )
         if train_on not in TRAIN_ON:
             raise DataError(f"train_on must be one of {list(TRAIN_ON)}, got {train_on!r}")
         tools = getattr(messages, "tools", None)
@@ -231,7 +247,9 @@ class Tokenizer:
             prefix = self._render(messages[:i], add_generation_prompt=True, tools=tools)
             upto = self._render(messages[: i + 1], tools=tools)
             if not (upto.startswith(prefix) and full.startswith(upto)):
-                raise DataError("the chat template does not render conversations prefix-stably; cannot locate assistant turns")
+                raise DataError(
+                    "the chat template does not render conversations prefix-stably; cannot locate assistant turns"
+                )
             spans.append((len(prefix), len(upto), prefix))
         encoding = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoding["input_ids"]
@@ -275,14 +293,20 @@ class Tokenizer:
         stops, special = set(self.stop_ids), set(self.hf.added_tokens_decoder)  # added tokens split the text
         for (_, _, prefix), (first, last) in zip(spans, turns):
             if not any(ids[i] in stops and mask[i] for i in range(first, last)):
-                raise DataError("an assistant turn has no labelled end-of-turn token: the model would never learn to stop; "
-                                "check the tokenizer's chat template and eos token")
+                raise DataError(
+                    "an assistant turn has no labelled end-of-turn token: the model would never learn to stop; "
+                    "check the tokenizer's chat template and eos token"
+                )
             k = max((i for i in range(first - 1, -1, -1) if ids[i] in special), default=-1)
             tail_start = int(offsets[k, 1]) if k >= 0 else 0
-            tail = self.hf(prefix[tail_start:], add_special_tokens=False)["input_ids"] if tail_start < len(prefix) else []
+            tail = (
+                self.hf(prefix[tail_start:], add_special_tokens=False)["input_ids"] if tail_start < len(prefix) else []
+            )
             if ids[k + 1 : first] != tail:
-                raise DataError("training and sampling render different prompt tokens for an assistant turn; "
-                                "the chat template or tokenizer is not prefix-stable")
+                raise DataError(
+                    "training and sampling render different prompt tokens for an assistant turn; "
+                    "the chat template or tokenizer is not prefix-stable"
+                )
 
     def continuation_ids(self, history: list[dict], new_messages: list[dict]) -> list[int]:
         """Ids that follow a rendered `history` (ending with an assistant turn) when `new_messages`
@@ -314,9 +338,14 @@ def check_conversation(messages: list[dict], needs_assistant: bool = True) -> No
             raise DataError(f"message {i} has role {message['role']!r}; roles are {list(ROLES)}")
         if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
             raise DataError(f"message {i} content must be a string, got {type(message['content']).__name__}")
-        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)
-                                  or not all(isinstance(c, dict) and "name" in c.get("function", c) for c in calls)):
-            raise DataError(f"message {i}: tool_calls belong to an assistant turn, as a list of "
-                            "{type: function, function: {name, arguments}}")
+        if calls is not None and (
+            message["role"] != "assistant"
+            or not isinstance(calls, list)
+            or not all(isinstance(c, dict) and "name" in c.get("function", c) for c in calls)
+        ):
+            raise DataError(
+                f"message {i}: tool_calls belong to an assistant turn, as a list of "
+                "{type: function, function: {name, arguments}}"
+            )
     if needs_assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError("a training conversation needs at least one assistant message")

@@ -14,7 +14,7 @@ every token of the piece appears exactly once across the two (`reconstruct` undo
 input starts with the denoiser's mode token, `[R]`, `[X]` or `[S]` (the paper's paradigm tokens), so a
 model can be asked for a mode at inference.
 
-The default mixture is seed 002's five denoisers with `ul2_task_weights` [1, 1, 1, 1, 4]:
+The default mixture is five denoisers with `ul2_task_weights` [1, 1, 1, 1, 4]:
 
 | denoiser | mode | mean span | corruption | weight |
 |---|---|---|---|---|
@@ -25,7 +25,7 @@ The default mixture is seed 002's five denoisers with `ul2_task_weights` [1, 1, 
 | S  | [S] | — | the suffix (25–75% of the piece) | 4 |
 
 (The paper's own mixture has seven: R with spans 3 and 8 at 15%, X with spans 3 and 8 at 50% and 64 at
-15% and 50%, and S; seed 002 keeps two of each R and X and weighs S at half the examples.)
+15% and 50%, and S; this mixture keeps two of each R and X and weighs S at half the examples.)
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def span_counts(length: int, noise_density: float, mean_span: float) -> tuple[in
 
 def _segment(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
     """`total` split into `parts` positive lengths, uniformly over all such splits."""
-    cuts = np.sort(rng.choice(np.arange(1, total), size=parts - 1, replace=False)) if parts > 1 else np.zeros(0, dtype=np.int64)
+    cuts = (
+        np.sort(rng.choice(np.arange(1, total), size=parts - 1, replace=False))
+        if parts > 1
+        else np.zeros(0, dtype=np.int64)
+    )
     return np.diff(np.concatenate([[0], cuts, [total]]))
 
 
@@ -138,7 +142,9 @@ def corrupt_spans(tokens: Sequence[int], mask: np.ndarray, sentinel_ids: Sequenc
     return inputs, targets
 
 
-def reconstruct(inputs: Sequence[int], targets: Sequence[int], sentinel_ids: Sequence[int], mode_id: int | None = None) -> list[int]:
+def reconstruct(
+    inputs: Sequence[int], targets: Sequence[int], sentinel_ids: Sequence[int], mode_id: int | None = None
+) -> list[int]:
     """The original piece from a span-corrupted (input, target) pair (or a prefix-LM one: input + target).
 
     >>> reconstruct([10, 900, 13, 14, 901], [900, 11, 12, 901, 15], [900, 901])
@@ -167,9 +173,11 @@ def piece_length(denoiser: Denoiser, max_encoder_length: int, max_decoder_length
     """The longest piece whose encoder input (mode token included) and decoder target (end-of-sequence
     token included) fit the two lengths (for S, the longest suffix a piece can have must fit the decoder).
 
-    >>> piece_length(DEFAULT_DENOISERS[0], 512, 128), piece_length(DEFAULT_DENOISERS[2], 512, 128), piece_length(DEFAULT_DENOISERS[4], 512, 128)
+    >>> piece_length(DEFAULT_DENOISERS[0], 512, 128), piece_length(DEFAULT_DENOISERS[2], 512,
+    ...     128), piece_length(DEFAULT_DENOISERS[4], 512, 128)
     (568, 190, 169)
     """
+
     def fits(n: int) -> bool:
         if denoiser.mode == "S":  # the longest prefix must fit the encoder, the longest suffix the decoder
             shortest, longest = _prefix_bounds(n)
@@ -200,10 +208,20 @@ class UL2Denoising:
     of a document) and returns what fits `max_encoder_length` / `max_decoder_length`.
     """
 
-    def __init__(self, sentinel_ids: Sequence[int], mode_ids: dict[str, int], max_encoder_length: int, max_decoder_length: int,
-                 denoisers: Sequence[Denoiser] = DEFAULT_DENOISERS, task_weights: Sequence[float] = DEFAULT_TASK_WEIGHTS, seed: int = 0):
+    def __init__(
+        self,
+        sentinel_ids: Sequence[int],
+        mode_ids: dict[str, int],
+        max_encoder_length: int,
+        max_decoder_length: int,
+        denoisers: Sequence[Denoiser] = DEFAULT_DENOISERS,
+        task_weights: Sequence[float] = DEFAULT_TASK_WEIGHTS,
+        seed: int = 0,
+    ):
         assert len(denoisers) == len(task_weights), f"{len(denoisers)} denoisers but {len(task_weights)} task weights"
-        assert all(w >= 0 for w in task_weights) and sum(task_weights) > 0, f"task weights must be >= 0 with a positive sum: {task_weights}"
+        assert all(w >= 0 for w in task_weights) and sum(task_weights) > 0, (
+            f"task weights must be >= 0 with a positive sum: {task_weights}"
+        )
         self.sentinel_ids, self.mode_ids, self.seed = list(sentinel_ids), dict(mode_ids), seed
         self.denoisers = list(denoisers)
         self.probabilities = np.asarray(task_weights, dtype=np.float64) / float(sum(task_weights))
@@ -211,8 +229,11 @@ class UL2Denoising:
         self.lengths = [piece_length(d, max_encoder_length, max_decoder_length) for d in self.denoisers]
         for d, n in zip(self.denoisers, self.lengths):
             if d.mode != "S" and span_counts(n, d.noise_density, d.mean_span)[1] > len(self.sentinel_ids):
-                raise ValueError(f"{d.name} makes up to {span_counts(n, d.noise_density, d.mean_span)[1]} spans in a piece of {n} "
-                                 f"tokens but there are {len(self.sentinel_ids)} sentinel tokens; add sentinels or shorten the lengths")
+                raise ValueError(
+                    f"{d.name} makes up to {span_counts(n, d.noise_density, d.mean_span)[1]} spans in a piece of {n} "
+                    f"tokens but there are {len(self.sentinel_ids)} sentinel tokens; add sentinels or shorten the "
+                    f"lengths"
+                )
 
     def rng(self, index: int) -> np.random.Generator:
         return np.random.default_rng((self.seed, 0x5512, index))
@@ -254,7 +275,8 @@ class UL2DataCollator:
     `attention_mask` / `decoder_attention_mask` are the segment ids > 0. With `pack=False` each example
     gets its own row.
 
-    >>> collate = UL2DataCollator(max_encoder_length=6, max_decoder_length=5, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+    >>> collate = UL2DataCollator(max_encoder_length=6, max_decoder_length=5, pad_token_id=0, eos_token_id=2,
+    ...     decoder_start_token_id=0)
     >>> batch = collate([([5, 6, 7], [8]), ([9, 10], [11, 12])])
     >>> batch["input_ids"].tolist(), batch["encoder_segment_ids"].tolist()
     ([[5, 6, 7, 9, 10, 0]], [[1, 1, 1, 2, 2, 0]])
@@ -262,8 +284,17 @@ class UL2DataCollator:
     ([[0, 8, 0, 11, 12]], [[8, 2, 11, 12, 2]])
     """
 
-    def __init__(self, tokenizer=None, max_encoder_length: int = 512, max_decoder_length: int = 128, *, pad_token_id: int | None = None,
-                 eos_token_id: int | None = None, decoder_start_token_id: int | None = None, pack: bool = True):
+    def __init__(
+        self,
+        tokenizer=None,
+        max_encoder_length: int = 512,
+        max_decoder_length: int = 128,
+        *,
+        pad_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        decoder_start_token_id: int | None = None,
+        pack: bool = True,
+    ):
         hf = getattr(tokenizer, "hf", tokenizer)
         self.pad_id = pad_token_id if pad_token_id is not None else hf.pad_token_id
         self.eos_id = eos_token_id if eos_token_id is not None else hf.eos_token_id
@@ -277,8 +308,10 @@ class UL2DataCollator:
         room: list[tuple[int, int]] = []
         for i, (inputs, targets) in enumerate(examples):
             need = (len(inputs), len(targets) + 1)
-            assert need[0] <= self.max_encoder_length and need[1] <= self.max_decoder_length, \
-                f"example {i} needs {need} tokens, more than the row's ({self.max_encoder_length}, {self.max_decoder_length})"
+            assert need[0] <= self.max_encoder_length and need[1] <= self.max_decoder_length, (
+                f"example {i} needs {need} tokens, more than the row's ({self.max_encoder_length}, "
+                f"{self.max_decoder_length})"
+            )
             slot = next((r for r, (e, d) in enumerate(room) if self.pack and need[0] <= e and need[1] <= d), None)
             if slot is None:
                 rows.append([])
@@ -292,10 +325,21 @@ class UL2DataCollator:
         examples = [(e[0], e[1]) for e in examples]
         layout = self.rows(examples)
         B, E, D = len(layout), self.max_encoder_length, self.max_decoder_length
-        out = {name: torch.full((B, E), self.pad_id if name == "input_ids" else 0, dtype=torch.long)
-               for name in ("input_ids", "encoder_segment_ids", "encoder_positions")}
-        out.update({name: torch.full((B, D), fill, dtype=torch.long) for name, fill in
-                    (("decoder_input_ids", self.pad_id), ("labels", IGNORE_INDEX), ("decoder_segment_ids", 0), ("decoder_positions", 0))})
+        out = {
+            name: torch.full((B, E), self.pad_id if name == "input_ids" else 0, dtype=torch.long)
+            for name in ("input_ids", "encoder_segment_ids", "encoder_positions")
+        }
+        out.update(
+            {
+                name: torch.full((B, D), fill, dtype=torch.long)
+                for name, fill in (
+                    ("decoder_input_ids", self.pad_id),
+                    ("labels", IGNORE_INDEX),
+                    ("decoder_segment_ids", 0),
+                    ("decoder_positions", 0),
+                )
+            }
+        )
         for row, members in enumerate(layout):
             e = d = 0
             for segment, i in enumerate(members, start=1):

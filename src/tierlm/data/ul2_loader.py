@@ -28,13 +28,26 @@ from tierlm.errors import DataError
 class UL2Loader(BatchIterable):
     """Batches of packed UL2 examples (`UL2DataCollator`'s keys) from `documents`."""
 
-    def __init__(self, documents: Documents, mixture: UL2Denoising, collator: UL2DataCollator, batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True, skip_first: int = 1):
+    def __init__(
+        self,
+        documents: Documents,
+        mixture: UL2Denoising,
+        collator: UL2DataCollator,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        skip_first: int = 1,
+    ):
         assert batch_size > 0, f"batch_size must be > 0, got {batch_size}"
         if documents is not None and len(documents) == 0:  # None: a stream (StreamingUL2Loader)
             raise DataError("the UL2 source holds no documents")
         self.documents, self.mixture, self.collator, self.batch_size = documents, mixture, collator, batch_size
-        self.seed, self.shuffle, self.skip_first = seed, shuffle, skip_first  # skip_first: the separator (BOS) each text opens with
+        self.seed, self.shuffle, self.skip_first = (
+            seed,
+            shuffle,
+            skip_first,
+        )  # skip_first: the separator (BOS) each text opens with
         self.repeat = True
         self.rewind()
 
@@ -51,7 +64,9 @@ class UL2Loader(BatchIterable):
 
     def load_state_dict(self, state: dict) -> None:
         self.rewind()
-        self.epoch, self.cursor, self.offset, self.index = (int(state[k]) for k in ("epoch", "cursor", "offset", "index"))
+        self.epoch, self.cursor, self.offset, self.index = (
+            int(state[k]) for k in ("epoch", "cursor", "offset", "index")
+        )
 
     def stats(self) -> dict[str, float]:
         return {"ul2_examples": float(self.index)}
@@ -67,7 +82,7 @@ class UL2Loader(BatchIterable):
             if self._doc is not None and self._doc[:2] == (self.epoch, self.cursor):
                 ids = self._doc[2]
             elif self.cursor < len(self.documents):
-                ids = self.documents.fetch([int(self._order()[self.cursor])])[0].ids[self.skip_first:]
+                ids = self.documents.fetch([int(self._order()[self.cursor])])[0].ids[self.skip_first :]
                 self._doc = (self.epoch, self.cursor, ids)
             else:
                 if not self.repeat:
@@ -105,11 +120,22 @@ class UL2Loader(BatchIterable):
         batch = self.collator(examples)
         rows = batch["input_ids"].shape[0]
         if rows < self.batch_size:  # a short last batch of a single pass: empty rows (all padding, no labels)
-            batch = {k: torch.cat([v, torch.full((self.batch_size - rows, v.shape[1]), -100 if k == "labels" else
-                                                 (self.collator.pad_id if k in ("input_ids", "decoder_input_ids") else 0), dtype=v.dtype)])
-                     for k, v in batch.items()}
+            batch = {
+                k: torch.cat(
+                    [
+                        v,
+                        torch.full(
+                            (self.batch_size - rows, v.shape[1]),
+                            -100
+                            if k == "labels"
+                            else (self.collator.pad_id if k in ("input_ids", "decoder_input_ids") else 0),
+                            dtype=v.dtype,
+                        ),
+                    ]
+                )
+                for k, v in batch.items()
+            }
         return batch
-
 
 
 class StreamingUL2Loader(StreamBlocks, UL2Loader):
@@ -117,8 +143,20 @@ class StreamingUL2Loader(StreamBlocks, UL2Loader):
     `to_documents(rows, first_index)` turning a block into `Document`s, each block's documents cut in an
     order fixed by (seed, block)."""
 
-    def __init__(self, dataset, to_documents, mixture: UL2Denoising, collator: UL2DataCollator, batch_size: int, *,
-                 block_size: int = 1000, name: str = "stream", seed: int = 0, shuffle: bool = True, skip_first: int = 1):
+    def __init__(
+        self,
+        dataset,
+        to_documents,
+        mixture: UL2Denoising,
+        collator: UL2DataCollator,
+        batch_size: int,
+        *,
+        block_size: int = 1000,
+        name: str = "stream",
+        seed: int = 0,
+        shuffle: bool = True,
+        skip_first: int = 1,
+    ):
         self._init_stream(dataset, to_documents, block_size, name)
         super().__init__(None, mixture, collator, batch_size, seed=seed, shuffle=shuffle, skip_first=skip_first)
 
@@ -134,12 +172,22 @@ class StreamingUL2Loader(StreamBlocks, UL2Loader):
         self.block_order = np.zeros(0, dtype=np.int64)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "block": self.block, "block_start": self.block_start, "after": self.after,
-                "epoch_docs": self.epoch_docs}
+        return {
+            **super().state_dict(),
+            "block": self.block,
+            "block_start": self.block_start,
+            "after": self.after,
+            "epoch_docs": self.epoch_docs,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.block, self.block_start, self.after, self.epoch_docs = int(state["block"]), state["block_start"], state["after"], int(state["epoch_docs"])
+        self.block, self.block_start, self.after, self.epoch_docs = (
+            int(state["block"]),
+            state["block_start"],
+            state["after"],
+            int(state["epoch_docs"]),
+        )
         if self.block >= 0:  # re-read the block being cut
             self.block_docs = self._reread(self.block, self.block_start)
             self.block_order = self._order_of(self.block, len(self.block_docs))
@@ -147,7 +195,7 @@ class StreamingUL2Loader(StreamBlocks, UL2Loader):
     def _document(self) -> np.ndarray | None:
         while True:
             if self.cursor < len(self.block_order):
-                ids = self.block_docs[int(self.block_order[self.cursor])].ids[self.skip_first:]
+                ids = self.block_docs[int(self.block_order[self.cursor])].ids[self.skip_first :]
                 if len(ids) - self.offset >= 2:
                     return ids
                 self.cursor, self.offset = self.cursor + 1, 0  # what is left (< 2 tokens) cannot make an example
@@ -159,19 +207,44 @@ class StreamingUL2Loader(StreamBlocks, UL2Loader):
             self.block_order, self.cursor, self.offset = self._order_of(self.block, len(self.block_docs)), 0, 0
 
 
-
-def create_ul2_dataset(documents, tokenizer, max_encoder_length: int = 512, max_decoder_length: int = 128,
-                       batch_size: int = 8, task_weights=None, seed: int = 0, shuffle: bool = True, *,
-                       to_documents=None, block_size: int = 1000, name: str = "stream") -> UL2Loader:
+def create_ul2_dataset(
+    documents,
+    tokenizer,
+    max_encoder_length: int = 512,
+    max_decoder_length: int = 128,
+    batch_size: int = 8,
+    task_weights=None,
+    seed: int = 0,
+    shuffle: bool = True,
+    *,
+    to_documents=None,
+    block_size: int = 1000,
+    name: str = "stream",
+) -> UL2Loader:
     """UL2 batches with a tokenizer that has sentinels (`Qwen3EncoderDecoderTokenizer`) from `documents`:
     any text source through `Documents` (see `tierlm.data.packing`), or with `to_documents` a stream
     (an `IterableDataset` of rows read `block_size` rows at a time; see `StreamingUL2Loader`)."""
     from tierlm.data.ul2 import DEFAULT_TASK_WEIGHTS
 
-    mixture = UL2Denoising(tokenizer.sentinel_ids, tokenizer.mode_ids, max_encoder_length, max_decoder_length,
-                           task_weights=task_weights or DEFAULT_TASK_WEIGHTS, seed=seed)
+    mixture = UL2Denoising(
+        tokenizer.sentinel_ids,
+        tokenizer.mode_ids,
+        max_encoder_length,
+        max_decoder_length,
+        task_weights=task_weights or DEFAULT_TASK_WEIGHTS,
+        seed=seed,
+    )
     collator = UL2DataCollator(tokenizer, max_encoder_length, max_decoder_length)
     if to_documents is not None:
-        return StreamingUL2Loader(documents, to_documents, mixture, collator, batch_size, block_size=block_size, name=name,
-                                  seed=seed, shuffle=shuffle)
+        return StreamingUL2Loader(
+            documents,
+            to_documents,
+            mixture,
+            collator,
+            batch_size,
+            block_size=block_size,
+            name=name,
+            seed=seed,
+            shuffle=shuffle,
+        )
     return UL2Loader(documents, mixture, collator, batch_size, seed=seed, shuffle=shuffle)

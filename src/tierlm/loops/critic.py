@@ -16,24 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierlm.models import family_of, unwrap_model
 from tierlm.strategies.rl import ValueStrategy
 
 
 def value_model(policy: nn.Module) -> nn.Module:
-    """A copy of `policy` whose output head is one zero-initialised column (B, T, 1) — for the native
-    families (`lm_head`) and transformers models (`set_output_embeddings`) alike."""
-    model = copy.deepcopy(getattr(policy, "module", policy))
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+    """A copy of `policy` whose output head is one zero-initialised column (B, T, 1) — for every family."""
+    model = copy.deepcopy(unwrap_model(policy))
+    family = family_of(model)
+    head = family.output_head(model)
     value_head = nn.Linear(head.in_features, 1, bias=False, device=head.weight.device, dtype=head.weight.dtype)
     nn.init.zeros_(value_head.weight)
-    if hasattr(model, "set_output_embeddings"):
-        model.set_output_embeddings(value_head)
-    else:
-        model.lm_head = value_head  # a tied head is untied: the embedding stays the token table
-    if hasattr(model.config, "tie_embeddings"):
-        model.config = copy.copy(model.config)
-        model.config.tie_embeddings = False
-    return model
+    return family.with_output_head(model, value_head)
 
 
 @dataclass
@@ -48,4 +42,6 @@ class Critic:
         return self.backend.forward(batch, self.strategy.compute_metrics).wait()["values"]
 
     def accumulate(self, batch: dict[str, torch.Tensor]) -> None:
-        self.backend.forward_backward({k: batch[k] for k in ("input_ids", "labels", "returns", "old_values")}, self.strategy.compute_loss)
+        self.backend.forward_backward(
+            {k: batch[k] for k in ("input_ids", "labels", "returns", "old_values")}, self.strategy.compute_loss
+        )

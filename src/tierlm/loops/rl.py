@@ -17,16 +17,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tierlm.checkpoint import prune_checkpoints
-from tierlm.config import RLConfig, TrainingConfig
+from tierlm.config import RLConfig, TierlmConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
+from tierlm.loops import cadence
+from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.tasks import Environment, Task, is_environment
 from tierlm.rollout.engine import Completion, Engine, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
-from tierlm.loops.signals import GracefulStop, RunInterrupted
-from tierlm.loops.trainer import resume_backend
+from tierlm.tasks import Environment, Task, is_environment
 
 
 @dataclass
@@ -75,6 +74,7 @@ class RLState:
     initial_pass_at_1: float | None = None
     rollout_tokens: int = 0
     last_eval: dict = field(default_factory=dict)  # the latest eval's figures: a run resumed at its end reports them
+    last_eval_step: int = -1
 
 
 @dataclass
@@ -96,11 +96,11 @@ class RLTrainer:
 
     @property
     def rank(self) -> int:
-        return getattr(self.backend, "rank", 0)
+        return self.backend.rank if self.backend is not None else 0  # pass@k evaluation runs without a backend
 
     @property
     def world_size(self) -> int:
-        return getattr(self.backend, "world_size", 1)
+        return self.backend.world_size if self.backend is not None else 1
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         return self.backend.all_reduce_sums(values) if self.world_size > 1 else values
@@ -110,7 +110,9 @@ class RLTrainer:
         return self.tokenizer.render_for_completion(messages)
 
     def _generator(self, *salt: int) -> torch.Generator:
-        key = (self.config.seed, *salt) if self.world_size == 1 else (self.config.seed, self.rank, *salt)  # ranks sample apart
+        key = (
+            (self.config.seed, *salt) if self.world_size == 1 else (self.config.seed, self.rank, *salt)
+        )  # ranks sample apart
         return torch.Generator(device=self.engine.device).manual_seed(hash(key) % 2**62)
 
     def collect(self, examples: list, generator: torch.Generator) -> list[list[Rollout]]:
@@ -118,8 +120,15 @@ class RLTrainer:
         groups = []
         for example in examples:
             prompt = self._prompt(example.messages)
-            completions = self.engine.generate(prompt, self.rl.group_size, self.rl.max_new_tokens, self.rl.temperature,
-                                               self.rl.top_k, self.rl.top_p, generator)
+            completions = self.engine.generate(
+                prompt,
+                self.rl.group_size,
+                self.rl.max_new_tokens,
+                self.rl.temperature,
+                self.rl.top_k,
+                self.rl.top_p,
+                generator,
+            )
             group = []
             for c in completions:
                 text = answer_text(self.tokenizer, c.tokens)
@@ -138,8 +147,9 @@ class RLTrainer:
             room = self.engine.max_len() - len(sequence)
             if room < 2:
                 break
-            turn = self.engine.generate(sequence, 1, min(self.rl.max_new_tokens, room - 1), temperature, self.rl.top_k, self.rl.top_p,
-                                        generator)[0]
+            turn = self.engine.generate(
+                sequence, 1, min(self.rl.max_new_tokens, room - 1), temperature, self.rl.top_k, self.rl.top_p, generator
+            )[0]
             for name in ("tokens", "logprobs", "mask"):
                 getattr(episode, name).extend(getattr(turn, name))
             episode.tool_calls += turn.tool_calls
@@ -179,10 +189,18 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         # This rank's share of the step's prompts (DDP: the backend sums gradients and tokens over ranks).
-        indices, generator = self._indices(self.state.step)[self.rank :: self.world_size], self._generator(self.state.step)
+        indices, generator = (
+            self._indices(self.state.step)[self.rank :: self.world_size],
+            self._generator(self.state.step),
+        )
         if is_environment(self.train_task):
-            groups = [[self.run_episode(self.train_task, i, self.rl.temperature, generator) for _ in range(self.rl.group_size)]
-                      for i in indices]
+            groups = [
+                [
+                    self.run_episode(self.train_task, i, self.rl.temperature, generator)
+                    for _ in range(self.rl.group_size)
+                ]
+                for i in indices
+            ]
         else:
             groups = self.collect([self.train_task.example(i) for i in indices], generator)
         t1 = time.perf_counter()
@@ -207,34 +225,52 @@ class RLTrainer:
         t2 = time.perf_counter()
         for _ in range(self.rl.ppo_epochs):
             for mb in micro:
-                self.backend.forward_backward({k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss)
+                self.backend.forward_backward(
+                    {k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss
+                )
                 if self.critic is not None:
                     self.critic.accumulate(mb)
             update = self.backend.optim_step().wait()
             value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
         t3 = time.perf_counter()
-        totals = self._sum_over_ranks({  # statistics of the whole step, over every rank's rollouts
-            "rows": len(rollouts), "groups": len(groups), "reward": float(rewards.sum()), "reward_sq": float((rewards**2).sum()),
-            "signal": float(sum(len({r.reward for r in g}) > 1 for g in groups)), "tokens": sum(len(r.completion.tokens) for r in rollouts),
-            "finished": float(sum(r.completion.finished for r in rollouts)), "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
-        })
+        totals = self._sum_over_ranks(
+            {  # statistics of the whole step, over every rank's rollouts
+                "rows": len(rollouts),
+                "groups": len(groups),
+                "reward": float(rewards.sum()),
+                "reward_sq": float((rewards**2).sum()),
+                "signal": float(sum(len({r.reward for r in g}) > 1 for g in groups)),
+                "tokens": sum(len(r.completion.tokens) for r in rollouts),
+                "finished": float(sum(r.completion.finished for r in rollouts)),
+                "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
+            }
+        )
         n, tokens = totals["rows"], totals["tokens"]
         self.state.rollout_tokens += int(tokens)
         reward_mean = totals["reward"] / n
         return {
-            "loss": update["loss"], "lr": update["lr"], "grad_norm": update["grad_norm"], "skipped": update["skipped"],
-            "reward_mean": reward_mean, "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
+            "loss": update["loss"],
+            "lr": update["lr"],
+            "grad_norm": update["grad_norm"],
+            "skipped": update["skipped"],
+            "reward_mean": reward_mean,
+            "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
             "groups_with_signal": totals["signal"] / totals["groups"],
             "logprob_abs_diff": float(parity),
-            "completion_len": tokens / n, "finished_frac": totals["finished"] / n,
+            "completion_len": tokens / n,
+            "finished_frac": totals["finished"] / n,
             "tool_calls": totals["tool_calls"],
-            "time_generation_s": t1 - t0, "time_scoring_s": t2 - t1, "time_training_s": t3 - t2,  # scoring: rewards + log-probs
+            "time_generation_s": t1 - t0,
+            "time_scoring_s": t2 - t1,
+            "time_training_s": t3 - t2,  # scoring: rewards + log-probs
             "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
             **({"kl": kl} if kl is not None else {}),
             **({"value_loss": value_update["loss"]} if value_update is not None else {}),
         }
 
-    def _critic_targets(self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor) -> None:
+    def _critic_targets(
+        self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor
+    ) -> None:
         """Each micro-batch gets the critic's values at sampling time, the GAE returns and the whitened
         per-token advantages (over this rank's whole batch)."""
         for mb in micro:
@@ -255,86 +291,128 @@ class RLTrainer:
         p1, pk, rewards, tool_rows = [], [], [], 0
         for index in range(self.rank, n, self.world_size):  # ranks share the problems
             if is_environment(self.eval_task):
-                episodes = [self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)]
+                episodes = [
+                    self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)
+                ]
                 completions, scores = [e.completion for e in episodes], [e.reward for e in episodes]
             else:
                 example = self.eval_task.example(index)
-                completions = self.engine.generate(self._prompt(example.messages), k, self.rl.max_new_tokens, self.rl.eval_temperature,
-                                                   self.rl.top_k, self.rl.top_p, generator)
-                scores = [self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference)
-                          for c in completions]
+                completions = self.engine.generate(
+                    self._prompt(example.messages),
+                    k,
+                    self.rl.max_new_tokens,
+                    self.rl.eval_temperature,
+                    self.rl.top_k,
+                    self.rl.top_p,
+                    generator,
+                )
+                scores = [
+                    self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference)
+                    for c in completions
+                ]
             correct = sum(s >= 1.0 - 1e-6 for s in scores)  # full marks (every turn right, for episodes)
             tool_rows += sum(c.tool_calls > 0 for c in completions)
             p1.append(pass_at_k(k, correct, 1))
             pk.append(pass_at_k(k, correct, k))
             rewards.extend(scores)
-        sums = self._sum_over_ranks({"p1": float(sum(p1)), "pk": float(sum(pk)), "reward": float(sum(rewards)), "tool": float(tool_rows)})
-        result = {"pass@1": sums["p1"] / n, "pass@k": sums["pk"] / n, "k": k, "eval_problems": n,
-                  "eval_reward_mean": sums["reward"] / (n * k), "eval_tool_use": sums["tool"] / (n * k)}
+        sums = self._sum_over_ranks(
+            {"p1": float(sum(p1)), "pk": float(sum(pk)), "reward": float(sum(rewards)), "tool": float(tool_rows)}
+        )
+        result = {
+            "pass@1": sums["p1"] / n,
+            "pass@k": sums["pk"] / n,
+            "k": k,
+            "eval_problems": n,
+            "eval_reward_mean": sums["reward"] / (n * k),
+            "eval_tool_use": sums["tool"] / (n * k),
+        }
         if self.state.step == 0:
             self.state.initial_pass_at_1 = result["pass@1"]
         if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
             self.state.best_pass_at_1 = result["pass@1"]
-        self.state.last_eval = result
+        self.state.last_eval, self.state.last_eval_step = result, self.state.step
         self.logger.log({"type": "eval", "step": self.state.step, **result})
         return result
 
-    # -- checkpoints -----------------------------------------------------------------------
-    def save(self, metric: float | None) -> None:
-        if self.critic is not None:  # first: a policy checkpoint on disk always has its critic's
-            self.critic.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, None, metric)  # the same retention
-            if hasattr(self.critic.backend, "wait_for_save"):
-                self.critic.backend.wait_for_save()
-            if self.rank == 0:
-                prune_checkpoints(self.critic.backend.checkpoint_dir, self.config.save_total_limit)
-        self.backend.save_checkpoint(self.state.step, {"loop": asdict(self.state)}, self.write_extra, metric)
-        if hasattr(self.backend, "wait_for_save"):
-            self.backend.wait_for_save()
-        if self.rank == 0:
-            prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
+    # -- what the cadence (tierlm.loops.cadence) asks -------------------------------------
+    evaluates = True
+
+    def loop_step(self) -> dict[str, float]:
+        return self.train_step()
+
+    def checkpoint_metric(self) -> float | None:
+        """Retention keeps the lowest metric: 1 - pass@1 of an evaluation at this step."""
+        evaluated = self.state.last_eval_step == self.state.step
+        return 1.0 - self.state.last_eval["pass@1"] if evaluated else None
+
+    def trainer_state(self) -> dict:
+        return {"loop": asdict(self.state)}
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.state = RLState(**state["loop"])
+
+    def companions(self) -> list:
+        return [self.critic.backend] if self.critic is not None else []
+
+    def on_save(self, path: Path) -> None:
+        pass
 
     def resume(self) -> Path | None:
-        found = resume_backend(self.backend, warn=self.rank == 0)
-        if found is None:
-            return None
-        path, state = found
-        self.state = RLState(**state["loop"])
-        if self.critic is not None:
-            critic_path = self.critic.backend.checkpoint_dir / path.name
-            self.critic.backend.load_checkpoint(critic_path).wait()  # the same step's (a missing one is a CheckpointError)
-        return path
+        return cadence.resume(self)
 
     # -- the loop --------------------------------------------------------------------------
+    def after_step(self, metrics: dict[str, float], log: bool) -> None:
+        if not log:
+            return
+        state = self.state
+        self.logger.log(
+            {
+                "type": "train",
+                "step": state.step,
+                **metrics,
+                "rollout_tokens": state.rollout_tokens,
+                "elapsed_s": state.elapsed_s,
+            }
+        )
+        if self.rank == 0:
+            print(
+                f"step {state.step}/{self.config.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss "
+                f"{metrics['loss']:.4f} | "
+                f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
+                f"train {metrics['time_training_s']:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def log_eval(self, metrics: dict[str, float]) -> None:
+        if self.rank == 0:
+            print(
+                f"step {self.state.step}: pass@1 {metrics['pass@1']:.3f}, pass@{metrics['k']} {metrics['pass@k']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def train(self) -> dict[str, Any]:
-        cfg, state = self.config, self.state
-        due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
-        last_eval = self.evaluate() if state.step == 0 else dict(state.last_eval)  # before the first update
-        start = time.perf_counter() - state.elapsed_s
-        while state.step < cfg.num_train_steps:
-            metrics = self.train_step()
-            state.step += 1
-            state.elapsed_s = time.perf_counter() - start
-            if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
-                self.logger.log({"type": "train", "step": state.step, **metrics, "rollout_tokens": state.rollout_tokens,
-                                 "elapsed_s": state.elapsed_s})
-                if self.rank == 0:
-                    print(f"step {state.step}/{cfg.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss {metrics['loss']:.4f} | "
-                          f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
-                          f"train {metrics['time_training_s']:.1f}s", file=sys.stderr, flush=True)
-            is_eval = due(cfg.eval_steps) or state.step == cfg.num_train_steps
-            if is_eval:
-                last_eval = self.evaluate()
-                if self.rank == 0:
-                    print(f"step {state.step}: pass@1 {last_eval['pass@1']:.3f}, pass@{last_eval['k']} {last_eval['pass@k']:.3f}",
-                          file=sys.stderr, flush=True)
-            saved = due(cfg.save_steps) or state.step == cfg.num_train_steps
-            # Retention keeps the lowest metric: store 1 - pass@1 when this step was evaluated.
-            metric = 1.0 - last_eval["pass@1"] if is_eval else None
-            if saved:
-                self.save(metric)
-            signum = self.stop.agreed_signal(self._sum_over_ranks if self.world_size > 1 else None) if self.stop else 0
-            if signum and state.step < cfg.num_train_steps:
-                if not saved:
-                    self.save(metric)
-                raise RunInterrupted(signum, state.step, self.backend.checkpoint_dir / f"step_{state.step}")
-        return {"step": state.step, "elapsed_s": state.elapsed_s, "initial_pass@1": state.initial_pass_at_1, **last_eval}
+        """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`; the run summary."""
+        cadence.run_loop(self)
+        state = self.state
+        return {
+            "step": state.step,
+            "elapsed_s": state.elapsed_s,
+            "initial_pass@1": state.initial_pass_at_1,
+            **state.last_eval,
+        }
+
+
+def optimizer_schedule(config: TierlmConfig, world_size: int) -> TrainingConfig:
+    """The training section as the optimizer sees it: each RL step makes rl.ppo_epochs optimizer steps (the LR
+    schedule counts optimizer steps), each over this rank's rollouts in micro-batches (DDP synchronises on the last)."""
+    tr, rl = config.training, config.rl
+    rows = rl.prompts_per_step // world_size * rl.group_size
+    return tr.model_copy(
+        update={
+            "num_train_steps": tr.num_train_steps * rl.ppo_epochs,
+            "warmup_steps": tr.warmup_steps * rl.ppo_epochs,
+            "gradient_accumulation_steps": -(-rows // rl.micro_batch_size),
+        }
+    )

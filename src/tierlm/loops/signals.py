@@ -23,7 +23,9 @@ class RunInterrupted(Exception):
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint (no step had finished)"
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {where}; run the same command to resume")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}; {where}; run the same command to resume"
+        )
 
     @property
     def exit_code(self) -> int:

@@ -4,7 +4,7 @@
 does the math and the strategy says what is optimised. It speaks only the tier-0 protocol, so
 it drives every backend the same way.
 
-Seed 001's functional surface is a thin layer over the same calls, not a second loop:
+The functional trainer API is a thin layer over the same calls, not a second loop:
 
     trainer = Trainer(backend, strategy)
     model_state = backend.model_state()
@@ -31,21 +31,23 @@ from tqdm.auto import tqdm
 
 from tierlm.backends.protocol import TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
-from tierlm.checkpoint import find_latest_checkpoint, prune_checkpoints, resume_candidates
+from tierlm.checkpoint import find_latest_checkpoint
 from tierlm.config import TrainingConfig
 from tierlm.data.packing import eval_batches
-from tierlm.errors import CheckpointError, TrainingDiverged
+from tierlm.errors import TrainingDiverged
+from tierlm.loops import cadence
+from tierlm.loops.cadence import resume_backend  # noqa: F401  (also this module's name)
+from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.memory import memory_record
 from tierlm.models import family_of, unwrap_model
 from tierlm.primitives.fp8 import disable_fp8
-from tierlm.loops.signals import GracefulStop, RunInterrupted
 from tierlm.strategies.base import TrainingStrategy
 
 
 @dataclass
 class TrainingResult:
-    """Seed 001's result of one `train_step`."""
+    """The result of one `train_step` (the functional trainer API)."""
 
     model_state: ModelState
     """The state after the update."""
@@ -72,21 +74,6 @@ class LoopState:
 
 EMA_BETA = 0.9  # the progress line's smoothed loss (nanochat's)
 GC_COLLECT_STEPS = 5000  # with the collector off after the first step, a full collection this often
-
-
-def resume_backend(backend: TrainingBackend, warn: bool = True) -> tuple[Path, dict] | None:
-    """Load the newest loadable checkpoint into `backend`: (its path, its trainer state), or None
-    when there is none. A damaged checkpoint is reported in one line and the previous one tried."""
-    candidates = resume_candidates(backend.checkpoint_dir)
-    for path in candidates:
-        try:
-            return path, backend.load_checkpoint(path).wait()
-        except CheckpointError as error:
-            if warn:
-                print(f"tierlm: warning: {error}; trying the previous checkpoint", file=sys.stderr)
-    if candidates:
-        raise CheckpointError(f"no checkpoint in {backend.checkpoint_dir} can be loaded; move them away to start fresh")
-    return None
 
 
 class Trainer:
@@ -120,11 +107,13 @@ class Trainer:
         self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
-        # Data-parallel backends say where this process sits; rank 0 reports and prunes.
-        self.rank, self.world_size = getattr(backend, "rank", 0), getattr(backend, "world_size", 1)
-        self.is_main = self.rank == 0
-        # Evaluation shards its batches over the data-parallel ranks (a model-parallel group shares its rows).
-        self.data_rank, self.data_world_size = getattr(backend, "data_rank", self.rank), getattr(backend, "data_world_size", self.world_size)
+        # Data-parallel backends say where this process sits; rank 0 reports and prunes. Evaluation shards its
+        # batches over the data-parallel ranks (a model-parallel group shares its rows).
+        self.is_main, self.world_size = backend.is_main, backend.world_size
+        self.data_rank, self.data_world_size = backend.data_rank, backend.data_world_size
+        self.bar: tqdm | None = None
+        self._gc_frozen = False
+        self.window = [0, 0.0, 0.0]  # input tokens, trained tokens, seconds since the last logged line
 
     # -- one step, one eval, one save ------------------------------------------------------
     def step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
@@ -136,8 +125,10 @@ class Trainer:
             self.backend.forward_backward(prepared, loss_fn=self.strategy.compute_loss)
         return {**self.backend.optim_step().wait(), "input_tokens": input_tokens}
 
-    # -- seed 001's functional surface -----------------------------------------------------
-    def train_step(self, batch: dict, model_state: ModelState | None = None, optimizer_state: Any = None) -> TrainingResult:
+    # -- the functional trainer API -----------------------------------------------------
+    def train_step(
+        self, batch: dict, model_state: ModelState | None = None, optimizer_state: Any = None
+    ) -> TrainingResult:
         """One update from (`model_state`, `optimizer_state`) on `batch`: prepare_batch, forward_backward,
         all_reduce_gradients, apply_gradients. Without states it steps from the backend's current one."""
         start = time.perf_counter()
@@ -146,14 +137,18 @@ class Trainer:
         self.backend.forward_backward(self.strategy.prepare_batch(batch), loss_fn=self.strategy.compute_loss)
         gradients = self.backend.all_reduce_gradients(self.backend.gradient_info())
         self.backend.apply_gradients(self.backend.model, gradients, self.backend.optimizer)
-        diagnostics = {"step_s": time.perf_counter() - start, **self.backend.memory_stats(), **memory_record(self.backend.device),
-                       "communication_bytes": float(self.backend.communication_bytes())}
+        diagnostics = {
+            "step_s": time.perf_counter() - start,
+            **self.backend.memory_stats(),
+            **memory_record(self.backend.device),
+            "communication_bytes": float(self.backend.communication_bytes()),
+        }
         return TrainingResult(self.backend.model_state(), dict(self.backend.last_step_metrics), diagnostics, gradients)
 
     def train_epoch(self, dataloader, model_state: ModelState | None = None) -> ModelState:
         """One pass over `dataloader` (a tierlm loader: one epoch, however it is set to repeat; or any
         iterable of batches), a `train_step` per batch, each logged; returns the final state."""
-        repeat = getattr(dataloader, "repeat", None)
+        repeat = getattr(dataloader, "repeat", None)  # a tierlm loader set to repeat; any iterable of batches
         if repeat is not None:
             dataloader.repeat = False
         try:
@@ -173,7 +168,7 @@ class Trainer:
         totals: dict[str, float] = defaultdict(float)
         mine = self.eval_set[self.data_rank :: self.data_world_size]
         rounds = -(-len(self.eval_set) // self.data_world_size)
-        with disable_fp8(self.backend.model):  # FP8 trains; evaluation sees the unquantised model (seed 004)
+        with disable_fp8(self.backend.model):  # FP8 trains; evaluation sees the unquantised model (as nanochat does)
             for i in range(rounds):
                 batch, weight = (mine[i], 1.0) if i < len(mine) else (self.eval_set[0], 0.0)
                 out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
@@ -186,8 +181,15 @@ class Trainer:
         val_loss = self.last_eval["val_loss"]
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:
             self.state.best_val_loss = val_loss
-        self.logger.log({"type": "eval", "step": self.state.step, "tokens_seen": self.state.tokens_seen, **self.last_eval,
-                         **self._model_figures()})
+        self.logger.log(
+            {
+                "type": "eval",
+                "step": self.state.step,
+                "tokens_seen": self.state.tokens_seen,
+                **self.last_eval,
+                **self._model_figures(),
+            }
+        )
         for sample in samples:
             self.logger.log({"type": "sample", "step": self.state.step, **sample})
         self._callback("on_eval", dict(self.last_eval))
@@ -199,38 +201,38 @@ class Trainer:
                 if hasattr(callback, event):
                     getattr(callback, event)(argument)
 
-    def save(self) -> Path:
-        trainer_state = {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
-        metric = self.last_eval.get("val_loss") if self.last_eval_step == self.state.step else None
-        path = self.backend.checkpoint_dir / f"step_{self.state.step}"
-        self.backend.save_checkpoint(self.state.step, trainer_state, self.write_extra, metric)
-        # Retention only ever sees complete checkpoints, so a save still being written in the
-        # background is simply not counted yet.
-        if self.is_main:
-            prune_checkpoints(path.parent, self.config.save_total_limit)
+    # -- what the cadence (tierlm.loops.cadence) asks -------------------------------------
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.eval_set)
+
+    def checkpoint_metric(self) -> float | None:
+        return self.last_eval.get("val_loss") if self.last_eval_step == self.state.step else None
+
+    def trainer_state(self) -> dict:
+        return {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.state = LoopState(**state["loop"])
+        self.train_loader.load_state_dict(state["loader"])
+
+    def companions(self) -> list:
+        return []
+
+    def on_save(self, path: Path) -> None:
         self._callback("on_save", path)
-        return path
+
+    def log_eval(self, metrics: dict[str, float]) -> None:
+        if self.is_main:
+            self.bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def save(self) -> Path:
+        """A checkpoint of the run at this step (with retention)."""
+        return cadence.save(self)
 
     def resume(self) -> Path | None:
         """Continue from the newest loadable checkpoint; a damaged one is reported in one line and skipped."""
-        found = resume_backend(self.backend, warn=self.is_main)
-        if found is None:
-            return None
-        path, trainer_state = found
-        self.state = LoopState(**trainer_state["loop"])
-        self.train_loader.load_state_dict(trainer_state["loader"])
-        return path
-
-    def check_stop(self, saved: bool) -> None:
-        """After a step: when a stop signal arrived (on any rank), save unless just saved, then raise `RunInterrupted`."""
-        if self.stop is None:
-            return
-        signum = self.stop.agreed_signal(self.backend.all_reduce_sums if self.world_size > 1 else None)
-        if signum:
-            path = self.backend.checkpoint_dir / f"step_{self.state.step}" if saved else self.save()
-            if hasattr(self.backend, "wait_for_save"):
-                self.backend.wait_for_save()
-            raise RunInterrupted(signum, self.state.step, path)
+        return cadence.resume(self)
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         if not metrics.get("skipped"):
@@ -239,8 +241,11 @@ class Trainer:
         self.state.skipped_steps += 1
         self.state.consecutive_skips += 1
         if self.is_main:
-            print(f"tierlm: warning: step {self.state.step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']}"
-                  " is not finite; the update was skipped", file=sys.stderr)
+            print(
+                f"tierlm: warning: step {self.state.step}: loss {metrics['loss']} / grad norm {metrics['grad_norm']}"
+                " is not finite; the update was skipped",
+                file=sys.stderr,
+            )
         if self.state.consecutive_skips >= self.config.max_consecutive_nonfinite:
             latest = find_latest_checkpoint(self.backend.checkpoint_dir)
             raise TrainingDiverged(
@@ -250,64 +255,69 @@ class Trainer:
             )
 
     # -- the loop --------------------------------------------------------------------------
+    def loop_step(self) -> dict[str, float]:
+        """One optimizer step over training.gradient_accumulation_steps micro-batches, timed."""
+        start = time.perf_counter()
+        metrics = self.step(self.train_loader.next_batch() for _ in range(self.config.gradient_accumulation_steps))
+        return {**metrics, "step_s": time.perf_counter() - start}
+
+    def after_step(self, metrics: dict[str, float], log: bool) -> None:
+        state = self.state
+        family_of(self.backend.model).on_step(unwrap_model(self.backend.model), state.step, metrics["loss"])
+        self._collect_garbage()
+        state.tokens_seen += metrics["input_tokens"]
+        state.trained_tokens += int(metrics["num_tokens"])
+        self._check_finite(metrics)
+        record = self._train_record(metrics, metrics["step_s"])
+        self.bar.update(1)
+        self.bar.set_postfix_str(self._postfix(record), refresh=False)
+        self.window = [
+            self.window[0] + metrics["input_tokens"],
+            self.window[1] + metrics["num_tokens"],
+            self.window[2] + metrics["step_s"],
+        ]
+        if log:
+            record.update(self._rates(*self.window), **self._slow_stats())  # rates over every step since the last line
+            self.window = [0, 0.0, 0.0]
+            self.logger.log(record)
+            self._callback("on_log", dict(record))
+            if self.bar.disable and self.is_main:
+                print(self._log_line(record), file=sys.stderr, flush=True)
+
+    def _collect_garbage(self) -> None:
+        """Collect once after the first step and freeze what survives (no GC passes over it again); later, a
+        full collection every GC_COLLECT_STEPS steps for what reference cycles build up."""
+        if not self._gc_frozen:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+            self._gc_frozen = True
+        elif self.state.step % GC_COLLECT_STEPS == 0:
+            gc.collect()
+
     def train(self) -> dict[str, Any]:
+        """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`; the run summary."""
         cfg, state = self.config, self.state
-        due = lambda every: every > 0 and state.step % every == 0  # noqa: E731
-        shown = sys.stderr.isatty() or "ipykernel" in sys.modules  # a terminal, or a notebook (tqdm.auto draws a widget there)
-        bar = tqdm(total=cfg.num_train_steps, initial=state.step, disable=not (self.progress_bar and self.is_main and shown),
-                   dynamic_ncols=True, desc="train")
-        if self.eval_set and state.step == 0:
-            self.evaluate()
-        start = time.perf_counter() - state.elapsed_s
-        gc_frozen = False
-        window = [0, 0.0, 0.0]  # input tokens, trained tokens, seconds since the last logged line
+        shown = (
+            sys.stderr.isatty() or "ipykernel" in sys.modules
+        )  # a terminal, or a notebook (tqdm.auto draws a widget there)
+        self.bar = tqdm(
+            total=cfg.num_train_steps,
+            initial=state.step,
+            disable=not (self.progress_bar and self.is_main and shown),
+            dynamic_ncols=True,
+            desc="train",
+        )
         try:
-            while state.step < cfg.num_train_steps:
-                step_start = time.perf_counter()
-                metrics = self.step(self.train_loader.next_batch() for _ in range(cfg.gradient_accumulation_steps))
-                step_s = time.perf_counter() - step_start
-                state.step += 1
-                family_of(self.backend.model).on_step(unwrap_model(self.backend.model), state.step, metrics["loss"])
-                if not gc_frozen:  # after the first step, everything alive stays: no more GC passes over it (seed 004)
-                    gc.collect()
-                    gc.freeze()
-                    gc.disable()
-                    gc_frozen = True
-                elif state.step % GC_COLLECT_STEPS == 0:  # what reference cycles build up, collected now and then
-                    gc.collect()
-                state.tokens_seen += metrics["input_tokens"]
-                state.trained_tokens += int(metrics["num_tokens"])
-                state.elapsed_s = time.perf_counter() - start
-                self._check_finite(metrics)
-                record = self._train_record(metrics, step_s)
-                bar.update(1)
-                bar.set_postfix_str(self._postfix(record), refresh=False)
-                window = [window[0] + metrics["input_tokens"], window[1] + metrics["num_tokens"], window[2] + step_s]
-                if due(cfg.logging_steps) or state.step == cfg.num_train_steps:
-                    record.update(self._rates(*window), **self._slow_stats())  # rates over every step since the last line
-                    window = [0, 0.0, 0.0]
-                    self.logger.log(record)
-                    self._callback("on_log", dict(record))
-                    if bar.disable and self.is_main:
-                        print(self._log_line(record), file=sys.stderr, flush=True)
-                if self.eval_set and (due(cfg.eval_steps) or state.step == cfg.num_train_steps):
-                    self.evaluate()
-                    if self.is_main:
-                        bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
-                saved = due(cfg.save_steps) or state.step == cfg.num_train_steps
-                if saved:
-                    self.save()
-                if state.step < cfg.num_train_steps:
-                    self.check_stop(saved)
+            cadence.run_loop(self)
         finally:
-            bar.close()
-            if gc_frozen:  # the run's objects may be collected again (a process group held by a cycle must go before exit)
+            self.bar.close()
+            if (
+                self._gc_frozen
+            ):  # the run's objects may be collected again (a process group held by a cycle must go before exit)
                 gc.enable()
                 gc.unfreeze()
-        if hasattr(self.backend, "wait_for_save"):
-            self.backend.wait_for_save()
-            if self.is_main:
-                prune_checkpoints(self.backend.checkpoint_dir, self.config.save_total_limit)
+                self._gc_frozen = False
         if self.eval_set and not self.last_eval:  # resumed at the last step: report where it stands
             self.evaluate()
         return {"step": state.step, "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s, **self.last_eval}
@@ -328,7 +338,9 @@ class Trainer:
             "type": "train",
             "step": self.state.step,
             "loss": metrics["loss"],
-            "loss_ema": self.state.loss_ema / (1 - EMA_BETA**self.state.loss_ema_steps) if self.state.loss_ema_steps else metrics["loss"],
+            "loss_ema": self.state.loss_ema / (1 - EMA_BETA**self.state.loss_ema_steps)
+            if self.state.loss_ema_steps
+            else metrics["loss"],
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
             **self._rates(metrics["input_tokens"], metrics["num_tokens"], step_s),  # this step's (the progress line's)
@@ -343,7 +355,7 @@ class Trainer:
     def _slow_stats(self) -> dict[str, float]:
         """Data and memory figures, read only for logged steps."""
         stats = self.train_loader.stats() if hasattr(self.train_loader, "stats") else {}
-        model_bytes = self.backend.memory_stats() if hasattr(self.backend, "memory_stats") else {}
+        model_bytes = self.backend.memory_stats()
         return {**stats, **model_bytes, **memory_record(self.backend.device), **self._model_figures()}
 
     def _model_figures(self) -> dict[str, float]:

@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 # Dense bf16 peak (no sparsity), FLOP/s.
-GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "4090": 165e12}
+GPU_PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "4090": 165e12,
+}
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:

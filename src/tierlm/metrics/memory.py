@@ -1,4 +1,4 @@
-"""Memory readings and seed 002's memory utilities: resident set size and device memory
+"""Memory readings and the memory utilities: resident set size and device memory
 (`get_memory_stats`, `log_memory_stats`, `clear_memory`), a quick formula for a transformer's
 training memory (`estimate_model_memory`; `tierlm.plan.memory.estimate_run_memory` traces a
 config's own step instead), and `auto_find_batch_size`.
@@ -68,14 +68,20 @@ def get_memory_stats() -> dict[str, Any]:
     >>> stats["rss_gb"] > 0, "gpu_available" in stats
     (True, True)
     """
-    stats: dict[str, Any] = {"gpu_available": torch.cuda.is_available(), "rss_gb": rss_mb() * 2**20 / 1e9,
-                             "peak_rss_gb": peak_rss_mb() * 2**20 / 1e9}
+    stats: dict[str, Any] = {
+        "gpu_available": torch.cuda.is_available(),
+        "rss_gb": rss_mb() * 2**20 / 1e9,
+        "peak_rss_gb": peak_rss_mb() * 2**20 / 1e9,
+    }
     available = available_memory_bytes(torch.device("cpu"))
     if available is not None:
         stats["available_gb"] = available / 1e9
     if torch.cuda.is_available():
-        stats.update(allocated_gb=torch.cuda.memory_allocated() / 1e9, reserved_gb=torch.cuda.memory_reserved() / 1e9,
-                     max_allocated_gb=torch.cuda.max_memory_allocated() / 1e9)
+        stats.update(
+            allocated_gb=torch.cuda.memory_allocated() / 1e9,
+            reserved_gb=torch.cuda.memory_reserved() / 1e9,
+            max_allocated_gb=torch.cuda.max_memory_allocated() / 1e9,
+        )
     return stats
 
 
@@ -84,8 +90,12 @@ def log_memory_stats(prefix: str = "") -> dict[str, Any]:
     stats = get_memory_stats()
     parts = [f"rss={stats['rss_gb']:.2f}GB", f"peak_rss={stats['peak_rss_gb']:.2f}GB"]
     if stats["gpu_available"]:
-        parts = [f"allocated={stats['allocated_gb']:.2f}GB", f"reserved={stats['reserved_gb']:.2f}GB",
-                 f"max={stats['max_allocated_gb']:.2f}GB", *parts]
+        parts = [
+            f"allocated={stats['allocated_gb']:.2f}GB",
+            f"reserved={stats['reserved_gb']:.2f}GB",
+            f"max={stats['max_allocated_gb']:.2f}GB",
+            *parts,
+        ]
     logger.info(f"{prefix}Memory: {', '.join(parts)}")
     return stats
 
@@ -103,54 +113,6 @@ def clear_memory() -> None:
         pass
 
 
-def estimate_model_memory(
-    num_params: int,
-    batch_size: int,
-    seq_length: int,
-    hidden_size: int,
-    num_layers: int,
-    dtype: torch.dtype = torch.bfloat16,
-    optimizer: str = "adamw",
-    gradient_checkpointing: bool = True,
-    vocab_size: int | None = None,
-    flash_attention: bool = True,
-    num_heads: int | None = None,
-) -> dict[str, float]:
-    """Seed 002's quick estimate of training memory in GB (1e9 bytes), from sizes alone.
-
-    Weights and gradients in `dtype`; AdamW's two fp32 moments (Muon: one; SGD and others: none);
-    activations per layer as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models") count them for a GPT block: 34 x s x b x h bytes in 16-bit (scaled for
-    fp32), plus 5 x a x s^2 x b when the attention scores are materialised (no flash attention,
-    `num_heads` = a); with checkpointing each layer keeps only its input (2 x s x b x h in 16-bit)
-    and one layer is recomputed at a time. The logits (s x b x V, fp32, with their gradient) when
-    `vocab_size` is given. For a config's exact figure, `tierlm.plan.memory.estimate_run_memory`
-    traces its own step.
-
-    >>> est = estimate_model_memory(num_params=1_000_000_000, batch_size=4, seq_length=8192, hidden_size=1024, num_layers=28)
-    >>> round(est["model_gb"], 1), round(est["optimizer_gb"], 1), round(est["activation_gb"], 1)
-    (2.0, 8.0, 3.0)
-    """
-    bytes_per_value = 2 if dtype in (torch.float16, torch.bfloat16) else 4
-    model = num_params * bytes_per_value
-    moments = {"adamw": 2, "adam": 2, "adamw_spam": 2, "adamw_prune": 2.25, "muon": 1}.get(optimizer, 0)
-    optimizer_bytes = num_params * 4 * moments
-    gradients = num_params * bytes_per_value
-    tokens = batch_size * seq_length
-    per_layer = 34 * tokens * hidden_size * bytes_per_value / 2
-    if not flash_attention and num_heads:
-        per_layer += 5 * num_heads * seq_length * tokens * bytes_per_value / 2
-    if gradient_checkpointing:
-        activations = num_layers * 2 * tokens * hidden_size * bytes_per_value / 2 + per_layer
-    else:
-        activations = num_layers * per_layer
-    if vocab_size:
-        activations += 2 * 4 * tokens * vocab_size
-    total = model + optimizer_bytes + gradients + activations
-    return {"model_gb": model / 1e9, "optimizer_gb": optimizer_bytes / 1e9, "gradient_gb": gradients / 1e9,
-            "activation_gb": activations / 1e9, "total_gb": total / 1e9}
-
-
 def auto_find_batch_size(
     model: torch.nn.Module,
     sample_batch_fn: Callable[[int], dict],
@@ -162,7 +124,8 @@ def auto_find_batch_size(
     predict_on_cpu: bool = True,
 ) -> int:
     """The largest batch size from `start_batch_size` down (halving) whose forward and backward
-    run: seed 002's search. `sample_batch_fn(n)` makes a batch of n; `loss_of(outputs)` reads the
+    run (Accelerate's `find_executable_batch_size`, started at the planner's size). `sample_batch_fn(n)` makes a
+    batch of n; `loss_of(outputs)` reads the
     loss (default: `outputs.loss`, a tensor, or the first element of a tuple).
 
     On CUDA a size that runs out of memory is halved and retried, as in the seed. On CPU running
@@ -192,7 +155,9 @@ def auto_find_batch_size(
     while size >= min_batch_size:
         try:
             clear_memory()
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the search draws no training randomness
+            with torch.random.fork_rng(
+                devices=[device] if device.type == "cuda" else []
+            ):  # the search draws no training randomness
                 run(size)
             clear_memory()
             logger.info(f"Batch size {size} works!")
@@ -258,7 +223,9 @@ def tracked_peak(fns: list[Callable[[], Any]], *tracked) -> dict[str, int]:
     return out
 
 
-def _predicted_cpu_batch(run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float) -> int:
+def _predicted_cpu_batch(
+    run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float
+) -> int:
     """The largest halving of `start` (not below `minimum`) predicted to fit in `available` bytes
     (the model's weights are resident already: only what a step allocates counts)."""
     available = available if available is not None else available_memory_bytes(torch.device("cpu"))
@@ -300,8 +267,10 @@ def available_memory_bytes(device: torch.device) -> int | None:
                     limits.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit = open(limit_file).read().strip()
             if limit != "max" and int(limit) < 1 << 60:
@@ -321,25 +290,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} PiB"
-
-
-def check_fits(needs: dict[str, tuple[float, str]], device: torch.device, available: int | None = None) -> None:
-    """Refuse, before anything is allocated, a run whose lower-bound memory need exceeds what the
-    device has: one line naming the largest consumer and the cheapest fix.
-
-    `needs` maps a consumer ("activations of one micro-batch (8 x 512 tokens)") to (bytes, fix).
-
-    >>> check_fits({"weights": (10 * 2**30, "use a smaller model")}, torch.device("cpu"), available=2**30)
-    Traceback (most recent call last):
-    ...
-    tierlm.errors.ConfigError: this run needs at least 10.0 GiB but 1.0 GiB is available; the largest part is weights (10.0 GiB): use a smaller model
-    """
-    from tierlm.errors import ConfigError
-
-    available = available_memory_bytes(device) if available is None else available
-    total = sum(b for b, _ in needs.values())
-    if available is None or total <= available:
-        return
-    name, (largest, fix) = max(needs.items(), key=lambda item: item[1][0])
-    raise ConfigError(f"this run needs at least {format_bytes(total)} but {format_bytes(available)} is available; "
-                      f"the largest part is {name} ({format_bytes(largest)}): {fix}")

@@ -21,20 +21,55 @@ from tierlm.errors import ConfigError, DataError
 # (file, title, x, [(label, record type, key)]): a plot is drawn when one of its series has points.
 PANELS = [
     ("loss_steps", "loss", "step", [("train (EMA)", "train", "loss_ema"), ("validation", "eval", "val_loss")]),
-    ("loss_tokens", "loss against tokens", "tokens_seen", [("train (EMA)", "train", "loss_ema"), ("validation", "eval", "val_loss")]),
+    (
+        "loss_tokens",
+        "loss against tokens",
+        "tokens_seen",
+        [("train (EMA)", "train", "loss_ema"), ("validation", "eval", "val_loss")],
+    ),
     ("lr", "learning rate", "step", [("lr", "train", "lr")]),
     ("grad_norm", "gradient norm (before clipping)", "step", [("grad norm", "train", "grad_norm")]),
-    ("throughput", "tokens per second", "step", [("tokens/s", "train", "tokens_per_sec"), ("trained tokens/s", "train", "trained_tokens_per_sec")]),
+    (
+        "throughput",
+        "tokens per second",
+        "step",
+        [("tokens/s", "train", "tokens_per_sec"), ("trained tokens/s", "train", "trained_tokens_per_sec")],
+    ),
     ("mfu", "model FLOPs utilisation", "step", [("MFU", "train", "mfu")]),
-    ("memory", "memory (MB)", "step", [("resident (process)", "train", "rss_mb"), ("peak allocated (GPU)", "train", "gpu_peak_mb")]),
-    ("reward", "reward and pass@k", "step", [("train reward", "train", "reward_mean"), ("held-out pass@1", "eval", "pass@1"),
-                                             ("held-out pass@k", "eval", "pass@k")]),
+    (
+        "memory",
+        "memory (MB)",
+        "step",
+        [("resident (process)", "train", "rss_mb"), ("peak allocated (GPU)", "train", "gpu_peak_mb")],
+    ),
+    (
+        "reward",
+        "reward and pass@k",
+        "step",
+        [
+            ("train reward", "train", "reward_mean"),
+            ("held-out pass@1", "eval", "pass@1"),
+            ("held-out pass@k", "eval", "pass@k"),
+        ],
+    ),
     ("kl", "KL to the reference", "step", [("KL", "train", "kl")]),
-    ("rl_phases", "time per RL step (s)", "step", [("generation", "train", "time_generation_s"), ("scoring", "train", "time_scoring_s"),
-                                                   ("training", "train", "time_training_s")]),
+    (
+        "rl_phases",
+        "time per RL step (s)",
+        "step",
+        [
+            ("generation", "train", "time_generation_s"),
+            ("scoring", "train", "time_scoring_s"),
+            ("training", "train", "time_training_s"),
+        ],
+    ),
     ("value_loss", "critic value loss", "step", [("value loss", "train", "value_loss")]),
-    ("dpo", "DPO: reward margin and preference accuracy", "step", [("reward margin", "eval", "reward_margin"),
-                                                                   ("preference accuracy", "eval", "pref_acc")]),
+    (
+        "dpo",
+        "DPO: reward margin and preference accuracy",
+        "step",
+        [("reward margin", "eval", "reward_margin"), ("preference accuracy", "eval", "pref_acc")],
+    ),
 ]
 
 
@@ -62,8 +97,14 @@ def _pyplot():
     return plt
 
 
-def plot_series(path: Path, title: str, x_label: str, series: dict[str, tuple[list[float], list[float]]], y_label: str = "",
-                log_x: bool = False) -> Path | None:
+def plot_series(
+    path: Path,
+    title: str,
+    x_label: str,
+    series: dict[str, tuple[list[float], list[float]]],
+    y_label: str = "",
+    log_x: bool = False,
+) -> Path | None:
     """One PNG with a line per named (x, y) series; None (and no file) when every series is empty."""
     series = {name: xy for name, xy in series.items() if xy[0]}
     if not series:
@@ -89,7 +130,11 @@ def val_loss_curve(records: list[dict]) -> list[tuple[float, float]]:
     are placed at step x the run's tokens per step."""
     last = next((r for r in reversed(records) if r.get("type") == "train" and r.get("step")), None)
     per_step = last["tokens_seen"] / last["step"] if last else 0
-    return [(r.get("tokens_seen", r["step"] * per_step), r["val_loss"]) for r in records if r.get("type") == "eval" and "val_loss" in r]
+    return [
+        (r.get("tokens_seen", r["step"] * per_step), r["val_loss"])
+        for r in records
+        if r.get("type") == "eval" and "val_loss" in r
+    ]
 
 
 def _xy(records: list[dict], kind: str, x: str, y: str) -> tuple[list[float], list[float]]:
@@ -104,31 +149,61 @@ def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
     train = [r for r in records if r.get("type") == "train"]
     written = []
     if any("reward_mean" in r for r in train):
-        written.append(plot_series(out_dir / f"{name}_reward.png", f"{name}: reward and pass@k", "step", {
-            "train reward": _xy(records, "train", "step", "reward_mean"),
-            "held-out pass@1": _xy(records, "eval", "step", "pass@1"),
-            "held-out pass@k": _xy(records, "eval", "step", "pass@k"),
-        }))
+        written.append(
+            plot_series(
+                out_dir / f"{name}_reward.png",
+                f"{name}: reward and pass@k",
+                "step",
+                {
+                    "train reward": _xy(records, "train", "step", "reward_mean"),
+                    "held-out pass@1": _xy(records, "eval", "step", "pass@1"),
+                    "held-out pass@k": _xy(records, "eval", "step", "pass@k"),
+                },
+            )
+        )
     elif train:
         val = val_loss_curve(records)
-        written.append(plot_series(out_dir / f"{name}_loss.png", f"{name}: loss", "tokens", {
-            "train (EMA)": _xy(records, "train", "tokens_seen", "loss_ema" if "loss_ema" in train[-1] else "loss"),
-            "validation": ([v[0] for v in val], [v[1] for v in val]),
-        }, "cross-entropy (nats/token)"))
+        written.append(
+            plot_series(
+                out_dir / f"{name}_loss.png",
+                f"{name}: loss",
+                "tokens",
+                {
+                    "train (EMA)": _xy(
+                        records, "train", "tokens_seen", "loss_ema" if "loss_ema" in train[-1] else "loss"
+                    ),
+                    "validation": ([v[0] for v in val], [v[1] for v in val]),
+                },
+                "cross-entropy (nats/token)",
+            )
+        )
     return [p for p in written if p is not None]
 
 
 def hardware() -> str:
     import torch
 
-    device = f"CUDA {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else "CPU only"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {device}; torch {torch.__version__}, Python {platform.python_version()}"
+    device = (
+        f"CUDA {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
+        if torch.cuda.is_available()
+        else "CPU only"
+    )
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return f"{machine}, {device}; torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -141,7 +216,9 @@ def draw_panels(runs: dict[str, list[dict]], plots: Path) -> list[Path]:
         for run, records in runs.items():
             for label, kind, key in lines:
                 label = f"{run}: {label}" if len(runs) > 1 else label
-                series[label] = _xy(records, kind, x, key if key != "loss_ema" or any("loss_ema" in r for r in records) else "loss")
+                series[label] = _xy(
+                    records, kind, x, key if key != "loss_ema" or any("loss_ema" in r for r in records) else "loss"
+                )
         path = plot_series(plots / f"{name}.png", title, "tokens" if x == "tokens_seen" else x, series)
         if path is not None:
             written.append(path)
@@ -160,9 +237,20 @@ def harness_table(records: list[dict]) -> list[str]:
             latest.update({task: (r.get("step", 0), scores) for task, scores in r.get("tasks", {}).items()})
     if not latest:
         return []
-    rows = [f"| {task} | {metric} | {_fmt(value)} | {step} |" for task, (step, scores) in sorted(latest.items())
-            for metric, value in scores.items() if not metric.endswith("_stderr")]
-    return ["## Evaluation harness (lm-evaluation-harness)", "", "| task | metric | value | step |", "|---|---|---|---|", *rows, ""]
+    rows = [
+        f"| {task} | {metric} | {_fmt(value)} | {step} |"
+        for task, (step, scores) in sorted(latest.items())
+        for metric, value in scores.items()
+        if not metric.endswith("_stderr")
+    ]
+    return [
+        "## Evaluation harness (lm-evaluation-harness)",
+        "",
+        "| task | metric | value | step |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def write_run_report(run_dir: Path) -> Path:
@@ -175,22 +263,51 @@ def write_run_report(run_dir: Path) -> Path:
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     train = [r for r in records if r.get("type") == "train"]
     evals = [r for r in records if r.get("type") == "eval"]
-    last_train, first_eval, last_eval = (train[-1] if train else {}), (evals[0] if evals else {}), (evals[-1] if evals else {})
+    last_train, first_eval, last_eval = (
+        (train[-1] if train else {}),
+        (evals[0] if evals else {}),
+        (evals[-1] if evals else {}),
+    )
     skip = {"type", "step", "k"}
     lines = [
-        f"# tierlm run: {run.get('stage', '?')} — {run_dir.name}", "",
+        f"# tierlm run: {run.get('stage', '?')} — {run_dir.name}",
+        "",
         f"- updated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; tierlm commit {git_commit()}",
         f"- hardware: {hardware()}",
         f"- steps: {last_train.get('step', 0)}, elapsed {last_train.get('elapsed_s', 0.0) / 60:.1f} min"
-        + (f", {last_train['tokens_seen']:,} tokens" if "tokens_seen" in last_train else ""), "",
-        "## Evaluation", "", "| | first (step " + str(first_eval.get("step", "-")) + ") | last (step " + str(last_eval.get("step", "-")) + ") |",
+        + (f", {last_train['tokens_seen']:,} tokens" if "tokens_seen" in last_train else ""),
+        "",
+        "## Evaluation",
+        "",
+        "| | first (step "
+        + str(first_eval.get("step", "-"))
+        + ") | last (step "
+        + str(last_eval.get("step", "-"))
+        + ") |",
         "|---|---|---|",
-        *[f"| {k} | {_fmt(first_eval.get(k, ''))} | {_fmt(v)} |" for k, v in last_eval.items() if k not in skip and not isinstance(v, (list, dict))],
-        "", "## Last training line", "", "| | |", "|---|---|",
-        *[f"| {k} | {_fmt(v)} |" for k, v in last_train.items() if k not in skip], "",
+        *[
+            f"| {k} | {_fmt(first_eval.get(k, ''))} | {_fmt(v)} |"
+            for k, v in last_eval.items()
+            if k not in skip and not isinstance(v, (list, dict))
+        ],
+        "",
+        "## Last training line",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {_fmt(v)} |" for k, v in last_train.items() if k not in skip],
+        "",
         *harness_table(records),
-        "## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], "",
-        "## Run", "", "```json", json.dumps({k: v for k, v in run.items() if k != "fingerprint"} | run.get("fingerprint", {}), indent=1), "```", "",
+        "## Curves",
+        "",
+        *[f"![{p.stem}](plots/{p.name})" for p in plots],
+        "",
+        "## Run",
+        "",
+        "```json",
+        json.dumps({k: v for k, v in run.items() if k != "fingerprint"} | run.get("fingerprint", {}), indent=1),
+        "```",
+        "",
     ]
     if (run_dir / "config.yaml").is_file():
         lines += ["## Config", "", "```yaml", (run_dir / "config.yaml").read_text().rstrip(), "```", ""]
@@ -211,12 +328,26 @@ def overlay_report(run_dirs: list[Path], out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder for the overlaid report")
     plots = draw_panels(runs, out / "plots")
-    evals = {name: next((r for r in reversed(records) if r.get("type") == "eval"), {}) for name, records in runs.items()}
+    evals = {
+        name: next((r for r in reversed(records) if r.get("type") == "eval"), {}) for name, records in runs.items()
+    }
     keys = sorted({k for e in evals.values() for k in e if k not in ("type", "k") and isinstance(e[k], (int, float))})
-    lines = [f"# tierlm runs compared: {', '.join(runs)}", "", f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "## Last evaluation", "", "| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys),
-             *[f"| {name} | " + " | ".join(_fmt(e.get(k, "")) for k in keys) + " |" for name, e in evals.items()], "",
-             "## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
+    lines = [
+        f"# tierlm runs compared: {', '.join(runs)}",
+        "",
+        f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        "## Last evaluation",
+        "",
+        "| run | " + " | ".join(keys) + " |",
+        "|---|" + "---|" * len(keys),
+        *[f"| {name} | " + " | ".join(_fmt(e.get(k, "")) for k in keys) + " |" for name, e in evals.items()],
+        "",
+        "## Curves",
+        "",
+        *[f"![{p.stem}](plots/{p.name})" for p in plots],
+        "",
+    ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
     return out / "report.md"
@@ -233,7 +364,11 @@ class ReportSink:
 
     def log(self, record: dict[str, Any]) -> None:
         self.pending = True
-        if record.get("type") == "eval" and record.get("step") and time.monotonic() - self.last_written >= self.min_interval_s:
+        if (
+            record.get("type") == "eval"
+            and record.get("step")
+            and time.monotonic() - self.last_written >= self.min_interval_s
+        ):
             self._write()
 
     def _write(self) -> None:
@@ -260,8 +395,10 @@ def model_figures(folder: Path) -> dict[str, Any]:
 
     model = load_pretrained_model(folder).eval()
     matrices = [p for p in model.parameters() if p.ndim == 2]
-    figures: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()),
-                               "weight_zeros": sum(int((p == 0).sum()) for p in matrices) / max(1, sum(p.numel() for p in matrices))}
+    figures: dict[str, Any] = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_zeros": sum(int((p == 0).sum()) for p in matrices) / max(1, sum(p.numel() for p in matrices)),
+    }
     longest = model_max_seq_len(model) or 1024
     for length in (min(64, longest), min(256, longest)):
         ids = torch.zeros(1, length, dtype=torch.long)

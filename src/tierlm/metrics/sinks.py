@@ -45,7 +45,10 @@ class JSONLSink:
             if record.get("step", 0) <= step:
                 kept.append(line)
         if broken:
-            print(f"tierlm: warning: {self.path}: ignored {broken} unreadable line(s) (a write cut short)", file=sys.stderr)
+            print(
+                f"tierlm: warning: {self.path}: ignored {broken} unreadable line(s) (a write cut short)",
+                file=sys.stderr,
+            )
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
@@ -64,9 +67,13 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ConfigError("report_to includes 'tensorboard' but it is not installed: pip install 'tierlm[tensorboard]'") from e
+            raise ConfigError(
+                "report_to includes 'tensorboard' but it is not installed: pip install 'tierlm[tensorboard]'"
+            ) from e
         # Resuming: the events of the steps after the checkpoint are purged (they are about to be logged again).
-        self.writer = SummaryWriter(str(log_dir), purge_step=resume_from_step + 1 if resume_from_step is not None else None)
+        self.writer = SummaryWriter(
+            str(log_dir), purge_step=resume_from_step + 1 if resume_from_step is not None else None
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         prefix, step = record.get("type", "train"), record.get("step", 0)
@@ -91,17 +98,23 @@ def _kept_id(path: Path, new: Any) -> str:
 class WandbSink:
     """A W&B run whose id is kept in the run directory (`wandb_run_id`): a resumed run continues it."""
 
-    def __init__(self, project: str, run_name: str | None, config: dict[str, Any], output_dir: Path, entity: str | None = None):
+    def __init__(
+        self, project: str, run_name: str | None, config: dict[str, Any], output_dir: Path, entity: str | None = None
+    ):
         try:
             import wandb
         except ImportError as e:
             raise ConfigError("report_to includes 'wandb' but it is not installed: pip install 'tierlm[wandb]'") from e
         run_id = _kept_id(Path(output_dir) / "wandb_run_id", lambda: uuid.uuid4().hex[:12])  # W&B ids: [a-z0-9]
-        self.run = wandb.init(project=project, entity=entity, name=run_name, config=config, dir=str(output_dir), id=run_id, resume="allow")
+        self.run = wandb.init(
+            project=project, entity=entity, name=run_name, config=config, dir=str(output_dir), id=run_id, resume="allow"
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         prefix = record.get("type", "train")
-        self.run.log({f"{prefix}/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=record.get("step"))
+        self.run.log(
+            {f"{prefix}/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=record.get("step")
+        )
 
     def close(self) -> None:
         self.run.finish()
@@ -115,7 +128,9 @@ class MLflowSink:
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as e:
-            raise ConfigError("report_to includes 'mlflow' but it is not installed: pip install 'tierlm[mlflow]'") from e
+            raise ConfigError(
+                "report_to includes 'mlflow' but it is not installed: pip install 'tierlm[mlflow]'"
+            ) from e
 
         output_dir = Path(output_dir)
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -126,7 +141,10 @@ class MLflowSink:
         id_file = output_dir / "mlflow_run_id"
         if id_file.is_file() and id_file.read_text().strip():
             self.run_id = id_file.read_text().strip()
-            histories = [self.client.get_metric_history(self.run_id, key) for key in ("train/loss", "eval/val_loss", "train/reward_mean")]
+            histories = [
+                self.client.get_metric_history(self.run_id, key)
+                for key in ("train/loss", "eval/val_loss", "train/reward_mean")
+            ]
             self.logged_step = max((m.step for history in histories for m in history), default=-1)
         else:
             found = self.client.get_experiment_by_name(experiment)
@@ -136,7 +154,9 @@ class MLflowSink:
             self.logged_step = -1
             flat = {k: str(v)[:500] for k, v in _flatten(config).items()}
             for start in range(0, len(flat), 100):  # MLflow takes at most 100 params a call
-                self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in list(flat.items())[start : start + 100]])
+                self.client.log_batch(
+                    self.run_id, params=[_param(k, v) for k, v in list(flat.items())[start : start + 100]]
+                )
 
     def log(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -146,8 +166,14 @@ class MLflowSink:
             return  # replayed after a resume: MLflow already holds this step
         now = int(1000 * time.time())
         prefix = record.get("type", "train")
-        metrics = [Metric(f"{prefix}/{k}", float(v), now, step) for k, v in record.items()
-                   if k not in ("type", "step") and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        metrics = [
+            Metric(f"{prefix}/{k}", float(v), now, step)
+            for k, v in record.items()
+            if k not in ("type", "step")
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+        ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from tierlm.models.gpt import family as _gpt  # noqa: F401  (each family module registers its family)
-from tierlm.models.gpt2 import family as _gpt2  # noqa: F401
-from tierlm.models.qwen3_encdec import family as _qwen3_encdec  # noqa: F401
 from tierlm.models.gpt.model import GPT, GPTConfig, build_gpt
+from tierlm.models.gpt2 import family as _gpt2  # noqa: F401
 from tierlm.models.io import (
     build_model_from_folder_config,
     is_native_folder,
@@ -25,6 +24,7 @@ from tierlm.models.io import (
     save_model_folder,
 )
 from tierlm.models.lora import adapter_apart, load_adapter_folder
+from tierlm.models.qwen3_encdec import family as _qwen3_encdec  # noqa: F401
 from tierlm.models.registry import (
     FAMILIES,
     PLAIN_HEAD_MODEL_TYPES,
@@ -44,11 +44,15 @@ def load_pretrained_model(
 ) -> nn.Module:
     """A native model folder (written by tierlm) or any transformers causal LM (hub id or folder); a folder
     whose LoRA adapter is kept apart from its weights (a checkpoint's) loads with the adapter merged in."""
-    model = family_for_folder(name_or_path).load(name_or_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = family_for_folder(name_or_path).load(
+        name_or_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     return load_adapter_folder(model, name_or_path) if adapter_apart(name_or_path) else model
 
 
-def load_native_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_native_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Rebuild a native model from a folder written by `save_model_folder`."""
     assert is_native_folder(path), f"{path} is not a native model folder (no tierlm_model.json)"
     return load_pretrained_model(path, device, dtype)
@@ -75,12 +79,15 @@ def forward_cross_entropy(
     >>> gpt = build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=10, max_seq_len=8))
     >>> batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[2, 3, -100]])}
     >>> total, per_token = forward_cross_entropy(gpt, batch)
-    >>> reference = torch.nn.functional.cross_entropy(forward_logits(gpt, batch)[0], batch["labels"][0], reduction="sum")
+    >>> reference = torch.nn.functional.cross_entropy(forward_logits(gpt, batch)[0], batch["labels"][0],
+    ...     reduction="sum")
     >>> torch.allclose(total, reference), per_token.shape
     (True, torch.Size([1, 3]))
     """
     family = family_of(model)
-    assert family.fuses_cross_entropy(model), f"{type(unwrap_model(model)).__name__} has no LM head that can be fused into the loss"
+    assert family.fuses_cross_entropy(model), (
+        f"{type(unwrap_model(model)).__name__} has no LM head that can be fused into the loss"
+    )
     return family.cross_entropy(model, batch, weights)
 
 

@@ -29,16 +29,25 @@ from tierlm.models.lora import (
 )
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, family_for_folder, family_of
 
-__all__ = ["NATIVE_CONFIG_FILE", "WEIGHTS_FILE", "build_model_from_folder_config", "is_native_folder", "load_model_state",
-           "read_model_state", "save_model_config", "save_model_folder"]
+__all__ = [
+    "NATIVE_CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "build_model_from_folder_config",
+    "is_native_folder",
+    "load_model_state",
+    "read_model_state",
+    "save_model_config",
+    "save_model_folder",
+]
 
 
 def is_native_folder(path: str | Path) -> bool:
     return (Path(path) / NATIVE_CONFIG_FILE).is_file()
 
 
-def save_model_folder(model: nn.Module, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
-                      merge_lora: bool = False) -> Path:
+def save_model_folder(
+    model: nn.Module, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None, merge_lora: bool = False
+) -> Path:
     """Write `model` as a model folder (native families under their transformers twin's names).
 
     `state_dict` (e.g. a CPU copy taken earlier) is written instead of the model's live weights. A LoRA
@@ -80,8 +89,12 @@ def read_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
     if has_lora(model):
         adapter = saved_adapter(path)
         if adapter is not None and adapter["merged"]:
-            raise ModelLoadError(f"{path} holds weights with the adapters merged in: it cannot be resumed as base + adapters")
-        return model_state(model, family_of(model).read_state(model, Path(path)), read_adapter(model, path) if adapter else {})
+            raise ModelLoadError(
+                f"{path} holds weights with the adapters merged in: it cannot be resumed as base + adapters"
+            )
+        return model_state(
+            model, family_of(model).read_state(model, Path(path)), read_adapter(model, path) if adapter else {}
+        )
     return family_of(model).read_state(model, Path(path))
 
 

@@ -74,21 +74,35 @@ def all_linear_targets(model: nn.Module) -> list[str]:
 
     inside = {id(m) for block in family_of(model).blocks(model) for m in block.modules() if isinstance(m, nn.Linear)}
     leaves = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if id(m) in inside}
-    clashing = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in inside}
+    clashing = {
+        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in inside
+    }
     if leaves & clashing:  # a block's leaf name also names a layer outside the blocks: name them in full
         return sorted(n for n, m in model.named_modules() if id(m) in inside)
     return sorted(leaves)
 
 
-def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0, target_modules: str | list[str] = "all-linear",
-               base_model: str | None = None) -> nn.Module:
+def apply_lora(
+    model: nn.Module,
+    r: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    base_model: str | None = None,
+) -> nn.Module:
     """Inject LoRA adapters (A random, B zero: the model computes what it did) and freeze everything
     else; returns the same model. `base_model` is recorded in the adapter's config (PEFT's
     base_model_name_or_path)."""
     peft = _peft()
     targets = all_linear_targets(model) if target_modules == "all-linear" else list(target_modules)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
-                             base_model_name_or_path=base_model)
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        base_model_name_or_path=base_model,
+    )
     try:
         peft.inject_adapter_in_model(config, model)
     except ValueError as e:  # no module matched, or an unsupported layer type
@@ -135,7 +149,9 @@ def lora_scalings(model: nn.Module) -> dict[str, float]:
     return {name: float(layer.scaling["default"]) for name, layer in lora_layers(model)}
 
 
-def merged_state(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+def merged_state(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scalings: dict[str, float]
+) -> dict[str, torch.Tensor]:
     """The base weights with each adapter's update added: W + (alpha / r) B A (computed in fp32)."""
     out = dict(base)
     for module, scale in scalings.items():
@@ -145,7 +161,9 @@ def merged_state(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]
     return out
 
 
-def model_state(model: nn.Module, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_state(
+    model: nn.Module, base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Base weights and adapters, named as the LoRA model's `state_dict()` names them."""
     out = {}
     for key in model.state_dict():
@@ -183,7 +201,9 @@ def save_adapter(model: nn.Module, folder: Path, adapter: dict[str, torch.Tensor
     rename, tensors = _module_renamer(model, to_folder=True), {}
     for key, value in adapter.items():
         module, _, rest = key.partition(".lora_")
-        tensors[PEFT_PREFIX + rename(module) + ".lora_" + rest.replace(".default.", ".")] = value.detach().contiguous().cpu()
+        tensors[PEFT_PREFIX + rename(module) + ".lora_" + rest.replace(".default.", ".")] = (
+            value.detach().contiguous().cpu()
+        )
     save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     save_adapter_config(model, folder, merged)
 
@@ -271,5 +291,9 @@ def qlora_quantization_config(compute_dtype: torch.dtype = torch.bfloat16):
     quantisation, matmuls in `compute_dtype`."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )

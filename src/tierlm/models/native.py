@@ -10,6 +10,7 @@ Loading never unpickles anything.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -21,7 +22,7 @@ from torch import nn
 from torch._guards import active_fake_mode
 
 from tierlm.errors import ModelLoadError, first_line
-from tierlm.models.gpt.model import KVCache
+from tierlm.models.kv_cache import KVCache
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, ModelFamily, native_description
 from tierlm.primitives.losses import get_labels
 
@@ -35,6 +36,19 @@ class NativeFamily(ModelFamily):
 
     def owns(self, model: nn.Module) -> bool:
         return isinstance(model, self.model_class)
+
+    def input_embedding(self, model: nn.Module) -> nn.Embedding:
+        return model.embed
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def with_output_head(self, model: nn.Module, head: nn.Module) -> nn.Module:
+        model.lm_head = head  # a tied head is untied: the embedding stays the token table
+        if getattr(model.config, "tie_embeddings", False):  # and stays untied when the weights are re-tied after a load
+            model.config = copy.copy(model.config)
+            model.config.tie_embeddings = False
+        return model
 
     def build_from_config(self, config, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """Build on the meta device, allocate on `device`, initialise once (device "meta": described only;
@@ -70,14 +84,19 @@ class NativeFamily(ModelFamily):
         """The transformers config of the same architecture, or None when there is none."""
         return None
 
-    def import_transformers(self, folder: Path, device="cpu", dtype: torch.dtype = torch.float32,
-                            vocab_size: int | None = None) -> nn.Module | None:
+    def import_transformers(
+        self, folder: Path, device="cpu", dtype: torch.dtype = torch.float32, vocab_size: int | None = None
+    ) -> nn.Module | None:
         """A transformers folder of this family's twin as a native model (None: not supported). `vocab_size`:
         the run's tokenizer's, for a family whose import adds tokens."""
         return None
 
     def exportable(self, model: nn.Module) -> str | None:
-        return None if self.hf_config(model.config) is not None else f"transformers has no class for this {self.name} model"
+        return (
+            None
+            if self.hf_config(model.config) is not None
+            else f"transformers has no class for this {self.name} model"
+        )
 
     # -- folders ---------------------------------------------------------------------------
     def save(self, model, folder, state_dict=None):
@@ -100,7 +119,9 @@ class NativeFamily(ModelFamily):
         try:
             return self.config_class(**description)
         except TypeError as e:
-            raise ModelLoadError(f"{Path(folder) / NATIVE_CONFIG_FILE} does not describe a {self.name} model: {e}") from None
+            raise ModelLoadError(
+                f"{Path(folder) / NATIVE_CONFIG_FILE} does not describe a {self.name} model: {e}"
+            ) from None
 
     def build_from_folder(self, folder, dtype=torch.float32):
         return self.build_from_config(self.config_from_folder(Path(folder)), dtype=dtype)
@@ -124,7 +145,9 @@ class NativeFamily(ModelFamily):
             detail = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else first_line(e)
             raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config ({detail})") from None
         if missing or unexpected:
-            raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
+            raise ModelLoadError(
+                f"{folder / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}"
+            )
         return model
 
 
@@ -140,7 +163,9 @@ class NativeCausalLM(NativeFamily):
         return True
 
     def cross_entropy(self, model, batch, weights):
-        return model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights)
+        return model(
+            batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights
+        )
 
     def prefill(self, model, ids, max_len):
         cache = KVCache(model.config, ids.shape[0], max_len, ids.device, next(model.parameters()).dtype)

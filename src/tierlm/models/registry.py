@@ -42,6 +42,9 @@ class ModelFamily:
     name = "base"
     native = False
     """True for families tierlm builds itself (their folders carry tierlm_model.json)."""
+    seq2seq = False
+    """True for encoder-decoders: batches carry the encoder's rows and the decoder's (UL2), prompts go to the
+    encoder."""
 
     def owns(self, model: nn.Module) -> bool:
         """Is `model` (unwrapped) one of this family's?"""
@@ -85,6 +88,19 @@ class ModelFamily:
     def max_seq_len(self, model: nn.Module) -> int | None:
         return None
 
+    def input_embedding(self, model: nn.Module) -> nn.Embedding:
+        """The token embedding table."""
+        return model.get_input_embeddings()
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        """The output head (hidden state -> logits)."""
+        return model.get_output_embeddings()
+
+    def with_output_head(self, model: nn.Module, head: nn.Module) -> nn.Module:
+        """`model` with `head` as its output head, untied from the embedding (PPO's value model)."""
+        model.set_output_embeddings(head)
+        return model
+
     def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
         """Training FLOPs per token: 6 x non-embedding params + 12 x layers x attention width x T (PaLM, appendix B)."""
         layers, width = self.attention_shape(model)
@@ -105,15 +121,19 @@ class ModelFamily:
     def tensor_parallel_plan(self, model: nn.Module, tp: int) -> dict[str, str]:
         """How each block splits over `tp` ranks: {module path inside a block: "colwise" | "rowwise"}
         (`tierlm.primitives.model_parallel.apply_tensor_parallel`); a `ConfigError` saying why when it cannot."""
-        raise ConfigError(f"the {self.name} model family has no tensor-parallel plan; use data parallelism (fsdp) "
-                          "or a native GPT / Llama / Qwen3 model")
+        raise ConfigError(
+            f"the {self.name} model family has no tensor-parallel plan; use data parallelism (fsdp) "
+            "or a native GPT / Llama / Qwen3 model"
+        )
 
     def tensor_parallel_model_plan(self, model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
         """How the modules around the blocks split: {module path: "vocab_embedding" | "vocab_head" | "sequence_norm"}
         (`tierlm.primitives.model_parallel.apply_vocab_parallel`); empty to keep them whole on every rank. A
         `ConfigError` when `sequence_parallel` cannot be done."""
         if sequence_parallel:
-            raise ConfigError(f"the {self.name} model family has no sequence-parallel plan: drop infra.sequence_parallel")
+            raise ConfigError(
+                f"the {self.name} model family has no sequence-parallel plan: drop infra.sequence_parallel"
+            )
         return {}
 
     def pipeline_stage(self, model: nn.Module, block_ids: list[int], first: bool, last: bool) -> nn.Module:
@@ -121,8 +141,10 @@ class ModelFamily:
         `block_ids`, with the embedding when `first` and the final norm and head when `last`. Its forward
         takes (token ids or the residual stream, position ids) and returns (the residual stream, position
         ids as float32: what travels between stages is floating point), or the logits when `last`."""
-        raise ConfigError(f"the {self.name} model family has no pipeline stages; use tensor parallelism or FSDP2 "
-                          "(pipeline stages cover the native GPT, GPT-2 and Llama-style transformers models)")
+        raise ConfigError(
+            f"the {self.name} model family has no pipeline stages; use tensor parallelism or FSDP2 "
+            "(pipeline stages cover the native GPT, GPT-2 and Llama-style transformers models)"
+        )
 
     # -- folders ---------------------------------------------------------------------------
     def save(self, model: nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -135,7 +157,9 @@ class ModelFamily:
         """An untrained model of the shape a folder describes (weights are loaded separately)."""
         raise NotImplementedError
 
-    def load(self, folder: Path | str, device="cpu", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
+    def load(
+        self, folder: Path | str, device="cpu", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+    ) -> nn.Module:
         raise NotImplementedError
 
     def read_state(self, model: nn.Module, folder: Path) -> dict[str, torch.Tensor]:
@@ -206,7 +230,9 @@ def family_for_folder(folder: Path | str) -> ModelFamily:
         return TRANSFORMERS
     name = description.get("family", "gpt")
     if name not in FAMILIES:
-        raise ModelLoadError(f"{folder} holds a {name!r} model, a family this tierlm does not know (known: {', '.join(FAMILIES)})")
+        raise ModelLoadError(
+            f"{folder} holds a {name!r} model, a family this tierlm does not know (known: {', '.join(FAMILIES)})"
+        )
     return FAMILIES[name]
 
 
@@ -215,7 +241,9 @@ def family_for_folder(folder: Path | str) -> ModelFamily:
 # bias after the head, so the head may be fused into the loss.
 LLAMA_STYLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Separate q/k/v/o and gate/up/down projections, attention reshaped by head_dim: the tensor-parallel plan fits."""
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "smollm3"})
+PLAIN_HEAD_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "smollm3"}
+)
 
 
 class TransformersFamily(ModelFamily):
@@ -234,8 +262,9 @@ class TransformersFamily(ModelFamily):
 
         on_meta = torch.device(device).type == "meta"
         with torch.device("meta" if on_meta else "cpu"):
-            model = create_hf_model_from_config(model_config.architecture, torch_dtype=dtype,
-                                                **{"vocab_size": vocab_size, **model_config.hf_config})
+            model = create_hf_model_from_config(
+                model_config.architecture, torch_dtype=dtype, **{"vocab_size": vocab_size, **model_config.hf_config}
+            )
         return model if on_meta else move_to(model, device)
 
     def fuses_cross_entropy(self, model: nn.Module) -> bool:
@@ -244,16 +273,22 @@ class TransformersFamily(ModelFamily):
 
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return (
-            _unwrap(model) is model and not isinstance(model, FSDPModule)
+            _unwrap(model) is model
+            and not isinstance(model, FSDPModule)
             and getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEAD_MODEL_TYPES
-            and isinstance(head, nn.Linear) and head.bias is None
+            and isinstance(head, nn.Linear)
+            and head.bias is None
         )
 
     def cross_entropy(self, model, batch, weights):
         labels = get_labels(batch)
-        hidden = model.base_model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+        hidden = model.base_model(
+            input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False
+        ).last_hidden_state
         flat_weights = weights.flatten() if weights is not None else None
-        total, losses = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight, labels.flatten(), flat_weights)
+        total, losses = linear_cross_entropy(
+            hidden.flatten(0, 1), model.get_output_embeddings().weight, labels.flatten(), flat_weights
+        )
         return total, losses.view(labels.shape)
 
     def prefill(self, model, ids, max_len):
@@ -282,27 +317,44 @@ class TransformersFamily(ModelFamily):
         attention reshapes by head_dim, so each rank runs its own heads unchanged."""
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in LLAMA_STYLE_MODEL_TYPES:
-            raise ConfigError(f"tensor parallelism covers {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
-                              f"not {getattr(config, 'model_type', type(model).__name__)!r}; use data parallelism (fsdp)")
-        return megatron_plan("self_attn.", "mlp.", config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
-                             config.intermediate_size, tp, qk_norm=config.model_type == "qwen3")
+            raise ConfigError(
+                f"tensor parallelism covers {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
+                f"not {getattr(config, 'model_type', type(model).__name__)!r}; use data parallelism (fsdp)"
+            )
+        return megatron_plan(
+            "self_attn.",
+            "mlp.",
+            config.num_attention_heads,
+            config.num_key_value_heads or config.num_attention_heads,
+            config.intermediate_size,
+            tp,
+            qk_norm=config.model_type == "qwen3",
+        )
 
     def blocks(self, model):
         return model.model.layers if getattr(model, "is_pipeline_stage", False) else super().blocks(model)
 
     def tensor_parallel_model_plan(self, model, sequence_parallel):
-        if sequence_parallel:  # transformers sizes its masks from the embedding output, which would hold 1/tp of the tokens
-            raise ConfigError("sequence parallelism covers the native GPT (transformers builds its attention masks from the "
-                              "embedding's output, which it splits): drop infra.sequence_parallel")
+        if (
+            sequence_parallel
+        ):  # transformers sizes its masks from the embedding output, which would hold 1/tp of the tokens
+            raise ConfigError(
+                "sequence parallelism covers the native GPT (transformers builds its attention masks from the "
+                "embedding's output, which it splits): drop infra.sequence_parallel"
+            )
         if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-            return {}  # tied: one matrix cannot be split as both (its rows are the vocabulary either way, but two styles re-register it)
+            # tied: one matrix cannot be split as both (its rows are the vocabulary either way, but two styles re-
+            # register it)
+            return {}
         return {"model.embed_tokens": "vocab_embedding", "lm_head": "vocab_head"}
 
     def pipeline_stage(self, model, block_ids, first, last):
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in LLAMA_STYLE_MODEL_TYPES:
-            raise ConfigError(f"pipeline stages cover {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
-                              f"not {getattr(config, 'model_type', type(model).__name__)!r}; use tensor parallelism or FSDP2")
+            raise ConfigError(
+                f"pipeline stages cover {', '.join(sorted(LLAMA_STYLE_MODEL_TYPES))} transformers models, "
+                f"not {getattr(config, 'model_type', type(model).__name__)!r}; use tensor parallelism or FSDP2"
+            )
         from tierlm.models.transformers.pipeline import TransformersStage
 
         return TransformersStage(model, block_ids, first, last)
@@ -348,5 +400,7 @@ TRANSFORMERS = TransformersFamily()
 
 
 def unknown_architecture(architecture: str) -> ConfigError:
-    return ConfigError(f"model.architecture {architecture!r} is neither a tierlm family ({', '.join(FAMILIES)}) "
-                       "nor a transformers model_type")
+    return ConfigError(
+        f"model.architecture {architecture!r} is neither a tierlm family ({', '.join(FAMILIES)}) "
+        "nor a transformers model_type"
+    )

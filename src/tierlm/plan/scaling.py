@@ -1,6 +1,6 @@
 """Tier 3: a run's plan — the hyperparameters a config implies, derived once, printed before training.
 
-Seed 004's "one number sets everything": from the model (its depth) follow
+nanochat's "one number sets everything": from the model (its depth) follow
 
 1. the token horizon, D = training.target_param_data_ratio x scaling parameters (the hidden
    matrices and the output head: nanochat found these give the cleanest scaling laws);
@@ -25,36 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from tierlm.build.model import new_model
+from tierlm.build.optimizer import model_width, role_learning_rates
+from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
-from tierlm.primitives.optim import ROLES, RoleSettings, parameter_roles, width_lr_scale
+from tierlm.models import family_named, family_of, unwrap_model
+from tierlm.primitives.optim import ROLES, parameter_roles
 
 B_REF = 2**19  # tokens per step found best at the d12 reference (nanochat, measured)
 REFERENCE_DEPTH = 12
 BATCH_EXPONENT = 0.383  # B_opt ~ D^0.383 (Power Lines, arXiv:2505.13738)
-MUON_DEFAULT_LRS = {"matrix": 0.02, "embedding": 0.2, "unembedding": 0.004}  # at d_model 768 (nanochat)
-
-
-def new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A model of the config's family (`model.architecture`), initialised on `device`; on "meta" only
-    described (no memory, no draw from the RNG), for sizing."""
-    m = config.model
-    if m.short_window is None and "S" in m.window_pattern.upper():  # seed 004: a short window is half the context
-        m = m.model_copy(update={"short_window": max(1, config.data.max_seq_length // 2)})
-    d = config.data
-    longest = max(2048, d.max_seq_length, d.max_encoder_length, d.max_decoder_length)  # rotary tables (encoder-decoders: both lengths)
-    return family_named(m.architecture).build(m, vocab_size, longest, device, dtype)
-
-
-def describe_model(config: TierlmConfig, vocab_size: int, pretrained: Path | str | None) -> nn.Module | None:
-    """The run's model on the meta device (shapes only), or None for a hub id not yet downloaded."""
-    if pretrained is None:
-        return new_model(config, vocab_size, "meta")
-    if isinstance(pretrained, Path):
-        with torch.device("meta"):
-            return family_for_folder(pretrained).build_from_folder(pretrained)
-    return None
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -69,21 +50,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     counts["total"] = sum(counts[r] for r in ROLES)
     counts["scaling"] = counts["matrix"] + counts["unembedding"]
     return counts
-
-
-def model_width(model: nn.Module) -> int:
-    """d_model: the width of the token embedding (or of the head), trained or frozen (LoRA).
-
-    >>> model_width(nn.Sequential(nn.Embedding(10, 4).requires_grad_(False), nn.Linear(4, 4)))
-    4
-    """
-    inner = unwrap_model(model)
-    table = next((m.weight for m in inner.modules() if isinstance(m, nn.Embedding)), None)
-    if table is None:
-        head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else getattr(inner, "lm_head", None)
-        assert isinstance(head, nn.Module), f"{type(inner).__name__} has neither an embedding nor an output head"
-        table = head.weight
-    return int(table.shape[-1])
 
 
 def optimal_batch_tokens(target_tokens: float, reference_tokens: float) -> int:
@@ -133,66 +99,76 @@ class Plan:
         rows: list[tuple[str, str]] = []
         if self.counts:
             c = self.counts
-            rows.append(("parameters", f"{c['total']:,} (scaling {c['scaling']:,}: matrices {c['matrix']:,} + head "
-                                       f"{c['unembedding']:,}; embeddings {c['embedding']:,}; scalars {c['scalar']:,})"))
+            rows.append(
+                (
+                    "parameters",
+                    f"{c['total']:,} (scaling {c['scaling']:,}: matrices {c['matrix']:,} + head "
+                    f"{c['unembedding']:,}; embeddings {c['embedding']:,}; scalars {c['scalar']:,})",
+                )
+            )
         if self.flops_per_token:
             rows.append(("FLOPs per token", f"{self.flops_per_token:.4g} (training: forward + backward)"))
         if self.target_tokens is not None:
-            rows.append(("token horizon", f"{self.target_tokens:,} (ratio x scaling parameters; d{REFERENCE_DEPTH} reference "
-                                          f"{self.reference_tokens:,})"))
+            rows.append(
+                (
+                    "token horizon",
+                    f"{self.target_tokens:,} (ratio x scaling parameters; d{REFERENCE_DEPTH} reference "
+                    f"{self.reference_tokens:,})",
+                )
+            )
         if self.predicted_batch is not None:
-            rows.append(("predicted batch", f"{self.predicted_batch:,} tokens (B_ref {B_REF:,} x (D/D_ref)^{BATCH_EXPONENT})"))
-        rows.append(("batch", f"{self.batch_tokens:,} tokens/step = {self.micro_batch_tokens:,} per micro-batch x "
-                              f"{self.world_size} rank(s) x {self.accumulation} accumulation"))
+            rows.append(
+                ("predicted batch", f"{self.predicted_batch:,} tokens (B_ref {B_REF:,} x (D/D_ref)^{BATCH_EXPONENT})")
+            )
+        rows.append(
+            (
+                "batch",
+                f"{self.batch_tokens:,} tokens/step = {self.micro_batch_tokens:,} per micro-batch x "
+                f"{self.world_size} rank(s) x {self.accumulation} accumulation",
+            )
+        )
         rows.append(("steps", f"{self.num_train_steps:,} ({self.total_tokens:,} tokens)"))
         if self.counts and self.counts["scaling"]:
             rows.append(("tokens per scaling parameter", f"{self.total_tokens / self.counts['scaling']:.2f}"))
         if self.lr_scale != 1.0 or self.weight_decay_scale != 1.0:
-            rows.append(("batch scaling", f"learning rates x {self.lr_scale:.4f}, weight decay x {self.weight_decay_scale:.4f}"))
+            rows.append(
+                ("batch scaling", f"learning rates x {self.lr_scale:.4f}, weight decay x {self.weight_decay_scale:.4f}")
+            )
         for g in self.groups:
-            rows.append((f"  {g['role']}", f"{g['optimizer']}, {g['params']:,} parameters, lr {g['lr']:.4g}, weight decay {g['weight_decay']:.4g}"))
+            rows.append(
+                (
+                    f"  {g['role']}",
+                    f"{g['optimizer']}, {g['params']:,} parameters, lr {g['lr']:.4g}, weight decay "
+                    f"{g['weight_decay']:.4g}",
+                )
+            )
         if tokens_per_sec:
-            rows.append(("estimated time", f"{self.estimated_seconds(tokens_per_sec) / 60:.1f} min at {tokens_per_sec:,.0f} tokens/s"))
+            rows.append(
+                (
+                    "estimated time",
+                    f"{self.estimated_seconds(tokens_per_sec) / 60:.1f} min at {tokens_per_sec:,.0f} tokens/s",
+                )
+            )
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-        return "\n".join([f"plan ({self.stage}):", *("  " + line for line in lines), *(f"  note: {n}" for n in self.notes)])
+        return "\n".join(
+            [f"plan ({self.stage}):", *("  " + line for line in lines), *(f"  note: {n}" for n in self.notes)]
+        )
 
 
-def role_learning_rates(config: TierlmConfig, width: int | None) -> dict[str, float]:
-    """Each role's peak LR before batch scaling: explicit, else the optimizer's default."""
-    tr = config.training
-    defaults = {role: tr.learning_rate for role in ROLES}
-    if tr.optimizer == "muon":
-        scale = width_lr_scale(width) if width else 1.0
-        defaults.update(matrix=MUON_DEFAULT_LRS["matrix"], embedding=MUON_DEFAULT_LRS["embedding"] * scale,
-                        unembedding=MUON_DEFAULT_LRS["unembedding"] * scale)
-    explicit = {role: getattr(tr, f"{role}_lr") for role in ROLES}
-    return {role: explicit[role] if explicit[role] is not None else defaults[role] for role in ROLES}
-
-
-def optimizer_settings(config: TierlmConfig, width: int | None, distributed: bool = False) -> RoleSettings:
-    """The optimizer's settings for `config` (roles' LRs, decay, betas, optimizer-specific options)."""
-    tr = config.training
-    lrs = role_learning_rates(config, width)
-    options = {
-        "adamw_spam": dict(theta=tr.spam_theta, interval=tr.spam_interval, warmup=tr.spam_warmup),
-        "adamw_prune": dict(score=tr.prune_score, final_sparsity=tr.prune_sparsity, warmup=tr.prune_warmup,
-                            frequency=tr.prune_frequency, total_steps=tr.num_train_steps, seed=tr.seed),
-    }.get(tr.optimizer, {})
-    return RoleSettings(lrs["matrix"], lrs["embedding"], lrs["unembedding"], lrs["scalar"], tr.weight_decay,
-                        tr.decay_norms_and_embeddings, (tr.adam_beta1, tr.adam_beta2), tr.adam_epsilon, tr.muon_momentum,
-                        distributed=distributed, options=options)
-
-
-def _horizon(config: TierlmConfig, model: nn.Module, plan: Plan) -> None:
-    """Steps 1 of seed 004: D = ratio x scaling parameters, and D_ref for the same model at depth 12."""
+def _horizon(config: TierlmConfig, stage: Stage, model: nn.Module, plan: Plan) -> None:
+    """Step 1 of nanochat's rule: D = ratio x scaling parameters, and D_ref for the same model at depth 12."""
     tr, m = config.training, config.model
-    if plan.stage != "pretrain" or m.model_name_or_path is not None:
-        raise ConfigError("training.target_param_data_ratio sets a pretraining horizon from the model's size: "
-                          "use it to pretrain from scratch, or set training.num_train_steps")
+    if not stage.scales_from_depth or m.model_name_or_path is not None:
+        raise ConfigError(
+            "training.target_param_data_ratio sets a pretraining horizon from the model's size: "
+            "use it to pretrain from scratch, or set training.num_train_steps"
+        )
     if "model.depth" not in family_named(m.architecture).config_fields(m):
-        raise ConfigError(f"training.target_param_data_ratio scales from a depth-{REFERENCE_DEPTH} reference; "
-                          f"model.architecture={m.architecture} is not built from model.depth (use gpt or gpt2)")
+        raise ConfigError(
+            f"training.target_param_data_ratio scales from a depth-{REFERENCE_DEPTH} reference; "
+            f"model.architecture={m.architecture} is not built from model.depth (use gpt or gpt2)"
+        )
     plan.target_tokens = int(tr.target_param_data_ratio * plan.counts["scaling"])
     reference = config.model_copy(update={"model": m.model_copy(update={"depth": REFERENCE_DEPTH})})
     reference_model = new_model(reference, unwrap_model(model).config.vocab_size, "meta")
@@ -200,22 +176,33 @@ def _horizon(config: TierlmConfig, model: nn.Module, plan: Plan) -> None:
 
 
 def _batch(config: TierlmConfig, plan: Plan) -> None:
-    """Steps 2-4 of seed 004: the batch (given or predicted), its accumulation, and the LR and weight-decay scales."""
+    """Steps 2-4 of nanochat's rule: the batch (given or predicted), its accumulation, and the LR and weight-decay
+    scales."""
     tr, per_step = config.training, plan.micro_batch_tokens * plan.world_size
-    if "gradient_accumulation_steps" in tr.model_fields_set and tr.total_batch_size != per_step * tr.gradient_accumulation_steps:
-        raise ConfigError("set training.total_batch_size or training.gradient_accumulation_steps, not both "
-                          "(the accumulation follows from the batch)")
+    if (
+        "gradient_accumulation_steps" in tr.model_fields_set
+        and tr.total_batch_size != per_step * tr.gradient_accumulation_steps
+    ):
+        raise ConfigError(
+            "set training.total_batch_size or training.gradient_accumulation_steps, not both "
+            "(the accumulation follows from the batch)"
+        )
     if tr.total_batch_size == "auto":
         plan.predicted_batch = optimal_batch_tokens(plan.target_tokens, plan.reference_tokens)
         plan.accumulation = max(1, round(plan.predicted_batch / per_step))
         if plan.batch_tokens != plan.predicted_batch:
-            plan.notes.append(f"the predicted batch ({plan.predicted_batch:,} tokens) is not a multiple of a step's "
-                              f"micro-batches ({per_step:,}); {plan.batch_tokens:,} is used")
+            plan.notes.append(
+                f"the predicted batch ({plan.predicted_batch:,} tokens) is not a multiple of a step's "
+                f"micro-batches ({per_step:,}); {plan.batch_tokens:,} is used"
+            )
     else:
         if tr.total_batch_size % per_step:
-            raise ConfigError(f"training.total_batch_size ({tr.total_batch_size:,}) must be a multiple of one micro-batch "
-                              f"on every rank: {tr.per_device_train_batch_size} rows x {plan.micro_batch_tokens // tr.per_device_train_batch_size} tokens x "
-                              f"{plan.world_size} rank(s) = {per_step:,} tokens")
+            raise ConfigError(
+                f"training.total_batch_size ({tr.total_batch_size:,}) must be a multiple of one micro-batch "
+                f"on every rank: {tr.per_device_train_batch_size} rows x "
+                f"{plan.micro_batch_tokens // tr.per_device_train_batch_size} tokens x "
+                f"{plan.world_size} rank(s) = {per_step:,} tokens"
+            )
         plan.accumulation = tr.total_batch_size // per_step
     if tr.scale_hyperparameters:
         plan.lr_scale = (plan.batch_tokens / B_REF) ** 0.5
@@ -226,12 +213,14 @@ def _batch(config: TierlmConfig, plan: Plan) -> None:
 def trained_row_tokens(config: TierlmConfig, model: nn.Module | None) -> int:
     """Tokens a batch row trains on: data.max_seq_length, or an encoder-decoder's decoder row (its targets;
     the encoder's data.max_encoder_length tokens are read, not predicted)."""
-    if model is not None and getattr(family_of(model), "seq2seq", False):
+    if model is not None and family_of(model).seq2seq:
         return config.data.max_decoder_length
     return config.data.max_seq_length
 
 
-def resolve(config: TierlmConfig, stage: str, model: nn.Module | None, world_size: int = 1) -> tuple[TierlmConfig, Plan]:
+def resolve(
+    config: TierlmConfig, stage: Stage, model: nn.Module | None, world_size: int = 1
+) -> tuple[TierlmConfig, Plan]:
     """(the config with every derived value filled in, the plan). `model` may be on the meta device."""
     tr = config.training
     counts = parameter_counts(model) if model is not None else None
@@ -239,40 +228,58 @@ def resolve(config: TierlmConfig, stage: str, model: nn.Module | None, world_siz
     row = trained_row_tokens(config, model)
     flops = family_of(model).flops_per_token(unwrap_model(model), row) if model is not None else None
     micro = tr.per_device_train_batch_size * row
-    plan = Plan(stage, counts, flops, micro, world_size, tr.gradient_accumulation_steps, tr.num_train_steps)
-    if (tr.target_param_data_ratio is not None or tr.total_batch_size is not None) and stage in ("dpo", "rl"):
-        raise ConfigError(f"training.total_batch_size and training.target_param_data_ratio count tokens of fixed rows; {stage} "
-                          "batches are pairs or rollouts: use per_device_train_batch_size and gradient_accumulation_steps")
+    plan = Plan(stage.name, counts, flops, micro, world_size, tr.gradient_accumulation_steps, tr.num_train_steps)
+    if (tr.target_param_data_ratio is not None or tr.total_batch_size is not None) and not stage.token_rows:
+        raise ConfigError(
+            f"training.total_batch_size and training.target_param_data_ratio count tokens of fixed rows; {stage.name} "
+            "batches are pairs or rollouts: use per_device_train_batch_size and gradient_accumulation_steps"
+        )
     updates: dict[str, Any] = {}
     if tr.target_param_data_ratio is not None:
-        _horizon(config, model, plan)
+        _horizon(config, stage, model, plan)
     if tr.total_batch_size is not None:
         _batch(config, plan)
         updates.update(total_batch_size=plan.batch_tokens, gradient_accumulation_steps=plan.accumulation)
     if plan.target_tokens is not None and (tr.num_train_steps is None or "num_train_steps" not in tr.model_fields_set):
         plan.num_train_steps = updates["num_train_steps"] = max(1, plan.target_tokens // plan.batch_tokens)
         if tr.warmup_steps >= plan.num_train_steps:
-            raise ConfigError(f"training.warmup_steps ({tr.warmup_steps}) must be < the derived num_train_steps "
-                              f"({plan.num_train_steps}); lower it or set training.num_train_steps")
-        if tr.total_batch_size == "auto" and plan.num_train_steps < 100:  # docs/benchmarks.md, "A mini scaling law on CPU"
-            plan.notes.append(f"only {plan.num_train_steps} optimizer steps: the batch law is anchored at d{REFERENCE_DEPTH} and "
-                              "gives small models large batches; a smaller training.total_batch_size may train better")
+            raise ConfigError(
+                f"training.warmup_steps ({tr.warmup_steps}) must be < the derived num_train_steps "
+                f"({plan.num_train_steps}); lower it or set training.num_train_steps"
+            )
+        if (
+            tr.total_batch_size == "auto" and plan.num_train_steps < 100
+        ):  # docs/benchmarks.md, "A mini scaling law on CPU"
+            plan.notes.append(
+                f"only {plan.num_train_steps} optimizer steps: the batch law is anchored at d{REFERENCE_DEPTH} and "
+                "gives small models large batches; a smaller training.total_batch_size may train better"
+            )
     lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width).items()}
     for role, lr in lrs.items():
         if not lr < 1:
             raise ConfigError(f"the {role} learning rate comes to {lr:.4g} (>= 1); lower training.{role}_lr")
-    updates.update({f"{role}_lr": lr for role, lr in lrs.items()}, learning_rate=tr.learning_rate * plan.lr_scale,
-                   weight_decay=tr.weight_decay * plan.weight_decay_scale, scale_hyperparameters=False)
-    resolved = type(tr).model_validate(tr.model_copy(update=updates).model_dump())  # validated, and every value now explicit
+    updates.update(
+        {f"{role}_lr": lr for role, lr in lrs.items()},
+        learning_rate=tr.learning_rate * plan.lr_scale,
+        weight_decay=tr.weight_decay * plan.weight_decay_scale,
+        scale_hyperparameters=False,
+    )
+    resolved = type(tr).model_validate(
+        tr.model_copy(update=updates).model_dump()
+    )  # validated, and every value now explicit
     for role in ROLES if counts else ():
         if counts[role]:
             optimizer = ("muon" if role == "matrix" else "adamw") if tr.optimizer == "muon" else tr.optimizer
             decay = resolved.weight_decay if role == "matrix" or tr.decay_norms_and_embeddings else 0.0
-            plan.groups.append({"role": role, "optimizer": optimizer, "params": counts[role], "lr": lrs[role], "weight_decay": decay})
+            plan.groups.append(
+                {"role": role, "optimizer": optimizer, "params": counts[role], "lr": lrs[role], "weight_decay": decay}
+            )
     return config.model_copy(update={"training": resolved}), plan
 
 
-def measure_tokens_per_sec(config: TierlmConfig, vocab_size: int, pretrained: Path | str | None, steps: int = 3) -> float:
+def measure_tokens_per_sec(
+    config: TierlmConfig, vocab_size: int, pretrained: Path | str | None, steps: int = 3
+) -> float:
     """Training tokens/s of one process here: a few AdamW steps of the config's model (new, or the
     pretrained one) on random micro-batches on the config's device; the first step is not timed."""
     import time
@@ -281,13 +288,17 @@ def measure_tokens_per_sec(config: TierlmConfig, vocab_size: int, pretrained: Pa
     from tierlm.primitives import resolve_device
 
     device = resolve_device(config.infra.device_type, config.infra.gpu_rank)
-    model = new_model(config, vocab_size, device) if pretrained is None else load_pretrained_model(pretrained, device=device)
+    model = (
+        new_model(config, vocab_size, device)
+        if pretrained is None
+        else load_pretrained_model(pretrained, device=device)
+    )
     family = family_of(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows, T = config.training.per_device_train_batch_size, trained_row_tokens(config, model)
     ids = torch.randint(0, vocab_size, (rows, T), device=device)
     batch = {"input_ids": ids, "labels": ids}
-    if getattr(family, "seq2seq", False):  # the encoder reads its own rows
+    if family.seq2seq:  # the encoder reads its own rows
         batch["decoder_input_ids"] = ids
         batch["input_ids"] = torch.randint(0, vocab_size, (rows, config.data.max_encoder_length), device=device)
     elapsed = 0.0
@@ -296,7 +307,9 @@ def measure_tokens_per_sec(config: TierlmConfig, vocab_size: int, pretrained: Pa
         if family.fuses_cross_entropy(model):
             total = family.cross_entropy(model, batch, None)[0]
         else:
-            total = nn.functional.cross_entropy(family.logits(model, batch).flatten(0, 1), ids.flatten(), reduction="sum")
+            total = nn.functional.cross_entropy(
+                family.logits(model, batch).flatten(0, 1), ids.flatten(), reduction="sum"
+            )
         total.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

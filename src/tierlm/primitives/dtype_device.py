@@ -27,7 +27,8 @@ def parse_dtype(dtype_str: str) -> torch.dtype:
     >>> parse_dtype("int8")
     Traceback (most recent call last):
     ...
-    tierlm.errors.ConfigError: Invalid dtype: 'int8'. Must be one of ['bfloat16', 'bf16', 'float32', 'fp32', 'float16', 'fp16']
+    tierlm.errors.ConfigError: Invalid dtype: 'int8'. Must be one of ['bfloat16', 'bf16', 'float32', 'fp32', 'float16',
+    'fp16']
     """
     if dtype_str not in _DTYPES:
         raise ConfigError(f"Invalid dtype: {dtype_str!r}. Must be one of {list(_DTYPES)}")

@@ -5,7 +5,7 @@
 matmuls run on the GPU's FP8 tensor cores, weights and optimizer state stay in their own dtype.
 Only layers whose both sizes are multiples of 16 qualify (the hardware's tile), and never the
 output head (its logits need the precision). `disable_fp8(model)` runs the swapped layers as plain
-linear layers inside its block, so evaluation and sampling see the unquantised model (seed 004).
+linear layers inside its block, so evaluation and sampling see the unquantised model (as nanochat does).
 """
 
 from __future__ import annotations
@@ -23,21 +23,31 @@ from tierlm.errors import ConfigError
 def fp8_eligible(module: nn.Module, name: str) -> bool:
     """A linear layer FP8 can run: both sizes multiples of 16, and not the output head.
 
-    >>> fp8_eligible(nn.Linear(32, 64), "blocks.0.mlp.up_proj"), fp8_eligible(nn.Linear(32, 50), "x"), fp8_eligible(nn.Linear(32, 64), "lm_head")
+    >>> fp8_eligible(nn.Linear(32, 64), "blocks.0.mlp.up_proj"), fp8_eligible(nn.Linear(32, 50),
+    ...     "x"), fp8_eligible(nn.Linear(32, 64), "lm_head")
     (True, False, False)
     """
-    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            and name.split(".")[-1] not in ("lm_head", "output", "head"))
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+        and name.split(".")[-1] not in ("lm_head", "output", "head")
+    )
 
 
 def check_fp8_device(device: torch.device) -> None:
     """Refuse FP8 training where its kernels do not exist (anything but a CUDA GPU of compute capability >= 8.9)."""
     if device.type != "cuda":
-        raise ConfigError(f"training.fp8 needs an H100-class CUDA GPU (FP8 tensor cores); this run is on {device.type}: set training.fp8=false")
+        raise ConfigError(
+            f"training.fp8 needs an H100-class CUDA GPU (FP8 tensor cores); this run is on {device.type}: set "
+            f"training.fp8=false"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise ConfigError(f"training.fp8 needs compute capability >= 8.9 (Ada, Hopper); {torch.cuda.get_device_name(device)} is "
-                          f"{major}.{minor}: set training.fp8=false")
+        raise ConfigError(
+            f"training.fp8 needs compute capability >= 8.9 (Ada, Hopper); {torch.cuda.get_device_name(device)} is "
+            f"{major}.{minor}: set training.fp8=false"
+        )
 
 
 def apply_float8_training(model: nn.Module) -> int:
@@ -69,7 +79,9 @@ def disable_fp8(model: nn.Module) -> Iterator[nn.Module]:
     """
     swapped = [m for m in model.modules() if _is_float8(m)]
     for module in swapped:
-        module.forward = lambda x, m=module: F.linear(x, m.weight.to(x.dtype), None if m.bias is None else m.bias.to(x.dtype))
+        module.forward = lambda x, m=module: F.linear(
+            x, m.weight.to(x.dtype), None if m.bias is None else m.bias.to(x.dtype)
+        )
     try:
         yield model
     finally:

@@ -34,7 +34,9 @@ def per_token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return -token_logprobs(logits, labels)
 
 
-def cross_entropy_sum(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def cross_entropy_sum(
+    logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy over the trained tokens, their count), as `tierlm.primitives.losses.cross_entropy_sum`."""
     weights = token_weights(labels, loss_mask)
     return (per_token_cross_entropy(logits, labels) * weights).sum(), weights.sum()
@@ -53,7 +55,8 @@ def jax_twin(fn: Callable | None) -> Callable | None:
     owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", repr(fn))
     twin = getattr(owner, f"jax_{name.lstrip('_')}", None) if owner is not None else None
     if twin is None:
-        raise NotImplementedError(f"{type(owner).__name__ if owner is not None else name} has no JAX twin of {name} "
-                                  f"(a method jax_{name.lstrip('_')}); the JAX backend trains pretraining, SFT and DPO")
+        raise NotImplementedError(
+            f"{type(owner).__name__ if owner is not None else name} has no JAX twin of {name} "
+            f"(a method jax_{name.lstrip('_')}); the JAX backend trains pretraining, SFT and DPO"
+        )
     return twin
-

@@ -114,7 +114,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device_type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_rows):
                 end = min(start + chunk_rows, hidden.shape[0])
-                h, y, rw = hidden[start:end].to(dtype), labels[start:end].clamp(min=0)[:, None], weights[start:end, None]
+                h, y, rw = (
+                    hidden[start:end].to(dtype),
+                    labels[start:end].clamp(min=0)[:, None],
+                    weights[start:end, None],
+                )
                 logits = (h @ w.t()).float()  # (n, V): the only vocabulary-sized tensor, one chunk at a time
                 lse = torch.logsumexp(logits, dim=-1, keepdim=True)
                 token_losses[start:end] = (lse - logits.gather(1, y)).squeeze(1) * (rw.squeeze(1) != 0)
@@ -140,7 +144,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
     chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head and the cross-entropy fused: never the whole (N, V) logits at once.
@@ -155,7 +162,8 @@ def linear_cross_entropy(
     them would cost a host sync, so there they are computed and weighted 0). The matmuls follow
     autocast; the softmax is fp32. Equal to `F.cross_entropy` on `hidden @ weight.T`:
 
-    >>> h, w, y = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True), torch.tensor([1, 2, -100, 4, 5, 6])
+    >>> h, w, y = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True), torch.tensor([1, 2,
+    ...     -100, 4, 5, 6])
     >>> total, per_token = linear_cross_entropy(h, w, y)
     >>> reference = F.cross_entropy(h @ w.T, y, ignore_index=-100, reduction="sum")
     >>> torch.allclose(total, reference), per_token[2].item()
@@ -164,7 +172,9 @@ def linear_cross_entropy(
     >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g, r))
     True
     """
-    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
+    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], (
+        f"hidden {tuple(hidden.shape)} vs labels {tuple(labels.shape)}"
+    )
     trained = labels != IGNORE_INDEX
     weights = trained.float() if weights is None else weights.float() * trained
     chunk_rows = chunk_rows or _chunk_rows(weight.shape[0])
@@ -172,7 +182,9 @@ def linear_cross_entropy(
     if hidden.device.type == "cpu":
         # (under the memory planner's fake tensors every row counts as trained: the most it can hold)
         rows = torch.arange(len(labels), device=labels.device) if is_fake(labels) else trained.nonzero().squeeze(1)
-        total, losses = _LinearCrossEntropy.apply(hidden[rows], weight, labels[rows], weights[rows], chunk_rows, with_grad)
+        total, losses = _LinearCrossEntropy.apply(
+            hidden[rows], weight, labels[rows], weights[rows], chunk_rows, with_grad
+        )
         return total, torch.zeros(labels.shape, dtype=losses.dtype, device=losses.device).index_copy_(0, rows, losses)
     return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_rows, with_grad)
 
@@ -198,3 +210,15 @@ def create_cross_entropy_loss() -> LossFn:
         return total / num_tokens.clamp(min=1.0)
 
     return cross_entropy_loss
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(label) at every position (B, T) under softmax(logits / temperature); 0 where unlabelled.
+
+    >>> lp = token_logprobs(torch.log(torch.tensor([[[0.25, 0.75]]])), torch.tensor([[1]]))
+    >>> round(lp.exp().item(), 4)
+    0.75
+    """
+    scaled = logits.float() / temperature if temperature not in (0.0, 1.0) else logits.float()
+    logp = torch.log_softmax(scaled, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logp * (labels != IGNORE_INDEX)

@@ -42,8 +42,10 @@ class ParallelDims:
     def from_sizes(cls, world_size: int, tensor: int = 1, pipeline: int = 1, context: int = 1) -> "ParallelDims":
         model_ranks = tensor * pipeline * context
         if world_size % model_ranks:
-            raise ConfigError(f"{world_size} ranks do not split into tensor {tensor} x pipeline {pipeline} x context {context} "
-                              f"(= {model_ranks}) groups: make the world size a multiple of {model_ranks}")
+            raise ConfigError(
+                f"{world_size} ranks do not split into tensor {tensor} x pipeline {pipeline} x context {context} "
+                f"(= {model_ranks}) groups: make the world size a multiple of {model_ranks}"
+            )
         return cls(pp=pipeline, dp=world_size // model_ranks, cp=context, tp=tensor)
 
     @property
@@ -61,15 +63,20 @@ class ParallelDims:
 
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each mesh dimension, outermost first; data parallel kept even at size 1."""
-        return tuple((name, size) for name, size in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
-                     if size > 1 or name == "dp")
+        return tuple(
+            (name, size)
+            for name, size in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
+            if size > 1 or name == "dp"
+        )
 
     def build_mesh(self, device_type: str):
         """The `DeviceMesh` of this layout (needs the process group)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         names, sizes = zip(*self.mesh_shape())
-        assert dist.get_world_size() == self.world_size, f"the layout needs {self.world_size} ranks, the job has {dist.get_world_size()}"
+        assert dist.get_world_size() == self.world_size, (
+            f"the layout needs {self.world_size} ranks, the job has {dist.get_world_size()}"
+        )
         return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
@@ -91,14 +98,26 @@ def check_tensor_parallel_shape(n_head: int, n_kv_head: int, intermediate: int, 
     ['2 key/value heads do not split over 4 tensor-parallel ranks']
     """
     problems = []
-    for what, count in (("attention heads", n_head), ("key/value heads", n_kv_head), ("MLP hidden units", intermediate)):
+    for what, count in (
+        ("attention heads", n_head),
+        ("key/value heads", n_kv_head),
+        ("MLP hidden units", intermediate),
+    ):
         if count % tp:
             problems.append(f"{count} {what} do not split over {tp} tensor-parallel ranks")
     return problems
 
 
-def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, intermediate: int, tp: int, qk_norm: bool = False,
-                  norms: tuple[str, str] | None = None) -> dict[str, str]:
+def megatron_plan(
+    attention: str,
+    mlp: str,
+    n_head: int,
+    n_kv_head: int,
+    intermediate: int,
+    tp: int,
+    qk_norm: bool = False,
+    norms: tuple[str, str] | None = None,
+) -> dict[str, str]:
     """The plan of a Llama-style block whose attention and MLP modules are at `attention` / `mlp`
     (prefixes inside the block): q/k/v and gate/up by columns, o and down by rows. With `qk_norm`, the
     per-head norms (shared by all heads, so each rank sees only its heads' share of their gradient) are
@@ -115,12 +134,25 @@ def megatron_plan(attention: str, mlp: str, n_head: int, n_kv_head: int, interme
     if problems:
         raise ConfigError(f"infra.tensor_parallel_size={tp}: {'; '.join(problems)}")
     plan = {f"{attention}{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
-    plan.update({f"{attention}o_proj": "rowwise", f"{mlp}gate_proj": "colwise", f"{mlp}up_proj": "colwise", f"{mlp}down_proj": "rowwise"})
+    plan.update(
+        {
+            f"{attention}o_proj": "rowwise",
+            f"{mlp}gate_proj": "colwise",
+            f"{mlp}up_proj": "colwise",
+            f"{mlp}down_proj": "rowwise",
+        }
+    )
     if qk_norm:
         plan.update({f"{attention}q_norm": "grad_allreduce", f"{attention}k_norm": "grad_allreduce"})
     if norms:
-        plan.update({norms[0]: "sequence_norm", norms[1]: "sequence_norm", attention.rstrip("."): "sequence_gather",
-                     mlp.rstrip("."): "sequence_gather"})
+        plan.update(
+            {
+                norms[0]: "sequence_norm",
+                norms[1]: "sequence_norm",
+                attention.rstrip("."): "sequence_gather",
+                mlp.rstrip("."): "sequence_gather",
+            }
+        )
     return plan
 
 
@@ -141,7 +173,9 @@ def _parallel_styles(sequence_parallel: bool) -> dict:
 
         def _partition_linear_fn(self, name, module, device_mesh):
             for param_name, param in module.named_parameters():
-                shard = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=self.src_data_rank)
+                shard = distribute_tensor(
+                    param, device_mesh, [_StridedShard(0, split_factor=3)], src_data_rank=self.src_data_rank
+                )
                 module.register_parameter(param_name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
         @staticmethod
@@ -161,16 +195,23 @@ def _parallel_styles(sequence_parallel: bool) -> dict:
             return module
 
     sequence = Shard(1) if sequence_parallel else Replicate()
-    return {"colwise": ColwiseParallel(), "colwise_qkv": FusedQKVColwiseParallel(), "rowwise": RowwiseParallel(output_layouts=sequence),
-            "sequence_norm": SequenceParallel(use_local_output=True), "sequence_gather": GatherSequence(),
-            # the embedding split by vocabulary rows: each rank looks up the ids in its rows, summed (or scattered by sequence)
-            "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
-            # the head split by vocabulary: logits stay sharded by vocabulary, for the loss-parallel cross-entropy
-            "vocab_head": ColwiseParallel(input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False)}
+    return {
+        "colwise": ColwiseParallel(),
+        "colwise_qkv": FusedQKVColwiseParallel(),
+        "rowwise": RowwiseParallel(output_layouts=sequence),
+        "sequence_norm": SequenceParallel(use_local_output=True),
+        "sequence_gather": GatherSequence(),
+        # the embedding split by vocabulary rows: each rank looks up the ids in its rows, summed (or scattered by
+        # sequence)
+        "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
+        # the head split by vocabulary: logits stay sharded by vocabulary, for the loss-parallel cross-entropy
+        "vocab_head": ColwiseParallel(input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False),
+    }
 
 
-def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: dict[str, str],
-                          sequence_parallel: bool = False) -> list[nn.Parameter]:
+def apply_tensor_parallel(
+    tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: dict[str, str], sequence_parallel: bool = False
+) -> list[nn.Parameter]:
     """Split every block by `plan` ({module path inside a block: "colwise" | "colwise_qkv" | "rowwise" |
     "grad_allreduce" | "sequence_norm" | "sequence_gather"}) over `tp_mesh`; returns the "grad_allreduce"
     modules' parameters, whose gradients the caller sums over the group before the update (`sum_gradients`).
@@ -185,11 +226,17 @@ def apply_tensor_parallel(tp_mesh, blocks: nn.ModuleList | nn.ModuleDict, plan: 
 
     styles = _parallel_styles(sequence_parallel)
     assert set(plan.values()) <= {*styles, "grad_allreduce"}, f"unknown tensor-parallel styles in {plan}"
-    wanted = {path: styles[kind] for path, kind in plan.items() if kind in styles and (sequence_parallel or kind not in SEQUENCE_STYLES)}
+    wanted = {
+        path: styles[kind]
+        for path, kind in plan.items()
+        if kind in styles and (sequence_parallel or kind not in SEQUENCE_STYLES)
+    }
     summed = []
     for _, block in block_items(blocks):
         parallelize_module(block, tp_mesh, wanted)
-        summed += [p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()]
+        summed += [
+            p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()
+        ]
     return summed
 
 
@@ -202,8 +249,15 @@ def apply_vocab_parallel(tp_mesh, model: nn.Module, plan: dict[str, str], sequen
 
     styles = _parallel_styles(sequence_parallel)
     held = dict(model.named_modules())
-    parallelize_module(model, tp_mesh, {path: styles[kind] for path, kind in plan.items()
-                                        if path in held and (sequence_parallel or kind not in SEQUENCE_STYLES)})
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            path: styles[kind]
+            for path, kind in plan.items()
+            if path in held and (sequence_parallel or kind not in SEQUENCE_STYLES)
+        },
+    )
 
 
 def sum_gradients(params: list[nn.Parameter], group) -> None:
@@ -213,7 +267,9 @@ def sum_gradients(params: list[nn.Parameter], group) -> None:
     if grads:
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        torch._foreach_copy_(
+            grads, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        )
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -229,7 +285,9 @@ def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, extra_group=None, also_scale: list[torch.Tensor] = ()) -> torch.Tensor:
+def clip_grad_norm(
+    grads: list[torch.Tensor], max_norm: float, extra_group=None, also_scale: list[torch.Tensor] = ()
+) -> torch.Tensor:
     """The total L2 norm of `grads` — plain tensors and DTensors on any meshes (tensor-parallel shards,
     FSDP shards, both) — and, when `max_norm` > 0, every gradient scaled as `clip_grad_norm_` does.
 
@@ -269,7 +327,7 @@ def _dcp_describable(placements, mesh_sizes) -> bool:
         factor = getattr(placement, "split_factor", None)
         if factor is not None:
             later = 1
-            for size, other in zip(mesh_sizes[i + 1:], placements[i + 1:]):
+            for size, other in zip(mesh_sizes[i + 1 :], placements[i + 1 :]):
                 later *= size if getattr(other, "dim", None) == placement.dim else 1
             if later != factor:
                 return False
@@ -295,7 +353,9 @@ def dcp_storable(state: dict) -> tuple[dict, Callable[[], None]]:
             return {k: convert(v) for k, v in value.items()}
         if not hasattr(value, "placements") or _dcp_describable(value.placements, value.device_mesh.shape):
             return value
-        return value.redistribute(value.device_mesh, [Shard(p.dim) if hasattr(p, "split_factor") else p for p in value.placements])
+        return value.redistribute(
+            value.device_mesh, [Shard(p.dim) if hasattr(p, "split_factor") else p for p in value.placements]
+        )
 
     storable = convert(state)
 

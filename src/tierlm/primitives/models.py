@@ -41,16 +41,23 @@ def load_hf_model(
         kwargs["device_map"] = device_map
     try:
         return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # RuntimeError: weights whose shapes differ from the config
+    except (
+        OSError,
+        ValueError,
+        RuntimeError,
+        SafetensorError,
+    ) as e:  # RuntimeError: weights whose shapes differ from the config
         where = "local folder" if Path(model_name).exists() else "hub id or path"
         raise ModelLoadError(f"cannot load model {model_name!r} ({where}): {first_line(e)}") from e
 
 
-def create_hf_model_from_config(model_type: str, torch_dtype: torch.dtype = torch.float32, **config_kwargs) -> nn.Module:
+def create_hf_model_from_config(
+    model_type: str, torch_dtype: torch.dtype = torch.float32, **config_kwargs
+) -> nn.Module:
     """A randomly initialised transformers causal LM of `model_type` (e.g. "qwen3", "llama").
 
     >>> model = create_hf_model_from_config("qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     >>> type(model).__name__
     'Qwen3ForCausalLM'
     """

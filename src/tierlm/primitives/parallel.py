@@ -7,7 +7,6 @@ All of it is PyTorch's own engine; launch with `torchrun`.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import os
@@ -46,14 +45,18 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dis
     died, so a lost peer ends the job instead of hanging it.
     """
     if not launched_distributed():
-        raise ConfigError("distributed training needs a launcher: run under `torchrun --nproc_per_node=N -m tierlm ...`")
+        raise ConfigError(
+            "distributed training needs a launcher: run under `torchrun --nproc_per_node=N -m tierlm ...`"
+        )
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = device_type == "cuda" or (device_type == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
             raise DeviceError("infra.device_type=cuda but no CUDA GPU is visible; use device_type=cpu")
         if local_rank >= torch.cuda.device_count():
-            raise DeviceError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); lower --nproc_per_node")
+            raise DeviceError(
+                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); lower --nproc_per_node"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     elif device_type in ("auto", "cpu"):
@@ -69,21 +72,6 @@ def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> Dis
     return DistributedContext(rank, local_rank, world_size, device)
 
 
-_KEEP_GROUP = False
-
-
-@contextlib.contextmanager
-def process_group_kept():
-    """Inside the block, `shutdown_distributed()` leaves the process group up: several runs in one
-    torchrun job (an ablation's variants) share it, since joining a new one after leaving hangs."""
-    global _KEEP_GROUP
-    previous, _KEEP_GROUP = _KEEP_GROUP, True
-    try:
-        yield
-    finally:
-        _KEEP_GROUP = previous
-
-
 def shutdown_distributed() -> None:
     """Leave the process group: a barrier, then collect, then destroy.
 
@@ -92,8 +80,6 @@ def shutdown_distributed() -> None:
     the process group alive past `destroy_process_group`, and a gloo group destroyed during
     interpreter finalization can abort the process after its work is done.
     """
-    if _KEEP_GROUP:
-        return
     if dist.is_initialized():
         dist.barrier()
         gc.collect()
@@ -171,7 +157,7 @@ def apply_fsdp(
 
     `param_dtype` (e.g. bf16) is what forward and backward compute in, `reduce_dtype` what
     gradients are reduced in; the sharded master weights and optimizer state stay fp32.
-    `sharding` is seed 002's fsdp_sharding_strategy in FSDP2's terms: FULL_SHARD re-shards each
+    `sharding` is Accelerate's fsdp_sharding_strategy in FSDP2's terms: FULL_SHARD re-shards each
     block after its forward; SHARD_GRAD_OP keeps the gathered parameters until the backward (more
     memory, no second all-gather); HYBRID_SHARD shards within groups of `shard_size` ranks (default:
     the ranks of one machine, LOCAL_WORLD_SIZE) and replicates across them, on a 2-D mesh.
@@ -185,8 +171,12 @@ def apply_fsdp(
         assert sharding != "HYBRID_SHARD", "HYBRID_SHARD builds its own 2-D mesh; give a mesh or the strategy, not both"
     elif sharding == "HYBRID_SHARD":
         shard_size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        assert world_size % shard_size == 0, f"HYBRID_SHARD: {world_size} ranks do not split into groups of {shard_size}"
-        mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+        assert world_size % shard_size == 0, (
+            f"HYBRID_SHARD: {world_size} ranks do not split into groups of {shard_size}"
+        )
+        mesh = init_device_mesh(
+            device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh(device_type, (world_size,))
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}

@@ -13,9 +13,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from tierlm.primitives.optim.muon import get_muon_momentum, get_weight_decay
-
 from tierlm.errors import ConfigError
+from tierlm.primitives.optim.muon import get_muon_momentum, get_weight_decay
 
 DECAY_STYLES = ("cosine", "linear", "constant", "warmdown")
 
@@ -85,9 +84,7 @@ def create_warmup_scheduler(
     if num_warmup_steps < 0:
         raise ConfigError(f"num_warmup_steps must be >= 0, got {num_warmup_steps}")
     if num_training_steps <= num_warmup_steps:
-        raise ConfigError(
-            f"num_training_steps ({num_training_steps}) must be > num_warmup_steps ({num_warmup_steps})"
-        )
+        raise ConfigError(f"num_training_steps ({num_training_steps}) must be > num_warmup_steps ({num_warmup_steps})")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     if not 0.0 <= warmdown_ratio <= 1.0:
@@ -111,7 +108,7 @@ def create_warmup_scheduler(
 class TrainingSchedule(LambdaLR):
     """`LambdaLR` over every group, plus Muon's hyperparameters on the same step count: its momentum
     rises from `momentum_start` to the group's own over `momentum_warmup_steps`, and its weight
-    decay falls linearly from the group's own to 0 at `num_training_steps` (seed 004). Groups of
+    decay falls linearly from the group's own to 0 at `num_training_steps` (nanochat). Groups of
     other optimizers keep theirs.
 
     >>> import torch
@@ -123,9 +120,19 @@ class TrainingSchedule(LambdaLR):
     (0.9, 0.08)
     """
 
-    def __init__(self, optimizer: Optimizer, lr_lambda, num_training_steps: int, momentum_warmup_steps: int = 300,
-                 momentum_start: float = 0.85):
-        self.num_training_steps, self.momentum_warmup_steps, self.momentum_start = num_training_steps, momentum_warmup_steps, momentum_start
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        lr_lambda,
+        num_training_steps: int,
+        momentum_warmup_steps: int = 300,
+        momentum_start: float = 0.85,
+    ):
+        self.num_training_steps, self.momentum_warmup_steps, self.momentum_start = (
+            num_training_steps,
+            momentum_warmup_steps,
+            momentum_start,
+        )
         for group in optimizer.param_groups:
             if "ns_steps" in group:  # a Muon group: remember its peak momentum and weight decay
                 group.setdefault("peak_momentum", group["momentum"])
@@ -136,9 +143,12 @@ class TrainingSchedule(LambdaLR):
         super().step(epoch)
         for group in self.optimizer.param_groups:
             if "ns_steps" in group:
-                group["momentum"] = get_muon_momentum(self.last_epoch, self.momentum_warmup_steps, self.momentum_start,
-                                                      group["peak_momentum"])
-                group["weight_decay"] = get_weight_decay(self.last_epoch, self.num_training_steps, group["initial_weight_decay"])
+                group["momentum"] = get_muon_momentum(
+                    self.last_epoch, self.momentum_warmup_steps, self.momentum_start, group["peak_momentum"]
+                )
+                group["weight_decay"] = get_weight_decay(
+                    self.last_epoch, self.num_training_steps, group["initial_weight_decay"]
+                )
 
 
 def create_warmup_cosine_scheduler(

@@ -4,4 +4,13 @@ from tierlm.rollout.engine import Completion, Engine, answer_text, readable_text
 from tierlm.rollout.sampling import generate, sample_next_token
 from tierlm.rollout.tools import Calculator, Tool
 
-__all__ = ["Calculator", "Completion", "Engine", "Tool", "answer_text", "generate", "readable_text", "sample_next_token"]
+__all__ = [
+    "Calculator",
+    "Completion",
+    "Engine",
+    "Tool",
+    "answer_text",
+    "generate",
+    "readable_text",
+    "sample_next_token",
+]

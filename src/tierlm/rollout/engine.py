@@ -42,7 +42,9 @@ class Engine:
     `tokenizer` is needed only for tools (to read the call and encode the result).
     """
 
-    def __init__(self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()):
+    def __init__(
+        self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()
+    ):
         self.model = unwrap_model(model)
         self.family = family_of(self.model)
         self.stop_ids = set(stop_ids)
@@ -51,7 +53,9 @@ class Engine:
         if self.tools:
             assert tokenizer is not None, "tools need the tokenizer to read calls and write results"
             vocab = tokenizer.hf.get_vocab()
-            missing = [t for t in (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END) if t not in vocab]
+            missing = [
+                t for t in (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END) if t not in vocab
+            ]
             assert not missing, f"the tokenizer lacks the tool tokens {missing}"
             self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
             self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
@@ -99,8 +103,10 @@ class Engine:
         assert num_samples >= 1 and max_new_tokens >= 1, f"num_samples={num_samples}, max_new_tokens={max_new_tokens}"
         max_len = min(len(prompt_ids) + max_new_tokens, self.max_len())
         if len(prompt_ids) >= max_len:
-            raise DataError(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {self.max_len()} "
-                            "leaves room for; shorten it")
+            raise DataError(
+                f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {self.max_len()} "
+                "leaves room for; shorten it"
+            )
         was_training = self.model.training
         self.model.eval()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
@@ -170,7 +176,8 @@ def encoder_prompt_tokens(tokenizer, text: str) -> list[int]:
     >>> from tierlm.data import train_bpe_tokenizer
     >>> from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
     >>> tok = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer(["to be or not"] * 10, 300), num_sentinel_tokens=2)
-    >>> [tok.decode([i]) for i in encoder_prompt_tokens(tok, "to be")[:1]], encoder_prompt_tokens(tok, "[R]to <extra_id_0>")[0] == tok.mode_ids["R"]
+    >>> [tok.decode([i]) for i in encoder_prompt_tokens(tok, "to be")[:1]], encoder_prompt_tokens(tok,
+    ...     "[R]to <extra_id_0>")[0] == tok.mode_ids["R"]
     (['[S]'], True)
     """
     from tierlm.data.ul2 import MODE_TOKENS
@@ -185,12 +192,18 @@ def readable_text(tokenizer, tokens: list[int]) -> str:
 
     >>> from tierlm.data import train_char_tokenizer
     >>> tok = train_char_tokenizer(["0123456789 +="])
-    >>> ids = tok.encode("<|tool_call_start|>2 + 3<|tool_call_end|><|tool_start|>5<|tool_end|>2 + 3 = 5<|assistant_end|>")
+    >>> ids = tok.encode("<|tool_call_start|>2 + 3<|tool_call_end|><|tool_start|>5<|tool_end|>"
+    ...                  "2 + 3 = 5<|assistant_end|>")
     >>> readable_text(tok, ids)
     '[calculator: 2 + 3 -> 5] 2 + 3 = 5'
     """
     text = tokenizer.decode(tokens, skip_special_tokens=False)
-    for marker, shown in ((TOOL_CALL_START, "[calculator: "), (TOOL_CALL_END, " -> "), (TOOL_RESULT_START, ""), (TOOL_RESULT_END, "] ")):
+    for marker, shown in (
+        (TOOL_CALL_START, "[calculator: "),
+        (TOOL_CALL_END, " -> "),
+        (TOOL_RESULT_START, ""),
+        (TOOL_RESULT_END, "] "),
+    ):
         text = text.replace(marker, shown)
     special = set(tokenizer.hf.all_special_tokens) | set(getattr(tokenizer.hf, "extra_special_tokens", None) or [])
     for token in special:

@@ -10,7 +10,10 @@ from tierlm.models import forward_logits, model_max_seq_len
 
 
 def sample_next_token(
-    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Next token ids (B,) from last-position logits (B, V). Temperature 0 is greedy.

@@ -36,22 +36,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierlm.build.backend import distributed_kind
+from tierlm.build.stage import Stage
+from tierlm.build.tokenizer import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
 from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace_folder
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError, DataError
+from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import JSONLSink, MetricsLogger, MLflowSink, TensorBoardSink, WandbSink
 from tierlm.models import family_named, save_model_folder, unwrap_model
+from tierlm.plan import plan_run  # noqa: F401  (`tierlm plan`'s run, importable from here as before)
 from tierlm.primitives import resolve_device
 from tierlm.primitives.model_parallel import ParallelDims
 from tierlm.primitives.parallel import DistributedContext, init_distributed, launched_distributed
-from tierlm.loops.signals import GracefulStop
-from tierlm.build.tokenizer import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401 (re-exported)
 
 RUN_FILE = "run.json"
-STAGES = ("pretrain", "sft", "dpo", "rl")
 
 
 # -- what a run directory records -----------------------------------------------------------
@@ -63,8 +65,11 @@ def fingerprint(config: TierlmConfig, stage: str) -> dict[str, Any]:
     ('pretrain', 2, 'synthetic:arithmetic')
     """
     m, t, d = config.model, config.tokenizer, config.data
-    out: dict[str, Any] = {"stage": stage, "model.model_name_or_path": m.model_name_or_path,
-                           "model.tokenizer_name_or_path": m.tokenizer_name_or_path}
+    out: dict[str, Any] = {
+        "stage": stage,
+        "model.model_name_or_path": m.model_name_or_path,
+        "model.tokenizer_name_or_path": m.tokenizer_name_or_path,
+    }
     if m.model_name_or_path is None:  # from scratch: the shape comes from the config, as the family reads it
         out["model.architecture"] = m.architecture
         out.update(family_named(m.architecture).config_fields(m))
@@ -86,7 +91,9 @@ def recorded_run(output_dir: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{output_dir / RUN_FILE} is not readable ({e}); restore it or choose a new infra.output_dir") from None
+        raise ConfigError(
+            f"{output_dir / RUN_FILE} is not readable ({e}); restore it or choose a new infra.output_dir"
+        ) from None
     latest = find_latest_checkpoint(output_dir / CHECKPOINTS_DIRNAME)
     if latest is None:
         return None
@@ -121,15 +128,21 @@ def check_run_directory(config: TierlmConfig, stage: str) -> Path | None:
         raise ConfigError(f"infra.output_dir {out} is not empty and holds no tierlm run; choose a new or empty folder")
     mine = fingerprint(config, stage) if recorded else {}
     if recorded and recorded.get("stage") != stage:
-        raise ConfigError(f"{out} holds a {recorded.get('stage')} run, not {stage}: use a new infra.output_dir "
-                          f"(and model.model_name_or_path={out} to start from it)")
+        raise ConfigError(
+            f"{out} holds a {recorded.get('stage')} run, not {stage}: use a new infra.output_dir "
+            f"(and model.model_name_or_path={out} to start from it)"
+        )
     for key in sorted(set(mine) | set(recorded)):
         if mine.get(key) != recorded.get(key):
-            raise ConfigError(f"{out} was run with {key}={recorded.get(key)!r}, this command has {mine.get(key)!r}; "
-                              "resume with the same value or use a new infra.output_dir")
+            raise ConfigError(
+                f"{out} was run with {key}={recorded.get(key)!r}, this command has {mine.get(key)!r}; "
+                "resume with the same value or use a new infra.output_dir"
+            )
     latest = find_latest_checkpoint(out / CHECKPOINTS_DIRNAME)
     if latest is not None and config.training.resume == "never":
-        raise ConfigError(f"{out} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue")
+        raise ConfigError(
+            f"{out} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue"
+        )
     return latest
 
 
@@ -145,36 +158,44 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
     infra, tr = config.infra, config.training
     kind = infra.distributed_type
     if infra.model_parallel:
-        sizes = f"tensor {infra.tensor_parallel_size} x pipeline {infra.pipeline_parallel_size} x context {infra.context_parallel_size}"
+        sizes = (
+            f"tensor {infra.tensor_parallel_size} x pipeline {infra.pipeline_parallel_size} "
+            f"x context {infra.context_parallel_size}"
+        )
         if not launched_distributed():
-            raise ConfigError(f"model parallelism ({sizes}) splits the model over ranks: run under `torchrun --nproc_per_node=N -m tierlm ...`")
+            raise ConfigError(
+                f"model parallelism ({sizes}) splits the model over ranks: run under `torchrun --nproc_per_node=N -m "
+                f"tierlm ...`"
+            )
         if kind in ("ddp", "none"):
-            raise ConfigError(f"model parallelism ({sizes}) composes with FSDP2 for the data-parallel rest, not with "
-                              f"infra.distributed_type={kind}: use fsdp (or auto)")
-        ParallelDims.from_sizes(int(os.environ["WORLD_SIZE"]), infra.tensor_parallel_size, infra.pipeline_parallel_size,
-                                infra.context_parallel_size)  # the world splits into whole groups, or a ConfigError
+            raise ConfigError(
+                f"model parallelism ({sizes}) composes with FSDP2 for the data-parallel rest, not with "
+                f"infra.distributed_type={kind}: use fsdp (or auto)"
+            )
+        ParallelDims.from_sizes(
+            int(os.environ["WORLD_SIZE"]),
+            infra.tensor_parallel_size,
+            infra.pipeline_parallel_size,
+            infra.context_parallel_size,
+        )  # the world splits into whole groups, or a ConfigError
         kind = "fsdp"
     if kind == "auto":
         kind = "fsdp" if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1 else "none"
     if kind == "none":
         if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but infra.distributed_type=none; use fsdp or ddp")
+            raise ConfigError(
+                f"torchrun started {os.environ['WORLD_SIZE']} ranks but infra.distributed_type=none; use fsdp or ddp"
+            )
         return None
     if tr.async_save:
-        raise ConfigError("training.async_save is for one process; distributed runs save sharded checkpoints synchronously")
+        raise ConfigError(
+            "training.async_save is for one process; distributed runs save sharded checkpoints synchronously"
+        )
     if tr.average_last_n:
-        raise ConfigError("training.average_last_n needs full checkpoints; under torchrun, `tierlm export` them and `tierlm average`")
+        raise ConfigError(
+            "training.average_last_n needs full checkpoints; under torchrun, `tierlm export` them and `tierlm average`"
+        )
     return init_distributed(infra.device_type, infra.dist_timeout_s)
-
-
-def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
-    """"none" | "ddp" | "fsdp" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for the rest)."""
-    if ctx is None:
-        return "none"
-    infra = config.infra
-    if infra.model_parallel:
-        return "model_parallel"
-    return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
 
 
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
@@ -182,10 +203,21 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
     if "tensorboard" in config.training.report_to:
         sinks.append(TensorBoardSink(config.training.logging_dir or output_dir / "tensorboard", resume_step))
     if "mlflow" in config.training.report_to:
-        sinks.append(MLflowSink(output_dir, config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json")))
+        sinks.append(
+            MLflowSink(
+                output_dir, config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json")
+            )
+        )
     if "wandb" in config.training.report_to:
-        sinks.append(WandbSink(config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json"), output_dir,
-                               entity=config.infra.wandb_entity))
+        sinks.append(
+            WandbSink(
+                config.infra.wandb_project,
+                config.infra.wandb_run_name,
+                config.model_dump(mode="json"),
+                output_dir,
+                entity=config.infra.wandb_entity,
+            )
+        )
     from tierlm.metrics.report import ReportSink  # after the JSONL sink: it reads the lines just written
 
     return MetricsLogger([*sinks, ReportSink(output_dir)])
@@ -199,8 +231,9 @@ def write_model_extras(folder: Path, tokenizer: Tokenizer, meta: dict[str, Any],
 
     tokenizer.save(folder)
     stops = tokenizer.stop_ids
-    GenerationConfig(eos_token_id=stops if len(stops) > 1 else stops[0], bos_token_id=tokenizer.bos_id,
-                     pad_token_id=tokenizer.pad_id).save_pretrained(folder)
+    GenerationConfig(
+        eos_token_id=stops if len(stops) > 1 else stops[0], bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.pad_id
+    ).save_pretrained(folder)
     if manifest:
         meta = {**meta, "manifest": file_manifest(folder, exclude=(MODEL_META_FILE,))}
     (folder / MODEL_META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
@@ -232,7 +265,7 @@ class Run:
     """A prepared run: everything a stage needs to build its model, data and loop."""
 
     config: TierlmConfig
-    stage: str
+    stage: Stage
     ctx: DistributedContext | None
     device: torch.device
     pretrained: Path | str | None
@@ -269,7 +302,9 @@ class Run:
     def dims(self) -> ParallelDims:
         """How the ranks split (pipeline x data x context x tensor parallel)."""
         i = self.config.infra
-        return ParallelDims.from_sizes(self.world_size, i.tensor_parallel_size, i.pipeline_parallel_size, i.context_parallel_size)
+        return ParallelDims.from_sizes(
+            self.world_size, i.tensor_parallel_size, i.pipeline_parallel_size, i.context_parallel_size
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -291,16 +326,48 @@ class Run:
             print(self.plan.table(), flush=True)  # stdout, with the run summary: stderr stays for problems and progress
         return self.config
 
-    def check_memory(self, num_documents: int, rows: int | None = None, row_tokens: int | None = None) -> None:
-        """Before the model is allocated: estimate this run's memory per rank (`tierlm.plan.memory`),
+    def check_memory(
+        self,
+        num_documents: int,
+        rows: int | None = None,
+        row_tokens: int | None = None,
+        least_tokens: int | None = None,
+    ) -> None:
+        """Before the model is allocated: refuse at once a run whose lower bounds cannot fit (`memory_needs`,
+        with rows of at least `least_tokens`), then estimate its memory per rank (`tierlm.plan.memory`),
         refuse it in one line if it cannot fit, and print the estimate on rank 0. On CPU the ranks
         of one machine share its memory. A hub id is sized only after its download (not here)."""
         from tierlm.plan.memory import check_memory, estimate_run_memory
+        from tierlm.plan.memory.bounds import check_fits, memory_needs
 
+        copies = 1 if self.stage.reference_model(self.config) is None else 2
+        check_fits(
+            memory_needs(
+                self.config,
+                self.tokenizer.vocab_size,
+                self.pretrained,
+                num_documents,
+                self.world_size,
+                copies,
+                rows,
+                least_tokens,
+            ),
+            self.device,
+        )
         if isinstance(self.pretrained, str):
             return
-        self.memory = estimate_run_memory(self.config, self.world_size, self.stage, self.tokenizer.vocab_size, self.pretrained,
-                                          num_documents, self.device.type, rows, row_tokens, self.kind)
+        self.memory = estimate_run_memory(
+            self.config,
+            self.world_size,
+            self.stage,
+            self.tokenizer.vocab_size,
+            self.pretrained,
+            num_documents,
+            self.device.type,
+            rows,
+            row_tokens,
+            self.kind,
+        )
         check_memory(self.memory, self.memory_budget())
         if self.is_main:
             print(self.memory.table(), flush=True)
@@ -315,7 +382,7 @@ class Run:
     def choose_batch_size(self, num_documents: int | None = None) -> TierlmConfig:
         """Resolve training.per_device_train_batch_size=auto (a no-op otherwise): the size the run
         being resumed chose (its data position counts its rows), else the memory planner's; logged."""
-        from tierlm.plan.memory import auto_batch_size, check_auto_batch_stage
+        from tierlm.plan.batch import auto_batch_size, check_auto_batch_stage
 
         tr = self.config.training
         if tr.per_device_train_batch_size != "auto":
@@ -328,16 +395,24 @@ class Run:
             rows, why = recorded, "as the run being resumed chose"
         else:
             pretrained = self.pretrained if isinstance(self.pretrained, Path) else None
-            rows, why = auto_batch_size(self.config, self.stage, self.memory_budget(), self.world_size, vocab_size=self.tokenizer.vocab_size,
-                                        pretrained=pretrained, num_documents=num_documents, device_type=self.device.type,
-                                        distributed=self.kind)
+            rows, why = auto_batch_size(
+                self.config,
+                self.stage,
+                self.memory_budget(),
+                self.world_size,
+                vocab_size=self.tokenizer.vocab_size,
+                pretrained=pretrained,
+                num_documents=num_documents,
+                device_type=self.device.type,
+                distributed=self.kind,
+            )
         self.set_batch_size(rows)
         if self.is_main:
             print(f"training.per_device_train_batch_size=auto: {rows} rows ({why})", flush=True)
         return self.config
 
     def set_batch_size(self, rows: int) -> None:
-        from tierlm.plan.memory import with_batch_size
+        from tierlm.plan.batch import with_batch_size
 
         self.config = with_batch_size(self.config, rows)
 
@@ -347,9 +422,11 @@ class Run:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             stale = clean_stale_temporaries(self.checkpoint_dir)
             if stale:
-                print(f"tierlm: warning: removed {len(stale)} unfinished save(s) of an interrupted run", file=sys.stderr)
+                print(
+                    f"tierlm: warning: removed {len(stale)} unfinished save(s) of an interrupted run", file=sys.stderr
+                )
             shutil.rmtree(self.output_dir / ".model.tmp", ignore_errors=True)
-            run_file = {"stage": self.stage, "fingerprint": fingerprint(self.config, self.stage)}
+            run_file = {"stage": self.stage.name, "fingerprint": fingerprint(self.config, self.stage.name)}
             (self.output_dir / RUN_FILE).write_text(json.dumps(run_file, indent=1) + "\n")
             self.config.to_yaml(self.output_dir / "config.yaml")
             if self.memory is not None:  # what the planner expected, beside the measured rss_mb of metrics.jsonl
@@ -358,8 +435,11 @@ class Run:
         if self.is_main:
             metrics = self.output_dir / "metrics.jsonl"
             if self.resumed is None and metrics.exists():  # a fresh start never appends to an old run's lines
-                print(f"tierlm: warning: no checkpoint to resume; the earlier metrics are kept as {_move_aside(metrics).name}",
-                      file=sys.stderr)
+                print(
+                    f"tierlm: warning: no checkpoint to resume; the earlier metrics are kept as "
+                    f"{_move_aside(metrics).name}",
+                    file=sys.stderr,
+                )
             trainer.logger = build_logger(self.config, self.output_dir, trainer.state.step if self.resumed else None)
         trainer.stop = self.stop
         return self.resumed
@@ -376,11 +456,16 @@ class Run:
         """Write the final model folder atomically (gathered to rank 0 under FSDP, tensor and pipeline
         parallelism: `backend.full_model_state`); returns the summary."""
         final = self.output_dir / "model"
-        summary.update(stage=self.stage, output_dir=str(self.output_dir), model_dir=str(final),
-                       resumed_from=str(self.resumed) if self.resumed else None, world_size=self.world_size,
-                       distributed_type=self.kind)
+        summary.update(
+            stage=self.stage.name,
+            output_dir=str(self.output_dir),
+            model_dir=str(final),
+            resumed_from=str(self.resumed) if self.resumed else None,
+            world_size=self.world_size,
+            distributed_type=self.kind,
+        )
         state = None
-        if hasattr(backend, "full_model_state"):  # the PyTorch backends (JAX's model is the live module)
+        if backend is not None:
             model, state = backend.export_model, backend.full_model_state()
         elif self.ctx is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -390,7 +475,9 @@ class Run:
             return summary
         tmp = self.output_dir / ".model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model_folder(unwrap_model(model), tmp, state_dict=state, merge_lora=True)  # a LoRA model: merged, adapter/ beside
+        save_model_folder(
+            unwrap_model(model), tmp, state_dict=state, merge_lora=True
+        )  # a LoRA model: merged, adapter/ beside
         assert self.tokenizer is not None, "a run's tokenizer is set in prepare_run"
         write_model_extras(tmp, self.tokenizer, summary, manifest=True)
         _fsync_tree(tmp)
@@ -398,69 +485,29 @@ class Run:
         return summary
 
 
-def plan_run(config: TierlmConfig, stage: str, world_size: int = 1, vocab_size: int | None = None):
-    """(resolved config, plan, model on the meta device) of a run, without running it (`tierlm plan`):
-    the tokenizer is the one the run would use (trained here when the run would train one), unless
-    `vocab_size` sizes a model from scratch directly."""
-    from tierlm.plan.memory import auto_batch_size, estimate_run_memory, memory_budget, with_batch_size
-    from tierlm.metrics.memory import format_bytes
-    from tierlm.plan.scaling import describe_model, resolve
-
-    assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
-    pretrained = pretrained_location(config)
-    if vocab_size is None or pretrained is not None:
-        vocab_size = (existing_tokenizer(config, pretrained) or train_tokenizer(config, stage)).vocab_size
-    model = describe_model(config, vocab_size, pretrained)
-    if model is None:
-        raise ConfigError(f"model.model_name_or_path={pretrained} is a hub id: tierlm plan sizes local models; download it first")
-    device = resolve_device(config.infra.device_type, config.infra.gpu_rank)
-    budget = memory_budget(device, config.infra.max_memory_gb, world_size if device.type == "cpu" else 1)
-    auto_rows = None
-    if config.training.per_device_train_batch_size == "auto":
-        rows, why = auto_batch_size(config, stage, budget, world_size, vocab_size=vocab_size, pretrained=pretrained,
-                                    device_type=device.type)
-        config = with_batch_size(config, rows)
-        auto_rows = f"training.per_device_train_batch_size=auto: {rows} rows ({why})"
-    resolved, plan = resolve(config, stage, model, world_size)
-    plan.memory = estimate_run_memory(resolved, world_size, stage, vocab_size, pretrained, device_type=device.type)
-    if auto_rows:
-        plan.notes.append(auto_rows)
-    if budget is not None and plan.memory.total > budget:
-        plan.notes.append(f"this run would be refused here: it needs about {format_bytes(plan.memory.total)} per rank, "
-                          f"{format_bytes(budget)} is available")
-    return resolved, plan, model
-
-
-def rl_parallelism(config: TierlmConfig) -> TierlmConfig:
-    """RL shards data, not the model: under torchrun each rank samples its share of the prompts (DDP)."""
-    kind, infra = config.infra.distributed_type, config.infra
-    if kind == "fsdp" or infra.model_parallel:
-        raise ConfigError("tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun, "
-                          "without tensor / pipeline / context parallelism")
-    if kind == "auto":
-        kind = "ddp" if launched_distributed() else "none"
-    return config.model_copy(update={"infra": config.infra.model_copy(update={"distributed_type": kind})})
-
-
-def prepare_run(config: TierlmConfig, stage: str) -> Run:
+def prepare_run(config: TierlmConfig, stage: Stage) -> Run:
     """Check the run directory and the starting model, join torchrun's group, seed, pick the device,
     get the tokenizer. Writes nothing (but a new tokenizer shared across ranks)."""
-    assert stage in STAGES, f"stage must be one of {STAGES}, got {stage!r}"
-    latest = check_run_directory(config, stage)
+    latest = check_run_directory(config, stage.name)
     pretrained = pretrained_location(config)
-    if stage in ("dpo", "rl") and pretrained is None:
-        raise ConfigError(f"{stage} starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)")
-    if stage != "pretrain" and is_seq2seq(config, pretrained):
-        raise ConfigError(f"an encoder-decoder model trains with `tierlm pretrain` (UL2); `tierlm {stage}` is for decoder-only models")
+    if stage.starts_from_trained and pretrained is None:
+        raise ConfigError(
+            f"{stage.name} starts from a trained chat model: set model.model_name_or_path (e.g. runs/tiny_sft)"
+        )
+    if not stage.encoder_decoder and is_seq2seq(config, pretrained):
+        raise ConfigError(
+            f"an encoder-decoder model trains with `tierlm pretrain` (UL2); `tierlm {stage.name}` is for decoder-only "
+            f"models"
+        )
     infra = config.infra
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
-    parallel = rl_parallelism(config) if stage == "rl" else config
+    parallel = stage.parallelism(config, launched_distributed())
     ctx = distributed_context(parallel)
     seed_everything(config.training.seed)  # the same on every rank: identical initial weights
     device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
     run = Run(config, stage, ctx, device, pretrained, latest, kind=distributed_kind(parallel, ctx))
-    run.tokenizer = run_tokenizer(config, stage, pretrained, ctx, latest)
-    if stage in ("rl",) and not run.tokenizer.has_chat_template:
-        raise DataError(f"{pretrained} has no chat template: {stage} needs a chat model (run tierlm sft first)")
+    run.tokenizer = run_tokenizer(config, stage.example_kind, pretrained, ctx, latest)
+    if stage.needs_chat_template and not run.tokenizer.has_chat_template:
+        raise DataError(f"{pretrained} has no chat template: {stage.name} needs a chat model (run tierlm sft first)")
     return run

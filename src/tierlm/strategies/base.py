@@ -44,7 +44,8 @@ class CrossEntropyStrategy:
     LOSS_FUNCTIONS = ("cross_entropy",)
 
     def __init__(self, token_bytes: torch.Tensor | None = None, loss_fn: str = "cross_entropy"):
-        """`loss_fn`: seed 001's name for the loss (`SFTStrategy(loss_fn="cross_entropy")`); cross-entropy is the one."""
+        """`loss_fn`: the trainer API's name for the loss (`SFTStrategy(loss_fn="cross_entropy")`); cross-entropy is
+        the one."""
         if loss_fn not in self.LOSS_FUNCTIONS:
             raise ValueError(f"loss_fn must be one of {list(self.LOSS_FUNCTIONS)}, got {loss_fn!r}")
         self.token_bytes, self.loss_fn = token_bytes, loss_fn
@@ -94,7 +95,8 @@ class CrossEntropyStrategy:
     def jax_compute_metrics(self, logits, batch):
         import jax.numpy as jnp
 
-        from tierlm.primitives.jax_losses import per_token_cross_entropy, token_weights as jax_token_weights
+        from tierlm.primitives.jax_losses import per_token_cross_entropy
+        from tierlm.primitives.jax_losses import token_weights as jax_token_weights
 
         labels = get_labels(batch)
         weights = jax_token_weights(labels, batch.get("loss_mask"))
@@ -110,7 +112,8 @@ class CrossEntropyStrategy:
     def summarize(totals: Mapping[str, float]) -> dict[str, float]:
         """Eval line values from summed `compute_metrics` outputs.
 
-        >>> out = CrossEntropyStrategy.summarize({"loss_sum": 6.0, "num_tokens": 3.0, "bpb_nats": 6.0, "num_bytes": 4.0})
+        >>> out = CrossEntropyStrategy.summarize({"loss_sum": 6.0, "num_tokens": 3.0, "bpb_nats": 6.0,
+        ...     "num_bytes": 4.0})
         >>> out["val_loss"], round(out["val_bpb"], 4)  # 6 nats over 4 bytes = 1.5 / ln 2 bits per byte
         (2.0, 2.164)
         """

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from tierlm.strategies.rl import token_logprobs
+from tierlm.primitives.losses import token_logprobs
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -26,11 +26,17 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return token_logprobs(logits, labels).sum(dim=-1)
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-             beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair (loss, chosen reward, rejected reward); rewards are beta * (policy - reference).
 
-    >>> loss, c, r = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5)
+    >>> loss, c, r = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]),
+    ...     beta=0.5)
     >>> round(loss.item(), 4), c.item(), r.item()   # -log sigmoid(0.5 * (1 - (-1)))
     (0.3133, 0.5, -0.5)
     """
@@ -100,8 +106,13 @@ class DPOStrategy:
     def jax_compute_metrics(self, logits, batch):
         chosen, rejected, losses, chosen_rewards, rejected_rewards = self._jax_pairs(logits, batch)
         margin = chosen_rewards - rejected_rewards
-        return {"loss_sum": losses.sum(), "num_pairs": float(losses.shape[0]), "margin_sum": margin.sum(),
-                "correct": ((margin > 0) + 0.5 * (margin == 0)).sum(), "policy_correct": ((chosen > rejected) + 0.5 * (chosen == rejected)).sum()}
+        return {
+            "loss_sum": losses.sum(),
+            "num_pairs": float(losses.shape[0]),
+            "margin_sum": margin.sum(),
+            "correct": ((margin > 0) + 0.5 * (margin == 0)).sum(),
+            "policy_correct": ((chosen > rejected) + 0.5 * (chosen == rejected)).sum(),
+        }
 
     @staticmethod
     def summarize(totals: Mapping[str, float]) -> dict[str, float]:
@@ -114,4 +125,3 @@ class DPOStrategy:
             "pref_acc": totals["correct"] / n,
             "policy_pref_acc": totals["policy_correct"] / n,
         }
-

@@ -14,24 +14,14 @@ from typing import Mapping
 
 import torch
 
-from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.primitives.losses import IGNORE_INDEX, token_logprobs  # noqa: F401  (token_logprobs: also this module's name)
 
 Batch = Mapping[str, torch.Tensor]
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(label) at every position (B, T) under softmax(logits / temperature); 0 where unlabelled.
-
-    >>> lp = token_logprobs(torch.log(torch.tensor([[[0.25, 0.75]]])), torch.tensor([[1]]))
-    >>> round(lp.exp().item(), 4)
-    0.75
-    """
-    scaled = logits.float() / temperature if temperature not in (0.0, 1.0) else logits.float()
-    logp = torch.log_softmax(scaled, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return logp * (labels != IGNORE_INDEX)
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
     """Reward minus its group's mean (groups: consecutive `group_size` samples of one prompt);
     GRPO also divides by the group's standard deviation.
 
@@ -73,7 +63,9 @@ def policy_gradient_loss(
     mask = mask.float()
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     ratio = torch.exp(logprobs - old)
-    adv = advantages.float() if advantages.dim() == 2 else advantages.float()[:, None].expand_as(logprobs)  # per token, or per row
+    adv = (
+        advantages.float() if advantages.dim() == 2 else advantages.float()[:, None].expand_as(logprobs)
+    )  # per token, or per row
     surrogate = ratio * adv
     if clip_range is not None:
         clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv
@@ -91,14 +83,16 @@ def policy_gradient_loss(
     return (per_token * mask).sum(), mask.sum(), stats
 
 
-def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                           lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def generalized_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al., 2016) over each row's trained tokens (B, T), the row's reward arriving after its
     last one: delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next. Untrained positions
     (prompt, tool results, padding) are skipped: the next value is the next trained token's. Returns
     (advantages, returns = advantages + values), 0 off the trained tokens.
 
-    >>> adv, ret = generalized_advantages(torch.tensor([1.0]), torch.tensor([[0.5, 0.0, 0.25]]), torch.tensor([[1, 0, 1]]), 1.0, 1.0)
+    >>> adv, ret = generalized_advantages(torch.tensor([1.0]), torch.tensor([[0.5, 0.0, 0.25]]), torch.tensor([[1, 0,
+    ...     1]]), 1.0, 1.0)
     >>> adv.tolist(), ret.tolist()   # lam = 1: the reward minus each value
     ([[0.5, 0.0, 0.75]], [[1.0, 0.0, 1.0]])
     """
@@ -114,8 +108,9 @@ def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: to
     return advantages, (advantages + values.float()) * mask
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip_range: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_range: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, trained tokens) of PPO's value loss: 0.5 max((V - R)^2, (V_clipped - R)^2), V_clipped
     kept within `clip_range` of the value at sampling time (None: unclipped)."""
     mask = mask.float()
@@ -137,8 +132,13 @@ class ValueStrategy:
         return dict(batch)
 
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return clipped_value_loss(logits[..., 0].float(), batch["old_values"], batch["returns"], batch["labels"] != IGNORE_INDEX,
-                                  self.clip_range)
+        return clipped_value_loss(
+            logits[..., 0].float(),
+            batch["old_values"],
+            batch["returns"],
+            batch["labels"] != IGNORE_INDEX,
+            self.clip_range,
+        )
 
     def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         return {"values": logits[..., 0].float() * (batch["labels"] != IGNORE_INDEX)}
@@ -148,10 +148,21 @@ class PolicyGradientStrategy:
     """What the RL loop optimises, as a strategy: `compute_loss` for updates, `compute_metrics`
     for the trainer-side log-probs of a rollout batch (old log-probs and the parity check)."""
 
-    def __init__(self, clip_range: float | None = None, kl_coef: float = 0.0, normalize_std: bool = False, temperature: float = 1.0):
+    def __init__(
+        self,
+        clip_range: float | None = None,
+        kl_coef: float = 0.0,
+        normalize_std: bool = False,
+        temperature: float = 1.0,
+    ):
         assert clip_range is None or clip_range > 0, f"clip_range must be > 0, got {clip_range}"
         assert kl_coef >= 0, f"kl_coef must be >= 0, got {kl_coef}"
-        self.clip_range, self.kl_coef, self.normalize_std, self.temperature = clip_range, kl_coef, normalize_std, temperature
+        self.clip_range, self.kl_coef, self.normalize_std, self.temperature = (
+            clip_range,
+            kl_coef,
+            normalize_std,
+            temperature,
+        )
 
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         return group_advantages(rewards, group_size, self.normalize_std)
@@ -163,8 +174,13 @@ class PolicyGradientStrategy:
         labels = batch["labels"]
         logprobs = token_logprobs(logits, labels, self.temperature)
         total, count, _ = policy_gradient_loss(
-            logprobs, batch["advantages"], labels != IGNORE_INDEX, batch.get("old_logprobs"), self.clip_range,
-            batch.get("ref_logprobs"), self.kl_coef,
+            logprobs,
+            batch["advantages"],
+            labels != IGNORE_INDEX,
+            batch.get("old_logprobs"),
+            self.clip_range,
+            batch.get("ref_logprobs"),
+            self.kl_coef,
         )
         return total, count
 
@@ -182,7 +198,9 @@ class ReinforceStrategy(PolicyGradientStrategy):
 class GRPOStrategy(PolicyGradientStrategy):
     """Group-relative advantages divided by the group's std, clipped ratio, optional KL."""
 
-    def __init__(self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0):
+    def __init__(
+        self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0
+    ):
         super().__init__(clip_range, kl_coef, normalize_std, temperature)
 
 
@@ -194,13 +212,24 @@ class PPOStrategy(PolicyGradientStrategy):
     `lam`), whitened over the batch, and the clipped value loss (`value_clip_range`).
     """
 
-    def __init__(self, kl_coef: float = 0.1, clip_range: float = 0.2, normalize_std: bool = False, temperature: float = 1.0,
-                 critic: bool = False, gamma: float = 1.0, lam: float = 0.95, value_clip_range: float | None = 0.2):
+    def __init__(
+        self,
+        kl_coef: float = 0.1,
+        clip_range: float = 0.2,
+        normalize_std: bool = False,
+        temperature: float = 1.0,
+        critic: bool = False,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        value_clip_range: float | None = 0.2,
+    ):
         super().__init__(clip_range, kl_coef, normalize_std, temperature)
         assert 0 < gamma <= 1 and 0 <= lam <= 1, f"gamma must be in (0, 1] and lam in [0, 1], got {gamma}, {lam}"
         self.critic, self.gamma, self.lam, self.value_clip_range = critic, gamma, lam, value_clip_range
 
-    def token_advantages(self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_advantages(
+        self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(whitened GAE advantages, returns) per token."""
         advantages, returns = generalized_advantages(rewards, values, mask, self.gamma, self.lam)
         trained = mask.bool()
@@ -208,3 +237,32 @@ class PPOStrategy(PolicyGradientStrategy):
             mean, std = advantages[trained].mean(), advantages[trained].std()
             advantages = torch.where(trained, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
         return advantages, returns
+
+
+ALGORITHMS = {
+    "reinforce": lambda rl, normalize: ReinforceStrategy(rl.temperature, rl.kl_coef),
+    "grpo": lambda rl, normalize: GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature),
+    "ppo": lambda rl, normalize: PPOStrategy(
+        rl.kl_coef,
+        rl.clip_range,
+        normalize,
+        rl.temperature,
+        rl.critic,
+        rl.gae_gamma,
+        rl.gae_lambda,
+        rl.value_clip_range,
+    ),
+}
+"""rl.algorithm -> its strategy, from the rl config section: the one place an RL algorithm is named."""
+
+
+def policy_gradient_strategy(rl) -> PolicyGradientStrategy:
+    """The strategy of the `rl` config section (`rl.algorithm`; advantages divided by the group's std as
+    rl.normalize_std says, by default for GRPO only).
+
+    >>> from tierlm.config import RLConfig
+    >>> type(policy_gradient_strategy(RLConfig(algorithm="grpo"))).__name__
+    'GRPOStrategy'
+    """
+    normalize = rl.normalize_std if rl.normalize_std is not None else rl.algorithm == "grpo"
+    return ALGORITHMS[rl.algorithm](rl, normalize)

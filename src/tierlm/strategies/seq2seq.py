@@ -11,7 +11,8 @@ class Seq2SeqStrategy(CrossEntropyStrategy):
     evaluation reports it with bits per byte over the target tokens that carry text (sentinels carry none).
 
     >>> import torch
-    >>> batch = {"input_ids": torch.tensor([[5, 6]]), "decoder_input_ids": torch.tensor([[0, 7]]), "labels": torch.tensor([[7, 2]])}
+    >>> batch = {"input_ids": torch.tensor([[5, 6]]), "decoder_input_ids": torch.tensor([[0, 7]]),
+    ...     "labels": torch.tensor([[7, 2]])}
     >>> sorted(Seq2SeqStrategy().prepare_batch(batch))
     ['decoder_input_ids', 'input_ids', 'labels']
     """

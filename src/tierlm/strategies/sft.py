@@ -13,7 +13,8 @@ class SFTStrategy(CrossEntropyStrategy):
     The mask comes from the chat rendering: assistant content and its end-of-turn token are
     trained; system, user, tool and padding tokens are not.
 
-    >>> batch = SFTStrategy().prepare_batch({"tokens": torch.tensor([[5, 6, 7, 8]]), "mask": torch.tensor([[0, 0, 1, 1]])})
+    >>> batch = SFTStrategy().prepare_batch({"tokens": torch.tensor([[5, 6, 7, 8]]), "mask": torch.tensor([[0, 0, 1,
+    ...     1]])})
     >>> batch["labels"]
     tensor([[-100,    7,    8]])
     """

@@ -26,7 +26,7 @@ PREFIX = "synthetic:"
 
 def synthetic_name(spec: str) -> str | None:
     """The task a data spec names (`synthetic:<name>` -> name), None for any other source."""
-    return spec[len(PREFIX):] if spec.startswith(PREFIX) else None
+    return spec[len(PREFIX) :] if spec.startswith(PREFIX) else None
 
 
 def synthetic_task(spec: str) -> type:
@@ -46,6 +46,23 @@ def synthetic_generator(spec: str) -> ArithmeticTask:
     return task()
 
 
-__all__ = ["ArithmeticChain", "ArithmeticTask", "Environment", "ExamplesTask", "PREFIX", "Problem", "RewardFn", "SYNTHETIC", "SingleTurn",
-           "Task", "TaskExample", "exact_number_reward", "extract_answer", "extract_final_number", "is_environment", "synthetic_generator",
-           "synthetic_name", "synthetic_task"]
+__all__ = [
+    "ArithmeticChain",
+    "ArithmeticTask",
+    "Environment",
+    "ExamplesTask",
+    "PREFIX",
+    "Problem",
+    "RewardFn",
+    "SYNTHETIC",
+    "SingleTurn",
+    "Task",
+    "TaskExample",
+    "exact_number_reward",
+    "extract_answer",
+    "extract_final_number",
+    "is_environment",
+    "synthetic_generator",
+    "synthetic_name",
+    "synthetic_task",
+]

@@ -49,7 +49,11 @@ class Problem:
         """The chat where the assistant asks the calculator first, then answers (nanochat's tool
         format: the call is trained, the result between <|tool_start|> and <|tool_end|> is not)."""
         expression = f"{self.a} {self.op} {self.b}"
-        content = f"{TOOL_CALL_START}{expression}{TOOL_CALL_END}{TOOL_RESULT_START}{self.result}{TOOL_RESULT_END}{self.answer}"
+        call, result = (
+            f"{TOOL_CALL_START}{expression}{TOOL_CALL_END}",
+            f"{TOOL_RESULT_START}{self.result}{TOOL_RESULT_END}",
+        )
+        content = f"{call}{result}{self.answer}"
         return [{"role": "user", "content": self.question}, {"role": "assistant", "content": content}]
 
 
@@ -95,8 +99,10 @@ class ArithmeticTask:
         problem = self.problem(split, index, seed)
         rng = random.Random(f"{seed}/dpo/{split}/{index}")
         wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
-        rejected = [{"role": "user", "content": problem.question},
-                    {"role": "assistant", "content": f"{problem.a} {problem.op} {problem.b} = {wrong}"}]
+        rejected = [
+            {"role": "user", "content": problem.question},
+            {"role": "assistant", "content": f"{problem.a} {problem.op} {problem.b} = {wrong}"},
+        ]
         return problem.tool_conversation, rejected
 
     def problems(self, split: str, count: int, seed: int) -> list[Problem]:
@@ -121,7 +127,11 @@ class ArithmeticChain:
     def reset(self, index: int) -> list[dict]:
         first = self.task.problem(self.split, index, self.seed)
         c = random.Random(f"{self.seed}/chain/{self.split}/{index}").randint(0, 9)
-        self.turn, self.expected, self.next_question = 0, [first.result, first.result - c], f"Now subtract {c}. What do you get?"
+        self.turn, self.expected, self.next_question = (
+            0,
+            [first.result, first.result - c],
+            f"Now subtract {c}. What do you get?",
+        )
         return [{"role": "user", "content": first.question}]
 
     def step(self, reply: str) -> tuple[dict | None, float]:

@@ -10,14 +10,23 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError
-from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
 from tierlm.models.gpt.hf_export import from_hf_name, to_hf_config, to_hf_name
+from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import register_family
 from tierlm.primitives.model_parallel import megatron_plan, received_positions
 
-SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings", "window_pattern",
-                "short_window")
+SHAPE_FIELDS = (
+    "depth",
+    "aspect_ratio",
+    "head_dim",
+    "n_kv_head",
+    "mlp_ratio",
+    "rope_theta",
+    "tie_embeddings",
+    "window_pattern",
+    "short_window",
+)
 
 
 class GPTFamily(NativeCausalLM):
@@ -64,13 +73,24 @@ class GPTFamily(NativeCausalLM):
 
     def tensor_parallel_plan(self, model, tp):
         c = model.config
-        return megatron_plan("attn.", "mlp.", c.n_head, c.num_kv_heads, c.intermediate_size, tp, qk_norm=True, norms=("attn_norm", "mlp_norm"))
+        return megatron_plan(
+            "attn.",
+            "mlp.",
+            c.n_head,
+            c.num_kv_heads,
+            c.intermediate_size,
+            tp,
+            qk_norm=True,
+            norms=("attn_norm", "mlp_norm"),
+        )
 
     def tensor_parallel_model_plan(self, model, sequence_parallel):
         if model.config.tie_embeddings:
             if sequence_parallel:
-                raise ConfigError("sequence parallelism splits the embedding and the head by vocabulary, which a tied pair "
-                                  "cannot be: set model.tie_embeddings=false or drop infra.sequence_parallel")
+                raise ConfigError(
+                    "sequence parallelism splits the embedding and the head by vocabulary, which a tied pair "
+                    "cannot be: set model.tie_embeddings=false or drop infra.sequence_parallel"
+                )
             return {}
         return {"embed": "vocab_embedding", "norm": "sequence_norm", "lm_head": "vocab_head"}
 
@@ -120,7 +140,9 @@ class GPTStage(nn.Module):
         super().__init__()
         self.config = model.config
         self.first = first
-        self.embed = model.embed if first or (last and model.config.tie_embeddings) else None  # before lm_head, as in GPT
+        self.embed = (
+            model.embed if first or (last and model.config.tie_embeddings) else None
+        )  # before lm_head, as in GPT
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in block_ids})
         self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)

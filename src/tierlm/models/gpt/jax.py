@@ -21,7 +21,9 @@ Params = dict[str, jax.Array]
 
 def params_from_torch(model: torch.nn.Module) -> Params:
     """The model's trainable parameters as float32 JAX arrays, by name (a tied head appears once, as the embedding)."""
-    return {name: jnp.asarray(p.detach().float().cpu().numpy()) for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        name: jnp.asarray(p.detach().float().cpu().numpy()) for name, p in model.named_parameters() if p.requires_grad
+    }
 
 
 @torch.no_grad()
@@ -62,7 +64,9 @@ def attention_mask(position_ids: jax.Array, window: int | None) -> jax.Array:
     return mask[:, None]
 
 
-def forward(params: Params, config: GPTConfig, input_ids: jax.Array, position_ids: jax.Array | None = None) -> jax.Array:
+def forward(
+    params: Params, config: GPTConfig, input_ids: jax.Array, position_ids: jax.Array | None = None
+) -> jax.Array:
     """Logits (B, T, V) of token ids (B, T)."""
     c = config
     B, T = input_ids.shape
@@ -83,7 +87,10 @@ def forward(params: Params, config: GPTConfig, input_ids: jax.Array, position_id
         k = rms_norm(heads("k_proj", Hkv), params[p + "attn.k_norm.weight"], c.norm_eps).transpose(0, 2, 1, 3)
         v = heads("v_proj", Hkv).transpose(0, 2, 1, 3)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k, v = jnp.repeat(k, H // Hkv, axis=1), jnp.repeat(v, H // Hkv, axis=1)  # query head h reads kv head h // (H / Hkv)
+        k, v = (
+            jnp.repeat(k, H // Hkv, axis=1),
+            jnp.repeat(v, H // Hkv, axis=1),
+        )  # query head h reads kv head h // (H / Hkv)
         scores = jnp.where(masks[window], (q @ k.transpose(0, 1, 3, 2)) / np.sqrt(D), -jnp.inf)
         y = (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, H * D)
         x = x + y @ params[p + "attn.o_proj.weight"].T

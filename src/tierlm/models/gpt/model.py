@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from tierlm.models.kv_cache import KVCache, LayerCache  # noqa: F401  (with the model's names, as before)
 from tierlm.primitives.losses import linear_cross_entropy
 
 
@@ -101,7 +102,10 @@ class GPTConfig:
         if self.mlp_ratio <= 0:
             problems.append(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
-            problems.append(f"window_pattern must be a string of S (sliding window) and L (full context), got {self.window_pattern!r}")
+            problems.append(
+                f"window_pattern must be a string of S (sliding window) and L (full context), got "
+                f"{self.window_pattern!r}"
+            )
         if self.short_window < 1:
             problems.append(f"short_window must be >= 1, got {self.short_window}")
         return problems
@@ -112,7 +116,9 @@ class GPTConfig:
 
 def rotary_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (..., head_dim) for integer `positions`, in fp32, halves duplicated (as transformers)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
     freqs = positions.float()[..., None] * inv_freq  # (..., head_dim / 2)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
@@ -185,8 +191,12 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     rows = []
     for qb, kb, vb, row in zip(q.unbind(0), k.unbind(0), v.unbind(0), lengths):  # (H, T, D) each
-        parts = [F.scaled_dot_product_attention(qd[None], kd[None], vd[None], is_causal=True, enable_gqa=gqa)  # 4-D: the flash kernel
-                 for qd, kd, vd in zip(qb.split(row, dim=1), kb.split(row, dim=1), vb.split(row, dim=1))]
+        parts = [
+            F.scaled_dot_product_attention(
+                qd[None], kd[None], vd[None], is_causal=True, enable_gqa=gqa
+            )  # 4-D: the flash kernel
+            for qd, kd, vd in zip(qb.split(row, dim=1), kb.split(row, dim=1), vb.split(row, dim=1))
+        ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(rows)
 
@@ -205,44 +215,6 @@ def fill_rotary(module: nn.Module, head_dim: int, theta: float) -> None:
     cos, sin = rotary_tables(head_dim, positions, theta)
     module.rope_cos.copy_(cos)
     module.rope_sin.copy_(sin)
-
-
-class LayerCache:
-    """One layer's keys and values for incremental decoding, preallocated to `max_len` positions."""
-
-    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store T new positions; return all cached keys and values (B, Hkv, length, D)."""
-        end = self.length + k.shape[2]
-        assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def repeat(self, n: int) -> None:
-        """Copy each row n times (a prompt prefilled once, then sampled n ways)."""
-        self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
-
-
-class KVCache:
-    """Keys and values of every layer of a native GPT, for `GPT.forward(..., cache=...)`."""
-
-    def __init__(self, config: "GPTConfig", batch: int, max_len: int, device, dtype=torch.float32):
-        assert max_len <= config.max_seq_len, f"max_len {max_len} > the model's max_seq_len {config.max_seq_len}"
-        self.layers = [LayerCache(batch, config.num_kv_heads, max_len, config.head_dim, device, dtype) for _ in range(config.depth)]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    def repeat(self, n: int) -> None:
-        for layer in self.layers:
-            layer.repeat(n)
 
 
 def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
@@ -273,8 +245,14 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PackedDocuments | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | PackedDocuments | None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
         """`mask`: None (causal), a boolean (B, 1, T, T) mask, or `PackedDocuments` (attended one by
         one in eager mode; under `torch.compile` the document mask, so the graph does not depend on
         the documents' lengths)."""
@@ -329,8 +307,14 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PackedDocuments | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | PackedDocuments | None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -362,7 +346,13 @@ class GPT(nn.Module):
         self.init_rotary()
         bound = math.sqrt(3.0 / c.n_embd)  # uniform with std 1/sqrt(n_embd)
         for block in self.blocks:
-            for linear in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.mlp.gate_proj, block.mlp.up_proj):
+            for linear in (
+                block.attn.q_proj,
+                block.attn.k_proj,
+                block.attn.v_proj,
+                block.mlp.gate_proj,
+                block.mlp.up_proj,
+            ):
                 nn.init.uniform_(linear.weight, -bound, bound)
             # Zero output projections: every block starts as the identity on the residual stream.
             nn.init.zeros_(block.attn.o_proj.weight)
@@ -380,8 +370,14 @@ class GPT(nn.Module):
     def init_rotary(self) -> None:
         fill_rotary(self, self.config.head_dim, self.config.rope_theta)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+    ):
         """Logits (B, T, V) for token ids (B, T); with `labels`, the loss instead.
 
         `position_ids` (B, T) mark packed documents: positions restart at each one, and attention
@@ -393,12 +389,17 @@ class GPT(nn.Module):
         """
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
-        assert start + T <= self.config.max_seq_len, f"sequence length {start + T} > max_seq_len {self.config.max_seq_len}"
+        assert start + T <= self.config.max_seq_len, (
+            f"sequence length {start + T} > max_seq_len {self.config.max_seq_len}"
+        )
         assert cache is None or position_ids is None, "a KV cache decodes one sequence per row: no packed position_ids"
         if position_ids is None:
             cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
         else:
-            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)  # (B, 1, T, D)
+            cos, sin = (
+                self.rope_cos[position_ids].unsqueeze(1),
+                self.rope_sin[position_ids].unsqueeze(1),
+            )  # (B, 1, T, D)
             mask = packed_mask(position_ids)
         x = self.embed(input_ids)  # (B, T, C)
         for i, block in enumerate(self.blocks):

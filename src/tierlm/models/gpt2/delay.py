@@ -5,7 +5,7 @@ multiplies every reciprocal gate w_rec by a scale in [0, 1] (upstream logged thi
 applied it; here it is applied). The scale follows one of three triggers, updated after each
 optimizer step by the trainer (through the model family's `on_step`):
 
-- `step`: 0 before `start_step`, 1 from it on (seed 003's V11/V12: 75 steps);
+- `step`: 0 before `start_step`, 1 from it on (V11/V12: 75 steps);
 - `ramp`: rises linearly from 0 at `start_step` to 1 at `start_step + ramp_steps`;
 - `loss_stability`: switches to 1 once the training loss has settled, i.e. the coefficient of
   variation (std / mean) of the last `window` losses is below `cv_threshold`.
@@ -24,7 +24,9 @@ MODES = ("none", "step", "ramp", "loss_stability")
 
 
 class CouplingWarmup(nn.Module):
-    def __init__(self, mode: str, start_step: int = 75, ramp_steps: int = 100, window: int = 50, cv_threshold: float = 0.05):
+    def __init__(
+        self, mode: str, start_step: int = 75, ramp_steps: int = 100, window: int = 50, cv_threshold: float = 0.05
+    ):
         super().__init__()
         assert mode in MODES, f"delay mode must be one of {MODES}, got {mode!r}"
         self.mode, self.start_step, self.ramp_steps = mode, start_step, ramp_steps

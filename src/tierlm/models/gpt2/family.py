@@ -25,9 +25,11 @@ from tierlm.models.registry import WEIGHTS_FILE, register_family
 from tierlm.primitives.model_parallel import check_tensor_parallel_shape, received_positions
 
 SHAPE_FIELDS = ("depth", "aspect_ratio", "head_dim", "bias", "variant")
-_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")  # stored (in, out) by transformers
+_CONV1D = re.compile(
+    r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$"
+)  # stored (in, out) by transformers
 
-# Seed 003's V-series (`../shared/specs/gpt2-family.md`): a step name sets the variant's fields;
+# The GPT-2 research V-series: a step name sets the variant's fields;
 # explicit `model.ra.*` values override it. The other steps (R-MLP, delayed activation, KV pruning)
 # are not built yet and are refused by name.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -45,7 +47,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "V11": {"rmlp.r_ff": 64, "delay.mode": "step", "delay.start_step": 75},
     "V12": {"ra.r": 4, "delay.mode": "step", "delay.start_step": 75},
     "V13": {"rmlp.r_ff": 1152, "delay.mode": "step", "delay.start_step": 75},
-    "V14": {"rmlp.r_ff": 64, "delay.mode": "step", "delay.start_step": 75, "kv.enabled": True, "kv.keep_ratio": 0.382, "kv.recency": 64},
+    "V14": {
+        "rmlp.r_ff": 64,
+        "delay.mode": "step",
+        "delay.start_step": 75,
+        "kv.enabled": True,
+        "kv.keep_ratio": 0.382,
+        "kv.recency": 64,
+    },
     "V15": {"rmlp.r_ff": 1152, "delay.mode": "step", "delay.start_step": 75, "kv.enabled": True, "kv.learned": True},
     "V16": {"ra.r": 4, "ra.per_head_gates": True, "delay.mode": "loss_stability"},
     "V17": {"rmlp.r_ff": 64, "kv.enabled": True, "delay.mode": "loss_stability"},
@@ -67,7 +76,9 @@ def variant_fields(model_config) -> dict[str, Any]:
         raise ConfigError(f"model.variant {name!r} is not a V-series step; steps: {', '.join(VARIANTS)}")
     fields = dict(VARIANTS.get(name, {}))
     for prefix, section in (("ra", "ra"), ("rmlp", "rmlp"), ("delay", "delay"), ("kv", "kv_pruning")):
-        fields.update({f"{prefix}.{k}": v for k, v in getattr(model_config, section).model_dump().items() if v is not None})
+        fields.update(
+            {f"{prefix}.{k}": v for k, v in getattr(model_config, section).model_dump().items() if v is not None}
+        )
     if model_config.mlp_ratio is not None:
         fields["mlp_ratio"] = model_config.mlp_ratio
     return fields
@@ -77,6 +88,9 @@ class GPT2Family(NativeCausalLM):
     name = "gpt2"
     model_class = GPT2
     config_class = GPT2Config
+
+    def input_embedding(self, model: nn.Module) -> nn.Embedding:
+        return model.wte
 
     def config_fields(self, model_config) -> dict[str, Any]:
         fields = {f"model.{k}": getattr(model_config, k) for k in SHAPE_FIELDS}
@@ -96,14 +110,31 @@ class GPT2Family(NativeCausalLM):
         m = model_config
         width = math.ceil(m.depth * m.aspect_ratio / m.head_dim) * m.head_dim
         v = variant_fields(m)
-        config = GPT2Config(n_layer=m.depth, n_head=width // m.head_dim, n_embd=width, vocab_size=vocab_size, block_size=max_seq_len,
-                            dropout=m.dropout, bias=m.bias, mlp_ratio=v.get("mlp_ratio", 4.0), ra_r=v.get("ra.r", 0),
-                            ra_per_head=v.get("ra.per_head_gates", False), self_restart=v.get("ra.self_restart", False),
-                            rmlp_r_ff=v.get("rmlp.r_ff", 0), rmlp_mixer=v.get("rmlp.mixer", False), rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
-                            rmlp_attention_aware=v.get("rmlp.attention_aware", False), delay_mode=v.get("delay.mode", "none"),
-                            kv_prune=v.get("kv.enabled", False),
-                            **{f"delay_{k}": v[f"delay.{k}"] for k in ("start_step", "ramp_steps", "window", "cv_threshold") if f"delay.{k}" in v},
-                            **{f"kv_{k}": v[f"kv.{k}"] for k in ("keep_ratio", "recency", "learned", "values_only") if f"kv.{k}" in v})
+        config = GPT2Config(
+            n_layer=m.depth,
+            n_head=width // m.head_dim,
+            n_embd=width,
+            vocab_size=vocab_size,
+            block_size=max_seq_len,
+            dropout=m.dropout,
+            bias=m.bias,
+            mlp_ratio=v.get("mlp_ratio", 4.0),
+            ra_r=v.get("ra.r", 0),
+            ra_per_head=v.get("ra.per_head_gates", False),
+            self_restart=v.get("ra.self_restart", False),
+            rmlp_r_ff=v.get("rmlp.r_ff", 0),
+            rmlp_mixer=v.get("rmlp.mixer", False),
+            rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
+            rmlp_attention_aware=v.get("rmlp.attention_aware", False),
+            delay_mode=v.get("delay.mode", "none"),
+            kv_prune=v.get("kv.enabled", False),
+            **{
+                f"delay_{k}": v[f"delay.{k}"]
+                for k in ("start_step", "ramp_steps", "window", "cv_threshold")
+                if f"delay.{k}" in v
+            },
+            **{f"kv_{k}": v[f"kv.{k}"] for k in ("keep_ratio", "recency", "learned", "values_only") if f"kv.{k}" in v},
+        )
         problems = config.validate()
         if problems:
             raise ConfigError(f"model ({self.name}): {problems[0]}")
@@ -114,7 +145,9 @@ class GPT2Family(NativeCausalLM):
 
     # -- running: NativeCausalLM's, except that a KV-pruned model decodes by recomputing ----------
     def prefill(self, model, ids, max_len):
-        if model.config.kv_prune:  # pruning scores keys with every earlier query: the "cache" is the sequence, recomputed
+        if (
+            model.config.kv_prune
+        ):  # pruning scores keys with every earlier query: the "cache" is the sequence, recomputed
             return model(ids)[:, -1], [ids]
         return super().prefill(model, ids, max_len)
 
@@ -156,22 +189,43 @@ class GPT2Family(NativeCausalLM):
 
     @staticmethod
     def _refuse_variants(config: GPT2Config, what: str, also: tuple[str, ...] = ()) -> None:
-        used = [name for name in also if getattr(config, name)] + (["delay_mode"] if config.delay_mode != "none" else [])
+        used = [name for name in also if getattr(config, name)] + (
+            ["delay_mode"] if config.delay_mode != "none" else []
+        )
         if used:
-            raise ConfigError(f"{what} covers plain GPT-2 blocks; this variant sets {', '.join(used)} (state shared across heads "
-                              "or stages): train it with data parallelism (infra.distributed=fsdp)")
+            raise ConfigError(
+                f"{what} covers plain GPT-2 blocks; this variant sets {', '.join(used)} (state shared across heads "
+                "or stages): train it with data parallelism (infra.distributed=fsdp)"
+            )
 
     # -- the transformers twin: GPT2LMHeadModel --------------------------------------------------
     def hf_config(self, config: GPT2Config):
-        if not config.bias or config.ra_r or config.self_restart or config.rmlp_r_ff or config.delay_mode != "none" or config.kv_prune:
+        if (
+            not config.bias
+            or config.ra_r
+            or config.self_restart
+            or config.rmlp_r_ff
+            or config.delay_mode != "none"
+            or config.kv_prune
+        ):
             return None  # transformers' GPT-2 always has biases, and none of the research variants
         from transformers import GPT2Config as HFGPT2Config
 
         return HFGPT2Config(
-            vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
-            n_head=config.n_head, n_inner=config.mlp_hidden, resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
-            layer_norm_epsilon=config.layer_norm_eps, activation_function="gelu_new", tie_word_embeddings=True,
-            bos_token_id=None, eos_token_id=None,  # the tokenizer's, in generation_config.json (GPT-2's 50256 may not exist here)
+            vocab_size=config.vocab_size,
+            n_positions=config.block_size,
+            n_embd=config.n_embd,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_inner=config.mlp_hidden,
+            resid_pdrop=config.dropout,
+            embd_pdrop=config.dropout,
+            attn_pdrop=config.dropout,
+            layer_norm_epsilon=config.layer_norm_eps,
+            activation_function="gelu_new",
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=None,  # the tokenizer's, in generation_config.json (GPT-2's 50256 may not exist here)
             architectures=["GPT2LMHeadModel"],
         )
 
@@ -180,8 +234,10 @@ class GPT2Family(NativeCausalLM):
 
         config = model.config
         if unsupported(config):
-            raise ConfigError(f"the JAX backend computes plain GPT-2; this model uses {', '.join(unsupported(config))}: "
-                              "use infra.backend=pytorch")
+            raise ConfigError(
+                f"the JAX backend computes plain GPT-2; this model uses {', '.join(unsupported(config))}: "
+                "use infra.backend=pytorch"
+            )
         return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
 
     def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None) -> GPT2:
@@ -191,9 +247,20 @@ class GPT2Family(NativeCausalLM):
 
         hf = AutoConfig.from_pretrained(folder)
         if hf.model_type != "gpt2":
-            raise ConfigError(f"{folder} holds a {hf.model_type!r} model, not GPT-2; drop model.architecture=gpt2 to train it as it is")
-        config = GPT2Config(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, vocab_size=hf.vocab_size, block_size=hf.n_positions,
-                            dropout=hf.resid_pdrop, layer_norm_eps=hf.layer_norm_epsilon, mlp_ratio=(hf.n_inner or 4 * hf.n_embd) / hf.n_embd)
+            raise ConfigError(
+                f"{folder} holds a {hf.model_type!r} model, not GPT-2; drop model.architecture=gpt2 to train it as it "
+                f"is"
+            )
+        config = GPT2Config(
+            n_layer=hf.n_layer,
+            n_head=hf.n_head,
+            n_embd=hf.n_embd,
+            vocab_size=hf.vocab_size,
+            block_size=hf.n_positions,
+            dropout=hf.resid_pdrop,
+            layer_norm_eps=hf.layer_norm_epsilon,
+            mlp_ratio=(hf.n_inner or 4 * hf.n_embd) / hf.n_embd,
+        )
         model = self.build_from_config(config, device, dtype)
         state = self.from_hf_state(model, load_file(Path(folder) / WEIGHTS_FILE, device=str(device)))
         model.load_state_dict({k: v for k, v in state.items()}, strict=True)
@@ -242,7 +309,9 @@ class GPT2Stage(nn.Module):
     def __init__(self, model: GPT2, block_ids: list[int], first: bool, last: bool):
         super().__init__()
         self.config = model.config
-        self.wte = model.wte if first or last else None  # registered before lm_head: the tied parameter's first name, as in GPT2
+        self.wte = (
+            model.wte if first or last else None
+        )  # registered before lm_head: the tied parameter's first name, as in GPT2
         self.wpe, self.drop = (model.wpe, model.drop) if first else (None, None)
         self.h = nn.ModuleDict({str(i): model.h[i] for i in block_ids})
         self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if last else (None, None)

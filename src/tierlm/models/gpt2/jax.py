@@ -16,8 +16,14 @@ from tierlm.models.gpt2.model import GPT2Config
 
 def unsupported(config: GPT2Config) -> list[str]:
     """The config's settings this JAX forward does not compute (empty: it computes the model exactly)."""
-    asked = {"ra_r": config.ra_r, "self_restart": config.self_restart, "rmlp_r_ff": config.rmlp_r_ff, "kv_prune": config.kv_prune,
-             "delay_mode": config.delay_mode != "none", "dropout": config.dropout}
+    asked = {
+        "ra_r": config.ra_r,
+        "self_restart": config.self_restart,
+        "rmlp_r_ff": config.rmlp_r_ff,
+        "kv_prune": config.kv_prune,
+        "delay_mode": config.delay_mode != "none",
+        "dropout": config.dropout,
+    }
     return [name for name, value in asked.items() if value]
 
 
@@ -28,7 +34,9 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: flo
     return out + bias if bias is not None else out
 
 
-def forward(params: Params, config: GPT2Config, input_ids: jax.Array, position_ids: jax.Array | None = None) -> jax.Array:
+def forward(
+    params: Params, config: GPT2Config, input_ids: jax.Array, position_ids: jax.Array | None = None
+) -> jax.Array:
     """Logits (B, T, V) of token ids (B, T); `position_ids` restart at each packed document."""
     c = config
     B, T = input_ids.shape
@@ -47,7 +55,10 @@ def forward(params: Params, config: GPT2Config, input_ids: jax.Array, position_i
     x = params["wte.weight"][input_ids] + params["wpe.weight"][positions]
     for i in range(c.n_layer):
         p = f"h.{i}."
-        q, k, v = (t.reshape(B, T, H, D).transpose(0, 2, 1, 3) for t in jnp.split(linear(norm(x, p + "ln_1"), p + "attn.c_attn"), 3, axis=-1))
+        q, k, v = (
+            t.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+            for t in jnp.split(linear(norm(x, p + "ln_1"), p + "attn.c_attn"), 3, axis=-1)
+        )
         scores = jnp.where(mask, (q @ k.transpose(0, 1, 3, 2)) / np.sqrt(D), -jnp.inf)
         y = (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
         x = x + linear(y, p + "attn.c_proj")

@@ -1,4 +1,4 @@
-"""GPT-2 research variant: causal KV pruning (seed 003's V14, V15, V17-V19).
+"""GPT-2 research variant: causal KV pruning (V14, V15, V17-V19 of the V-series).
 
 Each query attends only to the keys that matter most among those it may see. How it stays causal:
 the importance of key j *for query i* is the attention mass key j received from the queries j..i
@@ -32,8 +32,14 @@ from torch import nn
 
 
 class CausalKVPruning(nn.Module):
-    def __init__(self, keep_ratio: float = 0.382, recency: int = 64, learned: bool = False, values_only: bool = False,
-                 temperature: float = 1.0):
+    def __init__(
+        self,
+        keep_ratio: float = 0.382,
+        recency: int = 64,
+        learned: bool = False,
+        values_only: bool = False,
+        temperature: float = 1.0,
+    ):
         super().__init__()
         assert 0 < keep_ratio <= 1, f"keep_ratio must be in (0, 1], got {keep_ratio}"
         self.keep_ratio, self.recency, self.learned, self.values_only = keep_ratio, recency, learned, values_only
@@ -49,7 +55,9 @@ class CausalKVPruning(nn.Module):
     def ratio(self) -> torch.Tensor:
         return torch.sigmoid(self.ratio_logit) if self.ratio_logit is not None else torch.tensor(self.keep_ratio)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention (B, H, T, D) over each query's kept keys; `allowed` (B, 1, T, T) is the causal (or
         packed-document) mask, None for plain causal."""
         B, H, T, D = q.shape
@@ -58,11 +66,15 @@ class CausalKVPruning(nn.Module):
         scores = scores.masked_fill(~causal, float("-inf"))
         with torch.no_grad():
             mass = scores.softmax(-1).cumsum(dim=2)  # [i, j]: attention key j received from queries 0..i (0 for i < j)
-            queries = (torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)[None, :] + 1).clamp(min=1)
+            queries = (torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)[None, :] + 1).clamp(
+                min=1
+            )
             importance = (mass / queries).masked_fill(~causal, float("-inf"))  # (B, H, T, T), from positions <= i only
             recent = causal & (queries <= self.recency)  # the `recency` newest keys a query may see
             importance = importance.masked_fill(recent, float("inf"))  # the most recent keys rank first, always kept
-            rank = importance.argsort(dim=-1, descending=True).argsort(dim=-1).float()  # 0 = most important key for query i
+            rank = (
+                importance.argsort(dim=-1, descending=True).argsort(dim=-1).float()
+            )  # 0 = most important key for query i
         seen = causal.sum(-1, keepdim=True).float()  # (.., T, 1): keys query i may see
         floor = torch.full_like(seen, float(self.recency))
         ratio = self.ratio().to(q.device)

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.models.gpt.model import KVCache, LayerCache, PackedDocuments, attend_documents, document_causal_mask, packed_mask
+from tierlm.models.gpt.model import (
+    KVCache,
+    LayerCache,
+    PackedDocuments,
+    attend_documents,
+    document_causal_mask,
+    packed_mask,
+)
 from tierlm.models.gpt2.delay import MODES as DELAY_MODES
 from tierlm.models.gpt2.delay import CouplingWarmup
 from tierlm.models.gpt2.kv import CausalKVPruning
@@ -116,8 +123,11 @@ class GPT2Config:
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'field: reason' strings (empty when valid)."""
-        problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
-                    if getattr(self, name) <= 0]
+        problems = [
+            f"{name} must be > 0, got {getattr(self, name)}"
+            for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+            if getattr(self, name) <= 0
+        ]
         if not problems and self.n_embd % self.n_head:
             problems.append(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0 <= self.dropout < 1:
@@ -125,7 +135,9 @@ class GPT2Config:
         if self.delay_mode not in DELAY_MODES:
             problems.append(f"delay.mode must be one of {DELAY_MODES}, got {self.delay_mode!r}")
         if not problems and self.rmlp_r_ff and not 0 < self.rmlp_r_ff < self.mlp_hidden:
-            problems.append(f"rmlp.r_ff must be between 1 and the MLP width - 1 ({self.mlp_hidden - 1}), got {self.rmlp_r_ff}")
+            problems.append(
+                f"rmlp.r_ff must be between 1 and the MLP width - 1 ({self.mlp_hidden - 1}), got {self.rmlp_r_ff}"
+            )
         if not problems and self.ra_r and not 0 < self.ra_r < self.head_dim:
             problems.append(f"ra.r must be between 1 and head_dim - 1 ({self.head_dim - 1}), got {self.ra_r}")
         return problems
@@ -142,16 +154,28 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         # Research variants (gpt2_ra): None in plain GPT-2.
-        self.ra = ReciprocalGates(config.n_head, config.head_dim, config.ra_r, config.ra_per_head) if config.ra_r else None
+        self.ra = (
+            ReciprocalGates(config.n_head, config.head_dim, config.ra_r, config.ra_per_head) if config.ra_r else None
+        )
         self.restart = SelfRestart(config.n_head) if config.self_restart else None
-        self.kv = (CausalKVPruning(config.kv_keep_ratio, config.kv_recency, config.kv_learned, config.kv_values_only)
-                   if config.kv_prune else None)
+        self.kv = (
+            CausalKVPruning(config.kv_keep_ratio, config.kv_recency, config.kv_learned, config.kv_values_only)
+            if config.kv_prune
+            else None
+        )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | PackedDocuments | None, cache: LayerCache | None = None,
-                coupling: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | PackedDocuments | None,
+        cache: LayerCache | None = None,
+        coupling: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         # Heads counted from the projection's width: under tensor parallelism a rank's c_attn holds its heads' q, k, v.
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))  # (B, H, T, D)
+        q, k, v = (
+            t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1)
+        )  # (B, H, T, D)
         if self.ra is not None:
             q, k = self.ra(q, k, coupling)
         new_v = v
@@ -159,7 +183,9 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(k, v)
         p = self.dropout if self.training else 0.0
         if self.kv is not None:  # each query over its kept keys; decoding recomputes the sequence (gpt2_family)
-            assert cache is None, "KV pruning scores keys with every earlier query: decode by recomputing, not with a KV cache"
+            assert cache is None, (
+                "KV pruning scores keys with every earlier query: decode by recomputing, not with a KV cache"
+            )
             y = self.kv(q, k, v, document_causal_mask(mask.position_ids) if isinstance(mask, PackedDocuments) else mask)
         elif isinstance(mask, PackedDocuments) and p == 0.0 and not torch.compiler.is_compiling():
             y = attend_documents(q, k, v, mask.lengths)  # each packed document alone, no (T, T) mask
@@ -184,7 +210,9 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, attention_out: torch.Tensor | None = None, coupling: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attention_out: torch.Tensor | None = None, coupling: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # GPT-2's "gelu_new"
 
 
@@ -194,11 +222,24 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = MLP(config) if not config.rmlp_r_ff else ReciprocalMLP(
-            config.n_embd, config.mlp_hidden, config.rmlp_r_ff, config.bias, config.dropout, config.rmlp_mixer, config.rmlp_gate_alpha,
-            config.rmlp_attention_aware)
+        self.mlp = (
+            MLP(config)
+            if not config.rmlp_r_ff
+            else ReciprocalMLP(
+                config.n_embd,
+                config.mlp_hidden,
+                config.rmlp_r_ff,
+                config.bias,
+                config.dropout,
+                config.rmlp_mixer,
+                config.rmlp_gate_alpha,
+                config.rmlp_attention_aware,
+            )
+        )
 
-    def forward(self, x: torch.Tensor, mask, cache: LayerCache | None = None, coupling: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask, cache: LayerCache | None = None, coupling: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`coupling`: the delayed-activation scale of the reciprocal gates (None: no delay)."""
         attention_out = self.attn(self.ln_1(x), mask, cache, coupling)
         x = x + attention_out
@@ -217,8 +258,17 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.coupling = (CouplingWarmup(config.delay_mode, config.delay_start_step, config.delay_ramp_steps, config.delay_window,
-                                        config.delay_cv_threshold) if config.delay_mode != "none" else None)
+        self.coupling = (
+            CouplingWarmup(
+                config.delay_mode,
+                config.delay_start_step,
+                config.delay_ramp_steps,
+                config.delay_window,
+                config.delay_cv_threshold,
+            )
+            if config.delay_mode != "none"
+            else None
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -229,7 +279,11 @@ class GPT2(nn.Module):
     def init_weights(self) -> None:
         """The single source of initial values: N(0, 0.02), residual projections / sqrt(2 n_layer), zero biases."""
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module is not self.lm_head and not name.endswith("mixer"):
+            if (
+                isinstance(module, (nn.Linear, nn.Embedding))
+                and module is not self.lm_head
+                and not name.endswith("mixer")
+            ):
                 std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
@@ -239,8 +293,14 @@ class GPT2(nn.Module):
             if isinstance(module, (ReciprocalGates, SelfRestart, ReciprocalMLP, CouplingWarmup, CausalKVPruning)):
                 module.init_weights()
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+    ):
         """Logits (B, T, V) for token ids (B, T); with `labels` (-100 not trained) and optional
         `loss_weights`, (sum of weighted cross-entropy, per-token cross-entropy (B, T)) from the head
         fused into the loss. `position_ids` mark packed documents; a `cache` continues decoding."""

@@ -1,4 +1,4 @@
-"""GPT-2 research variants on attention (seed 003; `../shared/specs/gpt2-family.md`): Unified RA
+"""GPT-2 research variants on attention: Unified RA
 and self-restart, each a small module the attention calls, so `gpt2.py` stays the plain model.
 
 **Unified RA** ("reciprocal attention"): each head's D dimensions are split into D - R standard
@@ -36,7 +36,9 @@ class ReciprocalGates(nn.Module):
         self.w_std.fill_((self.head_dim - self.r) / self.head_dim)
         self.w_rec.fill_(self.r / self.head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, coupling: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, coupling: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k (B, H, T, D) scaled per slice by the square roots of the gates (w_rec times the
         delayed-activation `coupling` scale, when there is one)."""
         w_rec = self.w_rec * coupling if coupling is not None else self.w_rec
@@ -79,11 +81,19 @@ def gate_summary(model: nn.Module) -> dict[str, float]:
     for module in model.modules():  # the model itself included; every variant module reports its gates
         if hasattr(module, "gate_stats"):
             for name, value in module.gate_stats().items():
-                value = value.full_tensor() if hasattr(value, "full_tensor") else value  # FSDP: every rank asks, all gather
+                value = (
+                    value.full_tensor() if hasattr(value, "full_tensor") else value
+                )  # FSDP: every rank asks, all gather
                 families.setdefault(name, []).append(value.float().flatten())
     out = {}
     for name, values in families.items():
         v = torch.cat(values)
-        out.update({f"{name}_mean": float(v.mean()), f"{name}_std": float(v.std()) if v.numel() > 1 else 0.0,
-                    f"{name}_min": float(v.min()), f"{name}_max": float(v.max())})
+        out.update(
+            {
+                f"{name}_mean": float(v.mean()),
+                f"{name}_std": float(v.std()) if v.numel() > 1 else 0.0,
+                f"{name}_min": float(v.min()),
+                f"{name}_max": float(v.max()),
+            }
+        )
     return out

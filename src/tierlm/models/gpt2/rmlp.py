@@ -1,4 +1,4 @@
-"""GPT-2 research variant on the MLP (seed 003; `../shared/specs/gpt2-family.md`): R-MLP.
+"""GPT-2 research variant on the MLP: R-MLP.
 
 **R-MLP** ("reciprocal MLP"): the hidden units of the MLP are split into a standard part and R_ff
 reciprocal units, each scaled by a learned gate before the down projection:
@@ -25,8 +25,17 @@ from tierlm.models.gpt2.ra import MIN_GATE
 
 
 class ReciprocalMLP(nn.Module):
-    def __init__(self, n_embd: int, hidden: int, r_ff: int, bias: bool, dropout: float, mixer: bool, gate_alpha: bool,
-                 attention_aware: bool):
+    def __init__(
+        self,
+        n_embd: int,
+        hidden: int,
+        r_ff: int,
+        bias: bool,
+        dropout: float,
+        mixer: bool,
+        gate_alpha: bool,
+        attention_aware: bool,
+    ):
         super().__init__()
         assert 0 < r_ff < hidden, f"R-MLP needs 0 < R_ff < the hidden width {hidden}, got {r_ff}"
         self.hidden, self.r_ff = hidden, r_ff
@@ -51,11 +60,15 @@ class ReciprocalMLP(nn.Module):
         if self.attn_alpha is not None:
             self.attn_alpha.zero_()
 
-    def forward(self, x: torch.Tensor, attention_out: torch.Tensor | None = None, coupling: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attention_out: torch.Tensor | None = None, coupling: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`coupling`: the delayed-activation scale on the reciprocal gate (None: no delay)."""
         pre = self.c_fc(x)  # (B, T, hidden)
         std, rec = pre[..., : self.hidden - self.r_ff], pre[..., self.hidden - self.r_ff :]
-        if self.attn_alpha is not None and attention_out is not None:  # the reciprocal units also read the attention output
+        if (
+            self.attn_alpha is not None and attention_out is not None
+        ):  # the reciprocal units also read the attention output
             rec = rec + self.attn_alpha * F.linear(attention_out, self.c_fc.weight[self.hidden - self.r_ff :])
         std, rec = F.gelu(std, approximate="tanh"), F.gelu(rec, approximate="tanh")
         if self.mixer is not None:

@@ -62,17 +62,35 @@ class Qwen3EncDecFamily(NativeFamily):
     seq2seq = True
 
     def config_fields(self, model_config) -> dict[str, Any]:
-        return {f"model.{k}": getattr(model_config, k) for k in ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio",
-                                                                   "rope_theta", "tie_embeddings", "num_sentinel_tokens")}
+        return {
+            f"model.{k}": getattr(model_config, k)
+            for k in (
+                "depth",
+                "aspect_ratio",
+                "head_dim",
+                "n_kv_head",
+                "mlp_ratio",
+                "rope_theta",
+                "tie_embeddings",
+                "num_sentinel_tokens",
+            )
+        }
 
     def encdec_config(self, model_config, vocab_size: int, max_seq_len: int) -> Qwen3EncDecConfig:
         heads = max(1, math.ceil(model_config.depth * model_config.aspect_ratio / model_config.head_dim))
         width = heads * model_config.head_dim
         hidden = 32 * math.ceil(width * (model_config.mlp_ratio or 8 / 3) / 32)
         config = Qwen3EncDecConfig(
-            vocab_size=vocab_size, hidden_size=width, intermediate_size=hidden, num_encoder_layers=model_config.depth,
-            num_decoder_layers=model_config.depth, num_attention_heads=heads, num_key_value_heads=model_config.n_kv_head or heads,
-            head_dim=model_config.head_dim, rope_theta=model_config.rope_theta, max_position_embeddings=max_seq_len,
+            vocab_size=vocab_size,
+            hidden_size=width,
+            intermediate_size=hidden,
+            num_encoder_layers=model_config.depth,
+            num_decoder_layers=model_config.depth,
+            num_attention_heads=heads,
+            num_key_value_heads=model_config.n_kv_head or heads,
+            head_dim=model_config.head_dim,
+            rope_theta=model_config.rope_theta,
+            max_position_embeddings=max_seq_len,
             tie_word_embeddings=model_config.tie_embeddings,
         )
         problems = config.validate()
@@ -90,8 +108,10 @@ class Qwen3EncDecFamily(NativeFamily):
 
         hf = AutoConfig.from_pretrained(folder)
         if hf.model_type != "qwen3":
-            raise ConfigError(f"{folder} holds a {hf.model_type!r} model; an encoder-decoder starts from a decoder-only Qwen3 "
-                              "(or drop model.model_name_or_path to train one from scratch)")
+            raise ConfigError(
+                f"{folder} holds a {hf.model_type!r} model; an encoder-decoder starts from a decoder-only Qwen3 "
+                "(or drop model.model_name_or_path to train one from scratch)"
+            )
         model = initialize_from_qwen3(folder, vocab_size=max(vocab_size or 0, hf.vocab_size))
         return model.to(device=device, dtype=dtype)
 
@@ -120,7 +140,13 @@ class Qwen3EncDecFamily(NativeFamily):
         return True
 
     def cross_entropy(self, model, batch, weights):
-        return model(batch["input_ids"], batch["decoder_input_ids"], labels=get_labels(batch), loss_weights=weights, **self._inputs(batch))
+        return model(
+            batch["input_ids"],
+            batch["decoder_input_ids"],
+            labels=get_labels(batch),
+            loss_weights=weights,
+            **self._inputs(batch),
+        )
 
     def prefill(self, model, ids, max_len):
         """The prompt goes to the encoder; the decoder starts from `decoder_start_token_id`."""
@@ -139,7 +165,10 @@ class Qwen3EncDecFamily(NativeFamily):
 
     def attention_shape(self, model):
         c = model.config
-        return c.num_encoder_layers + 2 * c.num_decoder_layers, c.num_attention_heads * c.head_dim  # decoder: self + cross
+        return (
+            c.num_encoder_layers + 2 * c.num_decoder_layers,
+            c.num_attention_heads * c.head_dim,
+        )  # decoder: self + cross
 
     def blocks(self, model):
         return BlockLists(model.encoder_blocks, model.decoder_blocks)

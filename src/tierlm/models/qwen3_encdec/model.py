@@ -1,4 +1,4 @@
-"""A Qwen3 encoder–decoder (seed 002): a bidirectional encoder stack and a causal decoder stack with
+"""A Qwen3 encoder–decoder: a bidirectional encoder stack and a causal decoder stack with
 cross-attention, built from the native GPT's Qwen3 blocks (RMSNorm, RoPE, QK-norm, grouped-query
 attention, SwiGLU), one token embedding shared by both stacks (and tied to the head when configured).
 
@@ -64,7 +64,10 @@ class Qwen3EncDecConfig:
     def validate(self) -> list[str]:
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         return problems
@@ -90,7 +93,9 @@ class CrossAttention(nn.Module):
         v = self.v_proj(encoded).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         return k, v
 
-    def forward(self, x: torch.Tensor, memory: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, memory: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k, v = memory
@@ -138,7 +143,9 @@ class EncDecCache:
         self.memories = [(k.repeat_interleave(n, dim=0), v.repeat_interleave(n, dim=0)) for k, v in self.memories]
 
 
-def segment_masks(encoder_segments: torch.Tensor | None, decoder_segments: torch.Tensor | None, Te: int, Td: int, device):
+def segment_masks(
+    encoder_segments: torch.Tensor | None, decoder_segments: torch.Tensor | None, Te: int, Td: int, device
+):
     """(encoder self, decoder self, cross) boolean masks (B, 1, Tq, Tk); None where a plain mask does
     (no segments: the encoder sees everything, the decoder is causal, cross-attention sees everything).
 
@@ -209,8 +216,13 @@ class Qwen3ForSeq2SeqLM(nn.Module):
             return self.rope_cos[:T], self.rope_sin[:T]
         return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
-    def encode(self, input_ids: torch.Tensor, encoder_segment_ids: torch.Tensor | None = None,
-               encoder_positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        encoder_segment_ids: torch.Tensor | None = None,
+        encoder_positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The encoder's output (B, Te, C)."""
         B, T = input_ids.shape
         if mask is None and encoder_segment_ids is not None:
@@ -222,8 +234,14 @@ class Qwen3ForSeq2SeqLM(nn.Module):
             x = block(x, cos, sin, bidirectional)
         return self.encoder_norm(x)
 
-    def decode(self, decoder_input_ids: torch.Tensor, encoded: torch.Tensor, self_mask=None, cross_mask=None,
-               decoder_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        decoder_input_ids: torch.Tensor,
+        encoded: torch.Tensor,
+        self_mask=None,
+        cross_mask=None,
+        decoder_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The decoder's final hidden states (B, Td, C) over `encoded`."""
         cos, sin = self._rotary(decoder_positions, decoder_input_ids.shape[1])
         x = self.embed(decoder_input_ids)
@@ -231,12 +249,21 @@ class Qwen3ForSeq2SeqLM(nn.Module):
             x = block(x, cos, sin, self_mask, encoded, cross_mask)
         return self.decoder_norm(x)
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, encoder_segment_ids: torch.Tensor | None = None,
-                decoder_segment_ids: torch.Tensor | None = None, encoder_positions: torch.Tensor | None = None,
-                decoder_positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                loss_weights: torch.Tensor | None = None, **_unused):
-        enc_mask, dec_mask, cross_mask = segment_masks(encoder_segment_ids, decoder_segment_ids, input_ids.shape[1],
-                                                       decoder_input_ids.shape[1], input_ids.device)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        encoder_segment_ids: torch.Tensor | None = None,
+        decoder_segment_ids: torch.Tensor | None = None,
+        encoder_positions: torch.Tensor | None = None,
+        decoder_positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        **_unused,
+    ):
+        enc_mask, dec_mask, cross_mask = segment_masks(
+            encoder_segment_ids, decoder_segment_ids, input_ids.shape[1], decoder_input_ids.shape[1], input_ids.device
+        )
         encoded = self.encode(input_ids, mask=enc_mask, encoder_positions=encoder_positions)
         hidden = self.decode(decoder_input_ids, encoded, dec_mask, cross_mask, decoder_positions)
         if labels is None:
@@ -245,16 +272,19 @@ class Qwen3ForSeq2SeqLM(nn.Module):
         total, losses = linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
         return total, losses.view(labels.shape)
 
-
     @torch.no_grad()
     def start_cache(self, input_ids: torch.Tensor, max_len: int) -> EncDecCache:
         """Encode a batch of prompts (one per row, unpadded) and prepare to decode up to `max_len` targets."""
         c = self.config
-        assert max_len <= c.max_position_embeddings, f"max_len {max_len} > max_position_embeddings {c.max_position_embeddings}"
+        assert max_len <= c.max_position_embeddings, (
+            f"max_len {max_len} > max_position_embeddings {c.max_position_embeddings}"
+        )
         encoded = self.encode(input_ids)
         dtype = encoded.dtype
-        layers = [LayerCache(input_ids.shape[0], c.num_key_value_heads, max_len, c.head_dim, input_ids.device, dtype)
-                  for _ in self.decoder_blocks]
+        layers = [
+            LayerCache(input_ids.shape[0], c.num_key_value_heads, max_len, c.head_dim, input_ids.device, dtype)
+            for _ in self.decoder_blocks
+        ]
         return EncDecCache(layers, [block.cross.memory(encoded) for block in self.decoder_blocks])
 
     def step(self, decoder_ids: torch.Tensor, cache: EncDecCache) -> torch.Tensor:
@@ -267,7 +297,9 @@ class Qwen3ForSeq2SeqLM(nn.Module):
         return self.lm_head(self.decoder_norm(x))
 
 
-def build_qwen3_encdec(config: Qwen3EncDecConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Qwen3ForSeq2SeqLM:
+def build_qwen3_encdec(
+    config: Qwen3EncDecConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Qwen3ForSeq2SeqLM:
     """Build on the meta device, allocate on `device`, initialise once.
 
     >>> model = build_qwen3_encdec(Qwen3EncDecConfig(vocab_size=50, hidden_size=32, intermediate_size=64, head_dim=16))
@@ -288,28 +320,38 @@ def _source_model(path_or_model):
         return path_or_model
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path_or_model) if isinstance(path_or_model, Path) else path_or_model,
-                                                dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(
+        str(path_or_model) if isinstance(path_or_model, Path) else path_or_model, dtype=torch.float32
+    )
 
 
 @torch.no_grad()
-def initialize_from_qwen3(path_or_model, num_sentinel_tokens: int = 100, vocab_size: int | None = None,
-                          num_mode_tokens: int = 3) -> Qwen3ForSeq2SeqLM:
+def initialize_from_qwen3(
+    path_or_model, num_sentinel_tokens: int = 100, vocab_size: int | None = None, num_mode_tokens: int = 3
+) -> Qwen3ForSeq2SeqLM:
     """An encoder–decoder whose two stacks start as a decoder-only Qwen3 (a `Qwen3ForCausalLM`, a folder or
     a hub id). The vocabulary grows to `vocab_size` (default: the source's plus the sentinels and mode
     tokens), the new rows set to the mean of the source's embeddings; see the module docstring for the rest.
     """
     source = _source_model(path_or_model)
     sc = source.config
-    assert getattr(sc, "model_type", None) == "qwen3", f"initialize_from_qwen3 takes a Qwen3 model, got {getattr(sc, 'model_type', type(source))}"
+    assert getattr(sc, "model_type", None) == "qwen3", (
+        f"initialize_from_qwen3 takes a Qwen3 model, got {getattr(sc, 'model_type', type(source))}"
+    )
     old_vocab = source.get_input_embeddings().weight.shape[0]
     config = Qwen3EncDecConfig(
-        vocab_size=vocab_size or old_vocab + num_sentinel_tokens + num_mode_tokens, hidden_size=sc.hidden_size,
-        intermediate_size=sc.intermediate_size, num_encoder_layers=sc.num_hidden_layers, num_decoder_layers=sc.num_hidden_layers,
-        num_attention_heads=sc.num_attention_heads, num_key_value_heads=sc.num_key_value_heads,
-        head_dim=getattr(sc, "head_dim", None) or sc.hidden_size // sc.num_attention_heads, rope_theta=sc.rope_parameters["rope_theta"]
-        if getattr(sc, "rope_parameters", None) else sc.rope_theta, rms_norm_eps=sc.rms_norm_eps,
-        max_position_embeddings=sc.max_position_embeddings, tie_word_embeddings=bool(sc.tie_word_embeddings),
+        vocab_size=vocab_size or old_vocab + num_sentinel_tokens + num_mode_tokens,
+        hidden_size=sc.hidden_size,
+        intermediate_size=sc.intermediate_size,
+        num_encoder_layers=sc.num_hidden_layers,
+        num_decoder_layers=sc.num_hidden_layers,
+        num_attention_heads=sc.num_attention_heads,
+        num_key_value_heads=sc.num_key_value_heads,
+        head_dim=getattr(sc, "head_dim", None) or sc.hidden_size // sc.num_attention_heads,
+        rope_theta=sc.rope_parameters["rope_theta"] if getattr(sc, "rope_parameters", None) else sc.rope_theta,
+        rms_norm_eps=sc.rms_norm_eps,
+        max_position_embeddings=sc.max_position_embeddings,
+        tie_word_embeddings=bool(sc.tie_word_embeddings),
         pad_token_id=sc.pad_token_id if sc.pad_token_id is not None else 0,
     )
     assert config.vocab_size >= old_vocab, f"vocab_size {config.vocab_size} < the source's {old_vocab}"

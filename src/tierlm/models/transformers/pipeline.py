@@ -52,13 +52,22 @@ class TransformersStage(nn.Module):
         position_ids = received_positions(position_ids, self.config.max_position_embeddings)
         if self.first:
             x = self.model.embed_tokens(x)
-        masks = dict(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)
+        masks = dict(
+            config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
+        )
         wanted = {self.layer_types[int(i)] for i in self.model.layers}
-        mask = {kind: (create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)(**masks)
-                for kind in wanted}
+        mask = {
+            kind: (create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)(**masks)
+            for kind in wanted
+        }
         position_embeddings = self.model.rotary_emb(x, position_ids)
         for i, layer in self.model.layers.items():
-            out = layer(x, attention_mask=mask[self.layer_types[int(i)]], position_embeddings=position_embeddings, position_ids=position_ids)
+            out = layer(
+                x,
+                attention_mask=mask[self.layer_types[int(i)]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+            )
             x = out[0] if isinstance(out, tuple) else out
         if self.lm_head is None:
             return x, position_ids.float()

@@ -71,7 +71,8 @@ def create_adamw_optimizer(
     >>> optimizer = create_adamw_optimizer(model, lr=1e-4)
     >>> optimizer.param_groups[0]["lr"]
     0.0001
-    >>> groups = create_adamw_optimizer(model, 1e-3, weight_decay=0.1, exclude_norms_biases_embeddings=True).param_groups
+    >>> groups = create_adamw_optimizer(model, 1e-3, weight_decay=0.1,
+    ...     exclude_norms_biases_embeddings=True).param_groups
     >>> [(len(g["params"]), g["weight_decay"]) for g in groups]
     [(1, 0.1), (1, 0.0)]
     """
@@ -112,7 +113,11 @@ def parameter_roles(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module  # the wrapper hides the model's attributes (its head)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
-    head_ids = {id(head.weight)} if isinstance(head, nn.Module) and isinstance(getattr(head, "weight", None), torch.Tensor) else set()
+    head_ids = (
+        {id(head.weight)}
+        if isinstance(head, nn.Module) and isinstance(getattr(head, "weight", None), torch.Tensor)
+        else set()
+    )
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - head_ids
     roles: dict[str, list[nn.Parameter]] = {role: [] for role in ROLES}
     seen: set[int] = set()
@@ -177,7 +182,9 @@ class OptimizerContainer(Optimizer):
         return {"optimizers": [o.state_dict() for o in self.optimizers]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        assert len(state_dict["optimizers"]) == len(self.optimizers), "a container's state loads into the same optimizers"
+        assert len(state_dict["optimizers"]) == len(self.optimizers), (
+            "a container's state loads into the same optimizers"
+        )
         for optimizer, state in zip(self.optimizers, state_dict["optimizers"]):
             optimizer.load_state_dict(state)
 
@@ -267,8 +274,14 @@ def build_muon(model: nn.Module, settings: RoleSettings) -> Optimizer:
     roles = parameter_roles(model)
     if not roles["matrix"]:
         raise ConfigError("training.optimizer=muon needs 2-D hidden weights; this model has none (use adamw)")
-    muon = Muon(roles["matrix"], lr=settings.matrix_lr, momentum=settings.muon_momentum, ns_steps=settings.ns_steps,
-                weight_decay=settings.weight_decay, distributed=settings.distributed)
+    muon = Muon(
+        roles["matrix"],
+        lr=settings.matrix_lr,
+        momentum=settings.muon_momentum,
+        ns_steps=settings.ns_steps,
+        weight_decay=settings.weight_decay,
+        distributed=settings.distributed,
+    )
     muon.param_groups[0]["role"] = "matrix"
     rest = _role_groups(roles, settings, ("embedding", "unembedding", "scalar"))
     return OptimizerContainer([muon, _adamw(rest, settings)] if rest else [muon])
@@ -288,7 +301,9 @@ def build_adamw_prune(model: nn.Module, settings: RoleSettings) -> Optimizer:
     for group in groups:
         group["prune"] = group["role"] == "matrix"
     if any(hasattr(p, "device_mesh") for g in groups for p in g["params"]):
-        raise ConfigError("training.optimizer=adamw_prune needs whole matrices for its global threshold: use DDP, not FSDP")
+        raise ConfigError(
+            "training.optimizer=adamw_prune needs whole matrices for its global threshold: use DDP, not FSDP"
+        )
     return AdamWPrune(groups, betas=settings.betas, eps=settings.eps, **settings.options)
 
 
@@ -302,8 +317,12 @@ def optimizer_metrics(optimizer: Optimizer) -> dict[str, float]:
 
 
 OptimizerBuilder = Callable[[nn.Module, RoleSettings], Optimizer]
-OPTIMIZERS: dict[str, OptimizerBuilder] = {"adamw": build_adamw, "muon": build_muon, "adamw_spam": build_adamw_spam,
-                                           "adamw_prune": build_adamw_prune}
+OPTIMIZERS: dict[str, OptimizerBuilder] = {
+    "adamw": build_adamw,
+    "muon": build_muon,
+    "adamw_spam": build_adamw_spam,
+    "adamw_prune": build_adamw_prune,
+}
 
 
 def register_optimizer(name: str, builder: OptimizerBuilder) -> None:
@@ -336,7 +355,7 @@ def create_muon_optimizer(
     scale_by_width: bool = True,
     model_dim: int | None = None,
 ) -> OptimizerContainer:
-    """Muon for the hidden matrices and AdamW for the rest (seed 004's optimizer), as one container.
+    """Muon for the hidden matrices and AdamW for the rest (nanochat's optimizer), as one container.
 
     With `scale_by_width`, the AdamW roles' LRs are multiplied by (d_model / 768) ** -0.5 as
     nanochat does; `model_dim` defaults to the token embedding's width.
@@ -352,6 +371,14 @@ def create_muon_optimizer(
         table = (roles["embedding"] or roles["unembedding"] or [None])[0]
         dim = model_dim or (table.shape[-1] if table is not None else None)
         scale = width_lr_scale(dim) if dim else 1.0
-    settings = RoleSettings(matrix_lr, embedding_lr * scale, unembedding_lr * scale, scalar_lr, weight_decay,
-                            betas=adam_betas, eps=1e-10, muon_momentum=momentum)
+    settings = RoleSettings(
+        matrix_lr,
+        embedding_lr * scale,
+        unembedding_lr * scale,
+        scalar_lr,
+        weight_decay,
+        betas=adam_betas,
+        eps=1e-10,
+        muon_momentum=momentum,
+    )
     return build_muon(model, settings)

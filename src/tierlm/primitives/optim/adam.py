@@ -30,7 +30,8 @@ def adamw_update_(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, sc
 
     >>> p, state = torch.ones(2), {}
     >>> init_adam_state(state, p)
-    >>> adamw_update_(p, torch.tensor([1.0, -1.0]), state, {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+    >>> adamw_update_(p, torch.tensor([1.0, -1.0]), state, {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8,
+    ...     "weight_decay": 0.0})
     1
     >>> [round(x, 3) for x in p.tolist()]
     [0.9, 1.1]

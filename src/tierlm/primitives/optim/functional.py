@@ -1,4 +1,4 @@
-"""Tier 1: optimizers in seed 001's functional form, `init(params) -> state` and
+"""Tier 1: optimizers in the functional form of the trainer API, `init(params) -> state` and
 `update(grads, state, params) -> (updates, state)`, the same protocol for PyTorch tensors and JAX
 arrays (`tierlm.primitives.optim.jax.JaxAdam`).
 
@@ -31,7 +31,7 @@ OptimizerState = Any  # a dict of tensors for the PyTorch forms, an optax pytree
 
 @runtime_checkable
 class Optimizer(Protocol):
-    """Seed 001's optimizer protocol (JAX/PyTorch agnostic)."""
+    """The functional optimizer protocol (JAX/PyTorch agnostic)."""
 
     def init(self, params: Any) -> OptimizerState:
         """The initial state for parameters shaped like `params`."""
@@ -55,19 +55,29 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
 
 
 class PyTorchAdam:
-    """Adam / AdamW in the functional form (seed 001's `PyTorchAdam`): bias-corrected moments, `eps`
+    """Adam / AdamW in the functional form (the trainer API's `PyTorchAdam`): bias-corrected moments, `eps`
     added to the corrected root, decoupled weight decay `lr * weight_decay * param` (AdamW).
 
     `lr` may be a number or a function of the step count (1, 2, ...), as an optax schedule.
     """
 
-    def __init__(self, lr: float | Callable[[int], float] = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(
+        self,
+        lr: float | Callable[[int], float] = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         assert 0 <= beta1 < 1 and 0 <= beta2 < 1, f"betas must be in [0, 1), got {beta1}, {beta2}"
         self.lr, self.betas, self.eps, self.weight_decay = lr, (beta1, beta2), eps, weight_decay
 
     def init(self, params) -> dict:
-        return {"step": 0, "exp_avg": tree_map(torch.zeros_like, params), "exp_avg_sq": tree_map(torch.zeros_like, params)}
+        return {
+            "step": 0,
+            "exp_avg": tree_map(torch.zeros_like, params),
+            "exp_avg_sq": tree_map(torch.zeros_like, params),
+        }
 
     def update(self, grads, opt_state: dict, params) -> tuple[Any, dict]:
         (beta1, beta2), step = self.betas, opt_state["step"] + 1
@@ -89,8 +99,15 @@ class FunctionalMuon:
     the direction orthogonalised by Newton–Schulz, scaled by `sqrt(max(1, rows / cols))`, decoupled
     weight decay."""
 
-    def __init__(self, lr: float | Callable[[int], float] = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        lr: float | Callable[[int], float] = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        ns_dtype: torch.dtype = torch.float32,
+    ):
         self.lr, self.momentum, self.nesterov, self.ns_steps = lr, momentum, nesterov, ns_steps
         self.weight_decay, self.ns_dtype = weight_decay, ns_dtype
 
@@ -109,7 +126,11 @@ class FunctionalMuon:
         def leaf(b, g, p):
             direction = g.lerp(b, m) if self.nesterov else b
             rows, cols = p.shape
-            update = -lr * max(1.0, rows / cols) ** 0.5 * newton_schulz_orthogonalize(direction, self.ns_steps, self.ns_dtype)
+            update = (
+                -lr
+                * max(1.0, rows / cols) ** 0.5
+                * newton_schulz_orthogonalize(direction, self.ns_steps, self.ns_dtype)
+            )
             return update - lr * self.weight_decay * p if self.weight_decay else update
 
         return tree_map(leaf, buffers, grads, params), {"step": step, "momentum_buffer": buffers}

@@ -1,4 +1,4 @@
-"""Seed 001's `JaxAdam`: optax's Adam / AdamW behind the functional optimizer protocol
+"""The functional optimizer API's `JaxAdam`: optax's Adam / AdamW behind the functional optimizer protocol
 (`init(params)`, `update(grads, state, params) -> (updates, state)`; see
 `tierlm.primitives.optim.functional` for the PyTorch forms), with its hyperparameters injected so the
 learning rate can change every step without recompiling (`with_learning_rate`), and its moments
@@ -25,9 +25,12 @@ class JaxAdam:
     """Adam (`weight_decay=0`) or AdamW (decoupled decay `lr * weight_decay * param`, as
     `torch.optim.AdamW`) from optax."""
 
-    def __init__(self, lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
-        self.optax_optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=lr, b1=beta1, b2=beta2, eps=eps,
-                                                                      weight_decay=weight_decay)
+    def __init__(
+        self, lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0
+    ):
+        self.optax_optimizer = optax.inject_hyperparams(optax.adamw)(
+            learning_rate=lr, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay
+        )
 
     def init(self, params: Any) -> Any:
         return self.optax_optimizer.init(params)
@@ -38,7 +41,9 @@ class JaxAdam:
     @staticmethod
     def with_learning_rate(opt_state: Any, lr: float) -> Any:
         """The state with the learning rate the next update uses set to `lr`."""
-        return opt_state._replace(hyperparams={**opt_state.hyperparams, "learning_rate": jnp.asarray(lr, dtype=jnp.float32)})
+        return opt_state._replace(
+            hyperparams={**opt_state.hyperparams, "learning_rate": jnp.asarray(lr, dtype=jnp.float32)}
+        )
 
     @staticmethod
     def moments(opt_state: Any) -> tuple[int, Any, Any]:

@@ -25,7 +25,9 @@ from tierlm.errors import ConfigError
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz_orthogonalize(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz_orthogonalize(
+    update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """An approximation of U V^T for update = U S V^T (the nearest semi-orthogonal matrix), by
     `steps` quintic Newton–Schulz iterations computed in `dtype`.
 
@@ -48,7 +50,7 @@ def newton_schulz_orthogonalize(update: torch.Tensor, steps: int = 5, dtype: tor
 
 
 def get_muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85, end: float = 0.95) -> float:
-    """Muon's momentum at `step`: linear from `start` to `end` over `warmup_steps` (seed 004).
+    """Muon's momentum at `step`: linear from `start` to `end` over `warmup_steps` (nanochat).
 
     >>> [round(get_muon_momentum(s), 3) for s in (0, 150, 300, 1000)]
     [0.85, 0.9, 0.95, 0.95]
@@ -58,7 +60,7 @@ def get_muon_momentum(step: int, warmup_steps: int = 300, start: float = 0.85, e
 
 
 def get_weight_decay(step: int, num_training_steps: int, weight_decay: float) -> float:
-    """Weight decay at `step`, falling linearly from `weight_decay` to 0 at the last step (seed 004).
+    """Weight decay at `step`, falling linearly from `weight_decay` to 0 at the last step (nanochat).
 
     >>> [get_weight_decay(s, 4, 0.2) for s in (0, 2, 4)]
     [0.2, 0.1, 0.0]
@@ -97,8 +99,17 @@ class Muon(Optimizer):
     [0.07, 0.07, 0.07, 0.05]
     """
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 weight_decay: float = 0.0, ns_dtype: torch.dtype | None = None, distributed: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        ns_dtype: torch.dtype | None = None,
+        distributed: bool = False,
+    ):
         if not 0 < lr < 1:
             raise ConfigError(f"Muon lr must be in (0, 1), got {lr}")
         if not 0 <= momentum < 1:
@@ -111,7 +122,9 @@ class Muon(Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                assert p.ndim == 2, f"Muon takes matrices only; a parameter of shape {tuple(p.shape)} belongs with AdamW"
+                assert p.ndim == 2, (
+                    f"Muon takes matrices only; a parameter of shape {tuple(p.shape)} belongs with AdamW"
+                )
         self.ns_dtype = ns_dtype
         self.distributed = distributed
 

@@ -1,7 +1,7 @@
 """Tier 1: AdamWPrune — AdamW that prunes its weight matrices by scores read from its own state.
 
 Every pruned matrix has a boolean mask. After `warmup` steps, every `frequency` steps the target
-sparsity rises along s(t) = final * p^3, p = (t - warmup) / (total - warmup) (seed 003's schedule),
+sparsity rises along s(t) = final * p^3, p = (t - warmup) / (total - warmup) (a cubic schedule),
 one global ranking of all the pruned matrices' scores sets the masks (exactly the k lowest, or
 below the quantile of a random sample of `sample_size` scores for large models), and masked
 entries are zeroed in the weights, gradients and both Adam moments — they stay exactly zero.
@@ -41,16 +41,29 @@ class AdamWPrune(Optimizer):
     """AdamW over `params`, pruning the groups marked `"prune": True` (see the module docstring).
 
     >>> w = torch.nn.Parameter(torch.tensor([[0.1, -2.0], [3.0, 0.2]]))
-    >>> opt = AdamWPrune([{"params": [w], "prune": True}], lr=1e-3, score="magnitude", final_sparsity=0.5, warmup=0, frequency=1,
+    >>> opt = AdamWPrune([{"params": [w], "prune": True}], lr=1e-3, score="magnitude", final_sparsity=0.5, warmup=0,
+    ...     frequency=1,
     ...                  total_steps=1)
     >>> w.grad = torch.zeros_like(w); opt.step()
     >>> opt.sparsity(), (w == 0).int().tolist()
     (0.5, [[1, 0], [0, 1]])
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, score: str = "fourth_root_v", final_sparsity: float = 0.5, warmup: int = 1000,
-                 frequency: int = 50, total_steps: int = 10000, sample_size: int = 1 << 22, seed: int = 0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        score: str = "fourth_root_v",
+        final_sparsity: float = 0.5,
+        warmup: int = 1000,
+        frequency: int = 50,
+        total_steps: int = 10000,
+        sample_size: int = 1 << 22,
+        seed: int = 0,
+    ):
         if score not in SCORES:
             raise ConfigError(f"training.prune_score must be one of {list(SCORES)}, got {score!r}")
         if not 0 <= final_sparsity < 1:

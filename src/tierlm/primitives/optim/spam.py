@@ -2,7 +2,7 @@
 ICLR 2025, arXiv:2501.06842).
 
 The variant implemented here (the paper's update as its authors' reference code computes it; the
-code base of seed 003 added a grad-norm z-score damping, which is not included):
+GPT-2 research code base added a grad-norm z-score damping, which is not included):
 
 - every `interval` steps (paper: 500) both Adam moments are zeroed; the bias-correction step
   count keeps running;
@@ -50,8 +50,18 @@ class AdamWSPAM(Optimizer):
     [0.9, 1.1, 1.0]
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, theta: float = 5000.0, interval: int = 500, warmup: int = 150, clip_delay: int = 20):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        theta: float = 5000.0,
+        interval: int = 500,
+        warmup: int = 150,
+        clip_delay: int = 20,
+    ):
         if not 0 < lr < 1:
             raise ConfigError(f"AdamWSPAM lr must be in (0, 1), got {lr}")
         if theta <= 0:

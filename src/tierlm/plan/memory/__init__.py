@@ -18,7 +18,6 @@ the table is in docs/benchmarks.md.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import unittest.mock
 from dataclasses import dataclass, field
@@ -29,6 +28,9 @@ from torch import nn
 
 from tierlm.backends.distributed import prepare_model
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
+from tierlm.build.model import describe_model, new_model
+from tierlm.build.optimizer import model_width, optimizer_settings
+from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import (
@@ -41,9 +43,10 @@ from tierlm.metrics.memory import (
 )
 from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
 from tierlm.models.lora import apply_lora
-from tierlm.plan.scaling import model_width, optimizer_settings
 from tierlm.primitives import parse_dtype
+from tierlm.primitives.losses import token_logprobs
 from tierlm.primitives.optim import build_optimizer
+from tierlm.tasks import synthetic_name
 
 BYTES_PER_DOCUMENT = 24
 """The loader's hold per document (its index; the documents are read or generated on demand):
@@ -51,9 +54,20 @@ measured, 200,000 synthetic documents add 4 MB over 2,000."""
 CUDA_MARGIN = 0.10
 """On CUDA, the caching allocator's fragmentation: the pre-flight keeps this share of the device free."""
 
-PARTS = ("parameters", "buffers", "gradients", "optimizer state", "activations", "FSDP gathered blocks",
-         "DDP gradient buckets", "reference model", "generation KV cache", "data loader", "framework",
-         "allocator retention")
+PARTS = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer state",
+    "activations",
+    "FSDP gathered blocks",
+    "DDP gradient buckets",
+    "reference model",
+    "generation KV cache",
+    "data loader",
+    "framework",
+    "allocator retention",
+)
 
 
 @dataclass
@@ -76,8 +90,10 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows, tokens = self.micro_batch
-        lines = [f"memory per rank ({self.device_type}, {self.world_size} rank{'s' if self.world_size > 1 else ''}, "
-                 f"micro-batch {rows} x {tokens:,} tokens):"]
+        lines = [
+            f"memory per rank ({self.device_type}, {self.world_size} rank{'s' if self.world_size > 1 else ''}, "
+            f"micro-batch {rows} x {tokens:,} tokens):"
+        ]
         lines += [f"  {name:<22} {format_bytes(b):>12}" for name, b in self.parts.items() if b > 0]
         lines.append(f"  {'total':<22} {format_bytes(self.total):>12}")
         return "\n".join(lines)
@@ -85,8 +101,14 @@ class MemoryEstimate:
     def record(self) -> dict:
         """The estimate as JSON-ready numbers (bytes), as runs write it to memory_estimate.json."""
         rows, tokens = self.micro_batch
-        return {"total_bytes": self.total, "parts_bytes": dict(self.parts), "world_size": self.world_size,
-                "device_type": self.device_type, "micro_batch_rows": rows, "micro_batch_tokens": tokens}
+        return {
+            "total_bytes": self.total,
+            "parts_bytes": dict(self.parts),
+            "world_size": self.world_size,
+            "device_type": self.device_type,
+            "micro_batch_rows": rows,
+            "micro_batch_tokens": tokens,
+        }
 
 
 # -- the trace ---------------------------------------------------------------------------------
@@ -95,8 +117,6 @@ def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
     active FakeTensorMode."""
     dtype = parse_dtype(config.model.dtype)
     if pretrained is None:
-        from tierlm.plan.scaling import new_model
-
         return new_model(config, vocab_size, "cpu", dtype)
     model = family_for_folder(pretrained).build_from_folder(pretrained, dtype)
     lora = config.model.lora
@@ -109,35 +129,34 @@ def _fake_model(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
         return apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
 
 
-def _strategy_inputs(config: TierlmConfig, stage: str, rows: int, tokens: int, seq2seq: bool = False):
+def _trace_batch(config: TierlmConfig, stage: Stage, rows: int, tokens: int, seq2seq: bool = False):
     """A fake micro-batch of the stage's shape, and the stage's loss (None: token cross-entropy)."""
     if seq2seq:  # a UL2 batch: encoder and decoder rows
         d = config.data
         target = torch.zeros(rows, d.max_decoder_length, dtype=torch.long)
-        return {"input_ids": torch.zeros(rows, d.max_encoder_length, dtype=torch.long), "decoder_input_ids": target,
-                "labels": target.clone()}, None
-    ids = torch.zeros(rows, tokens, dtype=torch.long)
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    if stage == "sft":
-        batch["position_ids"] = torch.arange(tokens).expand(rows, tokens).contiguous()
-    if stage == "dpo":
-        from tierlm.strategies.dpo import DPOStrategy
-
-        if config.dpo.reference == "precomputed":
-            batch["ref_logps"] = torch.zeros(rows)
-        return batch, DPOStrategy(config.dpo.beta).compute_loss
-    if stage == "rl":
-        from tierlm.strategies.rl import GRPOStrategy
-
-        batch.update(advantages=torch.zeros(rows), old_logprobs=torch.zeros(rows, tokens))
-        if config.rl.kl_coef > 0:
-            batch["ref_logprobs"] = torch.zeros(rows, tokens)
-        return batch, GRPOStrategy(config.rl.clip_range, config.rl.kl_coef).compute_loss
-    return batch, None
+        return {
+            "input_ids": torch.zeros(rows, d.max_encoder_length, dtype=torch.long),
+            "decoder_input_ids": target,
+            "labels": target.clone(),
+        }, None
+    return stage.trace_batch(config, rows, tokens)
 
 
-def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tokens: int, pretrained=None,
-               generation: tuple[int, int] | None = None, fake: bool = True) -> dict[str, int]:
+def _label_logprobs(logits: torch.Tensor, batch) -> dict[str, torch.Tensor]:
+    """What a scoring pass keeps: the labels' log-probs (a reference's, or RL's old log-probs)."""
+    return {"logprobs": token_logprobs(logits, batch["labels"])}
+
+
+def trace_step(
+    config: TierlmConfig,
+    stage: Stage,
+    vocab_size: int,
+    rows: int,
+    tokens: int,
+    pretrained=None,
+    generation: tuple[int, int] | None = None,
+    fake: bool = True,
+) -> dict[str, int]:
     """Bytes at the peak of a training step of `config`'s model on one process, by MemTracker's
     category ({"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}).
 
@@ -147,34 +166,42 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tierlm.strategies.dpo import DPOStrategy
-    from tierlm.strategies.rl import GRPOStrategy
-
     tr, infra = config.training, config.infra
     cpu = torch.device("cpu")
     with FakeTensorMode() if fake else contextlib.nullcontext():
         model = _fake_model(config, vocab_size, pretrained)
         model = prepare_model(model, cpu, infra.activation_checkpointing, compile=False)
         optimizer = build_optimizer(tr.optimizer, model, optimizer_settings(config, model_width(model)))
-        backend = PyTorchTrainingBackend(model, optimizer, None, Path(os.devnull), cpu, None, tr.max_grad_norm,
-                                         torch.bfloat16 if tr.bf16 else None, fused_cross_entropy=tr.fused_cross_entropy,
-                                         flash_attention=config.model.use_flash_attention)
-        batch, loss_fn = _strategy_inputs(config, stage, rows, tokens, getattr(family_of(model), "seq2seq", False))
+        backend = PyTorchTrainingBackend(
+            model,
+            optimizer,
+            None,
+            Path(os.devnull),
+            cpu,
+            None,
+            tr.max_grad_norm,
+            torch.bfloat16 if tr.bf16 else None,
+            fused_cross_entropy=tr.fused_cross_entropy,
+            flash_attention=config.model.use_flash_attention,
+        )
+        batch, loss_fn = _trace_batch(config, stage, rows, tokens, family_of(model).seq2seq)
         reference = None
-        if "ref_logps" not in batch and stage == "dpo":
+        if stage.reference_model(config) == "in step":
             if config.model.lora.r:  # the policy with its adapters off
                 reference = frozen_reference(model, cpu)
             else:
                 reference = FrozenReference(_fake_model(config, vocab_size, pretrained), cpu)
-                reference.model.requires_grad_(True)  # MemTracker hooks every parameter it sees; forward() runs under no_grad
+                reference.model.requires_grad_(
+                    True
+                )  # MemTracker hooks every parameter it sees; forward() runs under no_grad
 
-        def scoring() -> None:  # the RL loop's old-log-probs pass (no gradient) before the update
-            backend.forward(batch, GRPOStrategy().compute_metrics)
+        def scoring() -> None:  # the log-probs of the policy before its update (RL's old log-probs), without gradients
+            backend.forward(batch, _label_logprobs)
 
         held_reference: dict[str, torch.Tensor] = {}
 
-        def reference_pass() -> None:  # DPO's reference log-probs, as DPOStrategy.prepare_batch computes them
-            held_reference["logps"] = reference.forward(batch, DPOStrategy()._logps).wait()["logps"]
+        def reference_pass() -> None:  # the reference's log-probs, computed inside the step (DPO's prepare_batch)
+            held_reference["logps"] = reference.forward(batch, _label_logprobs).wait()["logprobs"].sum(-1)
 
         def step() -> None:
             step_batch = dict(batch)
@@ -188,7 +215,7 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
 
         step()  # untracked: it creates the optimizer state the tracked step holds
         fns = [step]
-        if stage == "rl":
+        if generation is not None:  # rollouts are scored before the update
             fns = [scoring, step]
         elif reference is not None and config.model.lora.r:
             # A LoRA reference is the policy itself (adapters off): MemTracker takes one pass of a module
@@ -197,7 +224,9 @@ def trace_step(config: TierlmConfig, stage: str, vocab_size: int, rows: int, tok
         out = tracked_peak(fns, model, optimizer)
         if generation is not None:
             held = tracked_peak(_generation_passes(model, *generation), model, optimizer)
-            out["Generation"] = held["Total"] - held.get("Parameter", 0) - held.get("Buffer", 0) - held.get("Optstate", 0)
+            out["Generation"] = (
+                held["Total"] - held.get("Parameter", 0) - held.get("Buffer", 0) - held.get("Optstate", 0)
+            )
     return out
 
 
@@ -226,8 +255,6 @@ def _largest_block_numel(model: nn.Module) -> int:
 
 
 def _describe(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
-    from tierlm.plan.scaling import describe_model
-
     model = describe_model(config, vocab_size, pretrained)
     assert model is not None, "a hub id cannot be described before its download"
     return model
@@ -237,7 +264,7 @@ def _describe(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
 def estimate_run_memory(
     config: TierlmConfig,
     world_size: int = 1,
-    stage: str = "pretrain",
+    stage: Stage | None = None,
     vocab_size: int | None = None,
     pretrained: Path | None = None,
     num_documents: int | None = None,
@@ -246,12 +273,13 @@ def estimate_run_memory(
     row_tokens: int | None = None,
     distributed: str | None = None,
 ) -> MemoryEstimate:
-    """Bytes per rank a run of `config` at `stage` needs, by consumer (see the module docstring).
+    """Bytes per rank a run of `config` at `stage` (default: pretraining's token rows; `tierlm.stages.STAGES`
+    has each stage) needs, by consumer (see the module docstring).
 
     `vocab_size` defaults to the tokenizer section's; `num_documents` to the synthetic task's
-    size; a micro-batch is `rows` x `row_tokens` (default: the stage's training batch at
-    data.max_seq_length); `distributed` ("none", "ddp", "fsdp") defaults to what the config and
-    `world_size` imply (RL: DDP).
+    size; a micro-batch is `rows` x `row_tokens` (default: the stage's, `Stage.micro_batch`);
+    `distributed` ("none", "ddp", "fsdp") defaults to what the config and `world_size` imply
+    under torchrun (as the stage runs there: RL shards data, not the model).
 
     >>> from tierlm.config import TierlmConfig
     >>> config = TierlmConfig.model_validate({"model": {"depth": 1, "aspect_ratio": 32}, "data": {"max_seq_length": 16},
@@ -259,24 +287,27 @@ def estimate_run_memory(
     >>> estimate = estimate_run_memory(config, vocab_size=64)
     >>> sorted(name for name, b in estimate.parts.items() if b > 0)[:4]
     ['activations', 'allocator retention', 'buffers', 'data loader']
-    >>> round(estimate.parts["optimizer state"] / estimate.parts["parameters"], 2)  # AdamW: two fp32 moments (and step counts)
+    >>> round(estimate.parts["optimizer state"] / estimate.parts["parameters"],
+    ...     2)  # AdamW: two fp32 moments (and step counts)
     2.0
     """
-    tr, d, rl = config.training, config.data, config.rl
+    tr, d = config.training, config.data
+    stage = stage or Stage()
     vocab_size = vocab_size or config.tokenizer.vocab_size
-    if distributed is None:  # as a torchrun job of this config would run (RL shards data, not the model)
-        distributed = "none" if world_size == 1 else ("ddp" if config.infra.distributed_type == "ddp" or stage == "rl" else "fsdp")
-    per_device = tr.per_device_train_batch_size
-    assert isinstance(per_device, int), "resolve training.per_device_train_batch_size=auto before estimating"
-    generation = None
-    if stage == "rl":
-        rows = rows or min(rl.micro_batch_size, max(1, rl.prompts_per_step // world_size) * rl.group_size)
-        row_tokens = row_tokens or d.max_seq_length
-        generation = (rl.group_size, row_tokens)
-    else:
-        rows = rows or (2 * per_device if stage == "dpo" else per_device)  # DPO: chosen and rejected rows
-        family = family_for_folder(pretrained) if isinstance(pretrained, Path) else family_named(config.model.architecture)
-        row_tokens = row_tokens or (d.max_decoder_length if getattr(family, "seq2seq", False) else d.max_seq_length)  # the trained tokens
+    if distributed is None:  # as a torchrun job of this config would run
+        distributed = (
+            "none"
+            if world_size == 1
+            else ("ddp" if stage.parallelism(config, True).infra.distributed_type == "ddp" else "fsdp")
+        )
+    assert isinstance(tr.per_device_train_batch_size, int), (
+        "resolve training.per_device_train_batch_size=auto before estimating"
+    )
+    stage_rows, stage_tokens = stage.micro_batch(config, world_size)
+    family = family_for_folder(pretrained) if isinstance(pretrained, Path) else family_named(config.model.architecture)
+    rows = rows or stage_rows
+    row_tokens = row_tokens or (d.max_decoder_length if family.seq2seq else stage_tokens)  # the trained tokens
+    generation = stage.generation(config, world_size, row_tokens)
     peak = trace_step(config, stage, vocab_size, rows, row_tokens, pretrained, generation)
     described = _describe(config, vocab_size, pretrained)
     param_bytes = sum(p.numel() * p.element_size() for p in described.parameters())
@@ -284,8 +315,15 @@ def estimate_run_memory(
     params, grads, states = peak.get("Parameter", 0), peak.get("Gradient", 0), peak.get("Optstate", 0)
     activations = peak.get("Activation", 0) + peak.get("Temp", 0) + peak.get("Other", 0)
     parts = dict.fromkeys(PARTS, 0.0)
-    parts.update({"parameters": params, "buffers": peak.get("Buffer", 0), "gradients": grads, "optimizer state": states,
-                  "activations": activations})
+    parts.update(
+        {
+            "parameters": params,
+            "buffers": peak.get("Buffer", 0),
+            "gradients": grads,
+            "optimizer state": states,
+            "activations": activations,
+        }
+    )
     if distributed == "fsdp" and world_size > 1:  # each rank keeps 1/N; one block is gathered, the next prefetched
         strategy = config.infra.fsdp_sharding_strategy
         shards = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if strategy == "HYBRID_SHARD" else world_size
@@ -293,7 +331,9 @@ def estimate_run_memory(
             parts[name] /= shards
         gathered_dtype_bytes = 2 if tr.bf16 else 4
         if strategy == "SHARD_GRAD_OP":  # every block stays gathered from its forward to its backward
-            parts["FSDP gathered blocks"] = sum(p.numel() for p in described.parameters()) * gathered_dtype_bytes * (1 - 1 / shards)
+            parts["FSDP gathered blocks"] = (
+                sum(p.numel() for p in described.parameters()) * gathered_dtype_bytes * (1 - 1 / shards)
+            )
         else:
             block = _largest_block_numel(unwrap_model(described))
             parts["FSDP gathered blocks"] = block * (2 * gathered_dtype_bytes + 4) * (1 - 1 / shards)
@@ -303,27 +343,34 @@ def estimate_run_memory(
         described_model = unwrap_model(described)
         blocks = sum(p.numel() for p in family_of(described_model).blocks(described_model).parameters())
         total = sum(p.numel() for p in described.parameters())
-        share = (blocks / model_ranks + (total - blocks)) / total / max(1, world_size // (model_ranks * infra.context_parallel_size))
+        share = (
+            (blocks / model_ranks + (total - blocks))
+            / total
+            / max(1, world_size // (model_ranks * infra.context_parallel_size))
+        )
         for name in ("parameters", "gradients", "optimizer state"):
             parts[name] *= share
     elif distributed == "ddp" and world_size > 1:
         parts["DDP gradient buckets"] = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
+    reference = stage.reference_model(config)
     if config.model.lora.r:  # the reference is the base with the adapters off: no second copy
         pass
-    elif stage == "dpo" and config.dpo.reference == "frozen":  # traced: its weights are among the parameters
+    elif reference == "in step":  # traced: its weights are among the parameters
         parts["reference model"] = param_bytes
         parts["parameters"] -= param_bytes
-    elif stage == "rl" and rl.kl_coef > 0:  # its forward takes turns with the policy's old-log-probs pass (traced)
+    elif reference == "beside":  # its forward takes turns with the policy's old-log-probs pass (traced)
         parts["reference model"] = param_bytes
-    if stage == "rl":  # generation and training take turns: the cache adds what exceeds the step's activations
+    if generation is not None:  # generation and training take turns: the cache adds what exceeds the step's activations
         parts["generation KV cache"] = max(0.0, peak.get("Generation", 0) - activations)
     if num_documents is None:
-        num_documents = d.num_synthetic_examples if d.dataset_name.startswith("synthetic:") else 0
+        num_documents = d.num_synthetic_examples if synthetic_name(d.dataset_name) is not None else 0
     parts["data loader"] = BYTES_PER_DOCUMENT * num_documents
     if device_type == "cpu":
         parts["framework"] = CPU_FRAMEWORK_BYTES
         if config.infra.activation_checkpointing:  # the recomputed blocks cycle the un-checkpointed volume
-            plain = config.model_copy(update={"infra": config.infra.model_copy(update={"activation_checkpointing": False})})
+            plain = config.model_copy(
+                update={"infra": config.infra.model_copy(update={"activation_checkpointing": False})}
+            )
             volume = trace_step(plain, stage, vocab_size, rows, row_tokens, pretrained).get("Activation", 0)
             parts["allocator retention"] = CPU_RETENTION_RECOMPUTE * volume
         else:
@@ -331,28 +378,33 @@ def estimate_run_memory(
     return MemoryEstimate(parts, world_size, device_type, (rows, row_tokens), _fixes(config, stage))
 
 
-def _fixes(config: TierlmConfig, stage: str) -> dict[str, str]:
+def _fixes(config: TierlmConfig, stage: Stage) -> dict[str, str]:
     tr, infra = config.training, config.infra
     if not infra.activation_checkpointing:
         act = "set infra.activation_checkpointing=true"
     elif not tr.fused_cross_entropy:
         act = "set training.fused_cross_entropy=true"
     else:
-        act = ("lower training.per_device_train_batch_size (raise training.gradient_accumulation_steps to keep the "
-               "batch) or data.max_seq_length")
-    if stage == "rl":
-        act = "lower rl.micro_batch_size or rl.max_new_tokens" if infra.activation_checkpointing else act
-    shard = "shard the model with FSDP across more ranks (torchrun, infra.distributed_type=fsdp), or use a smaller model"
-    return {
-        "parameters": shard, "gradients": shard, "optimizer state": shard + " or training.optimizer=muon (one moment)",
-        "activations": act, "allocator retention": act, "buffers": "lower data.max_seq_length",
+        act = (
+            "lower training.per_device_train_batch_size (raise training.gradient_accumulation_steps to keep the "
+            "batch) or data.max_seq_length"
+        )
+    shard = (
+        "shard the model with FSDP across more ranks (torchrun, infra.distributed_type=fsdp), or use a smaller model"
+    )
+    fixes = {
+        "parameters": shard,
+        "gradients": shard,
+        "optimizer state": shard + " or training.optimizer=muon (one moment)",
+        "activations": act,
+        "allocator retention": act,
+        "buffers": "lower data.max_seq_length",
         "FSDP gathered blocks": "use more, smaller blocks (a deeper, narrower model)",
         "DDP gradient buckets": "use infra.distributed_type=fsdp",
-        "reference model": "use dpo.reference=precomputed" if stage == "dpo" else "set rl.kl_coef=0",
-        "generation KV cache": "lower rl.group_size or rl.max_new_tokens",
         "data loader": "use less data (data.num_synthetic_examples) or data.stream=true",
         "framework": "use a machine with more memory",
     }
+    return {**fixes, **stage.memory_fixes(config)}
 
 
 def memory_budget(device: torch.device, max_memory_gb: float | None = None, ranks: int = 1) -> float | None:
@@ -375,71 +427,18 @@ def check_memory(estimate: MemoryEstimate, budget: float | None) -> None:
     """Refuse a run whose estimate exceeds its `budget` (`memory_budget`): one line naming the
     largest consumer and its cheapest fix.
 
-    >>> estimate = MemoryEstimate({"activations": 3 * 2**30, "parameters": 2**29}, fixes={"activations": "set infra.activation_checkpointing=true"})
+    >>> estimate = MemoryEstimate({"activations": 3 * 2**30, "parameters": 2**29},
+    ...     fixes={"activations": "set infra.activation_checkpointing=true"})
     >>> check_memory(estimate, 2**30)
     Traceback (most recent call last):
     ...
-    tierlm.errors.ConfigError: this run needs about 3.5 GiB per rank but 1.0 GiB is available; the largest part is activations (3.0 GiB): set infra.activation_checkpointing=true
+    tierlm.errors.ConfigError: this run needs about 3.5 GiB per rank but 1.0 GiB is available; the largest part is
+    activations (3.0 GiB): set infra.activation_checkpointing=true
     """
     if budget is None or estimate.total <= budget:
         return
     name, largest = estimate.largest()
-    raise ConfigError(f"this run needs about {format_bytes(estimate.total)} per rank but {format_bytes(budget)} is available; "
-                      f"the largest part is {name} ({format_bytes(largest)}): {estimate.fixes.get(name, 'use a smaller run')}")
-
-
-def with_batch_size(config: TierlmConfig, rows: int) -> TierlmConfig:
-    """`config` with training.per_device_train_batch_size = `rows`."""
-    return config.model_copy(update={"training": config.training.model_copy(update={"per_device_train_batch_size": rows})})
-
-
-def check_auto_batch_stage(stage: str) -> None:
-    """training.per_device_train_batch_size=auto sizes micro-batches of rows: not RL's rollouts."""
-    if stage == "rl":
-        raise ConfigError("training.per_device_train_batch_size=auto sizes pretraining, SFT and DPO micro-batches; "
-                          "RL's is rl.micro_batch_size: set a number")
-
-
-def auto_batch_size(config: TierlmConfig, stage: str, budget: float | None, world_size: int = 1, **kwargs) -> tuple[int, str]:
-    """training.per_device_train_batch_size=auto: (rows, why). The largest power of two predicted
-    to fit `budget` with a 20% margin (`largest_fitting_batch`); with training.total_batch_size
-    fixed, also one that divides it (the accumulation takes up the rest, so the optimisation is
-    the same). Without a budget (nothing says how much memory there is) the default, 8."""
-    check_auto_batch_stage(stage)
-    tr, T = config.training, config.data.max_seq_length
-    if budget is None:
-        return 8, "no memory limit is known here (set infra.max_memory_gb)"
-    rows, estimate = largest_fitting_batch(config, budget, stage, world_size=world_size, **kwargs)
-    why = f"predicted {format_bytes(estimate.total)} per rank of {format_bytes(budget)}, with a 20% margin"
-    if isinstance(tr.total_batch_size, int):
-        fitting = rows
-        while rows > 1 and tr.total_batch_size % (rows * T * world_size):
-            rows //= 2
-        if rows != fitting:
-            why += f"; {fitting} rows fit but do not divide training.total_batch_size={tr.total_batch_size:,}"
-    return rows, why
-
-
-def largest_fitting_batch(config: TierlmConfig, available: float, stage: str = "pretrain", margin: float = 0.2, **kwargs) -> tuple[int, MemoryEstimate]:
-    """The largest per-device micro-batch (rows) whose estimate, plus `margin` of it, fits in
-    `available` bytes: two traces give the per-row cost (the estimate is affine in the rows), a
-    third confirms the choice. Raises ConfigError when not even one row fits."""
-
-    def at(rows: int) -> MemoryEstimate:
-        return estimate_run_memory(with_batch_size(config, rows), stage=stage, **kwargs)
-
-    one, two = at(1), at(2)
-    per_row, fixed = two.total - one.total, 2 * one.total - two.total
-    budget = available / (1 + margin)
-    if one.total > budget:
-        name, largest = one.largest()
-        raise ConfigError(f"not even one row of data.max_seq_length={config.data.max_seq_length} fits: one row needs about "
-                          f"{format_bytes(one.total * (1 + margin))} with the margin, {format_bytes(available)} is available; "
-                          f"the largest part is {name} ({format_bytes(largest)}): {one.fixes.get(name, 'use a smaller run')}")
-    rows = max(1, int((budget - fixed) // per_row)) if per_row > 0 else 1
-    rows = 2 ** int(math.log2(rows))  # a power of two: batches divide evenly into accumulation
-    estimate = at(rows)
-    while rows > 1 and estimate.total > budget:  # the affine model is a guide; the trace decides
-        rows //= 2
-        estimate = at(rows)
-    return rows, estimate
+    raise ConfigError(
+        f"this run needs about {format_bytes(estimate.total)} per rank but {format_bytes(budget)} is available; "
+        f"the largest part is {name} ({format_bytes(largest)}): {estimate.fixes.get(name, 'use a smaller run')}"
+    )

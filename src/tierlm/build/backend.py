@@ -1,0 +1,222 @@
+"""The tier-0 backend a config asks for: one process, DDP, FSDP2, tensor / pipeline parallel or JAX, with
+the optimizer and LR schedule of the config; what a backend cannot do is refused in one line each."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
+from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.build.optimizer import model_width, optimizer_settings
+from tierlm.config import TierlmConfig
+from tierlm.errors import ConfigError
+from tierlm.primitives import create_warmup_scheduler
+from tierlm.primitives.optim import build_optimizer
+from tierlm.primitives.parallel import DistributedContext
+
+
+def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
+    """ "none" | "ddp" | "fsdp" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for the rest)."""
+    if ctx is None:
+        return "none"
+    infra = config.infra
+    if infra.model_parallel:
+        return "model_parallel"
+    return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
+
+
+def build_backend(
+    config: TierlmConfig,
+    model: torch.nn.Module,
+    checkpoint_dir: Path,
+    device: torch.device,
+    ctx: DistributedContext | None,
+) -> PyTorchTrainingBackend:
+    """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
+    tr, infra = config.training, config.infra
+
+    kind = distributed_kind(config, ctx)
+    settings = optimizer_settings(config, model_width(model), distributed=kind != "none")  # the plan's values
+
+    def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:  # after wrapping: FSDP2's parameters are the shards
+        return build_optimizer(tr.optimizer, m, settings)
+
+    def scheduler_fn(optimizer: torch.optim.Optimizer):
+        return create_warmup_scheduler(
+            optimizer,
+            tr.warmup_steps,
+            tr.num_train_steps,
+            tr.lr_scheduler_type,
+            tr.min_lr_ratio,
+            tr.warmdown_ratio,
+            momentum_warmup_steps=tr.muon_momentum_warmup_steps,
+        )
+
+    if infra.backend == "jax":
+        return jax_backend(config, model, checkpoint_dir, kind, optimizer_fn, scheduler_fn)
+    bf16 = torch.bfloat16 if tr.bf16 else None
+    scaler = None
+    if tr.fp16:
+        if device.type != "cuda":
+            raise ConfigError(
+                "training.fp16 (fp16 autocast with loss scaling) needs a CUDA GPU; on CPU use training.bf16=true or "
+                "neither"
+            )
+        if kind == "fsdp":
+            raise ConfigError("training.fp16 is for one process or DDP; with FSDP use training.bf16=true")
+        bf16, scaler = torch.float16, torch.amp.GradScaler(device.type)
+    if kind == "model_parallel":
+        return model_parallel_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16)
+    if kind == "fsdp":
+        return FSDPTrainingBackend(
+            model,
+            optimizer_fn,
+            None,
+            checkpoint_dir,
+            device,
+            scheduler_fn,
+            tr.max_grad_norm,
+            param_dtype=bf16,
+            activation_checkpointing=infra.activation_checkpointing,
+            compile=infra.compile,
+            cpu_offload=infra.cpu_offload,
+            fused_cross_entropy=tr.fused_cross_entropy,
+            fp8=tr.fp8,
+            sharding=infra.fsdp_sharding_strategy,
+            flash_attention=config.model.use_flash_attention,
+        )
+    if infra.cpu_offload:
+        raise ConfigError(
+            "infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off"
+        )
+    if kind == "ddp":
+        return DDPTrainingBackend(
+            model,
+            optimizer_fn,
+            None,
+            checkpoint_dir,
+            device,
+            scheduler_fn,
+            tr.max_grad_norm,
+            bf16,
+            tr.gradient_accumulation_steps,
+            infra.activation_checkpointing,
+            infra.compile,
+            tr.fused_cross_entropy,
+            fp8=tr.fp8,
+            grad_scaler=scaler,
+            flash_attention=config.model.use_flash_attention,
+        )
+    model = prepare_model(model, device, infra.activation_checkpointing, infra.compile, tr.fp8)
+    optimizer = optimizer_fn(model)
+    return PyTorchTrainingBackend(
+        model,
+        optimizer,
+        None,
+        checkpoint_dir,
+        device,
+        scheduler_fn(optimizer),
+        tr.max_grad_norm,
+        bf16,
+        async_save=tr.async_save,
+        fused_cross_entropy=tr.fused_cross_entropy,
+        grad_scaler=scaler,
+        flash_attention=config.model.use_flash_attention,
+    )
+
+
+def model_parallel_backend(
+    config: TierlmConfig,
+    model: torch.nn.Module,
+    checkpoint_dir: Path,
+    device: torch.device,
+    ctx: DistributedContext,
+    optimizer_fn,
+    scheduler_fn,
+    bf16: torch.dtype | None,
+):
+    """Pipeline stages x tensor parallel (the family's plans) x FSDP2 over the data-parallel rest; what it does not
+    do is
+    refused in one line each."""
+    from tierlm.backends.model_parallel import ModelParallelTrainingBackend
+    from tierlm.models.lora import has_lora
+    from tierlm.primitives.model_parallel import ParallelDims
+
+    tr, infra = config.training, config.infra
+    dims = ParallelDims.from_sizes(
+        ctx.world_size, infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size
+    )
+    interleaved = infra.pipeline_schedule == "interleaved_1F1B"
+    refusals = {
+        "infra.context_parallel_size > 1 (ring attention needs SDPA's CUDA flash / efficient kernels; not built)": (
+            dims.cp > 1
+        ),
+        "infra.stages_per_rank > 1 without infra.pipeline_schedule=interleaved_1F1B": (
+            infra.stages_per_rank > 1 and not interleaved
+        ),
+        "training.fp16 (use training.bf16)": tr.fp16,
+        "training.fp8": tr.fp8,
+        "infra.cpu_offload": infra.cpu_offload,
+        f"training.optimizer={tr.optimizer} (AdamW only: Muon orthogonalises and AdamWPrune ranks whole matrices)": (
+            tr.optimizer != "adamw"
+        ),
+        "model.lora": has_lora(model),
+        "infra.fsdp_sharding_strategy=HYBRID_SHARD": infra.fsdp_sharding_strategy == "HYBRID_SHARD",
+    }
+    for what, asked in refusals.items():
+        if asked:
+            raise ConfigError(
+                f"model parallelism does not do {what}: drop it, or train data-parallel (tensor / pipeline sizes 1)"
+            )
+    return ModelParallelTrainingBackend(
+        model,
+        optimizer_fn,
+        None,
+        checkpoint_dir,
+        device,
+        dims,
+        scheduler_fn,
+        tr.max_grad_norm,
+        param_dtype=bf16,
+        activation_checkpointing=infra.activation_checkpointing,
+        compile=infra.compile,
+        fused_cross_entropy=tr.fused_cross_entropy,
+        flash_attention=config.model.use_flash_attention,
+        schedule=infra.pipeline_schedule,
+        microbatches=infra.pipeline_microbatches,
+        stages_per_rank=infra.stages_per_rank,
+        vocab_parallel=infra.vocab_parallel,
+        sequence_parallel=infra.sequence_parallel,
+    )
+
+
+def jax_backend(
+    config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, kind: str, optimizer_fn, scheduler_fn
+):
+    """infra.backend=jax: what it does not do is refused in one line each."""
+    from tierlm.backends.jax_backend import JaxTrainingBackend
+
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") is None:
+        raise ConfigError(
+            "infra.backend=jax needs jax and optax: pip install 'tierlm[jax]' (or use infra.backend=pytorch)"
+        )
+
+    tr, infra, m = config.training, config.infra, config.model
+    refusals = {
+        "torchrun (one JAX process uses its local devices)": kind != "none",
+        "training.bf16 / fp16 (fp32 only)": tr.bf16 or tr.fp16,
+        "training.fp8": tr.fp8,
+        "infra.compile (jax.jit compiles)": infra.compile,
+        "infra.activation_checkpointing": infra.activation_checkpointing,
+        "model.lora": bool(m.lora.r),
+        f"training.optimizer={tr.optimizer} (AdamW only)": tr.optimizer != "adamw",
+        f"model.dtype={m.dtype} (fp32 only)": m.dtype != "float32",
+    }
+    for what, asked in refusals.items():
+        if asked:
+            raise ConfigError(f"infra.backend=jax does not do {what}: drop it or use infra.backend=pytorch")
+    optimizer = optimizer_fn(model)
+    return JaxTrainingBackend(model, optimizer, checkpoint_dir, scheduler_fn(optimizer), tr.max_grad_norm)

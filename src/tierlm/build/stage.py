@@ -1,0 +1,80 @@
+"""What a training stage declares to the code below it (torchtitan's train spec, one per stage).
+
+A stage (`tierlm.stages`: pretrain, SFT, DPO, RL) is a subclass of `Stage` with its own `run`. The
+builders, the planner and the run skeleton never ask a stage's name: they ask what it declares here —
+what a data row becomes, how rows are packed, what it starts from, what its micro-batch holds and what
+memory it needs beside the model (a frozen reference, a generation cache). The defaults describe
+next-token training on packed rows of text.
+
+>>> stage = Stage()
+>>> stage.example_kind, stage.token_rows, stage.reference_model(None)
+('text', True, None)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tierlm.config import TierlmConfig
+
+
+class Stage:
+    name = "stage"
+    about = ""
+    """One line for `tierlm --help`."""
+    example_kind = "text"
+    """What a data row becomes (`tierlm.data.rows`): text, chat, preference or task."""
+    chat = False
+    """It trains a chat model: its samples, `tierlm sample` and evaluation render prompts as user turns."""
+    starts_from_trained = False
+    """It needs model.model_name_or_path (a trained chat model to improve)."""
+    needs_chat_template = False
+    """Its tokenizer must render conversations (refused before anything is built otherwise)."""
+    encoder_decoder = False
+    """It can train an encoder-decoder (UL2 batches)."""
+    packing: str | None = "crop"
+    """Rows packed from documents: "crop" (cut to length; long documents may split), "pad" (SFT), None (not packed
+    rows)."""
+    isolate_documents = False
+    """data.isolate_documents' default: attention kept inside each packed document."""
+    token_rows = True
+    """Batches are fixed rows of tokens, so training.total_batch_size and target_param_data_ratio can count them."""
+    scales_from_depth = False
+    """training.target_param_data_ratio derives its token horizon from the model's size (pretraining from scratch)."""
+    rows_per_example = 1
+    """Rows one batch item takes in a micro-batch (DPO: its chosen and rejected rows)."""
+    micro_batch_key = "training.per_device_train_batch_size"
+    """The setting that sizes its micro-batches (only this one takes `auto`)."""
+
+    def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
+        """The config as this stage runs under torchrun (`launched`); refuse, in one line, what it cannot shard."""
+        return config
+
+    def reference_model(self, config: TierlmConfig | None) -> str | None:
+        """A frozen copy of the model it holds beside the policy: None, "in step" (run inside each training
+        step, DPO's) or "beside" (run before the update, KL-regularised RL's)."""
+        return None
+
+    def micro_batch(self, config: TierlmConfig, world_size: int) -> tuple[int, int]:
+        """(rows, tokens per row) of one micro-batch, for the memory planner."""
+        return self.rows_per_example * config.training.per_device_train_batch_size, config.data.max_seq_length
+
+    def generation(self, config: TierlmConfig, world_size: int, row_tokens: int) -> tuple[int, int] | None:
+        """(samples, tokens) of the largest generation it runs between updates (RL's rollouts), or None."""
+        return None
+
+    def trace_batch(self, config: TierlmConfig, rows: int, tokens: int) -> tuple[dict[str, torch.Tensor], Any]:
+        """A micro-batch of its shape (zeros; traced under fake tensors by the memory planner) and its loss
+        function (None: token cross-entropy)."""
+        ids = torch.zeros(rows, tokens, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids.clone()}, None
+
+    def memory_fixes(self, config: TierlmConfig) -> dict[str, str]:
+        """What to change when a part of its memory is too large, where it differs from the planner's advice."""
+        return {}
+
+    def run(self, run: Any, callbacks: list | None = None) -> dict:
+        """Train: build the model, data, strategy, backend and loop from a prepared run; return the summary."""
+        raise NotImplementedError(f"{type(self).__name__} declares no run")

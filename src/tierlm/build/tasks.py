@@ -1,0 +1,69 @@
+"""A run's tasks as its config names them: `synthetic:<name>` environments from the tasks registry, every
+other task read through the data pipeline's one path (question / answer columns, the answer pattern,
+splits or a held-out tail) like the data of every other stage."""
+
+from __future__ import annotations
+
+from tierlm.build.loaders import open_splits
+from tierlm.config import TierlmConfig
+from tierlm.data import SourceOptions, open_examples
+from tierlm.errors import ConfigError, DataError
+from tierlm.tasks import Environment, ExamplesTask, Task, is_environment, synthetic_name, synthetic_task
+
+
+def is_environment_spec(spec: str | None) -> bool:
+    """Does `spec` name a multi-turn environment of the tasks registry?"""
+    return spec is not None and synthetic_name(spec) is not None and issubclass(synthetic_task(spec), Environment)
+
+
+def open_task(spec: str, split: str, count: int, seed: int) -> Task | Environment:
+    """`synthetic:<name>` (a generated task or environment), or any data source of question / answer rows with
+    the default columns (`open_tasks` opens a config's with its columns).
+
+    >>> task = open_task("synthetic:arithmetic", "val", 3, seed=0)
+    >>> len(task), task.example(0).prompt
+    (3, 'What is 47 + 40?')
+    """
+    if is_environment_spec(spec):
+        return synthetic_task(spec)(split, count, seed)
+    return ExamplesTask(open_examples(spec, SourceOptions(split=split, kind="task", synthetic_count=count, seed=seed)))
+
+
+def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environment]:
+    """(train, eval) tasks of an RL run or a pass@k evaluation."""
+    d, tr = config.data, config.training
+    if d.mixture or d.streaming:
+        raise ConfigError(
+            "RL reads the prompts of one data.dataset_name into memory: drop data.mixture / data.streaming"
+        )
+    if is_environment_spec(d.dataset_name) or is_environment_spec(d.eval_dataset_name):
+        return (
+            open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed),
+            open_task(d.eval_dataset_name or d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed),
+        )
+    trains, vals = open_splits(config, "task", None)
+    return ExamplesTask(trains[0][0]), ExamplesTask(vals[0])
+
+
+def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, name: str) -> None:
+    """Every prompt of a file task must leave room to answer (synthetic prompts are short by construction)."""
+    if max_len is None or synthetic_name(name) is not None or is_environment(train_task):
+        return
+    for task in (train_task, eval_task):
+        for i in range(len(task)):
+            length = len(tokenizer.render_for_completion(task.example(i).messages))
+            if length + 1 > max_len:
+                raise DataError(
+                    f"{name}: example {i}'s prompt is {length} tokens, longer than the model's context of {max_len} "
+                    "leaves room to answer; shorten or drop it"
+                )
+
+
+def longest_rollout(task, tokenizer, max_new_tokens: int, max_seq_length: int, sample: int = 256) -> int:
+    """Prompt + completion tokens of the longest rollout, from the prompts of the first `sample`
+    examples, at most data.max_seq_length (an environment's prompts are not known ahead: that bound;
+    a prompt too long for the model is refused once the model is built)."""
+    if is_environment(task):
+        return max_seq_length
+    prompts = (len(tokenizer.render_for_completion(task.example(i).messages)) for i in range(min(sample, len(task))))
+    return min(max(prompts, default=0) + max_new_tokens, max_seq_length)

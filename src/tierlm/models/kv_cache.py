@@ -1,0 +1,46 @@
+"""The KV cache of the native families' incremental decoding: one preallocated buffer of keys and values per layer."""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One layer's keys and values for incremental decoding, preallocated to `max_len` positions."""
+
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T new positions; return all cached keys and values (B, Hkv, length, D)."""
+        end = self.length + k.shape[2]
+        assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def repeat(self, n: int) -> None:
+        """Copy each row n times (a prompt prefilled once, then sampled n ways)."""
+        self.k, self.v = self.k.repeat_interleave(n, dim=0), self.v.repeat_interleave(n, dim=0)
+
+
+class KVCache:
+    """Keys and values of every layer of a native model (its config: depth, num_kv_heads, head_dim, max_seq_len), for
+    `forward(..., cache=...)` of the native GPT, GPT-2 and `NativeCausalLM`s."""
+
+    def __init__(self, config, batch: int, max_len: int, device, dtype=torch.float32):
+        assert max_len <= config.max_seq_len, f"max_len {max_len} > the model's max_seq_len {config.max_seq_len}"
+        self.layers = [
+            LayerCache(batch, config.num_kv_heads, max_len, config.head_dim, device, dtype) for _ in range(config.depth)
+        ]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def repeat(self, n: int) -> None:
+        for layer in self.layers:
+            layer.repeat(n)

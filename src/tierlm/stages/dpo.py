@@ -1,0 +1,68 @@
+"""Direct Preference Optimization: a chat model learns to prefer the chosen reply of each pair over the
+rejected one, against a frozen reference (or reference log-probs stored with the pairs).
+
+    tierlm dpo --config configs/tiny_dpo.yaml
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.backends.pytorch import frozen_reference
+from tierlm.build.loaders import build_pair_loaders
+from tierlm.build.model import build_model
+from tierlm.build.stage import Stage
+from tierlm.config import TierlmConfig
+from tierlm.run import Run
+from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
+from tierlm.strategies.dpo import DPOStrategy
+from tierlm.tasks import synthetic_name
+
+
+class DPO(Stage):
+    name = "dpo"
+    about = "preference-optimise a chat model on chosen/rejected pairs"
+    example_kind = "preference"
+    chat = True
+    starts_from_trained = True
+    packing = None
+    token_rows = False
+    rows_per_example = 2  # a pair's chosen and rejected rows
+
+    def reference_model(self, config: TierlmConfig | None) -> str | None:
+        return "in step" if config is not None and config.dpo.reference == "frozen" else None
+
+    def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
+        batch, _ = super().trace_batch(config, rows, tokens)
+        if config.dpo.reference == "precomputed":
+            batch["ref_logps"] = torch.zeros(rows)
+        return batch, DPOStrategy(config.dpo.beta).compute_loss
+
+    def memory_fixes(self, config: TierlmConfig) -> dict[str, str]:
+        return {"reference model": "use dpo.reference=precomputed"}
+
+    def run(self, run: Run, callbacks: list | None = None) -> dict:
+        auto_rows = run.config.training.per_device_train_batch_size == "auto"
+        config, tokenizer = run.choose_batch_size(), run.tokenizer
+        d = config.data
+        run.check_memory(
+            d.num_synthetic_examples if synthetic_name(d.dataset_name) is not None else 0
+        )  # before the pairs render
+        model = build_model(config, tokenizer, run.device, run.pretrained)
+        if auto_rows:
+            confirm_batch_size(run, model)  # CUDA: halved after an out-of-memory
+        train_loader, eval_loader = build_pair_loaders(
+            run.config, tokenizer, run.data_rank, run.data_parallel_size
+        )  # pairs stay whole
+        config = run.resolve(model)
+        jax = config.infra.backend == "jax"
+        frozen = config.dpo.reference == "frozen"
+        strategy = DPOStrategy(config.dpo.beta, frozen_reference(model, run.device) if frozen and not jax else None)
+
+        def reference_from(backend) -> None:  # JAX's reference: the initial parameters, run by JAX too
+            if frozen and jax:
+                strategy.reference = backend.frozen_reference()
+
+        return train_with_trainer(
+            run, model, strategy, train_loader, eval_loader, callbacks or [], on_backend=reference_from
+        )

@@ -1,0 +1,42 @@
+"""Pretraining: next-token prediction on packed rows of text (or UL2 denoising, for an encoder-decoder).
+
+tierlm pretrain --config configs/tiny_pretrain.yaml
+"""
+
+from __future__ import annotations
+
+from tierlm.build.loaders import build_loaders
+from tierlm.build.model import build_model
+from tierlm.build.stage import Stage
+from tierlm.data import RankSlice
+from tierlm.run import Run
+from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
+from tierlm.strategies import PretrainStrategy, Seq2SeqStrategy
+
+
+class Pretrain(Stage):
+    name = "pretrain"
+    about = "pretrain on text (next-token prediction)"
+    example_kind = "text"
+    encoder_decoder = True
+    packing = "crop"
+    scales_from_depth = True
+
+    def run(self, run: Run, callbacks: list | None = None) -> dict:
+        return train_on_rows(run, Seq2SeqStrategy if run.seq2seq else PretrainStrategy, callbacks or [])
+
+
+def train_on_rows(run: Run, strategy_class, callbacks: list) -> dict:
+    """Pretraining and SFT: best-fit packed rows (UL2 examples for an encoder-decoder), checked against the
+    memory they will take before the model is built; the global batch sliced by data-parallel rank."""
+    auto_rows = run.config.training.per_device_train_batch_size == "auto"
+    config, tokenizer = run.choose_batch_size(), run.tokenizer
+    train_loader, eval_loader = build_loaders(config, run.stage, tokenizer, run.data_parallel_size, run.seq2seq)
+    run.check_memory(train_loader.resident_documents)
+    model = build_model(config, tokenizer, run.device, run.pretrained)
+    if auto_rows and confirm_batch_size(run, model):  # CUDA: halved after an out-of-memory
+        train_loader, eval_loader = build_loaders(run.config, run.stage, tokenizer, run.data_parallel_size, run.seq2seq)
+    run.resolve(model)
+    if run.ctx is not None:
+        train_loader = RankSlice(train_loader, run.data_rank, run.data_parallel_size)
+    return train_with_trainer(run, model, strategy_class(tokenizer.token_bytes()), train_loader, eval_loader, callbacks)

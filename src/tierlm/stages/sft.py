@@ -1,0 +1,35 @@
+"""Supervised fine-tuning: conversations, trained on the assistant's tokens only.
+
+    tierlm sft --config configs/tiny_sft.yaml
+
+Each conversation is rendered by the tokenizer's chat template with a mask that marks the assistant's
+content and its end-of-turn token (tool results inside an assistant turn are the tool's, not trained);
+conversations are packed into padded rows, each attending only to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.build.stage import Stage
+from tierlm.config import TierlmConfig
+from tierlm.run import Run
+from tierlm.stages.pretrain import train_on_rows
+from tierlm.strategies import SFTStrategy
+
+
+class SFT(Stage):
+    name = "sft"
+    about = "fine-tune on conversations (assistant tokens only)"
+    example_kind = "chat"
+    chat = True
+    packing = "pad"
+    isolate_documents = True
+
+    def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
+        batch, loss = super().trace_batch(config, rows, tokens)
+        batch["position_ids"] = torch.arange(tokens).expand(rows, tokens).contiguous()  # packed conversations
+        return batch, loss
+
+    def run(self, run: Run, callbacks: list | None = None) -> dict:
+        return train_on_rows(run, SFTStrategy, callbacks or [])

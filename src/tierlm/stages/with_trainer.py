@@ -1,0 +1,153 @@
+"""What pretraining, SFT and DPO share once their model, data and strategy are built: the backend, the
+`Trainer` with its evaluation samples, the run's begin / train / finish, and what a finished run writes
+beside its model (the pruning results of `adamw_prune`, the average of its last checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+from pathlib import Path
+
+import torch
+
+from tierlm.build.backend import build_backend
+from tierlm.build.stage import Stage
+from tierlm.checkpoint import average_checkpoints, list_checkpoints
+from tierlm.config import TierlmConfig
+from tierlm.data import Prefetcher, Tokenizer
+from tierlm.loops.trainer import Trainer
+from tierlm.metrics import flops_per_token, peak_flops
+from tierlm.metrics.memory import auto_find_batch_size
+from tierlm.metrics.report import model_figures
+from tierlm.models import forward_cross_entropy
+from tierlm.primitives.optim import optimizer_metrics
+from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
+from tierlm.run import Run, extras_writer
+
+
+def train_with_trainer(
+    run: Run, model: torch.nn.Module, strategy, train_loader, eval_loader, callbacks: list, on_backend=None
+) -> dict:
+    """Put `model` on the config's backend and train it with `strategy` through the `Trainer`; returns the
+    summary. `on_backend(backend)` runs once the backend exists (DPO's JAX reference comes from it)."""
+    config, tokenizer = run.config, run.tokenizer
+    backend = build_backend(config, model, run.checkpoint_dir, run.device, run.ctx)
+    if on_backend is not None:
+        on_backend(backend)
+    trainer = Trainer(
+        backend,
+        strategy,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        config=config.training,
+        flops_per_token=flops_per_token(model, config.data.max_seq_length),
+        peak_flops=peak_flops(run.device, config.infra.peak_tflops),
+        write_extra=extras_writer(config, tokenizer, run.stage.name),
+        progress_bar=config.infra.progress_bar,
+        sampler=None if run.seq2seq else eval_sampler(config, tokenizer, run.stage, run.kind),
+        callbacks=callbacks,
+    )
+    run.begin(trainer)
+    prefetch = (
+        config.data.prefetch_batches
+        if config.data.prefetch_batches is not None
+        else (2 if run.device.type != "cpu" else 0)
+    )
+    if prefetch and run.stage.packing is not None:  # started after resuming, so it starts from the resumed position
+        trainer.train_loader = Prefetcher(trainer.train_loader, prefetch)
+    try:
+        summary = run.train(trainer)
+    finally:
+        if isinstance(trainer.train_loader, Prefetcher):
+            trainer.train_loader.close()
+    run.finish(backend.model, summary, backend)
+    tr = config.training
+    if run.is_main and tr.optimizer == "adamw_prune":  # the pruning evaluation, beside the run's model
+        write_pruning_results(run.output_dir, summary, backend.optimizer)
+    if run.is_main and tr.average_last_n:
+        recent = list_checkpoints(run.checkpoint_dir)[-tr.average_last_n :]
+        if len(recent) >= 2:
+            averaged = run.output_dir / "model_averaged"
+            shutil.rmtree(averaged, ignore_errors=True)  # this run's own output, rewritten at each finish
+            summary["averaged_model_dir"] = str(average_checkpoints(recent, averaged))
+    return summary
+
+
+def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: Stage, kind: str):
+    """model -> greedy completions of training.sample_prompts (user turns for chat stages), or None
+    when there is nothing to sample or the model is sharded (FSDP ranks would have to generate together)."""
+    tr = config.training
+    if not tr.sample_prompts or kind in ("fsdp", "model_parallel"):
+        return None
+    chat = stage.chat and tokenizer.has_chat_template
+    prompts = [(p, prompt_tokens(tokenizer, p, chat)) for p in tr.sample_prompts]
+
+    def sample(model: torch.nn.Module) -> list[dict[str, str]]:
+        engine = Engine(model, tokenizer.stop_ids, tokenizer)
+        room = engine.max_len()
+        return [
+            {
+                "prompt": text,
+                "completion": readable_text(
+                    tokenizer,
+                    engine.generate(ids, 1, min(tr.sample_max_new_tokens, room - len(ids)), temperature=0.0)[0].tokens,
+                ),
+            }
+            for text, ids in prompts
+            if len(ids) < room
+        ]
+
+    return sample
+
+
+def write_pruning_results(output_dir: Path, summary: dict, optimizer) -> None:
+    """results.json of a pruned run: val loss and perplexity at the reached sparsity, the best val loss,
+    parameters and the share of zero weights, CPU inference latency p50/p95 at two lengths, peak RSS."""
+    results = {"sparsity": optimizer_metrics(optimizer).get("sparsity", 0.0), "steps": summary.get("step")}
+    if "val_loss" in summary:
+        results.update(val_loss=summary["val_loss"], perplexity=math.exp(min(summary["val_loss"], 50)))
+    results.update(model_figures(output_dir / "model"))
+    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    if torch.cuda.is_available():
+        results["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+class _TrainingLoss(torch.nn.Module):
+    """The model's training loss on a batch of token ids, through the family's (fused) head."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return forward_cross_entropy(self.model, {"input_ids": input_ids, "labels": input_ids})[0]
+
+
+def confirm_batch_size(run: Run, model: torch.nn.Module) -> bool:
+    """training.per_device_train_batch_size=auto, confirmed by one real forward/backward at the planned
+    micro-batch (`auto_find_batch_size`): on CUDA an out-of-memory halves it and tries again, and the run's
+    config takes the size that ran. True when it changed (the loaders must be rebuilt). Not under FSDP or
+    model parallelism: before sharding, each rank holds the whole model, which the sharded run does not."""
+    tr, T = run.config.training, run.config.data.max_seq_length
+    if run.kind in ("fsdp", "model_parallel"):
+        return False
+
+    def sample(n: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.zeros(n * run.stage.rows_per_example, T, dtype=torch.long, device=run.device)}
+
+    rows = auto_find_batch_size(
+        _TrainingLoss(model), sample, start_batch_size=tr.per_device_train_batch_size, predict_on_cpu=False
+    )
+    if rows == tr.per_device_train_batch_size:
+        return False
+    if run.is_main:
+        print(
+            f"training.per_device_train_batch_size=auto: {rows} rows (ran out of memory at "
+            f"{tr.per_device_train_batch_size})",
+            flush=True,
+        )
+    run.set_batch_size(rows)
+    return True

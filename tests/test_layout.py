@@ -1,0 +1,132 @@
+"""The house in tiers: imports point down the tiers without circles (import-linter's contracts in
+pyproject.toml, checked here and proven able to fail), stage logic stays in `tierlm.stages`, the protocols
+are asked rather than probed, every stage file reads on one screen, and the modules of the flat layout
+still import from their old names."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tierlm
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src" / "tierlm"
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's contracts (the repository's pyproject.toml) over the `tierlm` package under `root`/src."""
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(REPO / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        text=True,
+        capture_output=True,
+        env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+
+
+def test_imports_point_down_the_tiers_without_circles():
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert (
+        "Imports point down the tiers KEPT" in result.stdout
+        and "No circles between the modules of a package KEPT" in result.stdout
+    )
+
+
+def test_an_upward_import_or_a_circle_breaks_the_contracts(tmp_path):
+    shutil.copytree(SRC, tmp_path / "src" / "tierlm", ignore=shutil.ignore_patterns("__pycache__"))
+    losses = tmp_path / "src" / "tierlm" / "primitives" / "losses.py"
+    losses.write_text(
+        losses.read_text() + "\nfrom tierlm.stages import STAGES  # noqa: E402,F401  (upward, on purpose)\n"
+    )
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0 and "tierlm.primitives is not allowed to import tierlm.stages" in result.stdout, (
+        result.stdout[-3000:]
+    )
+    losses.write_text(
+        losses.read_text().replace("from tierlm.stages import STAGES", "import tierlm.primitives.schedules")
+    )
+    schedules = tmp_path / "src" / "tierlm" / "primitives" / "schedules.py"
+    schedules.write_text(
+        schedules.read_text() + "\nimport tierlm.primitives.losses  # noqa: E402,F401  (a circle, on purpose)\n"
+    )
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0 and "No cycles are allowed in tierlm.primitives" in result.stdout, result.stdout[
+        -3000:
+    ]
+
+
+def _sources(outside: str | None = None) -> list[tuple[Path, str]]:
+    return [
+        (path, path.read_text()) for path in sorted(SRC.rglob("*.py")) if outside is None or outside not in path.parts
+    ]
+
+
+def test_stage_logic_lives_in_the_stages_package():
+    checks = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path, text in _sources(outside="stages")
+        for n, line in enumerate(text.splitlines(), 1)
+        if re.search(r"\bstage (==|!=)", line)
+    ]
+    assert not checks, f"stage checks outside src/tierlm/stages (a stage declares what callers need instead): {checks}"
+
+
+def test_backends_and_families_are_asked_not_probed():
+    """The backend protocol and the model-family protocol declare every member their callers use."""
+    probe = re.compile(
+        r"\b(getattr|hasattr)\((self\.)?(backend|family|trainer\.backend|critic\.backend|family_of\([^)]*\))\b"
+    )
+    probes = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path, text in _sources()
+        if "backends" not in path.parts and "models" not in path.parts
+        for n, line in enumerate(text.splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert not probes, probes
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo", "rl"])
+def test_each_stage_reads_on_one_screen(stage):
+    lines = (SRC / "stages" / f"{stage}.py").read_text().splitlines()
+    assert len(lines) <= 120, f"src/tierlm/stages/{stage}.py has {len(lines)} lines"
+
+
+def test_text_names_the_real_thing_not_the_design_documents():
+    texts = [
+        REPO / "README.md",
+        *sorted((REPO / "docs").rglob("*.md")),
+        *(path for path, _ in _sources()),
+        *sorted((SRC / "config" / "presets").glob("*.yaml")),
+    ]
+    cited = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in texts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"seed[ -]00\d", line, re.IGNORECASE)
+    ]
+    assert not cited, cited
+
+
+@pytest.mark.parametrize("old", sorted(tierlm._MOVED))
+def test_modules_of_the_flat_layout_still_import(old):
+    """Where a module moved, its old name imports the module(s) that hold its names now."""
+    module = importlib.import_module(old)
+    homes = [importlib.import_module(home) for home in tierlm._MOVED[old]]
+    public = [
+        name
+        for home in homes
+        for name in vars(home)
+        if not name.startswith("_") and not isinstance(vars(home)[name], type(re))
+    ]
+    assert public and all(getattr(module, name) is not None for name in public[:20])

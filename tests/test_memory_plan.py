@@ -20,8 +20,8 @@ import torch
 from conftest import REPO, run_cli
 from tierlm.config import DataConfig, FullConfig, InfraConfig, ModelConfig, TierlmConfig, TrainingConfig
 from tierlm.errors import ConfigError
-from tierlm.metrics.memory import auto_find_batch_size, clear_memory, get_memory_stats, log_memory_stats
-from tierlm.plan.batch import auto_batch_size
+from tierlm.metrics.memory import clear_memory, get_memory_stats, log_memory_stats
+from tierlm.plan.batch import auto_batch_size, auto_find_batch_size
 from tierlm.plan.memory import MemoryEstimate, check_memory, estimate_run_memory, memory_budget, trace_step
 from tierlm.plan.memory.bounds import estimate_model_memory
 from tierlm.stages import STAGES

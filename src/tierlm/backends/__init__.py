@@ -1,7 +1,9 @@
-"""Tier 0 (protocol, backends), with the tier-1 primitives and tier-2 factories users reach for.
+"""Tier 0 (protocol, backends), with the tier-1 primitives and tier-2 factories users reach for:
 
-from tierlm.backends import create_pytorch_backend             # tier 2: one call
-from tierlm.backends import load_hf_model, create_adamw_optimizer, PyTorchTrainingBackend  # tiers 1 + 0
+    from tierlm.backends import create_pytorch_backend  # tier 2: one call
+    from tierlm.backends import load_hf_model, create_adamw_optimizer, PyTorchTrainingBackend  # tiers 1 + 0
+
+`parallelize` is the one order of the model transforms every backend applies.
 """
 
 from tierlm.backends.distributed import DDPTrainingBackend, DistributedTrainingBackend, FSDPTrainingBackend

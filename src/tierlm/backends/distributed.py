@@ -20,12 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tierlm import checkpoint
+from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.models import family_of
-from tierlm.primitives.dtype_device import move_to
-from tierlm.primitives.fp8 import apply_float8_training, check_fp8_device
-from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp
+from tierlm.primitives.parallel import apply_ddp, apply_fsdp
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], object]
@@ -34,17 +33,9 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 def prepare_model(
     model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool, fp8: bool = False
 ) -> nn.Module:
-    """The model transforms, in their one order, before any wrapping (FSDP2 / DDP come after):
-    on the device, FP8 linear layers, per-block activation checkpointing, per-block compile."""
-    model = move_to(model, device)
-    if fp8:
-        check_fp8_device(device)
-        apply_float8_training(model)
-    if activation_checkpointing:  # the family says which modules are its repeated blocks
-        apply_activation_checkpointing(model, family_of(model).blocks(model))
-    if compile:
-        apply_compile(model, family_of(model).blocks(model))
-    return model
+    """The model on `device` with FP8, activation checkpointing and compile, in the one order (`parallelize`),
+    before any wrapping."""
+    return parallelize(model, device, fp8=fp8, activation_checkpointing=activation_checkpointing, compile=compile)
 
 
 class DistributedTrainingBackend(PyTorchTrainingBackend):
@@ -127,9 +118,16 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         )
         self.gradient_accumulation_steps = gradient_accumulation_steps
         device = torch.device(device)
-        model = prepare_model(model, device, activation_checkpointing, compile, fp8)
+        model = parallelize(
+            model,
+            device,
+            fp8=fp8,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            data_parallel=lambda m, blocks: apply_ddp(m, device),
+        )
         super().__init__(
-            apply_ddp(model, device),
+            model,
             optimizer_fn,
             scheduler_fn,
             loss_fn=loss_fn,
@@ -145,6 +143,13 @@ class DDPTrainingBackend(DistributedTrainingBackend):
     @property
     def eval_model(self) -> nn.Module:
         return self.model.module  # evaluation needs no gradient synchronisation
+
+    @classmethod
+    def memory_per_rank(cls, parts: dict[str, float], model: nn.Module, world_size: int, **layout) -> dict[str, float]:
+        """Each rank holds the whole model, and DDP's gradient buckets (fp32, one gradient's worth) beside it."""
+        if world_size > 1:
+            parts["DDP gradient buckets"] = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        return parts
 
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
         sync = (self._num_micro_batches + 1) % self.gradient_accumulation_steps == 0
@@ -187,16 +192,18 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         flash_attention: bool = True,
     ):
         device = torch.device(device)
-        model = prepare_model(model, device, activation_checkpointing, compile, fp8)
-        apply_fsdp(
+        world = dist.get_world_size()
+
+        def shard(m: nn.Module, blocks: nn.ModuleList) -> None:
+            apply_fsdp(m, world, device.type, param_dtype, reduce_dtype, cpu_offload, blocks, sharding=sharding)
+
+        model = parallelize(
             model,
-            dist.get_world_size(),
-            device.type,
-            param_dtype,
-            reduce_dtype,
-            cpu_offload,
-            family_of(model).blocks(model),
-            sharding=sharding,
+            device,
+            fp8=fp8,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            data_parallel=shard,
         )
         self.cpu_offload = cpu_offload
         super().__init__(
@@ -213,3 +220,31 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
 
     def _place(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard placed the shards (on the CPU, with offload)
+
+    @classmethod
+    def memory_per_rank(
+        cls,
+        parts: dict[str, float],
+        model: nn.Module,
+        world_size: int,
+        compute_bytes: int = 4,
+        sharding: str = "FULL_SHARD",
+        local_world_size: int | None = None,
+        **layout,
+    ) -> dict[str, float]:
+        """Each rank keeps 1/N of the weights, gradients and optimizer state (N: the ranks of a machine under
+        HYBRID_SHARD); gathered in the compute dtype, one block at a time with the next prefetched, or (SHARD_GRAD_OP)
+        every block from its forward to its backward."""
+        if world_size == 1:
+            return parts
+        shards = (local_world_size or world_size) if sharding == "HYBRID_SHARD" else world_size
+        for name in ("parameters", "gradients", "optimizer state"):
+            parts[name] /= shards
+        if sharding == "SHARD_GRAD_OP":
+            parts["FSDP gathered blocks"] = (
+                sum(p.numel() for p in model.parameters()) * compute_bytes * (1 - 1 / shards)
+            )
+        else:
+            block = max((sum(p.numel() for p in b.parameters()) for b in family_of(model).blocks(model)), default=0)
+            parts["FSDP gathered blocks"] = block * (2 * compute_bytes + 4) * (1 - 1 / shards)
+        return parts

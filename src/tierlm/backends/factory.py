@@ -42,9 +42,8 @@ def create_pytorch_backend(
 
     >>> import tempfile; from pathlib import Path
     >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
-    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50,
-    ...     max_seq_len=16)),
-    ...                            Path(tempfile.mkdtemp()) / "tiny")
+    >>> gpt = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
+    >>> folder = save_model_folder(gpt, Path(tempfile.mkdtemp()) / "tiny")
     >>> backend = create_pytorch_backend(
     ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), device_type="cpu", dtype="float32")
     >>> batch = {"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2, 8))}
@@ -89,9 +88,8 @@ def create_backend_with_scheduler(
 
     >>> import tempfile; from pathlib import Path
     >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
-    >>> folder = save_model_folder(build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50,
-    ...     max_seq_len=16)),
-    ...                            Path(tempfile.mkdtemp()) / "tiny")
+    >>> gpt = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
+    >>> folder = save_model_folder(gpt, Path(tempfile.mkdtemp()) / "tiny")
     >>> backend, scheduler = create_backend_with_scheduler(
     ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), num_training_steps=100,
     ...     warmup_ratio=0.1, device_type="cpu", dtype="float32", learning_rate=1e-3)
@@ -219,8 +217,8 @@ def JaxBackend(
 
     >>> from tierlm.models import GPTConfig
     >>> backend = JaxBackend(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
-    >>> sorted(backend.forward_backward({"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2,
-    ...     8))}).wait())
+    >>> batch = {"input_ids": torch.randint(0, 50, (2, 8)), "labels": torch.randint(0, 50, (2, 8))}
+    >>> sorted(backend.forward_backward(batch).wait())
     ['loss', 'num_tokens']
     """
     from tierlm.backends.jax_backend import JaxTrainingBackend

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
+from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.errors import ConfigError
 from tierlm.models import family_of
@@ -32,7 +33,7 @@ from tierlm.primitives.model_parallel import (
     sum_gradients,
 )
 from tierlm.primitives.optim import inner_optimizers
-from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
+from tierlm.primitives.parallel import apply_fsdp
 
 
 class ModelParallelTrainingBackend(DistributedTrainingBackend):
@@ -89,17 +90,24 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         model = move_to(model, device)
         parts, held = self._stage_modules(model, family, stages_per_rank) if dims.pp > 1 else ([model], model)
         self.tp_summed: list[nn.Parameter] = []
-        for part in parts:  # torchtitan's order: tensor parallel, then activation checkpointing and compile, then FSDP
-            blocks = family.blocks(part)
-            if dims.tp > 1:
-                self.tp_summed += apply_tensor_parallel(self.mesh["tp"], blocks, plan, sequence_parallel)
-                apply_vocab_parallel(self.mesh["tp"], part, outer, sequence_parallel)
-            if activation_checkpointing:
-                apply_activation_checkpointing(part, blocks)
-            if compile:
-                apply_compile(part, blocks)
-            if dims.dp > 1:
-                apply_fsdp(part, dims.dp, device.type, param_dtype, torch.float32, blocks=blocks, mesh=self.mesh["dp"])
+
+        def split(part: nn.Module, blocks: nn.ModuleList) -> None:
+            self.tp_summed.extend(apply_tensor_parallel(self.mesh["tp"], blocks, plan, sequence_parallel))
+            apply_vocab_parallel(self.mesh["tp"], part, outer, sequence_parallel)
+
+        def shard(part: nn.Module, blocks: nn.ModuleList) -> None:
+            apply_fsdp(part, dims.dp, device.type, param_dtype, torch.float32, blocks=blocks, mesh=self.mesh["dp"])
+
+        for part in parts:  # each stage's part in the one order: tensor parallel, checkpointing, compile, FSDP2
+            parallelize(
+                part,
+                device,
+                tensor_parallel=split if dims.tp > 1 else None,
+                activation_checkpointing=activation_checkpointing,
+                compile=compile,
+                data_parallel=shard if dims.dp > 1 else None,
+                blocks=family.blocks(part),
+            )
         self.dp_group = self.mesh["dp"].get_group() if dims.dp > 1 else None
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.stage_shared, self.uncounted = [], set()
@@ -130,6 +138,27 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         self._step_parameter_by_parameter()
 
     # -- pipeline ----------------------------------------------------------------------------------
+    @classmethod
+    def memory_per_rank(
+        cls,
+        parts: dict[str, float],
+        model: nn.Module,
+        world_size: int,
+        tensor: int = 1,
+        pipeline: int = 1,
+        context: int = 1,
+        **layout,
+    ) -> dict[str, float]:
+        """The blocks split over the tensor x pipeline ranks, the rest whole on each; then FSDP2 over the data-parallel
+        rest of the world."""
+        model_ranks = tensor * pipeline
+        blocks = sum(p.numel() for p in family_of(model).blocks(model).parameters())
+        total = sum(p.numel() for p in model.parameters())
+        share = (blocks / model_ranks + (total - blocks)) / total / max(1, world_size // (model_ranks * context))
+        for name in ("parameters", "gradients", "optimizer state"):
+            parts[name] *= share
+        return parts
+
     def _stage_modules(self, model: nn.Module, family, stages_per_rank: int) -> tuple[list[nn.Module], nn.Module]:
         """This rank's stages (loop order: rank r holds stages r, r + pp, ...) and one module holding them all."""
         blocks = len(family.blocks(model))

@@ -151,6 +151,15 @@ class TrainingBackend(Protocol):
     def wait_for_save(self) -> None:
         """Block until a save running in the background has finished (saves here are synchronous)."""
 
+    @classmethod
+    def memory_per_rank(
+        cls, parts: dict[str, float], model: torch.nn.Module, world_size: int, **layout: Any
+    ) -> dict[str, float]:
+        """The memory planner's one-process figures (`parts`: bytes by consumer, as `tierlm.plan.memory` traces
+        them) as this backend holds `model` on each of `world_size` ranks. `layout`: `compute_bytes` (of the
+        gathered weights), `sharding`, `local_world_size`, `tensor`, `pipeline`, `context`. One process: as traced."""
+        return parts
+
     def memory_stats(self) -> dict[str, float]:
         """This rank's parameter and optimizer-state bytes, when the backend knows them."""
         return {}

@@ -226,8 +226,8 @@ class Tokenizer:
         rendering is the chat template's, so it is the same one sampling uses.
 
         >>> tok = train_char_tokenizer(["What is 1+1? 2"])
-        >>> ids, mask = tok.render_conversation([{"role": "user", "content": "1+1"}, {"role": "assistant",
-        ...     "content": "2"}])
+        >>> chat = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
+        >>> ids, mask = tok.render_conversation(chat)
         >>> [tok.decode([i]) for i, m in zip(ids, mask) if m]
         ['2', '<|assistant_end|>']
         """

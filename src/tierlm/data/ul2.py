@@ -173,9 +173,8 @@ def piece_length(denoiser: Denoiser, max_encoder_length: int, max_decoder_length
     """The longest piece whose encoder input (mode token included) and decoder target (end-of-sequence
     token included) fit the two lengths (for S, the longest suffix a piece can have must fit the decoder).
 
-    >>> piece_length(DEFAULT_DENOISERS[0], 512, 128), piece_length(DEFAULT_DENOISERS[2], 512,
-    ...     128), piece_length(DEFAULT_DENOISERS[4], 512, 128)
-    (568, 190, 169)
+    >>> [piece_length(DEFAULT_DENOISERS[i], 512, 128) for i in (0, 2, 4)]
+    [568, 190, 169]
     """
 
     def fits(n: int) -> bool:

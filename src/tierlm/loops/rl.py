@@ -2,7 +2,8 @@
 
 It speaks to the policy only through the tier-0 protocol (`forward`, `forward_backward`,
 `optim_step`, `save_checkpoint`, `load_checkpoint`); generation goes through an `Engine` that
-shares the policy's weights.
+shares the policy's weights. When it evaluates, saves, stops and resumes is the one cadence of
+`tierlm.loops.cadence`, as for the `Trainer`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The loop: loader -> strategy.prepare_batch -> backend.forward_backward -> backend.optim_step.
 
-`Trainer(backend, strategy)` decides when to evaluate, log, checkpoint and stop; the backend
-does the math and the strategy says what is optimised. It speaks only the tier-0 protocol, so
-it drives every backend the same way.
+`Trainer(backend, strategy)` runs pretraining, SFT and DPO: the backend does the math, the strategy
+says what is optimised, and the one cadence of `tierlm.loops.cadence` decides when to evaluate, log,
+checkpoint, stop and resume (as it does for RL's loop). It speaks only the tier-0 protocol, so it
+drives every backend the same way.
 
 The functional trainer API is a thin layer over the same calls, not a second loop:
 

@@ -1,7 +1,7 @@
-"""Memory readings and the memory utilities: resident set size and device memory
-(`get_memory_stats`, `log_memory_stats`, `clear_memory`), a quick formula for a transformer's
-training memory (`estimate_model_memory`; `tierlm.plan.memory.estimate_run_memory` traces a
-config's own step instead), and `auto_find_batch_size`.
+"""Memory readings: resident set size and device memory (`get_memory_stats`, `log_memory_stats`,
+`clear_memory`, `memory_record`), what a machine has free (`available_memory_bytes`), and the peak of
+traced steps by PyTorch's MemTracker (`tracked_peak`). Estimates live in `tierlm.plan.memory`; the batch
+size search `auto_find_batch_size` in `tierlm.plan.batch`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,6 @@ from typing import Any, Callable
 import torch
 
 logger = logging.getLogger(__name__)
-
-CPU_FRAMEWORK_BYTES = 48 * 2**20
-"""On CPU, what a run adds beyond its tensors once everything is imported (autograd engine, OpenMP
-pools, kernel workspaces, Python objects): measured, a one-layer model's run grows by 46 MB (53 MB
-for an FSDP rank) over the import baseline (bench/memory.py's probe)."""
-CPU_RETENTION = 0.4
-"""On CPU, glibc's heap keeps freed activation memory resident (its mmap threshold rises to the
-largest freed block, so later activations come from the heap and leave holes): measured over the
-configs of bench/memory.py, the peak RSS exceeds the live tensors by 0.23 (GPT-2, Qwen3) to 0.5
-(the native GPT, one process or an FSDP rank) of one micro-batch's activations; 0.4 centres the
-estimates (run to run, the same config varies by about 5%; docs/benchmarks.md)."""
-CPU_RETENTION_RECOMPUTE = 0.55
-"""The same under activation checkpointing, as a share of the activations without it: the blocks
-recomputed in the backward cycle that volume through the heap a second time (measured likewise)."""
 
 
 def rss_mb() -> float:
@@ -113,71 +99,6 @@ def clear_memory() -> None:
         pass
 
 
-def auto_find_batch_size(
-    model: torch.nn.Module,
-    sample_batch_fn: Callable[[int], dict],
-    start_batch_size: int = 32,
-    min_batch_size: int = 1,
-    loss_of: Callable[[Any], torch.Tensor] | None = None,
-    available: int | None = None,
-    margin: float = 0.2,
-    predict_on_cpu: bool = True,
-) -> int:
-    """The largest batch size from `start_batch_size` down (halving) whose forward and backward
-    run (Accelerate's `find_executable_batch_size`, started at the planner's size). `sample_batch_fn(n)` makes a
-    batch of n; `loss_of(outputs)` reads the
-    loss (default: `outputs.loss`, a tensor, or the first element of a tuple).
-
-    On CUDA a size that runs out of memory is halved and retried, as in the seed. On CPU running
-    out of memory kills the process instead of raising, so the size is predicted first: the peak
-    tensor memory of one step at the smallest size and at twice it (PyTorch's MemTracker) gives
-    a per-sample cost, glibc's retained heap is added (`CPU_RETENTION`), and the largest halving
-    of `start_batch_size` that fits `available` bytes (default: free RAM) less `margin` is run once
-    (`predict_on_cpu=False`: `start_batch_size` was predicted already, by the memory planner).
-
-    >>> model = torch.nn.Linear(8, 1)
-    >>> def batch(n): return {"input": torch.randn(n, 8)}
-    >>> auto_find_batch_size(model, batch, start_batch_size=64, loss_of=lambda out: out.sum())
-    64
-    """
-    read_loss = loss_of or _loss_of
-    device = next(model.parameters()).device
-
-    def run(n: int) -> None:
-        batch = sample_batch_fn(n)
-        outputs = model(**batch)
-        read_loss(outputs).backward()
-        model.zero_grad(set_to_none=True)
-
-    size = start_batch_size
-    if device.type == "cpu" and predict_on_cpu:
-        size = _predicted_cpu_batch(run, start_batch_size, min_batch_size, available, margin)
-    while size >= min_batch_size:
-        try:
-            clear_memory()
-            with torch.random.fork_rng(
-                devices=[device] if device.type == "cuda" else []
-            ):  # the search draws no training randomness
-                run(size)
-            clear_memory()
-            logger.info(f"Batch size {size} works!")
-            return size
-        except torch.cuda.OutOfMemoryError:
-            logger.warning(f"Batch size {size} OOM, trying smaller...")
-            model.zero_grad(set_to_none=True)
-            size //= 2
-            clear_memory()
-    raise RuntimeError(f"Could not find working batch size >= {min_batch_size}")
-
-
-def _loss_of(outputs: Any) -> torch.Tensor:
-    if hasattr(outputs, "loss"):
-        return outputs.loss
-    if isinstance(outputs, tuple):
-        return outputs[0]
-    return outputs
-
-
 class _NoHook:
     def remove(self) -> None:
         pass
@@ -221,29 +142,6 @@ def tracked_peak(fns: list[Callable[[], Any]], *tracked) -> dict[str, int]:
             key = getattr(kind, "value", kind)
             out[key] = out.get(key, 0) + int(b)
     return out
-
-
-def _predicted_cpu_batch(
-    run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float
-) -> int:
-    """The largest halving of `start` (not below `minimum`) predicted to fit in `available` bytes
-    (the model's weights are resident already: only what a step allocates counts)."""
-    available = available if available is not None else available_memory_bytes(torch.device("cpu"))
-    if available is None:
-        return start
-
-    def peak(n: int) -> float:
-        with torch.random.fork_rng(devices=[]):
-            return float(tracked_peak([lambda: run(n)])["Total"])
-
-    small, double = peak(minimum), peak(2 * minimum)
-    per_sample = max(0.0, double - small) / minimum
-    fixed = small - per_sample * minimum
-    budget = available * (1 - margin) - CPU_FRAMEWORK_BYTES
-    size = start
-    while size > minimum and fixed + per_sample * size * (1 + CPU_RETENTION) > budget:
-        size //= 2
-    return max(size, minimum)
 
 
 def memory_record(device: torch.device) -> dict[str, float]:

@@ -1,15 +1,22 @@
-"""training.per_device_train_batch_size=auto: the largest micro-batch the memory planner predicts to fit
-(`tierlm.plan.memory`), a power of two that divides training.total_batch_size when that is fixed."""
+"""The micro-batch size: training.per_device_train_batch_size=auto (the largest the memory planner,
+`tierlm.plan.memory`, predicts to fit, a power of two that divides training.total_batch_size when that is
+fixed), and `auto_find_batch_size`, which confirms a size by running it (halving after an out-of-memory)."""
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Any, Callable
+
+import torch
 
 from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.metrics.memory import format_bytes
-from tierlm.plan.memory import MemoryEstimate, estimate_run_memory
+from tierlm.metrics.memory import available_memory_bytes, clear_memory, format_bytes, tracked_peak
+from tierlm.plan.memory import CPU_FRAMEWORK_BYTES, CPU_RETENTION, MemoryEstimate, estimate_run_memory
+
+logger = logging.getLogger(__name__)
 
 
 def with_batch_size(config: TierlmConfig, rows: int) -> TierlmConfig:
@@ -77,3 +84,99 @@ def largest_fitting_batch(
         rows //= 2
         estimate = at(rows)
     return rows, estimate
+
+
+def auto_find_batch_size(
+    model: torch.nn.Module,
+    sample_batch_fn: Callable[[int], dict],
+    start_batch_size: int = 32,
+    min_batch_size: int = 1,
+    loss_of: Callable[[Any], torch.Tensor] | None = None,
+    available: int | None = None,
+    margin: float = 0.2,
+    predict_on_cpu: bool = True,
+) -> int:
+    """The largest batch size from `start_batch_size` down (halving) whose forward and backward
+    run (Accelerate's `find_executable_batch_size`, started at the planner's size). `sample_batch_fn(n)` makes a
+    batch of n; `loss_of(outputs)` reads the
+    loss (default: `outputs.loss`, a tensor, or the first element of a tuple).
+
+    On CUDA a size that runs out of memory is halved and retried, as in the seed. On CPU running
+    out of memory kills the process instead of raising, so the size is predicted first: the peak
+    tensor memory of one step at the smallest size and at twice it (PyTorch's MemTracker) gives
+    a per-sample cost, glibc's retained heap is added (`CPU_RETENTION`), and the largest halving
+    of `start_batch_size` that fits `available` bytes (default: free RAM) less `margin` is run once
+    (`predict_on_cpu=False`: `start_batch_size` was predicted already, by the memory planner).
+
+    >>> model = torch.nn.Linear(8, 1)
+    >>> def batch(n): return {"input": torch.randn(n, 8)}
+    >>> auto_find_batch_size(model, batch, start_batch_size=64, loss_of=lambda out: out.sum())
+    64
+    """
+    read_loss = loss_of or _loss_of
+    device = next(model.parameters()).device
+
+    def run(n: int) -> None:
+        batch = sample_batch_fn(n)
+        outputs = model(**batch)
+        read_loss(outputs).backward()
+        model.zero_grad(set_to_none=True)
+
+    size = start_batch_size
+    if device.type == "cpu" and predict_on_cpu:
+        size = _predicted_cpu_batch(run, start_batch_size, min_batch_size, available, margin)
+    while size >= min_batch_size:
+        try:
+            clear_memory()
+            with torch.random.fork_rng(
+                devices=[device] if device.type == "cuda" else []
+            ):  # the search draws no training randomness
+                run(size)
+            clear_memory()
+            logger.info(f"Batch size {size} works!")
+            return size
+        except torch.cuda.OutOfMemoryError:
+            logger.warning(f"Batch size {size} OOM, trying smaller...")
+            model.zero_grad(set_to_none=True)
+            size //= 2
+            clear_memory()
+    raise RuntimeError(f"Could not find working batch size >= {min_batch_size}")
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    if hasattr(outputs, "loss"):
+        return outputs.loss
+    if isinstance(outputs, tuple):
+        return outputs[0]
+    return outputs
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    if hasattr(outputs, "loss"):
+        return outputs.loss
+    if isinstance(outputs, tuple):
+        return outputs[0]
+    return outputs
+
+
+def _predicted_cpu_batch(
+    run: Callable[[int], None], start: int, minimum: int, available: int | None, margin: float
+) -> int:
+    """The largest halving of `start` (not below `minimum`) predicted to fit in `available` bytes
+    (the model's weights are resident already: only what a step allocates counts)."""
+    available = available if available is not None else available_memory_bytes(torch.device("cpu"))
+    if available is None:
+        return start
+
+    def peak(n: int) -> float:
+        with torch.random.fork_rng(devices=[]):
+            return float(tracked_peak([lambda: run(n)])["Total"])
+
+    small, double = peak(minimum), peak(2 * minimum)
+    per_sample = max(0.0, double - small) / minimum
+    fixed = small - per_sample * minimum
+    budget = available * (1 - margin) - CPU_FRAMEWORK_BYTES
+    size = start
+    while size > minimum and fixed + per_sample * size * (1 + CPU_RETENTION) > budget:
+        size //= 2
+    return max(size, minimum)

@@ -162,8 +162,8 @@ def linear_cross_entropy(
     them would cost a host sync, so there they are computed and weighted 0). The matmuls follow
     autocast; the softmax is fp32. Equal to `F.cross_entropy` on `hidden @ weight.T`:
 
-    >>> h, w, y = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True), torch.tensor([1, 2,
-    ...     -100, 4, 5, 6])
+    >>> h, w = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    >>> y = torch.tensor([1, 2, -100, 4, 5, 6])
     >>> total, per_token = linear_cross_entropy(h, w, y)
     >>> reference = F.cross_entropy(h @ w.T, y, ignore_index=-100, reduction="sum")
     >>> torch.allclose(total, reference), per_token[2].item()

@@ -176,8 +176,8 @@ def encoder_prompt_tokens(tokenizer, text: str) -> list[int]:
     >>> from tierlm.data import train_bpe_tokenizer
     >>> from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
     >>> tok = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer(["to be or not"] * 10, 300), num_sentinel_tokens=2)
-    >>> [tok.decode([i]) for i in encoder_prompt_tokens(tok, "to be")[:1]], encoder_prompt_tokens(tok,
-    ...     "[R]to <extra_id_0>")[0] == tok.mode_ids["R"]
+    >>> first = encoder_prompt_tokens(tok, "to be")[:1]
+    >>> [tok.decode([i]) for i in first], encoder_prompt_tokens(tok, "[R]to <extra_id_0>")[0] == tok.mode_ids["R"]
     (['[S]'], True)
     """
     from tierlm.data.ul2 import MODE_TOKENS

@@ -19,9 +19,9 @@ from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, Tokenizer
 from tierlm.loops.trainer import Trainer
 from tierlm.metrics import flops_per_token, peak_flops
-from tierlm.metrics.memory import auto_find_batch_size
 from tierlm.metrics.report import model_figures
 from tierlm.models import forward_cross_entropy
+from tierlm.plan.batch import auto_find_batch_size
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
 from tierlm.run import Run, extras_writer

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierlm.backends.distributed import prepare_model
+from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
+from tierlm.backends.model_parallel import ModelParallelTrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
 from tierlm.build.model import describe_model, new_model
 from tierlm.build.optimizer import model_width, optimizer_settings
@@ -34,9 +35,6 @@ from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import (
-    CPU_FRAMEWORK_BYTES,
-    CPU_RETENTION,
-    CPU_RETENTION_RECOMPUTE,
     available_memory_bytes,
     format_bytes,
     tracked_peak,
@@ -48,12 +46,32 @@ from tierlm.primitives.losses import token_logprobs
 from tierlm.primitives.optim import build_optimizer
 from tierlm.tasks import synthetic_name
 
+CPU_FRAMEWORK_BYTES = 48 * 2**20
+"""On CPU, what a run adds beyond its tensors once everything is imported (autograd engine, OpenMP
+pools, kernel workspaces, Python objects): measured, a one-layer model's run grows by 46 MB (53 MB
+for an FSDP rank) over the import baseline (bench/memory.py's probe)."""
+CPU_RETENTION = 0.4
+"""On CPU, glibc's heap keeps freed activation memory resident (its mmap threshold rises to the
+largest freed block, so later activations come from the heap and leave holes): measured over the
+configs of bench/memory.py, the peak RSS exceeds the live tensors by 0.23 (GPT-2, Qwen3) to 0.5
+(the native GPT, one process or an FSDP rank) of one micro-batch's activations; 0.4 centres the
+estimates (run to run, the same config varies by about 5%; docs/benchmarks.md)."""
+CPU_RETENTION_RECOMPUTE = 0.55
+"""The same under activation checkpointing, as a share of the activations without it: the blocks
+recomputed in the backward cycle that volume through the heap a second time (measured likewise)."""
 BYTES_PER_DOCUMENT = 24
 """The loader's hold per document (its index; the documents are read or generated on demand):
 measured, 200,000 synthetic documents add 4 MB over 2,000."""
 CUDA_MARGIN = 0.10
 """On CUDA, the caching allocator's fragmentation: the pre-flight keeps this share of the device free."""
 
+BACKENDS = {
+    "none": PyTorchTrainingBackend,
+    "ddp": DDPTrainingBackend,
+    "fsdp": FSDPTrainingBackend,
+    "model_parallel": ModelParallelTrainingBackend,
+}
+"""The backend of each distributed kind (`tierlm.build.backend.distributed_kind`): each says how it holds a model."""
 PARTS = (
     "parameters",
     "buffers",
@@ -249,11 +267,6 @@ def _generation_passes(model: nn.Module, samples: int, length: int) -> list:
     return [prefill, decode]
 
 
-def _largest_block_numel(model: nn.Module) -> int:
-    blocks = family_of(model).blocks(model)
-    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-
-
 def _describe(config: TierlmConfig, vocab_size: int, pretrained) -> nn.Module:
     model = describe_model(config, vocab_size, pretrained)
     assert model is not None, "a hub id cannot be described before its download"
@@ -287,8 +300,8 @@ def estimate_run_memory(
     >>> estimate = estimate_run_memory(config, vocab_size=64)
     >>> sorted(name for name, b in estimate.parts.items() if b > 0)[:4]
     ['activations', 'allocator retention', 'buffers', 'data loader']
-    >>> round(estimate.parts["optimizer state"] / estimate.parts["parameters"],
-    ...     2)  # AdamW: two fp32 moments (and step counts)
+    >>> parts = estimate.parts  # AdamW: two fp32 moments (and step counts)
+    >>> round(parts["optimizer state"] / parts["parameters"], 2)
     2.0
     """
     tr, d = config.training, config.data
@@ -324,34 +337,16 @@ def estimate_run_memory(
             "activations": activations,
         }
     )
-    if distributed == "fsdp" and world_size > 1:  # each rank keeps 1/N; one block is gathered, the next prefetched
-        strategy = config.infra.fsdp_sharding_strategy
-        shards = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if strategy == "HYBRID_SHARD" else world_size
-        for name in ("parameters", "gradients", "optimizer state"):
-            parts[name] /= shards
-        gathered_dtype_bytes = 2 if tr.bf16 else 4
-        if strategy == "SHARD_GRAD_OP":  # every block stays gathered from its forward to its backward
-            parts["FSDP gathered blocks"] = (
-                sum(p.numel() for p in described.parameters()) * gathered_dtype_bytes * (1 - 1 / shards)
-            )
-        else:
-            block = _largest_block_numel(unwrap_model(described))
-            parts["FSDP gathered blocks"] = block * (2 * gathered_dtype_bytes + 4) * (1 - 1 / shards)
-    elif distributed == "model_parallel":  # the blocks split over tensor x pipeline ranks, then FSDP2 over the rest
-        infra = config.infra
-        model_ranks = infra.tensor_parallel_size * infra.pipeline_parallel_size
-        described_model = unwrap_model(described)
-        blocks = sum(p.numel() for p in family_of(described_model).blocks(described_model).parameters())
-        total = sum(p.numel() for p in described.parameters())
-        share = (
-            (blocks / model_ranks + (total - blocks))
-            / total
-            / max(1, world_size // (model_ranks * infra.context_parallel_size))
-        )
-        for name in ("parameters", "gradients", "optimizer state"):
-            parts[name] *= share
-    elif distributed == "ddp" and world_size > 1:
-        parts["DDP gradient buckets"] = sum(p.numel() * 4 for p in described.parameters() if p.requires_grad)
+    infra = config.infra
+    layout = dict(
+        compute_bytes=2 if tr.bf16 else 4,
+        sharding=infra.fsdp_sharding_strategy,
+        tensor=infra.tensor_parallel_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        pipeline=infra.pipeline_parallel_size,
+        context=infra.context_parallel_size,
+    )
+    parts = BACKENDS[distributed].memory_per_rank(parts, unwrap_model(described), world_size, **layout)  # as it shards
     reference = stage.reference_model(config)
     if config.model.lora.r:  # the reference is the base with the adapters off: no second copy
         pass

@@ -128,8 +128,8 @@ def layout_memory(
 
     >>> shape = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100, block_params=41_000,
     ...     embedding_params=6_400, head_params=6_400)
-    >>> one, split = (layout_memory(shape, ParallelDims.from_sizes(n, tensor=n), 2, 16, runtime_bytes=0) for n in (1,
-    ...     2))
+    >>> layouts = [ParallelDims.from_sizes(n, tensor=n) for n in (1, 2)]
+    >>> one, split = (layout_memory(shape, dims, 2, 16, runtime_bytes=0) for dims in layouts)
     >>> split.parts["weights, gradients, AdamW (fp32)"] < one.parts["weights, gradients, AdamW (fp32)"]
     True
     """

@@ -41,8 +41,8 @@ class AdamWPrune(Optimizer):
     """AdamW over `params`, pruning the groups marked `"prune": True` (see the module docstring).
 
     >>> w = torch.nn.Parameter(torch.tensor([[0.1, -2.0], [3.0, 0.2]]))
-    >>> opt = AdamWPrune([{"params": [w], "prune": True}], lr=1e-3, score="magnitude", final_sparsity=0.5, warmup=0,
-    ...     frequency=1,
+    >>> opt = AdamWPrune([{"params": [w], "prune": True}], lr=1e-3, score="magnitude", final_sparsity=0.5,
+    ...                  warmup=0, frequency=1,
     ...                  total_steps=1)
     >>> w.grad = torch.zeros_like(w); opt.step()
     >>> opt.sparsity(), (w == 0).int().tolist()

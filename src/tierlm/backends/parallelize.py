@@ -1,0 +1,54 @@
+"""The one order in which every backend transforms a model before training it (torchtitan's
+`parallelize`): on the device, FP8 linear layers, tensor parallelism, per-block activation checkpointing,
+per-block compile, then data parallelism (FSDP2 or DDP) outermost. The model's family says which modules
+are its repeated blocks; the model itself knows nothing of any of this.
+
+>>> from tierlm.models import GPTConfig, build_gpt
+>>> gpt = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=50, max_seq_len=16))
+>>> parallelize(gpt, torch.device("cpu"), activation_checkpointing=True) is gpt
+True
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tierlm.models import family_of
+from tierlm.primitives.dtype_device import move_to
+from tierlm.primitives.fp8 import apply_float8_training, check_fp8_device
+from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile
+
+BlockTransform = Callable[[nn.Module, nn.ModuleList], "nn.Module | None"]
+
+
+def parallelize(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    fp8: bool = False,
+    tensor_parallel: BlockTransform | None = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    data_parallel: BlockTransform | None = None,
+    blocks: nn.ModuleList | None = None,
+) -> nn.Module:
+    """`model` on `device` with each transform asked for, in the one order. `tensor_parallel(model, blocks)`
+    and `data_parallel(model, blocks)` apply a backend's plans (in place, or returning the wrapped module);
+    `blocks` (default: what the model's family names) are the repeated blocks (a pipeline stage's own)."""
+    model = move_to(model, device)
+    blocks = blocks if blocks is not None else family_of(model).blocks(model)
+    if fp8:
+        check_fp8_device(device)
+        apply_float8_training(model)
+    if tensor_parallel is not None:
+        tensor_parallel(model, blocks)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, blocks)
+    if compile:
+        apply_compile(model, blocks)
+    if data_parallel is not None:
+        model = data_parallel(model, blocks) or model
+    return model

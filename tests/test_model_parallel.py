@@ -12,11 +12,11 @@ from tests.test_distributed import assert_same_steps, run_worker
 
 
 def predicted_weight_bytes(world_size: int = 2, **sizes) -> float:
-    """The fp32 weights `tierlm.plan.layouts` expects one rank to hold, for the worker's model."""
+    """The fp32 weights `tierlm.plan.memory.layouts` expects one rank to hold, for the worker's model."""
     from tests.distributed_worker import CONFIG
 
     from tierlm.models import build_gpt
-    from tierlm.plan.layouts import ModelShape, layout_memory
+    from tierlm.plan.memory.layouts import ModelShape, layout_memory
     from tierlm.primitives.model_parallel import ParallelDims
 
     dims = ParallelDims.from_sizes(world_size, **sizes)

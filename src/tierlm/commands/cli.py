@@ -324,7 +324,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(plan.memory.table())
     if args.layouts:
         from tierlm.models import unwrap_model
-        from tierlm.plan.layouts import ModelShape, layouts_table
+        from tierlm.plan.memory.layouts import ModelShape, layouts_table
 
         tr, infra = resolved.training, resolved.infra
         budget = infra.max_memory_gb * 1e9 if infra.max_memory_gb else None

@@ -24,35 +24,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tierlm.config.files import describe_error, read_config
 from tierlm.config.model import (
-    DelayConfig,
-    KVPruningConfig,
-    LoraConfig,
     ModelConfig,
-    RAConfig,
-    RMLPConfig,
     Section,
     TokenizerConfig,
 )
-
-__all__ = [
-    "AblationConfig",
-    "DPOConfig",
-    "DataConfig",
-    "DelayConfig",
-    "FullConfig",
-    "InfraConfig",
-    "KVPruningConfig",
-    "LoraConfig",
-    "MixtureComponent",
-    "ModelConfig",
-    "RAConfig",
-    "RLConfig",
-    "RMLPConfig",
-    "Section",
-    "TierlmConfig",
-    "TokenizerConfig",
-    "TrainingConfig",
-]
 from tierlm.errors import ConfigError
 
 

@@ -15,6 +15,7 @@ from tierlm.plan.scaling import optimal_batch_tokens, parameter_counts, resolve
 from tierlm.primitives.optim import OptimizerContainer, RoleSettings, build_optimizer, parameter_roles
 from tierlm.primitives.optim.muon import Muon, newton_schulz_orthogonalize
 from tierlm.primitives.schedules import TrainingSchedule, create_warmup_scheduler
+from tierlm.stages import STAGES
 
 
 def reference_muon_step(weight, grad, buf, lr, momentum, weight_decay):
@@ -197,7 +198,7 @@ def _plan(depth, world_size=8, **training):
         *[f"training.{k}={v}" for k, v in training.items()],
     ]
     config = TierlmConfig.load(None, overrides)
-    return resolve(config, "pretrain", new_model(config, 32768, "meta"), world_size)
+    return resolve(config, STAGES["pretrain"], new_model(config, 32768, "meta"), world_size)
 
 
 def test_plan_d12_is_the_reference():
@@ -231,7 +232,7 @@ def test_plan_d20_by_hand():
     assert t.embedding_lr == pytest.approx(0.2 * (1280 / 768) ** -0.5 * 2**0.5)
     assert t.weight_decay == pytest.approx(0.2 * 0.357142, rel=1e-5)
     # The resolved config is a fixed point: resolving it again changes nothing.
-    again, _ = resolve(config, "pretrain", new_model(config, 32768, "meta"), 8)
+    again, _ = resolve(config, STAGES["pretrain"], new_model(config, 32768, "meta"), 8)
     assert again.training == config.training
 
 

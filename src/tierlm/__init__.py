@@ -1,10 +1,13 @@
 """tierlm: train language models through every stage from one small protocol.
 
 Tiers, each built only from those below it:
-  3 application   `tierlm` CLI, `tierlm.loops.trainer.Trainer`, recipes
+  3 application   the `tierlm` CLI (`tierlm.commands`), the stages (`tierlm.stages`), the loops (`tierlm.loops`)
   2 convenience   `tierlm.backends.create_pytorch_backend`, `create_backend_with_scheduler`
   1 primitives    `tierlm.primitives` (dtype, device, model loading, optimizers, losses, schedules)
   0 protocol      `tierlm.backends.TrainingBackend`, `TrainFuture`, `PyTorchTrainingBackend`
+
+The folders stack in the same order (README, "Where things live"); import-linter's contracts in
+pyproject.toml keep every import pointing down.
 
 From Python, a whole stage is one call, as the CLI runs it:
 

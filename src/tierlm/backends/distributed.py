@@ -124,7 +124,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
             fp8=fp8,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
-            data_parallel=lambda m, blocks: apply_ddp(m, device),
+            data_parallel=lambda m, block_list: apply_ddp(m, device),
         )
         super().__init__(
             model,
@@ -194,8 +194,8 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         device = torch.device(device)
         world = dist.get_world_size()
 
-        def shard(m: nn.Module, blocks: nn.ModuleList) -> None:
-            apply_fsdp(m, world, device.type, param_dtype, reduce_dtype, cpu_offload, blocks, sharding=sharding)
+        def shard(m: nn.Module, block_list) -> None:
+            apply_fsdp(m, world, device.type, param_dtype, reduce_dtype, cpu_offload, block_list(), sharding=sharding)
 
         model = parallelize(
             model,

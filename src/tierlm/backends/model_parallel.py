@@ -95,8 +95,10 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
             self.tp_summed.extend(apply_tensor_parallel(self.mesh["tp"], blocks, plan, sequence_parallel))
             apply_vocab_parallel(self.mesh["tp"], part, outer, sequence_parallel)
 
-        def shard(part: nn.Module, blocks: nn.ModuleList) -> None:
-            apply_fsdp(part, dims.dp, device.type, param_dtype, torch.float32, blocks=blocks, mesh=self.mesh["dp"])
+        def shard(part: nn.Module, block_list) -> None:
+            apply_fsdp(
+                part, dims.dp, device.type, param_dtype, torch.float32, blocks=block_list(), mesh=self.mesh["dp"]
+            )
 
         for part in parts:  # each stage's part in the one order: tensor parallel, checkpointing, compile, FSDP2
             parallelize(

@@ -22,6 +22,7 @@ from tierlm.primitives.fp8 import apply_float8_training, check_fp8_device
 from tierlm.primitives.parallel import apply_activation_checkpointing, apply_compile
 
 BlockTransform = Callable[[nn.Module, nn.ModuleList], "nn.Module | None"]
+DataParallel = Callable[[nn.Module, Callable[[], nn.ModuleList]], "nn.Module | None"]
 
 
 def parallelize(
@@ -32,23 +33,27 @@ def parallelize(
     tensor_parallel: BlockTransform | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
-    data_parallel: BlockTransform | None = None,
+    data_parallel: DataParallel | None = None,
     blocks: nn.ModuleList | None = None,
 ) -> nn.Module:
     """`model` on `device` with each transform asked for, in the one order. `tensor_parallel(model, blocks)`
-    and `data_parallel(model, blocks)` apply a backend's plans (in place, or returning the wrapped module);
-    `blocks` (default: what the model's family names) are the repeated blocks (a pipeline stage's own)."""
+    and `data_parallel(model, block_list)` apply a backend's plans (in place, or returning the wrapped module;
+    FSDP2 asks `block_list()` for the blocks it shards one by one, DDP needs none); `blocks` (default: what the
+    model's family names) are the repeated blocks (a pipeline stage's own)."""
     model = move_to(model, device)
-    blocks = blocks if blocks is not None else family_of(model).blocks(model)
+
+    def block_list() -> nn.ModuleList:  # asked only by the transforms that work block by block
+        return blocks if blocks is not None else family_of(model).blocks(model)
+
     if fp8:
         check_fp8_device(device)
         apply_float8_training(model)
     if tensor_parallel is not None:
-        tensor_parallel(model, blocks)
+        tensor_parallel(model, block_list())
     if activation_checkpointing:
-        apply_activation_checkpointing(model, blocks)
+        apply_activation_checkpointing(model, block_list())
     if compile:
-        apply_compile(model, blocks)
+        apply_compile(model, block_list())
     if data_parallel is not None:
-        model = data_parallel(model, blocks) or model
+        model = data_parallel(model, block_list) or model
     return model

@@ -64,7 +64,7 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
         model = imported if imported is not None else new_model(config, tokenizer.vocab_size, device, dtype)
         if family.seq2seq:  # the decoder starts from what UL2DataCollator starts it from: padding
             model.config.decoder_start_token_id = model.config.pad_token_id = tokenizer.pad_id
-    vocab = family_of(model).input_embedding(model).num_embeddings
+    vocab = family_of(model).vocab_size(model)
     if tokenizer.vocab_size > vocab:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has {vocab}; use a matching "

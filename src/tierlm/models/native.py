@@ -37,7 +37,11 @@ class NativeFamily(ModelFamily):
     def owns(self, model: nn.Module) -> bool:
         return isinstance(model, self.model_class)
 
+    def vocab_size(self, model: nn.Module) -> int:
+        return model.config.vocab_size
+
     def input_embedding(self, model: nn.Module) -> nn.Embedding:
+        """The token table, `embed` in tierlm's own models (a family whose model names it otherwise says so)."""
         return model.embed
 
     def output_head(self, model: nn.Module) -> nn.Module:

@@ -88,6 +88,10 @@ class ModelFamily:
     def max_seq_len(self, model: nn.Module) -> int | None:
         return None
 
+    def vocab_size(self, model: nn.Module) -> int:
+        """Rows of the model's token table: the largest vocabulary it can take."""
+        return self.input_embedding(model).num_embeddings
+
     def input_embedding(self, model: nn.Module) -> nn.Embedding:
         """The token embedding table."""
         return model.get_input_embeddings()

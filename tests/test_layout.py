@@ -130,3 +130,15 @@ def test_modules_of_the_flat_layout_still_import(old):
         if not name.startswith("_") and not isinstance(vars(home)[name], type(re))
     ]
     assert public and all(getattr(module, name) is not None for name in public[:20])
+
+
+def test_names_that_moved_inside_a_kept_package_still_import():
+    """A package that was one module answers its module's names; the estimates that left the readings too."""
+    from tierlm.metrics.memory import CPU_RETENTION, auto_find_batch_size, estimate_model_memory
+    from tierlm.models.gpt import attend_documents, document_causal_mask
+    from tierlm.models.gpt.model import attend_documents as home
+    from tierlm.plan.batch import auto_find_batch_size as batch_home
+    from tierlm.plan.memory.bounds import estimate_model_memory as bounds_home
+
+    assert attend_documents is home and auto_find_batch_size is batch_home and estimate_model_memory is bounds_home
+    assert callable(document_causal_mask) and 0 < CPU_RETENTION < 1

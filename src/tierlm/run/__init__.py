@@ -340,33 +340,16 @@ class Run:
         from tierlm.plan.memory import check_memory, estimate_run_memory
         from tierlm.plan.memory.bounds import check_fits, memory_needs
 
-        copies = 1 if self.stage.reference_model(self.config) is None else 2
+        config, vocab, world, pretrained = self.config, self.tokenizer.vocab_size, self.world_size, self.pretrained
+        copies = 1 if self.stage.reference_model(config) is None else 2
         check_fits(
-            memory_needs(
-                self.config,
-                self.tokenizer.vocab_size,
-                self.pretrained,
-                num_documents,
-                self.world_size,
-                copies,
-                rows,
-                least_tokens,
-            ),
-            self.device,
+            memory_needs(config, vocab, pretrained, num_documents, world, copies, rows, least_tokens), self.device
         )
-        if isinstance(self.pretrained, str):
+        if isinstance(pretrained, str):
             return
+        stage, device, kind = self.stage, self.device.type, self.kind
         self.memory = estimate_run_memory(
-            self.config,
-            self.world_size,
-            self.stage,
-            self.tokenizer.vocab_size,
-            self.pretrained,
-            num_documents,
-            self.device.type,
-            rows,
-            row_tokens,
-            self.kind,
+            config, world, stage, vocab, pretrained, num_documents, device, rows, row_tokens, kind
         )
         check_memory(self.memory, self.memory_budget())
         if self.is_main:

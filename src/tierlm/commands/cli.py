@@ -1,4 +1,4 @@
-"""The `tierlm` command line.
+r"""The `tierlm` command line.
 
     tierlm pretrain --config configs/tiny_pretrain.yaml [section.key=value ...]
     tierlm sft --config configs/tiny_sft.yaml [section.key=value ...]
@@ -9,16 +9,17 @@
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]
     tierlm config show [--config FILE_OR_PRESET] [section.key=value ...]
     tierlm config list
-    tierlm ablate --config PRESET [--variants V0,V1] [--variant name:key=value,...] [--seeds 0,1,2] [--out DIR]
-    [overrides]
+    tierlm ablate --config PRESET [--variants V0,V1] [--variant name:key=value,...] [--seeds 0,1,2] \
+        [--out DIR] [overrides]
     tierlm ablate --report DIR
     tierlm speedrun [--depth D] [--out DIR] [--pretrain-data NAME] [section.key=value ...]
-    tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure]
-    [section.key=value ...]
+    tierlm plan --config FILE_OR_PRESET [--stage pretrain] [--world-size N] [--tokens-per-sec N | --measure] \
+        [section.key=value ...]
     tierlm export CHECKPOINT OUT_DIR [--adapter-only]
     tierlm average CHECKPOINT CHECKPOINT [...] --out DIR
 
-A problem with the input (config, data, checkpoint, arguments) prints one line and exits with 2.
+A problem with the input (config, data, checkpoint, arguments) prints one line and exits with 2. The arguments
+are `tierlm.commands.arguments`; each `cmd_*` here runs one command.
 """
 
 from __future__ import annotations
@@ -29,254 +30,10 @@ import os
 import sys
 from pathlib import Path
 
+from tierlm.commands.arguments import build_parser
 from tierlm.errors import ConfigError, TierlmError
 from tierlm.loops.signals import RunInterrupted
 from tierlm.stages import STAGES, run_stage
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a usage mistake reported as the one line every tierlm error is (exit 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"tierlm: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _task_list(text: str) -> list[str]:
-    tasks = [t.strip() for t in text.split(",") if t.strip()]
-    if not tasks:
-        raise argparse.ArgumentTypeError("give task names separated by commas, e.g. hellaswag,arc_easy")
-    return tasks
-
-
-def _temperature(text: str) -> float:
-    value = _float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument(
-        "--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults"
-    )
-    parser.add_argument(
-        "overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4"
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT, DPO, RL.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    for stage in STAGES.values():
-        stage_parser = commands.add_parser(stage.name, help=stage.about, description=stage.about)
-        _add_config_args(stage_parser, required=False)
-        stage_parser.add_argument(
-            "--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)"
-        )
-
-    plan = commands.add_parser(
-        "plan", help="print what a run would do (model, tokens, batch, optimizer groups, time) without training"
-    )
-    plan.add_argument("--stage", choices=list(STAGES), default="pretrain")
-    _add_config_args(plan, required=False)
-    plan.add_argument(
-        "--world-size", type=_positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)"
-    )
-    plan.add_argument(
-        "--layouts",
-        action="store_true",
-        help="also the per-rank memory of every tensor x pipeline x data-parallel split of --world-size ranks",
-    )
-    plan.add_argument(
-        "--vocab-size",
-        type=_positive_int,
-        default=None,
-        help="size a model from scratch for this vocabulary instead of training the run's tokenizer here",
-    )
-    speed = plan.add_mutually_exclusive_group()
-    speed.add_argument(
-        "--tokens-per-sec", type=_positive_float, default=None, help="estimate the time at this training speed"
-    )
-    speed.add_argument(
-        "--measure", action="store_true", help="time a few training steps of the model here to estimate the time"
-    )
-
-    ablate = commands.add_parser(
-        "ablate", help="run variants x seeds of one config at equal tokens; results, summary.md, plots"
-    )
-    _add_config_args(ablate, required=False)
-    ablate.add_argument(
-        "--variants", default=None, help="comma-separated V-steps, e.g. V0,V1,V3 (the first is the baseline)"
-    )
-    ablate.add_argument(
-        "--variant", action="append", default=[], help="name:section.key=value[,section.key=value] (repeatable)"
-    )
-    ablate.add_argument(
-        "--seeds", default=None, help="comma-separated seeds, one replicate each (default: the config's, or 0)"
-    )
-    ablate.add_argument("--out", default=None, help="ablation folder (default runs/ablate_<config name>)")
-    ablate.add_argument(
-        "--stage", choices=[name for name, stage in STAGES.items() if stage.token_rows], default="pretrain"
-    )
-    ablate.add_argument(
-        "--report", default=None, metavar="DIR", help="only rebuild results.json, summary.md and plots of DIR"
-    )
-
-    speedrun = commands.add_parser(
-        "speedrun", help="tokenizer -> pretrain (sized from --depth) -> SFT -> RL -> report card"
-    )
-    speedrun.add_argument(
-        "--depth",
-        type=_positive_int,
-        default=None,
-        help="model depth; everything else follows (default 4: ~10 min on 2 CPU cores)",
-    )
-    speedrun.add_argument(
-        "--out", default=None, help="folder for the four runs and report.md (default runs/speedrun_d<depth>)"
-    )
-    speedrun.add_argument(
-        "--pretrain-data", default=None, help="pretraining data instead of the embedded arithmetic text"
-    )
-    speedrun.add_argument(
-        "overrides", nargs="*", metavar="section.key=value", help="applied to every stage, e.g. infra.device_type=cuda"
-    )
-
-    export = commands.add_parser("export", help="write a checkpoint as a transformers model folder")
-    export.add_argument("checkpoint", help="a checkpoint, run directory or model folder")
-    export.add_argument("out_dir", help="new folder for the model (weights, config, tokenizer)")
-    export.add_argument(
-        "--adapter-only", action="store_true", help="a LoRA run: write only the adapter, in PEFT's format"
-    )
-    average = commands.add_parser("average", help="average the weights of several checkpoints")
-    average.add_argument("checkpoints", nargs="+", help="checkpoints or model folders of the same model")
-    average.add_argument("--out", required=True, help="new folder for the averaged model")
-
-    push = commands.add_parser(
-        "push", help="upload a run's model to the Hugging Face Hub with a model card from the run"
-    )
-    push.add_argument("run", help="a run directory, checkpoint or model folder")
-    push.add_argument("--repo", required=True, help="ORG/NAME on the Hub")
-    push.add_argument("--private", action="store_true")
-    push.add_argument("--dry-run", action="store_true", help="print the files and the model card; send nothing")
-    report = commands.add_parser("report", help="rebuild a run's report.md and plots, or overlay several runs' curves")
-    report.add_argument("run_dirs", nargs="+", help="run directories (their metrics.jsonl)")
-    report.add_argument("--out", default=None, help="with several runs: the folder for the overlaid report (required)")
-
-    evaluate = commands.add_parser(
-        "eval",
-        help="pass@1 / pass@k of a chat model on held-out problems (the rl section's settings), "
-        "or lm-evaluation-harness tasks (--harness)",
-    )
-    evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
-    evaluate.add_argument(
-        "--harness",
-        type=_task_list,
-        default=None,
-        metavar="TASKS",
-        help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) instead of pass@k",
-    )
-    evaluate.add_argument(
-        "--limit", type=_positive_float, default=None, help="harness: examples per task (a fraction if < 1)"
-    )
-    evaluate.add_argument("--num-fewshot", type=_non_negative_int, default=None, help="harness: few-shot examples")
-    evaluate.add_argument("--batch-size", type=_positive_int, default=8, help="harness: sequences per forward pass")
-    evaluate.add_argument("--include-path", default=None, help="harness: a folder of your own task YAML files")
-    evaluate.add_argument(
-        "--chat-template", action="store_true", help="harness: render prompts with the model's chat template"
-    )
-    evaluate.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    _add_config_args(evaluate, required=False)
-
-    chat = commands.add_parser(
-        "chat", help="a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)"
-    )
-    chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
-    chat.add_argument("--temperature", type=_temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
-    chat.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    chat.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    serve = commands.add_parser(
-        "serve", help="an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model"
-    )
-    serve.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-
-    sample = commands.add_parser("sample", help="generate from a trained model")
-    sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
-    sample.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
-    sample.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    sample.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy")
-    sample.add_argument("--top-k", type=_positive_int, default=None)
-    sample.add_argument("--top-p", type=_probability, default=None)
-    sample.add_argument("--seed", type=int, default=0)
-    mode = sample.add_mutually_exclusive_group()
-    mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")
-    mode.add_argument("--raw", dest="chat", action="store_false", help="continue the prompt as plain text")
-    sample.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-
-    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools").add_subparsers(
-        dest="tokenizer_command", required=True
-    )
-    train = tokenizer.add_parser("train", help="train a byte-level BPE or character tokenizer")
-    train.add_argument(
-        "--data", required=True, action="append", help="text/JSONL file, folder or synthetic:<task> (repeatable)"
-    )
-    train.add_argument("--out", required=True, help="folder to save the tokenizer to")
-    train.add_argument("--kind", choices=["bpe", "char"], default="bpe")
-    train.add_argument("--vocab-size", type=_positive_int, default=512)
-    train.add_argument(
-        "--num-docs",
-        type=_positive_int,
-        default=20000,
-        help="documents read from each source (generated, for synthetic tasks)",
-    )
-
-    config = commands.add_parser("config", help="config tools").add_subparsers(dest="config_command", required=True)
-    _add_config_args(config.add_parser("show", help="print the resolved config"), required=False)
-    config.add_parser("list", help="list the presets shipped with tierlm (use one as --config NAME)")
-    return parser
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -128,6 +128,21 @@ PRE, SFT_CFG, DPO_CFG, RL_CFG = (
 REPO = Path(__file__).resolve().parents[1]
 
 
+def t5_folder(name: str) -> Callable[[Path, Path], None]:
+    """A tiny transformers T5 folder (an encoder-decoder transformers has no causal LM for) at `name`."""
+
+    def setup(work: Path, runs: Path) -> None:
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        from tierlm.data import load_tokenizer
+
+        config = T5Config(vocab_size=600, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        T5ForConditionalGeneration(config).save_pretrained(work / name)
+        load_tokenizer(runs / "pre" / "model").save(work / name)
+
+    return setup
+
+
 def gpt2_folder(name: str) -> Callable[[Path, Path], None]:
     """A tiny transformers GPT-2 folder (with a tokenizer) at `name`."""
 
@@ -533,6 +548,22 @@ CASES = [
         "pretrain-unknown-architecture",
         ["pretrain", "--config", cfg(PRE), *TINY, "model.architecture=nonesuch"],
         "nonesuch",
+    ),
+    Case(
+        "pretrain-a-transformers-encoder-decoder-by-name",
+        ["pretrain", "--config", cfg(PRE), *TINY, "model.architecture=t5"],
+        "model.architecture 't5' is not a decoder-only causal LM",
+    ),
+    Case(
+        "plan-a-transformers-vision-model-by-name",
+        ["plan", "--config", cfg(PRE), *TINY, "model.architecture=vit", "--vocab-size", "64"],
+        "model.architecture 'vit' is not a decoder-only causal LM",
+    ),
+    Case(
+        "sft-from-a-t5-folder",
+        ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path=t5"],
+        "holds a model whose model_type 't5' is not a decoder-only causal LM",
+        t5_folder("t5"),
     ),
     Case("pretrain-bad-kv-heads", ["pretrain", "--config", cfg(PRE), *TINY, "model.n_kv_head=3"], "n_kv_head"),
     Case(

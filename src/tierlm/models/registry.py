@@ -264,6 +264,7 @@ class TransformersFamily(ModelFamily):
     def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
         from tierlm.primitives.models import create_hf_model_from_config
 
+        check_causal_lm(model_config.architecture, "model.architecture")
         on_meta = torch.device(device).type == "meta"
         with torch.device("meta" if on_meta else "cpu"):
             model = create_hf_model_from_config(
@@ -372,7 +373,9 @@ class TransformersFamily(ModelFamily):
     def build_from_folder(self, folder, dtype=torch.float32):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+        config = AutoConfig.from_pretrained(folder)
+        check_causal_lm(config.model_type, f"{folder} holds a model whose model_type")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
     def load(self, folder, device="cpu", dtype=torch.float32, trust_remote_code=False):
         from tierlm.primitives.models import load_hf_model
@@ -401,6 +404,31 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 
 
 TRANSFORMERS = TransformersFamily()
+
+
+def check_causal_lm(model_type: str, what: str) -> None:
+    """Refuse, in one line, a transformers model_type that is unknown or not a decoder-only causal LM (T5, BERT,
+    ...): tierlm trains those, and encoder-decoders as its own qwen3_encdec.
+
+    >>> check_causal_lm("qwen3", "model.architecture")
+    >>> check_causal_lm("t5", "model.architecture")
+    Traceback (most recent call last):
+    ...
+    tierlm.errors.ConfigError: model.architecture 't5' is not a decoder-only causal LM (transformers has no
+    AutoModelForCausalLM for it); tierlm trains gpt, gpt2 or a transformers causal LM (qwen3, llama, ...), and
+    encoder-decoders as qwen3_encdec
+    """
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING:
+        raise unknown_architecture(model_type)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"{what} {model_type!r} is not a decoder-only causal LM (transformers has no AutoModelForCausalLM for it); "
+            "tierlm trains gpt, gpt2 or a transformers causal LM (qwen3, llama, ...), "
+            "and encoder-decoders as qwen3_encdec"
+        )
 
 
 def unknown_architecture(architecture: str) -> ConfigError:

@@ -41,7 +41,7 @@ def synthetic_task(spec: str) -> type:
 def synthetic_generator(spec: str) -> ArithmeticTask:
     """The generator behind `synthetic:<name>` data (text, chats, pairs, prompts); an environment is refused."""
     task = synthetic_task(spec)
-    if issubclass(task, ArithmeticChain):
+    if issubclass(task, Environment):
         raise DataError(f"{spec} is a multi-turn environment: it trains with `tierlm rl`, not as data of this stage")
     return task()
 

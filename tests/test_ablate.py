@@ -62,14 +62,17 @@ def test_ablation_runs_isolates_failures_and_reports(tmp_path):
         "--variant",
         "wide:model.aspect_ratio=64",
         "--variant",
-        "broken:data.dataset_name=missing.txt",
+        "broken:infra.max_memory_gb=0.001",  # valid, and refused once it runs: it needs more than 1 MB
         "--seeds",
         "0,1",
         "--out",
         out,
     ]
     result = run_cli(*args)
-    assert result.returncode == 0, result.stderr[-2000:]
+    # An ablation with failed runs exits 1 and says so in its last line, after writing every result.
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert last.startswith("tierlm: error: 2 of 6 ablation runs failed") and "broken seed 0: this run needs" in last
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert set(runs) == {"base", "wide", "broken"}
     for name in ("base", "wide"):
@@ -79,7 +82,7 @@ def test_ablation_runs_isolates_failures_and_reports(tmp_path):
                 r["finished"] and r["steps"] == 30 and r["tokens"] == runs["base"]["0"]["tokens"]
             )  # equal token budgets
             assert r["final_val_loss"] < 6 and "latency_ms_p50_T64" in r
-    assert runs["broken"]["0"]["error"] and "missing.txt" in runs["broken"]["0"]["error"]
+    assert runs["broken"]["0"]["error"].startswith("this run needs about")
     # The same seed gives the same initial draw and data order: base seed 0 twice would be equal; seeds differ.
     assert runs["base"]["0"]["final_val_loss"] != runs["base"]["1"]["final_val_loss"]
     summary = (out / "summary.md").read_text()

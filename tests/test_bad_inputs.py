@@ -119,6 +119,8 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None
 
 
+ABL = [a for a in TINY if not a.startswith("infra.output_dir")]  # an ablation's folder is --out
+SPEED = [a for a in ABL if not a.startswith("model.depth")]  # a speedrun's depth is --depth
 PRE, SFT_CFG, DPO_CFG, RL_CFG = (
     "configs/tiny_pretrain.yaml",
     "configs/tiny_sft.yaml",
@@ -1133,7 +1135,7 @@ CASES = [
         "not UTF-8",
         write("d.txt", NON_UTF8),
     ),
-    # -- optimizers and the plan (seed 004's scaling laws) -------------------------------
+    # -- optimizers and the plan (the scaling laws) ---------------------------------------
     Case(
         "optimizer-unknown",
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.optimizer=sgd"],
@@ -1239,7 +1241,7 @@ CASES = [
         "training.prune_score must be one of",
     ),
     Case(
-        "ablate-bad-variant", ["ablate", "--config", "tiny_pretrain", *TINY, "--variants", "V0,big"], "neither a V-step"
+        "ablate-bad-variant", ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0,big"], "neither a V-step"
     ),
     Case(
         "ablate-variant-changes-budget",
@@ -1247,7 +1249,7 @@ CASES = [
             "ablate",
             "--config",
             "tiny_pretrain",
-            *TINY,
+            *ABL,
             "--variants",
             "V0",
             "--variant",
@@ -1259,19 +1261,18 @@ CASES = [
     ),
     Case(
         "ablate-bad-seeds",
-        ["ablate", "--config", "tiny_pretrain", *TINY, "--variants", "V0", "--seeds", "0,x"],
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0", "--seeds", "0,x"],
         "--seeds must be",
     ),
     Case("ablate-no-config", ["ablate", "--variants", "V0"], "needs --config"),
     Case("ablate-report-not-an-ablation", ["ablate", "--report", "."], "holds no ablation"),
     Case(
         "ablate-variant-bad-override",
-        ["ablate", "--config", "tiny_pretrain", *TINY, "--variant", "x:training.learnin_rate=1", "--out", "abl"],
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variant", "x:training.learnin_rate=1", "--out", "abl"],
         "did you mean training.learning_rate",
     ),
     Case("speedrun-depth-zero", ["speedrun", "--depth", "0"], "must be > 0"),
-    Case("speedrun-output-dir-override", ["speedrun", *TINY], "drop infra.output_dir"),
-    Case("speedrun-out-is-a-file", ["speedrun", "--out", "f", *TINY[:-1]], "is a file", write("f", "x")),
+    Case("speedrun-out-is-a-file", ["speedrun", "--out", "f", *SPEED], "is a file", write("f", "x")),
     Case("plan-bad-stage", ["plan", "--stage", "finetune"], "invalid choice"),
     Case("plan-bad-speed", ["plan", "--config", "tiny_pretrain", *TINY, "--tokens-per-sec", "-3"], "must be > 0"),
     Case("plan-bad-world-size", ["plan", "--config", "tiny_pretrain", *TINY, "--world-size", "0"], "must be > 0"),
@@ -1285,6 +1286,180 @@ CASES = [
         ["tokenizer", "train", "--data", "data", "--out", "data/tok"],
         "overlaps the input",
         write("data/d.txt", "hello world\n"),
+    ),
+    # -- overrides a command cannot honour: refused, never dropped -----------------------------
+    Case(
+        "pretrain-dpo-key",
+        ["pretrain", "--config", cfg(PRE), *TINY, "dpo.beta=0.2"],
+        r"dpo.beta has no effect on `tierlm pretrain`: dpo.\* is read by tierlm dpo",
+    ),
+    Case(
+        "sft-rl-key",
+        ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "rl.group_size=4"],
+        r"rl.group_size has no effect on `tierlm sft`: rl.\* is read by tierlm rl",
+    ),
+    Case(
+        "dpo-rl-key",
+        ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "rl.kl_coef=0.1"],
+        "rl.kl_coef has no effect on `tierlm dpo`",
+    ),
+    Case(
+        "rl-dpo-key",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "dpo.beta=0.2"],
+        "dpo.beta has no effect on `tierlm rl`",
+    ),
+    Case(
+        "rl-ablation-key",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "ablation.seeds=[1]"],
+        "ablation.seeds has no effect on `tierlm rl`: ablation.* is read by tierlm ablate",
+    ),
+    Case(
+        "sft-shape-of-a-started-model",
+        ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "model.depth=8"],
+        "model.depth shapes a model built from scratch, but `tierlm sft` starts from .*pre",
+    ),
+    Case(
+        "dpo-variant-of-a-started-model",
+        ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "model.variant=V3"],
+        "model.variant shapes a model built from scratch",
+    ),
+    Case(
+        "rl-nested-shape-of-a-started-model",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "model.ra.r=4"],
+        "model.ra.r shapes a model built from scratch",
+    ),
+    Case(
+        "rl-tokenizer-of-a-started-model",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "tokenizer.vocab_size=999"],
+        "tokenizer.vocab_size configures a tokenizer trained for the run, but this run uses .*sft's tokenizer",
+    ),
+    Case(
+        "pretrain-tokenizer-beside-a-given-one",
+        [
+            "pretrain",
+            "--config",
+            cfg(PRE),
+            *[a for a in TINY if not a.startswith("tokenizer.")],
+            "model.tokenizer_name_or_path={pre}",
+            "tokenizer.kind=char",
+        ],
+        "tokenizer.kind configures a tokenizer trained for the run, but this run uses .*pre's tokenizer",
+    ),
+    Case(
+        "plan-rl-key-for-pretrain",
+        ["plan", "--config", cfg(PRE), *TINY, "rl.group_size=2"],
+        "rl.group_size has no effect on `tierlm plan`",
+    ),
+    Case(
+        "plan-shape-of-a-started-model",
+        ["plan", "--stage", "sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "model.depth=3"],
+        "model.depth shapes a model built from scratch, but `tierlm plan` starts from",
+    ),
+    Case(
+        "eval-training-key",
+        ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "training.learning_rate=0.1"],
+        r"training.learning_rate has no effect on `tierlm eval`, which reads rl.\*, data.\*, training.seed",
+    ),
+    Case(
+        "eval-model-override",
+        ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "model.model_name_or_path={pre}"],
+        "does not take model.model_name_or_path: the model is --checkpoint",
+    ),
+    Case(
+        "eval-output-dir",
+        ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "infra.output_dir=out"],
+        "infra.output_dir has no effect on `tierlm eval`",
+    ),
+    Case(
+        "eval-device-twice",
+        ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "--device-type", "cpu", "infra.device_type=cpu"],
+        "give the device once",
+    ),
+    Case(
+        "sample-takes-no-overrides",
+        ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "training.seed=3"],
+        "unrecognized arguments: training.seed=3",
+    ),
+    Case(
+        "ablate-output-dir",
+        ["ablate", "--config", "tiny_pretrain", *TINY, "--variants", "V0"],
+        "does not take infra.output_dir: the ablation folder is --out",
+    ),
+    Case(
+        "ablate-output-dir-after-the-flags",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0", "infra.output_dir=x"],
+        "does not take infra.output_dir: the ablation folder is --out",
+    ),
+    Case(
+        "ablate-variant-output-dir",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variant", "x:infra.output_dir=y", "--out", "abl"],
+        "does not take infra.output_dir",
+    ),
+    Case(
+        "ablate-seed-override",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0", "training.seed=3"],
+        "does not take training.seed: each replicate's seed comes from --seeds",
+    ),
+    Case(
+        "ablate-variant-reads-nothing",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variant", "x:rl.group_size=3", "--out", "abl"],
+        "rl.group_size has no effect on `tierlm ablate`",
+    ),
+    Case(
+        "ablate-variants-twice",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0", "ablation.variants=[V1]"],
+        "ablation.variants and its flag .--variants. both given",
+    ),
+    Case(
+        "ablate-seeds-twice",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0", "--seeds", "1", "ablation.seeds=[2]"],
+        "ablation.seeds and its flag .--seeds. both given",
+    ),
+    Case(
+        "speedrun-output-dir-override",
+        ["speedrun", *SPEED, "infra.output_dir=o"],
+        "does not take infra.output_dir: the speedrun places",
+    ),
+    Case("speedrun-depth-override", ["speedrun", "model.depth=3"], "does not take model.depth: the depth is --depth"),
+    Case(
+        "speedrun-data-override",
+        ["speedrun", "data.dataset_name=x.txt"],
+        "does not take data.dataset_name: the pretraining data is --pretrain-data",
+    ),
+    Case("speedrun-dpo-key", ["speedrun", "dpo.beta=0.3"], "dpo.beta has no effect on `tierlm speedrun`"),
+    # -- an ablation checks every variant before its first run --------------------------------
+    Case(
+        "ablate-variant-not-a-step",
+        ["ablate", "--config", "gpt2-shakespeare-char", "--variants", "V0,V99", "--seeds", "0", "--out", "abl"],
+        "variant V99: model.variant 'V99' is not a V-series step",
+    ),
+    Case(
+        "ablate-variant-missing-data",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variant", "b:data.dataset_name=missing.txt", "--out", "abl"],
+        "variant b: dataset 'missing.txt' is neither an existing file",
+    ),
+    Case(
+        "ablate-variant-not-causal",
+        ["ablate", "--config", "tiny_pretrain", *ABL, "--variant", "t5:model.architecture=t5", "--out", "abl"],
+        "variant t5: model.architecture 't5' is not a decoder-only causal LM",
+    ),
+    Case(
+        "ablate-sft-variant-not-utf8",
+        [
+            "ablate",
+            "--stage",
+            "sft",
+            "--config",
+            cfg(SFT_CFG),
+            *[a for a in CHAT if not a.startswith("infra.output_dir")],
+            "model.model_name_or_path={pre}",
+            "--variant",
+            "own:data.dataset_name=c.jsonl",
+            "--out",
+            "abl",
+        ],
+        "variant own: .*c.jsonl",
+        write("c.jsonl", b"\xff\xfe not text\n"),
     ),
 ]
 
@@ -1341,11 +1516,13 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, runs, tmp_path, monk
         code = main(argv)
     except SystemExit as e:  # argparse
         code = e.code
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, f"exit {code}; stderr:\n{err}"
     assert len(lines) == 1, f"expected one line, got:\n{err}"
     assert lines[0].startswith("tierlm: error: "), lines[0]
     assert re.search(case.expect, lines[0], re.IGNORECASE), f"{lines[0]!r} does not match {case.expect!r}"
     assert snapshot(work) == before, "the command changed the working folder"
+    assert not captured.out.strip(), f"printed before the refusal:\n{captured.out}"
     assert snapshot(runs) == shared, "the command changed a shared run"

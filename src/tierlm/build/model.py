@@ -47,6 +47,13 @@ def describe_model(config: TierlmConfig, vocab_size: int, pretrained: Path | str
     return None
 
 
+def model_context(config: TierlmConfig, vocab_size: int, pretrained: Path | str | None) -> int | None:
+    """The longest sequence the run's model takes, read from its shapes on the meta device (None: a hub id
+    not downloaded yet, or a model that does not say), so data can be checked against it before anything is built."""
+    model = describe_model(config, vocab_size, pretrained)
+    return model_max_seq_len(model) if model is not None else None
+
+
 def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
     m, dtype = config.model, parse_dtype(config.model.dtype)
     family = family_named(m.architecture)

@@ -24,6 +24,8 @@ class Stage:
     name = "stage"
     about = ""
     """One line for `tierlm --help`."""
+    section: str | None = None
+    """The config section only it reads (`rl`, `dpo`), beside the shared model, tokenizer, data, training and infra."""
     example_kind = "text"
     """What a data row becomes (`tierlm.data.rows`): text, chat, preference or task."""
     chat = False

@@ -62,7 +62,7 @@ def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, 
 def longest_rollout(task, tokenizer, max_new_tokens: int, max_seq_length: int, sample: int = 256) -> int:
     """Prompt + completion tokens of the longest rollout, from the prompts of the first `sample`
     examples, at most data.max_seq_length (an environment's prompts are not known ahead: that bound;
-    a prompt too long for the model is refused once the model is built)."""
+    a prompt too long for the model is refused by `check_prompt_lengths`)."""
     if is_environment(task):
         return max_seq_length
     prompts = (len(tokenizer.render_for_completion(task.example(i).messages)) for i in range(min(sample, len(task))))

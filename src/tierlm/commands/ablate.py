@@ -9,7 +9,10 @@ Every variant x seed is its own run directory (`<out>/<variant>_seed<k>`) traine
 from the same base config: the same seed (so the same initial draw and data order) per replicate and
 the same token budget for all — a variant that would change the steps or the batch is refused before
 anything runs (the defect of the code base: wall-clock budgets gave variants different step counts).
-A failing run is recorded with its error and the others go on; re-running continues unfinished runs
+Before the first run, every variant's config is built and checked — its overrides read by the stage, its
+model described on the meta device, its data opened — so a typo is one line, not a table of failures
+found hours later. A run that fails once running is recorded with its error and the others go on; the
+command then exits 1, its last line naming the first failure. Re-running continues unfinished runs
 (they resume exactly from their checkpoints) and skips finished ones. Under torchrun every rank runs
 the variants one after another in this process (each variant on all ranks).
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierlm.commands.overrides import check_stage_overrides
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, TierlmError
 from tierlm.metrics.report import model_figures, read_metrics
@@ -79,6 +83,17 @@ BUDGET_KEYS = (
     "data.max_seq_length",
     "training.seed",
 )
+
+PLACED = {
+    "infra.output_dir": "the ablation folder is --out (each run trains in <out>/<variant>_seed<k>)",
+    "training.seed": "each replicate's seed comes from --seeds (or ablation.seeds)",
+}
+
+
+class RunsFailed(TierlmError):
+    """Some runs of an ablation failed (the others' results are written)."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,14 @@ class AblationCoordinator:
         return self.out / f"{variant.name}_seed{seed}"
 
     def check(self) -> None:
-        """Refuse, before anything runs, a variant whose config is invalid or changes the token budget."""
+        """Refuse, before anything runs, a variant that would fail to start or would not compare: its config
+        invalid, an override it would not read, a model it cannot build (described on the meta device), data
+        that does not open, or a different token budget."""
+        from tierlm.build.model import describe_model
+        from tierlm.build.tokenizer import pretrained_location
+        from tierlm.stages import STAGES
+
+        stage, opened = STAGES[self.stage], set()
         for variant in self.variants:
             bad = [o.split("=", 1)[0] for o in variant.overrides if o.split("=", 1)[0] in BUDGET_KEYS]
             if bad:
@@ -176,7 +198,17 @@ class AblationCoordinator:
                     f"variant {variant.name} sets {', '.join(bad)}: every variant trains on the same data "
                     "order and token budget; put those in the base config or the command's overrides"
                 )
-            self.run_config(variant, self.seeds[0])  # validates
+            config = self.run_config(variant, self.seeds[0])  # validates
+            overrides = [*self.overrides, *variant.overrides]
+            check_stage_overrides("ablate", stage, config, overrides, sections=("ablation",), placed=PLACED)
+            try:
+                describe_model(config, config.tokenizer.vocab_size, pretrained_location(config))
+                data = json.dumps(config.data.model_dump(mode="json"), sort_keys=True)
+                if data not in opened:  # each variant's data, opened once
+                    open_data(config, stage)
+                    opened.add(data)
+            except TierlmError as error:
+                raise type(error)(f"variant {variant.name}: {error}") from None
 
     # -- running ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -218,6 +250,17 @@ class AblationCoordinator:
             shutdown_distributed()
         return results
 
+    def failures(self, results: dict[str, Any]) -> None:
+        """Raise `RunsFailed` naming the first failed run, when any failed (after the results are written)."""
+        failed = [(v, s, r["error"]) for v, runs in results.items() for s, r in runs.items() if r.get("error")]
+        if failed:
+            total = sum(len(runs) for runs in results.values())
+            variant, seed, error = failed[0]
+            raise RunsFailed(
+                f"{len(failed)} of {total} ablation runs failed (the others' results are in "
+                f"{self.out / 'summary.md'}); first, {variant} seed {seed}: {error}"
+            )
+
     def _train(self, variant: Variant, seed: int) -> str | None:
         """One run: in this process under torchrun (all ranks together), else in a child process."""
         overrides = [
@@ -245,7 +288,15 @@ class AblationCoordinator:
             return None
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("tierlm: error:")]
-        return (errors or lines or [f"exit code {result.returncode}"])[-1][:500]
+        return (errors or lines or [f"exit code {result.returncode}"])[-1].removeprefix("tierlm: error: ")[:500]
+
+
+def open_data(config: TierlmConfig, stage) -> None:
+    """Open the data a run of `stage` reads (a refusal names what is wrong); a stream is read as it goes."""
+    from tierlm.build.loaders import open_splits
+
+    if not (config.data.stream or config.data.streaming):
+        open_splits(config, stage.example_kind, None)
 
 
 # -- results ------------------------------------------------------------------------------------

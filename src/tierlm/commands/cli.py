@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from tierlm.commands.arguments import build_parser
+from tierlm.commands.overrides import EVAL_KEYS, check_overrides, check_stage_overrides, override_key
 from tierlm.errors import ConfigError, TierlmError
 from tierlm.loops.signals import RunInterrupted
 from tierlm.stages import STAGES, run_stage
@@ -44,6 +45,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     config = accelerate_overrides(
         TierlmConfig.load(args.config, overrides), os.environ
     )  # under `accelerate launch`: its settings
+    check_stage_overrides(args.command, STAGES[args.command], config, args.overrides)
     summary = run_stage(config, args.command)
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 reports for the job
@@ -72,6 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from tierlm.plan.scaling import measure_tokens_per_sec
 
     config = TierlmConfig.load(args.config, args.overrides)
+    check_stage_overrides("plan", STAGES[args.stage], config, args.overrides)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     resolved, plan, model = plan_run(config, STAGES[args.stage], world_size, args.vocab_size)
     speed = args.tokens_per_sec
@@ -119,13 +122,20 @@ def cmd_ablate(args: argparse.Namespace) -> None:
     if not args.config:
         raise TierlmError("tierlm ablate needs --config (a YAML file or a preset), or --report DIR")
     base = TierlmConfig.load(args.config, args.overrides)
+    given = {override_key(o) for o in args.overrides}
+    for key, flags in (("ablation.variants", args.variants or args.variant), ("ablation.seeds", args.seeds)):
+        if key in given and flags:
+            raise ConfigError(
+                f"{key} and its flag ({'--seeds' if key == 'ablation.seeds' else '--variants'}) both given: keep one"
+            )
     specs = [v for v in (args.variants or "").split(",") if v.strip()] + args.variant or base.ablation.variants
     seeds = _int_list(args.seeds, "--seeds") if args.seeds else base.ablation.seeds
     coordinator = AblationCoordinator(
         args.config, [parse_variant(v) for v in specs], seeds, list(args.overrides), args.out, args.stage
     )
-    coordinator.run()
+    results = coordinator.run()
     print(f"summary: {coordinator.out / 'summary.md'}")
+    coordinator.failures(results)  # an ablation with failed runs exits 1, the first failure its last line
 
 
 def cmd_speedrun(args: argparse.Namespace) -> None:
@@ -171,7 +181,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ]
     if harness_only:
         raise ConfigError(f"{', '.join(harness_only)} set the evaluation harness: add --harness TASKS")
-    config = TierlmConfig.load(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.device_type != "auto":  # --device-type is infra.device_type
+        if "infra.device_type" in map(override_key, overrides):
+            raise ConfigError("give the device once: --device-type or infra.device_type")
+        overrides.append(f"infra.device_type={args.device_type}")
+    config = TierlmConfig.load(args.config, overrides)
+    check_overrides(
+        "eval",
+        args.overrides,
+        ("rl", "data"),
+        EVAL_KEYS,
+        placed={"model.model_name_or_path": "the model is --checkpoint"},
+    )
     result = run_eval(config, args.checkpoint)
     tools = " with the calculator" if "calculator" in config.rl.tools else ""
     print(
@@ -318,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     # back.)
     if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides += extra  # overrides after an option (`--variants V0 training.seed=1`) are overrides too
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {
         **dict.fromkeys(STAGES, cmd_train),
         "eval": cmd_eval,
@@ -338,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         handler(args)
     except TierlmError as e:
         _say(f"tierlm: error: {_rank_prefix()}{e}")
-        return 2
+        return getattr(e, "exit_code", 2)  # 2: bad input; 1: runs that failed (an ablation's)
     except RunInterrupted as stop:
         _say(f"tierlm: {_rank_prefix()}{stop}")
         return stop.exit_code

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierlm.commands.overrides import SHARED, check_overrides
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 
@@ -32,13 +33,11 @@ def stage_configs(
     half: nanochat) and each stage starting from the one before."""
     if depth < 1:
         raise ConfigError(f"--depth must be >= 1, got {depth}")
-    placed = [
-        o
-        for o in overrides
-        if o.split("=", 1)[0] in ("infra.output_dir", "model.model_name_or_path", "model.tokenizer_name_or_path")
-    ]
-    if placed:
-        raise ConfigError(f"the speedrun places its runs under --out and chains them itself: drop {', '.join(placed)}")
+    chained = "the speedrun places its runs under --out and chains them itself: drop it"
+    placed = dict.fromkeys(("infra.output_dir", "model.model_name_or_path", "model.tokenizer_name_or_path"), chained)
+    placed["model.depth"] = "the depth is --depth (the horizon, batch and learning rates follow from it)"
+    placed["data.dataset_name"] = "the pretraining data is --pretrain-data (SFT and RL read their own)"
+    check_overrides("speedrun", overrides, SHARED + ("rl",), placed=placed)
     tokenizer = out / "tokenizer"
     data = [f"data.dataset_name={pretrain_data}"] if pretrain_data else []
     pretrain = TierlmConfig.load(

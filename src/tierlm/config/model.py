@@ -78,6 +78,29 @@ class LoraConfig(Section):
     embeddings or the output head), or module names as PEFT matches them (["q_proj", "v_proj"])."""
 
 
+FROM_SCRATCH_FIELDS = (
+    "depth",
+    "aspect_ratio",
+    "head_dim",
+    "dropout",
+    "bias",
+    "variant",
+    "ra",
+    "rmlp",
+    "delay",
+    "kv_pruning",
+    "n_kv_head",
+    "mlp_ratio",
+    "rope_theta",
+    "tie_embeddings",
+    "window_pattern",
+    "short_window",
+    "hf_config",
+)
+"""The model settings that only shape a model built from scratch: a run that starts from model.model_name_or_path
+trains the model that folder holds, as it is."""
+
+
 class ModelConfig(Section):
     model_name_or_path: str | None = None
     """Start from this model: a hub id, a transformers folder, or a tierlm run/checkpoint folder. None trains from

@@ -276,6 +276,12 @@ class Run:
     resumed: Path | None = None
     plan: Any = None  # a tierlm.plan.scaling.Plan, once resolve() has run
     memory: Any = None  # a tierlm.plan.memory.MemoryEstimate, once check_memory() has run
+    notes: list[str] = field(default_factory=list)  # the plan, printed by begin(): nothing before every check
+
+    def note(self, text: str) -> None:
+        """Say `text` (stdout, rank 0) once the run begins: a refusal before that is the only line printed."""
+        if self.is_main:
+            self.notes.append(text)
 
     @property
     def seq2seq(self) -> bool:
@@ -318,12 +324,11 @@ class Run:
 
     def resolve(self, model: torch.nn.Module) -> TierlmConfig:
         """Fill in what the config derives from the model (steps, batch, learning rates: `tierlm.plan.scaling`),
-        print the plan on rank 0, and return the resolved config (the one config.yaml records)."""
+        note the plan (printed when the run begins), and return the resolved config (the one config.yaml records)."""
         from tierlm.plan.scaling import resolve
 
         self.config, self.plan = resolve(self.config, self.stage, model, self.data_parallel_size)
-        if self.is_main:
-            print(self.plan.table(), flush=True)  # stdout, with the run summary: stderr stays for problems and progress
+        self.note(self.plan.table())  # stdout, with the run summary: stderr stays for problems and progress
         return self.config
 
     def check_memory(
@@ -335,7 +340,7 @@ class Run:
     ) -> None:
         """Before the model is allocated: refuse at once a run whose lower bounds cannot fit (`memory_needs`,
         with rows of at least `least_tokens`), then estimate its memory per rank (`tierlm.plan.memory`),
-        refuse it in one line if it cannot fit, and print the estimate on rank 0. On CPU the ranks
+        refuse it in one line if it cannot fit, and note the estimate (printed when the run begins). On CPU the ranks
         of one machine share its memory. A hub id is sized only after its download (not here)."""
         from tierlm.plan.memory import check_memory, estimate_run_memory
         from tierlm.plan.memory.bounds import check_fits, memory_needs
@@ -352,8 +357,7 @@ class Run:
             config, world, stage, vocab, pretrained, num_documents, device, rows, row_tokens, kind
         )
         check_memory(self.memory, self.memory_budget())
-        if self.is_main:
-            print(self.memory.table(), flush=True)
+        self.note(self.memory.table())
 
     def memory_budget(self) -> float | None:
         """Bytes this rank may use (`tierlm.plan.memory.memory_budget`; on CPU the ranks of one machine share it)."""
@@ -390,8 +394,7 @@ class Run:
                 distributed=self.kind,
             )
         self.set_batch_size(rows)
-        if self.is_main:
-            print(f"training.per_device_train_batch_size=auto: {rows} rows ({why})", flush=True)
+        self.note(f"training.per_device_train_batch_size=auto: {rows} rows ({why})")
         return self.config
 
     def set_batch_size(self, rows: int) -> None:
@@ -400,8 +403,11 @@ class Run:
         self.config = with_batch_size(self.config, rows)
 
     def begin(self, trainer) -> Path | None:
-        """Everything is checked: create the run directory, record the run, resume, start logging."""
+        """Everything is checked: say the plan, create the run directory, record the run, resume, start logging."""
         if self.is_main:
+            if self.notes:
+                print("\n".join(self.notes), flush=True)
+                self.notes.clear()
             self.output_dir.mkdir(parents=True, exist_ok=True)
             stale = clean_stale_temporaries(self.checkpoint_dir)
             if stale:

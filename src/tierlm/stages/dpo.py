@@ -22,6 +22,7 @@ from tierlm.tasks import synthetic_name
 class DPO(Stage):
     name = "dpo"
     about = "preference-optimise a chat model on chosen/rejected pairs"
+    section = "dpo"
     example_kind = "preference"
     chat = True
     starts_from_trained = True

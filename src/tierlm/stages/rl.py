@@ -10,7 +10,7 @@ import torch
 
 from tierlm.backends.pytorch import frozen_reference
 from tierlm.build.backend import build_backend
-from tierlm.build.model import build_model
+from tierlm.build.model import build_model, model_context
 from tierlm.build.stage import Stage
 from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
@@ -27,6 +27,7 @@ from tierlm.strategies.rl import GRPOStrategy, ValueStrategy, policy_gradient_st
 class RL(Stage):
     name = "rl"
     about = "reinforcement learning on rewarded tasks (REINFORCE / GRPO / PPO), with pass@k evals"
+    section = "rl"
     example_kind = "task"
     chat = True
     starts_from_trained = True
@@ -88,11 +89,14 @@ class RL(Stage):
                 f"{rl.algorithm} uses group baselines)"
             )
         rows = min(rl.micro_batch_size, rl.prompts_per_step // world * rl.group_size)  # rollouts per forward/backward
+        context = model_context(config, tokenizer.vocab_size, run.pretrained)  # the data is checked before planning
+        check_prompt_lengths(train_task, eval_task, tokenizer, context, d.dataset_name)
         longest = longest_rollout(train_task, tokenizer, rl.max_new_tokens, d.max_seq_length)
         run.check_memory(len(train_task), rows, longest, least_tokens=rl.max_new_tokens)
         model = build_model(config, tokenizer, run.device, run.pretrained)
+        if context is None:  # a hub id: its context is known once it is downloaded
+            check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
         config = run.resolve(model)
-        check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
         reference = frozen_reference(model, run.device) if rl.kl_coef > 0 else None
         schedule = optimizer_schedule(config, world)  # the LR schedule counts optimizer steps
         parallel = self.parallelism(config, run.ctx is not None).model_copy(update={"training": schedule})

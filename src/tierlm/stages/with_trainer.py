@@ -143,11 +143,7 @@ def confirm_batch_size(run: Run, model: torch.nn.Module) -> bool:
     )
     if rows == tr.per_device_train_batch_size:
         return False
-    if run.is_main:
-        print(
-            f"training.per_device_train_batch_size=auto: {rows} rows (ran out of memory at "
-            f"{tr.per_device_train_batch_size})",
-            flush=True,
-        )
+    ran_out = tr.per_device_train_batch_size
+    run.note(f"training.per_device_train_batch_size=auto: {rows} rows (ran out of memory at {ran_out})")
     run.set_batch_size(rows)
     return True

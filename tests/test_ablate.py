@@ -41,7 +41,14 @@ def test_variants_parse_and_budget_changes_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="name:section.key=value"):
         parse_variant("x:training.seed")
     coordinator = AblationCoordinator(
-        "tiny_pretrain", [parse_variant("V0"), parse_variant("short:training.num_train_steps=5")], out=tmp_path / "a"
+        "tiny_pretrain", [parse_variant("a:training.seed=1"), parse_variant("short:training.num_train_steps=5")]
+    )
+    with pytest.raises(ConfigError, match="variant a sets training.seed"):
+        coordinator.check()
+    coordinator = AblationCoordinator(
+        "tiny_pretrain",
+        [parse_variant("lr:training.learning_rate=1e-3"), parse_variant("short:training.num_train_steps=5")],
+        out=tmp_path / "a",
     )
     with pytest.raises(ConfigError, match="same data order and token budget"):
         coordinator.check()

@@ -141,7 +141,7 @@ def test_sft_with_tools_from_a_dataset_and_chatml(chatml_tokenizer, tmp_path):
         "pretrain",
         "--config",
         "tiny_pretrain",
-        *TINY,
+        *[a for a in TINY if not a.startswith("tokenizer.")],  # the given tokenizer's vocabulary is its own
         f"model.tokenizer_name_or_path={chatml_tokenizer}",
         f"infra.output_dir={tmp_path / 'pre'}",
     )

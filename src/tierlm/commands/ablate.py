@@ -200,8 +200,8 @@ class AblationCoordinator:
                 )
             config = self.run_config(variant, self.seeds[0])  # validates
             overrides = [*self.overrides, *variant.overrides]
-            check_stage_overrides("ablate", stage, config, overrides, sections=("ablation",), placed=PLACED)
             try:
+                check_stage_overrides("ablate", stage, config, overrides, sections=("ablation",), placed=PLACED)
                 describe_model(config, config.tokenizer.vocab_size, pretrained_location(config))
                 data = json.dumps(config.data.model_dump(mode="json"), sort_keys=True)
                 if data not in opened:  # each variant's data, opened once

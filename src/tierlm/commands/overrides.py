@@ -3,7 +3,7 @@
 Every command takes `section.key=value` overrides on top of its config, and each reads only part of the
 config: a stage reads the shared sections (model, tokenizer, data, training, infra) and its own (`rl`, `dpo`);
 `tierlm eval` reads the tasks and their sampling; a run that starts from model.model_name_or_path keeps the
-shape and tokenizer of that model; a command that places or seeds its runs itself (ablate, speedrun) takes
+shape of that model; a command that places or seeds its runs itself (ablate, speedrun) takes
 those from its own flags. An override outside what the command reads would change nothing, silently — so it
 is refused, naming who reads it or the flag that sets it.
 
@@ -70,24 +70,63 @@ def check_overrides(
 
 
 def check_starting_model(command: str, config: TierlmConfig, overrides: Iterable[str]) -> None:
-    """Refuse an override that shapes a model or trains a tokenizer from scratch when the run starts from a
-    model (model.model_name_or_path), or uses a given tokenizer (model.tokenizer_name_or_path): those keep their
-    own shape and vocabulary."""
-    start, tokenizer = config.model.model_name_or_path, config.model.tokenizer_name_or_path
-    for key in map(override_key, overrides):
-        section, _, field = key.partition(".")
-        field = field.split(".", 1)[0]
-        if start is not None and section == "model" and field in FROM_SCRATCH_FIELDS:
+    """Refuse an override of a model setting the architecture does not read (model.variant for gpt), or one
+    that shapes a model built from scratch when the run starts from a model (model.model_name_or_path) that
+    it does not describe: the run trains the model as it is. An override that agrees with the model (one list
+    of overrides shared by every stage of a pipeline) is honoured."""
+    shaping = [key for key in map(override_key, overrides) if _shapes(key)]
+    if not shaping:
+        return
+    from pathlib import Path
+
+    from tierlm.build.tokenizer import pretrained_location
+    from tierlm.models import family_for_folder, family_named, is_native_folder
+    from tierlm.models.registry import check_causal_lm
+
+    start, location = config.model.model_name_or_path, pretrained_location(config)
+    native = isinstance(location, Path) and is_native_folder(location)
+    family = family_for_folder(location) if native else family_named(config.model.architecture)
+    if start is None and not family.native:  # an architecture transformers cannot train is the first thing to say
+        check_causal_lm(config.model.architecture, "model.architecture")
+    for key in shaping:  # also from scratch: a setting the family does not read changes nothing
+        if key.split(".")[1] not in family.model_fields:
             raise ConfigError(
-                f"{key} shapes a model built from scratch, but `tierlm {command}` starts from {start} "
-                "(model.model_name_or_path), which keeps its own shape: drop it, or drop model.model_name_or_path "
-                "to train a new model"
+                f"{key} has no effect on a {family.name} model, which reads "
+                f"{', '.join(f'model.{f}' for f in family.model_fields)}; drop it"
             )
-        if (start is not None or tokenizer is not None) and section == "tokenizer":
-            source = tokenizer or start
-            raise ConfigError(
-                f"{key} configures a tokenizer trained for the run, but this run uses {source}'s tokenizer: drop it"
-            )
+    if start is None:
+        return
+    if not _describes(config, location):
+        raise ConfigError(
+            f"{shaping[0]} shapes a model built from scratch, but `tierlm {command}` starts from {start} "
+            "(model.model_name_or_path), whose shape is its own and differs: drop it, or drop "
+            "model.model_name_or_path to train a new model"
+        )
+
+
+def _shapes(key: str) -> bool:
+    section, _, field = key.partition(".")
+    return section == "model" and field.split(".", 1)[0] in FROM_SCRATCH_FIELDS
+
+
+def _describes(config: TierlmConfig, location) -> bool:
+    """Would `config`'s settings build the model at `location` (a tierlm folder, its family's settings)?"""
+    import dataclasses
+    from pathlib import Path
+
+    from tierlm.models import family_for_folder, is_native_folder
+
+    if not isinstance(location, Path) or not is_native_folder(location):
+        return False  # a transformers model: tierlm's shape settings do not describe it
+    family = family_for_folder(location)
+    sizes = {"vocab_size", "max_seq_len", "block_size", "short_window"}  # the data's and tokenizer's, not the shape's
+
+    def settings(described) -> dict:
+        return {k: v for k, v in dataclasses.asdict(described).items() if k not in sizes}
+
+    return settings(family.build(config.model, 8, 8, device="meta").config) == settings(
+        family.config_from_folder(location)
+    )
 
 
 def check_stage_overrides(command: str, stage, config: TierlmConfig, overrides: Iterable[str], **extra) -> None:

@@ -40,6 +40,8 @@ class ModelFamily:
     """The adapter protocol; each method has the transformers behaviour unless a family overrides it."""
 
     name = "base"
+    model_fields: tuple[str, ...] = ()
+    """The model.* settings (`tierlm.config.model.FROM_SCRATCH_FIELDS`) it reads to build a model from scratch."""
     native = False
     """True for families tierlm builds itself (their folders carry tierlm_model.json)."""
     seq2seq = False
@@ -254,6 +256,7 @@ class TransformersFamily(ModelFamily):
     """Any transformers causal LM, by its `model_type`."""
 
     name = "transformers"
+    model_fields = ("hf_config",)
 
     def owns(self, model: nn.Module) -> bool:
         return hasattr(getattr(model, "config", None), "model_type")

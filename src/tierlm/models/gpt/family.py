@@ -31,6 +31,7 @@ SHAPE_FIELDS = (
 
 class GPTFamily(NativeCausalLM):
     name = "gpt"
+    model_fields = SHAPE_FIELDS
     model_class = GPT
     config_class = GPTConfig
 

@@ -86,6 +86,7 @@ def variant_fields(model_config) -> dict[str, Any]:
 
 class GPT2Family(NativeCausalLM):
     name = "gpt2"
+    model_fields = (*SHAPE_FIELDS, "dropout", "ra", "rmlp", "delay", "kv_pruning", "mlp_ratio")
     model_class = GPT2
     config_class = GPT2Config
 

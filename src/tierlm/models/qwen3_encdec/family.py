@@ -57,6 +57,7 @@ class BlockLists:
 
 class Qwen3EncDecFamily(NativeFamily):
     name = "qwen3_encdec"
+    model_fields = ("depth", "aspect_ratio", "head_dim", "n_kv_head", "mlp_ratio", "rope_theta", "tie_embeddings")
     model_class = Qwen3ForSeq2SeqLM
     config_class = Qwen3EncDecConfig
     seq2seq = True

@@ -50,8 +50,9 @@ def run_cli(*args, cwd=None, timeout=600):
     )
 
 
-def torchrun(*args, nproc: int = 2, timeout: int = 300, **popen):
-    """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC ARGS` (one thread per rank)."""
+def torchrun(*args, nproc: int = 2, timeout: int = 300, wait: bool = True, **popen):
+    """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC ARGS` (one thread per rank);
+    `wait=False`: start it in its own process group (for os.killpg) and return the process."""
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
@@ -64,6 +65,9 @@ def torchrun(*args, nproc: int = 2, timeout: int = 300, **popen):
         str(nproc),
         *map(str, args),
     ]
+    if not wait:
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True, **quiet, **popen)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 

@@ -895,7 +895,7 @@ CASES = [
     Case(
         "rl-tensor-parallel",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "infra.tensor_parallel_size=2"],
-        "shards data, not the model",
+        "tierlm rl shards the data .ddp. or the weights .fsdp. over ranks, not tensor",
     ),
     Case(
         "rl-gae-lambda-above-1",

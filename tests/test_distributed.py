@@ -332,9 +332,11 @@ def test_fsdp_bf16_on_one_gpu(tmp_path):
 
 
 def test_rl_and_dpo_under_torchrun(tmp_path):
-    """`torchrun -m tierlm rl`: each rank samples its share of the prompts, DDP sums the gradients,
-    pass@k problems are shared out and summed; rank 0 writes the logs and the model. `tierlm dpo`
-    under torchrun (FSDP) matches one process on the same global batch."""
+    """`torchrun -m tierlm rl` under DDP and FSDP2 draws the rollouts one process draws (each prompt's sampling
+    keyed by its place in the global batch, every group on one rank) and takes the same steps (per-step losses
+    1e-5, with a KL reference); the FSDP run's sampler is a whole copy refreshed after every update, and SIGKILL +
+    resume under torchrun ends bit-identical. `tierlm dpo` under torchrun (FSDP) matches one process on the same
+    global batch."""
     sft = tmp_path / "sft"
     tiny = [
         "model.depth=2",
@@ -360,32 +362,61 @@ def test_rl_and_dpo_under_torchrun(tmp_path):
         f"infra.output_dir={sft}",
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    rl = tmp_path / "rl"
-    result = torchrun(
-        "-m",
-        "tierlm",
+    rl = [
         "rl",
         "--config",
         "configs/tiny_rl.yaml",
         f"model.model_name_or_path={sft}",
         *tiny,
-        "training.num_train_steps=2",
-        "training.eval_steps=2",
+        "training.num_train_steps=4",
+        "training.eval_steps=4",
+        "training.save_steps=2",
         "training.logging_steps=1",
+        "rl.algorithm=grpo",
+        "rl.kl_coef=0.05",
         "rl.eval_problems=4",
         "rl.prompts_per_step=4",
         "rl.group_size=2",
         "rl.max_new_tokens=6",
         "rl.micro_batch_size=2",
-        f"infra.output_dir={rl}",
-    )
+    ]
+    one = tmp_path / "rl1"
+    result = run_cli(*rl, f"infra.output_dir={one}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("held-out pass@1") == 1
-    records = [json.loads(line) for line in (rl / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2]
-    train = [r for r in records if r["type"] == "train"]
-    assert len(train) == 2 and all(r["completion_len"] > 0 and r["logprob_abs_diff"] < 1e-4 for r in train)
-    assert (rl / "checkpoints" / "step_2" / "state").is_dir() and (rl / "model" / "model.safetensors").is_file()
+    for kind in ("ddp", "fsdp"):
+        out = tmp_path / f"rl_{kind}"
+        result = torchrun("-m", "tierlm", *rl, f"infra.distributed_type={kind}", f"infra.output_dir={out}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.count("held-out pass@1") == 1
+        assert json.loads((out / "model" / "training_meta.json").read_text())["distributed_type"] == kind
+        records, reference = (
+            [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (out, one)
+        )
+        assert [(r["type"], r["step"]) for r in records] == [(r["type"], r["step"]) for r in reference]
+        for a, b in zip(records, reference):
+            assert a.get("completion_len") == b.get("completion_len") and a.get("reward_mean") == b.get("reward_mean")
+            for key in ("loss", "kl", "grad_norm", "pass@1", "pass@k"):
+                assert abs(a.get(key, 0.0) - b.get(key, 0.0)) < 1e-5, (kind, key, a, b)
+        train = [r for r in records if r["type"] == "train"]
+        assert [r["weight_version"] for r in train] == [0, 1, 2, 3]  # rollouts of step n: the weights after n updates
+        assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # the FSDP sampler's copy is the policy
+    assert (out / "checkpoints" / "step_4" / "state").is_dir() and (out / "model" / "model.safetensors").is_file()
+
+    # SIGKILL the FSDP job at its step-2 checkpoint; resumed, it ends with the uninterrupted run's weights.
+    killed = tmp_path / "rl_killed"
+    args = ["-m", "tierlm", *rl, "infra.distributed_type=fsdp", f"infra.output_dir={killed}"]
+    job = torchrun(*args, wait=False)
+    latest, deadline = killed / "checkpoints" / "latest", time.time() + 300
+    while not (latest.is_file() and latest.read_text().strip() == "step_2"):
+        assert job.poll() is None and time.time() < deadline, "the job ended before its step-2 checkpoint"
+        time.sleep(0.005)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert not (killed / "model").exists()
+    result = torchrun(*args, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight, resumed = (load_file(run / "model" / "model.safetensors") for run in (out, killed))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
     # DPO at 2 ranks x 4 pairs computes what 1 process x 8 pairs does (pairs are never split across ranks).
     dpo = [

@@ -436,3 +436,70 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
 
     assert all(math.isfinite(v) for _, _, v in lines(straight))
     assert lines(resumed)[-2:] == lines(straight)[-2:]
+
+
+def test_importance_weights_scale_each_tokens_policy_gradient_term():
+    """policy_gradient_loss with `importance`: each token's clipped surrogate times its weight (the KL term not),
+    against the formula written out here."""
+    torch.manual_seed(0)
+    logprobs, old = torch.randn(2, 5, requires_grad=True), torch.randn(2, 5)
+    ref, weights = torch.randn(2, 5), torch.rand(2, 5) * 2
+    mask, adv = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]]), torch.tensor([0.5, -1.0])
+    total, count, _ = policy_gradient_loss(logprobs, adv, mask, old, 0.2, ref, 0.1, weights)
+    ratio = (logprobs - old).exp()
+    a = adv[:, None]
+    surrogate = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
+    expected = ((surrogate * weights + 0.1 * kl_penalty(logprobs, ref)) * mask).sum()
+    assert count == mask.sum() and torch.allclose(total, expected, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_runs, tmp_path):
+    """rl.max_off_policy_steps=1: step n trains on rollouts sampled in the background with the weights of step
+    n - 1 (staleness and importance weights logged). Killed at its step-2 checkpoint with the next batch in
+    flight and resumed, the run ends with the uninterrupted run's weights bit for bit (the pending rollouts are
+    in the checkpoint); and an asynchronous run is deterministic whatever the threads' timing."""
+    from safetensors.torch import load_file
+
+    from conftest import kill_at_checkpoint, run_cli
+
+    args = [
+        "rl",
+        "--config",
+        "tiny_rl",
+        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        "rl.algorithm=grpo",
+        "rl.max_off_policy_steps=1",
+        "rl.group_size=4",
+        "rl.prompts_per_step=2",
+        "rl.max_new_tokens=8",
+        "rl.eval_problems=4",
+        "rl.eval_k=2",
+        "training.num_train_steps=5",
+        "training.save_steps=2",
+        "training.eval_steps=0",
+        "training.logging_steps=1",
+        "infra.device_type=cpu",
+        "data.num_synthetic_examples=200",
+        "data.num_synthetic_eval_examples=16",
+    ]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    result = run_cli(*args, f"infra.output_dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert [r["weight_version"] for r in train] == [0, 0, 1, 2, 3] and [r["staleness"] for r in train] == [
+        0,
+        1,
+        1,
+        1,
+        1,
+    ]
+    assert all(0 < r["importance_mean"] <= 2.0 for r in train) and train[0]["logprob_abs_diff"] < 1e-4
+    state = json.loads((straight / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert list(state["pending_rollouts"][0]) == ["2"]  # step 2's batch, sampled with the weights of step 1
+
+    kill_at_checkpoint(args, killed, 2)
+    result = run_cli(*args, f"infra.output_dir={killed}", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = (load_file(run / "model" / "model.safetensors") for run in (straight, killed))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -61,6 +61,11 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
         dist.all_reduce(summed)
         return dict(zip(keys, summed.tolist()))
 
+    def gather_objects(self, value) -> list:
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def _grad_divisor(self, num_tokens: torch.Tensor) -> torch.Tensor:
         # DDP and FSDP2 average gradients over ranks; ours are sums, so undo the 1/world_size.
         return num_tokens.clamp(min=1.0) / self.world_size
@@ -220,6 +225,12 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
 
     def _place(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard placed the shards (on the CPU, with offload)
+
+    def sampler_state(self) -> dict[str, torch.Tensor]:
+        """Every rank gathers the whole model (fp32, the master weights) for its sampler's copy."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
     @classmethod
     def memory_per_rank(

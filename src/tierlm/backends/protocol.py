@@ -131,6 +131,10 @@ class TrainingBackend(Protocol):
         """Sum metric totals over the ranks (one process: themselves)."""
         return values
 
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order, on every rank (one process: `[value]`)."""
+        return [value]
+
     # -- models and saves ------------------------------------------------------------------
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -146,6 +150,11 @@ class TrainingBackend(Protocol):
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """Collective under torchrun: the whole model's weights on rank 0's CPU; None where the live weights are
         saved."""
+        return None
+
+    def sampler_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective where the weights are sharded: the whole model's weights on every rank, for a sampler that
+        holds its own copy (RL's rollout engine under FSDP); None where a sampler reads the live weights."""
         return None
 
     def wait_for_save(self) -> None:

@@ -453,6 +453,13 @@ class RLConfig(Section):
     """Divide advantages by the group's std (None: true for grpo, false otherwise)."""
     micro_batch_size: int = Field(64, gt=0)
     """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
+    max_off_policy_steps: int = Field(0, ge=0, le=8)
+    """Asynchronous RL: the rollouts of step n are sampled with the weights of step n - k while earlier steps train
+    (0: on-policy, generation and training take turns). Pending rollouts are saved with every checkpoint, so a
+    resumed run continues exactly."""
+    importance_cap: float = Field(2.0, gt=0)
+    """Off-policy steps: each trained token's loss is weighted by min(p_policy / p_sampler, importance_cap), the
+    truncated importance ratio against the sampler's own log-probs."""
     tools: list[Literal["calculator"]] = Field(default_factory=list)
     """Tools the model may call during generation (results are spliced in and masked from the loss)."""
     eval_problems: int = Field(100, gt=0)
@@ -461,6 +468,15 @@ class RLConfig(Section):
     """Samples per held-out problem: pass@1 is their mean accuracy, pass@k whether any is right."""
     eval_temperature: float = Field(1.0, ge=0)
     """Sampling temperature for pass@k (0: greedy, then pass@1 == pass@k)."""
+
+    @model_validator(mode="after")
+    def _check_critic(self) -> "RLConfig":
+        if self.critic and self.algorithm != "ppo":
+            raise ValueError(
+                f"rl.critic trains PPO's value model: set rl.algorithm=ppo (or drop rl.critic; "
+                f"{self.algorithm} uses group baselines)"
+            )
+        return self
 
 
 class DPOConfig(Section):

@@ -21,20 +21,14 @@ import torch
 from tierlm.config import RLConfig, TierlmConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops import cadence
+from tierlm.loops.off_policy import OffPolicyRollouts
 from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
+from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rollout.engine import Completion, Engine, answer_text
+from tierlm.rollout.engine import Completion, Engine, Rollout, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
 from tierlm.tasks import Environment, Task, is_environment
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    completion: Completion
-    reward: float
-    text: str
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -94,6 +88,8 @@ class RLTrainer:
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
     stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
+    off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
+    _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
 
     @property
     def rank(self) -> int:
@@ -110,16 +106,29 @@ class RLTrainer:
     def _prompt(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.render_for_completion(messages)
 
-    def _generator(self, *salt: int) -> torch.Generator:
-        key = (
-            (self.config.seed, *salt) if self.world_size == 1 else (self.config.seed, self.rank, *salt)
-        )  # ranks sample apart
-        return torch.Generator(device=self.engine.device).manual_seed(hash(key) % 2**62)
+    def _generator(self, *key: int) -> torch.Generator:
+        """The sampling randomness of one prompt, keyed by what is sampled (the step and the prompt's place in the
+        step's global batch; an eval problem), never by rank: N ranks draw exactly what one process draws."""
+        return torch.Generator(device=self.engine.device).manual_seed(hash((self.config.seed, *key)) % 2**62)
 
-    def collect(self, examples: list, generator: torch.Generator) -> list[list[Rollout]]:
-        """`rl.group_size` samples of each example, scored by the task's reward."""
+    def sync_sampler(self) -> None:
+        """Bring the engine's weights to the policy's (`state.step` updates): a copy where the backend shards them
+        (FSDP: collective, every rank gathers the whole model); else the engine reads the live weights."""
+        if self.backend is not None and self.engine.weight_version != self.state.step:
+            self.engine.load_weights(self.backend.sampler_state(), self.state.step)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The policy's whole weights now, for a sampler's copy (collective under FSDP)."""
+        state = self.backend.sampler_state()
+        if state is None:
+            live = unwrap_model(self.backend.export_model).state_dict()
+            state = {name: tensor.detach().clone() for name, tensor in live.items()}
+        return state
+
+    def collect(self, examples: list, generators: list[torch.Generator]) -> list[list[Rollout]]:
+        """`rl.group_size` samples of each example (with its own generator), scored by the task's reward."""
         groups = []
-        for example in examples:
+        for example, generator in zip(examples, generators):
             prompt = self._prompt(example.messages)
             completions = self.engine.generate(
                 prompt,
@@ -170,6 +179,19 @@ class RLTrainer:
         episode.finished = True
         return Rollout(prompt, episode, total, self.tokenizer.decode(episode.tokens, skip_special_tokens=True))
 
+    def sample_step(self, step: int) -> list[list[Rollout]]:
+        """This rank's share of a step's prompts, each group whole on one rank (the backend sums gradients and
+        tokens over ranks), each prompt sampled with the generator of its place in the global batch."""
+        indices = self._indices(step)
+        positions = range(self.rank, len(indices), self.world_size)
+        generators = [self._generator(step, position) for position in positions]
+        if not is_environment(self.train_task):
+            return self.collect([self.train_task.example(indices[p]) for p in positions], generators)
+        return [
+            [self.run_episode(self.train_task, indices[p], self.rl.temperature, g) for _ in range(self.rl.group_size)]
+            for p, g in zip(positions, generators)
+        ]
+
     def _indices(self, step: int) -> list[int]:
         """The prompts of `step`: a fresh permutation of the task per epoch, a pure function of (seed, step)."""
         n, per = len(self.train_task), self.rl.prompts_per_step
@@ -188,22 +210,14 @@ class RLTrainer:
 
     # -- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        # This rank's share of the step's prompts (DDP: the backend sums gradients and tokens over ranks).
-        indices, generator = (
-            self._indices(self.state.step)[self.rank :: self.world_size],
-            self._generator(self.state.step),
-        )
-        if is_environment(self.train_task):
-            groups = [
-                [
-                    self.run_episode(self.train_task, i, self.rl.temperature, generator)
-                    for _ in range(self.rl.group_size)
-                ]
-                for i in indices
-            ]
+        t0, step = time.perf_counter(), self.state.step
+        if self.off_policy is not None:  # sampled in the background, rl.max_off_policy_steps behind
+            groups, version = self.off_policy.take(step), self.off_policy.version(step)
+            sync = self.off_policy.snapshot_s
         else:
-            groups = self.collect([self.train_task.example(i) for i in indices], generator)
+            self.sync_sampler()
+            sync = time.perf_counter() - t0
+            groups, version = self.sample_step(step), self.engine.weight_version
         t1 = time.perf_counter()
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward for r in rollouts])
@@ -219,6 +233,18 @@ class RLTrainer:
             self._critic_targets(micro, rewards, trained)
         old = torch.cat([mb["old_logprobs"] for mb in micro])
         parity = ((old - batch["sampler_logprobs"]).abs() * trained).sum() / trained.sum().clamp(min=1)
+        off_policy = {}
+        if self.off_policy is not None:  # truncated importance weights p_policy / p_sampler of the stale samples
+            for mb in micro:
+                mb["importance"] = (mb["old_logprobs"] - mb["sampler_logprobs"]).exp().clamp(max=self.rl.importance_cap)
+            weights = torch.cat([mb["importance"] for mb in micro])[trained]
+            off_policy = {
+                "staleness": step - version,
+                "importance_mean": float(weights.mean()) if weights.numel() else 1.0,
+                "importance_capped": float((weights >= self.rl.importance_cap).float().mean())
+                if weights.numel()
+                else 0.0,
+            }
         kl = None
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens, before this step's update
             ref = torch.cat([mb["ref_logprobs"] for mb in micro])
@@ -261,10 +287,13 @@ class RLTrainer:
             "completion_len": tokens / n,
             "finished_frac": totals["finished"] / n,
             "tool_calls": totals["tool_calls"],
-            "time_generation_s": t1 - t0,
+            "time_generation_s": t1 - t0,  # off-policy: the wait for the background sampler
+            "time_weight_sync_s": sync,  # the sampler's copy of the weights (FSDP, off-policy)
             "time_scoring_s": t2 - t1,
             "time_training_s": t3 - t2,  # scoring: rewards + log-probs
             "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
+            "weight_version": version,  # the policy's updates behind this step's rollouts
+            **off_policy,
             **({"kl": kl} if kl is not None else {}),
             **({"value_loss": value_update["loss"]} if value_update is not None else {}),
         }
@@ -272,12 +301,12 @@ class RLTrainer:
     def _critic_targets(
         self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor
     ) -> None:
-        """Each micro-batch gets the critic's values at sampling time, the GAE returns and the whitened
-        per-token advantages (over this rank's whole batch)."""
+        """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,
+        whitened over the whole step's trained tokens (every rank's)."""
         for mb in micro:
             mb["old_values"] = self.critic.values(mb)
         values = torch.cat([mb["old_values"] for mb in micro])
-        advantages, returns = self.strategy.token_advantages(rewards, values, trained)
+        advantages, returns = self.strategy.token_advantages(rewards, values, trained, self._sum_over_ranks)
         start = 0
         for mb in micro:
             rows = mb["input_ids"].shape[0]
@@ -288,9 +317,12 @@ class RLTrainer:
     def evaluate(self) -> dict[str, float]:
         """pass@1 and pass@k over the first `rl.eval_problems` held-out problems (or episodes), k samples each."""
         k, n = self.rl.eval_k, min(self.rl.eval_problems, len(self.eval_task))
-        generator = self._generator(-1)  # the same samples' randomness at every eval
+        if self.off_policy is not None:
+            self.off_policy.drain()  # the engine is the background sampler's until it is idle
+        self.sync_sampler()
         p1, pk, rewards, tool_rows = [], [], [], 0
         for index in range(self.rank, n, self.world_size):  # ranks share the problems
+            generator = self._generator(-1, index)  # each problem's randomness, the same at every eval
             if is_environment(self.eval_task):
                 episodes = [
                     self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)
@@ -347,10 +379,14 @@ class RLTrainer:
         return 1.0 - self.state.last_eval["pass@1"] if evaluated else None
 
     def trainer_state(self) -> dict:
-        return {"loop": asdict(self.state)}
+        state = {"loop": asdict(self.state)}
+        if self.off_policy is not None:  # every rank's pending batches (collective)
+            state["pending_rollouts"] = self.backend.gather_objects(self.off_policy.state())
+        return state
 
     def load_trainer_state(self, state: dict) -> None:
         self.state = RLState(**state["loop"])
+        self._pending = state.get("pending_rollouts")
 
     def companions(self) -> list:
         return [self.critic.backend] if self.critic is not None else []
@@ -395,7 +431,18 @@ class RLTrainer:
 
     def train(self) -> dict[str, Any]:
         """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`; the run summary."""
-        cadence.run_loop(self)
+        if self.rl.max_off_policy_steps:
+            self.off_policy = OffPolicyRollouts(
+                self.rl.max_off_policy_steps, self.engine, self.sample_step, self.snapshot, self.config.num_train_steps
+            )
+            if self._pending is not None:
+                assert len(self._pending) == self.world_size, "resume at the world size that saved the pending rollouts"
+                self.off_policy.load_state(self._pending[self.rank])
+        try:
+            cadence.run_loop(self)
+        finally:
+            if self.off_policy is not None:
+                self.off_policy.close()
         state = self.state
         return {
             "step": state.step,

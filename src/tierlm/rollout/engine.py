@@ -36,6 +36,16 @@ class Completion:
     tool_calls: int = 0
 
 
+@dataclass
+class Rollout:
+    """A completion of a prompt with its reward (and the answer text the reward read)."""
+
+    prompt_ids: list[int]
+    completion: Completion
+    reward: float
+    text: str
+
+
 class Engine:
     """Sampling for one model of any family (the family's KV cache: ours for native models, transformers' own).
 
@@ -50,6 +60,8 @@ class Engine:
         self.stop_ids = set(stop_ids)
         self.tokenizer, self.tools = tokenizer, {t.name: t for t in tools}
         self.device = next(self.model.parameters()).device
+        self.weight_version = 0
+        """The optimizer steps behind the weights it samples with (recorded with every rollout batch)."""
         if self.tools:
             assert tokenizer is not None, "tools need the tokenizer to read calls and write results"
             vocab = tokenizer.hf.get_vocab()
@@ -59,6 +71,13 @@ class Engine:
             assert not missing, f"the tokenizer lacks the tool tokens {missing}"
             self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
             self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
+
+    def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        """The policy after `version` optimizer steps: `state` (its whole weights) is copied in when the engine
+        samples from a copy of its own; None when it reads the policy's live weights."""
+        if state is not None:
+            self.model.load_state_dict(state)
+        self.weight_version = version
 
     # -- the model step, with a cache (the model's family knows its cache) -----------------------
     def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):

@@ -6,6 +6,8 @@ them, and update the policy with REINFORCE, GRPO or PPO (with a critic), with pa
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from tierlm.backends.pytorch import frozen_reference
@@ -37,12 +39,13 @@ class RL(Stage):
     micro_batch_key = "rl.micro_batch_size"
 
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
-        """RL shards data, not the model: under torchrun each rank samples its share of the prompts (DDP)."""
+        """Under torchrun each rank samples its share of the prompts and trains on them: DDP (auto), or FSDP2
+        (infra.distributed_type=fsdp) for a policy that does not fit one rank, its sampler a whole copy."""
         kind, infra = config.infra.distributed_type, config.infra
-        if kind == "fsdp" or infra.model_parallel:
+        if infra.model_parallel:
             raise ConfigError(
-                "tierlm rl shards data, not the model: use infra.distributed_type=ddp (or auto) under torchrun, "
-                "without tensor / pipeline / context parallelism"
+                "tierlm rl shards the data (ddp) or the weights (fsdp) over ranks, not tensor / pipeline / context "
+                "parallel layers: drop those sizes"
             )
         kind = ("ddp" if launched else "none") if kind == "auto" else kind
         return config.model_copy(update={"infra": infra.model_copy(update={"distributed_type": kind})})
@@ -69,6 +72,7 @@ class RL(Stage):
     def memory_fixes(self, config: TierlmConfig) -> dict[str, str]:
         fixes = {
             "reference model": "set rl.kl_coef=0",
+            "sampler weights": "use infra.distributed_type=ddp where the policy fits one rank",
             "generation KV cache": "lower rl.group_size or rl.max_new_tokens",
         }
         if config.infra.activation_checkpointing:
@@ -83,11 +87,6 @@ class RL(Stage):
         train_task, eval_task = open_tasks(config)
         if rl.prompts_per_step % world:
             raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
-        if rl.critic and rl.algorithm != "ppo":
-            raise ConfigError(
-                f"rl.critic trains PPO's value model: set rl.algorithm=ppo (or drop rl.critic; "
-                f"{rl.algorithm} uses group baselines)"
-            )
         rows = min(rl.micro_batch_size, rl.prompts_per_step // world * rl.group_size)  # rollouts per forward/backward
         context = model_context(config, tokenizer.vocab_size, run.pretrained)  # the data is checked before planning
         check_prompt_lengths(train_task, eval_task, tokenizer, context, d.dataset_name)
@@ -105,8 +104,11 @@ class RL(Stage):
             folder = run.output_dir / "critic_checkpoints"
             value_backend = build_backend(parallel, value_model(model), folder, run.device, run.ctx)
             critic = Critic(value_backend, ValueStrategy(rl.value_clip_range))
+        # Under FSDP or off-policy the engine samples from a whole copy of its own, loaded with the policy's weights.
+        own_copy = parallel.infra.distributed_type == "fsdp" or rl.max_off_policy_steps > 0
+        sampler = copy.deepcopy(model) if own_copy else model
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
-        engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in rl.tools else [])
+        engine = Engine(sampler, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in rl.tools else [])
         strategy = policy_gradient_strategy(rl)
         trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training)
         extras = extras_writer(config, tokenizer, self.name)

@@ -10,6 +10,7 @@ the tokens of the whole step (token-level, DAPO style).
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -52,13 +53,15 @@ def policy_gradient_loss(
     clip_range: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(summed loss, trained tokens, statistics) of the clipped surrogate. `advantages`: one per row (B,)
     (group baselines) or one per token (B, T) (a critic's GAE).
 
     Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = p / p_old, plus
     `kl_coef` * KL. Without `old_logprobs` the ratio is 1 with the gradient of log p: REINFORCE.
-    Without `clip_range` nothing is clipped.
+    Without `clip_range` nothing is clipped. `importance` (B, T), for samples drawn by an older policy: each
+    token's policy-gradient term is weighted by it (the truncated importance ratio p_policy / p_sampler).
     """
     mask = mask.float()
     old = logprobs.detach() if old_logprobs is None else old_logprobs
@@ -72,6 +75,8 @@ def policy_gradient_loss(
         per_token = -torch.minimum(surrogate, clipped)
     else:
         per_token = -surrogate
+    if importance is not None:
+        per_token = per_token * importance
     stats = {}
     if ref_logprobs is not None and kl_coef:
         kl = kl_penalty(logprobs, ref_logprobs)
@@ -181,6 +186,7 @@ class PolicyGradientStrategy:
             self.clip_range,
             batch.get("ref_logprobs"),
             self.kl_coef,
+            batch.get("importance"),
         )
         return total, count
 
@@ -228,13 +234,24 @@ class PPOStrategy(PolicyGradientStrategy):
         self.critic, self.gamma, self.lam, self.value_clip_range = critic, gamma, lam, value_clip_range
 
     def token_advantages(
-        self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+        self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, total=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(whitened GAE advantages, returns) per token."""
+        """(whitened GAE advantages, returns) per token; whitened by the mean and (unbiased) std of the trained
+        tokens' advantages over the whole step: `total` sums a dict of floats over the ranks (None: this batch).
+
+        >>> ppo = PPOStrategy(lam=1.0)
+        >>> adv, _ = ppo.token_advantages(torch.tensor([1.0, 0.0]), torch.zeros(2, 2), torch.ones(2, 2))
+        >>> [round(a, 4) for a in adv.flatten().tolist()]
+        [0.866, 0.866, -0.866, -0.866]
+        """
         advantages, returns = generalized_advantages(rewards, values, mask, self.gamma, self.lam)
         trained = mask.bool()
-        if trained.sum() > 1:
-            mean, std = advantages[trained].mean(), advantages[trained].std()
+        picked = advantages[trained].double()
+        sums = {"n": float(trained.sum()), "sum": float(picked.sum()), "squares": float((picked**2).sum())}
+        sums = total(sums) if total is not None else sums
+        if sums["n"] > 1:
+            mean = sums["sum"] / sums["n"]
+            std = math.sqrt(max(sums["squares"] - sums["n"] * mean**2, 0.0) / (sums["n"] - 1))
             advantages = torch.where(trained, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
         return advantages, returns
 

@@ -82,6 +82,7 @@ PARTS = (
     "DDP gradient buckets",
     "reference model",
     "generation KV cache",
+    "sampler weights",
     "data loader",
     "framework",
     "allocator retention",
@@ -292,7 +293,7 @@ def estimate_run_memory(
     `vocab_size` defaults to the tokenizer section's; `num_documents` to the synthetic task's
     size; a micro-batch is `rows` x `row_tokens` (default: the stage's, `Stage.micro_batch`);
     `distributed` ("none", "ddp", "fsdp") defaults to what the config and `world_size` imply
-    under torchrun (as the stage runs there: RL shards data, not the model).
+    under torchrun (as the stage runs there: RL's auto is DDP).
 
     >>> from tierlm.config import TierlmConfig
     >>> config = TierlmConfig.model_validate({"model": {"depth": 1, "aspect_ratio": 32}, "data": {"max_seq_length": 16},
@@ -357,6 +358,8 @@ def estimate_run_memory(
         parts["reference model"] = param_bytes
     if generation is not None:  # generation and training take turns: the cache adds what exceeds the step's activations
         parts["generation KV cache"] = max(0.0, peak.get("Generation", 0) - activations)
+        if distributed == "fsdp":  # the sharded policy's sampler is a whole copy of it
+            parts["sampler weights"] = param_bytes
     if num_documents is None:
         num_documents = d.num_synthetic_examples if synthetic_name(d.dataset_name) is not None else 0
     parts["data loader"] = BYTES_PER_DOCUMENT * num_documents

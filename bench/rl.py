@@ -1,0 +1,102 @@
+"""One RL step, split: generation / scoring (old and reference log-probs) / training / weight sync, and rollout
+tokens/s — on-policy against one step off-policy (the next batch sampled while this one trains), one process
+against 2 ranks (DDP, FSDP2), all on the tiny task from the same SFT model.
+
+    .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft]
+
+Each contender is `tierlm rl --config tiny_rl` for --steps steps (eval only at the end, no checkpoints but the
+last) in its own process (torchrun for the 2-rank ones); the figures are medians over its steps after the first
+two (warm-up). Without --sft, a tiny SFT model is trained once into the system's temp folder (about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import parser, run  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SFT_DIR = Path(tempfile.gettempdir()) / "tierlm_bench_rl_sft"
+
+
+def sft_model(args) -> Path:
+    if args.sft:
+        return Path(args.sft)
+    if not (SFT_DIR / "sft" / "model").is_dir():
+        common = ["infra.device_type=cpu", "infra.progress_bar=false"]
+        for stage, config, extra in (
+            ("pretrain", "configs/tiny_pretrain.yaml", []),
+            ("sft", "configs/tiny_sft.yaml", [f"model.model_name_or_path={SFT_DIR / 'pretrain'}"]),
+        ):
+            out = SFT_DIR / stage
+            command = [sys.executable, "-m", "tierlm", stage, "--config", config, *common, *extra]
+            subprocess.run([*command, f"infra.output_dir={out}"], cwd=REPO, check=True, capture_output=True)
+    return SFT_DIR / "sft"
+
+
+def rl_step(args, ranks: int, extra: list[str]) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="tierlm_bench_rl_"))
+    overrides = [
+        f"model.model_name_or_path={sft_model(args)}",
+        f"training.num_train_steps={args.steps}",
+        "training.eval_steps=0",
+        "training.save_steps=0",
+        "training.logging_steps=1",
+        "rl.eval_problems=8",
+        "infra.device_type=cpu",
+        "infra.progress_bar=false",
+        f"infra.output_dir={out}",
+        *extra,
+    ]
+    tierlm = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *overrides]
+    if ranks > 1:
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // ranks))}
+        command = [sys.executable, *launcher, *tierlm]
+    else:
+        env, command = os.environ, [sys.executable, *tierlm]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(result.stderr[-3000:])
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    steady = train[2:]
+    walls = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(train[1:], train[2:])]
+
+    def median(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in steady)
+
+    return {
+        "seconds_per_step": statistics.median(walls),
+        "generation_s": median("time_generation_s"),
+        "scoring_s": median("time_scoring_s"),
+        "training_s": median("time_training_s"),
+        "weight_sync_s": median("time_weight_sync_s"),
+        "rollout_tokens_per_sec": median("rollout_tokens_per_sec"),
+        "reward_mean": statistics.mean(r["reward_mean"] for r in train),
+    }
+
+
+CONTENDERS = {
+    "1 process, on-policy": lambda a: rl_step(a, 1, []),
+    "1 process, one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
+    "2 ranks DDP, on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
+    "2 ranks FSDP2, on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
+}
+
+if __name__ == "__main__":
+    p = parser(__doc__)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--sft", default=None, help="an SFT run directory (default: trained once into the temp folder)")
+    args = p.parse_args()
+    argv = [f"--steps={args.steps}", f"--threads={args.threads}", *([f"--sft={args.sft}"] if args.sft else [])]
+    if args.contender is None:
+        sft_model(args)
+        print(f"tierlm rl, tiny_rl, {args.steps} steps, {args.threads} threads in all", file=sys.stderr)
+    run(CONTENDERS, args, argv, "seconds_per_step", "1 process, on-policy")

@@ -58,7 +58,8 @@ def rl_step(args, ranks: int, extra: list[str]) -> dict:
     tierlm = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *overrides]
     if ranks > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // ranks))}
+        per_rank = str(max(1, args.threads // ranks))  # the ranks share the threads (BLAS's too)
+        env = {**os.environ, "OMP_NUM_THREADS": per_rank, "MKL_NUM_THREADS": per_rank}
         command = [sys.executable, *launcher, *tierlm]
     else:
         env, command = os.environ, [sys.executable, *tierlm]
@@ -84,10 +85,10 @@ def rl_step(args, ranks: int, extra: list[str]) -> dict:
 
 
 CONTENDERS = {
-    "1 process, on-policy": lambda a: rl_step(a, 1, []),
-    "1 process, one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
-    "2 ranks DDP, on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
-    "2 ranks FSDP2, on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
+    "1 process on-policy": lambda a: rl_step(a, 1, []),
+    "1 process one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
+    "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
+    "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
 }
 
 if __name__ == "__main__":
@@ -99,4 +100,4 @@ if __name__ == "__main__":
     if args.contender is None:
         sft_model(args)
         print(f"tierlm rl, tiny_rl, {args.steps} steps, {args.threads} threads in all", file=sys.stderr)
-    run(CONTENDERS, args, argv, "seconds_per_step", "1 process, on-policy")
+    run(CONTENDERS, args, argv, "seconds_per_step", "1 process on-policy")

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from tierlm.rollout.engine import Completion, Engine, Rollout
 
@@ -73,7 +74,8 @@ class OffPolicyRollouts:
     ):
         assert k > 0, "on-policy runs sample in the loop"
         self.k, self.engine, self.sample, self.snapshot, self.num_steps = k, engine, sample, snapshot, num_steps
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-rollouts")
+        # One thread of its own for the sampler's math: the training thread keeps the configured ones.
+        self.pool = ThreadPoolExecutor(1, "tierlm-rollouts", initializer=torch.set_num_threads, initargs=(1,))
         self.pending: dict[int, Future] = {}
         self.submitted = -1  # the last step whose sampling was submitted
         self.snapshot_s = 0.0  # the time the latest weight snapshot took

@@ -171,12 +171,11 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     from safetensors.torch import load_file
     from tests.conftest import run_cli, torchrun
 
+    shape = ["model.depth=4", "model.aspect_ratio=16"]  # the native GPT's (Qwen3's shape is its model.hf_config)
     common = [
         "pretrain",
         "--config",
         "configs/tiny_pretrain.yaml",
-        "model.depth=4",
-        "model.aspect_ratio=16",
         "training.num_train_steps=6",
         "training.warmup_steps=1",
         "training.save_steps=3",
@@ -198,6 +197,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     references: dict[tuple, object] = {}  # one one-process run per shared config
     for name, (layout, shared) in LAYOUTS.items():
         one, run = references.setdefault(tuple(shared), tmp_path / f"{name}_one"), tmp_path / name
+        shared = shared if shared == QWEN3 else [*shape, *shared]
         if not one.exists():
             assert (result := run_cli(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[
                 -3000:
@@ -215,7 +215,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     run = tmp_path / "tp"
     shutil.rmtree(run / "checkpoints" / "step_6")
     (run / "checkpoints" / "latest").write_text("step_3\n")
-    assert (result := run_cli(*common, f"infra.output_dir={run}")).returncode == 0, result.stderr[-3000:]
+    assert (result := run_cli(*common, *shape, f"infra.output_dir={run}")).returncode == 0, result.stderr[-3000:]
     assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(tmp_path / "tp_one")))
 
 

@@ -89,7 +89,7 @@ def check_starting_model(command: str, config: TierlmConfig, overrides: Iterable
     if start is None and not family.native:  # an architecture transformers cannot train is the first thing to say
         check_causal_lm(config.model.architecture, "model.architecture")
     for key in shaping:  # also from scratch: a setting the family does not read changes nothing
-        if key.split(".")[1] not in family.model_fields:
+        if family.model_fields is not None and key.split(".")[1] not in family.model_fields:
             raise ConfigError(
                 f"{key} has no effect on a {family.name} model, which reads "
                 f"{', '.join(f'model.{f}' for f in family.model_fields)}; drop it"

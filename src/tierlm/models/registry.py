@@ -40,8 +40,9 @@ class ModelFamily:
     """The adapter protocol; each method has the transformers behaviour unless a family overrides it."""
 
     name = "base"
-    model_fields: tuple[str, ...] = ()
-    """The model.* settings (`tierlm.config.model.FROM_SCRATCH_FIELDS`) it reads to build a model from scratch."""
+    model_fields: tuple[str, ...] | None = None
+    """The model.* settings (`tierlm.config.model.FROM_SCRATCH_FIELDS`) it reads to build a model from scratch
+    (None: not declared, so overrides of them are not checked)."""
     native = False
     """True for families tierlm builds itself (their folders carry tierlm_model.json)."""
     seq2seq = False

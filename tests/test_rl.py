@@ -390,6 +390,25 @@ def test_the_value_model_is_the_policy_with_a_zero_value_head(tiny_gpt_config):
         )  # the policy untouched
 
 
+def _tiny_rl(tiny_runs) -> list[str]:
+    """`tierlm rl` from the shared tiny SFT run: 2 prompts a step, checkpoints every 2 steps, a small pass@k."""
+    return [
+        "rl",
+        "--config",
+        "tiny_rl",
+        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        "rl.prompts_per_step=2",
+        "rl.eval_problems=4",
+        "rl.eval_k=2",
+        "training.save_steps=2",
+        "training.eval_steps=0",
+        "training.logging_steps=1",
+        "infra.device_type=cpu",
+        "data.num_synthetic_examples=200",
+        "data.num_synthetic_eval_examples=16",
+    ]
+
+
 @pytest.mark.slow
 def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path):
     """`tierlm rl` with rl.algorithm=ppo rl.critic=true: the value loss is logged, the critic's checkpoints
@@ -400,25 +419,13 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
     from conftest import resume_from_checkpoint, run_cli
 
     args = [
-        "rl",
-        "--config",
-        "tiny_rl",
-        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        *_tiny_rl(tiny_runs),
         "rl.algorithm=ppo",
         "rl.critic=true",
         "rl.ppo_epochs=2",
         "rl.group_size=2",
-        "rl.prompts_per_step=2",
         "rl.max_new_tokens=6",
-        "rl.eval_problems=4",
-        "rl.eval_k=2",
         "training.num_train_steps=4",
-        "training.save_steps=2",
-        "training.eval_steps=0",
-        "training.logging_steps=1",
-        "infra.device_type=cpu",
-        "data.num_synthetic_examples=200",
-        "data.num_synthetic_eval_examples=16",
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
@@ -464,24 +471,12 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
     from conftest import kill_at_checkpoint, run_cli
 
     args = [
-        "rl",
-        "--config",
-        "tiny_rl",
-        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        *_tiny_rl(tiny_runs),
         "rl.algorithm=grpo",
         "rl.max_off_policy_steps=1",
         "rl.group_size=4",
-        "rl.prompts_per_step=2",
         "rl.max_new_tokens=8",
-        "rl.eval_problems=4",
-        "rl.eval_k=2",
         "training.num_train_steps=5",
-        "training.save_steps=2",
-        "training.eval_steps=0",
-        "training.logging_steps=1",
-        "infra.device_type=cpu",
-        "data.num_synthetic_examples=200",
-        "data.num_synthetic_eval_examples=16",
     ]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     result = run_cli(*args, f"infra.output_dir={straight}")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierlm.commands.overrides import check_stage_overrides
+from tierlm.commands.overrides import check_stage_overrides, override_key
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, TierlmError
 from tierlm.metrics.report import model_figures, read_metrics
@@ -168,16 +168,17 @@ class AblationCoordinator:
         self.out = Path(self.out or f"runs/ablate_{Path(self.config).stem}")
 
     # -- planning --------------------------------------------------------------------------
+    def run_overrides(self, variant: Variant, seed: int) -> list[str]:
+        """The command's overrides, the variant's, and the run's seed and directory."""
+        return [
+            *self.overrides,
+            *variant.overrides,
+            f"training.seed={seed}",
+            f"infra.output_dir={self.run_dir(variant, seed)}",
+        ]
+
     def run_config(self, variant: Variant, seed: int) -> TierlmConfig:
-        return TierlmConfig.load(
-            self.config,
-            [
-                *self.overrides,
-                *variant.overrides,
-                f"training.seed={seed}",
-                f"infra.output_dir={self.run_dir(variant, seed)}",
-            ],
-        )
+        return TierlmConfig.load(self.config, self.run_overrides(variant, seed))
 
     def run_dir(self, variant: Variant, seed: int) -> Path:
         return self.out / f"{variant.name}_seed{seed}"
@@ -192,7 +193,7 @@ class AblationCoordinator:
 
         stage, opened = STAGES[self.stage], set()
         for variant in self.variants:
-            bad = [o.split("=", 1)[0] for o in variant.overrides if o.split("=", 1)[0] in BUDGET_KEYS]
+            bad = [key for key in map(override_key, variant.overrides) if key in BUDGET_KEYS]
             if bad:
                 raise ConfigError(
                     f"variant {variant.name} sets {', '.join(bad)}: every variant trains on the same data "
@@ -263,23 +264,17 @@ class AblationCoordinator:
 
     def _train(self, variant: Variant, seed: int) -> str | None:
         """One run: in this process under torchrun (all ranks together), else in a child process."""
-        overrides = [
-            *self.overrides,
-            *variant.overrides,
-            f"training.seed={seed}",
-            f"infra.output_dir={self.run_dir(variant, seed)}",
-        ]
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from tierlm.stages import run_stage
 
             try:  # the variants share this job's process group
-                run_stage(TierlmConfig.load(self.config, overrides), self.stage, leave_group=False)
+                run_stage(self.run_config(variant, seed), self.stage, leave_group=False)
             except TierlmError as error:
                 print(f"tierlm: error: [rank {os.environ.get('RANK', '0')}] {error}", file=sys.stderr, flush=True)
                 return "the run failed (see its rank's error above)"
             return None
         result = subprocess.run(
-            [sys.executable, "-m", "tierlm", self.stage, "--config", self.config, *overrides],
+            [sys.executable, "-m", "tierlm", self.stage, "--config", self.config, *self.run_overrides(variant, seed)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -123,11 +123,12 @@ def cmd_ablate(args: argparse.Namespace) -> None:
         raise TierlmError("tierlm ablate needs --config (a YAML file or a preset), or --report DIR")
     base = TierlmConfig.load(args.config, args.overrides)
     given = {override_key(o) for o in args.overrides}
-    for key, flags in (("ablation.variants", args.variants or args.variant), ("ablation.seeds", args.seeds)):
-        if key in given and flags:
-            raise ConfigError(
-                f"{key} and its flag ({'--seeds' if key == 'ablation.seeds' else '--variants'}) both given: keep one"
-            )
+    for key, flag, value in (
+        ("ablation.variants", "--variants", args.variants or args.variant),
+        ("ablation.seeds", "--seeds", args.seeds),
+    ):
+        if key in given and value:
+            raise ConfigError(f"{key} and its flag ({flag}) both given: keep one")
     specs = [v for v in (args.variants or "").split(",") if v.strip()] + args.variant or base.ablation.variants
     seeds = _int_list(args.seeds, "--seeds") if args.seeds else base.ablation.seeds
     coordinator = AblationCoordinator(

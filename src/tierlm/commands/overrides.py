@@ -96,7 +96,7 @@ def check_starting_model(command: str, config: TierlmConfig, overrides: Iterable
             )
     if start is None:
         return
-    if not _describes(config, location):
+    if not (native and _describes(config, family, location)):  # tierlm's settings do not describe a transformers model
         raise ConfigError(
             f"{shaping[0]} shapes a model built from scratch, but `tierlm {command}` starts from {start} "
             "(model.model_name_or_path), whose shape is its own and differs: drop it, or drop "
@@ -109,28 +109,29 @@ def _shapes(key: str) -> bool:
     return section == "model" and field.split(".", 1)[0] in FROM_SCRATCH_FIELDS
 
 
-def _describes(config: TierlmConfig, location) -> bool:
-    """Would `config`'s settings build the model at `location` (a tierlm folder, its family's settings)?"""
+def _describes(config: TierlmConfig, family, folder) -> bool:
+    """Would `config`'s settings build the model in the tierlm `folder` (of `family`)?"""
     import dataclasses
-    from pathlib import Path
 
-    from tierlm.models import family_for_folder, is_native_folder
-
-    if not isinstance(location, Path) or not is_native_folder(location):
-        return False  # a transformers model: tierlm's shape settings do not describe it
-    family = family_for_folder(location)
     sizes = {"vocab_size", "max_seq_len", "block_size", "short_window"}  # the data's and tokenizer's, not the shape's
 
     def settings(described) -> dict:
         return {k: v for k, v in dataclasses.asdict(described).items() if k not in sizes}
 
     return settings(family.build(config.model, 8, 8, device="meta").config) == settings(
-        family.config_from_folder(location)
+        family.config_from_folder(folder)
     )
 
 
-def check_stage_overrides(command: str, stage, config: TierlmConfig, overrides: Iterable[str], **extra) -> None:
-    """Both checks, for a command that runs or plans `stage` with `config` (`extra`: more sections or `placed`)."""
-    sections = stage_sections(stage) + tuple(extra.pop("sections", ()))
-    check_overrides(command, overrides, sections, **extra)
+def check_stage_overrides(
+    command: str,
+    stage,
+    config: TierlmConfig,
+    overrides: Iterable[str],
+    sections: Iterable[str] = (),
+    placed: Mapping[str, str] | None = None,
+) -> None:
+    """Both checks, for a command that runs or plans `stage` with `config` (`sections`: read besides the stage's;
+    `placed`: as `check_overrides`)."""
+    check_overrides(command, overrides, stage_sections(stage) + tuple(sections), placed=placed)
     check_starting_model(command, config, overrides)

@@ -9,6 +9,7 @@ and that neither the working folder nor the shared trained runs changed by a sin
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -984,6 +985,44 @@ CASES = [
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
         "needs at least",
     ),
+    Case(
+        "rl-vllm-not-installed",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.engine=vllm"],
+        r"rl.engine=vllm needs vLLM in this Python .*scripts/setup_vllm.sh",
+    ),
+    Case(
+        "rl-vllm-server-down",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.engine=vllm",
+            "rl.vllm_url=http://127.0.0.1:9",
+        ],
+        r"no vLLM server answers at http://127.0.0.1:9/v1/models",
+    ),
+    Case(
+        "rl-vllm-url-without-engine",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.vllm_url=http://127.0.0.1:9"],
+        "rl.vllm_url names a vLLM server for rl.engine=vllm",
+    ),
+    Case(
+        "rl-vllm-url-not-http",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.engine=vllm", "rl.vllm_url=x:1"],
+        "rl.vllm_url must be an http",
+    ),
+    Case(
+        "rl-off-policy-out-of-range",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.max_off_policy_steps=9"],
+        "rl.max_off_policy_steps",
+    ),
+    Case(
+        "eval-vllm-server-down",
+        ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "rl.engine=vllm", "rl.vllm_url=http://127.0.0.1:9"],
+        r"no vLLM server answers at http://127.0.0.1:9",
+    ),
     Case("eval-missing-checkpoint", ["eval", "--checkpoint", "./nope", "--config", cfg(RL_CFG)], "does not exist"),
     Case(
         "eval-checkpoint-is-file",
@@ -1492,6 +1531,8 @@ def test_the_table_is_broad():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(case, runs, tmp_path, monkeypatch, capsys):
+    if case.id == "rl-vllm-not-installed" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this Python")
     work = tmp_path / "w"
     work.mkdir()
     monkeypatch.chdir(work)

@@ -3,8 +3,12 @@ tasks an RL config names, sampled by the generation engine (no training)."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 
+from tierlm.build.engine import build_engine
 from tierlm.build.tasks import open_tasks
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
@@ -13,8 +17,6 @@ from tierlm.errors import ConfigError
 from tierlm.loops.rl import RLTrainer
 from tierlm.models import load_pretrained_model
 from tierlm.primitives import resolve_device
-from tierlm.rollout.engine import Engine
-from tierlm.rollout.tools import Calculator
 
 
 def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
@@ -25,6 +27,11 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
         raise ConfigError(f"{checkpoint} has no chat template: pass@k evaluates chat models")
     torch.manual_seed(config.training.seed)
     model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
-    engine = Engine(model, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in config.rl.tools else [])
-    trainer = RLTrainer(None, None, engine, tokenizer, None, open_tasks(config)[1], config.rl, config.training)
-    return trainer.evaluate()
+    eval_task = open_tasks(config)[1]
+    with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # rl.engine=vllm: its model folder
+        engine = build_engine(config.rl, model, tokenizer, Path(folder))
+        try:
+            trainer = RLTrainer(None, None, engine, tokenizer, None, eval_task, config.rl, config.training)
+            return trainer.evaluate()
+        finally:
+            engine.close()

@@ -460,6 +460,15 @@ class RLConfig(Section):
     importance_cap: float = Field(2.0, gt=0)
     """Off-policy steps: each trained token's loss is weighted by min(p_policy / p_sampler, importance_cap), the
     truncated importance ratio against the sampler's own log-probs."""
+    engine: Literal["native", "vllm"] = "native"
+    """What samples rollouts and pass@k: tierlm's own KV-cache engine, or vLLM (in this process, or the server at
+    rl.vllm_url), the trainer's weights pushed into it after every optimizer step."""
+    vllm_url: str | None = None
+    """rl.engine=vllm: the base URL of a vLLM server (scripts/vllm_server.sh) that reads the weights the trainer
+    writes to RUN/sampler (shared storage); None: vLLM runs in the trainer's process."""
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """rl.engine=vllm in this process on a GPU: the share of GPU memory vLLM may take (weights and KV cache; it
+    sleeps, giving the KV cache back, while the trainer trains)."""
     tools: list[Literal["calculator"]] = Field(default_factory=list)
     """Tools the model may call during generation (results are spliced in and masked from the loss)."""
     eval_problems: int = Field(100, gt=0)
@@ -468,6 +477,14 @@ class RLConfig(Section):
     """Samples per held-out problem: pass@1 is their mean accuracy, pass@k whether any is right."""
     eval_temperature: float = Field(1.0, ge=0)
     """Sampling temperature for pass@k (0: greedy, then pass@1 == pass@k)."""
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> "RLConfig":
+        if self.vllm_url is not None and self.engine != "vllm":
+            raise ValueError("rl.vllm_url names a vLLM server for rl.engine=vllm: set rl.engine=vllm or drop the URL")
+        if self.vllm_url is not None and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"rl.vllm_url must be an http:// or https:// URL, got {self.vllm_url!r}")
+        return self
 
     @model_validator(mode="after")
     def _check_critic(self) -> "RLConfig":

@@ -46,6 +46,7 @@ def encode_rollout(rollout) -> dict[str, Any]:
         "mask": _pack(c.mask, np.int64),
         "finished": c.finished,
         "tool_calls": c.tool_calls,
+        "weight_version": c.weight_version,
         "reward": rollout.reward,
         "text": rollout.text,
     }
@@ -58,6 +59,7 @@ def decode_rollout(record: dict[str, Any]) -> Rollout:
         _unpack(record["mask"], np.int64),
         record["finished"],
         record["tool_calls"],
+        record.get("weight_version", 0),
     )
     return Rollout(_unpack(record["prompt"], np.int64), completion, record["reward"], record["text"])
 

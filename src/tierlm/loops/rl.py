@@ -26,7 +26,7 @@ from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rollout.engine import Completion, Engine, Rollout, answer_text
+from tierlm.rollout.engine import Completion, Rollout, SamplingEngine, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
 from tierlm.tasks import Environment, Task, is_environment
 
@@ -76,7 +76,7 @@ class RLState:
 class RLTrainer:
     backend: Any
     strategy: PolicyGradientStrategy
-    engine: Engine
+    engine: SamplingEngine
     tokenizer: Tokenizer
     train_task: Task | Environment
     eval_task: Task | Environment
@@ -113,9 +113,11 @@ class RLTrainer:
 
     def sync_sampler(self) -> None:
         """Bring the engine's weights to the policy's (`state.step` updates): a copy where the backend shards them
-        (FSDP: collective, every rank gathers the whole model); else the engine reads the live weights."""
+        (FSDP: collective, every rank gathers the whole model) or the engine holds its own (vLLM); else the engine
+        reads the live weights."""
         if self.backend is not None and self.engine.weight_version != self.state.step:
-            self.engine.load_weights(self.backend.sampler_state(), self.state.step)
+            state = self.snapshot() if self.engine.needs_state else self.backend.sampler_state()
+            self.engine.load_weights(state, self.state.step)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights now, for a sampler's copy (collective under FSDP)."""
@@ -127,18 +129,17 @@ class RLTrainer:
 
     def collect(self, examples: list, generators: list[torch.Generator]) -> list[list[Rollout]]:
         """`rl.group_size` samples of each example (with its own generator), scored by the task's reward."""
+        prompts = [self._prompt(example.messages) for example in examples]
+        rl = self.rl
+        batches = self.engine.generate_many(
+            [(prompt, rl.group_size, generator) for prompt, generator in zip(prompts, generators)],
+            rl.max_new_tokens,
+            rl.temperature,
+            rl.top_k,
+            rl.top_p,
+        )
         groups = []
-        for example, generator in zip(examples, generators):
-            prompt = self._prompt(example.messages)
-            completions = self.engine.generate(
-                prompt,
-                self.rl.group_size,
-                self.rl.max_new_tokens,
-                self.rl.temperature,
-                self.rl.top_k,
-                self.rl.top_p,
-                generator,
-            )
+        for example, prompt, completions in zip(examples, prompts, batches):
             group = []
             for c in completions:
                 text = answer_text(self.tokenizer, c.tokens)
@@ -220,6 +221,8 @@ class RLTrainer:
             groups, version = self.sample_step(step), self.engine.weight_version
         t1 = time.perf_counter()
         rollouts = [r for g in groups for r in g]
+        stamps = {r.completion.weight_version for r in rollouts}
+        assert stamps == {version}, f"step {step} trains on rollouts of weights {sorted(stamps)}, expected {version}"
         rewards = torch.tensor([r.reward for r in rollouts])
         batch = rollout_batch(rollouts, self.strategy.advantages(rewards, self.rl.group_size), self.tokenizer.pad_id)
         micro = self._micro(batch)
@@ -320,29 +323,30 @@ class RLTrainer:
         if self.off_policy is not None:
             self.off_policy.drain()  # the engine is the background sampler's until it is idle
         self.sync_sampler()
-        p1, pk, rewards, tool_rows = [], [], [], 0
-        for index in range(self.rank, n, self.world_size):  # ranks share the problems
-            generator = self._generator(-1, index)  # each problem's randomness, the same at every eval
-            if is_environment(self.eval_task):
+        indices = range(self.rank, n, self.world_size)  # ranks share the problems
+        generators = [self._generator(-1, index) for index in indices]  # each problem's, the same at every eval
+        if is_environment(self.eval_task):
+            results = []
+            for index, generator in zip(indices, generators):
                 episodes = [
                     self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)
                 ]
-                completions, scores = [e.completion for e in episodes], [e.reward for e in episodes]
-            else:
-                example = self.eval_task.example(index)
-                completions = self.engine.generate(
-                    self._prompt(example.messages),
-                    k,
-                    self.rl.max_new_tokens,
-                    self.rl.eval_temperature,
-                    self.rl.top_k,
-                    self.rl.top_p,
-                    generator,
-                )
-                scores = [
-                    self.eval_task.reward(example.prompt, answer_text(self.tokenizer, c.tokens), example.reference)
-                    for c in completions
-                ]
+                results.append(([e.completion for e in episodes], [e.reward for e in episodes]))
+        else:
+            examples = [self.eval_task.example(index) for index in indices]
+            batches = self.engine.generate_many(
+                [(self._prompt(e.messages), k, g) for e, g in zip(examples, generators)],
+                self.rl.max_new_tokens,
+                self.rl.eval_temperature,
+                self.rl.top_k,
+                self.rl.top_p,
+            )
+            results = [
+                (cs, [self.eval_task.reward(e.prompt, answer_text(self.tokenizer, c.tokens), e.reference) for c in cs])
+                for e, cs in zip(examples, batches)
+            ]
+        p1, pk, rewards, tool_rows = [], [], [], 0
+        for completions, scores in results:
             correct = sum(s >= 1.0 - 1e-6 for s in scores)  # full marks (every turn right, for episodes)
             tool_rows += sum(c.tool_calls > 0 for c in completions)
             p1.append(pass_at_k(k, correct, 1))
@@ -415,7 +419,8 @@ class RLTrainer:
             print(
                 f"step {state.step}/{self.config.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss "
                 f"{metrics['loss']:.4f} | "
-                f"|dlogp| {metrics['logprob_abs_diff']:.2e} | gen {metrics['time_generation_s']:.1f}s "
+                f"|dlogp| {metrics['logprob_abs_diff']:.2e} | weights v{metrics['weight_version']} | "
+                f"gen {metrics['time_generation_s']:.1f}s "
                 f"train {metrics['time_training_s']:.1f}s",
                 file=sys.stderr,
                 flush=True,

@@ -1,6 +1,6 @@
 """Rollouts: the batched KV-cache generation engine, tools, and a full-recompute reference sampler."""
 
-from tierlm.rollout.engine import Completion, Engine, answer_text, readable_text
+from tierlm.rollout.engine import Completion, Engine, SamplingEngine, answer_text, readable_text
 from tierlm.rollout.sampling import generate, sample_next_token
 from tierlm.rollout.tools import Calculator, Tool
 
@@ -8,6 +8,7 @@ __all__ = [
     "Calculator",
     "Completion",
     "Engine",
+    "SamplingEngine",
     "Tool",
     "answer_text",
     "generate",

@@ -11,6 +11,7 @@ them. All rows advance together (forced tokens replace samples), so the cache st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,6 +35,8 @@ class Completion:
     finished: bool = False
     """True when a stop token ended it (False: it ran out of budget)."""
     tool_calls: int = 0
+    weight_version: int = 0
+    """The optimizer steps behind the weights that sampled it."""
 
 
 @dataclass
@@ -46,11 +49,44 @@ class Rollout:
     text: str
 
 
+class SamplingEngine(Protocol):
+    """What the RL loop, `tierlm eval` and `tierlm chat` / `serve` ask of a rollout engine (`Engine`, tierlm's own;
+    `tierlm.rollout.vllm.VLLMEngine`)."""
+
+    device: torch.device  # where the callers' generators live
+    weight_version: int  # the optimizer steps behind the weights it samples with
+    needs_state: bool  # True: every sync hands it the policy's whole state (it holds weights of its own)
+
+    def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None: ...
+
+    def max_len(self) -> int: ...
+
+    def generate(
+        self,
+        prompt_ids,
+        num_samples=1,
+        max_new_tokens=64,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        generator=None,
+        on_token=None,
+    ) -> list[Completion]: ...
+
+    def generate_many(
+        self, requests, max_new_tokens, temperature, top_k=None, top_p=None
+    ) -> list[list[Completion]]: ...
+
+    def close(self) -> None: ...
+
+
 class Engine:
     """Sampling for one model of any family (the family's KV cache: ours for native models, transformers' own).
 
     `tokenizer` is needed only for tools (to read the call and encode the result).
     """
+
+    needs_state = False  # it samples from a module: the policy's own, or a copy it is given weights for
 
     def __init__(
         self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()
@@ -130,7 +166,7 @@ class Engine:
         self.model.eval()
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, cache = self._prefill(ids, num_samples, max_len)
-        out = [Completion() for _ in range(num_samples)]
+        out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
         forced: list[list[int]] = [[] for _ in range(num_samples)]
         call_open: list[int | None] = [None] * num_samples  # where a row's open tool call began
         steps = max_len - len(prompt_ids)
@@ -170,6 +206,16 @@ class Engine:
             logits = self._decode(torch.tensor(step, device=self.device), cache)
         self.model.train(was_training)
         return out
+
+    def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:
+        """Completions of every `(prompt_ids, num_samples, generator)`, one prompt at a time (each has its cache)."""
+        return [
+            self.generate(prompt, n, max_new_tokens, temperature, top_k, top_p, generator)
+            for prompt, n, generator in requests
+        ]
+
+    def close(self) -> None:
+        pass
 
 
 def answer_text(tokenizer, tokens: list[int]) -> str:

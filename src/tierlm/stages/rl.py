@@ -6,12 +6,11 @@ them, and update the policy with REINFORCE, GRPO or PPO (with a critic), with pa
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from tierlm.backends.pytorch import frozen_reference
 from tierlm.build.backend import build_backend
+from tierlm.build.engine import build_engine, engine_name
 from tierlm.build.model import build_model, model_context
 from tierlm.build.stage import Stage
 from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
@@ -20,8 +19,6 @@ from tierlm.errors import ConfigError
 from tierlm.loops.critic import Critic, value_model
 from tierlm.loops.rl import RLTrainer, optimizer_schedule
 from tierlm.models import model_max_seq_len
-from tierlm.rollout.engine import Engine
-from tierlm.rollout.tools import Calculator
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, ValueStrategy, policy_gradient_strategy
 
@@ -104,14 +101,16 @@ class RL(Stage):
             folder = run.output_dir / "critic_checkpoints"
             value_backend = build_backend(parallel, value_model(model), folder, run.device, run.ctx)
             critic = Critic(value_backend, ValueStrategy(rl.value_clip_range))
-        # Under FSDP or off-policy the engine samples from a whole copy of its own, loaded with the policy's weights.
-        own_copy = parallel.infra.distributed_type == "fsdp" or rl.max_off_policy_steps > 0
-        sampler = copy.deepcopy(model) if own_copy else model
+        sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
+        engine = build_engine(rl, model, tokenizer, run.output_dir / "sampler", sharded, run.world_size)
+        run.note(f"rollouts: {engine_name(rl)}")
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
-        engine = Engine(sampler, tokenizer.stop_ids, tokenizer, [Calculator()] if "calculator" in rl.tools else [])
         strategy = policy_gradient_strategy(rl)
         trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training)
         extras = extras_writer(config, tokenizer, self.name)
         trainer.reference, trainer.critic, trainer.write_extra = reference, critic, extras
         run.begin(trainer)
-        return run.finish(model, run.train(trainer))
+        try:
+            return run.finish(model, run.train(trainer))
+        finally:
+            engine.close()

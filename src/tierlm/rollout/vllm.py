@@ -1,0 +1,399 @@
+"""Rollouts sampled by vLLM, with the trainer's weights pushed in after every optimizer step.
+
+Two ways to reach vLLM, one engine (`VLLMEngine`, the interface of `tierlm.rollout.engine.Engine`):
+
+- *in this process* (`rl.vllm_url` unset): `vllm.LLM` beside the trainer; new weights go in through vLLM's
+  in-place `reload_weights` worker call (it redoes the CPU backend's weight repacking, where a bare
+  `model.load_weights` fails), and on a GPU the engine sleeps during training to give back its KV cache.
+  vLLM pins its own torch and transformers: tierlm runs from vLLM's environment (`scripts/setup_vllm.sh`).
+- *a vLLM server* (`rl.vllm_url=http://host:port`, started by `scripts/vllm_server.sh`): prompts go to its
+  OpenAI completions API as token ids; weights are handed over as a safetensors folder the server reloads
+  (`/collective_rpc reload_weights`, as prime-rl does where there is no NCCL), then the server's weight
+  version is set and read back, so a rollout never comes from weights other than the ones it is stamped with.
+
+Every completion records the weight version it was sampled with. Sampling randomness comes from the caller's
+generator (one draw per request seeds vLLM), so a run samples the same rollouts whenever it is repeated.
+Log-probs are vLLM's `processed_logprobs`: after temperature, as the trainer computes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierlm.errors import ConfigError, DataError, first_line
+from tierlm.models import family_of, unwrap_model
+from tierlm.models.io import save_model_config
+from tierlm.models.lora import has_lora, lora_scalings, merged_state, split_state
+from tierlm.rollout.engine import Completion
+from tierlm.rollout.tools import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, Tool
+
+INSTALL_HINT = (
+    "install it with `bash scripts/setup_vllm.sh` and start tierlm from that environment (.venv-vllm/bin/tierlm), "
+    "or serve the model with `bash scripts/vllm_server.sh MODEL_FOLDER` and set rl.vllm_url"
+)
+# What decides whether a server's model takes this policy's weights (config.json keys).
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+)
+
+
+def transformers_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The policy's weights as its transformers twin names them (LoRA adapters merged into the base)."""
+    if has_lora(model):
+        base, adapter = split_state(state)
+        state = merged_state(base, adapter, lora_scalings(model))
+    return {k: v.detach().contiguous().cpu() for k, v in family_of(model).to_hf_state(model, state).items()}
+
+
+class VLLMEngine:
+    """`Engine`'s interface over vLLM: `generate`, `generate_many`, `load_weights`, `max_len`, `weight_version`.
+
+    `folder` is where the sampler's model folder is written (the server reads the weights it is handed there).
+    """
+
+    needs_state = True  # vLLM holds weights of its own: every sync hands it the policy's whole state
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stop_ids,
+        tokenizer,
+        tools: list[Tool],
+        folder: Path,
+        max_len: int,
+        url: str | None = None,
+        gpu_memory_utilization: float = 0.3,
+    ):
+        self.model = unwrap_model(model)
+        problem = family_of(self.model).exportable(self.model)
+        if problem:
+            raise ConfigError(
+                f"rl.engine=vllm loads the policy as a transformers model, but {problem}: use rl.engine=native"
+            )
+        self.stop_ids, self.tokenizer, self.tools = list(stop_ids), tokenizer, {t.name: t for t in tools}
+        self.device = torch.device("cpu")  # the callers' generators only seed vLLM's own
+        self.weight_version = 0
+        self._max_len = max_len
+        if self.tools:
+            vocab = tokenizer.hf.get_vocab()
+            self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
+            self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
+        server = _Server(url, max_len) if url else None  # reached (or vLLM imported) before anything is written
+        self._max_len = server.max_len if server is not None else max_len
+        vllm = None if url else import_vllm()
+        self.folder = Path(folder)
+        created = not self.folder.exists()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_model_config(self.model, self.folder)
+            self._write_weights(self.model.state_dict())
+            if server is not None:
+                server.check_model(self.folder)
+                self.transport = server
+                self.load_weights(self.model.state_dict(), 0)  # the server's model becomes the policy
+            else:
+                cuda = next(self.model.parameters()).device.type == "cuda"
+                self.transport = _InProcess(vllm, self.folder, max_len, cuda, gpu_memory_utilization)
+        except BaseException:
+            if created:  # a refused engine leaves nothing behind
+                shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+
+    def _write_weights(self, state: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        partial = self.folder / "model.safetensors.partial"
+        save_file(transformers_weights(self.model, state), partial, metadata={"format": "pt"})
+        os.replace(partial, self.folder / "model.safetensors")  # a reader sees the old file or the new, never half
+
+    def max_len(self) -> int:
+        return self._max_len
+
+    def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Push the policy after `version` optimizer steps into vLLM; it samples with them from now on."""
+        assert state is not None, "vLLM holds weights of its own: give it the policy's state"
+        if isinstance(self.transport, _Server):
+            self._write_weights(state)
+            self.transport.reload(version)
+        else:
+            self.transport.reload(transformers_weights(self.model, state))
+        self.weight_version = version
+
+    def generate(
+        self,
+        prompt_ids,
+        num_samples=1,
+        max_new_tokens=64,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        generator=None,
+        on_token=None,
+    ):
+        completions = self.generate_many(
+            [(prompt_ids, num_samples, generator)], max_new_tokens, temperature, top_k, top_p
+        )
+        if on_token is not None:  # vLLM answers whole completions: replayed token by token
+            for row, completion in enumerate(completions[0]):
+                full = completion.tokens
+                for i in range(1, len(full) + 1):
+                    completion.tokens = full[:i]
+                    on_token(row, completion)
+        return completions[0]
+
+    def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:
+        """Completions of every `(prompt_ids, num_samples, generator)` in one vLLM batch. A row that calls a tool
+        stops at the call's end, gets the result spliced in as forced tokens and goes on in the next round."""
+        rows, queue = [], []
+        for index, (prompt, n, generator) in enumerate(requests):
+            assert prompt, "the prompt is empty"
+            if len(prompt) >= self._max_len:
+                raise DataError(
+                    f"the prompt is {len(prompt)} tokens, longer than the model's context of {self._max_len} "
+                    "leaves room for; shorten it"
+                )
+            seed = int(torch.randint(2**62, (1,), generator=generator)) if generator is not None else None
+            rows.append([Completion(weight_version=self.weight_version) for _ in range(n)])
+            queue.append((index, None, list(prompt), n, seed))
+        stop = self.stop_ids + ([self.call_end] if self.tools else [])
+        round_ = 0
+        while queue:
+            asks = [
+                (ids, n, seed, min(max_new_tokens - self._taken(rows, i, row), self._max_len - len(ids)))
+                for i, row, ids, n, seed in queue
+            ]
+            answers = self.transport.sample(asks, temperature, top_k, top_p, stop)
+            follow = []
+            for (i, row, ids, n, seed), samples in zip(queue, answers):
+                for j, (tokens, logprobs, stopped) in enumerate(samples):
+                    r = row if row is not None else j
+                    completion = rows[i][r]
+                    completion.tokens += tokens
+                    completion.logprobs += logprobs
+                    completion.mask += [1] * len(tokens)
+                    if stopped and tokens[-1] in self.stop_ids:
+                        completion.finished = True
+                    elif stopped and self.tools and tokens[-1] == self.call_end:
+                        self._splice(completion, max_new_tokens)
+                        room = max_new_tokens - len(completion.tokens)
+                        context = len(requests[i][0]) + len(completion.tokens)
+                        if room > 0 and context < self._max_len:
+                            next_seed = None if seed is None else (seed * 31 + 7 * r + round_ + 1) % 2**62
+                            follow.append((i, r, list(requests[i][0]) + completion.tokens, 1, next_seed))
+            queue, round_ = follow, round_ + 1
+        return rows
+
+    @staticmethod
+    def _taken(rows, i, row) -> int:
+        return 0 if row is None else len(rows[i][row].tokens)
+
+    def _splice(self, completion: Completion, budget: int) -> None:
+        """The tool result of the call that just ended, as forced (untrained) tokens."""
+        tokens = completion.tokens
+        starts = [k for k, t in enumerate(tokens[:-1]) if t == self.call_start]
+        if not starts or self.result_end in tokens[starts[-1] :]:
+            return  # an end without an open call: not a call
+        request = self.tokenizer.decode(tokens[starts[-1] + 1 : -1], skip_special_tokens=True)
+        name, colon, argument = request.partition(":")
+        if not (colon and name.strip().isidentifier()):
+            name, argument = next(iter(self.tools)), request
+        tool = self.tools.get(name.strip())
+        result = tool(argument) if tool is not None else f"error: no tool named {name.strip()!r}"
+        forced = [self.result_start, *self.tokenizer.encode(result), self.result_end][: budget - len(tokens)]
+        completion.tokens += forced
+        completion.logprobs += [0.0] * len(forced)
+        completion.mask += [0] * len(forced)
+        completion.tool_calls += 1
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def import_vllm():
+    """vLLM, set to run its engine in this process; a clear refusal where it is not installed."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU (vLLM's default is 4)
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"rl.engine=vllm needs vLLM in this Python ({first_line(e)}): {INSTALL_HINT}") from None
+    return vllm
+
+
+class _InProcess:
+    """`vllm.LLM` in the trainer's process (its engine core too: tensors pass directly, no copy through a pipe)."""
+
+    def __init__(self, vllm, folder: Path, max_len: int, cuda: bool, gpu_memory_utilization: float):
+        self.vllm, self.cuda = vllm, cuda
+        self.llm = vllm.LLM(
+            model=str(folder),
+            dtype="bfloat16" if cuda else "float32",
+            max_model_len=max_len,
+            enforce_eager=not cuda,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            seed=0,
+            enable_sleep_mode=cuda,
+            **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+        )
+        self.asleep = False
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def reload(self, weights: dict[str, torch.Tensor]) -> None:
+        self._wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+
+    def sample(self, asks, temperature, top_k, top_p, stop):
+        self._wake()
+        params = [
+            self.vllm.SamplingParams(
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_k=top_k or 0,
+                top_p=top_p or 1.0,
+                seed=seed,
+                logprobs=0,
+                stop_token_ids=stop,
+                ignore_eos=True,
+            )
+            for _, n, seed, max_tokens in asks
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, *_ in asks], params, use_tqdm=False)
+        if self.cuda:  # the KV cache's memory goes back to training until the next rollouts
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return [
+            [
+                (
+                    list(o.token_ids),
+                    [d[token].logprob for token, d in zip(o.token_ids, o.logprobs)],
+                    o.finish_reason == "stop",
+                )
+                for o in sorted(out.outputs, key=lambda o: o.index)
+            ]
+            for out in outputs
+        ]
+
+    def close(self) -> None:
+        del self.llm
+
+
+class _Server:
+    """A vLLM OpenAI server (started with VLLM_SERVER_DEV_MODE=1, which opens its weight-update endpoints)."""
+
+    def __init__(self, url: str, max_len: int):
+        self.url = url.rstrip("/")
+        models = self._call("GET", "/v1/models")
+        if not models.get("data"):
+            raise ConfigError(f"the vLLM server at {self.url} serves no model: start it on the policy's model folder")
+        served = models["data"][0]
+        self.model = served["id"]
+        self.max_len = min(max_len, served.get("max_model_len") or max_len)  # the sampler's context is the server's
+        self.root = Path(served.get("root") or self.model)
+        self._call("GET", "/weight_info", hint="start it with VLLM_SERVER_DEV_MODE=1 (scripts/vllm_server.sh does)")
+        self.pool = ThreadPoolExecutor(16)  # one request per prompt (each has its own seed); the server batches them
+
+    def check_model(self, folder: Path) -> None:
+        """Refuse a server whose model cannot take the weights of the policy in `folder` (when its folder can be
+        read here; elsewhere the first push tells); from now on the server reloads from `folder`."""
+        self.folder, root = folder, self.root
+        try:
+            theirs = json.loads((root / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # not on this machine's disk: the first push will tell
+        ours = json.loads((self.folder / "config.json").read_text())
+        differ = [k for k in SHAPE_KEYS if k in ours and theirs.get(k) != ours[k]]
+        if differ:
+            k = differ[0]
+            raise ConfigError(
+                f"the vLLM server at {self.url} serves another model ({root}: {k} {theirs.get(k)}, this policy's "
+                f"{ours[k]}): restart it on the policy's model folder"
+            )
+
+    def _call(self, method: str, path: str, body: dict | None = None, hint: str = "", timeout: float = 600):
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("error", {}).get("message", detail)
+            except (ValueError, AttributeError):
+                pass
+            raise ConfigError(
+                f"the vLLM server at {self.url} refused {path} (HTTP {e.code}: {first_line(detail)[:300]})"
+                + (f": {hint}" if hint else "")
+            ) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConfigError(
+                f"no vLLM server answers at {self.url + path} ({reason}): start one with "
+                "`bash scripts/vllm_server.sh MODEL_FOLDER` or correct rl.vllm_url"
+            ) from None
+        return json.loads(text) if text else {}
+
+    def reload(self, version: int) -> None:
+        """The server reads the folder's weights in place, then takes and reports their version."""
+        self._call(
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder.resolve())}},
+        )
+        self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        reported = self._call("GET", "/weight_info").get("weight_version")
+        assert reported == str(version), f"the vLLM server reports weights {reported} after a push of {version}"
+
+    def _complete(self, ask, temperature, top_k, top_p, stop):
+        ids, n, seed, max_tokens = ask
+        body = {
+            "model": self.model,
+            "prompt": ids,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_k": top_k or 0,
+            "top_p": top_p or 1.0,
+            "seed": seed,
+            "logprobs": 0,
+            "stop_token_ids": stop,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        choices = sorted(self._call("POST", "/v1/completions", body)["choices"], key=lambda c: c["index"])
+        return [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "stop") for c in choices]
+
+    def sample(self, asks, temperature, top_k, top_p, stop):
+        return list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop), asks))
+
+    def close(self) -> None:
+        self.pool.shutdown()

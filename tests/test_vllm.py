@@ -1,0 +1,123 @@
+"""RL and evaluation with vLLM sampling, for real: vLLM's CPU build in its own environment (.venv-vllm, made by
+`bash scripts/setup_vllm.sh`; vLLM pins transformers < 5.20, so it cannot share .venv). Where that environment
+is absent every test here skips, saying so; nothing stands in for vLLM.
+
+- in this process: `tierlm rl` started from .venv-vllm with rl.engine=vllm;
+- a server: scripts/vllm_server.sh on the SFT model, and `tierlm rl` from this Python with rl.vllm_url.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, RL
+from tierlm.errors import ConfigError
+
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def _vllm_ready() -> str | None:
+    if not VLLM_PY.is_file():
+        return "vLLM's environment .venv-vllm is absent (bash scripts/setup_vllm.sh makes it)"
+    probe = subprocess.run([str(VLLM_PY), "-c", "import vllm, tierlm"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f".venv-vllm cannot import vllm and tierlm: {probe.stderr[-300:]}"
+
+
+REASON = _vllm_ready()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
+STEPS = ["training.num_train_steps=3", "training.eval_steps=3", "training.logging_steps=1", "rl.temperature=1.0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_runs):
+    """A vLLM server on the SFT model (its own environment, its own process group), stopped at the end."""
+    port = _free_port()
+    process = subprocess.Popen(
+        ["bash", "scripts/vllm_server.sh", str(tiny_runs / "sft" / "model"), str(port), "--max-model-len", "256"],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while True:
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            break
+        except OSError:
+            assert process.poll() is None, f"the vLLM server stopped: {process.stderr.read().decode()[-2000:]}"
+            assert time.time() < deadline, "the vLLM server did not answer within 240 s"
+            time.sleep(1)
+    yield url
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=60)
+
+
+def _rl(python, tiny_runs, out: Path, *extra):
+    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", "rl.engine=vllm", *extra]
+    done = subprocess.run([str(python), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+
+def test_a_weight_push_changes_greedy_tokens_exactly_as_the_trainers_own(tiny_runs, server):
+    """In this process and through the server: vLLM's greedy tokens equal the native engine's before and after a
+    push of new weights, the push changed them, and each completion carries the pushed version."""
+    for python, extra in ((VLLM_PY, []), (sys.executable, ["--url", server])):
+        done = subprocess.run(
+            [str(python), "scripts/vllm_weight_sync.py", str(tiny_runs / "sft"), *extra],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert done.returncode == 0, report
+        assert report["same_before"] and report["same_after"] and report["changed"], report
+        assert report["versions_after"] == [1] and report["max_logprob_gap"] < 1e-3, report
+
+
+def test_rl_samples_with_vllm_in_process_and_through_a_server_alike(tiny_runs, server, tmp_path):
+    """The same seeds draw the same rollouts in both ways (vLLM seeds each request from the step's generator), so
+    the two runs train alike; every line carries its weight version and the trainer/sampler log-prob gap."""
+    local = _rl(VLLM_PY, tiny_runs, tmp_path / "local")
+    remote = _rl(sys.executable, tiny_runs, tmp_path / "remote", f"rl.vllm_url={server}")
+    assert [r["step"] for r in local] == [1, 2, 3]
+    for a, b in zip(local, remote):
+        assert a["weight_version"] == b["weight_version"] == a["step"] - 1  # on-policy: the weights before the step
+        assert a["reward_mean"] == b["reward_mean"] and abs(a["loss"] - b["loss"]) < 1e-6, (a, b)
+        assert a["logprob_abs_diff"] < 1e-4 and b["logprob_abs_diff"] < 1e-4
+    assert (tmp_path / "remote" / "sampler" / "model.safetensors").is_file()  # the hand-off folder the server read
+
+
+def test_a_server_serving_another_model_is_refused(tiny_runs, server, tmp_path):
+    from tierlm.data import load_tokenizer
+    from tierlm.models import GPTConfig, build_gpt
+    from tierlm.rollout.vllm import VLLMEngine
+
+    tokenizer = load_tokenizer(tiny_runs / "sft" / "model")
+    other = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=tokenizer.vocab_size, max_seq_len=64))
+    with pytest.raises(ConfigError, match=f"the vLLM server at {server} serves another model"):
+        VLLMEngine(other, tokenizer.stop_ids, tokenizer, [], tmp_path / "sampler", 64, server)
+    assert not (tmp_path / "sampler").exists()

@@ -25,4 +25,4 @@ if command -v nvidia-smi >/dev/null 2>&1; then DTYPE="${VLLM_DTYPE:-bfloat16}"; 
 export VLLM_SERVER_DEV_MODE=1
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"  # GiB of KV cache on a CPU
 exec .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host "${VLLM_HOST:-127.0.0.1}" \
-  --port "$PORT" --dtype "$DTYPE" --logprobs-mode processed_logprobs --enforce-eager "$@"
+  --port "$PORT" --dtype "$DTYPE" --logprobs-mode processed_logprobs --enforce-eager --no-enable-chunked-prefill "$@"

@@ -498,3 +498,37 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = (load_file(run / "model" / "model.safetensors") for run in (straight, killed))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_vllm_refuses_a_model_without_a_transformers_twin(tmp_path, tiny_tokenizer):
+    """The GPT-2 research variants (here RA) have no transformers class, so vLLM cannot load them: one clear
+    refusal before vLLM is even imported, nothing written."""
+    from tierlm.build.engine import build_engine
+    from tierlm.config import RLConfig
+    from tierlm.errors import ConfigError
+    from tierlm.models.gpt2 import GPT2Config
+    from tierlm.models.registry import family_named
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32, ra_r=4)
+    model = family_named("gpt2").build_from_config(config)
+    with pytest.raises(ConfigError, match="rl.engine=vllm loads the policy as a transformers model, but .*native"):
+        build_engine(RLConfig(engine="vllm"), model, tiny_tokenizer, tmp_path / "sampler")
+    assert not (tmp_path / "sampler").exists()
+
+
+def test_check_parity_reports_the_gap_and_writes_nothing(tiny_runs, tmp_path):
+    """`tierlm rl --check-parity`: step 0's rollouts through the sampler and the trainer; the native engine's
+    float32 log-probs match the trainer's to rounding, and no run directory is made."""
+    from conftest import RL, run_cli
+
+    out = tmp_path / "never"
+    done = run_cli(
+        "rl", "--config", "configs/tiny_rl.yaml", *RL, f"model.model_name_or_path={tiny_runs / 'sft'}",
+        f"infra.output_dir={out}", "--check-parity",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("parity ok: the sampler's log-probs are "), line
+    gap = float(line.split("are ")[1].split(" per token")[0])
+    assert gap < 1e-5, line
+    assert not out.exists()

@@ -121,3 +121,19 @@ def test_a_server_serving_another_model_is_refused(tiny_runs, server, tmp_path):
     with pytest.raises(ConfigError, match=f"the vLLM server at {server} serves another model"):
         VLLMEngine(other, tokenizer.stop_ids, tokenizer, [], tmp_path / "sampler", 64, server)
     assert not (tmp_path / "sampler").exists()
+
+
+def test_check_parity_through_the_server_and_its_refusal(tiny_runs, server, tmp_path):
+    """The pre-flight reports vLLM's float32 gap (about 1e-7 here) and refuses, in one line, a tolerance below it."""
+    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, "--check-parity", "rl.engine=vllm"]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={tmp_path / 'never'}"]
+    args += [f"rl.vllm_url={server}"]
+    ok = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "parity ok" in ok.stdout, ok.stderr[-2000:]
+    refused = subprocess.run(
+        [sys.executable, *args, "rl.parity_tolerance=1e-12"], cwd=REPO, env=ENV, capture_output=True, text=True
+    )
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "more than rl.parity_tolerance 1e-12" in lines[0]
+    assert not (tmp_path / "never").exists()

@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         stage_parser.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)"
         )
+        if stage.name == "rl":
+            stage_parser.add_argument(
+                "--check-parity",
+                action="store_true",
+                help="sample step 0's rollouts, score them with the trainer, and refuse when their log-probs differ "
+                "by more than rl.parity_tolerance; trains and writes nothing",
+            )
 
     plan = commands.add_parser(
         "plan", help="print what a run would do (model, tokens, batch, optimizer groups, time) without training"

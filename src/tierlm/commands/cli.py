@@ -46,9 +46,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         TierlmConfig.load(args.config, overrides), os.environ
     )  # under `accelerate launch`: its settings
     check_stage_overrides(args.command, STAGES[args.command], config, args.overrides)
-    summary = run_stage(config, args.command)
+    summary = run_stage(config, args.command, preflight=getattr(args, "check_parity", False))
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 reports for the job
+    if "parity" in summary:
+        p = summary["parity"]
+        print(
+            f"parity ok: the sampler's log-probs are {p['mean_abs_gap']:.3g} per token from the trainer's (largest "
+            f"{p['max_abs_gap']:.3g}, {p['beyond_cap']:.1%} of ratios beyond rl.importance_cap, {p['tokens']} tokens)"
+        )
+        return
     print(f"run directory: {summary['output_dir']}")
     if "pass@1" in summary:
         start = f"{summary['initial_pass@1']:.3f} -> " if summary.get("initial_pass@1") is not None else ""

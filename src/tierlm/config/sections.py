@@ -469,6 +469,10 @@ class RLConfig(Section):
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
     """rl.engine=vllm in this process on a GPU: the share of GPU memory vLLM may take (weights and KV cache; it
     sleeps, giving the KV cache back, while the trainer trains)."""
+    parity_tolerance: float = Field(0.05, gt=0)
+    """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
+    (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near
+    1e-2, float32 near 1e-7)."""
     tools: list[Literal["calculator"]] = Field(default_factory=list)
     """Tools the model may call during generation (results are spliced in and masked from the loss)."""
     eval_problems: int = Field(100, gt=0)

@@ -20,6 +20,7 @@ import torch
 
 from tierlm.config import RLConfig, TierlmConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
+from tierlm.errors import ConfigError
 from tierlm.loops import cadence
 from tierlm.loops.off_policy import OffPolicyRollouts
 from tierlm.loops.signals import GracefulStop
@@ -316,6 +317,34 @@ class RLTrainer:
             mb["advantages"], mb["returns"] = advantages[start : start + rows], returns[start : start + rows]
             start += rows
 
+    # -- the sampler against the trainer ---------------------------------------------------
+    def parity(self) -> dict[str, float]:
+        """Step 0's rollouts, sampled by the engine and scored by the trainer: how far apart their log-probs are
+        on the sampled tokens (every rank's), and the share of importance ratios beyond rl.importance_cap."""
+        self.sync_sampler()
+        rollouts = [r for g in self.sample_step(0) for r in g]
+        batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id)
+        trainer = torch.cat(
+            [self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"] for mb in self._micro(batch)]
+        )
+        gap = (trainer - batch["sampler_logprobs"])[batch["labels"] != IGNORE_INDEX]
+        cap = math.log(self.rl.importance_cap)
+        sums = self._sum_over_ranks(
+            {"tokens": gap.numel(), "abs": float(gap.abs().sum()), "beyond": float((gap.abs() > cap).sum())}
+        )
+        largest = (
+            self.backend.gather_objects(float(gap.abs().max()) if gap.numel() else 0.0)
+            if self.world_size > 1
+            else [float(gap.abs().max()) if gap.numel() else 0.0]
+        )
+        tokens = max(sums["tokens"], 1)
+        return {
+            "tokens": int(sums["tokens"]),
+            "mean_abs_gap": sums["abs"] / tokens,
+            "max_abs_gap": max(largest),
+            "beyond_cap": sums["beyond"] / tokens,
+        }
+
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """pass@1 and pass@k over the first `rl.eval_problems` held-out problems (or episodes), k samples each."""
@@ -455,6 +484,19 @@ class RLTrainer:
             "initial_pass@1": state.initial_pass_at_1,
             **state.last_eval,
         }
+
+
+def check_parity(parity: dict[str, float], rl: RLConfig) -> dict[str, Any]:
+    """The pre-flight's verdict: a one-line refusal when the sampler's log-probs are too far from the trainer's for
+    the importance ratio to mean anything (mean |gap| per token over rl.parity_tolerance); else the figures."""
+    if parity["mean_abs_gap"] > rl.parity_tolerance:
+        raise ConfigError(
+            f"the sampler's log-probs are {parity['mean_abs_gap']:.3g} per token from the trainer's (largest "
+            f"{parity['max_abs_gap']:.3g}; {parity['beyond_cap']:.1%} of ratios beyond rl.importance_cap, over "
+            f"{parity['tokens']} tokens), more than rl.parity_tolerance {rl.parity_tolerance:g}: sample in the "
+            "trainer's dtype (float32 / bf16 on both sides) or check that the sampler loads the trainer's weights"
+        )
+    return {"parity": parity}
 
 
 def optimizer_schedule(config: TierlmConfig, world_size: int) -> TrainingConfig:

@@ -254,6 +254,10 @@ class _InProcess:
             logprobs_mode="processed_logprobs",
             seed=0,
             enable_sleep_mode=cuda,
+            # vLLM 0.32 on a CPU fails seeded requests whose prefill is split across steps ("CPU Generator does not
+            # use offset"): whole prefills only.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(4096, max_len),
             **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
         )
         self.asleep = False

@@ -277,6 +277,18 @@ class Run:
     plan: Any = None  # a tierlm.plan.scaling.Plan, once resolve() has run
     memory: Any = None  # a tierlm.plan.memory.MemoryEstimate, once check_memory() has run
     notes: list[str] = field(default_factory=list)  # the plan, printed by begin(): nothing before every check
+    preflight: bool = False  # build and check everything, train nothing, write nothing (tierlm rl --check-parity)
+    scratch: list = field(default_factory=list)  # a pre-flight's temporary folders
+
+    def scratch_dir(self, name: str) -> Path:
+        """A folder of the run's own for a helper (e.g. the vLLM sampler's weights): in the run directory, or a
+        temporary folder when the run is a pre-flight that must leave nothing behind."""
+        if self.preflight:
+            import tempfile
+
+            self.scratch.append(tempfile.TemporaryDirectory(prefix=f"tierlm-{name}-"))  # removed by run_stage
+            return Path(self.scratch[-1].name)
+        return self.output_dir / name
 
     def note(self, text: str) -> None:
         """Say `text` (stdout, rank 0) once the run begins: a refusal before that is the only line printed."""

@@ -24,16 +24,27 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (Pretrain(), SFT(), D
 
 
 def run_stage(
-    config: TierlmConfig, stage: str | Stage, callbacks: list | None = None, leave_group: bool = True
+    config: TierlmConfig,
+    stage: str | Stage,
+    callbacks: list | None = None,
+    leave_group: bool = True,
+    preflight: bool = False,
 ) -> dict:
     """Train one stage (a name of `STAGES` or a `Stage`) as the config says; returns the run summary.
 
     Under torchrun every rank calls this; rank 0 writes the logs and the final model. The ranks then leave
     the process group, unless `leave_group` is False (several runs in one job, an ablation's variants, share it:
-    joining a new one after leaving hangs).
+    joining a new one after leaving hangs). A `preflight` run builds everything and runs the stage's pre-flight
+    check instead of training (RL: the sampler / trainer log-prob parity), writing nothing.
     """
     stage = STAGES[stage] if isinstance(stage, str) else stage
-    summary = stage.run(prepare_run(config, stage), callbacks)
+    run = prepare_run(config, stage)
+    run.preflight = preflight  # build and check, train nothing (tierlm rl --check-parity)
+    try:
+        summary = stage.run(run, callbacks)
+    finally:
+        for folder in run.scratch:
+            folder.cleanup()
     if (
         leave_group
     ):  # only after success (a no-op in one process): a failed rank just exits, and torchrun stops the others

@@ -17,7 +17,7 @@ from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.loops.critic import Critic, value_model
-from tierlm.loops.rl import RLTrainer, optimizer_schedule
+from tierlm.loops.rl import RLTrainer, check_parity, optimizer_schedule
 from tierlm.models import model_max_seq_len
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, ValueStrategy, policy_gradient_strategy
@@ -102,15 +102,17 @@ class RL(Stage):
             value_backend = build_backend(parallel, value_model(model), folder, run.device, run.ctx)
             critic = Critic(value_backend, ValueStrategy(rl.value_clip_range))
         sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
-        engine = build_engine(rl, model, tokenizer, run.output_dir / "sampler", sharded, run.world_size)
+        engine = build_engine(rl, model, tokenizer, run.scratch_dir("sampler"), sharded, run.world_size)
         run.note(f"rollouts: {engine_name(rl)}")
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
         strategy = policy_gradient_strategy(rl)
         trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training)
         extras = extras_writer(config, tokenizer, self.name)
         trainer.reference, trainer.critic, trainer.write_extra = reference, critic, extras
-        run.begin(trainer)
         try:
+            if run.preflight:  # tierlm rl --check-parity: step 0's rollouts through the sampler and the trainer
+                return check_parity(trainer.parity(), rl)
+            run.begin(trainer)
             return run.finish(model, run.train(trainer))
         finally:
             engine.close()

@@ -7,7 +7,10 @@ to the equivalent transformers Qwen3 model. Sampling at temperature 1 with no st
 every contender generates exactly batch x new-tokens tokens; the prompt is 16 tokens.
   - tierlm-native: `Engine` on the native GPT;
   - tierlm-hf: `Engine` on the transformers model (its own cache);
-  - transformers: `model.generate(do_sample=True)`, the prompt repeated per row.
+  - transformers: `model.generate(do_sample=True)`, the prompt repeated per row;
+  - vllm: vLLM's `LLM.generate` (its CPU build, in its own environment .venv-vllm: scripts/setup_vllm.sh), the
+    engine core in the same process, float32, one request of n=batch samples; skipped where .venv-vllm is absent.
+    Its process's peak memory is `vllm_rss_mb` (the harness's own column measures the parent that starts it).
 """
 
 from __future__ import annotations
@@ -98,10 +101,50 @@ def transformers_generate(args) -> dict:
     return _time(go, args.batch, args.new_tokens)
 
 
+VLLM_PY = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+VLLM_CHILD = """
+import json, os, resource, statistics, sys, time
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+folder, batch, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True, seed=0,
+          enable_chunked_prefill=False)
+params = SamplingParams(n=batch, max_tokens=new, min_tokens=new, temperature=1.0, ignore_eos=True, seed=0)
+prompt = [{"prompt_token_ids": list(range(10, 26))}]
+def go():
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+    assert len(out) == batch and all(len(o.token_ids) == new for o in out)
+go()
+times = []
+for _ in range(5):
+    start = time.perf_counter(); go(); times.append(time.perf_counter() - start)
+elapsed = statistics.median(times)
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("VLLM " + json.dumps({"tokens_per_sec": batch * new / elapsed, "seconds": elapsed, "vllm_rss_mb": rss}))
+"""
+
+
+def vllm_generate(args) -> dict:
+    import json
+    import os
+    import subprocess
+
+    if not VLLM_PY.is_file():
+        raise SystemExit("vllm: no .venv-vllm (bash scripts/setup_vllm.sh makes it); leave it out with --only")
+    command = [str(VLLM_PY), "-c", VLLM_CHILD, str(model_folder()), str(args.batch), str(args.new_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ)  # vLLM binds its threads to cores
+    lines = [line for line in done.stdout.splitlines() if line.startswith("VLLM ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(done.stderr[-3000:])
+    return json.loads(lines[-1][len("VLLM ") :])
+
+
 CONTENDERS = {
     "tierlm-native": lambda a: tierlm(a, hf=False),
     "tierlm-hf": lambda a: tierlm(a, hf=True),
     "transformers": transformers_generate,
+    "vllm": vllm_generate,
 }
 
 if __name__ == "__main__":

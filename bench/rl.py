@@ -1,6 +1,7 @@
 """One RL step, split: generation / scoring (old and reference log-probs) / training / weight sync, and rollout
 tokens/s — on-policy against one step off-policy (the next batch sampled while this one trains), one process
-against 2 ranks (DDP, FSDP2), all on the tiny task from the same SFT model.
+against 2 ranks (DDP, FSDP2), tierlm's engine against vLLM (in the trainer's process, from .venv-vllm; and a
+vLLM server on the same cores, scripts/vllm_server.sh), all on the tiny task from the same SFT model.
 
     .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft]
 
@@ -41,7 +42,52 @@ def sft_model(args) -> Path:
     return SFT_DIR / "sft"
 
 
-def rl_step(args, ranks: int, extra: list[str]) -> dict:
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python() -> str:
+    if not VLLM_PY.is_file():
+        raise SystemExit(
+            "no .venv-vllm (bash scripts/setup_vllm.sh makes it): leave the vLLM contenders out with --only"
+        )
+    return str(VLLM_PY)
+
+
+def with_server(args, extra: list[str]) -> dict:
+    """The step with a vLLM server (scripts/vllm_server.sh, its own process on the same cores) sampling."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    vllm_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = sft_model(args) / "model"
+    server = subprocess.Popen(
+        ["bash", "scripts/vllm_server.sh", str(folder), str(port), "--max-model-len", "256"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None, "the vLLM server stopped"
+                time.sleep(1)
+        return rl_step(args, 1, ["rl.engine=vllm", f"rl.vllm_url={url}", *extra])
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait()
+
+
+def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) -> dict:
     out = Path(tempfile.mkdtemp(prefix="tierlm_bench_rl_"))
     overrides = [
         f"model.model_name_or_path={sft_model(args)}",
@@ -62,7 +108,7 @@ def rl_step(args, ranks: int, extra: list[str]) -> dict:
         env = {**os.environ, "OMP_NUM_THREADS": per_rank, "MKL_NUM_THREADS": per_rank}
         command = [sys.executable, *launcher, *tierlm]
     else:
-        env, command = os.environ, [sys.executable, *tierlm]
+        env, command = os.environ, [python, *tierlm]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(result.stderr[-3000:])
@@ -89,6 +135,8 @@ CONTENDERS = {
     "1 process one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
     "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
     "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
+    "1 process vLLM in process": lambda a: rl_step(a, 1, ["rl.engine=vllm"], vllm_python()),
+    "1 process vLLM server": lambda a: with_server(a, []),
 }
 
 if __name__ == "__main__":

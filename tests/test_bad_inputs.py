@@ -813,6 +813,16 @@ CASES = [
     # -- RL and eval ---------------------------------------------------------------------------
     Case("chat-missing-checkpoint", ["chat", "--checkpoint", "nope"], "nope"),
     Case("serve-port-out-of-range", ["serve", "--checkpoint", "{sft}", "--port", "70000"], "--port must be in"),
+    Case(
+        "serve-vllm-server-down",
+        ["serve", "--checkpoint", "{sft}", "--engine", "vllm", "--vllm-url", "http://127.0.0.1:9", "--port", "1"],
+        r"no vLLM server answers at http://127.0.0.1:9/v1/models",
+    ),
+    Case(
+        "serve-vllm-url-without-engine",
+        ["serve", "--checkpoint", "{sft}", "--vllm-url", "http://127.0.0.1:9"],
+        r"--vllm-url names a vLLM server .* for --engine vllm",
+    ),
     Case("chat-temperature-negative", ["chat", "--checkpoint", "{sft}", "--temperature", "-1"], "temperature"),
     Case("push-bad-repo-id", ["push", "{sft}", "--repo", "no-slash", "--dry-run"], "is not a Hub repository id"),
     Case("push-not-a-run", ["push", "nope", "--repo", "me/x", "--dry-run"], "nope"),

@@ -137,3 +137,20 @@ def test_check_parity_through_the_server_and_its_refusal(tiny_runs, server, tmp_
     assert refused.returncode == 2 and len(lines) == 1, refused.stderr
     assert "more than rl.parity_tolerance 1e-12" in lines[0]
     assert not (tmp_path / "never").exists()
+
+
+def test_the_chat_server_answers_with_vllm_as_with_its_own_engine(tiny_runs, server):
+    """`tierlm serve --engine vllm --vllm-url URL`'s chatbot: a greedy reply through vLLM is the native engine's."""
+    from tierlm.commands.chat import Chatbot
+
+    messages = [{"role": "user", "content": "What is 23 + 45?"}]
+    native = Chatbot(tiny_runs / "sft", "cpu")
+    through_vllm = Chatbot(tiny_runs / "sft", "cpu", engine="vllm", vllm_url=server)
+    try:
+        pieces = []
+        reply = through_vllm.reply(messages, temperature=0.0, max_new_tokens=24, on_text=pieces.append)
+        assert reply.text == native.reply(messages, temperature=0.0, max_new_tokens=24).text
+        assert "".join(pieces) == reply.text and reply.completion_tokens > 0
+    finally:
+        through_vllm.close()
+        native.close()

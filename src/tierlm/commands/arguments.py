@@ -223,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--device-type", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    serve.add_argument(
+        "--engine",
+        default="native",
+        choices=["native", "vllm"],
+        help="what generates: tierlm's engine (streams token by token), or vLLM (as rl.engine=vllm: in this process "
+        "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
+    )
+    serve.add_argument("--vllm-url", default=None, help="--engine vllm: a vLLM server (scripts/vllm_server.sh)")
 
     sample = commands.add_parser("sample", help="generate from a trained model")
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")

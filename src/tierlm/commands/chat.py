@@ -31,13 +31,24 @@ class Chatbot:
     """A chat model (a run directory, checkpoint or model folder) with its tokenizer, the calculator when
     the tokenizer has the tool tokens, and a lock: one generation at a time."""
 
-    def __init__(self, checkpoint: str | Path, device_type: str = "cpu", tools: bool = True):
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        device_type: str = "cpu",
+        tools: bool = True,
+        engine: str = "native",
+        vllm_url: str | None = None,
+    ):
+        import tempfile
+
+        from tierlm.build.engine import build_engine
         from tierlm.checkpoint.folders import verified_model_location
+        from tierlm.config import RLConfig
         from tierlm.data import load_tokenizer
+        from tierlm.errors import ConfigError
         from tierlm.models import load_pretrained_model
         from tierlm.primitives import resolve_device
-        from tierlm.rollout.engine import Engine
-        from tierlm.rollout.tools import TOOL_CALL_START, Calculator
+        from tierlm.rollout.tools import TOOL_CALL_START
 
         location = verified_model_location(str(checkpoint))
         self.name = Path(str(checkpoint)).name or str(checkpoint)
@@ -49,8 +60,20 @@ class Chatbot:
             )
         model = load_pretrained_model(location, device=resolve_device(device_type)).eval()
         with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
-        self.engine = Engine(model, self.tokenizer.stop_ids, self.tokenizer, [Calculator()] if with_tools else [])
+        if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
+            raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
+        choice = RLConfig(engine=engine, vllm_url=vllm_url, tools=["calculator"] if with_tools else [])
+        self.folder = tempfile.TemporaryDirectory(prefix="tierlm-sampler-")  # --engine vllm: the model it loads
+        try:
+            self.engine = build_engine(choice, model, self.tokenizer, Path(self.folder.name))
+        except BaseException:
+            self.folder.cleanup()
+            raise
         self.lock = threading.Lock()
+
+    def close(self) -> None:
+        self.engine.close()
+        self.folder.cleanup()
 
     def reply(
         self,

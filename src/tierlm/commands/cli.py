@@ -297,7 +297,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tierlm.commands.serve import check_port, serve
 
     check_port(args.port)  # before the model loads
-    serve(Chatbot(args.checkpoint, args.device_type), args.host, args.port)
+    bot = Chatbot(args.checkpoint, args.device_type, engine=args.engine, vllm_url=args.vllm_url)
+    try:
+        serve(bot, args.host, args.port)
+    finally:
+        bot.close()
 
 
 def cmd_push(args: argparse.Namespace) -> None:

@@ -868,7 +868,7 @@ CASES = [
     Case(
         "rl-critic-without-ppo",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.algorithm=grpo", "rl.critic=true"],
-        "rl.critic trains PPO's value model: set rl.algorithm=ppo",
+        "rl.critic trains PPO's value model: set rl.loss=ppo",
     ),
     Case(
         "tensor-parallel-without-torchrun",
@@ -1027,6 +1027,30 @@ CASES = [
         "rl-off-policy-out-of-range",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.max_off_policy_steps=9"],
         "rl.max_off_policy_steps",
+    ),
+    Case(
+        "rl-clip-low-above-high",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.loss=dapo",
+            "rl.clip_low=0.3",
+            "rl.clip_high=0.2",
+        ],
+        r"rl.clip_low \(0.3\) > rl.clip_high \(0.2\)",
+    ),
+    Case(
+        "rl-loss-and-algorithm-disagree",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=gspo", "rl.algorithm=grpo"],
+        "rl.algorithm=grpo and rl.loss=gspo disagree",
+    ),
+    Case(
+        "rl-unknown-loss",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=grpoo"],
+        "rl.loss",
     ),
     Case(
         "eval-vllm-server-down",

@@ -111,6 +111,23 @@ def test_rl_samples_with_vllm_in_process_and_through_a_server_alike(tiny_runs, s
     assert (tmp_path / "remote" / "sampler" / "model.safetensors").is_file()  # the hand-off folder the server read
 
 
+def test_rl_under_torchrun_samples_through_one_server_as_one_process_does(tiny_runs, server, tmp_path):
+    """2 DDP ranks send their share of the prompts to one server; rank 0 alone hands the weights over and the
+    other waits for the server to report them. The same rollouts as one process, so the same losses."""
+    from conftest import torchrun
+
+    one = _rl(sys.executable, tiny_runs, tmp_path / "one", f"rl.vllm_url={server}")
+    out = tmp_path / "two"
+    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS, "rl.engine=vllm"]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", f"rl.vllm_url={server}"]
+    done = torchrun(*args, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    for a, b in zip(one, two, strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert a["weight_version"] == b["weight_version"]
+
+
 def test_a_server_serving_another_model_is_refused(tiny_runs, server, tmp_path):
     from tierlm.data import load_tokenizer
     from tierlm.models import GPTConfig, build_gpt
@@ -154,3 +171,15 @@ def test_the_chat_server_answers_with_vllm_as_with_its_own_engine(tiny_runs, ser
     finally:
         through_vllm.close()
         native.close()
+
+
+def test_eval_samples_with_vllm_in_process_and_through_the_server_alike(tiny_runs, server):
+    """`tierlm eval` (pass@k) on the same engine interface: vLLM in its process and the server give one answer."""
+    args = ["-m", "tierlm", "eval", "--checkpoint", str(tiny_runs / "sft"), "--config", "configs/tiny_rl.yaml"]
+    args += ["rl.eval_problems=8", "rl.eval_k=2", "rl.max_new_tokens=8", "rl.engine=vllm"]
+    local = subprocess.run([str(VLLM_PY), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    remote = subprocess.run(
+        [sys.executable, *args, f"rl.vllm_url={server}"], cwd=REPO, env=ENV, capture_output=True, text=True
+    )
+    assert local.returncode == 0 and remote.returncode == 0, local.stderr[-2000:] + remote.stderr[-2000:]
+    assert "pass@1" in local.stdout and local.stdout.strip() == remote.stdout.strip(), (local.stdout, remote.stdout)

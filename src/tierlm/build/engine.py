@@ -22,10 +22,15 @@ def build_engine(rl: RLConfig, model: nn.Module, tokenizer, folder: Path, sharde
     if rl.engine == "native":
         own_copy = sharded or rl.max_off_policy_steps > 0
         return Engine(copy.deepcopy(model) if own_copy else model, tokenizer.stop_ids, tokenizer, tools)
-    if world_size > 1:
+    if world_size > 1 and rl.vllm_url is None:
         raise ConfigError(
-            "rl.engine=vllm samples for one trainer process: run tierlm rl without torchrun, or keep "
-            "rl.engine=native under torchrun"
+            "under torchrun rl.engine=vllm samples through one vLLM server: set rl.vllm_url (vLLM in each trainer "
+            "process is not supported), or keep rl.engine=native"
+        )
+    if world_size > 1 and rl.max_off_policy_steps:
+        raise ConfigError(
+            "rl.max_off_policy_steps with a vLLM server runs in one trainer process (ranks would push weights the "
+            "others still sample with): drop torchrun or set rl.max_off_policy_steps=0"
         )
     from tierlm.rollout.vllm import VLLMEngine
 

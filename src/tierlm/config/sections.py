@@ -418,9 +418,29 @@ class InfraConfig(Section):
 
 
 class RLConfig(Section):
-    algorithm: Literal["reinforce", "grpo", "ppo"] = "reinforce"
-    """reinforce: nanochat's on-policy REINFORCE with a group-mean baseline; grpo: advantages divided
-    by the group std, clipped ratio; ppo: clipped ratio over stored old log-probs for ppo_epochs."""
+    loss: Literal["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"] | None = None
+    """The policy-gradient loss (`tierlm.strategies.rl_losses`; None: rl.algorithm, else reinforce). reinforce:
+    nanochat's on-policy REINFORCE with a group-mean baseline; grpo: advantages divided by the group std, clipped
+    ratio, each sequence's token mean; dapo: decoupled clip (rl.clip_low / rl.clip_high), token-level mean, dynamic
+    sampling; dr_grpo: no std division, no length normalisation; gspo: one clipped ratio per sequence; cispo:
+    clipped, detached importance weights on every token; rloo: leave-one-out baselines; reinforce_pp: advantages
+    normalised over the whole batch; ppo: clipped ratio over stored old log-probs for ppo_epochs (a critic
+    optional)."""
+    algorithm: Literal["reinforce", "grpo", "ppo"] | None = None
+    """The older name of rl.loss (its first three values)."""
+    clip_low: float | None = Field(None, gt=0, lt=1)
+    """The ratio's lower clip 1 - clip_low (None: the loss's default: rl.clip_range; DAPO 0.2; GSPO 3e-4)."""
+    clip_high: float | None = Field(None, gt=0)
+    """The ratio's upper clip 1 + clip_high (None: rl.clip_range; DAPO 0.28; GSPO 4e-4; CISPO's weight cap 4.0)."""
+    dynamic_sampling: bool | None = None
+    """Drop groups whose rewards are all equal (no gradient signal) and sample more prompts until the step's groups
+    are full (None: on for dapo); the extra draws are logged."""
+    max_extra_draws: int = Field(4, ge=0)
+    """Dynamic sampling: at most this many rounds of extra prompts per step (then the step trains on what it has,
+    padded with signal-free groups)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_buffer loses reward
+    linearly, down to -1 at max_new_tokens (0: off)."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt (the group whose mean reward is the baseline)."""
     prompts_per_step: int = Field(8, gt=0)
@@ -491,12 +511,38 @@ class RLConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_critic(self) -> "RLConfig":
-        if self.critic and self.algorithm != "ppo":
+    def _check_loss(self) -> "RLConfig":
+        if self.algorithm is not None and self.loss is not None and self.algorithm != self.loss:
             raise ValueError(
-                f"rl.critic trains PPO's value model: set rl.algorithm=ppo (or drop rl.critic; "
-                f"{self.algorithm} uses group baselines)"
+                f"rl.algorithm={self.algorithm} and rl.loss={self.loss} disagree: rl.algorithm is rl.loss's older "
+                "name, give one"
             )
+        loss = self.loss or self.algorithm or "reinforce"
+        object.__setattr__(self, "loss", loss)  # resolved once (validate_assignment would re-enter this validator)
+        object.__setattr__(self, "algorithm", None)
+        if self.critic and loss != "ppo":
+            raise ValueError(
+                f"rl.critic trains PPO's value model: set rl.loss=ppo (or drop rl.critic; {loss} uses group baselines)"
+            )
+        if loss == "reinforce" and (self.clip_low is not None or self.clip_high is not None):
+            raise ValueError("rl.loss=reinforce clips nothing: drop rl.clip_low / rl.clip_high, or pick a clipped loss")
+        if loss == "cispo" and self.clip_low is not None:
+            raise ValueError("rl.loss=cispo caps its importance weights from above only: drop rl.clip_low")
+        if self.clip_low is not None and self.clip_high is not None and self.clip_low > self.clip_high:
+            raise ValueError(
+                f"rl.clip_low ({self.clip_low}) > rl.clip_high ({self.clip_high}): the decoupled clip widens the "
+                "upper side (DAPO: 0.2 / 0.28)"
+            )
+        if loss == "dr_grpo" and self.normalize_std:
+            raise ValueError("rl.loss=dr_grpo is GRPO without the std division: drop rl.normalize_std")
+        if loss in ("rloo", "reinforce_pp") and self.normalize_std is not None:
+            raise ValueError(f"rl.loss={loss} has its own baseline: drop rl.normalize_std")
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"rl.overlong_buffer ({self.overlong_buffer}) must be below rl.max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.dynamic_sampling is None:
+            object.__setattr__(self, "dynamic_sampling", loss == "dapo")
         return self
 
 

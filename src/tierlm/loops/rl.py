@@ -28,7 +28,7 @@ from tierlm.metrics import MetricsLogger
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Completion, Rollout, SamplingEngine, answer_text
-from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
+from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty, overlong_penalty
 from tierlm.tasks import Environment, Task, is_environment
 
 
@@ -91,6 +91,7 @@ class RLTrainer:
     stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
+    _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
 
     @property
     def rank(self) -> int:
@@ -186,13 +187,35 @@ class RLTrainer:
         tokens over ranks), each prompt sampled with the generator of its place in the global batch."""
         indices = self._indices(step)
         positions = range(self.rank, len(indices), self.world_size)
-        generators = [self._generator(step, position) for position in positions]
+        groups = self._groups([indices[p] for p in positions], [self._generator(step, p) for p in positions])
+        return self._with_signal(step, groups) if self.rl.dynamic_sampling else groups
+
+    def _groups(self, indices: list[int], generators: list[torch.Generator]) -> list[list[Rollout]]:
         if not is_environment(self.train_task):
-            return self.collect([self.train_task.example(indices[p]) for p in positions], generators)
+            return self.collect([self.train_task.example(i) for i in indices], generators)
         return [
-            [self.run_episode(self.train_task, indices[p], self.rl.temperature, g) for _ in range(self.rl.group_size)]
-            for p, g in zip(positions, generators)
+            [self.run_episode(self.train_task, i, self.rl.temperature, g) for _ in range(self.rl.group_size)]
+            for i, g in zip(indices, generators)
         ]
+
+    def _with_signal(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """DAPO's dynamic sampling: groups whose rewards are all equal give no gradient; they are replaced by groups
+        of extra prompts (drawn by this rank, a pure function of the seed, step, rank and round) until the share is
+        full or rl.max_extra_draws rounds are spent, then padded with signal-free groups."""
+        signal = lambda g: len({r.reward for r in g}) > 1  # noqa: E731
+        kept, draws = [g for g in groups if signal(g)], 0
+        for round_ in range(self.rl.max_extra_draws):
+            need = len(groups) - len(kept)
+            if need <= 0:
+                break
+            rng = np.random.default_rng([self.config.seed, step, self.rank, round_, 1])
+            indices = [int(i) for i in rng.integers(len(self.train_task), size=need)]
+            generators = [self._generator(step, -2, self.rank, round_, j) for j in range(need)]
+            kept += [g for g in self._groups(indices, generators) if signal(g)]
+            draws += need
+        kept += [g for g in groups if not signal(g)]  # padding, if the draws fell short
+        self._sampling[step] = {"dropped_groups": sum(not signal(g) for g in groups), "extra_draws": draws}
+        return kept[: len(groups)]
 
     def _indices(self, step: int) -> list[int]:
         """The prompts of `step`: a fresh permutation of the task per epoch, a pure function of (seed, step)."""
@@ -224,8 +247,11 @@ class RLTrainer:
         rollouts = [r for g in groups for r in g]
         stamps = {r.completion.weight_version for r in rollouts}
         assert stamps == {version}, f"step {step} trains on rollouts of weights {sorted(stamps)}, expected {version}"
-        rewards = torch.tensor([r.reward for r in rollouts])
-        batch = rollout_batch(rollouts, self.strategy.advantages(rewards, self.rl.group_size), self.tokenizer.pad_id)
+        rl = self.rl
+        shaping = [overlong_penalty(len(r.completion.tokens), rl.max_new_tokens, rl.overlong_buffer) for r in rollouts]
+        rewards = torch.tensor([r.reward + p for r, p in zip(rollouts, shaping)])
+        advantages = self.strategy.advantages(rewards, rl.group_size, self._sum_over_ranks)
+        batch = rollout_batch(rollouts, advantages, self.tokenizer.pad_id)
         micro = self._micro(batch)
         # Trainer-side log-probs of the sampled tokens: the old log-probs for clipping, and the parity check.
         for mb in micro:
@@ -254,6 +280,7 @@ class RLTrainer:
             ref = torch.cat([mb["ref_logprobs"] for mb in micro])
             kl = float((kl_penalty(old, ref) * trained).sum() / trained.sum().clamp(min=1))
         t2 = time.perf_counter()
+        self.strategy.take_stats()  # from here: this step's loss statistics
         for _ in range(self.rl.ppo_epochs):
             for mb in micro:
                 self.backend.forward_backward(
@@ -264,8 +291,12 @@ class RLTrainer:
             update = self.backend.optim_step().wait()
             value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
         t3 = time.perf_counter()
+        sampling = self._sampling.pop(step, {"dropped_groups": 0.0, "extra_draws": 0.0} if rl.dynamic_sampling else {})
         totals = self._sum_over_ranks(
             {  # statistics of the whole step, over every rank's rollouts
+                **{f"loss_{k}": v for k, v in self.strategy.take_stats().items()},
+                **sampling,
+                "overlong": float(sum(p < 0 for p in shaping)),
                 "rows": len(rollouts),
                 "groups": len(groups),
                 "reward": float(rewards.sum()),
@@ -297,6 +328,7 @@ class RLTrainer:
             "time_training_s": t3 - t2,  # scoring: rewards + log-probs
             "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
             "weight_version": version,  # the policy's updates behind this step's rollouts
+            **loss_figures(totals, rl),
             **off_policy,
             **({"kl": kl} if kl is not None else {}),
             **({"value_loss": value_update["loss"]} if value_update is not None else {}),
@@ -484,6 +516,23 @@ class RLTrainer:
             "initial_pass@1": state.initial_pass_at_1,
             **state.last_eval,
         }
+
+
+def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:
+    """What makes the loss visible in the train lines: the share of tokens (GSPO: sequences) whose gradient each
+    side of the clip removed, GSPO's mean sequence ratio, dynamic sampling's dropped groups and extra draws, DAPO's
+    overlong-shaped completions."""
+    out = {}
+    if totals.get("loss_clip_n_sum"):
+        n = totals["loss_clip_n_sum"]
+        out.update(clip_low_frac=totals["loss_clip_low_sum"] / n, clip_high_frac=totals["loss_clip_high_sum"] / n)
+    if totals.get("loss_rows_sum"):
+        out["seq_ratio_mean"] = totals["loss_seq_ratio_sum"] / totals["loss_rows_sum"]
+    if rl.dynamic_sampling:
+        out.update(dropped_groups=totals.get("dropped_groups", 0.0), extra_draws=totals.get("extra_draws", 0.0))
+    if rl.overlong_buffer:
+        out["overlong_frac"] = totals["overlong"] / totals["rows"]
+    return out
 
 
 def check_parity(parity: dict[str, float], rl: RLConfig) -> dict[str, Any]:

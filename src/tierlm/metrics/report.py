@@ -65,6 +65,19 @@ PANELS = [
     ),
     ("value_loss", "critic value loss", "step", [("value loss", "train", "value_loss")]),
     (
+        "rl_clip",
+        "share of tokens (GSPO: sequences) the clip silenced",
+        "step",
+        [("lower clip", "train", "clip_low_frac"), ("upper clip", "train", "clip_high_frac")],
+    ),
+    ("seq_ratio", "GSPO: mean sequence importance ratio", "step", [("ratio", "train", "seq_ratio_mean")]),
+    (
+        "dynamic_sampling",
+        "dynamic sampling: groups without signal and extra prompts drawn",
+        "step",
+        [("dropped groups", "train", "dropped_groups"), ("extra draws", "train", "extra_draws")],
+    ),
+    (
         "dpo",
         "DPO: reward margin and preference accuracy",
         "step",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -101,14 +102,22 @@ class VLLMEngine:
         server = _Server(url, max_len) if url else None  # reached (or vLLM imported) before anything is written
         self._max_len = server.max_len if server is not None else max_len
         vllm = None if url else import_vllm()
+        # Under torchrun every rank sends its prompts to the one server; rank 0 alone hands the weights over.
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        # The server's version names this run (the job and its restart; one process: its pid) and its step, so a
+        # version left on the server by another run or an earlier restart never passes for this one's.
+        job = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
+        self.tag = f"{job}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.folder = Path(folder)
-        created = not self.folder.exists()
+        created = self.rank == 0 and not self.folder.exists()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            save_model_config(self.model, self.folder)
-            self._write_weights(self.model.state_dict())
+            if self.rank == 0:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                save_model_config(self.model, self.folder)
+                self._write_weights(self.model.state_dict())
             if server is not None:
-                server.check_model(self.folder)
+                if self.rank == 0:
+                    server.check_model(self.folder)
                 self.transport = server
                 self.load_weights(self.model.state_dict(), 0)  # the server's model becomes the policy
             else:
@@ -132,9 +141,11 @@ class VLLMEngine:
     def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
         """Push the policy after `version` optimizer steps into vLLM; it samples with them from now on."""
         assert state is not None, "vLLM holds weights of its own: give it the policy's state"
-        if isinstance(self.transport, _Server):
+        if isinstance(self.transport, _Server) and self.rank > 0:
+            self.transport.wait_for(f"{self.tag}/{version}")  # rank 0 pushes them
+        elif isinstance(self.transport, _Server):
             self._write_weights(state)
-            self.transport.reload(version)
+            self.transport.reload(f"{self.tag}/{version}")
         else:
             self.transport.reload(transformers_weights(self.model, state))
         self.weight_version = version
@@ -182,7 +193,7 @@ class VLLMEngine:
                 (ids, n, seed, min(max_new_tokens - self._taken(rows, i, row), self._max_len - len(ids)))
                 for i, row, ids, n, seed in queue
             ]
-            answers = self.transport.sample(asks, temperature, top_k, top_p, stop)
+            answers = self.transport.sample(asks, temperature, top_k, top_p, stop, f"{self.tag}/{self.weight_version}")
             follow = []
             for (i, row, ids, n, seed), samples in zip(queue, answers):
                 for j, (tokens, logprobs, stopped) in enumerate(samples):
@@ -271,7 +282,7 @@ class _InProcess:
         self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
 
-    def sample(self, asks, temperature, top_k, top_p, stop):
+    def sample(self, asks, temperature, top_k, top_p, stop, version):
         self._wake()
         params = [
             self.vllm.SamplingParams(
@@ -365,16 +376,16 @@ class _Server:
             ) from None
         return json.loads(text) if text else {}
 
-    def reload(self, version: int) -> None:
+    def reload(self, version: str) -> None:
         """The server reads the folder's weights in place, then takes and reports their version."""
         self._call(
             "POST",
             "/collective_rpc",
             {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder.resolve())}},
         )
-        self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        self._call("POST", "/update_weight_version", {"new_version": version})
         reported = self._call("GET", "/weight_info").get("weight_version")
-        assert reported == str(version), f"the vLLM server reports weights {reported} after a push of {version}"
+        assert reported == version, f"the vLLM server reports weights {reported} after a push of {version}"
 
     def _complete(self, ask, temperature, top_k, top_p, stop):
         ids, n, seed, max_tokens = ask
@@ -396,8 +407,22 @@ class _Server:
         choices = sorted(self._call("POST", "/v1/completions", body)["choices"], key=lambda c: c["index"])
         return [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "stop") for c in choices]
 
-    def sample(self, asks, temperature, top_k, top_p, stop):
-        return list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop), asks))
+    def sample(self, asks, temperature, top_k, top_p, stop, version):
+        answers = list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop), asks))
+        now = self._call("GET", "/weight_info").get("weight_version")
+        if now != version:
+            raise ConfigError(
+                f"the vLLM server at {self.url} changed its weights to version {now} while sampling with {version}: "
+                "another trainer shares it; give each run a server of its own"
+            )
+        return answers
+
+    def wait_for(self, version: str, timeout: float = 600) -> None:
+        """Until the server holds the weights of `version` (another rank pushes them)."""
+        deadline = time.monotonic() + timeout
+        while (now := self._call("GET", "/weight_info").get("weight_version")) != version:
+            assert time.monotonic() < deadline, f"the vLLM server kept weights {now}, waiting for {version}"
+            time.sleep(0.005)
 
     def close(self) -> None:
         self.pool.shutdown()

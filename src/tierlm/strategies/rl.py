@@ -1,11 +1,11 @@
-"""Policy-gradient strategies: REINFORCE with a group-mean baseline (nanochat's default), GRPO
-(advantages optionally divided by the group's std) and PPO-style clipping over stored old
-log-probs, each with an optional KL penalty to a frozen reference.
+"""Policy-gradient strategies: what the RL loop optimises, named by `rl.loss` — REINFORCE with a group-mean
+baseline (nanochat's default), GRPO, DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE++ and PPO (with a critic) — each
+loss one function of `tierlm.strategies.rl_losses`; here the advantages they start from and the strategy object.
 
 A rollout batch holds `input_ids`/`labels` (labels are the next tokens, -100 on prompt, tool
 results and padding), `advantages` (B,), and optionally `old_logprobs` and `ref_logprobs` (B, T).
-The loss is summed over trained tokens and counted in tokens, so the backend normalises it by
-the tokens of the whole step (token-level, DAPO style).
+A loss returns its sum and its normaliser, so the backend normalises over the whole step (tokens, sequences or
+Dr. GRPO's constant, as the loss says).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Mapping
 import torch
 
 from tierlm.primitives.losses import IGNORE_INDEX, token_logprobs  # noqa: F401  (token_logprobs: also this module's name)
+from tierlm.strategies.rl_losses import LOSSES, LossSettings, ppo
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -39,6 +40,47 @@ def group_advantages(
     return advantages.view(-1)
 
 
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO's advantages: each reward minus the mean of its group's other rewards, r_i - (sum_j r_j - r_i) / (G - 1).
+
+    >>> leave_one_out_advantages(torch.tensor([1., 0., 0., 1.]), group_size=2).tolist()
+    [1.0, -1.0, -1.0, 1.0]
+    """
+    assert group_size > 1, "a leave-one-out baseline needs two samples per prompt"
+    groups = rewards.float().view(-1, group_size)
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).view(-1)
+
+
+def batch_advantages(rewards: torch.Tensor, total=None, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++'s advantages: the rewards normalised by the mean and std of the whole step's rewards; `total` sums
+    a dict of floats over the ranks (None: this batch is the step).
+
+    >>> [round(a, 4) for a in batch_advantages(torch.tensor([1., 0., 0., 1.])).tolist()]
+    [1.0, -1.0, -1.0, 1.0]
+    """
+    sums = {
+        "n": float(rewards.numel()),
+        "sum": float(rewards.double().sum()),
+        "squares": float((rewards.double() ** 2).sum()),
+    }
+    sums = total(sums) if total is not None else sums
+    mean = sums["sum"] / sums["n"]
+    std = math.sqrt(max(sums["squares"] / sums["n"] - mean**2, 0.0))
+    return (rewards.float() - mean) / (std + eps)
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falling linearly to -1 at the maximum.
+
+    >>> [overlong_penalty(n, 100, 20) for n in (80, 90, 100)]
+    [0.0, -0.5, -1.0]
+    """
+    if not buffer or length <= max_new_tokens - buffer:
+        return 0.0
+    return max(-1.0, (max_new_tokens - buffer - length) / buffer)
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate k3 = exp(r - p) - (r - p) - 1 (>= 0, unbiased)."""
     delta = ref_logprobs - logprobs
@@ -55,37 +97,21 @@ def policy_gradient_loss(
     kl_coef: float = 0.0,
     importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(summed loss, trained tokens, statistics) of the clipped surrogate. `advantages`: one per row (B,)
-    (group baselines) or one per token (B, T) (a critic's GAE).
+    """(summed loss, trained tokens, statistics) of PPO's clipped surrogate with a symmetric `clip_range`, the
+    token-level loss of `rl_losses.ppo`. `advantages`: one per row (B,) or one per token (B, T) (a critic's GAE).
 
     Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = p / p_old, plus
     `kl_coef` * KL. Without `old_logprobs` the ratio is 1 with the gradient of log p: REINFORCE.
     Without `clip_range` nothing is clipped. `importance` (B, T), for samples drawn by an older policy: each
     token's policy-gradient term is weighted by it (the truncated importance ratio p_policy / p_sampler).
+    `clipped_sum` counts the tokens the clip took the gradient from.
     """
-    mask = mask.float()
-    old = logprobs.detach() if old_logprobs is None else old_logprobs
-    ratio = torch.exp(logprobs - old)
-    adv = (
-        advantages.float() if advantages.dim() == 2 else advantages.float()[:, None].expand_as(logprobs)
-    )  # per token, or per row
-    surrogate = ratio * adv
+    batch = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+    batch = {k: v for k, v in {**batch, "importance": importance}.items() if v is not None}
+    total, count, stats = ppo(logprobs, batch, mask, LossSettings(clip_range, clip_range, kl_coef))
     if clip_range is not None:
-        clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv
-        per_token = -torch.minimum(surrogate, clipped)
-    else:
-        per_token = -surrogate
-    if importance is not None:
-        per_token = per_token * importance
-    stats = {}
-    if ref_logprobs is not None and kl_coef:
-        kl = kl_penalty(logprobs, ref_logprobs)
-        per_token = per_token + kl_coef * kl
-        stats["kl_sum"] = (kl.detach() * mask).sum()
-    if clip_range is not None:
-        outside = ((ratio < 1.0 - clip_range) | (ratio > 1.0 + clip_range)).float()
-        stats["clipped_sum"] = (outside.detach() * mask).sum()
-    return (per_token * mask).sum(), mask.sum(), stats
+        stats["clipped_sum"] = stats["clip_low_sum"] + stats["clip_high_sum"]
+    return total, count, stats
 
 
 def generalized_advantages(
@@ -150,8 +176,11 @@ class ValueStrategy:
 
 
 class PolicyGradientStrategy:
-    """What the RL loop optimises, as a strategy: `compute_loss` for updates, `compute_metrics`
-    for the trainer-side log-probs of a rollout batch (old log-probs and the parity check)."""
+    """What the RL loop optimises, as a strategy: `compute_loss` for updates (the `loss` of
+    `tierlm.strategies.rl_losses`), `compute_metrics` for the trainer-side log-probs of a rollout batch (old
+    log-probs and the parity check), `advantages` from the rewards (`baseline`: "group" means, optionally divided
+    by the group's std; "leave_one_out"; "batch", normalised over the whole step). `take_stats()` hands the loop
+    the statistics of the loss calls since the last one (clip fractions, GSPO's sequence ratios)."""
 
     def __init__(
         self,
@@ -159,17 +188,31 @@ class PolicyGradientStrategy:
         kl_coef: float = 0.0,
         normalize_std: bool = False,
         temperature: float = 1.0,
+        loss: str = "ppo",
+        clip_high: float | None = None,
+        baseline: str = "group",
+        max_new_tokens: int = 32,
     ):
         assert clip_range is None or clip_range > 0, f"clip_range must be > 0, got {clip_range}"
         assert kl_coef >= 0, f"kl_coef must be >= 0, got {kl_coef}"
+        assert loss in LOSSES and baseline in ("group", "leave_one_out", "batch"), (loss, baseline)
         self.clip_range, self.kl_coef, self.normalize_std, self.temperature = (
             clip_range,
             kl_coef,
             normalize_std,
             temperature,
         )
+        self.loss, self.baseline = loss, baseline
+        high = clip_range if clip_high is None else clip_high
+        self.settings = LossSettings(clip_range, high, kl_coef, max_new_tokens)
+        self._stats: list[dict[str, torch.Tensor]] = []
 
-    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, group_size: int, total=None) -> torch.Tensor:
+        """One advantage per rollout; `total` sums a dict of floats over the ranks (the "batch" baseline's)."""
+        if self.baseline == "leave_one_out":
+            return leave_one_out_advantages(rewards, group_size)
+        if self.baseline == "batch":
+            return batch_advantages(rewards, total)
         return group_advantages(rewards, group_size, self.normalize_std)
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -178,17 +221,18 @@ class PolicyGradientStrategy:
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
         logprobs = token_logprobs(logits, labels, self.temperature)
-        total, count, _ = policy_gradient_loss(
-            logprobs,
-            batch["advantages"],
-            labels != IGNORE_INDEX,
-            batch.get("old_logprobs"),
-            self.clip_range,
-            batch.get("ref_logprobs"),
-            self.kl_coef,
-            batch.get("importance"),
-        )
+        total, count, stats = LOSSES[self.loss](logprobs, batch, labels != IGNORE_INDEX, self.settings)
+        self._stats.append({k: v.detach() for k, v in stats.items()})
         return total, count
+
+    def take_stats(self) -> dict[str, float]:
+        """The summed statistics of the loss calls since the last take (this rank's)."""
+        sums: dict[str, float] = {}
+        for stats in self._stats:
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self._stats = []
+        return sums
 
     def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         return {"logprobs": token_logprobs(logits, batch["labels"], self.temperature)}
@@ -198,16 +242,17 @@ class ReinforceStrategy(PolicyGradientStrategy):
     """nanochat's simplified GRPO: on-policy, advantage = reward - group mean, no clipping (and by default no KL)."""
 
     def __init__(self, temperature: float = 1.0, kl_coef: float = 0.0):
-        super().__init__(clip_range=None, kl_coef=kl_coef, normalize_std=False, temperature=temperature)
+        super().__init__(None, kl_coef, normalize_std=False, temperature=temperature, loss="reinforce")
 
 
 class GRPOStrategy(PolicyGradientStrategy):
-    """Group-relative advantages divided by the group's std, clipped ratio, optional KL."""
+    """GRPO: group-relative advantages divided by the group's std, the clipped ratio, each sequence's token mean,
+    optional KL."""
 
     def __init__(
         self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0
     ):
-        super().__init__(clip_range, kl_coef, normalize_std, temperature)
+        super().__init__(clip_range, kl_coef, normalize_std, temperature, loss="grpo")
 
 
 class PPOStrategy(PolicyGradientStrategy):
@@ -229,7 +274,7 @@ class PPOStrategy(PolicyGradientStrategy):
         lam: float = 0.95,
         value_clip_range: float | None = 0.2,
     ):
-        super().__init__(clip_range, kl_coef, normalize_std, temperature)
+        super().__init__(clip_range, kl_coef, normalize_std, temperature, loss="ppo")
         assert 0 < gamma <= 1 and 0 <= lam <= 1, f"gamma must be in (0, 1] and lam in [0, 1], got {gamma}, {lam}"
         self.critic, self.gamma, self.lam, self.value_clip_range = critic, gamma, lam, value_clip_range
 
@@ -256,30 +301,43 @@ class PPOStrategy(PolicyGradientStrategy):
         return advantages, returns
 
 
-ALGORITHMS = {
-    "reinforce": lambda rl, normalize: ReinforceStrategy(rl.temperature, rl.kl_coef),
-    "grpo": lambda rl, normalize: GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature),
-    "ppo": lambda rl, normalize: PPOStrategy(
-        rl.kl_coef,
-        rl.clip_range,
-        normalize,
-        rl.temperature,
-        rl.critic,
-        rl.gae_gamma,
-        rl.gae_lambda,
-        rl.value_clip_range,
-    ),
-}
-"""rl.algorithm -> its strategy, from the rl config section: the one place an RL algorithm is named."""
+CLIP_DEFAULTS = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "cispo": (None, 4.0)}
+"""(clip_low, clip_high) where a loss's paper sets its own (others: rl.clip_range both ways; REINFORCE: none)."""
+STD_BY_DEFAULT = ("grpo", "dapo", "gspo", "cispo")  # advantages divided by the group's std unless rl.normalize_std
+BASELINES = {"rloo": "leave_one_out", "reinforce_pp": "batch"}  # the others: the group's mean
 
 
 def policy_gradient_strategy(rl) -> PolicyGradientStrategy:
-    """The strategy of the `rl` config section (`rl.algorithm`; advantages divided by the group's std as
-    rl.normalize_std says, by default for GRPO only).
+    """The strategy of the `rl` config section: `rl.loss` with its clip bounds (rl.clip_low / rl.clip_high, else the
+    loss's defaults), its baseline and std division (rl.normalize_std, else the loss's default).
 
     >>> from tierlm.config import RLConfig
-    >>> type(policy_gradient_strategy(RLConfig(algorithm="grpo"))).__name__
-    'GRPOStrategy'
+    >>> s = policy_gradient_strategy(RLConfig(loss="dapo"))
+    >>> type(policy_gradient_strategy(RLConfig(loss="grpo"))).__name__, s.loss, s.settings
+    ('GRPOStrategy', 'dapo', LossSettings(clip_low=0.2, clip_high=0.28, kl_coef=0.0, max_new_tokens=32))
     """
-    normalize = rl.normalize_std if rl.normalize_std is not None else rl.algorithm == "grpo"
-    return ALGORITHMS[rl.algorithm](rl, normalize)
+    loss = rl.loss
+    normalize = rl.normalize_std if rl.normalize_std is not None else loss in STD_BY_DEFAULT
+    if loss == "reinforce":
+        return ReinforceStrategy(rl.temperature, rl.kl_coef)
+    if loss == "grpo" and rl.clip_low is None and rl.clip_high is None:
+        return GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature)
+    if loss == "ppo":
+        strategy = PPOStrategy(
+            rl.kl_coef,
+            rl.clip_range,
+            normalize,
+            rl.temperature,
+            rl.critic,
+            rl.gae_gamma,
+            rl.gae_lambda,
+            rl.value_clip_range,
+        )
+    else:
+        strategy = PolicyGradientStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature, loss)
+        strategy.baseline = BASELINES.get(loss, "group")
+    low, high = CLIP_DEFAULTS.get(loss, (rl.clip_range, rl.clip_range))
+    low = rl.clip_low if rl.clip_low is not None else low
+    high = rl.clip_high if rl.clip_high is not None else high
+    strategy.settings = LossSettings(low, high, rl.kl_coef, rl.max_new_tokens)
+    return strategy

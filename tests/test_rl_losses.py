@@ -1,0 +1,247 @@
+"""Each `rl.loss` against a plain reference written here from its paper's formula (loops over sequences and tokens,
+no shared code with `tierlm.strategies.rl_losses`): the loss value and its gradient to 1e-6; and the normalisation
+split over micro-batches equals the whole batch (the backend sums losses and normalisers over the step)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tierlm.config import RLConfig
+from tierlm.strategies.rl import batch_advantages, group_advantages, leave_one_out_advantages, policy_gradient_strategy
+from tierlm.strategies.rl_losses import LOSSES
+
+G, B, T, L = 4, 8, 6, 6  # group size, rows (2 groups), positions, max_new_tokens
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [6, 3, 5, 1, 4, 6, 2, 5]
+    mask = torch.zeros(B, T)
+    for row, n in enumerate(lengths):
+        mask[row, T - n :] = 1  # completions end the rows, as after a prompt
+    logprobs = -torch.rand(B, T, generator=g) * 2 - 0.05
+    old = logprobs + 0.3 * torch.randn(B, T, generator=g)  # ratios well outside 0.8 .. 1.28: clips are active
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    return logprobs, old, mask, rewards
+
+
+def _seq_list(mask):
+    return [[t for t in range(T) if mask[i, t]] for i in range(B)]
+
+
+def _clip(x, low, high):
+    return min(max(x, 1 - low), 1 + high)
+
+
+# -- the references, from the papers' formulas ----------------------------------------------------------------
+def ref_grpo(lp, old, mask, adv, eps_low, eps_high):
+    """GRPO: -(1/G) sum_i (1/|o_i|) sum_t min(r A, clip(r) A)."""
+    total = 0.0
+    for i, ts in enumerate(_seq_list(mask)):
+        seq = 0.0
+        for t in ts:
+            r = torch.exp(lp[i, t] - old[i, t])
+            seq = seq + torch.minimum(r * adv[i], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[i])
+        total = total + seq / len(ts)
+    return -total / B
+
+
+def ref_token_mean(lp, old, mask, adv, eps_low, eps_high, denominator=None):
+    """DAPO (and PPO / RLOO / REINFORCE++): -(1 / sum_i |o_i|) sum_i sum_t min(r A, clip(r) A); Dr. GRPO divides by
+    a constant instead."""
+    total, tokens = 0.0, 0
+    for i, ts in enumerate(_seq_list(mask)):
+        for t in ts:
+            r = torch.exp(lp[i, t] - old[i, t])
+            total = total + torch.minimum(r * adv[i], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[i])
+            tokens += 1
+    return -total / (denominator or tokens)
+
+
+def ref_gspo(lp, old, mask, adv, eps_low, eps_high):
+    """GSPO: s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|); -(1/G) sum_i min(s_i A_i, clip(s_i) A_i)."""
+    total = 0.0
+    for i, ts in enumerate(_seq_list(mask)):
+        log_ratio = sum(lp[i, t] - old[i, t] for t in ts)
+        s = torch.exp(log_ratio / len(ts))
+        total = total + torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[i])
+    return -total / B
+
+
+def ref_cispo(lp, old, mask, adv, eps_high):
+    """CISPO: -(1 / sum_i |o_i|) sum_i sum_t sg(min(r, 1 + eps_high)) A log pi."""
+    total, tokens = 0.0, 0
+    for i, ts in enumerate(_seq_list(mask)):
+        for t in ts:
+            r = float(torch.exp(lp[i, t] - old[i, t]))
+            total = total + min(r, 1 + eps_high) * adv[i] * lp[i, t]
+            tokens += 1
+    return -total / tokens
+
+
+def ref_reinforce(lp, mask, adv):
+    """REINFORCE: -(1 / sum_i |o_i|) sum_i sum_t A log pi."""
+    ts = _seq_list(mask)
+    return -sum(adv[i] * lp[i, t] for i in range(B) for t in ts[i]) / sum(len(x) for x in ts)
+
+
+CASES = {  # rl.loss -> (its config, the reference given (lp, old, mask, advantages))
+    "grpo": ({}, lambda lp, old, m, a: ref_grpo(lp, old, m, a, 0.2, 0.2)),
+    "dapo": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.28)),
+    "dr_grpo": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.2, denominator=B * L)),
+    "gspo": ({"clip_low": 0.02, "clip_high": 0.03}, lambda lp, old, m, a: ref_gspo(lp, old, m, a, 0.02, 0.03)),
+    "cispo": ({"clip_high": 0.5}, lambda lp, old, m, a: ref_cispo(lp, old, m, a, 0.5)),
+    "rloo": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.2)),
+    "reinforce_pp": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.2)),
+    "ppo": ({"clip_range": 0.1}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.1, 0.1)),
+}
+
+
+def ref_advantages(loss: str, rewards: torch.Tensor) -> list[float]:
+    """Group-normalised (GRPO, DAPO, GSPO, CISPO), group mean (Dr. GRPO, PPO), leave-one-out (RLOO), whole batch
+    (REINFORCE++), written out."""
+    r = rewards.tolist()
+    out = []
+    for i, x in enumerate(r):
+        group = r[i // G * G : i // G * G + G]
+        mean = sum(group) / G
+        std = math.sqrt(sum((y - mean) ** 2 for y in group) / G)
+        if loss in ("grpo", "dapo", "gspo", "cispo"):
+            out.append((x - mean) / (std + 1e-6))
+        elif loss == "rloo":
+            out.append(x - (sum(group) - x) / (G - 1))
+        elif loss == "reinforce_pp":
+            m = sum(r) / len(r)
+            out.append((x - m) / (math.sqrt(sum((y - m) ** 2 for y in r) / len(r)) + 1e-6))
+        else:
+            out.append(x - mean)
+    return out
+
+
+@pytest.mark.parametrize("loss", list(CASES))
+def test_each_loss_equals_its_papers_formula(loss):
+    overrides, reference = CASES[loss]
+    rl = RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides)
+    strategy = policy_gradient_strategy(rl)
+    lp0, old, mask, rewards = _batch()
+    advantages = strategy.advantages(rewards, G)
+    torch.testing.assert_close(advantages, torch.tensor(ref_advantages(loss, rewards)), atol=1e-6, rtol=1e-6)
+
+    ours_lp = lp0.clone().requires_grad_(True)
+    batch = {"advantages": advantages, "old_logprobs": old}
+    total, count, _ = LOSSES[loss](ours_lp, batch, mask, strategy.settings)
+    (total / count).backward()
+    ref_lp = lp0.clone().requires_grad_(True)
+    expected = reference(ref_lp, old, mask, advantages.tolist())
+    expected.backward()
+    ours, theirs = float((total / count).detach()), float(expected.detach())
+    assert abs(ours - theirs) < 1e-6, (ours, theirs)
+    torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-6, rtol=1e-5)
+    assert ours_lp.grad.abs().sum() > 0
+
+
+def test_reinforce_is_the_token_mean_of_advantage_times_log_prob():
+    lp0, _, mask, rewards = _batch()
+    strategy = policy_gradient_strategy(RLConfig(loss="reinforce", group_size=G))
+    adv = strategy.advantages(rewards, G)
+    lp = lp0.clone().requires_grad_(True)
+    total, count, _ = LOSSES["reinforce"](lp, {"advantages": adv}, mask, strategy.settings)
+    (total / count).backward()
+    ref = lp0.clone().requires_grad_(True)
+    ref_reinforce(ref, mask, adv.tolist()).backward()
+    torch.testing.assert_close(lp.grad, ref.grad, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss", list(CASES))
+def test_micro_batches_normalise_as_the_whole_batch(loss):
+    """Summed losses over summed normalisers of two micro-batches = the whole batch's loss: sequence means,
+    token means and Dr. GRPO's constant all survive gradient accumulation (and ranks) unchanged."""
+    overrides, _ = CASES[loss]
+    strategy = policy_gradient_strategy(RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides))
+    lp, old, mask, rewards = _batch(1)
+    adv = strategy.advantages(rewards, G)
+    whole, whole_n, _ = LOSSES[loss](lp, {"advantages": adv, "old_logprobs": old}, mask, strategy.settings)
+    parts = [
+        LOSSES[loss](lp[s], {"advantages": adv[s], "old_logprobs": old[s]}, mask[s], strategy.settings)
+        for s in (slice(0, 3), slice(3, B))
+    ]
+    split = sum(p[0] for p in parts) / sum(p[1] for p in parts)
+    assert abs(float(split.detach()) - float((whole / whole_n).detach())) < 1e-6
+
+
+def test_clip_statistics_count_the_tokens_the_clip_silences():
+    """DAPO's decoupled clip: a token above 1 + clip_high with A > 0 (and below 1 - clip_low with A < 0) has no
+    gradient and is counted on its side."""
+    lp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.25]])).requires_grad_(True)  # ratios against old = 0
+    batch = {"advantages": torch.tensor([[1.0, -1.0, 1.0, 1.0]]), "old_logprobs": torch.zeros(1, 4)}
+    strategy = policy_gradient_strategy(RLConfig(loss="dapo"))
+    total, count, stats = LOSSES["dapo"](lp, batch, torch.ones(1, 4), strategy.settings)
+    total.backward()
+    assert lp.grad[0, :2].abs().sum() == 0 and (lp.grad[0, 2:] != 0).all()  # 1.25 < 1.28: not clipped
+    assert (stats["clip_high_sum"], stats["clip_low_sum"], stats["clip_n_sum"]) == (1, 1, 4)
+
+
+def test_advantage_helpers_and_the_whole_batch_over_ranks():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert leave_one_out_advantages(rewards, 4).tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    assert group_advantages(rewards, 4).tolist() == [0.75, -0.25, -0.25, -0.25]
+
+    def two_ranks(sums):  # a second rank holding rewards [1, 1]: its sums added, as all_reduce would
+        other = {"n": 2.0, "sum": 2.0, "squares": 2.0}
+        return {k: v + other[k] for k, v in sums.items()}
+
+    pooled = batch_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]))[:4]
+    torch.testing.assert_close(batch_advantages(rewards, two_ranks), pooled)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"loss": "dapo", "clip_low": 0.3, "clip_high": 0.2}, r"rl.clip_low \(0.3\) > rl.clip_high \(0.2\)"),
+        ({"loss": "cispo", "clip_low": 0.1}, "caps its importance weights from above only"),
+        ({"loss": "reinforce", "clip_high": 0.2}, "clips nothing"),
+        ({"loss": "dr_grpo", "normalize_std": True}, "without the std division"),
+        ({"loss": "rloo", "normalize_std": False}, "has its own baseline"),
+        ({"loss": "grpo", "algorithm": "ppo"}, "disagree"),
+        ({"overlong_buffer": 32, "max_new_tokens": 32}, "must be below rl.max_new_tokens"),
+    ],
+)
+def test_loss_settings_that_contradict_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        RLConfig(**overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "loss, extra, shown",
+    [
+        ("dapo", ["rl.overlong_buffer=4"], ["dropped_groups", "extra_draws", "clip_low_frac", "overlong_frac"]),
+        ("gspo", ["rl.ppo_epochs=2", "rl.clip_low=0.002", "rl.clip_high=0.003"], ["seq_ratio_mean", "clip_high_frac"]),
+    ],
+)
+def test_dapo_and_gspo_runs_resume_bit_exact_and_show_their_figures(loss, extra, shown, tiny_runs, tmp_path):
+    """A run rolled back to its step-2 checkpoint and resumed ends with the straight run's weights (dynamic
+    sampling's extra prompts are a pure function of seed, step and rank); the train lines carry the loss's
+    figures."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import resume_from_checkpoint, run_cli
+
+    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", f"rl.loss={loss}", *extra]
+    args += ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_new_tokens=8", "rl.eval_problems=4", "rl.eval_k=2"]
+    args += ["training.num_train_steps=4", "training.save_steps=2", "training.eval_steps=0", "training.logging_steps=1"]
+    args += ["infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]
+    out = tmp_path / "run"
+    result = run_cli(*args, f"infra.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert all(key in r for r in train for key in shown), train[0]
+    straight = load_file(out / "model" / "model.safetensors")
+    resume_from_checkpoint(args, out, 2)
+    resumed = load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

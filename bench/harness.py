@@ -88,7 +88,7 @@ def table(results: dict[str, list[dict]], metric: str, reference: str) -> None:
         extra = " | ".join(
             _number(statistics.median(r[k] for r in runs if k in r)) if any(k in r for r in runs) else "" for k in keys
         )
-        print(f"| {name} | {medians[name]:,.1f} | {ratio:.2f}x | {extra} |")
+        print(f"| {name} | {_number(medians[name])} | {ratio:.2f}x | {extra} |")
 
 
 def _number(value: float) -> str:

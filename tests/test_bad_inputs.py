@@ -1053,6 +1053,17 @@ CASES = [
         "rl.loss",
     ),
     Case(
+        "rl-teacher-with-another-vocabulary",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=distill", "rl.teacher=t"],
+        r"rl.teacher t has another vocabulary \(\d+ tokens, the student's \d+",
+        lambda work, runs: _other_vocabulary(runs / "sft" / "model", work / "t"),
+    ),
+    Case(
+        "rl-teacher-missing",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=distill", "rl.teacher=nope"],
+        "nope",
+    ),
+    Case(
         "eval-vllm-server-down",
         ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "rl.engine=vllm", "rl.vllm_url=http://127.0.0.1:9"],
         r"no vLLM server answers at http://127.0.0.1:9",
@@ -1523,6 +1534,15 @@ CASES = [
         write("c.jsonl", b"\xff\xfe not text\n"),
     ),
 ]
+
+
+def _other_vocabulary(model: Path, out: Path) -> None:
+    """A copy of a model folder whose tokenizer is another one (a character vocabulary)."""
+    from tierlm.data import train_char_tokenizer
+
+    shutil.copytree(model, out)
+    (out / "training_meta.json").unlink()
+    train_char_tokenizer(["abc 123"]).save(out)
 
 
 def _swap_weights(run: Path) -> None:

@@ -23,4 +23,4 @@ def test_harness_table_reports_medians_and_ratios(capsys):
 
     table({"a": [{"tok": 10.0}, {"tok": 30.0}, {"tok": 20.0}], "ref": [{"tok": 10.0}]}, "tok", "ref")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].startswith("| a | 20.0 | 2.00x") and lines[3].startswith("| ref | 10.0 | 1.00x")
+    assert lines[2].startswith("| a | 20 | 2.00x") and lines[3].startswith("| ref | 10 | 1.00x")  # 3 significant digits

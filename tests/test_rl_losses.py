@@ -207,6 +207,8 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
         ({"loss": "rloo", "normalize_std": False}, "has its own baseline"),
         ({"loss": "grpo", "algorithm": "ppo"}, "disagree"),
         ({"overlong_buffer": 32, "max_new_tokens": 32}, "must be below rl.max_new_tokens"),
+        ({"loss": "distill"}, "rl.loss=distill learns from rl.teacher"),
+        ({"teacher": "runs/tiny_rl"}, "rl.loss=distill learns from rl.teacher"),
     ],
 )
 def test_loss_settings_that_contradict_are_refused(overrides, message):
@@ -245,3 +247,38 @@ def test_dapo_and_gspo_runs_resume_bit_exact_and_show_their_figures(loss, extra,
     resume_from_checkpoint(args, out, 2)
     resumed = load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_distill_is_reinforce_on_the_teachers_per_token_log_ratio():
+    """On-policy distillation's loss with per-token advantages A_t = log p_teacher - log p_student (what the loop
+    sets): -(1 / sum_i |o_i|) sum_i sum_t A_t log p_t, written out."""
+    lp0, _, mask, _ = _batch(2)
+    teacher = lp0 + 0.5 * torch.randn(B, T, generator=torch.Generator().manual_seed(3))
+    adv = (teacher - lp0) * mask
+    strategy = policy_gradient_strategy(RLConfig(loss="distill", teacher="t"))
+    lp = lp0.clone().requires_grad_(True)
+    total, count, _ = LOSSES["distill"](lp, {"advantages": adv}, mask, strategy.settings)
+    (total / count).backward()
+    ref = lp0.clone().requires_grad_(True)
+    ts = _seq_list(mask)
+    (-sum(adv[i, t] * ref[i, t] for i in range(B) for t in ts[i]) / sum(len(x) for x in ts)).backward()
+    torch.testing.assert_close(lp.grad, ref.grad, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_distillation_runs_and_logs_the_students_kl_to_its_teacher(tiny_runs, tmp_path):
+    """`tierlm rl rl.loss=distill rl.teacher=PRETRAINED` from the SFT model (the two share a tokenizer): it trains
+    without a verifier, and every train line carries KL(student || teacher) on the sampled tokens."""
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "run"
+    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.loss=distill"]
+    args += [f"rl.teacher={tiny_runs / 'pre'}", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8"]
+    args += ["training.num_train_steps=3", "training.eval_steps=0", "training.logging_steps=1", "rl.eval_problems=4"]
+    args += ["infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]
+    result = run_cli(*args, f"infra.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert len(train) == 3 and all(r["teacher_kl"] > 0 for r in train), train

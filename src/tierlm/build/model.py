@@ -135,3 +135,23 @@ def with_lora(config: TierlmConfig, model: torch.nn.Module) -> torch.nn.Module:
     return apply_lora(
         model, lora.r, lora.alpha, lora.dropout, lora.target_modules, base_model=config.model.model_name_or_path
     )
+
+
+def load_teacher(spec: str, tokenizer: Tokenizer, device: torch.device):
+    """On-policy distillation's teacher (rl.teacher): any tierlm or transformers model folder, run or hub id sharing
+    the student's tokenizer, loaded once and frozen (it only scores the student's samples)."""
+    from tierlm.backends.pytorch import FrozenReference
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+
+    location = verified_model_location(spec)
+    theirs, ours = load_tokenizer(location).hf.get_vocab(), tokenizer.hf.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:1]
+        raise ConfigError(
+            f"rl.teacher {spec} has another vocabulary ({len(theirs)} tokens, the student's {len(ours)}; first "
+            f"difference {differ}): distillation compares the two models' log-probs token by token, so the teacher "
+            "must share the student's tokenizer"
+        )
+    return FrozenReference(load_pretrained_model(location, device=device), device)

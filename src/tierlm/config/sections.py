@@ -418,14 +418,21 @@ class InfraConfig(Section):
 
 
 class RLConfig(Section):
-    loss: Literal["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"] | None = None
+    loss: (
+        Literal["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "distill"]
+        | None
+    ) = None
     """The policy-gradient loss (`tierlm.strategies.rl_losses`; None: rl.algorithm, else reinforce). reinforce:
     nanochat's on-policy REINFORCE with a group-mean baseline; grpo: advantages divided by the group std, clipped
     ratio, each sequence's token mean; dapo: decoupled clip (rl.clip_low / rl.clip_high), token-level mean, dynamic
     sampling; dr_grpo: no std division, no length normalisation; gspo: one clipped ratio per sequence; cispo:
     clipped, detached importance weights on every token; rloo: leave-one-out baselines; reinforce_pp: advantages
     normalised over the whole batch; ppo: clipped ratio over stored old log-probs for ppo_epochs (a critic
-    optional)."""
+    optional); distill: on-policy distillation from rl.teacher (each token's advantage is the teacher's log-prob
+    minus the student's)."""
+    teacher: str | None = None
+    """rl.loss=distill: the teacher (a tierlm or transformers model folder, run directory or hub id) sharing the
+    student's tokenizer; it scores every sampled token."""
     algorithm: Literal["reinforce", "grpo", "ppo"] | None = None
     """The older name of rl.loss (its first three values)."""
     clip_low: float | None = Field(None, gt=0, lt=1)
@@ -524,8 +531,12 @@ class RLConfig(Section):
             raise ValueError(
                 f"rl.critic trains PPO's value model: set rl.loss=ppo (or drop rl.critic; {loss} uses group baselines)"
             )
-        if loss == "reinforce" and (self.clip_low is not None or self.clip_high is not None):
-            raise ValueError("rl.loss=reinforce clips nothing: drop rl.clip_low / rl.clip_high, or pick a clipped loss")
+        if (loss == "distill") != (self.teacher is not None):
+            raise ValueError(
+                "rl.loss=distill learns from rl.teacher's log-probs: give both (rl.loss=distill rl.teacher=FOLDER)"
+            )
+        if loss in ("reinforce", "distill") and (self.clip_low is not None or self.clip_high is not None):
+            raise ValueError(f"rl.loss={loss} clips nothing: drop rl.clip_low / rl.clip_high, or pick a clipped loss")
         if loss == "cispo" and self.clip_low is not None:
             raise ValueError("rl.loss=cispo caps its importance weights from above only: drop rl.clip_low")
         if self.clip_low is not None and self.clip_high is not None and self.clip_low > self.clip_high:

@@ -85,6 +85,7 @@ class RLTrainer:
     config: TrainingConfig
     logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     reference: Any = None
+    teacher: Any = None  # rl.loss=distill: a frozen model scoring the sampled tokens (its `forward`)
     critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
@@ -258,6 +259,9 @@ class RLTrainer:
             mb["old_logprobs"] = self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
             if self.reference is not None:
                 mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+            if self.teacher is not None:  # on-policy distillation: each token's advantage is -(reverse KL) there
+                teacher = self.teacher.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+                mb["advantages"] = (teacher - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
         trained = batch["labels"] != IGNORE_INDEX
         if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
             self._critic_targets(micro, rewards, trained)
@@ -275,6 +279,11 @@ class RLTrainer:
                 if weights.numel()
                 else 0.0,
             }
+        distill = {}
+        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0), before the update
+            log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
+            k3 = log_ratio.exp() - log_ratio - 1.0
+            distill["teacher_kl"] = float((k3 * trained).sum() / trained.sum().clamp(min=1))
         kl = None
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens, before this step's update
             ref = torch.cat([mb["ref_logprobs"] for mb in micro])
@@ -330,6 +339,7 @@ class RLTrainer:
             "weight_version": version,  # the policy's updates behind this step's rollouts
             **loss_figures(totals, rl),
             **off_policy,
+            **distill,
             **({"kl": kl} if kl is not None else {}),
             **({"value_loss": value_update["loss"]} if value_update is not None else {}),
         }

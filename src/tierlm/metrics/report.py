@@ -71,6 +71,7 @@ PANELS = [
         [("lower clip", "train", "clip_low_frac"), ("upper clip", "train", "clip_high_frac")],
     ),
     ("seq_ratio", "GSPO: mean sequence importance ratio", "step", [("ratio", "train", "seq_ratio_mean")]),
+    ("teacher_kl", "distillation: KL(student || teacher) on the samples", "step", [("KL", "train", "teacher_kl")]),
     (
         "dynamic_sampling",
         "dynamic sampling: groups without signal and extra prompts drawn",

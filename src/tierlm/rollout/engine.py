@@ -19,7 +19,14 @@ from torch import nn
 from tierlm.errors import DataError
 from tierlm.models import family_of, unwrap_model
 from tierlm.rollout.sampling import sample_next_token
-from tierlm.rollout.tools import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, Tool
+from tierlm.rollout.tools import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TOOL_RESULT_END,
+    TOOL_RESULT_START,
+    Tool,
+    call_tool,
+)
 
 
 @dataclass
@@ -130,13 +137,8 @@ class Engine:
 
     # -- tools -----------------------------------------------------------------------------
     def _tool_result(self, call_tokens: list[int]) -> list[int]:
-        """`name: argument` calls the tool of that name; a bare request goes to the first tool."""
-        request = self.tokenizer.decode(call_tokens, skip_special_tokens=True)
-        name, colon, argument = request.partition(":")
-        if not (colon and name.strip().isidentifier()):
-            name, argument = next(iter(self.tools)), request
-        tool = self.tools.get(name.strip())
-        result = tool(argument) if tool is not None else f"error: no tool named {name.strip()!r}"
+        """The forced tokens answering a call (`tierlm.rollout.tools.call_tool`)."""
+        result = call_tool(self.tools, self.tokenizer.decode(call_tokens, skip_special_tokens=True))
         return [self.result_start, *self.tokenizer.encode(result), self.result_end]
 
     # -- generation ------------------------------------------------------------------------

@@ -30,6 +30,21 @@ class Tool(Protocol):
         ...
 
 
+def call_tool(tools: dict[str, Tool], request: str) -> str:
+    """The answer to a model's tool request: `name: argument` calls the tool of that name; a bare request goes to
+    the first tool.
+
+    >>> tools = {"calculator": Calculator()}
+    >>> call_tool(tools, "calculator: 2 + 3"), call_tool(tools, "2 * 3"), call_tool(tools, "search: cats")
+    ('5', '6', "error: no tool named 'search'")
+    """
+    name, colon, argument = request.partition(":")
+    if not (colon and name.strip().isidentifier()):
+        name, argument = next(iter(tools)), request
+    tool = tools.get(name.strip())
+    return tool(argument) if tool is not None else f"error: no tool named {name.strip()!r}"
+
+
 class Calculator:
     """Arithmetic on integers and decimals.
 

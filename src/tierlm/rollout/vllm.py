@@ -35,7 +35,14 @@ from tierlm.models import family_of, unwrap_model
 from tierlm.models.io import save_model_config
 from tierlm.models.lora import has_lora, lora_scalings, merged_state, split_state
 from tierlm.rollout.engine import Completion
-from tierlm.rollout.tools import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, Tool
+from tierlm.rollout.tools import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TOOL_RESULT_END,
+    TOOL_RESULT_START,
+    Tool,
+    call_tool,
+)
 
 INSTALL_HINT = (
     "install it with `bash scripts/setup_vllm.sh` and start tierlm from that environment (.venv-vllm/bin/tierlm), "
@@ -224,12 +231,7 @@ class VLLMEngine:
         starts = [k for k, t in enumerate(tokens[:-1]) if t == self.call_start]
         if not starts or self.result_end in tokens[starts[-1] :]:
             return  # an end without an open call: not a call
-        request = self.tokenizer.decode(tokens[starts[-1] + 1 : -1], skip_special_tokens=True)
-        name, colon, argument = request.partition(":")
-        if not (colon and name.strip().isidentifier()):
-            name, argument = next(iter(self.tools)), request
-        tool = self.tools.get(name.strip())
-        result = tool(argument) if tool is not None else f"error: no tool named {name.strip()!r}"
+        result = call_tool(self.tools, self.tokenizer.decode(tokens[starts[-1] + 1 : -1], skip_special_tokens=True))
         forced = [self.result_start, *self.tokenizer.encode(result), self.result_end][: budget - len(tokens)]
         completion.tokens += forced
         completion.logprobs += [0.0] * len(forced)

@@ -11,7 +11,7 @@ import torch
 from tierlm.backends.pytorch import frozen_reference
 from tierlm.build.backend import build_backend
 from tierlm.build.engine import build_engine, engine_name
-from tierlm.build.model import build_model, model_context
+from tierlm.build.model import build_model, load_teacher, model_context
 from tierlm.build.stage import Stage
 from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
@@ -48,7 +48,7 @@ class RL(Stage):
         return config.model_copy(update={"infra": infra.model_copy(update={"distributed_type": kind})})
 
     def reference_model(self, config: TierlmConfig | None) -> str | None:
-        return "beside" if config is not None and config.rl.kl_coef > 0 else None
+        return "beside" if config is not None and (config.rl.kl_coef > 0 or config.rl.teacher) else None
 
     def micro_batch(self, config: TierlmConfig, world_size: int) -> tuple[int, int]:
         rl = config.rl
@@ -94,6 +94,7 @@ class RL(Stage):
             check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
         config = run.resolve(model)
         reference = frozen_reference(model, run.device) if rl.kl_coef > 0 else None
+        teacher = load_teacher(rl.teacher, tokenizer, run.device) if rl.teacher else None
         schedule = optimizer_schedule(config, world)  # the LR schedule counts optimizer steps
         parallel = self.parallelism(config, run.ctx is not None).model_copy(update={"training": schedule})
         critic = None
@@ -108,7 +109,7 @@ class RL(Stage):
         strategy = policy_gradient_strategy(rl)
         trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training)
         extras = extras_writer(config, tokenizer, self.name)
-        trainer.reference, trainer.critic, trainer.write_extra = reference, critic, extras
+        trainer.reference, trainer.teacher, trainer.critic, trainer.write_extra = reference, teacher, critic, extras
         try:
             if run.preflight:  # tierlm rl --check-parity: step 0's rollouts through the sampler and the trainer
                 return check_parity(trainer.parity(), rl)

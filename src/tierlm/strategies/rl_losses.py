@@ -148,6 +148,13 @@ def reinforce_pp(logprobs, batch, mask, s: LossSettings) -> Result:
     return _token_loss(logprobs, batch, mask, s, "tokens", s.clip_low, s.clip_high)
 
 
+def distill(logprobs, batch, mask, s: LossSettings) -> Result:
+    """On-policy distillation (Agarwal et al., 2024, GKD; Lu & Thinking Machines, 2025): the student samples, the
+    teacher scores every sampled token, and each token's advantage is log p_teacher - log p_student (the negative
+    per-token reverse KL, set by the RL loop); REINFORCE over them, the token-level mean. No verifier is needed."""
+    return _token_loss(logprobs, batch, mask, s, "tokens", None, None)
+
+
 def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     """CISPO (MiniMax-M1, 2025): every token keeps its gradient; the importance ratio is clipped from above at
     1 + rl.clip_high and detached, weighting -A log p; the token-level mean."""
@@ -195,5 +202,6 @@ LOSSES: dict[str, Callable[..., Result]] = {
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "ppo": ppo,
+    "distill": distill,
 }
 """rl.loss -> its function: the one place a policy-gradient loss is named."""

@@ -806,6 +806,24 @@ CASES = [
         "dpo.beta must be > 0",
     ),
     Case(
+        "dpo-robust-without-label-smoothing",
+        ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "dpo.loss_type=robust"],
+        "robust DPO's assumed flip rate",
+    ),
+    Case(
+        "dpo-simpo-with-precomputed-reference",
+        [
+            "dpo",
+            "--config",
+            cfg(DPO_CFG),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "dpo.loss_type=simpo",
+            "dpo.reference=precomputed",
+        ],
+        "dpo.loss_type=simpo uses no reference",
+    ),
+    Case(
         "dpo-synthetic-1e12",
         ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
         "needs at least",

@@ -563,6 +563,27 @@ class DPOConfig(Section):
     reference: Literal["frozen", "precomputed"] = "frozen"
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
     ref_rejected_logp."""
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
+    """sigmoid: DPO; ipo: IPO's squared loss on per-token averaged log-probs; hinge: SLiC's; robust: DPO under
+    label noise (dpo.label_smoothing); simpo and orpo: reference-free (no reference model is loaded)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """robust: the assumed share of pairs whose preference is flipped."""
+    simpo_gamma: float | None = Field(None, ge=0)
+    """simpo: the target reward margin gamma (None: 0.5). SimPO's paper uses beta about 2 (dpo.beta)."""
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> "DPOConfig":
+        kind = self.loss_type
+        if (kind == "robust") != (self.label_smoothing > 0):
+            raise ValueError(
+                "dpo.label_smoothing is robust DPO's assumed flip rate: set dpo.loss_type=robust with "
+                "0 < dpo.label_smoothing < 0.5, or neither"
+            )
+        if self.simpo_gamma is not None and kind != "simpo":
+            raise ValueError(f"dpo.simpo_gamma is SimPO's margin; dpo.loss_type={kind} does not read it")
+        if kind in ("simpo", "orpo") and self.reference == "precomputed":
+            raise ValueError(f"dpo.loss_type={kind} uses no reference: drop dpo.reference=precomputed")
+        return self
 
 
 class AblationConfig(Section):

@@ -13,10 +13,20 @@ from tierlm.build.loaders import build_pair_loaders
 from tierlm.build.model import build_model
 from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
+from tierlm.errors import ConfigError
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
-from tierlm.strategies.dpo import DPOStrategy
+from tierlm.strategies.dpo import REFERENCE_FREE, DPOStrategy
 from tierlm.tasks import synthetic_name
+
+
+def uses_frozen_reference(config: TierlmConfig) -> bool:
+    return config.dpo.reference == "frozen" and config.dpo.loss_type not in REFERENCE_FREE
+
+
+def preference_strategy(dpo, reference=None) -> DPOStrategy:
+    gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else 0.5
+    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma)
 
 
 class DPO(Stage):
@@ -31,13 +41,13 @@ class DPO(Stage):
     rows_per_example = 2  # a pair's chosen and rejected rows
 
     def reference_model(self, config: TierlmConfig | None) -> str | None:
-        return "in step" if config is not None and config.dpo.reference == "frozen" else None
+        return "in step" if config is not None and uses_frozen_reference(config) else None
 
     def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
         batch, _ = super().trace_batch(config, rows, tokens)
-        if config.dpo.reference == "precomputed":
+        if config.dpo.loss_type not in REFERENCE_FREE:
             batch["ref_logps"] = torch.zeros(rows)
-        return batch, DPOStrategy(config.dpo.beta).compute_loss
+        return batch, preference_strategy(config.dpo).compute_loss
 
     def memory_fixes(self, config: TierlmConfig) -> dict[str, str]:
         return {"reference model": "use dpo.reference=precomputed"}
@@ -57,8 +67,13 @@ class DPO(Stage):
         )  # pairs stay whole
         config = run.resolve(model)
         jax = config.infra.backend == "jax"
-        frozen = config.dpo.reference == "frozen"
-        strategy = DPOStrategy(config.dpo.beta, frozen_reference(model, run.device) if frozen and not jax else None)
+        if jax and config.dpo.loss_type != "sigmoid":
+            raise ConfigError(
+                f"the JAX backend trains DPO's sigmoid loss; dpo.loss_type={config.dpo.loss_type} needs "
+                "infra.backend=pytorch"
+            )
+        frozen = uses_frozen_reference(config)  # never for simpo / orpo: they compare the policy with itself
+        strategy = preference_strategy(config.dpo, frozen_reference(model, run.device) if frozen and not jax else None)
 
         def reference_from(backend) -> None:  # JAX's reference: the initial parameters, run by JAX too
             if frozen and jax:

@@ -1,9 +1,18 @@
-"""Direct Preference Optimization (Rafailov et al., 2023).
+"""Direct Preference Optimization (Rafailov et al., 2023) and the preference losses beside it (`dpo.loss_type`).
 
 A batch holds N chosen rows then N rejected rows (`input_ids`, `labels` with -100 off the
-response). With policy and reference sequence log-probs (summed over response tokens):
+response). With policy and reference sequence log-probs (summed over response tokens) and
+h = (pi_c - ref_c) - (pi_r - ref_r):
 
-    loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+    sigmoid (DPO):   -log sigmoid(beta h)
+    robust:          (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e), e = dpo.label_smoothing
+    hinge (SLiC):    max(0, 1 - beta h)
+    ipo:             (h - 1 / (2 beta))^2, on log-probs averaged over each response's tokens
+
+and two without a reference model (none is loaded), on averaged log-probs a_c, a_r:
+
+    simpo:           -log sigmoid(beta (a_c - a_r) - gamma), gamma = dpo.simpo_gamma
+    orpo:            NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r)), odds(a) = e^a / (1 - e^a)
 
 Reference log-probs come from the batch (`ref_logps`, precomputed) or from a frozen reference
 model that `prepare_batch` runs.
@@ -16,7 +25,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from tierlm.primitives.losses import token_logprobs
+from tierlm.primitives.losses import IGNORE_INDEX, token_logprobs
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -45,30 +54,107 @@ def dpo_loss(
     return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
 
 
-class DPOStrategy:
-    """DPO as a strategy for the ordinary `Trainer`: losses are summed per pair and counted in pairs."""
+REFERENCE_FREE = ("simpo", "orpo")
+"""Preference losses that compare the policy with itself: no reference model is loaded for them."""
+AVERAGED = ("ipo", "simpo", "orpo")
+"""Losses on log-probs averaged over each response's tokens (the others sum them)."""
 
-    def __init__(self, beta: float = 0.1, reference=None):
+
+def preference_loss(
+    loss_type: str,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor | None,
+    ref_rejected: torch.Tensor | None,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    chosen_nll: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair (loss, chosen reward, rejected reward) of `loss_type` (the module's docstring has the formulas).
+    `chosen` / `rejected` are the policy's sequence log-probs (averaged per token for ipo, simpo and orpo); ORPO
+    also takes the chosen responses' mean token NLL.
+
+    >>> loss, _, _ = preference_loss("hinge", torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]),
+    ...     torch.tensor([-2.0]), beta=0.25)
+    >>> loss.item()   # max(0, 1 - 0.25 * 2)
+    0.5
+    """
+    if loss_type in REFERENCE_FREE:
+        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
+        if loss_type == "simpo":
+            return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma), chosen_rewards, rejected_rewards
+        log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+        assert chosen_nll is not None, "ORPO adds the chosen responses' NLL"
+        return chosen_nll - beta * F.logsigmoid(log_odds), chosen_rewards, rejected_rewards
+    chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h)
+    elif loss_type == "robust":
+        e = label_smoothing
+        losses = (-(1 - e) * F.logsigmoid(beta * h) + e * F.logsigmoid(-beta * h)) / (1 - 2 * e)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:
+        assert loss_type == "ipo", f"unknown preference loss {loss_type!r}"
+        losses = (h - 1 / (2 * beta)) ** 2
+    return losses, chosen_rewards, rejected_rewards
+
+
+class DPOStrategy:
+    """DPO (or `loss_type`) as a strategy for the ordinary `Trainer`: losses are summed per pair and counted in
+    pairs."""
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        reference=None,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+    ):
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
-        when batches carry precomputed `ref_logps`."""
+        when batches carry precomputed `ref_logps`, or for a reference-free loss."""
         assert beta > 0, f"beta must be > 0, got {beta}"
-        self.beta, self.reference = beta, reference
+        self.beta, self.reference, self.loss_type = beta, reference, loss_type
+        self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         out = dict(batch)
+        if self.loss_type in REFERENCE_FREE:
+            return out
         if "ref_logps" not in out:
             assert self.reference is not None, "DPO needs a reference model or precomputed ref_logps in the batch"
             out["ref_logps"] = self.reference.forward(out, self._logps).wait()["logps"]
         return out
 
     def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"logps": sequence_logprobs(logits, batch["labels"])}
+        logps = sequence_logprobs(logits, batch["labels"])
+        if self.loss_type in AVERAGED:
+            logps = logps / (batch["labels"] != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
+        return {"logps": logps}
 
     def _pairs(self, logits: torch.Tensor, batch: Batch):
-        policy = sequence_logprobs(logits, batch["labels"])
-        ref = batch["ref_logps"].to(policy.device)
+        policy = self._logps(logits, batch)["logps"]
         n = policy.shape[0] // 2
-        return policy[:n], policy[n:], *dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.beta)
+        if self.loss_type == "sigmoid":
+            ref = batch["ref_logps"].to(policy.device)
+            return policy[:n], policy[n:], *dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.beta)
+        ref = batch["ref_logps"].to(policy.device) if self.loss_type not in REFERENCE_FREE else None
+        nll = -policy[:n] if self.loss_type == "orpo" else None  # the chosen rows' mean token NLL
+        losses = preference_loss(
+            self.loss_type,
+            policy[:n],
+            policy[n:],
+            None if ref is None else ref[:n],
+            None if ref is None else ref[n:],
+            self.beta,
+            self.label_smoothing,
+            self.simpo_gamma,
+            nll,
+        )
+        return policy[:n], policy[n:], *losses
 
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         *_, losses, _, _ = self._pairs(logits, batch)

@@ -1,0 +1,124 @@
+"""`dpo.loss_type`: each preference loss against its paper's formula written out here (per pair, plain math on
+log-probs gathered by hand from the logits), and the reference-free ones (SimPO, ORPO) never load a reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tierlm.config import DPOConfig, TierlmConfig
+from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.stages.dpo import preference_strategy
+
+N, T, V = 3, 7, 11  # pairs, positions, vocabulary
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2 * N, T, V, generator=g)
+    labels = torch.randint(0, V, (2 * N, T), generator=g)
+    for row, start in enumerate([2, 4, 1, 3, 5, 2]):  # responses of different lengths
+        labels[row, :start] = IGNORE_INDEX
+    ref = -torch.rand(2 * N, generator=g) * 20
+    return logits, labels, ref
+
+
+def _logps(logits, labels, averaged: bool) -> list[float]:
+    """Each row's response log-prob, summed (or averaged) over its tokens, by hand."""
+    out = []
+    for row in range(logits.shape[0]):
+        terms = [
+            float(logits[row, t, labels[row, t]] - torch.logsumexp(logits[row, t], dim=0))
+            for t in range(T)
+            if labels[row, t] != IGNORE_INDEX
+        ]
+        out.append(sum(terms) / len(terms) if averaged else sum(terms))
+    return out
+
+
+def _logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def reference(loss_type: str, c: float, r: float, rc: float, rr: float, beta: float, e: float, gamma: float) -> float:
+    h = (c - rc) - (r - rr)
+    if loss_type == "sigmoid":  # DPO (Rafailov et al., 2023)
+        return -_logsig(beta * h)
+    if loss_type == "robust":  # rDPO (Chowdhury et al., 2024)
+        return (-(1 - e) * _logsig(beta * h) + e * _logsig(-beta * h)) / (1 - 2 * e)
+    if loss_type == "hinge":  # SLiC-HF (Zhao et al., 2023)
+        return max(0.0, 1 - beta * h)
+    if loss_type == "ipo":  # IPO (Azar et al., 2023), on averaged log-probs
+        return (h - 1 / (2 * beta)) ** 2
+    if loss_type == "simpo":  # SimPO (Meng et al., 2024)
+        return -_logsig(beta * (c - r) - gamma)
+    # ORPO (Hong et al., 2024): NLL of the chosen response + beta * -log sigmoid(log odds ratio)
+    odds = lambda a: math.log(math.exp(a) / (1 - math.exp(a)))  # noqa: E731
+    return -c - beta * _logsig(odds(c) - odds(r))
+
+
+CASES = [
+    ("sigmoid", {}),
+    ("robust", {"label_smoothing": 0.2}),
+    ("hinge", {}),
+    ("ipo", {}),
+    ("simpo", {"simpo_gamma": 0.7, "beta": 2.0}),
+    ("orpo", {}),
+]
+
+
+@pytest.mark.parametrize("loss_type, overrides", CASES)
+def test_each_preference_loss_equals_its_formula(loss_type, overrides):
+    dpo = DPOConfig(loss_type=loss_type, **overrides)
+    strategy = preference_strategy(dpo)
+    logits, labels, ref = _batch()
+    batch = strategy.prepare_batch(
+        {"labels": labels, "ref_logps": ref} if loss_type not in ("simpo", "orpo") else {"labels": labels}
+    )
+    total, count = strategy.compute_loss(logits, batch)
+    logps = _logps(logits, labels, averaged=loss_type in ("ipo", "simpo", "orpo"))
+    gamma = dpo.simpo_gamma or 0.5
+    expected = [
+        reference(loss_type, logps[i], logps[N + i], float(ref[i]), float(ref[N + i]), dpo.beta,
+                  dpo.label_smoothing, gamma)
+        for i in range(N)
+    ]  # fmt: skip
+    assert count == N
+    assert abs(float(total) - sum(expected)) < 1e-5 * max(1.0, abs(sum(expected))), (float(total), expected)
+
+
+def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_path):
+    """SimPO and ORPO compare the policy with itself: training runs with the reference builder made to fail."""
+    from conftest import CHAT, REPO
+    from tierlm.stages import dpo as stage_module
+    from tierlm.stages import run_stage
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("a reference-free loss loaded a reference model")
+
+    monkeypatch.setattr(stage_module, "frozen_reference", no_reference)
+    for loss_type in ("simpo", "orpo"):
+        config = TierlmConfig.load(
+            REPO / "configs/tiny_dpo.yaml",
+            [*CHAT, f"model.model_name_or_path={tiny_runs / 'sft'}", f"dpo.loss_type={loss_type}",
+             f"infra.output_dir={tmp_path / loss_type}"],
+        )  # fmt: skip
+        summary = run_stage(config, "dpo")
+        assert summary["step"] == 2 and "pref_acc" in summary
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"loss_type": "robust"}, "robust DPO's assumed flip rate"),
+        ({"label_smoothing": 0.1}, "robust DPO's assumed flip rate"),
+        ({"loss_type": "ipo", "simpo_gamma": 1.0}, "does not read it"),
+        ({"loss_type": "simpo", "reference": "precomputed"}, "uses no reference"),
+        ({"loss_type": "robust", "label_smoothing": 0.5}, "less than 0.5"),
+    ],
+)
+def test_preference_settings_that_contradict_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DPOConfig(**overrides)

@@ -185,3 +185,33 @@ def test_eval_samples_with_vllm_in_process_and_through_the_server_alike(tiny_run
     assert local.returncode == 0 and remote.returncode == 0, local.stderr[-2000:] + remote.stderr[-2000:]
     line = local.stdout.strip().splitlines()[-1]  # vLLM in the process logs to stdout too
     assert line.startswith("pass@1 ") and line == remote.stdout.strip().splitlines()[-1], (local.stdout, remote.stdout)
+
+
+def test_off_policy_rl_through_the_server_resumes_bit_exact(tiny_runs, server, tmp_path):
+    """rl.max_off_policy_steps=1 with vLLM sampling in the background: a run rolled back to its step-2 checkpoint
+    (pending rollouts in it) and resumed ends with the straight run's weights bit for bit; the resumed process
+    pushes the checkpoint's weights into the server before it samples again."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import resume_from_checkpoint
+
+    args = ["rl", "--config", "configs/tiny_rl.yaml", *RL, "rl.engine=vllm", f"rl.vllm_url={server}"]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.max_off_policy_steps=1", "rl.group_size=4"]
+    args += ["training.num_train_steps=5", "training.save_steps=2", "training.logging_steps=1"]
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "tierlm", *args, f"infra.output_dir={out}"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert [r["weight_version"] for r in train] == [0, 0, 1, 2, 3]
+    straight = load_file(out / "model" / "model.safetensors")
+    resume_from_checkpoint(args, out, 2)
+    resumed = load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

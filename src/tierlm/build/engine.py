@@ -14,10 +14,13 @@ from tierlm.rollout.engine import Engine
 from tierlm.rollout.tools import Calculator
 
 
-def build_engine(rl: RLConfig, model: nn.Module, tokenizer, folder: Path, sharded: bool = False, world_size: int = 1):
+def build_engine(
+    rl: RLConfig, model: nn.Module, tokenizer, folder: Path | None, sharded: bool = False, world_size: int = 1
+):
     """An engine sampling `model` with the run's tools: tierlm's own on the policy's live weights, or on a whole copy
     of its own (loaded with the policy's weights at each sync) when the policy will be `sharded` (FSDP) or sampling
-    runs ahead of training (off-policy); or vLLM, which holds weights of its own (a model folder under `folder`)."""
+    runs ahead of training (off-policy); or vLLM, which holds weights of its own (a model folder under `folder`,
+    which tierlm's engine does not need)."""
     tools = [Calculator()] if "calculator" in rl.tools else []
     if rl.engine == "native":
         own_copy = sharded or rl.max_off_policy_steps > 0
@@ -33,6 +36,8 @@ def build_engine(rl: RLConfig, model: nn.Module, tokenizer, folder: Path, sharde
             "others still sample with): drop torchrun or set rl.max_off_policy_steps=0"
         )
     from tierlm.rollout.vllm import VLLMEngine
+
+    assert folder is not None, "vLLM loads the policy from a model folder: give build_engine one"
 
     inner = unwrap_model(model)
     max_len = family_of(inner).max_seq_len(inner) or 2048

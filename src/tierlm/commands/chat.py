@@ -63,17 +63,22 @@ class Chatbot:
         if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
             raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
         choice = RLConfig(engine=engine, vllm_url=vllm_url, tools=["calculator"] if with_tools else [])
-        self.folder = tempfile.TemporaryDirectory(prefix="tierlm-sampler-")  # --engine vllm: the model it loads
+        # --engine vllm: the model folder vLLM loads (tierlm's engine samples the loaded model itself)
+        self.folder = tempfile.TemporaryDirectory(prefix="tierlm-sampler-") if engine == "vllm" else None
         try:
-            self.engine = build_engine(choice, model, self.tokenizer, Path(self.folder.name))
+            self.engine = build_engine(choice, model, self.tokenizer, Path(self.folder.name) if self.folder else None)
         except BaseException:
-            self.folder.cleanup()
+            self.close_folder()
             raise
         self.lock = threading.Lock()
 
     def close(self) -> None:
         self.engine.close()
-        self.folder.cleanup()
+        self.close_folder()
+
+    def close_folder(self) -> None:
+        if self.folder is not None:
+            self.folder.cleanup()
 
     def reply(
         self,

@@ -374,16 +374,13 @@ class RLTrainer:
         sums = self._sum_over_ranks(
             {"tokens": gap.numel(), "abs": float(gap.abs().sum()), "beyond": float((gap.abs() > cap).sum())}
         )
-        largest = (
-            self.backend.gather_objects(float(gap.abs().max()) if gap.numel() else 0.0)
-            if self.world_size > 1
-            else [float(gap.abs().max()) if gap.numel() else 0.0]
-        )
+        largest = float(gap.abs().max()) if gap.numel() else 0.0
+        maxima = self.backend.gather_objects(largest) if self.world_size > 1 else [largest]
         tokens = max(sums["tokens"], 1)
         return {
             "tokens": int(sums["tokens"]),
             "mean_abs_gap": sums["abs"] / tokens,
-            "max_abs_gap": max(largest),
+            "max_abs_gap": max(maxima),
             "beyond_cap": sums["beyond"] / tokens,
         }
 

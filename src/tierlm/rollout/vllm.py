@@ -101,7 +101,6 @@ class VLLMEngine:
         self.stop_ids, self.tokenizer, self.tools = list(stop_ids), tokenizer, {t.name: t for t in tools}
         self.device = torch.device("cpu")  # the callers' generators only seed vLLM's own
         self.weight_version = 0
-        self._max_len = max_len
         if self.tools:
             vocab = tokenizer.hf.get_vocab()
             self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]

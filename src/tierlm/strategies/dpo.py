@@ -87,11 +87,11 @@ def preference_loss(
         log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
         assert chosen_nll is not None, "ORPO adds the chosen responses' NLL"
         return chosen_nll - beta * F.logsigmoid(log_odds), chosen_rewards, rejected_rewards
+    if loss_type == "sigmoid":
+        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
     chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * h)
-    elif loss_type == "robust":
+    if loss_type == "robust":
         e = label_smoothing
         losses = (-(1 - e) * F.logsigmoid(beta * h) + e * F.logsigmoid(-beta * h)) / (1 - 2 * e)
     elif loss_type == "hinge":
@@ -138,9 +138,6 @@ class DPOStrategy:
     def _pairs(self, logits: torch.Tensor, batch: Batch):
         policy = self._logps(logits, batch)["logps"]
         n = policy.shape[0] // 2
-        if self.loss_type == "sigmoid":
-            ref = batch["ref_logps"].to(policy.device)
-            return policy[:n], policy[n:], *dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.beta)
         ref = batch["ref_logps"].to(policy.device) if self.loss_type not in REFERENCE_FREE else None
         nll = -policy[:n] if self.loss_type == "orpo" else None  # the chosen rows' mean token NLL
         losses = preference_loss(

@@ -301,8 +301,15 @@ class PPOStrategy(PolicyGradientStrategy):
         return advantages, returns
 
 
-CLIP_DEFAULTS = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "cispo": (None, 4.0)}
-"""(clip_low, clip_high) where a loss's paper sets its own (others: rl.clip_range both ways; REINFORCE: none)."""
+CLIP_DEFAULTS = {
+    "reinforce": (None, None),
+    "distill": (None, None),
+    "dapo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+    "cispo": (None, 4.0),
+}
+"""(clip_low, clip_high) where a loss sets its own (others: rl.clip_range both ways; REINFORCE and distillation clip
+nothing)."""
 STD_BY_DEFAULT = ("grpo", "dapo", "gspo", "cispo")  # advantages divided by the group's std unless rl.normalize_std
 BASELINES = {"rloo": "leave_one_out", "reinforce_pp": "batch"}  # the others: the group's mean
 
@@ -319,10 +326,10 @@ def policy_gradient_strategy(rl) -> PolicyGradientStrategy:
     loss = rl.loss
     normalize = rl.normalize_std if rl.normalize_std is not None else loss in STD_BY_DEFAULT
     if loss == "reinforce":
-        return ReinforceStrategy(rl.temperature, rl.kl_coef)
-    if loss == "grpo" and rl.clip_low is None and rl.clip_high is None:
-        return GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature)
-    if loss == "ppo":
+        strategy = ReinforceStrategy(rl.temperature, rl.kl_coef)
+    elif loss == "grpo":
+        strategy = GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature)
+    elif loss == "ppo":
         strategy = PPOStrategy(
             rl.kl_coef,
             rl.clip_range,
@@ -334,10 +341,11 @@ def policy_gradient_strategy(rl) -> PolicyGradientStrategy:
             rl.value_clip_range,
         )
     else:
-        strategy = PolicyGradientStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature, loss)
-        strategy.baseline = BASELINES.get(loss, "group")
+        strategy = PolicyGradientStrategy(
+            rl.clip_range, rl.kl_coef, normalize, rl.temperature, loss, baseline=BASELINES.get(loss, "group")
+        )
     low, high = CLIP_DEFAULTS.get(loss, (rl.clip_range, rl.clip_range))
     low = rl.clip_low if rl.clip_low is not None else low
     high = rl.clip_high if rl.clip_high is not None else high
-    strategy.settings = LossSettings(low, high, rl.kl_coef, rl.max_new_tokens)
+    strategy.settings = LossSettings(low, high, rl.kl_coef, rl.max_new_tokens)  # the one place the bounds resolve
     return strategy

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierlm.config import TierlmConfig
+from tierlm.config import RLConfig, TierlmConfig
 from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError
 from tierlm.models import (
@@ -137,21 +137,44 @@ def with_lora(config: TierlmConfig, model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
+def check_same_vocabulary(location, tokenizer: Tokenizer, what: str, why: str) -> None:
+    """Refuse, in one line, a model folder whose tokenizer is not the policy's (`why`: what needs them equal)."""
+    from tierlm.data import load_tokenizer
+
+    theirs, ours = load_tokenizer(location).hf.get_vocab(), tokenizer.hf.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:1]
+        raise ConfigError(
+            f"{what} has another vocabulary ({len(theirs)} tokens, the policy's {len(ours)}; first difference "
+            f"{differ}): {why}"
+        )
+
+
 def load_teacher(spec: str, tokenizer: Tokenizer, device: torch.device):
     """On-policy distillation's teacher (rl.teacher): any tierlm or transformers model folder, run or hub id sharing
     the student's tokenizer, loaded once and frozen (it only scores the student's samples)."""
     from tierlm.backends.pytorch import FrozenReference
     from tierlm.checkpoint.folders import verified_model_location
-    from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
 
     location = verified_model_location(spec)
-    theirs, ours = load_tokenizer(location).hf.get_vocab(), tokenizer.hf.get_vocab()
-    if theirs != ours:
-        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:1]
-        raise ConfigError(
-            f"rl.teacher {spec} has another vocabulary ({len(theirs)} tokens, the student's {len(ours)}; first "
-            f"difference {differ}): distillation compares the two models' log-probs token by token, so the teacher "
-            "must share the student's tokenizer"
-        )
+    why = "distillation compares the two models' log-probs token by token, so the teacher must share the tokenizer"
+    check_same_vocabulary(location, tokenizer, f"rl.teacher {spec}", why)
     return FrozenReference(load_pretrained_model(location, device=device), device)
+
+
+def load_reward_model(rl: RLConfig, tokenizer: Tokenizer, device: torch.device):
+    """rl.reward_model (None when unset): a reward model folder or run directory (`tierlm rm`'s, or any transformers
+    ...ForSequenceClassification with one label) sharing the policy's tokenizer, frozen, scoring rl.micro_batch_size
+    rows at a time."""
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.models.reward import RewardScorer, check_reward_model_folder
+
+    spec = rl.reward_model
+    if spec is None:
+        return None
+    location = verified_model_location(spec)
+    check_reward_model_folder(location, "rl.reward_model")
+    why = "it scores the policy's token ids as they are, so it must share the policy's tokenizer"
+    check_same_vocabulary(location, tokenizer, f"rl.reward_model {spec}", why)
+    return RewardScorer(location, device, rl.micro_batch_size)

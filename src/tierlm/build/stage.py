@@ -30,6 +30,8 @@ class Stage:
     """What a data row becomes (`tierlm.data.rows`): text, chat, preference or task."""
     chat = False
     """It trains a chat model: its samples, `tierlm sample` and evaluation render prompts as user turns."""
+    generates = True
+    """Its model writes text (training.sample_prompts are sampled at each evaluation); a reward model scores instead."""
     starts_from_trained = False
     """It needs model.model_name_or_path (a trained chat model to improve)."""
     needs_chat_template = False

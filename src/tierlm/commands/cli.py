@@ -4,6 +4,7 @@ r"""The `tierlm` command line.
     tierlm sft --config configs/tiny_sft.yaml [section.key=value ...]
     tierlm rl --config configs/tiny_rl.yaml [section.key=value ...]
     tierlm dpo --config configs/tiny_dpo.yaml [section.key=value ...]
+    tierlm rm --config configs/tiny_rm.yaml [section.key=value ...]
     tierlm sample --checkpoint runs/tiny_sft --prompt "What is 12 + 7?"
     tierlm eval --checkpoint runs/tiny_rl --config configs/tiny_rl.yaml
     tierlm tokenizer train --data FILE_OR_SYNTHETIC --out DIR [--kind bpe|char] [--vocab-size N]

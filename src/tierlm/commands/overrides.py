@@ -29,6 +29,7 @@ EVAL_KEYS = ("training.seed", "infra.device_type", "infra.gpu_rank", "model.trus
 READERS = {
     "rl": "tierlm rl and tierlm eval",
     "dpo": "tierlm dpo",
+    "rm": "tierlm rm",
     "ablation": "tierlm ablate",
 }
 

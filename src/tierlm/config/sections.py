@@ -28,6 +28,7 @@ from tierlm.config.model import (
     Section,
     TokenizerConfig,
 )
+from tierlm.config.post_training import DPOConfig, RewardModelConfig, RLConfig
 from tierlm.errors import ConfigError
 
 
@@ -417,175 +418,6 @@ class InfraConfig(Section):
         return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size) > 1
 
 
-class RLConfig(Section):
-    loss: (
-        Literal["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "distill"]
-        | None
-    ) = None
-    """The policy-gradient loss (`tierlm.strategies.rl_losses`; None: rl.algorithm, else reinforce). reinforce:
-    nanochat's on-policy REINFORCE with a group-mean baseline; grpo: advantages divided by the group std, clipped
-    ratio, each sequence's token mean; dapo: decoupled clip (rl.clip_low / rl.clip_high), token-level mean, dynamic
-    sampling; dr_grpo: no std division, no length normalisation; gspo: one clipped ratio per sequence; cispo:
-    clipped, detached importance weights on every token; rloo: leave-one-out baselines; reinforce_pp: advantages
-    normalised over the whole batch; ppo: clipped ratio over stored old log-probs for ppo_epochs (a critic
-    optional); distill: on-policy distillation from rl.teacher (each token's advantage is the teacher's log-prob
-    minus the student's)."""
-    teacher: str | None = None
-    """rl.loss=distill: the teacher (a tierlm or transformers model folder, run directory or hub id) sharing the
-    student's tokenizer; it scores every sampled token."""
-    algorithm: Literal["reinforce", "grpo", "ppo"] | None = None
-    """The older name of rl.loss (its first three values)."""
-    clip_low: float | None = Field(None, gt=0, lt=1)
-    """The ratio's lower clip 1 - clip_low (None: the loss's default: rl.clip_range; DAPO 0.2; GSPO 3e-4)."""
-    clip_high: float | None = Field(None, gt=0)
-    """The ratio's upper clip 1 + clip_high (None: rl.clip_range; DAPO 0.28; GSPO 4e-4; CISPO's weight cap 4.0)."""
-    dynamic_sampling: bool | None = None
-    """Drop groups whose rewards are all equal (no gradient signal) and sample more prompts until the step's groups
-    are full (None: on for dapo); the extra draws are logged."""
-    max_extra_draws: int = Field(4, ge=0)
-    """Dynamic sampling: at most this many rounds of extra prompts per step (then the step trains on what it has,
-    padded with signal-free groups)."""
-    overlong_buffer: int = Field(0, ge=0)
-    """DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_buffer loses reward
-    linearly, down to -1 at max_new_tokens (0: off)."""
-    group_size: int = Field(8, ge=2)
-    """Samples per prompt (the group whose mean reward is the baseline)."""
-    prompts_per_step: int = Field(8, gt=0)
-    """Prompts per optimizer step (each sampled group_size times)."""
-    max_new_tokens: int = Field(32, gt=0)
-    """Generation budget per sample."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature for rollouts (log-probs are taken under the same temperature)."""
-    top_k: int | None = Field(None, gt=0)
-    """Sample only from the k most likely tokens (None: all)."""
-    top_p: float | None = Field(None, gt=0, le=1)
-    """Nucleus sampling threshold (None: off)."""
-    critic: bool = False
-    """ppo: train a value model beside the policy (a copy of it with a one-column head) for per-token
-    GAE advantages and a clipped value loss, instead of the group-mean baseline."""
-    gae_gamma: float = Field(1.0, gt=0, le=1)
-    """ppo with a critic: the discount of GAE."""
-    gae_lambda: float = Field(0.95, ge=0, le=1)
-    """ppo with a critic: GAE's lambda (1: the reward minus the value; 0: one-step TD)."""
-    value_clip_range: float = Field(0.2, gt=0)
-    """ppo with a critic: how far the value may move from its value at sampling time in the clipped loss."""
-    ppo_epochs: int = Field(1, gt=0)
-    """Optimizer steps per rollout batch; after the first, the clipped ratio against the stored old log-probs
-    applies."""
-    clip_range: float = Field(0.2, gt=0)
-    """PPO/GRPO ratio clip epsilon."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL penalty to the frozen starting model (0: no reference model is kept)."""
-    normalize_std: bool | None = None
-    """Divide advantages by the group's std (None: true for grpo, false otherwise)."""
-    micro_batch_size: int = Field(64, gt=0)
-    """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
-    max_off_policy_steps: int = Field(0, ge=0, le=8)
-    """Asynchronous RL: the rollouts of step n are sampled with the weights of step n - k while earlier steps train
-    (0: on-policy, generation and training take turns). Pending rollouts are saved with every checkpoint, so a
-    resumed run continues exactly."""
-    importance_cap: float = Field(2.0, gt=0)
-    """Off-policy steps: each trained token's loss is weighted by min(p_policy / p_sampler, importance_cap), the
-    truncated importance ratio against the sampler's own log-probs."""
-    engine: Literal["native", "vllm"] = "native"
-    """What samples rollouts and pass@k: tierlm's own KV-cache engine, or vLLM (in this process, or the server at
-    rl.vllm_url), the trainer's weights pushed into it after every optimizer step."""
-    vllm_url: str | None = None
-    """rl.engine=vllm: the base URL of a vLLM server (scripts/vllm_server.sh) that reads the weights the trainer
-    writes to RUN/sampler (shared storage); None: vLLM runs in the trainer's process."""
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
-    """rl.engine=vllm in this process on a GPU: the share of GPU memory vLLM may take (weights and KV cache; it
-    sleeps, giving the KV cache back, while the trainer trains)."""
-    parity_tolerance: float = Field(0.05, gt=0)
-    """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
-    (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near
-    1e-2, float32 near 1e-7)."""
-    tools: list[Literal["calculator"]] = Field(default_factory=list)
-    """Tools the model may call during generation (results are spliced in and masked from the loss)."""
-    eval_problems: int = Field(100, gt=0)
-    """Held-out problems for pass@k."""
-    eval_k: int = Field(4, gt=0)
-    """Samples per held-out problem: pass@1 is their mean accuracy, pass@k whether any is right."""
-    eval_temperature: float = Field(1.0, ge=0)
-    """Sampling temperature for pass@k (0: greedy, then pass@1 == pass@k)."""
-
-    @model_validator(mode="after")
-    def _check_engine(self) -> "RLConfig":
-        if self.vllm_url is not None and self.engine != "vllm":
-            raise ValueError("rl.vllm_url names a vLLM server for rl.engine=vllm: set rl.engine=vllm or drop the URL")
-        if self.vllm_url is not None and not self.vllm_url.startswith(("http://", "https://")):
-            raise ValueError(f"rl.vllm_url must be an http:// or https:// URL, got {self.vllm_url!r}")
-        return self
-
-    @model_validator(mode="after")
-    def _check_loss(self) -> "RLConfig":
-        if self.algorithm is not None and self.loss is not None and self.algorithm != self.loss:
-            raise ValueError(
-                f"rl.algorithm={self.algorithm} and rl.loss={self.loss} disagree: rl.algorithm is rl.loss's older "
-                "name, give one"
-            )
-        loss = self.loss or self.algorithm or "reinforce"
-        object.__setattr__(self, "loss", loss)  # resolved once (validate_assignment would re-enter this validator)
-        object.__setattr__(self, "algorithm", None)
-        if self.critic and loss != "ppo":
-            raise ValueError(
-                f"rl.critic trains PPO's value model: set rl.loss=ppo (or drop rl.critic; {loss} uses group baselines)"
-            )
-        if (loss == "distill") != (self.teacher is not None):
-            raise ValueError(
-                "rl.loss=distill learns from rl.teacher's log-probs: give both (rl.loss=distill rl.teacher=FOLDER)"
-            )
-        if loss in ("reinforce", "distill") and (self.clip_low is not None or self.clip_high is not None):
-            raise ValueError(f"rl.loss={loss} clips nothing: drop rl.clip_low / rl.clip_high, or pick a clipped loss")
-        if loss == "cispo" and self.clip_low is not None:
-            raise ValueError("rl.loss=cispo caps its importance weights from above only: drop rl.clip_low")
-        if self.clip_low is not None and self.clip_high is not None and self.clip_low > self.clip_high:
-            raise ValueError(
-                f"rl.clip_low ({self.clip_low}) > rl.clip_high ({self.clip_high}): the decoupled clip widens the "
-                "upper side (DAPO: 0.2 / 0.28)"
-            )
-        if loss == "dr_grpo" and self.normalize_std:
-            raise ValueError("rl.loss=dr_grpo is GRPO without the std division: drop rl.normalize_std")
-        if loss in ("rloo", "reinforce_pp") and self.normalize_std is not None:
-            raise ValueError(f"rl.loss={loss} has its own baseline: drop rl.normalize_std")
-        if self.overlong_buffer >= self.max_new_tokens:
-            raise ValueError(
-                f"rl.overlong_buffer ({self.overlong_buffer}) must be below rl.max_new_tokens ({self.max_new_tokens})"
-            )
-        if self.dynamic_sampling is None:
-            object.__setattr__(self, "dynamic_sampling", loss == "dapo")
-        return self
-
-
-class DPOConfig(Section):
-    beta: float = Field(0.1, gt=0)
-    """Strength of the implicit KL constraint: rewards are beta * (policy - reference) log-probs."""
-    reference: Literal["frozen", "precomputed"] = "frozen"
-    """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
-    ref_rejected_logp."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
-    """sigmoid: DPO; ipo: IPO's squared loss on per-token averaged log-probs; hinge: SLiC's; robust: DPO under
-    label noise (dpo.label_smoothing); simpo and orpo: reference-free (no reference model is loaded)."""
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """robust: the assumed share of pairs whose preference is flipped."""
-    simpo_gamma: float | None = Field(None, ge=0)
-    """simpo: the target reward margin gamma (None: 0.5). SimPO's paper uses beta about 2 (dpo.beta)."""
-
-    @model_validator(mode="after")
-    def _check_loss(self) -> "DPOConfig":
-        kind = self.loss_type
-        if (kind == "robust") != (self.label_smoothing > 0):
-            raise ValueError(
-                "dpo.label_smoothing is robust DPO's assumed flip rate: set dpo.loss_type=robust with "
-                "0 < dpo.label_smoothing < 0.5, or neither"
-            )
-        if self.simpo_gamma is not None and kind != "simpo":
-            raise ValueError(f"dpo.simpo_gamma is SimPO's margin; dpo.loss_type={kind} does not read it")
-        if kind in ("simpo", "orpo") and self.reference == "precomputed":
-            raise ValueError(f"dpo.loss_type={kind} uses no reference: drop dpo.reference=precomputed")
-        return self
-
-
 class AblationConfig(Section):
     """What `tierlm ablate --config <this>` runs when the command names no variants (a preset's ablation)."""
 
@@ -603,6 +435,7 @@ class TierlmConfig(Section):
     infra: InfraConfig = Field(default_factory=InfraConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
     ablation: AblationConfig = Field(default_factory=AblationConfig)
 
     @classmethod

@@ -4,7 +4,8 @@ rejected rows.
 Pairs come from any source of the data pipeline (`tierlm.data.sources.open_examples` with kind
 "preference"): JSONL, parquet, saved or hub datasets, folders laid out as the Hub serves them, or
 `synthetic:arithmetic`. The row forms are TRL's (`tierlm.data.rows.row_to_preference`); optional
-"ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log-probs.
+"ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log-probs, and "margin" how much better the
+chosen reply is (read by reward models).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class PairLoader(BatchIterable):
                 self.dropped += 1
                 continue
             refs = (pair.ref_chosen_logp, pair.ref_rejected_logp)
-            self.rows.append((rendered, None if None in refs else refs))
+            self.rows.append((rendered, None if None in refs else refs, pair.margin))
         if not self.rows:
             raise DataError(f"no preference pair fits in {max_len} tokens")
         assert 0 <= rank < world_size, f"rank {rank} not in [0, {world_size})"
@@ -88,6 +89,8 @@ class PairLoader(BatchIterable):
         batch = {"input_ids": input_ids, "labels": labels}
         if all(r[1] is not None for r in picked):
             batch["ref_logps"] = torch.tensor([r[1][0] for r in picked] + [r[1][1] for r in picked])
+        if all(r[2] is not None for r in picked):
+            batch["margin"] = torch.tensor([float(r[2]) for r in picked])
         return batch
 
     def rewind(self) -> None:

@@ -50,6 +50,7 @@ class PreferencePair:
     rejected: list[dict]
     ref_chosen_logp: float | None = None
     ref_rejected_logp: float | None = None
+    margin: float | None = None  # how much better chosen is (TRL's reward-model `margin` column)
 
 
 class Conversation(list):
@@ -194,7 +195,10 @@ def row_to_preference(row: dict, fields: Fields, where: str) -> PreferencePair:
         if conversation[-1]["role"] != "assistant":
             raise DataError(f"{where}: the {name} conversation must end with an assistant turn")
         sides.append(conversation)
-    return PreferencePair(sides[0], sides[1], row.get("ref_chosen_logp"), row.get("ref_rejected_logp"))
+    margin = row.get("margin")
+    if margin is not None and not isinstance(margin, (int, float)):
+        raise DataError(f"{where}: margin must be a number, got {margin!r}")
+    return PreferencePair(sides[0], sides[1], row.get("ref_chosen_logp"), row.get("ref_rejected_logp"), margin)
 
 
 def row_to_task(row: dict, fields: Fields, where: str) -> TaskExample:

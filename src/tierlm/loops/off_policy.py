@@ -49,6 +49,8 @@ def encode_rollout(rollout) -> dict[str, Any]:
         "weight_version": c.weight_version,
         "reward": rollout.reward,
         "text": rollout.text,
+        "task_reward": rollout.task_reward,
+        "score": rollout.score,
     }
 
 
@@ -61,7 +63,14 @@ def decode_rollout(record: dict[str, Any]) -> Rollout:
         record["tool_calls"],
         record.get("weight_version", 0),
     )
-    return Rollout(_unpack(record["prompt"], np.int64), completion, record["reward"], record["text"])
+    return Rollout(
+        _unpack(record["prompt"], np.int64),
+        completion,
+        record["reward"],
+        record["text"],
+        record.get("task_reward"),
+        record.get("score"),
+    )
 
 
 class OffPolicyRollouts:

@@ -62,6 +62,35 @@ def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int
     return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
 
 
+def reward_model_sums(groups: list[list[Rollout]]) -> dict[str, float]:
+    """Summable figures of a reward model's scores: their sum, and within each group, over the pairs whose task
+    rewards differ, how often the reward model ranks them the same way (its accuracy against the task's verifier).
+
+    >>> g = [Rollout([], Completion(), 1.0, "", 1.0, 0.5), Rollout([], Completion(), 0.0, "", 0.0, 0.9)]
+    >>> reward_model_sums([g])
+    {'rm_score': 1.4, 'rm_pairs': 1.0, 'rm_agree': 0.0}
+    """
+    score = pairs = agree = 0.0
+    for group in groups:
+        score += sum(r.score for r in group)
+        for a in group:
+            for b in group:
+                if a.task_reward > b.task_reward:
+                    pairs += 1
+                    agree += float(a.score > b.score) + 0.5 * float(a.score == b.score)
+    return {"rm_score": score, "rm_pairs": pairs, "rm_agree": agree}
+
+
+def reward_model_figures(totals: dict[str, float]) -> dict[str, float]:
+    """The train line's reward-model figures from the step's summed `reward_model_sums` (none without one)."""
+    if "rm_score" not in totals:
+        return {}
+    out = {"rm_score_mean": totals["rm_score"] / totals["rows"]}
+    if totals["rm_pairs"]:
+        out["rm_accuracy"] = totals["rm_agree"] / totals["rm_pairs"]
+    return out
+
+
 @dataclass
 class RLState:
     step: int = 0
@@ -86,6 +115,7 @@ class RLTrainer:
     logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     reference: Any = None
     teacher: Any = None  # rl.loss=distill: a frozen model scoring the sampled tokens (its `forward`)
+    reward_model: Any = None  # rl.reward_model: scores each prompt + completion (`score(sequences)`)
     critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
@@ -193,11 +223,23 @@ class RLTrainer:
 
     def _groups(self, indices: list[int], generators: list[torch.Generator]) -> list[list[Rollout]]:
         if not is_environment(self.train_task):
-            return self.collect([self.train_task.example(i) for i in indices], generators)
-        return [
-            [self.run_episode(self.train_task, i, self.rl.temperature, g) for _ in range(self.rl.group_size)]
-            for i, g in zip(indices, generators)
-        ]
+            groups = self.collect([self.train_task.example(i) for i in indices], generators)
+        else:
+            groups = [
+                [self.run_episode(self.train_task, i, self.rl.temperature, g) for _ in range(self.rl.group_size)]
+                for i, g in zip(indices, generators)
+            ]
+        return self._with_reward_model(groups) if self.reward_model is not None else groups
+
+    def _with_reward_model(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """rl.reward_model: each reward becomes rl.task_reward_weight x the task's + rl.reward_model_weight x the
+        reward model's score of the prompt and completion (the two kept apart for the logs)."""
+        rollouts = [r for g in groups for r in g]
+        scores = self.reward_model.score([r.prompt_ids + r.completion.tokens for r in rollouts])
+        for r, score in zip(rollouts, scores):
+            r.task_reward, r.score = r.reward, score
+            r.reward = self.rl.task_reward_weight * r.reward + self.rl.reward_model_weight * score
+        return groups
 
     def _with_signal(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
         """DAPO's dynamic sampling: groups whose rewards are all equal give no gradient; they are replaced by groups
@@ -314,6 +356,7 @@ class RLTrainer:
                 "tokens": sum(len(r.completion.tokens) for r in rollouts),
                 "finished": float(sum(r.completion.finished for r in rollouts)),
                 "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
+                **(reward_model_sums(groups) if self.reward_model is not None else {}),
             }
         )
         n, tokens = totals["rows"], totals["tokens"]
@@ -341,6 +384,7 @@ class RLTrainer:
             **off_policy,
             **distill,
             **({"kl": kl} if kl is not None else {}),
+            **reward_model_figures(totals),
             **({"value_loss": value_update["loss"]} if value_update is not None else {}),
         }
 
@@ -487,7 +531,8 @@ class RLTrainer:
             print(
                 f"step {state.step}/{self.config.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss "
                 f"{metrics['loss']:.4f} | "
-                f"|dlogp| {metrics['logprob_abs_diff']:.2e} | weights v{metrics['weight_version']} | "
+                + (f"rm acc {metrics['rm_accuracy']:.2f} | " if "rm_accuracy" in metrics else "")
+                + f"|dlogp| {metrics['logprob_abs_diff']:.2e} | weights v{metrics['weight_version']} | "
                 f"gen {metrics['time_generation_s']:.1f}s "
                 f"train {metrics['time_training_s']:.1f}s",
                 file=sys.stderr,

@@ -79,6 +79,18 @@ PANELS = [
         [("dropped groups", "train", "dropped_groups"), ("extra draws", "train", "extra_draws")],
     ),
     (
+        "rm_accuracy",
+        "reward model: held-out pair accuracy (tierlm rm); agreement with the task's verifier (RL)",
+        "step",
+        [("pair accuracy", "eval", "rm_acc"), ("agrees with verifier", "train", "rm_accuracy")],
+    ),
+    (
+        "rm_score",
+        "reward model: mean score",
+        "step",
+        [("rollouts", "train", "rm_score_mean"), ("held-out pairs", "eval", "score_mean")],
+    ),
+    (
         "dpo",
         "DPO: reward margin and preference accuracy",
         "step",

@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from tierlm.errors import ModelLoadError
 from tierlm.models.gpt import family as _gpt  # noqa: F401  (each family module registers its family)
 from tierlm.models.gpt.model import GPT, GPTConfig, build_gpt
 from tierlm.models.gpt2 import family as _gpt2  # noqa: F401
@@ -34,6 +35,7 @@ from tierlm.models.registry import (
     family_of,
     register_family,
 )
+from tierlm.models.reward import is_reward_model_folder
 
 
 def load_pretrained_model(
@@ -43,7 +45,13 @@ def load_pretrained_model(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """A native model folder (written by tierlm) or any transformers causal LM (hub id or folder); a folder
-    whose LoRA adapter is kept apart from its weights (a checkpoint's) loads with the adapter merged in."""
+    whose LoRA adapter is kept apart from its weights (a checkpoint's) loads with the adapter merged in. A reward
+    model's folder is refused: it scores text (`tierlm.models.reward.RewardScorer`)."""
+    if is_reward_model_folder(name_or_path):
+        raise ModelLoadError(
+            f"{name_or_path} is a reward model (a sequence classifier): it scores text and cannot generate or be "
+            "trained on as a language model; pass it as rl.reward_model"
+        )
     model = family_for_folder(name_or_path).load(
         name_or_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code
     )

@@ -28,6 +28,7 @@ from tierlm.models.lora import (
     split_state,
 )
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, family_for_folder, family_of
+from tierlm.models.reward import is_reward_model, mark_classifier
 
 __all__ = [
     "NATIVE_CONFIG_FILE",
@@ -52,7 +53,8 @@ def save_model_folder(
 
     `state_dict` (e.g. a CPU copy taken earlier) is written instead of the model's live weights. A LoRA
     model's adapters go to adapter/ (`tierlm.models.lora`), and its weights are the frozen base, or
-    with `merge_lora` the base with the adapters' update added (a plain model anything can load).
+    with `merge_lora` the base with the adapters' update added (a plain model anything can load). A reward model
+    (`tierlm.models.reward`) is written as its transformers sequence classifier.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -64,6 +66,8 @@ def save_model_folder(
         save_adapter(model, path, adapter, merged=merge_lora)
         return path
     family_of(model).save(model, path, state_dict)
+    if is_reward_model(model):
+        mark_classifier(model, path)
     return path
 
 
@@ -72,6 +76,8 @@ def save_model_config(model: nn.Module, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     family_of(model).save_config(model, path)
+    if is_reward_model(model):
+        mark_classifier(model, path, weights=False)
     if has_lora(model):  # the sharded weights hold base and adapters apart
         save_adapter_config(model, path)
     return path
@@ -95,7 +101,10 @@ def read_model_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tens
         return model_state(
             model, family_of(model).read_state(model, Path(path)), read_adapter(model, path) if adapter else {}
         )
-    return family_of(model).read_state(model, Path(path))
+    state = family_of(model).read_state(model, Path(path))
+    if is_reward_model(model) and "score.weight" in state:  # written as its sequence classifier (`mark_classifier`)
+        state["lm_head.weight"] = state.pop("score.weight")
+    return state
 
 
 def load_model_state(model: nn.Module, path: str | Path) -> None:

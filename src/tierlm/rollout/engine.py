@@ -48,12 +48,15 @@ class Completion:
 
 @dataclass
 class Rollout:
-    """A completion of a prompt with its reward (and the answer text the reward read)."""
+    """A completion of a prompt with its reward (and the answer text the reward read). With a reward model, `reward`
+    weighs its `score` against the task's own reward (`task_reward`)."""
 
     prompt_ids: list[int]
     completion: Completion
     reward: float
     text: str
+    task_reward: float | None = None
+    score: float | None = None
 
 
 class SamplingEngine(Protocol):

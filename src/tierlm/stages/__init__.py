@@ -6,7 +6,7 @@ model, data, strategy, backend and loop on the run skeleton (`tierlm.run`). Addi
 here and one line in `STAGES`; the CLI, `tierlm.train`, the planner and the run skeleton pick it up.
 
 >>> list(STAGES)
-['pretrain', 'sft', 'dpo', 'rl']
+['pretrain', 'sft', 'dpo', 'rm', 'rl']
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from tierlm.run import prepare_run
 from tierlm.stages.dpo import DPO
 from tierlm.stages.pretrain import Pretrain
 from tierlm.stages.rl import RL
+from tierlm.stages.rm import RewardModel
 from tierlm.stages.sft import SFT
 
-STAGES: dict[str, Stage] = {stage.name: stage for stage in (Pretrain(), SFT(), DPO(), RL())}
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (Pretrain(), SFT(), DPO(), RewardModel(), RL())}
 
 
 def run_stage(
@@ -57,4 +58,4 @@ def run_rl(config: TierlmConfig) -> dict:
     return run_stage(config, "rl")
 
 
-__all__ = ["DPO", "RL", "SFT", "STAGES", "Pretrain", "Stage", "run_rl", "run_stage"]
+__all__ = ["DPO", "RL", "SFT", "RewardModel", "STAGES", "Pretrain", "Stage", "run_rl", "run_stage"]

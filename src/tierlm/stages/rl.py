@@ -11,7 +11,7 @@ import torch
 from tierlm.backends.pytorch import frozen_reference
 from tierlm.build.backend import build_backend
 from tierlm.build.engine import build_engine, engine_name
-from tierlm.build.model import build_model, load_teacher, model_context
+from tierlm.build.model import build_model, load_reward_model, load_teacher, model_context
 from tierlm.build.stage import Stage
 from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
@@ -110,6 +110,7 @@ class RL(Stage):
         trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training)
         extras = extras_writer(config, tokenizer, self.name)
         trainer.reference, trainer.teacher, trainer.critic, trainer.write_extra = reference, teacher, critic, extras
+        trainer.reward_model = load_reward_model(rl, tokenizer, run.device)  # rl.reward_model's, or None
         try:
             if run.preflight:  # tierlm rl --check-parity: step 0's rollouts through the sampler and the trainer
                 return check_parity(trainer.parity(), rl)

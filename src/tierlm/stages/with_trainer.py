@@ -79,7 +79,7 @@ def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: Stage, kind:
     """model -> greedy completions of training.sample_prompts (user turns for chat stages), or None
     when there is nothing to sample or the model is sharded (FSDP ranks would have to generate together)."""
     tr = config.training
-    if not tr.sample_prompts or kind in ("fsdp", "model_parallel"):
+    if not tr.sample_prompts or not stage.generates or kind in ("fsdp", "model_parallel"):
         return None
     chat = stage.chat and tokenizer.has_chat_template
     prompts = [(p, prompt_tokens(tokenizer, p, chat)) for p in tr.sample_prompts]

@@ -6,6 +6,10 @@ the model's own mistakes, which it finds likely, rather than made-up near misses
         --samples 4 --out runs/self_pairs.jsonl
     tierlm dpo --config configs/tiny_dpo.yaml data.dataset_name=runs/self_pairs.jsonl dpo.loss_type=ipo ...
 
+With `--unpaired`, each pair is written as two rows of KTO's unpaired form instead (TRL's
+`unpair_preference_dataset`): `{"prompt": [user], "completion": [assistant], "label": true | false}`, for
+`tierlm dpo ... dpo.loss_type=kto`.
+
 Writes `{"chosen": [user, assistant], "rejected": [user, assistant]}` conversations (tool calls and results kept
 as the model wrote and received them; DPO masks the results as SFT does) and prints how many problems gave a
 pair. Sampling is seeded per problem, so the same command writes the same file.
@@ -36,6 +40,7 @@ def main() -> int:
     parser.add_argument("--problems", type=int, default=2000)
     parser.add_argument("--samples", type=int, default=4, help="replies sampled per problem")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--unpaired", action="store_true", help="write KTO's unpaired rows (two per pair)")
     args = parser.parse_args()
     config = TierlmConfig.load(args.config)
     location = verified_model_location(args.checkpoint)
@@ -65,7 +70,12 @@ def main() -> int:
                 reply = tokenizer.decode(tokens, skip_special_tokens=False)
                 return [*example.messages, {"role": "assistant", "content": reply}]
 
-            f.write(json.dumps({"chosen": turn(right[0]), "rejected": turn(wrong[0])}) + "\n")
+            chosen, rejected = turn(right[0]), turn(wrong[0])
+            if args.unpaired:
+                for reply, label in ((chosen, True), (rejected, False)):
+                    f.write(json.dumps({"prompt": reply[:-1], "completion": reply[-1:], "label": label}) + "\n")
+            else:
+                f.write(json.dumps({"chosen": chosen, "rejected": rejected}) + "\n")
             pairs += 1
     engine.close()
     print(f"{pairs} pairs from {len(task)} problems ({args.samples} replies each) -> {args.out}")

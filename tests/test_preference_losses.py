@@ -117,8 +117,78 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "ipo", "simpo_gamma": 1.0}, "does not read it"),
         ({"loss_type": "simpo", "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "robust", "label_smoothing": 0.5}, "less than 0.5"),
+        ({"desirable_weight": 2.0}, "are KTO's"),
+        ({"loss_type": "kto", "reference": "precomputed"}, "computes its reference log-probs"),
     ],
 )
 def test_preference_settings_that_contradict_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         DPOConfig(**overrides)
+
+
+def test_kto_equals_its_formula_with_the_kl_rows_giving_no_gradient():
+    """KTO (Ethayarajh et al., 2024) as TRL's KTOTrainer computes it: z = max(0, mean over the mismatched rows of
+    pi - ref), then desirable replies w_d (1 - sigmoid(beta (r - z))), undesirable w_u (1 - sigmoid(beta (z - r)));
+    the KL rows' logits receive no gradient."""
+    dpo = DPOConfig(loss_type="kto", beta=0.3, desirable_weight=1.5, undesirable_weight=0.7)
+    strategy = preference_strategy(dpo)
+    logits, labels, ref = _batch(1)
+    label = torch.tensor([1.0, 0.0, 1.0])
+    logits.requires_grad_(True)
+    batch = strategy.prepare_batch({"labels": labels, "ref_logps": ref, "kto_label": label})
+    total, count = strategy.compute_loss(logits, batch)
+    logps = _logps(logits.detach(), labels, averaged=False)
+    z = max(0.0, sum(logps[N + i] - float(ref[N + i]) for i in range(N)) / N)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = 0.0
+    for i in range(N):
+        r = logps[i] - float(ref[i])
+        expected += 1.5 * (1 - sig(0.3 * (r - z))) if label[i] else 0.7 * (1 - sig(0.3 * (z - r)))
+    assert count == N
+    assert float(total) == pytest.approx(expected, rel=1e-5)
+    total.backward()
+    assert logits.grad[N:].abs().max() == 0 and logits.grad[:N].abs().max() > 0
+
+
+def test_unpaired_rows_need_labels_and_kl_rows_pair_each_prompt_with_the_next_reply(tiny_tokenizer):
+    from tierlm.data.preferences import UnpairedLoader
+    from tierlm.data.rows import Fields, row_to_unpaired
+    from tierlm.errors import DataError
+
+    rows = [{"prompt": f"{a} + 1", "completion": f"{a + 1}", "label": a % 2 == 0} for a in (2, 5, 7)]
+    examples = [row_to_unpaired(r, Fields(), f"row {i}") for i, r in enumerate(rows)]
+    batch = UnpairedLoader(examples, tiny_tokenizer, 3, 64, shuffle=False).next_batch()
+    assert batch["kto_label"].tolist() == [1.0, 0.0, 0.0] and batch["input_ids"].shape[0] == 6
+    decoded = [tiny_tokenizer.decode([t for t in row.tolist() if t >= 0], skip_special_tokens=True) for row in
+               batch["input_ids"]]  # fmt: skip
+    replies = [tiny_tokenizer.decode([t for t in row.tolist() if t >= 0], skip_special_tokens=True) for row in
+               batch["labels"]]  # fmt: skip
+    assert "2 + 1" in decoded[3] and replies[3].strip() == "6"  # prompt 0 with reply 1
+    assert "7 + 1" in decoded[5] and replies[5].strip() == "3"  # prompt 2 with reply 0
+    with pytest.raises(DataError, match="no 'label' field"):
+        row_to_unpaired({"prompt": "1 + 1", "completion": "2"}, Fields(), "row 9")
+    with pytest.raises(DataError, match="label must be true or false"):
+        row_to_unpaired({"prompt": "1 + 1", "completion": "2", "label": "yes"}, Fields(), "row 9")
+
+
+@pytest.mark.slow
+def test_kto_run_resumes_bit_exact(tiny_runs, tmp_path):
+    """`tierlm dpo dpo.loss_type=kto` on synthetic unpaired replies, rolled back to its step-2 checkpoint and
+    resumed, ends with the straight run's weights; eval lines carry KTO's figures."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import CHAT, resume_from_checkpoint, run_cli
+
+    out = tmp_path / "kto"
+    args = ["dpo", "--config", "tiny_dpo", f"model.model_name_or_path={tiny_runs / 'sft'}", *CHAT, "dpo.loss_type=kto"]
+    args += ["training.num_train_steps=4", "training.save_steps=2", "training.eval_steps=2"]
+    result = run_cli(*args, f"infra.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "eval"]
+    assert evals and all(k in evals[-1] for k in ("kl", "kto_acc", "reward_desirable", "reward_undesirable"))
+    straight = load_file(out / "model" / "model.safetensors")
+    resume_from_checkpoint(args, out, 2)
+    resumed = load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -28,7 +28,7 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.data.hub import available_splits, default_eval_split
-from tierlm.data.preferences import PairLoader
+from tierlm.data.preferences import PairLoader, UnpairedLoader
 from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, open_stream
 from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
@@ -365,21 +365,25 @@ def build_pair_loaders(
 ) -> tuple[PairLoader, PairLoader]:
     """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
     data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once; `rank`
-    reads its share of `world` (data-parallel) shares of each batch."""
+    reads its share of `world` (data-parallel) shares of each batch. KTO (dpo.loss_type=kto) reads unpaired
+    replies instead (`UnpairedLoader`)."""
     d, tr = config.data, config.training
     if d.mixture or d.streaming:
         raise ConfigError(
             "DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming"
         )
-    trains, vals = open_splits(config, "preference", tokenizer)
+    kto = config.dpo.loss_type == "kto"
+    trains, vals = open_splits(config, "unpaired" if kto else "preference", tokenizer)
     train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
+    what = "replies" if kto else "pairs"
     if len(train) < tr.per_device_train_batch_size * world:
         raise DataError(
-            f"{len(train)} training pairs cannot fill one batch of {tr.per_device_train_batch_size} pairs x {world} "
-            "ranks; lower training.per_device_train_batch_size"
+            f"{len(train)} training {what} cannot fill one batch of {tr.per_device_train_batch_size} {what} x "
+            f"{world} ranks; lower training.per_device_train_batch_size"
         )
+    loader = UnpairedLoader if kto else PairLoader
     return (
-        PairLoader(
+        loader(
             train,
             tokenizer,
             tr.per_device_train_batch_size,
@@ -388,5 +392,5 @@ def build_pair_loaders(
             rank=rank,
             world_size=world,
         ),
-        PairLoader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
+        loader(val, tokenizer, tr.per_device_eval_batch_size, d.max_seq_length, shuffle=False),
     )

@@ -172,17 +172,31 @@ class DPOConfig(Section):
     reference: Literal["frozen", "precomputed"] = "frozen"
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
     ref_rejected_logp."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "kto"] = "sigmoid"
     """sigmoid: DPO; ipo: IPO's squared loss on per-token averaged log-probs; hinge: SLiC's; robust: DPO under
-    label noise (dpo.label_smoothing); simpo and orpo: reference-free (no reference model is loaded)."""
+    label noise (dpo.label_smoothing); simpo and orpo: reference-free (no reference model is loaded); kto: KTO on
+    unpaired replies ({prompt, completion, label} rows, TRL's format) instead of pairs."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """robust: the assumed share of pairs whose preference is flipped."""
     simpo_gamma: float | None = Field(None, ge=0)
     """simpo: the target reward margin gamma (None: 0.5). SimPO's paper uses beta about 2 (dpo.beta)."""
 
+    desirable_weight: float = Field(1.0, gt=0)
+    """kto: the weight of desirable replies' losses (KTO's lambda_D; raise it when they are outnumbered)."""
+    undesirable_weight: float = Field(1.0, gt=0)
+    """kto: the weight of undesirable replies' losses (lambda_U)."""
+
     @model_validator(mode="after")
     def _check_loss(self) -> "DPOConfig":
         kind = self.loss_type
+        if kind != "kto" and (self.desirable_weight != 1.0 or self.undesirable_weight != 1.0):
+            raise ValueError(
+                f"dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={kind} does not read them"
+            )
+        if kind == "kto" and self.reference == "precomputed":
+            raise ValueError(
+                "dpo.loss_type=kto computes its reference log-probs (and the KL rows'): drop dpo.reference"
+            )
         if (kind == "robust") != (self.label_smoothing > 0):
             raise ValueError(
                 "dpo.label_smoothing is robust DPO's assumed flip rate: set dpo.loss_type=robust with "

@@ -14,12 +14,24 @@ import numpy as np
 import torch
 
 from tierlm.data.packing import BatchIterable
-from tierlm.data.rows import PreferencePair
+from tierlm.data.rows import PreferencePair, UnpairedExample
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import DataError
 from tierlm.primitives.losses import IGNORE_INDEX
 
-__all__ = ["PairLoader", "PreferencePair"]
+__all__ = ["PairLoader", "PreferencePair", "UnpairedExample", "UnpairedLoader"]
+
+
+def _rows_batch(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Rendered (ids, mask) rows as shifted `input_ids` / `labels` (-100 off the mask), padded on the right."""
+    width = max(len(ids) for ids, _ in sequences) - 1
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, mask) in enumerate(sequences):
+        n = len(ids) - 1
+        input_ids[row, :n] = torch.tensor(ids[:-1])
+        labels[row, :n] = torch.tensor([t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])])
+    return {"input_ids": input_ids, "labels": labels}
 
 
 class PairLoader(BatchIterable):
@@ -53,8 +65,13 @@ class PairLoader(BatchIterable):
             self.rows.append((rendered, None if None in refs else refs, pair.margin))
         if not self.rows:
             raise DataError(f"no preference pair fits in {max_len} tokens")
+        self._setup(batch_size, tokenizer.pad_id, seed, shuffle, rank, world_size)
+
+    def _setup(
+        self, batch_size: int, pad_id: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1
+    ) -> None:
         assert 0 <= rank < world_size, f"rank {rank} not in [0, {world_size})"
-        self.batch_size, self.pad_id, self.seed, self.shuffle = batch_size, tokenizer.pad_id, seed, shuffle
+        self.batch_size, self.pad_id, self.seed, self.shuffle = batch_size, pad_id, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.epoch, self.cursor, self.repeat = 0, 0, True
 
@@ -78,15 +95,11 @@ class PairLoader(BatchIterable):
         start = self.cursor + self.rank * self.batch_size
         picked = [self.rows[i] for i in self._order()[start : start + self.batch_size]]
         self.cursor += step
+        return self._batch(picked)
+
+    def _batch(self, picked: list) -> dict[str, torch.Tensor]:
         sequences = [r[0][0] for r in picked] + [r[0][1] for r in picked]  # chosen rows, then rejected rows
-        width = max(len(ids) for ids, _ in sequences) - 1
-        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
-        for row, (ids, mask) in enumerate(sequences):
-            n = len(ids) - 1
-            input_ids[row, :n] = torch.tensor(ids[:-1])
-            labels[row, :n] = torch.tensor([t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])])
-        batch = {"input_ids": input_ids, "labels": labels}
+        batch = _rows_batch(sequences, self.pad_id)
         if all(r[1] is not None for r in picked):
             batch["ref_logps"] = torch.tensor([r[1][0] for r in picked] + [r[1][1] for r in picked])
         if all(r[2] is not None for r in picked):
@@ -104,3 +117,36 @@ class PairLoader(BatchIterable):
 
     def stats(self) -> dict[str, float]:
         return {"pairs_dropped": float(self.dropped)}
+
+
+class UnpairedLoader(PairLoader):
+    """KTO's batches: `batch_size` unpaired examples (rows 0..N-1, `kto_label` 1 for a desirable reply) then, for
+    KL's estimate, N mismatched rows — example i's prompt with example (i + 1) mod N's reply, as TRL's KTOTrainer
+    pairs them within a batch. Shuffling, sharding over ranks and resuming are `PairLoader`'s."""
+
+    def __init__(self, examples: list[UnpairedExample], tokenizer: Tokenizer, batch_size: int, max_len: int, **kw):
+        assert batch_size >= 2, "KTO's KL rows pair each prompt with another example's reply: batch_size >= 2"
+        self.tokenizer, self.rows, self.dropped, self.max_len = tokenizer, [], 0, max_len
+        for example in examples:
+            rendered = tokenizer.render_conversation(example.conversation, train_on="last_assistant")
+            if len(rendered[0]) > max_len + 1:
+                self.dropped += 1
+                continue
+            self.rows.append((example.conversation, rendered, example.label))
+        if not self.rows:
+            raise DataError(f"no unpaired example fits in {max_len} tokens")
+        self._setup(batch_size, tokenizer.pad_id, **kw)
+
+    def _batch(self, picked: list) -> dict[str, torch.Tensor]:
+        n = len(picked)
+        mismatched = []
+        for i, (conversation, _, _) in enumerate(picked):
+            reply = picked[(i + 1) % n][0][-1]
+            ids, mask = self.tokenizer.render_conversation(conversation[:-1] + [reply], train_on="last_assistant")
+            mismatched.append((ids[: self.max_len + 1], mask[: self.max_len + 1]))
+        batch = _rows_batch([r[1] for r in picked] + mismatched, self.pad_id)
+        batch["kto_label"] = torch.tensor([float(r[2]) for r in picked])
+        return batch
+
+    def stats(self) -> dict[str, float]:
+        return {"examples_dropped": float(self.dropped)}

@@ -8,6 +8,7 @@ kind of example a row becomes, and which columns hold it (`Fields`, from the con
 | text | `text` | a pretraining document |
 | chat | `messages` (OpenAI `role`/`content`, or ShareGPT `from`/`value`), or `prompt` + `completion` | a conversation |
 | preference | `prompt` + `chosen` + `rejected` strings, or `chosen` / `rejected` chats [1] | a `PreferencePair` |
+| unpaired | `prompt` + `completion` (text or messages) + a boolean `label` (TRL's KTO form) | an `UnpairedExample` |
 | task | a `question` (or `prompt` / `messages`) and an `answer` whose final number is the reference | a `TaskExample` |
 
 [1] With or without a separate `prompt`.
@@ -23,7 +24,7 @@ from tierlm.data.tokenizer import check_conversation
 from tierlm.errors import DataError
 from tierlm.tasks import TaskExample, extract_answer
 
-KINDS = ("text", "chat", "preference", "task")
+KINDS = ("text", "chat", "preference", "unpaired", "task")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class PreferencePair:
     ref_chosen_logp: float | None = None
     ref_rejected_logp: float | None = None
     margin: float | None = None  # how much better chosen is (TRL's reward-model `margin` column)
+
+
+@dataclass(frozen=True)
+class UnpairedExample:
+    """One reply judged on its own (KTO's data): the whole conversation, and whether its last reply is desirable."""
+
+    conversation: list[dict]
+    label: bool
 
 
 class Conversation(list):
@@ -201,6 +210,25 @@ def row_to_preference(row: dict, fields: Fields, where: str) -> PreferencePair:
     return PreferencePair(sides[0], sides[1], row.get("ref_chosen_logp"), row.get("ref_rejected_logp"), margin)
 
 
+def row_to_unpaired(row: dict, fields: Fields, where: str) -> UnpairedExample:
+    """TRL's unpaired preference form: a `prompt` (string or messages), a `completion` (string, or the reply's
+    messages) and a boolean `label` (True: desirable)."""
+    prompt = _column(row, fields.prompt, where, "set data.prompt_column")
+    completion = _column(row, fields.completion, where, "set data.completion_column")
+    if "label" not in row:
+        raise DataError(
+            f"{where}: no 'label' field (fields present: {sorted(row)}); KTO's unpaired rows say whether each "
+            "completion is desirable (true) or not (false)"
+        )
+    if not isinstance(row["label"], bool):
+        raise DataError(f"{where}: label must be true or false, got {row['label']!r}")
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else as_messages(prompt, where)
+    conversation = _checked(_reply(completion, _checked(prompt, where, needs_assistant=False), where), where)
+    if conversation[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the completion must end with an assistant turn")
+    return UnpairedExample(conversation, row["label"])
+
+
 def row_to_task(row: dict, fields: Fields, where: str) -> TaskExample:
     """An RL prompt (the question column, else the prompt column as text or messages) and the reference
     its answer column gives through the extraction rule (`Fields.answer_pattern`)."""
@@ -242,12 +270,20 @@ def example_texts(example: Any) -> list[str]:
         return [example]
     if isinstance(example, PreferencePair):
         return [m["content"] for m in example.chosen + example.rejected[-1:]]
+    if isinstance(example, UnpairedExample):
+        return [m["content"] for m in example.conversation]
     if isinstance(example, TaskExample):
         return [m["content"] for m in example.messages]
     return [m["content"] for m in example]
 
 
-_CONVERT = {"text": row_to_text, "chat": row_to_conversation, "preference": row_to_preference, "task": row_to_task}
+_CONVERT = {
+    "text": row_to_text,
+    "chat": row_to_conversation,
+    "preference": row_to_preference,
+    "unpaired": row_to_unpaired,
+    "task": row_to_task,
+}
 
 
 def convert_row(row: dict, kind: str, fields: Fields, where: str) -> Any:

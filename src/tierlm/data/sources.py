@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tierlm.data.hub import PARQUET_SUFFIXES, has_named_splits, load_split
-from tierlm.data.rows import KINDS, Fields, PreferencePair, convert_row
+from tierlm.data.rows import KINDS, Fields, PreferencePair, UnpairedExample, convert_row
 from tierlm.errors import DataError, first_line
 from tierlm.tasks import SYNTHETIC, TaskExample, synthetic_generator, synthetic_name
 
@@ -121,6 +121,8 @@ class SyntheticExamples(Examples):
             return self.task.conversation(self.split, i, self.seed)
         if self.kind == "preference":
             return PreferencePair(*self.task.preference(self.split, i, self.seed))
+        if self.kind == "unpaired":  # each problem's pair as two examples: its chosen reply, then its rejected one
+            return UnpairedExample(self.task.preference(self.split, i // 2, self.seed)[i % 2], i % 2 == 0)
         problem = self.task.problem(self.split, i, self.seed)
         return TaskExample([{"role": "user", "content": problem.question}], problem.result)
 
@@ -360,7 +362,7 @@ class SourceOptions:
     """How to read a source (mirrors the data section of the config)."""
 
     split: str = "train"
-    kind: str = "text"  # what a row becomes: text, chat, preference or task (tierlm.data.rows)
+    kind: str = "text"  # what a row becomes: text, chat, preference, unpaired or task (tierlm.data.rows)
     dataset_config: str | None = None  # a hub dataset's config (subset) name
     revision: str | None = None  # a hub dataset's branch, tag or commit
     data_files: Any = None  # datasets' data_files: a pattern, a list, or {split: pattern(s)}

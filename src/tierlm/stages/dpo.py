@@ -16,7 +16,7 @@ from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
-from tierlm.strategies.dpo import REFERENCE_FREE, DPOStrategy
+from tierlm.strategies.dpo import REFERENCE_FREE, DPOStrategy, KTOStrategy
 from tierlm.tasks import synthetic_name
 
 
@@ -24,7 +24,9 @@ def uses_frozen_reference(config: TierlmConfig) -> bool:
     return config.dpo.reference == "frozen" and config.dpo.loss_type not in REFERENCE_FREE
 
 
-def preference_strategy(dpo, reference=None) -> DPOStrategy:
+def preference_strategy(dpo, reference=None) -> DPOStrategy | KTOStrategy:
+    if dpo.loss_type == "kto":
+        return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else 0.5
     return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma)
 
@@ -47,6 +49,8 @@ class DPO(Stage):
         batch, _ = super().trace_batch(config, rows, tokens)
         if config.dpo.loss_type not in REFERENCE_FREE:
             batch["ref_logps"] = torch.zeros(rows)
+        if config.dpo.loss_type == "kto":  # half the rows are the KL estimate's
+            batch["kto_label"] = torch.ones(rows // 2)
         return batch, preference_strategy(config.dpo).compute_loss
 
     def memory_fixes(self, config: TierlmConfig) -> dict[str, str]:

@@ -14,6 +14,11 @@ and two without a reference model (none is loaded), on averaged log-probs a_c, a
     simpo:           -log sigmoid(beta (a_c - a_r) - gamma), gamma = dpo.simpo_gamma
     orpo:            NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r)), odds(a) = e^a / (1 - e^a)
 
+and KTO (Ethayarajh et al., 2024) on unpaired replies judged alone, with r = pi - ref per reply and z the batch's
+KL estimate (mean pi - ref over mismatched prompt / reply rows, clamped at 0, no gradient; TRL's KTOTrainer's):
+
+    kto:             desirable: w_d (1 - sigmoid(beta (r - z)));  undesirable: w_u (1 - sigmoid(beta (z - r)))
+
 Reference log-probs come from the batch (`ref_logps`, precomputed) or from a frozen reference
 model that `prepare_batch` runs.
 """
@@ -207,4 +212,68 @@ class DPOStrategy:
             "reward_margin": totals["margin_sum"] / n,
             "pref_acc": totals["correct"] / n,
             "policy_pref_acc": totals["policy_correct"] / n,
+        }
+
+
+class KTOStrategy:
+    """KTO (`dpo.loss_type=kto`) for the `Trainer`, on `UnpairedLoader` batches (N replies then N mismatched rows for
+    the KL estimate, `kto_label` 1 for a desirable reply); losses are summed per reply and counted in replies. The
+    mismatched rows run through the policy with the others (their log-probs detached: the estimate is a baseline)."""
+
+    def __init__(self, beta: float, reference=None, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        assert beta > 0, f"beta must be > 0, got {beta}"
+        self.beta, self.reference = beta, reference
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+
+    def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
+        out = dict(batch)
+        if "ref_logps" not in out:
+            assert self.reference is not None, "KTO needs a reference model"
+            out["ref_logps"] = self.reference.forward(out, self._logps).wait()["logps"]
+        return out
+
+    def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"logps": sequence_logprobs(logits, batch["labels"])}
+
+    def _terms(self, logits: torch.Tensor, batch: Batch):
+        policy = self._logps(logits, batch)["logps"]
+        ref = batch["ref_logps"].to(policy.device)
+        n = policy.shape[0] // 2
+        kl = (policy[n:].detach() - ref[n:]).mean().clamp(min=0)
+        ratio, desirable = policy[:n] - ref[:n], batch["kto_label"].to(policy.device) > 0
+        losses = torch.where(
+            desirable,
+            self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratio - kl))),
+            self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratio))),
+        )
+        return ratio.detach(), desirable, kl, losses
+
+    def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        *_, losses = self._terms(logits, batch)
+        return losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)
+
+    def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        ratio, desirable, kl, losses = self._terms(logits, batch)
+        right = torch.where(desirable, ratio > 0, ratio < 0).float() + 0.5 * (ratio == 0).float()
+        return {
+            "loss_sum": losses.sum(),
+            "num_replies": torch.tensor(float(losses.numel())),
+            "kl_sum": kl * losses.numel(),
+            "desirable": desirable.float().sum(),
+            "desirable_reward_sum": (self.beta * ratio * desirable).sum(),
+            "undesirable_reward_sum": (self.beta * ratio * ~desirable).sum(),
+            "correct": right.sum(),
+        }
+
+    @staticmethod
+    def summarize(totals: Mapping[str, float]) -> dict[str, float]:
+        """val_loss, kl (the batches' mean estimate), the mean implicit reward of desirable and undesirable replies,
+        and kto_acc: the share of replies whose implicit reward has their label's sign (ties half)."""
+        n, good = max(totals["num_replies"], 1.0), totals["desirable"]
+        return {
+            "val_loss": totals["loss_sum"] / n,
+            "kl": totals["kl_sum"] / n,
+            "reward_desirable": totals["desirable_reward_sum"] / max(good, 1.0),
+            "reward_undesirable": totals["undesirable_reward_sum"] / max(totals["num_replies"] - good, 1.0),
+            "kto_acc": totals["correct"] / n,
         }

@@ -758,6 +758,20 @@ CASES = [
         write("p.jsonl", '{"prompt": "a", "rejected": "b"}\n'),
     ),
     Case(
+        "kto-rows-without-labels",
+        [
+            "dpo",
+            "--config",
+            cfg(DPO_CFG),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "data.dataset_name=u.jsonl",
+            "dpo.loss_type=kto",
+        ],
+        r"u.jsonl:1: no 'label' field",
+        write("u.jsonl", '{"prompt": "1 + 1", "completion": "2"}\n'),
+    ),  # fmt: skip
+    Case(
         "dpo-not-utf8",
         ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.dataset_name=p.jsonl"],
         "p.jsonl",
@@ -1073,8 +1087,13 @@ CASES = [
     Case(
         "rl-teacher-with-another-vocabulary",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=distill", "rl.teacher=t"],
-        r"rl.teacher t has another vocabulary \(\d+ tokens, the student's \d+",
+        r"rl.teacher t has another vocabulary \(\d+ tokens, the policy's \d+",
         lambda work, runs: _other_vocabulary(runs / "sft" / "model", work / "t"),
+    ),
+    Case(
+        "rl-reward-model-not-a-classifier",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.reward_model={sft}"],
+        r"rl.reward_model: .*model is not a reward model \(architectures \['Qwen3ForCausalLM'\]",
     ),
     Case(
         "rl-teacher-missing",

@@ -150,7 +150,7 @@ def test_kto_equals_its_formula_with_the_kl_rows_giving_no_gradient():
     assert logits.grad[N:].abs().max() == 0 and logits.grad[:N].abs().max() > 0
 
 
-def test_unpaired_rows_need_labels_and_kl_rows_pair_each_prompt_with_the_next_reply(tiny_tokenizer):
+def test_unpaired_rows_need_labels_and_kl_rows_pair_each_prompt_with_the_previous_reply(tiny_tokenizer):
     from tierlm.data.preferences import UnpairedLoader
     from tierlm.data.rows import Fields, row_to_unpaired
     from tierlm.errors import DataError
@@ -163,8 +163,8 @@ def test_unpaired_rows_need_labels_and_kl_rows_pair_each_prompt_with_the_next_re
                batch["input_ids"]]  # fmt: skip
     replies = [tiny_tokenizer.decode([t for t in row.tolist() if t >= 0], skip_special_tokens=True) for row in
                batch["labels"]]  # fmt: skip
-    assert "2 + 1" in decoded[3] and replies[3].strip() == "6"  # prompt 0 with reply 1
-    assert "7 + 1" in decoded[5] and replies[5].strip() == "3"  # prompt 2 with reply 0
+    assert "2 + 1" in decoded[3] and replies[3].strip() == "8"  # prompt 0 with reply 2 (TRL's rotation)
+    assert "7 + 1" in decoded[5] and replies[5].strip() == "6"  # prompt 2 with reply 1
     with pytest.raises(DataError, match="no 'label' field"):
         row_to_unpaired({"prompt": "1 + 1", "completion": "2"}, Fields(), "row 9")
     with pytest.raises(DataError, match="label must be true or false"):

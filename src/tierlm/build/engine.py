@@ -11,7 +11,7 @@ from tierlm.config import RLConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_of, unwrap_model
 from tierlm.rollout.engine import Engine
-from tierlm.rollout.tools import Calculator
+from tierlm.rollout.tools import Calculator, PythonTool
 
 
 def build_engine(
@@ -21,7 +21,7 @@ def build_engine(
     of its own (loaded with the policy's weights at each sync) when the policy will be `sharded` (FSDP) or sampling
     runs ahead of training (off-policy); or vLLM, which holds weights of its own (a model folder under `folder`,
     which tierlm's engine does not need)."""
-    tools = [Calculator()] if "calculator" in rl.tools else []
+    tools = [{"calculator": Calculator, "python": PythonTool}[name]() for name in rl.tools]
     if rl.engine == "native":
         own_copy = sharded or rl.max_off_policy_steps > 0
         return Engine(copy.deepcopy(model) if own_copy else model, tokenizer.stop_ids, tokenizer, tools)

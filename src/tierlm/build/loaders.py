@@ -49,6 +49,7 @@ def _fields(config: TierlmConfig) -> Fields:
         question=d.question_column,
         answer=d.answer_column,
         answer_pattern=d.answer_pattern,
+        task_format=d.task_format,
         tools=d.tools_column,
     )
 

@@ -4,11 +4,17 @@ splits or a held-out tail) like the data of every other stage."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
+import sys
+
 from tierlm.build.loaders import open_splits
-from tierlm.config import TierlmConfig
+from tierlm.config import RLConfig, TierlmConfig
 from tierlm.data import SourceOptions, open_examples
 from tierlm.errors import ConfigError, DataError
 from tierlm.tasks import Environment, ExamplesTask, Task, is_environment, synthetic_name, synthetic_task
+from tierlm.tasks.rewards import format_reward
 
 
 def is_environment_spec(spec: str | None) -> bool:
@@ -42,7 +48,54 @@ def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environ
             open_task(d.eval_dataset_name or d.dataset_name, "val", d.num_synthetic_eval_examples, tr.seed),
         )
     trains, vals = open_splits(config, "task", None)
-    return ExamplesTask(trains[0][0]), ExamplesTask(vals[0])
+    train, val = trains[0][0], vals[0]
+    reward = task_reward(config.rl, train.fetch([0])[0].format if len(train) else "number")
+    return ExamplesTask(train, reward), ExamplesTask(val, reward)
+
+
+def task_reward(rl: RLConfig, task_format: str):
+    """rl.reward: the task format's own reward (auto), a named one, or the user's `module:function`."""
+    if ":" in rl.reward:
+        return user_reward(rl.reward)
+    name = task_format if rl.reward == "auto" else rl.reward
+    if name not in ("number", "math", "choice", "code"):
+        raise ConfigError(f"rl.reward must be auto, number, math, choice, code or module:function, got {rl.reward!r}")
+    return format_reward(name, rl.sandbox_workers)
+
+
+def user_reward(spec: str):
+    """`module:function` (importable from the working folder or the installed packages), checked once: it must
+    take (prompt, completion, reference); each value it returns must be a number."""
+    module_name, _, name = spec.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module: any error while importing it is theirs to fix
+        raise ConfigError(f"rl.reward {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"rl.reward {spec}: {module_name} has no function {name!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: trusted as called
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind("prompt", "completion", "reference")
+        except TypeError:
+            raise ConfigError(
+                f"rl.reward {spec}: {name}{signature} must take (prompt, completion, reference) and return a float"
+            ) from None
+
+    def reward(prompt: str, completion: str, reference) -> float:
+        value = fn(prompt, completion, reference)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DataError(f"rl.reward {spec} returned {value!r} ({type(value).__name__}); it must return a float")
+        return float(value)
+
+    return reward
 
 
 def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, name: str) -> None:

@@ -26,6 +26,12 @@ class RLConfig(Section):
     teacher: str | None = None
     """rl.loss=distill: the teacher (a tierlm or transformers model folder, run directory or hub id) sharing the
     student's tokenizer; it scores every sampled token."""
+    reward: str = "auto"
+    """The task's reward: auto (its format's: exact number, math-verify, the option letter, or the tests passing in
+    the sandbox), one of number | math | choice | code, or `module:function`, your own function(prompt,
+    completion, reference) -> float (imported from the working folder or the installed packages)."""
+    sandbox_workers: int = Field(4, gt=0)
+    """Code rewards: programs run at once in the sandbox's pool."""
     reward_model: str | None = None
     """A reward model folder (`tierlm rm` writes one; any transformers ...ForSequenceClassification with one label
     and the policy's tokenizer): each rollout's reward becomes rl.task_reward_weight x the task's rule reward +
@@ -102,8 +108,10 @@ class RLConfig(Section):
     """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
     (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near
     1e-2, float32 near 1e-7)."""
-    tools: list[Literal["calculator"]] = Field(default_factory=list)
-    """Tools the model may call during generation (results are spliced in and masked from the loss)."""
+    tools: list[Literal["calculator", "python"]] = Field(default_factory=list)
+    """Tools the model may call during generation (results are spliced in and masked from the loss): calculator
+    (arithmetic), python (a program run in the sandbox; it answers what the program printed). A request
+    `name: argument` picks a tool; a bare one goes to the first listed."""
     eval_problems: int = Field(100, gt=0)
     """Held-out problems for pass@k."""
     eval_k: int = Field(4, gt=0)

@@ -109,6 +109,10 @@ class DataConfig(Section):
     answer_pattern: str | None = None
     """RL: a regex finding the reference number in answer_column (its first group, else the whole
     match); None: the number after GSM8K's '####', else the last number."""
+    task_format: Literal["auto", "number", "math", "choice", "code"] = "auto"
+    """RL and eval: the layout of the task rows, and so their reward (`tierlm.tasks.formats`): number (GSM8K's
+    question / answer), math (MATH's problem / solution, checked by math-verify), choice (ARC, MMLU), code
+    (HumanEval, MBPP: the tests run in the sandbox); auto: by the rows' columns."""
     tools_column: str = "tools"
     """SFT: the function schemas a conversation may call (a list, or it as a JSON string), rendered by
     the chat template with the assistant turns' tool_calls."""

@@ -8,6 +8,7 @@ memory-mapped `datasets.Dataset`, which `tierlm.data.sources.ArrowExamples` read
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -92,7 +93,13 @@ def _load_dataset_once(
         # A local folder is re-read by each process (and when its files change) and not checked against
         # recorded split sizes: datasets' cache keys it by the folder's name, and served (or "verified"
         # against) another folder of the same name, or an earlier version of files rewritten in place (measured).
-        fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if Path(spec).exists() else {}
+        # Its own cache folder too: with one shared by name, a folder took the column types cached for another
+        # folder of the same name (a cast error, measured).
+        fresh = {}
+        if Path(spec).exists():
+            key = hashlib.sha1(str(Path(spec).resolve()).encode()).hexdigest()[:16]
+            cache = Path(datasets.config.HF_DATASETS_CACHE) / "tierlm_local" / key
+            fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks", "cache_dir": str(cache)}
         return datasets.load_dataset(spec, dataset_config, revision=revision, **fresh, **extra)
     except Exception as e:  # datasets raises many types; all mean "cannot open this"
         raise DataError(

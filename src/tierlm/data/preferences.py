@@ -121,8 +121,10 @@ class PairLoader(BatchIterable):
 
 class UnpairedLoader(PairLoader):
     """KTO's batches: `batch_size` unpaired examples (rows 0..N-1, `kto_label` 1 for a desirable reply) then, for
-    KL's estimate, N mismatched rows — example i's prompt with example (i + 1) mod N's reply, as TRL's KTOTrainer
-    pairs them within a batch. Shuffling, sharding over ranks and resuming are `PairLoader`'s."""
+    KL's estimate, N mismatched rows — example i's prompt with example (i - 1) mod N's reply, TRL's KTOTrainer's
+    rotation, here within the batch actually trained (TRL rotates dataset chunks before shuffling), so the
+    mismatched replies are the batch's own, as the KTO paper asks. Shuffling, sharding over ranks and resuming
+    are `PairLoader`'s."""
 
     def __init__(self, examples: list[UnpairedExample], tokenizer: Tokenizer, batch_size: int, max_len: int, **kw):
         assert batch_size >= 2, "KTO's KL rows pair each prompt with another example's reply: batch_size >= 2"
@@ -141,7 +143,7 @@ class UnpairedLoader(PairLoader):
         n = len(picked)
         mismatched = []
         for i, (conversation, _, _) in enumerate(picked):
-            reply = picked[(i + 1) % n][0][-1]
+            reply = picked[(i - 1) % n][0][-1]
             ids, mask = self.tokenizer.render_conversation(conversation[:-1] + [reply], train_on="last_assistant")
             mismatched.append((ids[: self.max_len + 1], mask[: self.max_len + 1]))
         batch = _rows_batch([r[1] for r in picked] + mismatched, self.pad_id)

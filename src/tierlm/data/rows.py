@@ -23,6 +23,7 @@ from typing import Any
 from tierlm.data.tokenizer import check_conversation
 from tierlm.errors import DataError
 from tierlm.tasks import TaskExample, extract_answer
+from tierlm.tasks.formats import READERS, detect_format
 
 KINDS = ("text", "chat", "preference", "unpaired", "task")
 
@@ -43,6 +44,8 @@ class Fields:
     answer_pattern: str | None = None
     """A regex finding the reference in the answer column (its first group, else the whole match); None:
     the number after GSM8K's '####', else the last number."""
+    task_format: str = "auto"
+    """How a task row is read (`tierlm.tasks.formats`): number, math, choice, code, or auto (by its columns)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,16 @@ def row_to_unpaired(row: dict, fields: Fields, where: str) -> UnpairedExample:
 
 def row_to_task(row: dict, fields: Fields, where: str) -> TaskExample:
     """An RL prompt (the question column, else the prompt column as text or messages) and the reference
-    its answer column gives through the extraction rule (`Fields.answer_pattern`)."""
+    its answer column gives through the extraction rule (`Fields.answer_pattern`); a row in the layout of
+    another task format (`Fields.task_format`, detected from its columns by default: MATH, ARC / MMLU,
+    HumanEval / MBPP) is read by that format (`tierlm.tasks.formats`)."""
+    task_format = fields.task_format
+    if task_format == "auto":
+        task_format = detect_format(row)
+        if task_format == "math" and (fields.answer_pattern is not None or fields.question in row):
+            task_format = "number"  # its question column and extraction rule were named: read them
+    if task_format != "number":
+        return READERS[task_format](row, where)
     for name in (fields.question, fields.prompt, fields.messages):
         if name in row:
             value = row[name]

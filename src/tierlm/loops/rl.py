@@ -62,6 +62,12 @@ def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int
     return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
 
 
+def score(task: Task, items: list[tuple[str, str, Any]]) -> list[float]:
+    """The task's rewards of (prompt, completion, reference) items, in one call where it scores batches."""
+    many = getattr(task, "rewards", None)
+    return many(items) if many is not None else [task.reward(*item) for item in items]
+
+
 def reward_model_sums(groups: list[list[Rollout]]) -> dict[str, float]:
     """Summable figures of a reward model's scores: their sum, and within each group, over the pairs whose task
     rewards differ, how often the reward model ranks them the same way (its accuracy against the task's verifier).
@@ -171,14 +177,13 @@ class RLTrainer:
             rl.top_k,
             rl.top_p,
         )
-        groups = []
-        for example, prompt, completions in zip(examples, prompts, batches):
-            group = []
-            for c in completions:
-                text = answer_text(self.tokenizer, c.tokens)
-                group.append(Rollout(prompt, c, self.train_task.reward(example.prompt, text, example.reference), text))
-            groups.append(group)
-        return groups
+        texts = [[answer_text(self.tokenizer, c.tokens) for c in completions] for completions in batches]
+        items = [(e.prompt, text, e.reference) for e, group in zip(examples, texts) for text in group]
+        rewards = iter(score(self.train_task, items))  # at once: code runs in the sandbox's pool
+        return [
+            [Rollout(prompt, c, next(rewards), text) for c, text in zip(completions, group)]
+            for prompt, completions, group in zip(prompts, batches, texts)
+        ]
 
     def run_episode(self, env: Environment, index: int, temperature: float, generator: torch.Generator) -> Rollout:
         """One multi-turn episode, sampled turn by turn. The tokens between the model's turns (the
@@ -454,7 +459,10 @@ class RLTrainer:
                 self.rl.top_p,
             )
             results = [
-                (cs, [self.eval_task.reward(e.prompt, answer_text(self.tokenizer, c.tokens), e.reference) for c in cs])
+                (
+                    cs,
+                    score(self.eval_task, [(e.prompt, answer_text(self.tokenizer, c.tokens), e.reference) for c in cs]),
+                )
                 for e, cs in zip(examples, batches)
             ]
         p1, pk, rewards, tool_rows = [], [], [], 0

@@ -1,5 +1,6 @@
 """Tools a model may call while it generates. The calculator evaluates arithmetic from its syntax
-tree (numbers and + - * / // % ** and parentheses only): no `eval`, no names, no calls, bounded size.
+tree (numbers and + - * / // % ** and parentheses only): no `eval`, no names, no calls, bounded size. The
+python tool runs the request as a program in the sandbox (`tierlm.tasks.sandbox`) and answers what it printed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import operator
 from typing import Callable, Protocol
 
 from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START  # noqa: F401
+from tierlm.tasks.sandbox import Limits, Sandbox
 
 _BINARY: dict[type, Callable] = {
     ast.Add: operator.add,
@@ -91,3 +93,29 @@ class Calculator:
         if abs(value) > self.max_abs:
             raise OverflowError
         return value
+
+
+class PythonTool:
+    """A Python program run in the sandbox: the answer is what it printed (or its error's last line), at most
+    `max_chars` characters. A hostile or endless program answers an error; the run goes on.
+
+    >>> tool = PythonTool()
+    >>> tool("print(sum(range(10)))"), tool("1 / 0"), tool("while True: pass")
+    ('45', 'error: ZeroDivisionError: division by zero', 'error: stopped at a time or resource limit')
+    """
+
+    name = "python"
+
+    def __init__(self, limits: Limits = Limits(cpu_seconds=2, wall_seconds=4), max_chars: int = 500, workers: int = 2):
+        self.limits, self.max_chars, self.workers, self._sandbox = limits, max_chars, workers, None
+
+    def __call__(self, request: str) -> str:
+        if self._sandbox is None:  # started on the first call
+            self._sandbox = Sandbox(self.limits, self.workers)
+        result = self._sandbox.run(request)
+        if result.status == "ok":
+            return result.stdout.strip()[: self.max_chars]
+        if result.status in ("timeout", "killed"):
+            return "error: stopped at a time or resource limit"
+        lines = result.stderr.strip().splitlines()
+        return ("error: " + (lines[-1] if lines else f"exit status {result.returncode}"))[: self.max_chars]

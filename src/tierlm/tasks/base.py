@@ -23,6 +23,8 @@ class TaskExample:
     """The conversation so far (ends with a user turn); the model writes the assistant turn."""
     reference: Any
     """What the reward compares against (e.g. the exact answer)."""
+    format: str = "number"
+    """Its layout's reward (`tierlm.tasks.formats`): number, math, choice or code."""
 
     @property
     def prompt(self) -> str:
@@ -58,16 +60,17 @@ def is_environment(task: Task | Environment) -> bool:
 
 class ExamplesTask:
     """A task over `TaskExample`s from any data source (JSONL, parquet, hub or Hub-layout datasets, read by
-    `tierlm.data`: the question and answer columns and the extraction rule of `tierlm.tasks.answers`); the
-    reward is exact match of the completion's final number.
+    `tierlm.data`: the question and answer columns and the extraction rule of `tierlm.tasks.answers`, or a layout
+    of `tierlm.tasks.formats`); the reward is `reward` (by default exact match of the completion's final number).
+    A reward with a `many(items)` method scores a batch at once (`rewards`: code run in the sandbox's pool).
 
     >>> task = ExamplesTask([TaskExample([{"role": "user", "content": "2 + 2?"}], 4.0)])
     >>> len(task), task.reward(task.example(0).prompt, "it is 4", task.example(0).reference)
     (1, 1.0)
     """
 
-    def __init__(self, examples: Sequence[TaskExample]):
-        self.examples = examples
+    def __init__(self, examples: Sequence[TaskExample], reward: RewardFn = exact_number_reward):
+        self.examples, self._reward = examples, reward
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -76,7 +79,12 @@ class ExamplesTask:
         return self.examples[index]
 
     def reward(self, prompt: str, completion: str, reference: Any) -> float:
-        return exact_number_reward(prompt, completion, reference)
+        return self._reward(prompt, completion, reference)
+
+    def rewards(self, items: list[tuple[str, str, Any]]) -> list[float]:
+        """The rewards of (prompt, completion, reference) items, at once where the reward can."""
+        many = getattr(self._reward, "many", None)
+        return many(items) if many is not None else [self._reward(*item) for item in items]
 
 
 class SingleTurn:

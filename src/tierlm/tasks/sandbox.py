@@ -1,0 +1,323 @@
+"""A sandbox for model-written code: each program runs in its own process, so a hostile or broken one costs one
+sample's reward, never the run or the machine.
+
+Every execution gets
+- an empty temporary working folder (deleted afterwards), a minimal environment (no secrets) and no stdin;
+- limits: CPU seconds, wall seconds, address space, processes, open files and file size (stdout and stderr are
+  files too, so a flood of output stops at `Limits.file_bytes`);
+- no network: a network namespace of its own (no interface but a down loopback);
+- Landlock (Linux >= 5.13): reads only of the system's and the interpreter's folders, writes only in its working
+  folder, no TCP connect / bind (ABI >= 4), no signals to processes outside the sandbox (ABI >= 6);
+- as root: a user id of its own per pool slot, so the process limit applies and, afterwards, every process left
+  under that id (a daemonised grandchild too) is killed.
+
+`isolation()` says which of these this machine grants; `Sandbox(require=...)` refuses to run without the ones it
+names. The program's interpreter is `sys.executable` unless the sandbox user cannot reach it (a root-owned
+pyenv under /root), then the system's python3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SANDBOX_UID = 61000
+"""As root, pool slot i runs programs as user id SANDBOX_UID + i (no account needed)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_seconds: int = 5
+    wall_seconds: float = 10.0
+    memory_mb: int = 1024
+    """Address space (RLIMIT_AS): an allocation past it raises MemoryError."""
+    processes: int = 16
+    """Processes and threads of the sandbox user (enforced as root, where each slot has its own user id)."""
+    file_bytes: int = 1 << 20
+    """The largest file it may write, stdout and stderr included (past it the program is killed)."""
+    open_files: int = 64
+
+
+@dataclass
+class Execution:
+    """What one program did. `status`: ok (exit 0), error (another exit code), timeout (wall time), killed (a
+    signal: CPU time, file size, ...), or refused (the sandbox could not start it)."""
+
+    status: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+# -- the child's side: a launcher run by the trusted interpreter, which confines itself, then execs ----------------
+_LAUNCHER = r"""
+import ctypes, json, os, resource, sys
+spec = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+lim = spec["limits"]
+for name, value in (("RLIMIT_CPU", (lim["cpu_seconds"], lim["cpu_seconds"] + 1)),
+                    ("RLIMIT_AS", (lim["memory_mb"] << 20,) * 2), ("RLIMIT_FSIZE", (lim["file_bytes"],) * 2),
+                    ("RLIMIT_NOFILE", (lim["open_files"],) * 2), ("RLIMIT_CORE", (0, 0))):
+    resource.setrlimit(getattr(resource, name), value)
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+if spec["network_namespace"]:
+    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
+    if libc.unshare(flags) != 0:
+        sys.exit("sandbox: unshare(network) failed: " + os.strerror(ctypes.get_errno()))
+if spec["uid"] is not None:
+    resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"],) * 2)
+    os.setgroups([]); os.setgid(spec["uid"]); os.setuid(spec["uid"])
+if spec["landlock"]:
+    abi = spec["landlock"]
+    FS_ALL = (1 << (16 if abi >= 5 else 15 if abi >= 3 else 14 if abi >= 2 else 13)) - 1
+    READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
+    class Ruleset(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+    attr = Ruleset(FS_ALL, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)  # no TCP bind/connect; scoped signals
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
+    ruleset = libc.syscall(444, ctypes.byref(attr), size, 0)
+    if ruleset < 0:
+        sys.exit("sandbox: landlock_create_ruleset failed: " + os.strerror(ctypes.get_errno()))
+    writable = [(spec["workdir"], FS_ALL), ("/dev/null", READ | 2)]  # 2: write a file
+    for path, allowed in [(p, READ) for p in spec["readable"]] + writable:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue
+        rights = allowed if os.path.isdir(path) else allowed & 0b111  # files take only file rights
+        rule = PathBeneath(rights & FS_ALL, fd)
+        if libc.syscall(445, ruleset, 1, ctypes.byref(rule), 0) != 0:
+            sys.exit("sandbox: landlock_add_rule failed for " + path + ": " + os.strerror(ctypes.get_errno()))
+        os.close(fd)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, ruleset, 0) != 0:  # no_new_privs, restrict_self
+        sys.exit("sandbox: landlock_restrict_self failed: " + os.strerror(ctypes.get_errno()))
+os.chdir(spec["workdir"])
+os.execve(spec["python"], [spec["python"], "-I", "-B", spec["program"]], spec["env"])
+"""
+
+
+def _landlock_abi() -> int:
+    if not sys.platform.startswith("linux"):
+        return 0
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    return max(int(abi), 0)
+
+
+def _probe(spec_overrides: dict) -> bool:
+    """Can a child confine itself this way here? (one tiny launcher run; nothing else is tried)"""
+    with tempfile.TemporaryDirectory() as tmp:
+        program = Path(tmp) / "main.py"
+        program.write_text("pass\n")
+        spec = {
+            "limits": asdict(Limits()),
+            "network_namespace": False,
+            "uid": None,
+            "landlock": 0,
+            "readable": [],
+            "workdir": tmp,
+            "python": sys.executable,
+            "program": str(program),
+            "env": {},
+            **spec_overrides,
+        }
+        if spec["uid"] is not None:
+            os.chown(tmp, spec["uid"], spec["uid"])
+            program.chmod(0o644)
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _LAUNCHER, json.dumps(spec)], capture_output=True, timeout=30
+        )
+        return done.returncode == 0
+
+
+_ISOLATION: dict[str, object] | None = None
+
+
+def isolation() -> dict[str, object]:
+    """The mechanisms this machine grants a sandboxed program: `landlock` (its ABI version, 0: none),
+    `network_namespace`, `separate_user` (running as root: a user id per slot, so the process limit holds)."""
+    global _ISOLATION
+    if _ISOLATION is None:
+        abi = _landlock_abi()
+        _ISOLATION = {
+            "landlock": abi if abi and _probe({"landlock": abi, "readable": _readable(sys.executable)}) else 0,
+            "network_namespace": sys.platform.startswith("linux") and _probe({"network_namespace": True}),
+            "separate_user": hasattr(os, "geteuid") and os.geteuid() == 0,
+        }
+    return dict(_ISOLATION)
+
+
+def _readable(python: str) -> list[str]:
+    """What a program may read: the system's folders and its interpreter's installation."""
+    prefixes = {sys.base_prefix, sys.prefix, str(Path(python).resolve().parent.parent)}
+    system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/proc/self", "/dev/urandom", "/dev/zero"]
+    return [p for p in system + sorted(prefixes) if os.path.exists(p)]
+
+
+def _reachable_by(path: str, uid: int) -> bool:
+    """Can user `uid` (not its owner) traverse to and execute `path`? (every folder on the way world-searchable)"""
+    real = Path(path).resolve()
+    for folder in real.parents:
+        if folder.stat().st_uid != uid and not folder.stat().st_mode & 0o001:
+            return False
+    return bool(real.stat().st_mode & 0o005 == 0o005)
+
+
+def sandbox_python(uid: int | None) -> str:
+    """The interpreter programs run under: this one, unless the sandbox user cannot reach it, then python3's."""
+    if uid is None or _reachable_by(sys.executable, uid):
+        return sys.executable
+    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if system is None or not _reachable_by(system, uid):
+        raise RuntimeError(f"no Python interpreter the sandbox user {uid} can run ({sys.executable} is not reachable)")
+    return system
+
+
+class Sandbox:
+    """Runs programs under `limits`, up to `workers` at a time (`run_many`), each in its own process and folder.
+
+    `require`: isolation mechanisms (keys of `isolation()`) it must have, else it refuses to start (e.g. a
+    training run that executes model-written code on a shared machine)."""
+
+    def __init__(self, limits: Limits = Limits(), workers: int = 4, require: tuple[str, ...] = ()):
+        self.limits, self.workers = limits, workers
+        self.isolation = isolation()
+        missing = [name for name in require if not self.isolation.get(name)]
+        if missing:
+            raise RuntimeError(f"the sandbox needs {', '.join(missing)}, which this machine does not grant")
+        self._slots = list(range(workers))
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
+
+    def run(self, source: str, files: dict[str, str] | None = None) -> Execution:
+        """Run `source` as main.py (with `files` beside it) in a fresh folder; what it did."""
+        with self._lock:
+            slot = self._slots.pop()
+        try:
+            return self._run(source, files or {}, slot)
+        finally:
+            with self._lock:
+                self._slots.append(slot)
+
+    def run_many(self, sources: list[str]) -> list[Execution]:
+        return self.map(self.run, sources)
+
+    def map(self, fn, items: list) -> list:
+        """`fn(item)` for every item on the pool's threads (each `fn` calls `run`), in order."""
+        return list(self._pool.map(fn, items))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _run(self, source: str, files: dict[str, str], slot: int) -> Execution:
+        uid = SANDBOX_UID + slot if self.isolation["separate_user"] else None
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="tierlm-sandbox-") as tmp:
+            root = Path(tmp)  # 0700, the trainer's: holds the output files and the work folder
+            work = root / "work"
+            work.mkdir()
+            for name, text in {**files, "main.py": source}.items():
+                (work / name).write_text(text)
+            if uid is not None:
+                for path in [work, *work.iterdir()]:
+                    os.chown(path, uid, uid)
+                root.chmod(0o711)  # the sandbox user may pass through to work/, not list or read the rest
+            try:
+                python = sandbox_python(uid)
+            except RuntimeError as e:
+                return Execution("refused", None, "", str(e), 0.0)
+            spec = {
+                "limits": asdict(self.limits),
+                "network_namespace": bool(self.isolation["network_namespace"]),
+                "uid": uid,
+                "landlock": self.isolation["landlock"],
+                "readable": _readable(python),
+                "workdir": str(work),
+                "python": python,
+                "program": str(work / "main.py"),
+                "env": {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"},
+            }
+            with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-c", _LAUNCHER, json.dumps(spec)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,  # its own process group, killed whole
+                    close_fds=True,
+                )
+                try:
+                    proc.wait(timeout=self.limits.wall_seconds)
+                    status = None
+                except subprocess.TimeoutExpired:
+                    status = "timeout"
+                finally:
+                    _kill_group(proc.pid)
+                    proc.wait()
+                    if uid is not None:
+                        _kill_user(uid)  # whatever escaped the group (a daemon that called setsid)
+            code = proc.returncode
+            if status is None:
+                status = "ok" if code == 0 else "killed" if code < 0 else "error"
+            read = lambda name: (root / name).read_bytes()[: self.limits.file_bytes].decode(errors="replace")  # noqa: E731
+            return Execution(status, code, read("stdout"), read("stderr"), time.perf_counter() - start)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_user(uid: int, patience_s: float = 2.0) -> None:
+    """SIGKILL every process of `uid` (a pool slot's user, which nothing else runs as) — kill(-1) from a child that
+    became that user reaches exactly those — and wait until none is left running (zombies aside)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)  # every process of this user but itself
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        if not _running_as(uid) or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def _running_as(uid: int) -> list[int]:
+    """Processes of `uid` that are not zombies."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid and "\nState:\tZ" not in Path(entry.path, "status").read_text():
+                found.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found

@@ -1,0 +1,126 @@
+"""The sandbox against hostile programs: each is contained, scored as a failure, the test process (the "run")
+unharmed, and nothing it started is left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tierlm.tasks.code import code_reward, extract_code, run_with_tests
+from tierlm.tasks.sandbox import SANDBOX_UID, Limits, Sandbox, isolation
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox confines Linux processes")
+
+LIMITS = Limits(cpu_seconds=1, wall_seconds=3, memory_mb=512, processes=16, file_bytes=1 << 20)
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = Sandbox(LIMITS, workers=WORKERS)
+    yield box
+    box.close()
+
+
+def _sandbox_processes() -> list[int]:
+    """Processes still running (not zombies waiting for init) as a pool slot's user."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                running = "\nState:\tZ" not in (entry / "status").read_text()
+                if SANDBOX_UID <= entry.stat().st_uid < SANDBOX_UID + WORKERS and running:
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
+def test_this_machine_grants_the_isolation_the_suite_checks():
+    """CI's machines grant all three; the docs name which mechanism covers what."""
+    granted = isolation()
+    assert granted["landlock"] >= 4 and granted["network_namespace"], granted
+
+
+def test_a_plain_program_runs_and_its_output_comes_back(sandbox):
+    result = sandbox.run("import sys\nprint(6 * 7)\nprint('note', file=sys.stderr)\n")
+    assert result.ok and result.stdout == "42\n" and result.stderr == "note\n", result
+
+
+def test_hostile_programs_are_contained_and_scored_as_failures(sandbox, tmp_path, monkeypatch):
+    secret_file = tmp_path / "run" / "config.yaml"
+    secret_file.parent.mkdir()
+    secret_file.write_text("api_key: hunter2\n")
+    secret_file.chmod(0o644)
+    monkeypatch.setenv("TIERLM_TEST_SECRET", "hunter2")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    outside = Path("/tmp") / f"tierlm-sandbox-escape-{os.getpid()}"
+    programs = {
+        "infinite loop": "while True:\n    pass\n",
+        "sleeps forever": "import time\ntime.sleep(10_000)\n",
+        "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "10 GB allocation": "x = bytearray(10 * 2**30)\nprint(len(x))\n",
+        "writes outside its folder": f"open({str(outside)!r}, 'w').write('x')\n",
+        "reads the run's files": f"print(open({str(secret_file)!r}).read())\n",
+        "reads the trainer's environment": (
+            "import os\nprint(os.environ.get('TIERLM_TEST_SECRET'))\n"
+            f"print(open('/proc/{os.getpid()}/environ').read())\n"
+        ),
+        "opens a socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n",
+        "prints 1 GB": "import sys\nchunk = 'x' * 2**20\nfor _ in range(1024):\n    sys.stdout.write(chunk)\n",
+        "kills its parent": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\n",
+        "daemonises and lingers": (
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(10_000)\n"
+            "    os._exit(0)\nraise SystemExit(1)\n"
+        ),
+    }
+    results = dict(zip(programs, sandbox.run_many(list(programs.values()))))
+    for name, result in results.items():
+        assert not result.ok, f"{name}: {result}"
+        assert "hunter2" not in result.stdout, name
+    assert results["10 GB allocation"].status == "error" and "MemoryError" in results["10 GB allocation"].stderr
+    flood = results["prints 1 GB"]  # Python ignores SIGXFSZ: the write past the limit fails with EFBIG instead
+    assert "File too large" in flood.stderr and len(flood.stdout) <= LIMITS.file_bytes, flood.stderr[-300:]
+    assert results["infinite loop"].status in ("killed", "timeout") and results["sleeps forever"].status == "timeout"
+    assert all(r.wall_s < LIMITS.wall_seconds + 5 for r in results.values())
+    assert not outside.exists() and not accepted
+    listener.close()
+    if isolation()["separate_user"]:
+        assert _sandbox_processes() == []  # the fork bomb's and the daemon's processes are gone
+    os.kill(os.getpid(), 0)  # still here
+
+
+def test_code_reward_passes_only_a_program_that_reaches_the_end_of_its_tests(sandbox):
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
+    right = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```"
+    assert code_reward(sandbox, right, tests) == 1.0
+    assert code_reward(sandbox, "```python\ndef add(a, b):\n    return a - b\n```", tests) == 0.0
+    for escape in ("import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n", "def add(a, b):\n    print('ok')\n"):
+        passed, execution = run_with_tests(sandbox, escape, tests)
+        assert not passed, (escape, execution)
+    assert extract_code("no fences") == "no fences"
+
+
+def test_a_requirement_the_machine_cannot_meet_is_refused():
+    with pytest.raises(RuntimeError, match="needs warp_drive"):
+        Sandbox(LIMITS, workers=1, require=("warp_drive",))
+
+
+def test_a_signal_to_the_trainer_from_a_program_never_arrives(sandbox):
+    """Separately from the batch above: the test installs a handler, so an arriving SIGUSR1 would be seen."""
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda *a: seen.append(1))
+    try:
+        result = sandbox.run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGUSR1)\n")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert result.status == "error" and "PermissionError" in result.stderr and not seen

@@ -1,0 +1,131 @@
+"""The task formats read from the layouts the Hub serves (local folders in that layout), each scored by its own
+reward (math-verify for MATH, the option letter, the tests in the sandbox), and user reward functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_hub_data import gsm8k_rows, parquet_folder
+from tierlm.build.tasks import open_tasks, user_reward
+from tierlm.config import TierlmConfig
+from tierlm.errors import ConfigError, DataError
+from tierlm.tasks.formats import choice_example, detect_format
+from tierlm.tasks.rewards import CodeReward, math_reward
+
+ARC = {
+    "id": "Mercury_1",
+    "question": "Which gas do plants take in?",
+    "choices": {"text": ["oxygen", "carbon dioxide", "helium", "neon"], "label": ["1", "2", "3", "4"]},
+    "answerKey": "2",
+}
+MMLU = {"question": "2 + 2 = ?", "subject": "math", "choices": ["3", "4", "5", "6"], "answer": 1}
+MATH = {"problem": "What is 1/2 + 1/4?", "solution": r"Add: $\frac{2}{4} + \frac{1}{4} = \boxed{\frac{3}{4}}$."}
+HUMANEVAL = {
+    "task_id": "HumanEval/0",
+    "prompt": 'def add(a: int, b: int) -> int:\n    """Sum of a and b."""\n',
+    "canonical_solution": "    return a + b\n",
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+    "entry_point": "add",
+}
+MBPP = {
+    "task_id": 2,
+    "text": "Write a function to square a number.",
+    "code": "def square(x):\n    return x * x",
+    "test_list": ["assert square(3) == 9", "assert square(-2) == 4"],
+    "test_setup_code": "",
+}
+
+
+def _config(folder, *extra):
+    return TierlmConfig.load("tiny_rl", [f"data.dataset_name={folder}", "data.val_fraction=0.25", *extra])
+
+
+@pytest.mark.parametrize(
+    "row, task_format, reference",
+    [(ARC, "choice", "B"), (MMLU, "choice", "B"), (MATH, "math", r"\frac{3}{4}")],
+    ids=["arc", "mmlu", "math"],
+)
+def test_each_layout_reads_from_a_hub_folder_with_its_reward(tmp_path, row, task_format, reference):
+    folder = parquet_folder(tmp_path / "data", {"train": [row] * 8})
+    train, val = open_tasks(_config(folder))
+    example = train.example(0)
+    assert detect_format(row) == task_format and example.format == task_format and example.reference == reference
+    assert len(train) == 6 and len(val) == 2 and example.messages[-1]["role"] == "user"
+    right = {"choice": "The answer is B.", "math": r"So it is $\boxed{0.75}$."}[task_format]
+    wrong = {"choice": "I pick A", "math": r"\boxed{\frac{2}{3}}"}[task_format]
+    assert train.reward(example.prompt, right, example.reference) == 1.0
+    assert train.reward(example.prompt, wrong, example.reference) == 0.0
+
+
+def test_math_verify_counts_equivalent_forms():
+    for answer, reference in [(r"\boxed{\sqrt{8}}", r"2\sqrt{2}"), (r"\boxed{0.5}", r"\frac{1}{2}"), ("x = 3", "3")]:
+        assert math_reward("", answer, reference) == 1.0, (answer, reference)
+    assert math_reward("", r"\boxed{\sqrt{7}}", r"2\sqrt{2}") == 0.0
+
+
+def test_gsm8k_keeps_its_number_reward_and_a_bad_layout_is_refused_with_its_row(tmp_path):
+    train, _ = open_tasks(_config(parquet_folder(tmp_path / "g", {"train": gsm8k_rows(8, "t")})))
+    assert train.example(1).format == "number" and train.example(1).reference == 4.0
+    with pytest.raises(DataError, match="answerKey 'E' is not one of the labels"):
+        choice_example({**ARC, "answerKey": "E"}, "row 3")
+    with pytest.raises(DataError, match="answer must index choices"):
+        open_tasks(_config(parquet_folder(tmp_path / "m", {"train": [{**MMLU, "answer": 9}] * 4})))
+
+
+@pytest.mark.parametrize("row", [HUMANEVAL, MBPP], ids=["humaneval", "mbpp"])
+def test_code_rows_are_scored_by_running_their_tests_in_the_sandbox(tmp_path, row):
+    folder = parquet_folder(tmp_path / "code", {"train": [row] * 4})
+    train, _ = open_tasks(_config(folder, "rl.sandbox_workers=2"))
+    example = train.example(0)
+    assert example.format == "code" and isinstance(train._reward, CodeReward)
+    name = "add" if row is HUMANEVAL else "square"
+    body = "return a + b" if row is HUMANEVAL else "return x * x"
+    args = "a, b" if row is HUMANEVAL else "x"
+    right = f"Here you go:\n```python\ndef {name}({args}):\n    {body}\n```"
+    wrong = f"```python\ndef {name}({args}):\n    return 0\n```"
+    items = [(example.prompt, reply, example.reference) for reply in (right, wrong, "import sys\nsys.exit(0)")]
+    assert train.rewards(items) == [1.0, 0.0, 0.0]
+    train._reward.sandbox.close()
+
+
+def test_user_reward_functions_are_imported_checked_and_refused_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(prompt, completion, reference):\n    return len(completion) / 10\n"
+        "def two_args(prompt, completion):\n    return 1.0\n"
+        "def text(prompt, completion, reference):\n    return 'good'\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert user_reward("my_rewards:length")("p", "abcde", None) == 0.5
+    for spec, message in [
+        ("no_such_module:f", "cannot import no_such_module"),
+        ("my_rewards:missing", "has no function 'missing'"),
+        ("my_rewards:two_args", r"must take \(prompt, completion, reference\)"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            user_reward(spec)
+    with pytest.raises(DataError, match="returned 'good'"):
+        user_reward("my_rewards:text")("p", "c", None)
+
+
+@pytest.mark.slow
+def test_rl_trains_on_a_code_task_with_a_user_reward_beside(tiny_runs, tmp_path):
+    """`tierlm rl` on a HumanEval-layout file: the completions are run in the sandbox each step (the tiny model
+    writes no working code: rewards 0, the loop unharmed); and with a user reward the train lines carry it."""
+    from conftest import RL, run_cli
+
+    data = tmp_path / "he.jsonl"
+    data.write_text("".join(json.dumps({**HUMANEVAL, "task_id": f"HumanEval/{i}"}) + "\n" for i in range(6)))
+    shaping = "def short(prompt, completion, reference):\n    return -len(completion) / 100\n"
+    (tmp_path / "shaping.py").write_text(shaping)
+    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", *RL]
+    args += [f"data.dataset_name={data}", "data.val_fraction=0.34", "training.logging_steps=1"]
+    args += ["data.max_seq_length=256"]
+    for extra, out in [([], "code"), (["rl.reward=shaping:short"], "user")]:
+        result = run_cli(*args, *extra, f"infra.output_dir={tmp_path / out}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        train = [r for r in map(json.loads, (tmp_path / out / "metrics.jsonl").read_text().splitlines())
+                 if r["type"] == "train"]  # fmt: skip
+        assert len(train) == 2
+        assert all(r["reward_mean"] == 0.0 for r in train) if out == "code" else train[0]["reward_mean"] < 0

@@ -91,6 +91,12 @@ PANELS = [
         [("rollouts", "train", "rm_score_mean"), ("held-out pairs", "eval", "score_mean")],
     ),
     (
+        "kto",
+        "KTO: the KL baseline and the share of replies whose implicit reward has their label's sign",
+        "step",
+        [("KL estimate", "eval", "kl"), ("label accuracy", "eval", "kto_acc")],
+    ),
+    (
         "dpo",
         "DPO: reward margin and preference accuracy",
         "step",

@@ -124,3 +124,26 @@ def test_rl_trains_on_a_code_task_scored_in_the_sandbox(tiny_runs, tmp_path):
     records = map(json.loads, (tmp_path / "code" / "metrics.jsonl").read_text().splitlines())
     train = [r for r in records if r["type"] == "train"]
     assert len(train) == 2 and all(r["reward_mean"] == 0.0 for r in train)
+
+
+def test_task_layouts_read_as_sft_conversations_with_gsm8k_annotations_as_masked_tool_results(tmp_path, tiny_tokenizer):
+    """SFT on a GSM8K folder trains the worked answer with each <<a*b=c>> annotation as a calculator call (trained)
+    and its result (masked), as nanochat does; ARC rows train the option's letter."""
+    from tierlm.build.loaders import open_splits
+    from tierlm.special_tokens import TOOL_CALL_START, TOOL_RESULT_START
+
+    gsm8k = parquet_folder(tmp_path / "gsm8k", {"train": gsm8k_rows(8, "t")})
+    config = TierlmConfig.load("tiny_sft", [f"data.dataset_name={gsm8k}", "data.val_fraction=0.25"])
+    trains, _ = open_splits(config, "chat", tiny_tokenizer)
+    conversation = trains[0][0].fetch([2])[0]
+    assert conversation[0]["content"].startswith("t: Tom has 2 apples")
+    reply = conversation[-1]["content"]
+    assert f"{TOOL_CALL_START}2+4" in reply and f"{TOOL_RESULT_START}6" in reply and reply.endswith("#### 6")
+    ids, mask = tiny_tokenizer.render_conversation(conversation, train_on="last_assistant")
+    text = lambda keep: tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m == keep])  # noqa: E731
+    assert "2+4" in text(1) and TOOL_RESULT_START not in text(1) and f"{TOOL_RESULT_START}6" in text(0)
+    arc = parquet_folder(tmp_path / "arc", {"train": [ARC] * 4})
+    config = TierlmConfig.load("tiny_sft", [f"data.dataset_name={arc}", "data.val_fraction=0.25"])
+    trains, _ = open_splits(config, "chat", tiny_tokenizer)
+    conversation = trains[0][0].fetch([0])[0]
+    assert "B. carbon dioxide" in conversation[0]["content"] and conversation[-1]["content"] == "The answer is B."

@@ -23,7 +23,7 @@ from typing import Any
 from tierlm.data.tokenizer import check_conversation
 from tierlm.errors import DataError
 from tierlm.tasks import TaskExample, extract_answer
-from tierlm.tasks.formats import READERS, detect_format
+from tierlm.tasks.formats import READERS, detect_format, task_conversation
 
 KINDS = ("text", "chat", "preference", "unpaired", "task")
 
@@ -161,10 +161,13 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
             {"role": "user", "content": row[fields.prompt]},
             {"role": "assistant", "content": row[fields.completion]},
         ]
+    elif (solved := task_conversation(row, where, fields.task_format)) is not None:  # GSM8K, ARC, MMLU, MATH, code
+        messages = solved
     else:
         raise DataError(
-            f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "
-            f"fields present: {sorted(row)} (set data.messages_column, or data.prompt_column / data.completion_column)"
+            f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields (or a task "
+            f"layout: GSM8K, MATH, ARC, MMLU, HumanEval, MBPP); fields present: {sorted(row)} (set "
+            "data.messages_column, or data.prompt_column / data.completion_column)"
         )
     tools = read_tools(row.get(fields.tools), where)
     return _checked(Conversation(messages, tools) if tools else messages, where)

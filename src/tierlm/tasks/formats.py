@@ -8,7 +8,9 @@
 - code — HumanEval: `prompt`, `test`, `entry_point`; MBPP: `text`, `test_list`, `test_setup_code`; the reference
   is the tests, the reward whether they pass in the sandbox (`tierlm.tasks.code`).
 
-`detect_format` picks the format from a row's columns (`data.task_format: auto`).
+`detect_format` picks the format from a row's columns (`data.task_format: auto`). `task_conversation` turns a
+row of any of these layouts into an SFT conversation (the reply: GSM8K's worked answer with its `<<a*b=c>>`
+calculator annotations as tool calls, as nanochat trains it; the option's letter; the boxed solution; the code).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import string
 from typing import Any
 
 from tierlm.errors import DataError
+from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START
 from tierlm.tasks.base import TaskExample
 
 FORMATS = ("number", "math", "choice", "code")
@@ -152,6 +155,48 @@ def code_example(row: dict, where: str) -> TaskExample:
     setup = str(row.get("test_setup_code") or "")
     script = "\n".join([setup, *map(str, tests)]) + "\n"
     return TaskExample([{"role": "user", "content": content}], {"setup": "", "tests": script}, "code")
+
+
+# -- SFT conversations ----------------------------------------------------------------------------------------------
+_ANNOTATION = re.compile(r"<<([^<>=]+)=([^<>]*)>>")
+
+
+def gsm8k_reply(answer: str) -> str:
+    r"""GSM8K's worked answer with each `<<expression=result>>` annotation as a calculator call and its (masked)
+    result, the way nanochat trains tool use on it; the text the annotation stood before is kept.
+
+    >>> gsm8k_reply("She pays 3*4 = <<3*4=12>>12 dollars.\n#### 12")
+    'She pays 3*4 = <|tool_call_start|>3*4<|tool_call_end|><|tool_start|>12<|tool_end|>12 dollars.\n#### 12'
+    """
+    return _ANNOTATION.sub(
+        lambda m: (
+            f"{TOOL_CALL_START}{m.group(1).strip()}{TOOL_CALL_END}{TOOL_RESULT_START}{m.group(2).strip()}"
+            f"{TOOL_RESULT_END}"
+        ),
+        answer,
+    )
+
+
+def task_conversation(row: dict, where: str, task_format: str = "auto") -> list[dict] | None:
+    """A task-layout row as an SFT conversation (its prompt as the user turn, its reference solution as the reply),
+    or None when the row has no task layout."""
+    task_format = detect_format(row) if task_format == "auto" else task_format
+    if task_format == "number":
+        if "question" not in row or "answer" not in row:
+            return None
+        reply = gsm8k_reply(str(row["answer"]))
+    else:
+        example = READERS[task_format](row, where)
+        if task_format == "choice":
+            reply = f"The answer is {example.reference}."
+        elif task_format == "math":
+            reply = str(row["solution"]) if "solution" in row else f"\\boxed{{{example.reference}}}"
+        else:
+            code = row.get("canonical_solution")
+            code = f"{row['prompt']}{code}" if code is not None else str(row.get("code", ""))
+            reply = f"```python\n{code.rstrip()}\n```"
+        return [*example.messages, {"role": "assistant", "content": reply}]
+    return [{"role": "user", "content": str(row["question"])}, {"role": "assistant", "content": reply}]
 
 
 def _text(row: dict, name: str, where: str) -> str:

@@ -198,7 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) instead of pass@k",
     )
     evaluate.add_argument(
-        "--limit", type=_positive_float, default=None, help="harness: examples per task (a fraction if < 1)"
+        "--core",
+        default=None,
+        metavar="BUNDLE",
+        help="CORE (DCLM / nanochat) of a base model from a local eval bundle folder (core.yaml, eval_data/, "
+        "eval_meta_data.csv) instead of pass@k",
+    )
+    evaluate.add_argument(
+        "--limit",
+        type=_positive_float,
+        default=None,
+        help="harness: examples per task (a fraction if < 1); core: items",
     )
     evaluate.add_argument("--num-fewshot", type=_non_negative_int, default=None, help="harness: few-shot examples")
     evaluate.add_argument("--batch-size", type=_positive_int, default=8, help="harness: sequences per forward pass")

@@ -159,6 +159,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from tierlm.commands.evaluate import run_eval
     from tierlm.config import TierlmConfig
 
+    if args.core is not None:
+        if args.harness is not None or args.config or args.overrides:
+            raise ConfigError(
+                "--core evaluates the checkpoint on the bundle's tasks: drop --harness, --config, overrides"
+            )
+        from tierlm.commands.evaluate import run_core
+
+        print(run_core(args.checkpoint, args.core, args.limit, args.device_type))
+        return
     if args.harness is not None:
         from tierlm.commands.harness import run_harness
 

@@ -1,8 +1,10 @@
 """`tierlm eval --checkpoint RUN [--config RL_CONFIG]`: pass@1 / pass@k of a chat model on the held-out
-tasks an RL config names, sampled by the generation engine (no training)."""
+tasks an RL config names, sampled by the generation engine (no training); `--core BUNDLE`: CORE of a base model."""
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -35,3 +37,34 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
             return trainer.evaluate()
         finally:
             engine.close()
+
+
+def run_core(checkpoint: str, bundle: str, limit: float | None, device_type: str = "auto") -> str:
+    """CORE of a model on a local eval bundle: the table of tasks; a run directory also gets a `core` line in its
+    metrics.jsonl (at its last step), core.json and a table in report.md."""
+    from tierlm.loops.core_eval import evaluate_core
+
+    if limit is not None and limit != int(limit):
+        raise ConfigError(f"--limit with --core counts items per task: give a whole number, not {limit}")
+    location = verified_model_location(checkpoint)
+    device = resolve_device(device_type, 0)
+    model = load_pretrained_model(location, device=device)
+    result = evaluate_core(model, load_tokenizer(location), bundle, int(limit) if limit else None, device)
+    if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
+        record_core(location.parent, bundle, result)
+    rows = [f"{label:<32} {r['accuracy']:.4f} {r['centered']:+.4f} ({r['items']} items)" for label, r in
+            result["tasks"].items()]  # fmt: skip
+    return "\n".join(["task                             accuracy centred", *rows, f"CORE {result['core']:.4f}"])
+
+
+def record_core(run_dir: Path, bundle: str, result: dict) -> None:
+    from tierlm.metrics.report import read_metrics, write_run_report
+
+    last = next((r for r in reversed(read_metrics(run_dir)) if r.get("type") == "train"), {})
+    record = {"type": "core", "step": last.get("step", 0), "core": result["core"], "tasks": result["tasks"]}
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    tmp = run_dir / ".core.json.tmp"
+    tmp.write_text(json.dumps({"bundle": str(bundle), **result}, indent=1) + "\n")
+    os.replace(tmp, run_dir / "core.json")
+    write_run_report(run_dir)

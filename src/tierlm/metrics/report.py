@@ -285,6 +285,22 @@ def harness_table(records: list[dict]) -> list[str]:
     ]
 
 
+def core_table(records: list[dict]) -> list[str]:
+    """The report's lines for the latest `tierlm eval --core` result (none: no lines)."""
+    latest = next((r for r in reversed(records) if r.get("type") == "core"), None)
+    if latest is None:
+        return []
+    rows = [f"| {task} | {_fmt(r['accuracy'])} | {_fmt(r['centered'])} |" for task, r in latest["tasks"].items()]
+    return [
+        f"## CORE {_fmt(latest['core'])} (step {latest.get('step', 0)})",
+        "",
+        "| task | accuracy | centred |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def write_run_report(run_dir: Path) -> Path:
     """`report.md` and `plots/*.png` of one run directory, from its metrics.jsonl, run.json and config.yaml."""
     run_dir = Path(run_dir)
@@ -330,6 +346,7 @@ def write_run_report(run_dir: Path) -> Path:
         *[f"| {k} | {_fmt(v)} |" for k, v in last_train.items() if k not in skip],
         "",
         *harness_table(records),
+        *core_table(records),
         "## Curves",
         "",
         *[f"![{p.stem}](plots/{p.name})" for p in plots],

@@ -1,0 +1,144 @@
+"""CORE (DCLM, Li et al., 2024; the base-model score nanochat reports): in-context tasks scored by the model's
+log-likelihood, each accuracy centred on its random baseline, CORE their mean.
+
+It reads an eval bundle folder in DCLM's / nanochat's layout: `core.yaml` (`icl_tasks`: label, dataset_uri,
+num_fewshot, icl_task_type, continuation_delimiter), `eval_data/<dataset_uri>` (JSONL items) and
+`eval_meta_data.csv` (`Eval Task`, `Random baseline` in percent). The task types:
+
+- multiple_choice — `query`, `choices`, `gold`: the choice with the lowest mean loss over its tokens;
+- schema — `context_options`, `continuation`, `gold`: the context under which the shared continuation has the
+  lowest mean loss;
+- language_modeling — `context`, `continuation`: right when greedy decoding reproduces the continuation.
+
+Few-shot examples are drawn per item with `random.Random(1234 + index)` from the other items, and laid out, as nanochat
+does; every prompt starts with the tokenizer's BOS. centred = (accuracy - baseline) / (1 - baseline).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from tierlm.errors import ConfigError, DataError
+from tierlm.models import forward_logits, model_max_seq_len
+
+
+def _shots(examples: list[str]) -> str:
+    """Few-shot examples as nanochat's templates lay them out: each followed by a blank line."""
+    return "".join(f"{example}\n\n" for example in examples)
+
+
+@dataclass
+class CoreTask:
+    label: str
+    kind: str
+    num_fewshot: int
+    delimiter: str
+    baseline: float  # a fraction
+    items: list[dict]
+
+
+def read_bundle(folder: str | Path) -> list[CoreTask]:
+    """The tasks of an eval bundle folder (one-line refusals for a missing or malformed part)."""
+    folder = Path(folder)
+    files = {name: folder / name for name in ("core.yaml", "eval_meta_data.csv")}
+    for name, path in {**files, "eval_data/": folder / "eval_data"}.items():
+        if not path.exists():
+            raise ConfigError(f"{folder} is not a CORE eval bundle: no {name} (the layout of nanochat's eval_bundle)")
+    with files["eval_meta_data.csv"].open(encoding="utf-8") as f:
+        baselines = {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
+    tasks = []
+    for entry in yaml.safe_load(files["core.yaml"].read_text(encoding="utf-8")).get("icl_tasks", []):
+        label, kind = entry["label"], entry["icl_task_type"]
+        if kind not in ("multiple_choice", "schema", "language_modeling"):
+            raise DataError(f"{files['core.yaml']}: task {label} has icl_task_type {kind!r}, which CORE does not score")
+        if label not in baselines:
+            raise DataError(f"{files['eval_meta_data.csv']}: no random baseline for task {label}")
+        path = folder / "eval_data" / entry["dataset_uri"]
+        items = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        fewshot = entry.get("num_fewshot", [0])
+        fewshot = fewshot[0] if isinstance(fewshot, list) else fewshot
+        tasks.append(CoreTask(label, kind, fewshot, entry.get("continuation_delimiter", " "), baselines[label], items))
+    return tasks
+
+
+def prompts_of(task: CoreTask, index: int) -> list[str]:
+    """The prompts one item is scored on: one per choice (multiple choice), one per context (schema), or the
+    context alone and with its continuation (language modelling)."""
+    item, d = task.items[index], task.delimiter
+    shots = []
+    if task.num_fewshot:
+        others = [i for i in range(len(task.items)) if i != index]
+        shots = [task.items[i] for i in random.Random(1234 + index).sample(others, task.num_fewshot)]
+    if task.kind == "multiple_choice":
+        head = _shots([f"{e['query']}{d}{e['choices'][e['gold']]}" for e in shots])
+        return [f"{head}{item['query']}{d}{choice}" for choice in item["choices"]]
+    if task.kind == "schema":
+        head = _shots([f"{e['context_options'][e['gold']]}{d}{e['continuation']}" for e in shots])
+        return [f"{head}{context}{d}{item['continuation']}" for context in item["context_options"]]
+    head = _shots([f"{e['context'].strip()}{d}{e['continuation']}" for e in shots])
+    without = f"{head}{item['context'].strip()}{d}".strip()
+    return [without, f"{head}{item['context'].strip()}{d}{item['continuation']}"]
+
+
+def _common(sequences: list[list[int]], from_end: bool) -> int:
+    n = min(map(len, sequences))
+    for i in range(n):
+        position = -1 - i if from_end else i
+        if any(s[position] != sequences[0][position] for s in sequences):
+            return i
+    return n
+
+
+@torch.no_grad()
+def score_item(model, tokenizer, task: CoreTask, index: int, device) -> bool:
+    """Is the model right on one item?"""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    tokens = [bos + tokenizer.encode(p) for p in prompts_of(task, index)]
+    if task.kind == "language_modeling":
+        start = len(tokens[0])
+        assert tokens[1][:start] == tokens[0], "a context's tokens must prefix its context + continuation's"
+        tokens, spans = tokens[1:], [(start, len(tokens[1]))]
+    elif task.kind == "multiple_choice":
+        start = _common(tokens, from_end=False)
+        spans = [(start, len(t)) for t in tokens]
+    else:
+        shared = _common(tokens, from_end=True)
+        spans = [(len(t) - shared, len(t)) for t in tokens]
+    limit = model_max_seq_len(model)
+    if limit is not None:  # keep the last `limit` tokens of a longer sequence (its span shifts with them)
+        cut = [max(len(t) - limit, 0) for t in tokens]
+        tokens = [t[c:] for t, c in zip(tokens, cut)]
+        spans = [(s - c, e - c) for (s, e), c in zip(spans, cut)]
+    width = max(map(len, tokens))
+    ids = torch.full((len(tokens), width), tokenizer.pad_id, dtype=torch.long)
+    for row, t in enumerate(tokens):
+        ids[row, : len(t)] = torch.tensor(t)
+    logits = forward_logits(model, {"input_ids": ids.to(device)}).float()
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten().to(device), reduction="none")
+    losses = losses.view(len(tokens), width - 1)
+    if task.kind == "language_modeling":
+        (start, end), predicted = spans[0], logits[0, :-1].argmax(-1)
+        return bool(torch.equal(predicted[start - 1 : end - 1].cpu(), ids[0, start:end]))
+    means = [float(losses[row, s - 1 : e - 1].mean()) for row, (s, e) in enumerate(spans)]
+    return means.index(min(means)) == task.items[index]["gold"]
+
+
+def evaluate_core(model, tokenizer, bundle: str | Path, max_per_task: int | None = None, device="cpu") -> dict:
+    """{"tasks": {label: {"accuracy", "centered", "items"}}, "core": the mean centred accuracy}."""
+    model.eval()
+    results = {}
+    for task in read_bundle(bundle):
+        n = len(task.items) if max_per_task is None else min(max_per_task, len(task.items))
+        accuracy = sum(score_item(model, tokenizer, task, i, device) for i in range(n)) / max(n, 1)
+        centered = (accuracy - task.baseline) / (1 - task.baseline)
+        results[task.label] = {"accuracy": accuracy, "centered": centered, "items": n}
+    core = sum(r["centered"] for r in results.values()) / max(len(results), 1)
+    return {"tasks": results, "core": core}

@@ -1,0 +1,91 @@
+"""CORE on a small eval bundle in nanochat's layout: each task type against a plain per-prompt reference written
+here (each prompt run alone, unpadded), the centring, the command and its refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tierlm.errors import ConfigError
+from tierlm.loops.core_eval import evaluate_core, prompts_of, read_bundle
+
+MC = [{"query": f"What is {a} + {b}?", "choices": [f" {a + b}", f" {a + b + 3}", f" {a * b}"], "gold": 0}
+      for a, b in [(2, 3), (10, 4), (7, 7), (1, 8), (6, 2)]]  # fmt: skip
+SCHEMA = [{"context_options": [f"{a} + {b} =", f"{a} - {b} ="], "continuation": f"{a + b}", "gold": 0}
+          for a, b in [(4, 1), (9, 3), (5, 5)]]  # fmt: skip
+LM = [{"context": f"What is {a} + {b}? {a} + {b} =", "continuation": f" {a + b}"} for a, b in [(3, 4), (8, 1), (2, 2)]]
+
+
+def write_bundle(root):
+    (root / "eval_data").mkdir(parents=True)
+    for name, items in (("mc.jsonl", MC), ("schema.jsonl", SCHEMA), ("lm.jsonl", LM)):
+        (root / "eval_data" / name).write_text("".join(json.dumps(i) + "\n" for i in items))
+    (root / "core.yaml").write_text(
+        "icl_tasks:\n"
+        "- {label: sums, dataset_uri: mc.jsonl, num_fewshot: [2], icl_task_type: multiple_choice}\n"
+        "- {label: which_op, dataset_uri: schema.jsonl, num_fewshot: [0], icl_task_type: schema}\n"
+        "- {label: complete, dataset_uri: lm.jsonl, num_fewshot: [1], icl_task_type: language_modeling}\n"
+    )
+    (root / "eval_meta_data.csv").write_text(
+        "Eval Task,Task Category,Random baseline\nsums,math,33.3\nwhich_op,math,50\ncomplete,math,0\n"
+    )
+    return root
+
+
+def _reference_right(model, tokenizer, task, index) -> bool:
+    """Each prompt alone: its tokens' losses by hand, the span after the shared prefix (or before the shared
+    suffix), the lowest mean loss; language modelling: greedy reproduces the continuation."""
+    prompts = prompts_of(task, index)
+    seqs = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]
+    per_token = []
+    for seq in seqs:
+        logits = model(torch.tensor([seq]))[0]
+        per_token.append((F.cross_entropy(logits[:-1], torch.tensor(seq[1:]), reduction="none"), logits.argmax(-1)))
+    if task.kind == "language_modeling":
+        start, seq = len(seqs[0]), seqs[1]
+        return per_token[1][1][start - 1 : len(seq) - 1].tolist() == seq[start:]
+    if task.kind == "multiple_choice":
+        shared = next(i for i in range(min(map(len, seqs))) if len({s[i] for s in seqs}) > 1)
+        spans = [(shared, len(s)) for s in seqs]
+    else:
+        shared = next(i for i in range(1, min(map(len, seqs)) + 1) if len({s[-i] for s in seqs}) > 1) - 1
+        spans = [(len(s) - shared, len(s)) for s in seqs]
+    means = [float(losses[s - 1 : e - 1].mean()) for (losses, _), (s, e) in zip(per_token, spans)]
+    return means.index(min(means)) == task.items[index]["gold"]
+
+
+def test_core_equals_a_per_prompt_reference_and_centres_on_the_baseline(tiny_runs, tmp_path):
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+
+    bundle = write_bundle(tmp_path / "bundle")
+    model = load_pretrained_model(tiny_runs / "pre" / "model").eval()
+    tokenizer = load_tokenizer(tiny_runs / "pre" / "model")
+    result = evaluate_core(model, tokenizer, bundle)
+    with torch.no_grad():
+        for task in read_bundle(bundle):
+            right = [_reference_right(model, tokenizer, task, i) for i in range(len(task.items))]
+            accuracy = sum(right) / len(right)
+            got = result["tasks"][task.label]
+            assert got["accuracy"] == pytest.approx(accuracy), task.label
+            assert got["centered"] == pytest.approx((accuracy - task.baseline) / (1 - task.baseline))
+    assert result["core"] == pytest.approx(sum(r["centered"] for r in result["tasks"].values()) / 3)
+
+
+def test_tierlm_eval_core_writes_the_run_result_and_refuses_a_folder_without_a_bundle(tiny_runs, tmp_path):
+    from conftest import run_cli
+
+    run = shutil.copytree(tiny_runs / "pre", tmp_path / "run")
+    result = run_cli("eval", "--checkpoint", run, "--core", write_bundle(tmp_path / "bundle"), "--limit", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "CORE" in result.stdout and json.loads((run / "core.json").read_text())["tasks"]["sums"]["items"] == 2
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["type"] == "core" and "## CORE" in (run / "report.md").read_text()
+    bad = run_cli("eval", "--checkpoint", run, "--core", tmp_path)
+    assert bad.returncode == 2 and "is not a CORE eval bundle: no core.yaml" in bad.stderr.strip().splitlines()[-1]
+    with pytest.raises(ConfigError, match="no core.yaml"):
+        read_bundle(tmp_path)

@@ -4,9 +4,11 @@ reward (math-verify for MATH, the option letter, the tests in the sandbox), and 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from test_hub_data import gsm8k_rows, parquet_folder
 from tierlm.build.tasks import open_tasks, user_reward
 from tierlm.config import TierlmConfig
@@ -147,3 +149,33 @@ def test_task_layouts_read_as_sft_conversations_with_gsm8k_annotations_as_masked
     trains, _ = open_splits(config, "chat", tiny_tokenizer)
     conversation = trains[0][0].fetch([0])[0]
     assert "B. carbon dioxide" in conversation[0]["content"] and conversation[-1]["content"] == "The answer is B."
+
+
+def test_nanochats_sft_mixture_reads_each_layout_with_its_own_split_and_config(tmp_path, tiny_tokenizer):
+    """The nanochat_sft preset's mixture with each hub dataset replaced by a local folder in its layout: SmolTalk's
+    messages, MMLU's `all` config and `auxiliary_train` split, GSM8K's `main` config, and synthetic spelling — each
+    component read with its own split / config and weighted."""
+    from omegaconf import OmegaConf
+
+    from tierlm.build.loaders import open_splits
+
+    smoltalk = tmp_path / "smoltalk.jsonl"
+    smoltalk.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                         {"role": "assistant", "content": "hello"}]}) + "\n"
+                                for i in range(8)))  # fmt: skip
+    mmlu = parquet_folder(tmp_path / "mmlu", {"auxiliary_train": [MMLU] * 6, "test": [MMLU] * 2}, {"all": "all"})
+    gsm8k = parquet_folder(
+        tmp_path / "gsm8k", {"train": gsm8k_rows(6, "t"), "test": gsm8k_rows(2, "v")}, {"main": "main"}
+    )
+    preset = OmegaConf.to_container(OmegaConf.load(Path(REPO) / "configs" / "nanochat_sft.yaml"))
+    local = [str(smoltalk), str(mmlu), str(gsm8k), "synthetic:spelling"]
+    for part, name in zip(preset["data"]["mixture"], local):
+        part["dataset_name"] = name
+    preset["data"].update(num_synthetic_examples=10, num_synthetic_eval_examples=4, val_fraction=0.25)
+    config = TierlmConfig.from_dict(preset)
+    trains, vals = open_splits(config, "chat", tiny_tokenizer)
+    assert [len(t) for t, _ in trains] == [6, 6, 6, 10] and [w for _, w in trains] == [1.0, 1.0, 2.0, 1.0]
+    assert [len(v) for v in vals] == [2, 2, 2, 4]
+    mmlu_chat, gsm8k_chat, spelling = (trains[i][0].fetch([0])[0] for i in (1, 2, 3))
+    assert mmlu_chat[-1]["content"] == "The answer is B." and "#### " in gsm8k_chat[-1]["content"]
+    assert "is spelled" in spelling[-1]["content"] and spelling[0]["content"].startswith(("How many", "Count", "In"))

@@ -85,6 +85,18 @@ def data_components(config: TierlmConfig) -> list[tuple[str, float]]:
     return [(c.dataset_name, c.weight) for c in config.data.mixture] or [(config.data.dataset_name, 1.0)]
 
 
+def component_options(config: TierlmConfig, index: int, options: SourceOptions) -> tuple[SourceOptions, str]:
+    """(the read options, the training split) of mixture component `index` (its own split and hub config where it
+    names them); data.dataset_name's without a mixture."""
+    d = config.data
+    if not d.mixture:
+        return options, d.split
+    part = d.mixture[index]
+    if part.dataset_config is not None:
+        options = dataclasses.replace(options, dataset_config=part.dataset_config)
+    return options, part.split or d.split
+
+
 def open_splits(
     config: TierlmConfig, kind: str, tokenizer: Tokenizer | None
 ) -> tuple[list[tuple[Examples, float]], list[Examples]]:
@@ -96,8 +108,9 @@ def open_splits(
     held-out tail of its training data.
     """
     d, trains, vals = config.data, [], []
-    for name, weight in data_components(config):
-        options = named_split(name, source_options(config, kind, "train", tokenizer), d.split)
+    for index, (name, weight) in enumerate(data_components(config)):
+        options, split = component_options(config, index, source_options(config, kind, "train", tokenizer))
+        options = named_split(name, options, split)
         train = open_examples(name, options)
         if d.eval_dataset_name:
             pass  # one shared eval set, opened below

@@ -37,6 +37,10 @@ class MixtureComponent(Section):
     """A source, as data.dataset_name."""
     weight: float = Field(1.0, gt=0)
     """Passes over this source per mixture epoch: 2 repeats it twice, 0.5 takes a random half."""
+    split: str | None = None
+    """Its training split (None: data.split), e.g. MMLU's auxiliary_train."""
+    dataset_config: str | None = None
+    """Its hub config (None: data.dataset_config), e.g. "main" of openai/gsm8k."""
 
 
 class DataConfig(Section):

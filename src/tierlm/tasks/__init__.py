@@ -4,12 +4,14 @@ synthetic data every stage can train on.
 - `base`: `TaskExample`, the `Task` and `Environment` protocols, `ExamplesTask` (a task over examples
   read from any data source), `SingleTurn`;
 - `answers`: the one answer extractor and the exact-number reward;
-- `arithmetic`: the synthetic arithmetic problems (every kind of example) and its two-turn environment.
+- `arithmetic`: the synthetic arithmetic problems (every kind of example) and its two-turn environment;
+- `spelling`: counting letters in words (nanochat's SpellingBee), every kind of example;
+- `formats`, `rewards`, `code`, `sandbox`: the layouts of real task data, their rewards, code run in a sandbox.
 
 `SYNTHETIC` is the one registry of tasks generated on the machine, by the name in `synthetic:<name>`.
 
 >>> sorted(SYNTHETIC), synthetic_name("synthetic:arithmetic"), synthetic_name("data.jsonl")
-(['arithmetic', 'arithmetic_chain'], 'arithmetic', None)
+(['arithmetic', 'arithmetic_chain', 'spelling'], 'arithmetic', None)
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from tierlm.errors import DataError
 from tierlm.tasks.answers import exact_number_reward, extract_answer, extract_final_number
 from tierlm.tasks.arithmetic import ArithmeticChain, ArithmeticTask, Problem
 from tierlm.tasks.base import Environment, ExamplesTask, RewardFn, SingleTurn, Task, TaskExample, is_environment
+from tierlm.tasks.spelling import SpellingTask
 
-SYNTHETIC: dict[str, type] = {"arithmetic": ArithmeticTask, "arithmetic_chain": ArithmeticChain}
+SYNTHETIC: dict[str, type] = {
+    "arithmetic": ArithmeticTask,
+    "arithmetic_chain": ArithmeticChain,
+    "spelling": SpellingTask,
+}
 """Tasks generated from (seed, split, index): a generator of examples of every kind, or an environment (RL only)."""
 PREFIX = "synthetic:"
 
@@ -38,7 +45,7 @@ def synthetic_task(spec: str) -> type:
     return SYNTHETIC[name]
 
 
-def synthetic_generator(spec: str) -> ArithmeticTask:
+def synthetic_generator(spec: str) -> ArithmeticTask | SpellingTask:
     """The generator behind `synthetic:<name>` data (text, chats, pairs, prompts); an environment is refused."""
     task = synthetic_task(spec)
     if issubclass(task, Environment):

@@ -285,6 +285,56 @@ def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_
     assert rollout.prompt_ids + c.tokens == ids
 
 
+def test_episode_budgets_end_episodes_and_rounds_batch_episodes_of_different_lengths(tiny_tokenizer):
+    """rl.max_turns ends an episode after its turns (the chain's second question never asked); several episodes
+    sampled together in rounds give each the rollout it gets alone."""
+    from tierlm.config import RLConfig, TrainingConfig
+    from tierlm.loops.episodes import run_episodes
+    from tierlm.loops.rl import RLTrainer
+    from tierlm.tasks import ArithmeticChain
+
+    tok = tiny_tokenizer
+    chain = ArithmeticChain("val", 4, seed=0)
+    peek = ArithmeticChain("val", 4, seed=0)
+    messages = peek.reset(2)
+    end = tok.hf.get_vocab()["<|assistant_end|>"]
+    turn1 = tok.encode(f"{messages[0]['content'][8:-1]} = {peek.expected[0]}") + [end]
+    engine = ScriptedEngine(turn1 * 4, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok)
+    trainer = RLTrainer(
+        None, ReinforceStrategy(), engine, tok, None, None, RLConfig(max_new_tokens=16, max_turns=1), TrainingConfig()
+    )
+    rollout = trainer.run_episode(chain, 2, 1.0, torch.Generator().manual_seed(0))
+    assert rollout.reward == 0.5 and rollout.completion.tokens == turn1  # one turn, right: half the episode's reward
+    alone = [
+        run_episodes(ScriptedEngine(turn1 * 4, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok), tok,
+                     RLConfig(max_new_tokens=16), [(chain, i, torch.Generator().manual_seed(i))], 1.0)[0]
+        for i in (2, 3)
+    ]  # fmt: skip
+    scripted = ScriptedEngine(turn1 * 4, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok)
+    starts = [(chain, i, torch.Generator().manual_seed(i)) for i in (2, 3)]
+    together = run_episodes(scripted, tok, RLConfig(max_new_tokens=16), starts, 1.0)
+    assert [(r.prompt_ids, r.completion.tokens, r.reward) for r in together] == [
+        (r.prompt_ids, r.completion.tokens, r.reward) for r in alone
+    ]
+
+
+@pytest.mark.slow
+def test_rl_on_a_multi_turn_environment_trains_past_its_first_update(tmp_path, tiny_runs):
+    """`tierlm rl` on synthetic:arithmetic_chain: every step's episodes carry the weights they were sampled with
+    (the version check of every step), within rl.max_episode_tokens."""
+    import json
+
+    from conftest import RL, run_cli
+
+    out = tmp_path / "chain"
+    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", *RL]
+    args += ["data.dataset_name=synthetic:arithmetic_chain", "training.logging_steps=1", "rl.max_episode_tokens=12"]
+    result = run_cli(*args, f"infra.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert [r["weight_version"] for r in train] == [0, 1] and all(r["completion_len"] <= 12 + 8 for r in train)
+
+
 def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
     from tierlm.rollout.sampling import sample_next_token
 

@@ -108,6 +108,11 @@ class RLConfig(Section):
     """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
     (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near
     1e-2, float32 near 1e-7)."""
+    max_turns: int = Field(8, gt=0)
+    """Multi-turn environments: assistant turns per episode before it ends."""
+    max_episode_tokens: int | None = Field(None, gt=0)
+    """Multi-turn environments: the tokens an episode's completion may hold (its turns, the environment's messages
+    and tool results; None: up to the context)."""
     tools: list[Literal["calculator", "python"]] = Field(default_factory=list)
     """Tools the model may call during generation (results are spliced in and masked from the loss): calculator
     (arithmetic), python (a program run in the sandbox; it answers what the program printed). A request

@@ -22,12 +22,14 @@ from tierlm.config import RLConfig, TierlmConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import ConfigError
 from tierlm.loops import cadence
+from tierlm.loops.episodes import episode_generators, run_episodes
 from tierlm.loops.off_policy import OffPolicyRollouts
+from tierlm.loops.rewards import reward_model_figures, reward_model_sums, score
 from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rollout.engine import Completion, Rollout, SamplingEngine, answer_text
+from tierlm.rollout.engine import Rollout, SamplingEngine, answer_text
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty, overlong_penalty
 from tierlm.tasks import Environment, Task, is_environment
 
@@ -60,41 +62,6 @@ def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int
                 labels[row, start + j] = token
                 sampler[row, start + j] = logp
     return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
-
-
-def score(task: Task, items: list[tuple[str, str, Any]]) -> list[float]:
-    """The task's rewards of (prompt, completion, reference) items, in one call where it scores batches."""
-    many = getattr(task, "rewards", None)
-    return many(items) if many is not None else [task.reward(*item) for item in items]
-
-
-def reward_model_sums(groups: list[list[Rollout]]) -> dict[str, float]:
-    """Summable figures of a reward model's scores: their sum, and within each group, over the pairs whose task
-    rewards differ, how often the reward model ranks them the same way (its accuracy against the task's verifier).
-
-    >>> g = [Rollout([], Completion(), 1.0, "", 1.0, 0.5), Rollout([], Completion(), 0.0, "", 0.0, 0.9)]
-    >>> reward_model_sums([g])
-    {'rm_score': 1.4, 'rm_pairs': 1.0, 'rm_agree': 0.0}
-    """
-    score = pairs = agree = 0.0
-    for group in groups:
-        score += sum(r.score for r in group)
-        for a in group:
-            for b in group:
-                if a.task_reward > b.task_reward:
-                    pairs += 1
-                    agree += float(a.score > b.score) + 0.5 * float(a.score == b.score)
-    return {"rm_score": score, "rm_pairs": pairs, "rm_agree": agree}
-
-
-def reward_model_figures(totals: dict[str, float]) -> dict[str, float]:
-    """The train line's reward-model figures from the step's summed `reward_model_sums` (none without one)."""
-    if "rm_score" not in totals:
-        return {}
-    out = {"rm_score_mean": totals["rm_score"] / totals["rows"]}
-    if totals["rm_pairs"]:
-        out["rm_accuracy"] = totals["rm_agree"] / totals["rm_pairs"]
-    return out
 
 
 @dataclass
@@ -186,37 +153,15 @@ class RLTrainer:
         ]
 
     def run_episode(self, env: Environment, index: int, temperature: float, generator: torch.Generator) -> Rollout:
-        """One multi-turn episode, sampled turn by turn. The tokens between the model's turns (the
-        environment's messages and the next assistant header) join the completion as forced tokens,
-        so the model's own tokens are kept exactly as sampled and only they are trained on."""
-        messages = env.reset(index)
-        prompt = self._prompt(messages)
-        sequence, episode, total = list(prompt), Completion(), 0.0
-        while True:
-            room = self.engine.max_len() - len(sequence)
-            if room < 2:
-                break
-            turn = self.engine.generate(
-                sequence, 1, min(self.rl.max_new_tokens, room - 1), temperature, self.rl.top_k, self.rl.top_p, generator
-            )[0]
-            for name in ("tokens", "logprobs", "mask"):
-                getattr(episode, name).extend(getattr(turn, name))
-            episode.tool_calls += turn.tool_calls
-            sequence += turn.tokens
-            reply = answer_text(self.tokenizer, turn.tokens)
-            observation, reward = env.step(reply)
-            total += reward
-            if observation is None or not turn.finished:
-                break
-            history = messages + [{"role": "assistant", "content": self.tokenizer.decode(turn.tokens[:-1])}]
-            bridge = self.tokenizer.continuation_ids(history, [observation])
-            episode.tokens += bridge
-            episode.logprobs += [0.0] * len(bridge)
-            episode.mask += [0] * len(bridge)
-            sequence += bridge
-            messages = history + [observation]
-        episode.finished = True
-        return Rollout(prompt, episode, total, self.tokenizer.decode(episode.tokens, skip_special_tokens=True))
+        """One multi-turn episode (`tierlm.loops.episodes`)."""
+        return run_episodes(self.engine, self.tokenizer, self.rl, [(env, index, generator)], temperature)[0]
+
+    def _episode_groups(self, env: Environment, indices, generators, size: int, temperature: float):
+        """`size` episodes of each index, every one with its own stream drawn from its index's generator, all
+        sampled together in rounds; grouped by index."""
+        starts = [(env, i, g) for i, parent in zip(indices, generators) for g in episode_generators(parent, size)]
+        rollouts = run_episodes(self.engine, self.tokenizer, self.rl, starts, temperature)
+        return [rollouts[j : j + size] for j in range(0, len(rollouts), size)]
 
     def sample_step(self, step: int) -> list[list[Rollout]]:
         """This rank's share of a step's prompts, each group whole on one rank (the backend sums gradients and
@@ -230,10 +175,7 @@ class RLTrainer:
         if not is_environment(self.train_task):
             groups = self.collect([self.train_task.example(i) for i in indices], generators)
         else:
-            groups = [
-                [self.run_episode(self.train_task, i, self.rl.temperature, g) for _ in range(self.rl.group_size)]
-                for i, g in zip(indices, generators)
-            ]
+            groups = self._episode_groups(self.train_task, indices, generators, self.rl.group_size, self.rl.temperature)
         return self._with_reward_model(groups) if self.reward_model is not None else groups
 
     def _with_reward_model(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
@@ -241,9 +183,9 @@ class RLTrainer:
         reward model's score of the prompt and completion (the two kept apart for the logs)."""
         rollouts = [r for g in groups for r in g]
         scores = self.reward_model.score([r.prompt_ids + r.completion.tokens for r in rollouts])
-        for r, score in zip(rollouts, scores):
-            r.task_reward, r.score = r.reward, score
-            r.reward = self.rl.task_reward_weight * r.reward + self.rl.reward_model_weight * score
+        for r, value in zip(rollouts, scores):
+            r.task_reward, r.score = r.reward, value
+            r.reward = self.rl.task_reward_weight * r.reward + self.rl.reward_model_weight * value
         return groups
 
     def _with_signal(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
@@ -443,12 +385,8 @@ class RLTrainer:
         indices = range(self.rank, n, self.world_size)  # ranks share the problems
         generators = [self._generator(-1, index) for index in indices]  # each problem's, the same at every eval
         if is_environment(self.eval_task):
-            results = []
-            for index, generator in zip(indices, generators):
-                episodes = [
-                    self.run_episode(self.eval_task, index, self.rl.eval_temperature, generator) for _ in range(k)
-                ]
-                results.append(([e.completion for e in episodes], [e.reward for e in episodes]))
+            groups = self._episode_groups(self.eval_task, indices, generators, k, self.rl.eval_temperature)
+            results = [([e.completion for e in group], [e.reward for e in group]) for group in groups]
         else:
             examples = [self.eval_task.example(index) for index in indices]
             batches = self.engine.generate_many(

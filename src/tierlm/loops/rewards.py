@@ -1,0 +1,45 @@
+"""What the RL loop reads off its rollouts' rewards: the task's rewards of a batch at once, and a reward model's
+figures (its mean score, and how often it orders a group's rollouts as the task's verifier does)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierlm.rollout.engine import Rollout
+from tierlm.tasks import Task
+
+
+def score(task: Task, items: list[tuple[str, str, Any]]) -> list[float]:
+    """The task's rewards of (prompt, completion, reference) items, in one call where it scores batches."""
+    many = getattr(task, "rewards", None)
+    return many(items) if many is not None else [task.reward(*item) for item in items]
+
+
+def reward_model_sums(groups: list[list[Rollout]]) -> dict[str, float]:
+    """Summable figures of a reward model's scores: their sum, and within each group, over the pairs whose task
+    rewards differ, how often the reward model ranks them the same way (its accuracy against the task's verifier).
+
+    >>> from tierlm.rollout.engine import Completion
+    >>> g = [Rollout([], Completion(), 1.0, "", 1.0, 0.5), Rollout([], Completion(), 0.0, "", 0.0, 0.9)]
+    >>> reward_model_sums([g])
+    {'rm_score': 1.4, 'rm_pairs': 1.0, 'rm_agree': 0.0}
+    """
+    score = pairs = agree = 0.0
+    for group in groups:
+        score += sum(r.score for r in group)
+        for a in group:
+            for b in group:
+                if a.task_reward > b.task_reward:
+                    pairs += 1
+                    agree += float(a.score > b.score) + 0.5 * float(a.score == b.score)
+    return {"rm_score": score, "rm_pairs": pairs, "rm_agree": agree}
+
+
+def reward_model_figures(totals: dict[str, float]) -> dict[str, float]:
+    """The train line's reward-model figures from the step's summed `reward_model_sums` (none without one)."""
+    if "rm_score" not in totals:
+        return {}
+    out = {"rm_score_mean": totals["rm_score"] / totals["rows"]}
+    if totals["rm_pairs"]:
+        out["rm_accuracy"] = totals["rm_agree"] / totals["rm_pairs"]
+    return out

@@ -89,3 +89,26 @@ def test_tierlm_eval_core_writes_the_run_result_and_refuses_a_folder_without_a_b
     assert bad.returncode == 2 and "is not a CORE eval bundle: no core.yaml" in bad.stderr.strip().splitlines()[-1]
     with pytest.raises(ConfigError, match="no core.yaml"):
         read_bundle(tmp_path)
+
+
+def test_chat_core_centres_each_tasks_greedy_accuracy_on_its_chance_level(tiny_runs, tmp_path):
+    """`tierlm eval --chat-core`: greedy pass@1 per named task source, centred on chance (1/4 for four options, 0 for
+    an open answer), ChatCORE their mean, recorded in the run."""
+    from conftest import run_cli
+
+    arc = tmp_path / "arc.jsonl"
+    arc.write_text("".join(json.dumps({"question": f"{a} + 1?", "answerKey": "A", "choices": {
+        "text": [str(a + 1), str(a), "7", "9"], "label": list("ABCD")}}) + "\n" for a in range(6)))  # fmt: skip
+    run = shutil.copytree(tiny_runs / "sft", tmp_path / "run")
+    result = run_cli(
+        "eval", "--checkpoint", run, "--chat-core", f"arith=synthetic:arithmetic,arc={arc}", "--limit", "3"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    tasks = record["tasks"]
+    assert record["type"] == "chat_core" and tasks["arc"]["items"] == 3 and tasks["arith"]["items"] == 3
+    assert tasks["arc"]["centered"] == pytest.approx((tasks["arc"]["accuracy"] - 0.25) / 0.75)
+    assert tasks["arith"]["centered"] == pytest.approx(tasks["arith"]["accuracy"])
+    assert record["core"] == pytest.approx((tasks["arc"]["centered"] + tasks["arith"]["centered"]) / 2)
+    bad = run_cli("eval", "--checkpoint", run, "--chat-core", "arith")
+    assert bad.returncode == 2 and "NAME=SOURCE" in bad.stderr

@@ -49,6 +49,14 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _named_sources(value: str) -> dict[str, str]:
+    """NAME=SOURCE pairs, comma-separated."""
+    pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+    if not pairs or any(not name.strip() or not eq or not source.strip() for name, eq, source in pairs):
+        raise argparse.ArgumentTypeError(f"give NAME=SOURCE pairs separated by commas, got {value!r}")
+    return {name.strip(): source.strip() for name, _, source in pairs}
+
+
 def _task_list(text: str) -> list[str]:
     tasks = [t.strip() for t in text.split(",") if t.strip()]
     if not tasks:
@@ -203,6 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BUNDLE",
         help="CORE (DCLM / nanochat) of a base model from a local eval bundle folder (core.yaml, eval_data/, "
         "eval_meta_data.csv) instead of pass@k",
+    )
+    evaluate.add_argument(
+        "--chat-core",
+        type=_named_sources,
+        default=None,
+        metavar="NAME=SOURCE,...",
+        help="ChatCORE-style accuracy of a chat model: greedy pass@1 on each named task source (a folder or hub id "
+        "in a GSM8K / MATH / ARC / MMLU / HumanEval / MBPP layout, or synthetic:<name>), centred on chance",
     )
     evaluate.add_argument(
         "--limit",

@@ -159,6 +159,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from tierlm.commands.evaluate import run_eval
     from tierlm.config import TierlmConfig
 
+    if args.chat_core is not None:
+        if args.core is not None or args.harness is not None or args.config or args.overrides:
+            raise ConfigError("--chat-core names its tasks: drop --core, --harness, --config and overrides")
+        from tierlm.commands.evaluate import run_chat_core
+
+        print(run_chat_core(args.checkpoint, args.chat_core, args.limit, args.device_type))
+        return
     if args.core is not None:
         if args.harness is not None or args.config or args.overrides:
             raise ConfigError(

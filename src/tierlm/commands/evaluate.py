@@ -52,19 +52,65 @@ def run_core(checkpoint: str, bundle: str, limit: float | None, device_type: str
     result = evaluate_core(model, load_tokenizer(location), bundle, int(limit) if limit else None, device)
     if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
         record_core(location.parent, bundle, result)
+    return _core_table(result, "CORE")
+
+
+def _core_table(result: dict, name: str) -> str:
     rows = [f"{label:<32} {r['accuracy']:.4f} {r['centered']:+.4f} ({r['items']} items)" for label, r in
             result["tasks"].items()]  # fmt: skip
-    return "\n".join(["task                             accuracy centred", *rows, f"CORE {result['core']:.4f}"])
+    return "\n".join(["task                             accuracy centred", *rows, f"{name} {result['core']:.4f}"])
 
 
-def record_core(run_dir: Path, bundle: str, result: dict) -> None:
+def record_core(run_dir: Path, source: str, result: dict, kind: str = "core") -> None:
+    """A `core` (or `chat_core`) line in the run's metrics.jsonl at its last step, `<kind>.json`, report.md rebuilt."""
     from tierlm.metrics.report import read_metrics, write_run_report
 
     last = next((r for r in reversed(read_metrics(run_dir)) if r.get("type") == "train"), {})
-    record = {"type": "core", "step": last.get("step", 0), "core": result["core"], "tasks": result["tasks"]}
+    record = {"type": kind, "step": last.get("step", 0), "core": result["core"], "tasks": result["tasks"]}
     with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-    tmp = run_dir / ".core.json.tmp"
-    tmp.write_text(json.dumps({"bundle": str(bundle), **result}, indent=1) + "\n")
-    os.replace(tmp, run_dir / "core.json")
+    tmp = run_dir / f".{kind}.json.tmp"
+    tmp.write_text(json.dumps({"source": str(source), **result}, indent=1) + "\n")
+    os.replace(tmp, run_dir / f"{kind}.json")
     write_run_report(run_dir)
+
+
+def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, device_type: str = "auto") -> str:
+    """ChatCORE-style accuracy of a chat model (nanochat's chat evaluation): greedy pass@1 on the held-out examples
+    of each named task source (any layout of `tierlm.tasks.formats`, or `synthetic:<name>`), centred on its chance
+    level (1 / options for multiple choice, 0 otherwise), and their mean. A run directory records it as CORE's."""
+    if limit is not None and limit != int(limit):
+        raise ConfigError(f"--limit with --chat-core counts problems per task: give a whole number, not {limit}")
+    location = verified_model_location(checkpoint)
+    tokenizer = load_tokenizer(location)
+    if not tokenizer.has_chat_template:
+        raise ConfigError(f"{checkpoint} has no chat template: ChatCORE evaluates chat models (CORE: --core)")
+    model = load_pretrained_model(location, device=resolve_device(device_type, 0))
+    results = {}
+    for name, source in tasks.items():
+        settings = [f"data.dataset_name={source}", f"data.eval_dataset_name={source}", "rl.eval_temperature=0"]
+        config = TierlmConfig.load("tiny_rl", [*settings, "rl.eval_k=1"])  # its evaluation split, whole
+        eval_task = open_tasks(config)[1]
+        n = len(eval_task) if limit is None else min(int(limit), len(eval_task))
+        config.rl.eval_problems = n
+        chance = sum(_chance(eval_task.example(i)) for i in range(n)) / max(n, 1)
+        with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:
+            engine = build_engine(config.rl, model, tokenizer, Path(folder))
+            try:
+                trainer = RLTrainer(None, None, engine, tokenizer, None, eval_task, config.rl, config.training)
+                accuracy = trainer.evaluate()["pass@1"]
+            finally:
+                engine.close()
+        results[name] = {"accuracy": accuracy, "centered": (accuracy - chance) / (1 - chance), "items": n}
+    result = {"tasks": results, "core": sum(r["centered"] for r in results.values()) / max(len(results), 1)}
+    if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
+        record_core(location.parent, ",".join(f"{k}={v}" for k, v in tasks.items()), result, kind="chat_core")
+    return _core_table(result, "ChatCORE")
+
+
+def _chance(example) -> float:
+    """The accuracy of guessing: 1 / its options for a multiple-choice example, 0 for an open answer."""
+    if example.format != "choice":
+        return 0.0
+    options = sum(1 for line in example.prompt.splitlines() if len(line) > 2 and line[1] == "." and line[0].isupper())
+    return 1.0 / max(options, 1)

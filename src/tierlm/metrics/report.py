@@ -285,14 +285,14 @@ def harness_table(records: list[dict]) -> list[str]:
     ]
 
 
-def core_table(records: list[dict]) -> list[str]:
-    """The report's lines for the latest `tierlm eval --core` result (none: no lines)."""
-    latest = next((r for r in reversed(records) if r.get("type") == "core"), None)
+def core_table(records: list[dict], kind: str = "core") -> list[str]:
+    """The report's lines for the latest `tierlm eval --core` (or `--chat-core`) result (none: no lines)."""
+    latest = next((r for r in reversed(records) if r.get("type") == kind), None)
     if latest is None:
         return []
     rows = [f"| {task} | {_fmt(r['accuracy'])} | {_fmt(r['centered'])} |" for task, r in latest["tasks"].items()]
     return [
-        f"## CORE {_fmt(latest['core'])} (step {latest.get('step', 0)})",
+        f"## {'ChatCORE' if kind == 'chat_core' else 'CORE'} {_fmt(latest['core'])} (step {latest.get('step', 0)})",
         "",
         "| task | accuracy | centred |",
         "|---|---|---|",
@@ -347,6 +347,7 @@ def write_run_report(run_dir: Path) -> Path:
         "",
         *harness_table(records),
         *core_table(records),
+        *core_table(records, "chat_core"),
         "## Curves",
         "",
         *[f"![{p.stem}](plots/{p.name})" for p in plots],

@@ -324,13 +324,13 @@ def test_rl_on_a_multi_turn_environment_trains_past_its_first_update(tmp_path, t
     (the version check of every step), within rl.max_episode_tokens."""
     import json
 
-    from conftest import RL, run_cli
+    from conftest import RL
+    from tierlm.commands.cli import main
 
     out = tmp_path / "chain"
     args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", *RL]
     args += ["data.dataset_name=synthetic:arithmetic_chain", "training.logging_steps=1", "rl.max_episode_tokens=12"]
-    result = run_cli(*args, f"infra.output_dir={out}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, f"infra.output_dir={out}"]) == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert [r["weight_version"] for r in train] == [0, 1] and all(r["completion_len"] <= 12 + 8 for r in train)
 

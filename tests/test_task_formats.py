@@ -115,14 +115,14 @@ def test_user_reward_functions_are_imported_checked_and_refused_in_one_line(tmp_
 def test_rl_trains_on_a_code_task_scored_in_the_sandbox(tiny_runs, tmp_path):
     """`tierlm rl` on a HumanEval-layout file: each step's completions run with the tests in the sandbox's pool (the
     tiny model writes no working code: rewards 0, the loop unharmed)."""
-    from conftest import RL, run_cli
+    from conftest import RL
+    from tierlm.commands.cli import main
 
     data = tmp_path / "he.jsonl"
     data.write_text("".join(json.dumps({**HUMANEVAL, "task_id": f"HumanEval/{i}"}) + "\n" for i in range(6)))
     args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", *RL]
     args += [f"data.dataset_name={data}", "data.val_fraction=0.34", "training.logging_steps=1"]
-    result = run_cli(*args, "data.max_seq_length=256", f"infra.output_dir={tmp_path / 'code'}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*map(str, args), "data.max_seq_length=256", f"infra.output_dir={tmp_path / 'code'}"]) == 0
     records = map(json.loads, (tmp_path / "code" / "metrics.jsonl").read_text().splitlines())
     train = [r for r in records if r["type"] == "train"]
     assert len(train) == 2 and all(r["reward_mean"] == 0.0 for r in train)

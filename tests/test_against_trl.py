@@ -46,9 +46,8 @@ def _model(hf_tokenizer, seed: int) -> Qwen3ForCausalLM:
 
 
 def _args(config_class, tmp_path, **kwargs):
-    return config_class(
-        output_dir=str(tmp_path / "trl"), report_to=[], per_device_train_batch_size=3, use_cpu=True, **kwargs
-    )
+    kwargs.setdefault("per_device_train_batch_size", 3)
+    return config_class(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, **kwargs)
 
 
 def _shifted(input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -88,8 +87,8 @@ def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path):
     policy, reference = _model(hf, 0), _model(hf, 1)
     rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"} for p in PAIRS
             for side in ("chosen", "rejected")]  # fmt: skip
-    args = _args(KTOConfig, tmp_path, beta=0.3, desirable_weight=1.3, undesirable_weight=0.8, max_length=None)
-    args.per_device_train_batch_size = 6
+    args = _args(KTOConfig, tmp_path, per_device_train_batch_size=6, beta=0.3, desirable_weight=1.3,
+                 undesirable_weight=0.8, max_length=None)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = KTOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(rows), processing_class=hf)
@@ -133,4 +132,69 @@ def test_reward_model_loss_equals_trls_reward_trainer(tiny_tokenizer, tmp_path):
         ours_batch["margin"] = batch["margin"]
         prepared = strategy.prepare_batch(ours_batch)
         total, count = strategy.compute_loss(forward_logits(ours_model, prepared), prepared)
+    assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+
+
+GRPO_CASES = [
+    ("grpo", {"loss_type": "grpo", "epsilon": 0.2}, {}),
+    ("dapo", {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28}, {}),
+    ("dr_grpo", {"loss_type": "dr_grpo", "epsilon": 0.2}, {}),
+    ("cispo", {"loss_type": "cispo", "epsilon_high": 5.0}, {}),
+    ("gspo", {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.01, "epsilon_high": 0.02},
+     {"clip_low": 0.01, "clip_high": 0.02}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss, theirs_kwargs, ours_kwargs", GRPO_CASES, ids=[c[0] for c in GRPO_CASES])
+def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs):
+    """GRPO, DAPO, Dr. GRPO, CISPO and GSPO (TRL's GRPO loss at the sequence level) on one batch of completions of
+    different lengths, with stored old log-probs far enough from the policy's that the clips bite: tierlm's loss is
+    TRL's `GRPOTrainer._compute_loss`."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tierlm.config import RLConfig
+    from tierlm.strategies.rl import policy_gradient_strategy
+
+    hf = tiny_tokenizer.hf
+    policy = _model(hf, 0)
+    B, P, C = 4, 5, 8  # completions, prompt tokens, completion tokens
+    args = _args(GRPOConfig, tmp_path, per_device_train_batch_size=B, num_generations=4, max_completion_length=C,
+                 beta=0.0, bf16=False, **theirs_kwargs)  # fmt: skip  (TRL's GRPO defaults to bf16 autocast)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(
+            policy,
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": "What is 2 + 3?"}] * B),
+            processing_class=hf,
+        )
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, len(hf), (B, P), generator=g)
+    completion_ids = torch.randint(3, len(hf), (B, C), generator=g)
+    completion_mask = (torch.arange(C)[None] < torch.tensor([8, 5, 3, 6])[:, None]).long()
+    advantages = torch.tensor([1.2, -0.7, 0.4, -1.1])
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    labels = torch.full((B, P + C - 1), IGNORE_INDEX)
+    labels[:, P - 1 :] = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
+    batch = {"input_ids": ids[:, :-1], "labels": labels, "advantages": advantages}
+    with torch.no_grad():
+        current = torch.log_softmax(forward_logits(policy, batch).float(), -1)
+        current = current.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, P - 1 :]
+        old = current + 0.3 * torch.randn(B, C, generator=g)  # ratios of about e^(+-0.3): some clipped
+        inputs = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": torch.ones_like(prompt_ids),
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": advantages,
+            "old_per_token_logps": old,
+            "num_items_in_batch": completion_mask.sum(),
+        }
+        trainer.model.eval()  # no gradient-accumulation scaling
+        theirs = trainer._compute_loss(trainer.model, inputs)
+        batch["old_logprobs"] = torch.zeros(B, P + C - 1)
+        batch["old_logprobs"][:, P - 1 :] = old * completion_mask
+        strategy = policy_gradient_strategy(RLConfig(loss=loss, max_new_tokens=C, **ours_kwargs))
+        total, count = strategy.compute_loss(forward_logits(policy, batch), batch)
     assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)

@@ -165,9 +165,9 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
         messages = solved
     else:
         raise DataError(
-            f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields (or a task "
-            f"layout: GSM8K, MATH, ARC, MMLU, HumanEval, MBPP); fields present: {sorted(row)} (set "
-            "data.messages_column, or data.prompt_column / data.completion_column)"
+            f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "
+            f"fields present: {sorted(row)} (set data.messages_column, or data.prompt_column / data.completion_column, "
+            "or give rows in a task layout: GSM8K, MATH, ARC, MMLU, HumanEval, MBPP)"
         )
     tools = read_tools(row.get(fields.tools), where)
     return _checked(Conversation(messages, tools) if tools else messages, where)

@@ -145,7 +145,7 @@ def _probe(spec_overrides: dict) -> bool:
             os.chown(tmp, spec["uid"], spec["uid"])
             program.chmod(0o644)
         done = subprocess.run(
-            [sys.executable, "-I", "-c", _LAUNCHER, json.dumps(spec)], capture_output=True, timeout=30
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)], capture_output=True, timeout=30
         )
         return done.returncode == 0
 
@@ -259,7 +259,7 @@ class Sandbox:
             }
             with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "-c", _LAUNCHER, json.dumps(spec)],
+                    [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,

@@ -218,7 +218,8 @@ class DPOStrategy:
 class KTOStrategy:
     """KTO (`dpo.loss_type=kto`) for the `Trainer`, on `UnpairedLoader` batches (N replies then N mismatched rows for
     the KL estimate, `kto_label` 1 for a desirable reply); losses are summed per reply and counted in replies. The
-    mismatched rows run through the policy with the others (their log-probs detached: the estimate is a baseline)."""
+    mismatched rows run through the policy with the others (their log-probs detached: the estimate is a baseline).
+    Under data parallelism each rank estimates the KL from its own rows (TRL averages the ranks' estimates)."""
 
     def __init__(self, beta: float, reference=None, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
         assert beta > 0, f"beta must be > 0, got {beta}"

@@ -42,7 +42,8 @@ class Limits:
     memory_mb: int = 1024
     """Address space (RLIMIT_AS): an allocation past it raises MemoryError."""
     processes: int = 16
-    """Processes and threads of the sandbox user (enforced as root, where each slot has its own user id)."""
+    """Processes and threads a program may start (as root, each pool slot's own user id; otherwise on top of what
+    the trainer's user already runs, a bound that slots share)."""
     file_bytes: int = 1 << 20
     """The largest file it may write, stdout and stderr included (past it the program is killed)."""
     open_files: int = 64
@@ -82,6 +83,8 @@ if spec["network_namespace"]:
 if spec["uid"] is not None:
     resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"],) * 2)
     os.setgroups([]); os.setgid(spec["uid"]); os.setuid(spec["uid"])
+elif os.geteuid() != 0:  # the limit counts every process of this user: allow what it runs now, plus the program's
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["user_processes"] + lim["processes"],) * 2)
 if spec["landlock"]:
     abi = spec["landlock"]
     FS_ALL = (1 << (16 if abi >= 5 else 15 if abi >= 3 else 14 if abi >= 2 else 13)) - 1
@@ -139,6 +142,7 @@ def _probe(spec_overrides: dict) -> bool:
             "python": sys.executable,
             "program": str(program),
             "env": {},
+            "user_processes": _user_processes(),
             **spec_overrides,
         }
         if spec["uid"] is not None:
@@ -256,6 +260,7 @@ class Sandbox:
                 "python": python,
                 "program": str(work / "main.py"),
                 "env": {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"},
+                "user_processes": 0 if uid is not None else _user_processes(),
             }
             with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
                 proc = subprocess.Popen(
@@ -307,6 +312,19 @@ def _kill_user(uid: int, patience_s: float = 2.0) -> None:
         if not _running_as(uid) or time.monotonic() > deadline:
             return
         time.sleep(0.01)
+
+
+def _user_processes() -> int:
+    """Threads this user runs now (what RLIMIT_NPROC counts), from /proc."""
+    uid, total = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    total += len(os.listdir(os.path.join(entry.path, "task")))
+            except (FileNotFoundError, PermissionError):
+                continue
+    return total
 
 
 def _running_as(uid: int) -> list[int]:

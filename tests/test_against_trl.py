@@ -158,8 +158,16 @@ def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, their
     hf = tiny_tokenizer.hf
     policy = _model(hf, 0)
     B, P, C = 4, 5, 8  # completions, prompt tokens, completion tokens
-    args = _args(GRPOConfig, tmp_path, per_device_train_batch_size=B, num_generations=4, max_completion_length=C,
-                 beta=0.0, bf16=False, **theirs_kwargs)  # fmt: skip  (TRL's GRPO defaults to bf16 autocast)
+    args = _args(
+        GRPOConfig,
+        tmp_path,
+        per_device_train_batch_size=B,
+        num_generations=4,
+        max_completion_length=C,
+        beta=0.0,
+        bf16=False,
+        **theirs_kwargs,
+    )  # fmt: skip  (TRL's GRPO defaults to bf16 autocast)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(

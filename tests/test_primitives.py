@@ -270,3 +270,18 @@ def test_fp8_trains_on_a_gpu(tmp_path):  # pragma: no cover - no such GPU on the
         f"infra.output_dir={tmp_path}",
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_warmup_from_zero_is_transformers_linear_schedule():
+    """training.warmup_start_factor=0 with linear decay to 0 is transformers' get_linear_schedule_with_warmup, step
+    for step."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from tierlm.primitives.schedules import create_warmup_scheduler
+
+    ours_opt, theirs_opt = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5) for _ in range(2))
+    ours = create_warmup_scheduler(ours_opt, 3, 10, "linear", min_lr_ratio=0.0, warmup_start_factor=0.0)
+    theirs = get_linear_schedule_with_warmup(theirs_opt, 3, 10)
+    for _ in range(10):
+        assert ours_opt.param_groups[0]["lr"] == pytest.approx(theirs_opt.param_groups[0]["lr"])
+        ours_opt.step(), theirs_opt.step(), ours.step(), theirs.step()

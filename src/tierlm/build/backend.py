@@ -52,6 +52,7 @@ def build_backend(
             tr.lr_scheduler_type,
             tr.min_lr_ratio,
             tr.warmdown_ratio,
+            warmup_start_factor=tr.warmup_start_factor,
             momentum_warmup_steps=tr.muon_momentum_warmup_steps,
         )
 

@@ -246,7 +246,10 @@ class TrainingConfig(Section):
     num_train_steps: int | None = Field(1000, gt=0)
     """Optimizer steps to train for (null: derived from target_param_data_ratio, as when it is not set)."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps (from 0.1x to 1x of the learning rate)."""
+    """Linear warmup steps (from training.warmup_start_factor x to 1x of the learning rate)."""
+    warmup_start_factor: float = Field(0.1, ge=0, le=1)
+    """The warm-up's first learning rate, as a share of training.learning_rate (0: from zero, as transformers'
+    get_linear_schedule_with_warmup)."""
     lr_scheduler_type: Literal["cosine", "linear", "constant", "warmdown"] = "cosine"
     """Decay after warmup; warmdown holds the LR and decays linearly over the final warmdown_ratio."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)

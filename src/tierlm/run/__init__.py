@@ -76,7 +76,10 @@ def fingerprint(config: TierlmConfig, stage: str) -> dict[str, Any]:
         if m.tokenizer_name_or_path is None:  # a tokenizer trained for this run
             out.update({"tokenizer.kind": t.kind, "tokenizer.vocab_size": t.vocab_size})
     if d.mixture:
-        out["data.mixture"] = [[c.dataset_name, c.weight] for c in d.mixture]
+        out["data.mixture"] = [  # a component's own split / config only where it names one (older runs match)
+            [c.dataset_name, c.weight] + ([c.split, c.dataset_config] if c.split or c.dataset_config else [])
+            for c in d.mixture
+        ]
     else:
         out["data.dataset_name"] = d.dataset_name
     return out

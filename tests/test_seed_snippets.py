@@ -76,6 +76,35 @@ def test_tier2_backend_with_scheduler(local_model, tmp_path):
     assert lrs[0] < lrs[1] < lrs[2] and scheduler.last_epoch == 4  # warmup over 3 steps, stepped by the backend
 
 
+def test_the_documented_scheduler_loop_steps_the_schedule_once_per_step(local_model, tmp_path):
+    """`create_backend_with_scheduler`'s own example, as written: the loop awaits forward_backward and optim_step and
+    then calls scheduler.step() itself; the LR still follows the warmup-cosine schedule one step per optimizer step
+    (the backend owns it; the caller's step() is a no-op), checked against the schedule's formula."""
+    from tierlm.backends import create_backend_with_scheduler
+    from tierlm.primitives.schedules import lr_multiplier
+
+    backend, scheduler = create_backend_with_scheduler(
+        model_name=local_model,
+        checkpoint_dir=Path(tmp_path / "ckpts"),
+        num_training_steps=1000,
+        device_type="cpu",
+        dtype="float32",
+    )
+    batch, lrs = _batch(), []
+
+    async def loop():
+        # Training loop
+        for step in range(40):
+            metrics = await backend.forward_backward(batch).result()  # noqa: F841
+            lrs.append((await backend.optim_step().result())["lr"])
+            scheduler.step()  # Update LR
+
+    asyncio.run(loop())
+    warmup = max(1, int(1000 * 0.03))  # the example's default warmup_ratio
+    expected = [1e-4 * lr_multiplier(s, warmup, 1000, "cosine", min_lr_ratio=0.1) for s in range(40)]
+    assert lrs == pytest.approx(expected) and scheduler.last_epoch == 40
+
+
 def test_tier1_granular_into_tier0_with_custom_loss(local_model, tmp_path):
     from tierlm.backends import (
         PyTorchTrainingBackend,

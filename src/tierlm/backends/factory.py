@@ -83,8 +83,9 @@ def create_backend_with_scheduler(
 ) -> tuple[PyTorchTrainingBackend, LRScheduler]:
     """`create_pytorch_backend` plus a warmup-then-decay schedule attached to the backend.
 
-    `backend.optim_step()` steps the scheduler; the scheduler is returned for inspection, do not
-    step it yourself.
+    The backend owns the schedule: `backend.optim_step()` advances it once per optimizer step. The returned
+    scheduler reads it (`get_last_lr()`, `last_epoch`, `state_dict()`), and its `step()` is a no-op, so a loop that
+    also steps its scheduler after each `optim_step` (as the tiered API's own example does) steps it once, not twice.
 
     >>> import tempfile; from pathlib import Path
     >>> from tierlm.models import GPTConfig, build_gpt, save_model_folder
@@ -93,8 +94,8 @@ def create_backend_with_scheduler(
     >>> backend, scheduler = create_backend_with_scheduler(
     ...     model_name=str(folder), checkpoint_dir=Path(tempfile.mkdtemp()), num_training_steps=100,
     ...     warmup_ratio=0.1, device_type="cpu", dtype="float32", learning_rate=1e-3)
-    >>> backend.scheduler is scheduler, round(backend.optimizer.param_groups[0]["lr"], 6)
-    (True, 0.0001)
+    >>> scheduler.last_epoch, round(backend.optimizer.param_groups[0]["lr"], 6)
+    (0, 0.0001)
     """
     backend = create_pytorch_backend(
         model_name=model_name,
@@ -110,7 +111,21 @@ def create_backend_with_scheduler(
     backend.scheduler = create_warmup_scheduler(
         backend.optimizer, num_warmup_steps, num_training_steps, decay_style=decay_style, min_lr_ratio=min_lr_ratio
     )
-    return backend, backend.scheduler
+    return backend, BackendSchedule(backend.scheduler)
+
+
+class BackendSchedule:
+    """A backend-owned LR scheduler as its caller sees it: everything it reads, and a `step()` that does nothing
+    (`optim_step` already stepped it)."""
+
+    def __init__(self, scheduler: LRScheduler):
+        self._scheduler = scheduler
+
+    def step(self, *args, **kwargs) -> None:
+        return None
+
+    def __getattr__(self, name: str):
+        return getattr(self._scheduler, name)
 
 
 def _model_on_this_rank(

@@ -94,9 +94,10 @@ def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
     assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
 
 
-def resume_from_checkpoint(args, output_dir: Path, step: int):
+def resume_from_checkpoint(args, output_dir: Path, step: int, in_process: bool = False):
     """Roll a finished `tierlm ARGS infra.output_dir=OUTPUT_DIR` run back to checkpoint `step` (later
-    checkpoints and the final model removed) and resume it to the end; returns the resumed process."""
+    checkpoints and the final model removed) and resume it to the end; returns the resumed process (`in_process`:
+    run by tierlm's `main` in this process, where the process boundary is not what is tested; returns None)."""
     import shutil
 
     for checkpoint in (output_dir / "checkpoints").glob("step_*"):
@@ -104,6 +105,11 @@ def resume_from_checkpoint(args, output_dir: Path, step: int):
             shutil.rmtree(checkpoint)
     shutil.rmtree(output_dir / "model")
     (output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
+    if in_process:
+        from tierlm.commands.cli import main
+
+        assert main([*map(str, args), f"infra.output_dir={output_dir}", "--resume"]) == 0
+        return None
     result = run_cli(*args, f"infra.output_dir={output_dir}", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -2,6 +2,7 @@
 torch.optim.AdamW, the schedule's momentum and weight decay, and the plan's scaling-law formulas
 against values computed by hand."""
 
+import copy
 import math
 
 import pytest
@@ -348,6 +349,34 @@ def test_adamw_spam_equals_the_reference_across_a_reset_and_clipping():
         w0.double(), [x.double() for x in grads], 0.01, (0.9, 0.999), 1e-8, 0.1, float("inf"), 8, 3, 2
     )
     assert (unclipped - ref).abs().max() > 1e-3
+
+
+def test_adamw_spam_state_saved_mid_run_continues_as_the_straight_run():
+    """SPAM's state (moments, step count, the reset and warm-up clocks) through state_dict / load_state_dict into a
+    new optimizer at step 10 of 20 (a reset at 8 and 16, spikes after the reload): the weights end bit for bit as
+    the straight run's. (The SIGKILL resume test runs Muon and AdamWPrune through a real process.)"""
+    from tierlm.primitives.optim.spam import AdamWSPAM
+
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(6, 5, generator=g) * (50.0 if step in (12, 17) else 1.0) for step in range(20)]
+    w0 = torch.randn(6, 5, generator=g)
+    settings = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, theta=4.0, interval=8, warmup=3)
+
+    def run(steps, p, opt):
+        for grad in steps:
+            p.grad = grad.clone()
+            opt.step()
+
+    straight = nn.Parameter(w0.clone())
+    run(grads, straight, AdamWSPAM([straight], **settings))
+    first = nn.Parameter(w0.clone())
+    opt = AdamWSPAM([first], **settings)
+    run(grads[:10], first, opt)
+    second = nn.Parameter(first.detach().clone())
+    reloaded = AdamWSPAM([second], **settings)
+    reloaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+    run(grads[10:], second, reloaded)
+    assert torch.equal(second.detach(), straight.detach())
 
 
 def test_adamw_spam_without_resets_spikes_or_warmup_is_torch_adamw():

@@ -131,26 +131,25 @@ def test_rm_run_resumes_bit_exact_and_its_model_rewards_rl(tiny_runs, tmp_path):
     lines carry its agreement with the task's verifier)."""
     from safetensors.torch import load_file
 
-    from conftest import CHAT, RL, resume_from_checkpoint, run_cli
+    from conftest import CHAT, RL, resume_from_checkpoint
+    from tierlm.commands.cli import main
 
     rm = tmp_path / "rm"
     args = ["rm", "--config", "tiny_rm", f"model.model_name_or_path={tiny_runs / 'sft'}", *CHAT]
     args += ["training.num_train_steps=4", "training.save_steps=2", "training.eval_steps=2"]
-    result = run_cli(*args, f"infra.output_dir={rm}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, f"infra.output_dir={rm}"]) == 0
     records = [json.loads(line) for line in (rm / "metrics.jsonl").read_text().splitlines()]
     assert any(r["type"] == "eval" and 0 <= r["rm_acc"] <= 1 for r in records)
     straight = load_file(rm / "model" / "model.safetensors")
     assert "score.weight" in straight and "lm_head.weight" not in straight
-    resume_from_checkpoint(args, rm, 2)
+    resume_from_checkpoint(args, rm, 2, in_process=True)
     resumed = load_file(rm / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
     out = tmp_path / "rl"
     args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", *RL]
     args += [f"rl.reward_model={rm}", "rl.task_reward_weight=0", "rl.loss=grpo", "training.logging_steps=1"]
-    result = run_cli(*args, f"infra.output_dir={out}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, f"infra.output_dir={out}"]) == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert len(train) == 2 and all("rm_score_mean" in r for r in train)
     from tierlm.build.model import load_reward_model

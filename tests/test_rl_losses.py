@@ -232,19 +232,19 @@ def test_dapo_and_gspo_runs_resume_bit_exact_and_show_their_figures(loss, extra,
 
     from safetensors.torch import load_file
 
-    from conftest import resume_from_checkpoint, run_cli
+    from conftest import resume_from_checkpoint
+    from tierlm.commands.cli import main
 
     args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", f"rl.loss={loss}", *extra]
     args += ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_new_tokens=8", "rl.eval_problems=4", "rl.eval_k=2"]
     args += ["training.num_train_steps=4", "training.save_steps=2", "training.eval_steps=0", "training.logging_steps=1"]
     args += ["infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]
     out = tmp_path / "run"
-    result = run_cli(*args, f"infra.output_dir={out}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, f"infra.output_dir={out}"]) == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert all(key in r for r in train for key in shown), train[0]
     straight = load_file(out / "model" / "model.safetensors")
-    resume_from_checkpoint(args, out, 2)
+    resume_from_checkpoint(args, out, 2, in_process=True)
     resumed = load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
@@ -271,14 +271,13 @@ def test_distillation_runs_and_logs_the_students_kl_to_its_teacher(tiny_runs, tm
     without a verifier, and every train line carries KL(student || teacher) on the sampled tokens."""
     import json
 
-    from conftest import run_cli
+    from tierlm.commands.cli import main
 
     out = tmp_path / "run"
     args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.loss=distill"]
     args += [f"rl.teacher={tiny_runs / 'pre'}", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8"]
     args += ["training.num_train_steps=3", "training.eval_steps=0", "training.logging_steps=1", "rl.eval_problems=4"]
     args += ["infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]
-    result = run_cli(*args, f"infra.output_dir={out}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*args, f"infra.output_dir={out}"]) == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert len(train) == 3 and all(r["teacher_kl"] > 0 for r in train), train

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START
 from tierlm.tasks.answers import exact_number_reward
+from tierlm.tasks.base import WorkedProblem
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(WorkedProblem):
     a: int
     op: str
     b: int
@@ -33,16 +34,6 @@ class Problem:
     @property
     def answer(self) -> str:
         return f"{self.a} {self.op} {self.b} = {self.result}"
-
-    @property
-    def text(self) -> str:
-        """The problem as plain text, for pretraining."""
-        return f"{self.question} {self.answer}"
-
-    @property
-    def conversation(self) -> list[dict]:
-        """The problem as a chat, for SFT."""
-        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
 
     @property
     def tool_conversation(self) -> list[dict]:

@@ -31,6 +31,24 @@ class TaskExample:
         return self.messages[-1]["content"]
 
 
+class WorkedProblem:
+    """A generated problem with a `question` and its worked `answer` (subclasses define both), as every stage reads
+    it: plain text for pretraining, a chat for SFT."""
+
+    question: str
+    answer: str
+
+    @property
+    def text(self) -> str:
+        """The problem as plain text, for pretraining."""
+        return f"{self.question} {self.answer}"
+
+    @property
+    def conversation(self) -> list[dict]:
+        """The problem as a chat, for SFT."""
+        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
+
+
 @runtime_checkable
 class Task(Protocol):
     def __len__(self) -> int: ...

@@ -13,6 +13,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.tasks.base import WorkedProblem
+
 QUESTIONS = (
     "How many {letter} are in {word}?",
     "How many times does the letter {letter} appear in {word}?",
@@ -33,7 +35,7 @@ def split_words(validation: bool, modulus: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class SpellingProblem:
+class SpellingProblem(WorkedProblem):
     word: str
     letter: str
     template: int = 0
@@ -54,14 +56,6 @@ class SpellingProblem:
     @property
     def answer(self) -> str:
         return self.answer_with(self.result)
-
-    @property
-    def text(self) -> str:
-        return f"{self.question} {self.answer}"
-
-    @property
-    def conversation(self) -> list[dict]:
-        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
 
 
 @dataclass(frozen=True)

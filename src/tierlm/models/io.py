@@ -28,7 +28,7 @@ from tierlm.models.lora import (
     split_state,
 )
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, family_for_folder, family_of
-from tierlm.models.reward import is_reward_model, mark_classifier
+from tierlm.models.reward import classifier_state, is_reward_model, mark_classifier
 
 __all__ = [
     "NATIVE_CONFIG_FILE",
@@ -65,6 +65,8 @@ def save_model_folder(
         family_of(model).save(model, path, base)
         save_adapter(model, path, adapter, merged=merge_lora)
         return path
+    if is_reward_model(model):  # written under its sequence classifier's names (score.weight), its config after
+        state_dict = classifier_state(state_dict if state_dict is not None else model.state_dict())
     family_of(model).save(model, path, state_dict)
     if is_reward_model(model):
         mark_classifier(model, path)
@@ -77,7 +79,7 @@ def save_model_config(model: nn.Module, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     family_of(model).save_config(model, path)
     if is_reward_model(model):
-        mark_classifier(model, path, weights=False)
+        mark_classifier(model, path)
     if has_lora(model):  # the sharded weights hold base and adapters apart
         save_adapter_config(model, path)
     return path

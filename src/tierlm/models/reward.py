@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tierlm.errors import ConfigError
-from tierlm.models.registry import WEIGHTS_FILE, family_of
+from tierlm.models.registry import family_of
 
 HEADS = ("ForCausalLM", "LMHeadModel")
 """How transformers names a causal LM class; its reward model swaps this for `ForSequenceClassification`."""
@@ -77,20 +76,23 @@ def is_reward_model(model: nn.Module) -> bool:
     return getattr(model, "reward_head", None) is not None
 
 
-def mark_classifier(model: nn.Module, folder: Path, weights: bool = True) -> None:
-    """Turn the causal-LM folder `save_model_folder` wrote for a reward model into its sequence classifier:
-    config.json's architecture, one label and the pad id; `lm_head.weight` renamed `score.weight`."""
+def classifier_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reward model's weights under its sequence classifier's names: its head `lm_head.weight` is `score.weight`."""
+    assert "lm_head.weight" in state, "a reward model's weights without its head"
+    out = dict(state)
+    out["score.weight"] = out.pop("lm_head.weight")
+    return out
+
+
+def mark_classifier(model: nn.Module, folder: Path) -> None:
+    """Make the config.json `save_model_folder` / `save_model_config` wrote for a reward model its sequence
+    classifier's: the architecture, one label and the pad id (the weights go under `classifier_state`'s names)."""
     folder, head = Path(folder), model.reward_head
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config.update(architectures=[head["architecture"]], pad_token_id=head["pad_token_id"], tie_word_embeddings=False)
     config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})  # num_labels = 1: a scalar score
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if weights and (folder / WEIGHTS_FILE).is_file():
-        state = load_file(folder / WEIGHTS_FILE)
-        assert "lm_head.weight" in state, f"{folder}: a reward model's folder without its head"
-        state["score.weight"] = state.pop("lm_head.weight")
-        save_file(state, folder / WEIGHTS_FILE, metadata={"format": "pt"})
 
 
 def _architectures(folder: Path) -> list[str]:

@@ -3,8 +3,6 @@ tasks an RL config names, sampled by the generation engine (no training); `--cor
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -50,8 +48,7 @@ def run_core(checkpoint: str, bundle: str, limit: float | None, device_type: str
     device = resolve_device(device_type, 0)
     model = load_pretrained_model(location, device=device)
     result = evaluate_core(model, load_tokenizer(location), bundle, int(limit) if limit else None, device)
-    if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
-        record_core(location.parent, bundle, result)
+    record_core(location, bundle, result)
     return _core_table(result, "CORE")
 
 
@@ -61,18 +58,15 @@ def _core_table(result: dict, name: str) -> str:
     return "\n".join(["task                             accuracy centred", *rows, f"{name} {result['core']:.4f}"])
 
 
-def record_core(run_dir: Path, source: str, result: dict, kind: str = "core") -> None:
-    """A `core` (or `chat_core`) line in the run's metrics.jsonl at its last step, `<kind>.json`, report.md rebuilt."""
-    from tierlm.metrics.report import read_metrics, write_run_report
+def record_core(location, source: str, result: dict, kind: str = "core") -> None:
+    """When `location` is a run's final model: a `core` (or `chat_core`) line in its metrics.jsonl, `<kind>.json`
+    and its report.md rebuilt (`tierlm.metrics.report.record_evaluation`)."""
+    from tierlm.metrics.report import record_evaluation, run_of
 
-    last = next((r for r in reversed(read_metrics(run_dir)) if r.get("type") == "train"), {})
-    record = {"type": kind, "step": last.get("step", 0), "core": result["core"], "tasks": result["tasks"]}
-    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    tmp = run_dir / f".{kind}.json.tmp"
-    tmp.write_text(json.dumps({"source": str(source), **result}, indent=1) + "\n")
-    os.replace(tmp, run_dir / f"{kind}.json")
-    write_run_report(run_dir)
+    run = run_of(location)
+    if run is not None:
+        record = {"type": kind, "core": result["core"], "tasks": result["tasks"]}
+        record_evaluation(run, record, f"{kind}.json", {"source": str(source), **result})
 
 
 def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, device_type: str = "auto") -> str:
@@ -103,8 +97,7 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
                 engine.close()
         results[name] = {"accuracy": accuracy, "centered": (accuracy - chance) / (1 - chance), "items": n}
     result = {"tasks": results, "core": sum(r["centered"] for r in results.values()) / max(len(results), 1)}
-    if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
-        record_core(location.parent, ",".join(f"{k}={v}" for k, v in tasks.items()), result, kind="chat_core")
+    record_core(location, ",".join(f"{k}={v}" for k, v in tasks.items()), result, kind="chat_core")
     return _core_table(result, "ChatCORE")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +243,7 @@ def run_harness(
 
     from tierlm.checkpoint.folders import verified_model_location
     from tierlm.data import load_tokenizer
+    from tierlm.metrics.report import run_of
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
 
@@ -276,31 +276,17 @@ def run_harness(
         ) from e
     assert results is not None, "simple_evaluate returned nothing on the main process"
     summary = summarize(results)
-    if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file():
-        record_results(location.parent, results, summary, limit=limit, num_fewshot=num_fewshot)
+    run = run_of(location)
+    if run is not None:
+        record_results(run, results, summary, limit=limit, num_fewshot=num_fewshot)
     return summary, make_table(results)
 
 
 def record_results(run_dir: Path, results: dict[str, Any], summary: dict[str, dict[str, float]], **settings) -> None:
     """The run's metrics.jsonl gets a `harness` line at its last step; harness.json the full results; report.md is
     rebuilt."""
-    from tierlm.metrics.report import read_metrics, write_run_report
+    from tierlm.metrics.report import record_evaluation
 
-    records = read_metrics(run_dir)
-    last = next((r for r in reversed(records) if r.get("type") == "train"), {})
-    record = {
-        "type": "harness",
-        "step": last.get("step", 0),
-        **({"tokens_seen": last["tokens_seen"]} if "tokens_seen" in last else {}),
-        "tasks": summary,
-        **{k: v for k, v in settings.items() if v is not None},
-    }
-    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    keep = {
-        k: results[k]
-        for k in ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples")
-        if k in results
-    }
-    (run_dir / "harness.json").write_text(json.dumps(keep, indent=1, default=str), encoding="utf-8")
-    write_run_report(run_dir)
+    record = {"type": "harness", "tasks": summary, **{k: v for k, v in settings.items() if v is not None}}
+    keys = ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples")
+    record_evaluation(run_dir, record, "harness.json", {k: results[k] for k in keys if k in results})

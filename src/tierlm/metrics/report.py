@@ -105,6 +105,30 @@ PANELS = [
 ]
 
 
+def run_of(location: Path | str) -> Path | None:
+    """The run directory a model location is the final model of (`RUN/model` beside its metrics.jsonl), or None."""
+    return (
+        location.parent
+        if isinstance(location, Path) and location.name == "model" and (location.parent / "metrics.jsonl").is_file()
+        else None
+    )
+
+
+def record_evaluation(run_dir: Path, record: dict[str, Any], results_file: str, results: Any) -> None:
+    """An evaluation of a trained run (`tierlm eval --harness / --core / --chat-core`): `record` becomes a line of its
+    metrics.jsonl at the run's last training step (with the tokens it had seen), `results` its `results_file`
+    (written whole, then moved into place), and report.md is rebuilt."""
+    last = next((r for r in reversed(read_metrics(run_dir)) if r.get("type") == "train"), {})
+    seen = {"tokens_seen": last["tokens_seen"]} if "tokens_seen" in last else {}
+    line = {"type": record["type"], "step": last.get("step", 0), **seen, **record}
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+    tmp = run_dir / f".{results_file}.tmp"
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / results_file)
+    write_run_report(run_dir)
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl (an unreadable line is skipped: a run may be writing it)."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -18,6 +18,7 @@ pyenv under /root), then the system's python3.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -127,31 +128,41 @@ def _landlock_abi() -> int:
     return max(int(abi), 0)
 
 
-def _probe(spec_overrides: dict) -> bool:
+def _spec(
+    workdir: Path,
+    python: str,
+    limits: Limits,
+    uid: int | None = None,
+    landlock: int = 0,
+    network_namespace: bool = False,
+    env: dict | None = None,
+) -> dict:
+    """What the launcher reads: the limits, the confinement to apply, the program to exec and its environment."""
+    return {
+        "limits": asdict(limits),
+        "network_namespace": network_namespace,
+        "uid": uid,
+        "landlock": landlock,
+        "readable": list(_readable(python)) if landlock else [],
+        "workdir": str(workdir),
+        "python": python,
+        "program": str(workdir / "main.py"),
+        "env": env or {},
+        "user_processes": 0 if uid is not None else _user_processes(),
+    }
+
+
+def _launcher(spec: dict) -> list[str]:
+    """The command that confines itself by `spec` and execs the program (no site: the launcher needs the stdlib)."""
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)]
+
+
+def _probe(**confinement) -> bool:
     """Can a child confine itself this way here? (one tiny launcher run; nothing else is tried)"""
     with tempfile.TemporaryDirectory() as tmp:
-        program = Path(tmp) / "main.py"
-        program.write_text("pass\n")
-        spec = {
-            "limits": asdict(Limits()),
-            "network_namespace": False,
-            "uid": None,
-            "landlock": 0,
-            "readable": [],
-            "workdir": tmp,
-            "python": sys.executable,
-            "program": str(program),
-            "env": {},
-            "user_processes": _user_processes(),
-            **spec_overrides,
-        }
-        if spec["uid"] is not None:
-            os.chown(tmp, spec["uid"], spec["uid"])
-            program.chmod(0o644)
-        done = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)], capture_output=True, timeout=30
-        )
-        return done.returncode == 0
+        (Path(tmp) / "main.py").write_text("pass\n")
+        spec = _spec(Path(tmp), sys.executable, Limits(), **confinement)
+        return subprocess.run(_launcher(spec), capture_output=True, timeout=30).returncode == 0
 
 
 _ISOLATION: dict[str, object] | None = None
@@ -164,18 +175,19 @@ def isolation() -> dict[str, object]:
     if _ISOLATION is None:
         abi = _landlock_abi()
         _ISOLATION = {
-            "landlock": abi if abi and _probe({"landlock": abi, "readable": _readable(sys.executable)}) else 0,
-            "network_namespace": sys.platform.startswith("linux") and _probe({"network_namespace": True}),
+            "landlock": abi if abi and _probe(landlock=abi) else 0,
+            "network_namespace": sys.platform.startswith("linux") and _probe(network_namespace=True),
             "separate_user": hasattr(os, "geteuid") and os.geteuid() == 0,
         }
     return dict(_ISOLATION)
 
 
-def _readable(python: str) -> list[str]:
-    """What a program may read: the system's folders and its interpreter's installation."""
+@functools.cache
+def _readable(python: str) -> tuple[str, ...]:
+    """What a program may read: the system's folders and its interpreter's installation (looked up once)."""
     prefixes = {sys.base_prefix, sys.prefix, str(Path(python).resolve().parent.parent)}
     system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/proc/self", "/dev/urandom", "/dev/zero"]
-    return [p for p in system + sorted(prefixes) if os.path.exists(p)]
+    return tuple(p for p in system + sorted(prefixes) if os.path.exists(p))
 
 
 def _reachable_by(path: str, uid: int) -> bool:
@@ -187,8 +199,10 @@ def _reachable_by(path: str, uid: int) -> bool:
     return bool(real.stat().st_mode & 0o005 == 0o005)
 
 
+@functools.cache
 def sandbox_python(uid: int | None) -> str:
-    """The interpreter programs run under: this one, unless the sandbox user cannot reach it, then python3's."""
+    """The interpreter programs run under: this one, unless the sandbox user cannot reach it, then python3's (looked
+    up once per user)."""
     if uid is None or _reachable_by(sys.executable, uid):
         return sys.executable
     system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
@@ -250,21 +264,13 @@ class Sandbox:
                 python = sandbox_python(uid)
             except RuntimeError as e:
                 return Execution("refused", None, "", str(e), 0.0)
-            spec = {
-                "limits": asdict(self.limits),
-                "network_namespace": bool(self.isolation["network_namespace"]),
-                "uid": uid,
-                "landlock": self.isolation["landlock"],
-                "readable": _readable(python),
-                "workdir": str(work),
-                "python": python,
-                "program": str(work / "main.py"),
-                "env": {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"},
-                "user_processes": 0 if uid is not None else _user_processes(),
-            }
+            env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+            spec = _spec(
+                work, python, self.limits, uid, self.isolation["landlock"], self.isolation["network_namespace"], env
+            )
             with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)],
+                    _launcher(spec),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,

@@ -17,6 +17,7 @@ from tierlm.errors import ConfigError
 from tierlm.loops.rl import RLTrainer
 from tierlm.models import load_pretrained_model
 from tierlm.primitives import resolve_device
+from tierlm.tasks.formats import chance_level
 
 
 def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
@@ -87,7 +88,7 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
         eval_task = open_tasks(config)[1]
         n = len(eval_task) if limit is None else min(int(limit), len(eval_task))
         config.rl.eval_problems = n
-        chance = sum(_chance(eval_task.example(i)) for i in range(n)) / max(n, 1)
+        chance = sum(chance_level(eval_task.example(i)) for i in range(n)) / max(n, 1)
         with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:
             engine = build_engine(config.rl, model, tokenizer, Path(folder))
             try:
@@ -99,11 +100,3 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
     result = {"tasks": results, "core": sum(r["centered"] for r in results.values()) / max(len(results), 1)}
     record_core(location, ",".join(f"{k}={v}" for k, v in tasks.items()), result, kind="chat_core")
     return _core_table(result, "ChatCORE")
-
-
-def _chance(example) -> float:
-    """The accuracy of guessing: 1 / its options for a multiple-choice example, 0 for an open answer."""
-    if example.format != "choice":
-        return 0.0
-    options = sum(1 for line in example.prompt.splitlines() if len(line) > 2 and line[1] == "." and line[0].isupper())
-    return 1.0 / max(options, 1)

@@ -93,6 +93,22 @@ def choice_prompt(question: str, options: list[str], labels: list[str]) -> str:
     return "\n".join(lines + ["Answer with the letter of the correct option."])
 
 
+_OPTION = re.compile(r"^[A-Z]\. ", re.MULTILINE)
+
+
+def chance_level(example: TaskExample) -> float:
+    """The accuracy of guessing: 1 / the options `choice_prompt` listed for a multiple-choice example, 0 for an open
+    answer.
+
+    >>> chance_level(TaskExample([{"role": "user", "content": choice_prompt("?", ["a", "b", "c", "d"], list("ABCD"))}],
+    ...     "B", "choice"))
+    0.25
+    """
+    if example.format != "choice":
+        return 0.0
+    return 1.0 / max(len(_OPTION.findall(example.prompt)), 1)
+
+
 def choice_example(row: dict, where: str) -> TaskExample:
     """ARC (`choices` {text, label}, `answerKey` a letter or a digit) or MMLU (`choices` a list, `answer` an index)."""
     question, choices = _text(row, "question", where), row["choices"]

@@ -95,27 +95,30 @@ def mark_classifier(model: nn.Module, folder: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _architectures(folder: Path) -> list[str]:
+def _config(folder: str | Path) -> dict | None:
     config_file = Path(folder) / "config.json"
-    return (json.loads(config_file.read_text()).get("architectures") or []) if config_file.is_file() else []
+    return json.loads(config_file.read_text()) if config_file.is_file() else None
+
+
+def _is_classifier(config: dict | None) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in (config or {}).get("architectures") or [])
 
 
 def is_reward_model_folder(folder: str | Path) -> bool:
     """A folder holding a sequence classifier (a reward model), which scores text and cannot generate."""
-    return any(a.endswith("ForSequenceClassification") for a in _architectures(Path(folder)))
+    return _is_classifier(_config(folder))
 
 
 def check_reward_model_folder(folder: Path, what: str) -> dict:
     """config.json of a reward model folder, or a one-line refusal naming what it is instead (`what`: the setting)."""
-    config_file = Path(folder) / "config.json"
-    if not config_file.is_file():
+    config = _config(folder)
+    if config is None:
         raise ConfigError(f"{what}: {folder} has no config.json; give a reward model folder (tierlm rm writes one)")
-    config = json.loads(config_file.read_text())
     labels = len(config.get("id2label") or {"0": ""})
-    if not is_reward_model_folder(folder) or labels != 1:
+    if not _is_classifier(config) or labels != 1:
         raise ConfigError(
-            f"{what}: {folder} is not a reward model (architectures {_architectures(folder)}, {labels} label(s)); "
-            "give a ...ForSequenceClassification folder with one label (train one with `tierlm rm`)"
+            f"{what}: {folder} is not a reward model (architectures {config.get('architectures') or []}, {labels} "
+            "label(s)); give a ...ForSequenceClassification folder with one label (train one with `tierlm rm`)"
         )
     if config.get("pad_token_id") is None:
         raise ConfigError(f"{what}: {folder}/config.json has no pad_token_id, so the last token of a row is unknown")

@@ -312,6 +312,35 @@ def test_fsdp_sharding_strategies_match_one_process(tmp_path):
         assert estimate["FSDP gathered blocks"] > 0
 
 
+def test_fsdp_on_one_process_saves_its_model(tmp_path):
+    """FSDP2 under a one-rank group (torchrun --nproc_per_node 1, the usual way to run it on one GPU): its weights
+    are DTensor shards even there, so the final model folder is written from the gathered weights (the live
+    DTensors have no storage safetensors can read); the folder loads back as the trained weights."""
+    import torch.distributed as dist
+
+    from tierlm.backends.distributed import FSDPTrainingBackend
+    from tierlm.models import GPTConfig, build_gpt, load_native_model, save_model_folder
+    from tierlm.primitives import create_adamw_optimizer
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=32, vocab_size=64, max_seq_len=16))
+        backend = FSDPTrainingBackend(model, lambda m: create_adamw_optimizer(m, 1e-2), None, tmp_path / "ck", "cpu")
+        ids = torch.randint(0, 64, (2, 9))
+        backend.forward_backward({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+        backend.optim_step().wait()
+        state = backend.full_model_state()
+        assert state is not None and not any(hasattr(v, "full_tensor") for v in state.values())
+        save_model_folder(backend.export_model, tmp_path / "model", state_dict=state)
+        trained = {k: v.full_tensor() for k, v in backend.model.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+    loaded = load_native_model(tmp_path / "model").state_dict()
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fsdp_bf16_on_one_gpu(tmp_path):
     result = torchrun(

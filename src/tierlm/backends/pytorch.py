@@ -221,9 +221,10 @@ class PyTorchTrainingBackend(TrainingBackend):
         return num_tokens.clamp(min=1.0)
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        """Collective under torchrun: the whole model's weights on the CPU of rank 0 (None elsewhere and
-        in one process: the live weights are saved)."""
-        if self.world_size == 1:
+        """Collective under torchrun: the whole model's weights on the CPU of rank 0 (None elsewhere, and in one
+        process whose weights are plain tensors: the live weights are saved). FSDP2's weights are DTensor shards
+        even on one rank, so they are gathered there too."""
+        if self.world_size == 1 and not any(hasattr(p, "full_tensor") for p in self.model.parameters()):
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -1,4 +1,4 @@
-"""The benchmark scripts stay runnable: the GPU script's CPU dry mode, the harness's table."""
+"""The benchmark scripts stay runnable: the GPU scripts' CPU dry modes, the harness's table."""
 
 import json
 import subprocess
@@ -15,6 +15,20 @@ def test_gpu_mfu_dry_run_on_cpu():
     record = json.loads(out.stdout.splitlines()[-1])
     assert record["tokens_per_sec"] > 0 and 0 < record["mfu"] < 1 and record["loss"] > 0
     assert record["flops_per_token"] > 6 * record["params"] * 0.5  # the 6N term dominates
+
+
+def test_gpu_generation_dry_run_on_cpu():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_generation.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["contender"] for r in rows] == ["tierlm-native", "tierlm-hf", "transformers"]
+    for r in rows:
+        assert r["tokens_per_sec"] > 0 and abs(r["tokens_per_sec"] - r["steps_per_sec"] * r["batch"]) <= r["batch"]
 
 
 def test_harness_table_reports_medians_and_ratios(capsys):

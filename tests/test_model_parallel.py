@@ -153,18 +153,13 @@ LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
         ["model.tie_embeddings=true"],
     ),  # 4 stages of one block, 2 per rank; the head tied to the embedding
     "tp_qwen3": (["infra.tensor_parallel_size=2"], QWEN3),  # a transformers model, split by its family's plan
-    "pp_qwen3": (
-        ["infra.pipeline_parallel_size=2"],
-        QWEN3,
-    ),  # its decoder layers as stages (the same one-process reference)
-}
+}  # transformers Qwen3 as pipeline stages: test_transformers_stages_chain_to_the_models_own_logits
 
 
 def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(tmp_path):
     """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT: vocabulary and sequence split too; transformers
-    Qwen3: vocabulary split), interleaved pipeline
-    stages and transformers Qwen3 in 2 stages (evaluation through the stages): the losses and the exported model
-    of one process; a tensor-parallel checkpoint resumed in one process."""
+    Qwen3: vocabulary split) and interleaved pipeline stages (evaluation through the stages): the losses and the
+    exported model of one process; a tensor-parallel checkpoint resumed in one process."""
     import json
     import shutil
 

@@ -391,7 +391,7 @@ def test_signals_at_random_moments_save_and_resume_bit_for_bit(tmp_path):
     assert proc.wait(timeout=600) == 0, proc.stderr.read()
     rng = random.Random(12345)
     run, stops, finished = tmp_path / "interrupted", [], False
-    kinds = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT]
+    kinds = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGTERM]
     for sig in kinds:
         proc = _start(run)
         target = min(99, (stops[-1] if stops else 0) + rng.randint(3, 12))  # a step of this segment to wait for
@@ -410,7 +410,7 @@ def test_signals_at_random_moments_save_and_resume_bit_for_bit(tmp_path):
         assert stopped and stopped[-1].startswith(f"tierlm: stopped by {signal.Signals(sig).name} after step"), rest
         stops.append(int(stopped[-1].split("after step ")[1].split(";")[0]))
     print(f"interrupted after steps {stops}")
-    assert len(stops) >= 4, f"only {len(stops)} interruptions landed: {stops}"
+    assert len(stops) >= 3, f"only {len(stops)} interruptions landed: {stops}"
     if not finished:
         proc = _start(run)
         assert proc.wait(timeout=600) == 0, proc.stderr.read()

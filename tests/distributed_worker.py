@@ -116,6 +116,12 @@ def build(
             sequence_parallel=mode == "tp_sp",
             **common,
         )
+    if mode.startswith("zero"):  # DeepSpeed's engine: zero3 / zero3_offload (optimizer state on the CPU) / zero2
+        from tierlm.backends.zero import DeepSpeedTrainingBackend
+
+        return DeepSpeedTrainingBackend(
+            model, optimizer_fn, zero_stage=int(mode[4]), offload_optimizer=mode.endswith("offload"), **common
+        )
     return FSDPTrainingBackend(model, optimizer_fn, activation_checkpointing=activation_checkpointing, **common)
 
 
@@ -225,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
             "pp",
             "pp_gpipe",
             "tp_pp",
+            "zero3",
+            "zero3_offload",
+            "zero2",
             "factories",
             "megatron",
         ],

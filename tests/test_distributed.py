@@ -108,6 +108,41 @@ def test_full_checkpoint_resumes_at_two_ranks(single, tmp_path):
     assert_same_steps(resumed["steps"], single["steps"][5:])
 
 
+def test_deepspeed_zero3_matches_one_process_resumes_and_exports(single, tmp_path):
+    """DeepSpeed's own engine, ZeRO-3 with the optimizer state offloaded to CPU (torch's AdamW there), 2 ranks:
+    the same 10 steps as one process (losses, clipped grad norms, LRs: 1e-5); its checkpoint (DeepSpeed's
+    partitions, sealed) resumes at step 5 as if never stopped; `tierlm export` consolidates it into the weights
+    one process had at step 5; and a pickle planted in it (manifest forged to match) is refused, never run."""
+    from test_run_safety import forge_manifest, payload
+    from tierlm.commands.cli import main
+    from tierlm.models import load_native_model
+
+    zero = run_worker("zero3_offload", tmp_path / "zero.json", save_at=5, checkpoint_dir=tmp_path / "ck")
+    assert_same_steps(zero["steps"], single["steps"])
+    for key in ("param_bytes", "optimizer_bytes"):  # each rank holds its partition
+        assert zero["memory"][key] <= single["memory"][key] / 2 * 1.10, (key, zero["memory"], single["memory"])
+    step_5 = tmp_path / "ck" / "step_5"
+    assert (step_5 / "deepspeed").is_dir() and not (step_5 / "model" / "model.safetensors").exists()
+    resumed = run_worker(
+        "zero3_offload", tmp_path / "resumed.json", steps="5:10", load=step_5, checkpoint_dir=tmp_path / "c1"
+    )
+    assert_same_steps(resumed["steps"], single["steps"][5:])
+
+    assert main(["export", str(step_5), str(tmp_path / "exported")]) == 0
+    exported = load_native_model(tmp_path / "exported").state_dict()
+    reference = load_native_model(single["step_5"] / "model").state_dict()
+    assert exported.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.allclose(exported[name], value, atol=1e-5), (name, (exported[name] - value).abs().max())
+
+    marker = tmp_path / "pwned"
+    target = next((step_5 / "deepspeed" / "state").glob("*optim_states.pt"))
+    target.write_bytes(payload(marker))
+    forge_manifest(step_5)
+    assert main(["export", str(step_5), str(tmp_path / "exported_again")]) == 2
+    assert not marker.exists() and not (tmp_path / "exported_again").exists()
+
+
 def test_tier2_factories_train_the_same_steps(tmp_path):
     """`create_fsdp_backend` and `create_ddp_backend` from one model folder compute the same 3 updates."""
     from tests.distributed_worker import CONFIG

@@ -1,5 +1,6 @@
-"""`accelerate launch` as a launcher (issue 18): seed 002's FSDP2 Accelerate config runs tierlm with 2 CPU
-processes, its FSDP2 / mixed-precision / checkpointing settings honoured; conflicts are one line."""
+"""`accelerate launch` as a launcher: the shipped Accelerate configs (configs/accelerate_fsdp2.yaml, the FSDP2
+training story's, and configs/accelerate_deepspeed.yaml, ZeRO-3 with the optimizer offloaded) run tierlm with 2 CPU
+processes, their settings honoured; conflicts and what tierlm does not do are one line each."""
 
 from __future__ import annotations
 
@@ -9,43 +10,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO
+from conftest import REPO, TINY
 from tierlm.config import TierlmConfig
 from tierlm.config.launchers import accelerate_overrides
 from tierlm.errors import ConfigError
 
-SEED_FSDP2_YAML = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap:
-    - Qwen3EncoderLayer
-    - Qwen3DecoderLayer
-  fsdp_sharding_strategy: FULL_SHARD
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_offload_params: false
-  fsdp_activation_checkpointing: true
-  fsdp_sync_module_states: true
-  fsdp_use_orig_params: true
-  fsdp_backward_prefetch: BACKWARD_PRE
-mixed_precision: bf16
-machine_rank: 0
-main_training_function: main
-num_machines: 1
-num_processes: 8
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
 ENV = {
     "ACCELERATE_MIXED_PRECISION": "bf16",
     "ACCELERATE_USE_FSDP": "true",
@@ -95,8 +66,7 @@ def test_a_conflict_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_launch_with_the_seed_s_fsdp2_config(tmp_path):
-    (tmp_path / "fsdp2.yaml").write_text(SEED_FSDP2_YAML)
+def test_accelerate_launch_with_the_shipped_fsdp2_config(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "run"
     result = subprocess.run(
@@ -105,7 +75,7 @@ def test_accelerate_launch_with_the_seed_s_fsdp2_config(tmp_path):
             "-m",
             "accelerate.commands.launch",
             "--config_file",
-            str(tmp_path / "fsdp2.yaml"),
+            str(REPO / "configs" / "accelerate_fsdp2.yaml"),
             "--num_processes",
             "2",
             "-m",
@@ -146,3 +116,107 @@ def test_accelerate_launch_with_the_seed_s_fsdp2_config(tmp_path):
         and saved["infra"]["fsdp_sharding_strategy"] == "FULL_SHARD"
     )
     assert (out / "checkpoints" / "step_3" / "state").is_dir()  # FSDP's sharded checkpoint
+
+
+DEEPSPEED_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+    "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+}
+
+
+def test_deepspeed_settings_are_taken_and_what_tierlm_cannot_do_refused(tmp_path, capsys):
+    from tierlm.build.backend import read_deepspeed_config
+    from tierlm.commands.cli import main
+
+    infra = accelerate_overrides(TierlmConfig.load("tiny_pretrain"), DEEPSPEED_ENV).infra
+    assert (infra.distributed_type, infra.deepspeed_zero_stage, infra.deepspeed_offload_optimizer) == (
+        "deepspeed",
+        3,
+        True,
+    )
+    assert not infra.deepspeed_offload_params
+    for change, message in (
+        ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "0"}, "stage 0 is plain data parallelism"),
+        ({"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"}, "not to NVMe"),
+        ({"ACCELERATE_GRADIENT_CLIPPING": "lots"}, "is not a number"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            accelerate_overrides(TierlmConfig.load("tiny_pretrain"), {**DEEPSPEED_ENV, **change})
+    for overrides, message in (
+        (["infra.deepspeed_offload_optimizer=true"], "is a DeepSpeed setting"),
+        (["infra.distributed_type=deepspeed", "infra.tensor_parallel_size=2"], "shards by ZeRO"),
+        (
+            ["infra.distributed_type=deepspeed", "infra.deepspeed_zero_stage=2", "infra.deepspeed_offload_params=true"],
+            "stage=3",
+        ),
+        (["infra.distributed_type=deepspeed", "infra.cpu_offload=true"], "FSDP's"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            TierlmConfig.load("tiny_pretrain", overrides)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        read_deepspeed_config(str(tmp_path / "list.json"))
+    for argv, message in (
+        (["dpo", "--config", "tiny_dpo", "infra.distributed_type=deepspeed"], "does not run under DeepSpeed"),
+        (["pretrain", "--config", "tiny_pretrain", "infra.distributed_type=deepspeed"], "runs under a launcher"),
+        (["pretrain", "--config", "configs/accelerate_deepspeed.yaml"], "is Accelerate's launcher config"),
+    ):
+        assert main([*argv, f"infra.output_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_the_shipped_deepspeed_config(tmp_path):
+    """configs/accelerate_deepspeed.yaml on 2 CPU processes: DeepSpeed's ZeRO-3 with the optimizer offloaded takes the
+    same steps as one process on the same global batch (1e-5); its checkpoint exports to the weights its final model
+    folder holds; a sharded checkpoint is refused by `sample` (one line: export it first)."""
+    from tierlm.commands.cli import main
+    from tierlm.models import load_native_model
+
+    tiny = [
+        "--config",
+        "tiny_pretrain",
+        *TINY,
+        "training.num_train_steps=4",
+        "training.save_steps=4",
+        "training.logging_steps=1",
+        "infra.progress_bar=false",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    command += [str(REPO / "configs" / "accelerate_deepspeed.yaml"), "--num_processes", "2", "--mixed_precision", "no"]
+    command += ["-m", "tierlm", "pretrain", *tiny, "training.per_device_train_batch_size=4"]
+    result = subprocess.run(
+        [*command, f"infra.output_dir={tmp_path / 'ds'}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        main(["pretrain", *tiny, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}"]) == 0
+    )
+
+    def losses(run):
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert (
+        losses(tmp_path / "ds") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+        and len(losses(tmp_path / "one")) == 4
+    )
+    assert json.loads((tmp_path / "ds" / "model" / "training_meta.json").read_text())["distributed_type"] == "deepspeed"
+    step_4 = tmp_path / "ds" / "checkpoints" / "step_4"
+    assert (step_4 / "deepspeed").is_dir()
+    assert main(["export", str(step_4), str(tmp_path / "exported")]) == 0
+    exported, final = (load_native_model(p).state_dict() for p in (tmp_path / "exported", tmp_path / "ds" / "model"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    assert main(["sample", "--checkpoint", str(step_4), "--prompt", "hi"]) == 2

@@ -225,6 +225,13 @@ def test_estimate_parts_follow_the_options():
         parts["optimizer state"] / 2
     )
     assert fsdp["FSDP gathered blocks"] > 0 and fsdp["activations"] == parts["activations"]
+    for stage, split in ((3, ("parameters", "gradients", "optimizer state")), (1, ("optimizer state",))):
+        zero = estimate_run_memory(
+            small(infra={"distributed_type": "deepspeed", "deepspeed_zero_stage": stage}), world_size=2, vocab_size=4096
+        ).parts  # ZeRO's partitions: stage 3 splits all three, stage 1 the optimizer state
+        for name in ("parameters", "gradients", "optimizer state"):
+            assert zero[name] == pytest.approx(parts[name] / (2 if name in split else 1)), (stage, name)
+        assert (zero["ZeRO-3 gathered blocks"] > 0) == (stage == 3)
     ddp = estimate_run_memory(small(), world_size=2, vocab_size=4096, distributed="ddp").parts
     assert ddp["DDP gradient buckets"] == pytest.approx(parts["parameters"], rel=0.01)  # fp32 gradients, once more
     # Autocast is traced as it runs: on CPU, bf16 saves the bf16 casts beside fp32 norms' inputs,

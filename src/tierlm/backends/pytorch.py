@@ -258,8 +258,12 @@ class PyTorchTrainingBackend(TrainingBackend):
             with self._autocast():
                 logits = forward_logits(self.model, batch)  # (B, T, V)
             total, count = loss_sum_and_count(loss_fn, logits, batch)
-        (self.grad_scaler.scale(total) if self.grad_scaler is not None else total).backward()
+        self._backward(total)
         return self._accumulate(total.detach(), count.detach())
+
+    def _backward(self, total: torch.Tensor) -> None:
+        """Back-propagate a micro-batch's summed loss (scaled first under fp16's loss scaling)."""
+        (self.grad_scaler.scale(total) if self.grad_scaler is not None else total).backward()
 
     def _accumulate(self, total: torch.Tensor, count: torch.Tensor) -> TrainFuture[dict[str, float]]:
         """Add a back-propagated micro-batch's summed loss and trained tokens to the step's."""

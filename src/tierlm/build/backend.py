@@ -4,6 +4,7 @@ the optimizer and LR schedule of the config; what a backend cannot do is refused
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -11,21 +12,29 @@ import torch
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.build.optimizer import model_width, optimizer_settings
+from tierlm.build.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.primitives import create_warmup_scheduler
 from tierlm.primitives.optim import build_optimizer
-from tierlm.primitives.parallel import DistributedContext
+from tierlm.primitives.parallel import DistributedContext, launched_distributed
 
 
 def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
-    """ "none" | "ddp" | "fsdp" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for the rest)."""
+    """ "none" | "ddp" | "fsdp" | "deepspeed" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for
+    the rest)."""
     if ctx is None:
         return "none"
     infra = config.infra
     if infra.model_parallel:
         return "model_parallel"
+    if infra.distributed_type == "deepspeed":
+        return "deepspeed"
     return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
+
+
+SHARDED_KINDS = ("fsdp", "deepspeed", "model_parallel")
+"""The kinds whose ranks each hold part of the weights (no rank can sample or probe alone)."""
 
 
 def build_backend(
@@ -71,6 +80,26 @@ def build_backend(
         bf16, scaler = torch.float16, torch.amp.GradScaler(device.type)
     if kind == "model_parallel":
         return model_parallel_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16)
+    if kind == "deepspeed":
+        from tierlm.backends.zero import DeepSpeedTrainingBackend
+
+        return DeepSpeedTrainingBackend(
+            model,
+            optimizer_fn,
+            None,
+            checkpoint_dir,
+            device,
+            scheduler_fn,
+            tr.max_grad_norm,
+            zero_stage=infra.deepspeed_zero_stage,
+            offload_optimizer=infra.deepspeed_offload_optimizer,
+            offload_params=infra.deepspeed_offload_params,
+            bf16=tr.bf16,
+            micro_batch_size=tr.per_device_train_batch_size,
+            config_overrides=read_deepspeed_config(infra.deepspeed_config) if infra.deepspeed_config else None,
+            fused_cross_entropy=tr.fused_cross_entropy,
+            flash_attention=config.model.use_flash_attention,
+        )
     if kind == "fsdp":
         return FSDPTrainingBackend(
             model,
@@ -221,3 +250,46 @@ def jax_backend(
             raise ConfigError(f"infra.backend=jax does not do {what}: drop it or use infra.backend=pytorch")
     optimizer = optimizer_fn(model)
     return JaxTrainingBackend(model, optimizer, checkpoint_dir, scheduler_fn(optimizer), tr.max_grad_norm)
+
+
+def check_deepspeed(config: TierlmConfig, stage: Stage) -> None:
+    """What infra.distributed_type=deepspeed needs, refused in one line: the stage, the launcher, the package,
+    and the training settings DeepSpeed's engine does not take from tierlm."""
+    tr = config.training
+    if not stage.deepspeed:
+        raise ConfigError(
+            f"tierlm {stage.name} does not run under DeepSpeed (its frozen reference or sampler needs the whole "
+            "model beside the partitioned one): use infra.distributed_type=fsdp"
+        )
+    if not launched_distributed():
+        raise ConfigError(
+            "infra.distributed_type=deepspeed runs under a launcher: `torchrun --nproc_per_node=N -m tierlm ...` "
+            "(or `deepspeed` / `accelerate launch`)"
+        )
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("infra.distributed_type=deepspeed needs DeepSpeed: pip install deepspeed")
+    if tr.optimizer != "adamw":
+        raise ConfigError(
+            f"training.optimizer={tr.optimizer} does not partition under DeepSpeed's ZeRO here: use adamw, or FSDP2 "
+            "(infra.distributed_type=fsdp) for it"
+        )
+    refused = [name for name in ("fp16", "fp8", "async_save") if getattr(tr, name)]
+    if refused:
+        raise ConfigError(
+            f"training.{refused[0]} is not available under DeepSpeed: turn it off (bf16 is; saves are synchronous)"
+        )
+    if config.infra.deepspeed_config is not None:
+        read_deepspeed_config(config.infra.deepspeed_config)
+
+
+def read_deepspeed_config(path: str) -> dict:
+    """A DeepSpeed JSON config file as a dict, or one line saying what is wrong with it."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"infra.deepspeed_config: cannot read {path} ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ConfigError(f"infra.deepspeed_config: {path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"infra.deepspeed_config: {path} must hold a JSON object (DeepSpeed's config)")
+    return value

@@ -51,6 +51,9 @@ class Stage:
     """Rows one batch item takes in a micro-batch (DPO: its chosen and rejected rows)."""
     micro_batch_key = "training.per_device_train_batch_size"
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
+    deepspeed = False
+    """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
+    reference or sampler beside the partitioned weights)."""
 
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
         """The config as this stage runs under torchrun (`launched`); refuse, in one line, what it cannot shard."""

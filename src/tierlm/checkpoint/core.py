@@ -53,6 +53,7 @@ from tierlm.primitives.optim import inner_optimizers
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 STATE_DIRNAME = "state"
+DEEPSPEED_DIRNAME = "deepspeed"  # a DeepSpeed backend's checkpoint: its own partitioned files (tierlm.checkpoint.zero)
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -267,7 +268,7 @@ def seal_checkpoint(
             "saved_at": time.time(),
             "metric": metric,
             "native": is_native_folder(tmp / "model"),
-            "sharded": (tmp / STATE_DIRNAME).is_dir(),
+            "sharded": (tmp / STATE_DIRNAME).is_dir() or (tmp / DEEPSPEED_DIRNAME).is_dir(),
             **file_manifest(tmp),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
@@ -361,6 +362,11 @@ def load_checkpoint(
     problem = verify_checkpoint(path)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    if (path / DEEPSPEED_DIRNAME).is_dir():
+        raise CheckpointError(
+            f"{path} was written by DeepSpeed: resume it with infra.distributed_type=deepspeed on as many ranks as "
+            "wrote it, or export it (tierlm export) and start from its model"
+        )
     try:
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
         trainer_state = json.loads((path / "trainer_state.json").read_text())
@@ -479,7 +485,8 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / STATE_DIRNAME).is_dir()
+    """Its weights are in shards (torch.distributed.checkpoint's, or DeepSpeed's partitions), not a model folder."""
+    return (Path(path) / STATE_DIRNAME).is_dir() or (Path(path) / DEEPSPEED_DIRNAME).is_dir()
 
 
 def resolve_model_location(name: str) -> Path | str:

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 
 from tierlm.checkpoint.core import (
     CHECKPOINTS_DIRNAME,
+    DEEPSPEED_DIRNAME,
     STATE_DIRNAME,
     _fsync_dir,
     _fsync_tree,
@@ -191,7 +192,12 @@ def export_sharded_checkpoint(path: Path, out: Path) -> Path:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
         model = build_model_from_folder_config(path / "model")
-        load_sharded_state(path / STATE_DIRNAME, model)
+        if (path / DEEPSPEED_DIRNAME).is_dir():  # DeepSpeed's partitions, gathered by its zero_to_fp32
+            from tierlm.checkpoint.zero import consolidated_state
+
+            model.load_state_dict(consolidated_state(path), strict=True)
+        else:
+            load_sharded_state(path / STATE_DIRNAME, model)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError, SafetensorError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be exported: {first_line(e)}") from e
     shutil.copytree(path / "model", out, dirs_exist_ok=True)  # config, tokenizer, training meta

@@ -51,6 +51,8 @@ def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+LAUNCHER_PREFIX = "accelerate_"
+"""Shipped beside the presets (configs/), for `accelerate launch --config_file`: Accelerate's configs, not tierlm's."""
 
 
 def list_presets() -> dict[str, str]:
@@ -61,6 +63,8 @@ def list_presets() -> dict[str, str]:
     """
     presets = {}
     for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        if path.stem.startswith(LAUNCHER_PREFIX):
+            continue
         first = path.read_text(encoding="utf-8").splitlines()[0] if path.stat().st_size else ""
         presets[path.stem] = first.lstrip("# ").strip()
     return presets
@@ -69,9 +73,15 @@ def list_presets() -> dict[str, str]:
 def resolve_config_path(name: str | Path) -> Path:
     """A config file as given, or else the shipped preset of that name (`--config gpt2-shakespeare-char`)."""
     path = Path(name)
+    preset = PRESETS_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    launcher = path if path.exists() else preset
+    if launcher.resolve().parent == PRESETS_DIR.resolve() and launcher.stem.startswith(LAUNCHER_PREFIX):
+        raise ConfigError(
+            f"{launcher.name} is Accelerate's launcher config, not tierlm's: pass it as `accelerate launch "
+            f"--config_file configs/{launcher.name} -m tierlm ...` with a tierlm --config"
+        )
     if path.exists():
         return path
-    preset = PRESETS_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
     if path.parent == Path(".") and preset.is_file():
         return preset
     if path.parent == Path(".") and path.suffix != ".yaml":

@@ -4,8 +4,9 @@ Accelerate starts the processes as torchrun does (RANK, WORLD_SIZE, MASTER_ADDR,
 environment, which tierlm's distributed setup reads) and passes its config file's settings as
 environment variables. `accelerate_overrides` turns those into tierlm's config: FSDP (version 2 only:
 tierlm shards with FSDP2) with its sharding strategy, parameter offload and activation checkpointing,
-and the mixed precision. A setting the tierlm config also sets explicitly, to another value, is a
-conflict, refused in one line; otherwise Accelerate's value is taken.
+DeepSpeed with its ZeRO stage, offloads, config file and gradient clipping, and the mixed precision. A
+setting the tierlm config also sets explicitly, to another value, is a conflict, refused in one line;
+otherwise Accelerate's value is taken.
 """
 
 from __future__ import annotations
@@ -62,6 +63,51 @@ def accelerate_settings(env: Mapping[str, str]) -> dict[tuple[str, str], object]
         out[("infra", "fsdp_sharding_strategy")] = SHARDING[strategy]
         out[("infra", "cpu_offload")] = _true(env.get("FSDP_OFFLOAD_PARAMS"))
         out[("infra", "activation_checkpointing")] = _true(env.get("FSDP_ACTIVATION_CHECKPOINTING"))
+    if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
+        out.update(deepspeed_settings(env))
+    return out
+
+
+def deepspeed_settings(env: Mapping[str, str]) -> dict[tuple[str, str], object]:
+    """An Accelerate DeepSpeed launch's settings (its deepspeed_config section) as tierlm's. `zero3_init_flag` and
+    `zero3_save_16bit_model` need no setting: tierlm builds the model before ZeRO partitions it, and always writes
+    the whole final model (the fp32 master weights, gathered on rank 0).
+
+    >>> settings = deepspeed_settings({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    ...     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_GRADIENT_CLIPPING": "1.0"})
+    >>> settings[("infra", "deepspeed_zero_stage")], settings[("infra", "deepspeed_offload_optimizer")]
+    (3, True)
+    """
+    out: dict[tuple[str, str], object] = {("infra", "distributed_type"): "deepspeed"}
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None:
+        if stage not in ("1", "2", "3"):
+            raise ConfigError(
+                f"the Accelerate config's zero_stage {stage} is not one tierlm runs under DeepSpeed: use 1, 2 or 3 "
+                "(stage 0 is plain data parallelism: infra.distributed_type=ddp)"
+            )
+        out[("infra", "deepspeed_zero_stage")] = int(stage)
+    for variable, field in (
+        ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "deepspeed_offload_optimizer"),
+        ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "deepspeed_offload_params"),
+    ):
+        device = env.get(variable, "none").lower()
+        if device not in ("none", "cpu"):
+            raise ConfigError(
+                f"the Accelerate config offloads to {device!r}; tierlm offloads to cpu (or none), not to NVMe"
+            )
+        out[("infra", field)] = device == "cpu"
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        out[("infra", "deepspeed_config")] = env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+    for variable, field, kind in (
+        ("ACCELERATE_GRADIENT_CLIPPING", "max_grad_norm", float),
+        ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", int),
+    ):
+        if env.get(variable) not in (None, "", "none"):
+            try:
+                out[("training", field)] = kind(env[variable])
+            except ValueError:
+                raise ConfigError(f"the Accelerate config's {field} {env[variable]!r} is not a number") from None
     return out
 
 

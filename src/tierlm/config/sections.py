@@ -363,9 +363,20 @@ class InfraConfig(Section):
     backend: Literal["pytorch", "jax"] = "pytorch"
     """What computes the steps: PyTorch, or JAX (jax + optax: the native GPT, AdamW, pretraining / SFT /
     DPO, fp32, one process over its local devices; checkpoints are PyTorch's files and cross over)."""
-    distributed_type: Literal["auto", "none", "ddp", "fsdp"] = "auto"
-    """Data parallelism under torchrun: "fsdp" (FSDP2, sharded), "ddp" (replicated), "none" (one
-    process); "auto" is fsdp when torchrun started more than one rank, else none."""
+    distributed_type: Literal["auto", "none", "ddp", "fsdp", "deepspeed"] = "auto"
+    """Data parallelism under torchrun: "fsdp" (FSDP2, sharded), "ddp" (replicated), "deepspeed" (ZeRO through
+    DeepSpeed's engine: `pip install deepspeed`; pretraining and SFT), "none" (one process); "auto" is fsdp when
+    torchrun started more than one rank, else none."""
+    deepspeed_zero_stage: Literal[1, 2, 3] = 3
+    """infra.distributed_type=deepspeed: ZeRO stage 3 partitions parameters, gradients and optimizer state over
+    the ranks; 2 the gradients and optimizer state; 1 the optimizer state."""
+    deepspeed_offload_optimizer: bool = False
+    """infra.distributed_type=deepspeed: keep the optimizer state (and its step) in CPU memory."""
+    deepspeed_offload_params: bool = False
+    """infra.distributed_type=deepspeed, ZeRO stage 3: keep the parameter partitions in CPU memory too."""
+    deepspeed_config: str | None = None
+    """infra.distributed_type=deepspeed: a DeepSpeed JSON config whose settings are laid over the ones tierlm
+    derives (its batch sizes and accumulation stay tierlm's: the loop owns the step)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks that split each block's attention heads and MLP (Megatron-style, DTensor plans from the model
     family; innermost mesh dimension). Data parallelism (FSDP2) takes the rest of the world size."""
@@ -409,6 +420,37 @@ class InfraConfig(Section):
     """W&B run name (default: W&B picks one)."""
     wandb_entity: str | None = None
     """W&B team or user the run belongs to (default: the logged-in user's)."""
+
+    @model_validator(mode="after")
+    def _check_deepspeed(self) -> "InfraConfig":
+        deepspeed = self.distributed_type == "deepspeed"
+        asked = [
+            name
+            for name in ("deepspeed_offload_optimizer", "deepspeed_offload_params", "deepspeed_config")
+            if getattr(self, name)
+        ]
+        if asked and not deepspeed:
+            raise ValueError(f"infra.{asked[0]} is a DeepSpeed setting: set infra.distributed_type=deepspeed")
+        if not deepspeed:
+            return self
+        if self.model_parallel:
+            raise ValueError(
+                "infra.distributed_type=deepspeed shards by ZeRO, not by tensor / pipeline / context parallel "
+                "layers: drop those sizes, or use fsdp with them"
+            )
+        if self.cpu_offload:
+            raise ValueError(
+                "infra.cpu_offload is FSDP's; with DeepSpeed use infra.deepspeed_offload_optimizer / "
+                "deepspeed_offload_params"
+            )
+        if self.deepspeed_offload_params and self.deepspeed_zero_stage != 3:
+            raise ValueError("infra.deepspeed_offload_params needs infra.deepspeed_zero_stage=3")
+        if self.backend != "pytorch" or self.compile:
+            raise ValueError(
+                "infra.distributed_type=deepspeed runs PyTorch's eager modules: drop infra.backend=jax and "
+                "infra.compile"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> "InfraConfig":

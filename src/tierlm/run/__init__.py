@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierlm.build.backend import distributed_kind
+from tierlm.build.backend import check_deepspeed, distributed_kind
 from tierlm.build.stage import Stage
 from tierlm.build.tokenizer import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
@@ -506,6 +506,8 @@ def prepare_run(config: TierlmConfig, stage: Stage) -> Run:
     infra = config.infra
     if infra.num_threads:
         torch.set_num_threads(infra.num_threads)
+    if infra.distributed_type == "deepspeed":
+        check_deepspeed(config, stage)
     parallel = stage.parallelism(config, launched_distributed())
     ctx = distributed_context(parallel)
     seed_everything(config.training.seed)  # the same on every rank: identical initial weights

@@ -15,6 +15,7 @@ from tierlm.strategies import PretrainStrategy, Seq2SeqStrategy
 
 
 class Pretrain(Stage):
+    deepspeed = True
     name = "pretrain"
     about = "pretrain on text (next-token prediction)"
     example_kind = "text"

@@ -19,6 +19,7 @@ from tierlm.strategies import SFTStrategy
 
 
 class SFT(Stage):
+    deepspeed = True
     name = "sft"
     about = "fine-tune on conversations (assistant tokens only)"
     example_kind = "chat"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.build.backend import build_backend
+from tierlm.build.backend import SHARDED_KINDS, build_backend
 from tierlm.build.stage import Stage
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
@@ -79,7 +79,7 @@ def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: Stage, kind:
     """model -> greedy completions of training.sample_prompts (user turns for chat stages), or None
     when there is nothing to sample or the model is sharded (FSDP ranks would have to generate together)."""
     tr = config.training
-    if not tr.sample_prompts or not stage.generates or kind in ("fsdp", "model_parallel"):
+    if not tr.sample_prompts or not stage.generates or kind in SHARDED_KINDS:
         return None
     chat = stage.chat and tokenizer.has_chat_template
     prompts = [(p, prompt_tokens(tokenizer, p, chat)) for p in tr.sample_prompts]
@@ -132,7 +132,7 @@ def confirm_batch_size(run: Run, model: torch.nn.Module) -> bool:
     config takes the size that ran. True when it changed (the loaders must be rebuilt). Not under FSDP or
     model parallelism: before sharding, each rank holds the whole model, which the sharded run does not."""
     tr, T = run.config.training, run.config.data.max_seq_length
-    if run.kind in ("fsdp", "model_parallel"):
+    if run.kind in SHARDED_KINDS:
         return False
 
     def sample(n: int) -> dict[str, torch.Tensor]:

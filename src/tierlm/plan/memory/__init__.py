@@ -29,6 +29,7 @@ from torch import nn
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
 from tierlm.backends.model_parallel import ModelParallelTrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
+from tierlm.backends.zero import DeepSpeedTrainingBackend
 from tierlm.build.model import describe_model, new_model
 from tierlm.build.optimizer import model_width, optimizer_settings
 from tierlm.build.stage import Stage
@@ -69,6 +70,7 @@ BACKENDS = {
     "none": PyTorchTrainingBackend,
     "ddp": DDPTrainingBackend,
     "fsdp": FSDPTrainingBackend,
+    "deepspeed": DeepSpeedTrainingBackend,
     "model_parallel": ModelParallelTrainingBackend,
 }
 """The backend of each distributed kind (`tierlm.build.backend.distributed_kind`): each says how it holds a model."""
@@ -79,6 +81,7 @@ PARTS = (
     "optimizer state",
     "activations",
     "FSDP gathered blocks",
+    "ZeRO-3 gathered blocks",
     "DDP gradient buckets",
     "reference model",
     "generation KV cache",
@@ -292,7 +295,7 @@ def estimate_run_memory(
 
     `vocab_size` defaults to the tokenizer section's; `num_documents` to the synthetic task's
     size; a micro-batch is `rows` x `row_tokens` (default: the stage's, `Stage.micro_batch`);
-    `distributed` ("none", "ddp", "fsdp") defaults to what the config and `world_size` imply
+    `distributed` ("none", "ddp", "fsdp", "deepspeed") defaults to what the config and `world_size` imply
     under torchrun (as the stage runs there: RL's auto is DDP).
 
     >>> from tierlm.config import TierlmConfig
@@ -309,11 +312,8 @@ def estimate_run_memory(
     stage = stage or Stage()
     vocab_size = vocab_size or config.tokenizer.vocab_size
     if distributed is None:  # as a torchrun job of this config would run
-        distributed = (
-            "none"
-            if world_size == 1
-            else ("ddp" if stage.parallelism(config, True).infra.distributed_type == "ddp" else "fsdp")
-        )
+        kind = stage.parallelism(config, True).infra.distributed_type
+        distributed = "none" if world_size == 1 else kind if kind in ("ddp", "deepspeed") else "fsdp"
     assert isinstance(tr.per_device_train_batch_size, int), (
         "resolve training.per_device_train_batch_size=auto before estimating"
     )
@@ -346,6 +346,7 @@ def estimate_run_memory(
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         pipeline=infra.pipeline_parallel_size,
         context=infra.context_parallel_size,
+        zero_stage=infra.deepspeed_zero_stage,
     )
     parts = BACKENDS[distributed].memory_per_rank(parts, unwrap_model(described), world_size, **layout)  # as it shards
     reference = stage.reference_model(config)

@@ -245,6 +245,10 @@ class TrainingConfig(Section):
     """Clip the global gradient norm to this; 0 disables clipping."""
     num_train_steps: int | None = Field(1000, gt=0)
     """Optimizer steps to train for (null: derived from target_param_data_ratio, as when it is not set)."""
+    num_train_epochs: float | None = Field(None, gt=0)
+    """Passes over the training data instead of a step count (nanochat's SFT: 1), with training.num_train_steps=null
+    (or unset): the steps are the whole global batches of that many passes (counted once, by a pass of the loader),
+    the last partial step dropped; each train line logs the epoch reached."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps (from training.warmup_start_factor x to 1x of the learning rate)."""
     warmup_start_factor: float = Field(0.1, ge=0, le=1)
@@ -331,6 +335,13 @@ class TrainingConfig(Section):
                 "training.total_batch_size=auto predicts the batch from the token horizon: "
                 "set training.target_param_data_ratio (10.5 in nanochat) or give a number of tokens"
             )
+        if self.num_train_epochs is not None:
+            if self.target_param_data_ratio is not None:
+                raise ValueError(
+                    "training.num_train_epochs and training.target_param_data_ratio each set the length of the run: "
+                    "keep one"
+                )
+            return self  # the steps (and the warm-up against them) are checked once an epoch is counted
         derived = self.target_param_data_ratio is not None and (
             self.num_train_steps is None or "num_train_steps" not in self.model_fields_set
         )

@@ -21,6 +21,7 @@ and after `load_state_dict()` it yields exactly the batches an uninterrupted run
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -224,6 +225,19 @@ class PackedLoader(BatchIterable):
         docs = [self._admit(doc, count=False) for doc in self.documents.fetch(self.buffer_ids)]
         self.buffer = [_tail(doc, offset) for doc, offset in zip(docs, self.buffer_offsets)]
         self.buffer_lengths = [len(doc.ids) for doc in self.buffer]
+
+    def batches_per_pass(self) -> int:
+        """Whole batches in one pass over the documents (the first epoch's order), counted by packing it once on a
+        copy of this loader (its own position is untouched)."""
+        assert self.documents is not None, "a stream has no length to count"
+        counter = copy.copy(self)
+        counter.rewind()
+        counter.repeat, whole = False, 0
+        while True:
+            try:
+                whole += len(counter.next_batch()["tokens"]) == self.batch_size
+            except StopIteration:
+                return whole
 
     def stats(self) -> dict[str, float]:
         """Data metrics for the logs: cropped share (pretraining), padding share, long conversations."""

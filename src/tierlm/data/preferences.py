@@ -78,6 +78,10 @@ class PairLoader(BatchIterable):
     def __len__(self) -> int:
         return len(self.rows)
 
+    def batches_per_pass(self) -> int:
+        """Whole global batches in one pass (training skips the tail too short for one)."""
+        return len(self.rows) // (self.batch_size * self.world_size)
+
     def _order(self) -> np.ndarray:
         if not self.shuffle:
             return np.arange(len(self.rows))

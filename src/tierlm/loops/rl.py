@@ -471,6 +471,7 @@ class RLTrainer:
                 **metrics,
                 "rollout_tokens": state.rollout_tokens,
                 "elapsed_s": state.elapsed_s,
+                "epoch": state.step * self.rl.prompts_per_step / len(self.train_task),  # passes over the prompts
             }
         )
         if self.rank == 0:
@@ -514,6 +515,18 @@ class RLTrainer:
             "initial_pass@1": state.initial_pass_at_1,
             **state.last_eval,
         }
+
+
+@dataclass
+class PromptPasses:
+    """RL's passes over its task, for training.num_train_epochs: each step draws rl.prompts_per_step prompts of the
+    epoch's permutation (`RLTrainer._indices`)."""
+
+    prompts: int
+    prompts_per_step: int
+
+    def batches_per_pass(self) -> int:
+        return self.prompts // self.prompts_per_step
 
 
 def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:

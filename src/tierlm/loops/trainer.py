@@ -93,9 +93,12 @@ class Trainer:
         progress_bar: bool = True,
         sampler: Callable[[Any], list[dict[str, str]]] | None = None,
         callbacks: list | None = None,
+        batches_per_epoch: int | None = None,
     ):
         """`callbacks`: objects with any of `on_log(record)` (each train line logged), `on_eval(metrics)`
-        and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three methods)."""
+        and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three methods).
+        `batches_per_epoch` (the global micro-batches of one pass over the data, when known) puts the epoch reached
+        in every train line and the summary."""
         self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
         config = self.config
         self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
@@ -104,6 +107,7 @@ class Trainer:
         self.write_extra, self.progress_bar = write_extra, progress_bar
         self.sampler = sampler  # model -> [{"prompt", "completion"}], run by rank 0 at each evaluation
         self.callbacks = list(callbacks or [])
+        self.batches_per_epoch = batches_per_epoch
         self.state = LoopState()
         self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
         self.last_eval: dict[str, float] = {}
@@ -321,7 +325,13 @@ class Trainer:
                 self._gc_frozen = False
         if self.eval_set and not self.last_eval:  # resumed at the last step: report where it stands
             self.evaluate()
-        return {"step": state.step, "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s, **self.last_eval}
+        return {
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "elapsed_s": state.elapsed_s,
+            **self._epoch(),
+            **self.last_eval,
+        }
 
     # -- reporting -------------------------------------------------------------------------
     def _rates(self, input_tokens: float, trained_tokens: float, seconds: float) -> dict[str, float]:
@@ -351,7 +361,14 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
         }
         record.update({k: v for k, v in metrics.items() if k.startswith("lr_") or k == "sparsity"})
+        record.update(self._epoch())
         return record
+
+    def _epoch(self) -> dict[str, float]:
+        """The passes over the training data made so far, when one pass's batches are known."""
+        if not self.batches_per_epoch:
+            return {}
+        return {"epoch": self.state.step * self.config.gradient_accumulation_steps / self.batches_per_epoch}
 
     def _slow_stats(self) -> dict[str, float]:
         """Data and memory figures, read only for logged steps."""

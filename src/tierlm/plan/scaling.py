@@ -78,6 +78,9 @@ class Plan:
     predicted_batch: int | None = None
     lr_scale: float = 1.0
     weight_decay_scale: float = 1.0
+    epochs: float | None = None
+    batches_per_epoch: int | None = None
+    """With training.num_train_epochs: the global micro-batches of one pass over the data."""
     groups: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     memory: Any = None
@@ -128,6 +131,8 @@ class Plan:
             )
         )
         rows.append(("steps", f"{self.num_train_steps:,} ({self.total_tokens:,} tokens)"))
+        if self.epochs is not None:
+            rows.append(("epochs", f"{self.epochs:g} of {self.batches_per_epoch:,} batches"))
         if self.counts and self.counts["scaling"]:
             rows.append(("tokens per scaling parameter", f"{self.total_tokens / self.counts['scaling']:.2f}"))
         if self.lr_scale != 1.0 or self.weight_decay_scale != 1.0:
@@ -210,6 +215,29 @@ def _batch(config: TierlmConfig, plan: Plan) -> None:
             plan.weight_decay_scale = plan.lr_scale * plan.reference_tokens / plan.target_tokens
 
 
+def _epoch_steps(tr, batches_per_epoch: int | None, accumulation: int) -> int:
+    """Optimizer steps of training.num_train_epochs passes: their whole global batches, `accumulation` a step, the
+    last partial step dropped (nanochat's SFT: examples // examples per step)."""
+    assert batches_per_epoch is not None, "num_train_epochs needs the batches of one pass (Run.resolve counts them)"
+    steps = int(tr.num_train_epochs * batches_per_epoch) // accumulation
+    if "num_train_steps" in tr.model_fields_set and tr.num_train_steps not in (None, steps):  # resolved: they agree
+        raise ConfigError(
+            f"training.num_train_epochs={tr.num_train_epochs:g} and training.num_train_steps={tr.num_train_steps} "
+            "each set the length of the run: set training.num_train_steps=null to train by epochs"
+        )
+    if steps < 1:
+        raise ConfigError(
+            f"{tr.num_train_epochs:g} epoch(s) of {batches_per_epoch} batches make no whole step of {accumulation} "
+            "micro-batches: add data or epochs, or lower the batch size or gradient_accumulation_steps"
+        )
+    if tr.warmup_steps >= steps:
+        raise ConfigError(
+            f"training.warmup_steps ({tr.warmup_steps}) must be < the {steps} steps of {tr.num_train_epochs:g} "
+            "epoch(s); lower it"
+        )
+    return steps
+
+
 def trained_row_tokens(config: TierlmConfig, model: nn.Module | None) -> int:
     """Tokens a batch row trains on: data.max_seq_length, or an encoder-decoder's decoder row (its targets;
     the encoder's data.max_encoder_length tokens are read, not predicted)."""
@@ -219,9 +247,14 @@ def trained_row_tokens(config: TierlmConfig, model: nn.Module | None) -> int:
 
 
 def resolve(
-    config: TierlmConfig, stage: Stage, model: nn.Module | None, world_size: int = 1
+    config: TierlmConfig,
+    stage: Stage,
+    model: nn.Module | None,
+    world_size: int = 1,
+    batches_per_epoch: int | None = None,
 ) -> tuple[TierlmConfig, Plan]:
-    """(the config with every derived value filled in, the plan). `model` may be on the meta device."""
+    """(the config with every derived value filled in, the plan). `model` may be on the meta device;
+    `batches_per_epoch`: the global micro-batches of one pass over the data (with training.num_train_epochs)."""
     tr = config.training
     counts = parameter_counts(model) if model is not None else None
     width = model_width(model) if counts and (counts["embedding"] or counts["unembedding"]) else None
@@ -254,6 +287,10 @@ def resolve(
                 f"only {plan.num_train_steps} optimizer steps: the batch law is anchored at d{REFERENCE_DEPTH} and "
                 "gives small models large batches; a smaller training.total_batch_size may train better"
             )
+    if tr.num_train_epochs is not None:
+        per_step = 1 if stage.micro_batch_key == "rl.micro_batch_size" else plan.accumulation  # RL: prompts a step
+        plan.num_train_steps = updates["num_train_steps"] = _epoch_steps(tr, batches_per_epoch, per_step)
+        plan.epochs, plan.batches_per_epoch = tr.num_train_epochs, batches_per_epoch
     lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width).items()}
     for role, lr in lrs.items():
         if not lr < 1:

@@ -337,12 +337,21 @@ class Run:
         """This rank's share: its coordinate on the mesh's data-parallel dimension."""
         return self.dims.data_rank(self.ctx.rank if self.ctx is not None else 0)
 
-    def resolve(self, model: torch.nn.Module) -> TierlmConfig:
-        """Fill in what the config derives from the model (steps, batch, learning rates: `tierlm.plan.scaling`),
-        note the plan (printed when the run begins), and return the resolved config (the one config.yaml records)."""
+    def resolve(self, model: torch.nn.Module, train_loader=None) -> TierlmConfig:
+        """Fill in what the config derives from the model (steps, batch, learning rates: `tierlm.plan.scaling`;
+        with training.num_train_epochs, the steps of that many passes of `train_loader`, the global loader), note
+        the plan (printed when the run begins), and return the resolved config (the one config.yaml records)."""
         from tierlm.plan.scaling import resolve
 
-        self.config, self.plan = resolve(self.config, self.stage, model, self.data_parallel_size)
+        batches = None
+        if self.config.training.num_train_epochs is not None:
+            if not hasattr(train_loader, "batches_per_pass") or getattr(train_loader, "documents", ()) is None:
+                raise ConfigError(
+                    f"training.num_train_epochs counts passes over a dataset of known size; {self.stage.name} here "
+                    "reads a stream or UL2 examples: set training.num_train_steps"
+                )
+            batches = train_loader.batches_per_pass()
+        self.config, self.plan = resolve(self.config, self.stage, model, self.data_parallel_size, batches)
         self.note(self.plan.table())  # stdout, with the run summary: stderr stays for problems and progress
         return self.config
 

@@ -69,7 +69,7 @@ class DPO(Stage):
         train_loader, eval_loader = build_pair_loaders(
             run.config, tokenizer, run.data_rank, run.data_parallel_size
         )  # pairs stay whole
-        config = run.resolve(model)
+        config = run.resolve(model, train_loader)
         jax = config.infra.backend == "jax"
         if jax and config.dpo.loss_type != "sigmoid":
             raise ConfigError(

@@ -37,7 +37,7 @@ def train_on_rows(run: Run, strategy_class, callbacks: list) -> dict:
     model = build_model(config, tokenizer, run.device, run.pretrained)
     if auto_rows and confirm_batch_size(run, model):  # CUDA: halved after an out-of-memory
         train_loader, eval_loader = build_loaders(run.config, run.stage, tokenizer, run.data_parallel_size, run.seq2seq)
-    run.resolve(model)
+    run.resolve(model, train_loader)
     if run.ctx is not None:
         train_loader = RankSlice(train_loader, run.data_rank, run.data_parallel_size)
     return train_with_trainer(run, model, strategy_class(tokenizer.token_bytes()), train_loader, eval_loader, callbacks)

@@ -17,7 +17,7 @@ from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.loops.critic import Critic, value_model
-from tierlm.loops.rl import RLTrainer, check_parity, optimizer_schedule
+from tierlm.loops.rl import PromptPasses, RLTrainer, check_parity, optimizer_schedule
 from tierlm.models import model_max_seq_len
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, ValueStrategy, policy_gradient_strategy
@@ -92,7 +92,7 @@ class RL(Stage):
         model = build_model(config, tokenizer, run.device, run.pretrained)
         if context is None:  # a hub id: its context is known once it is downloaded
             check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
-        config = run.resolve(model)
+        config = run.resolve(model, PromptPasses(len(train_task), rl.prompts_per_step))
         reference = frozen_reference(model, run.device) if rl.kl_coef > 0 else None
         teacher = load_teacher(rl.teacher, tokenizer, run.device) if rl.teacher else None
         schedule = optimizer_schedule(config, world)  # the LR schedule counts optimizer steps

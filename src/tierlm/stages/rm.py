@@ -50,6 +50,6 @@ class RewardModel(Stage):
             raise ConfigError("tierlm rm runs on infra.backend=pytorch")
         model = add_score_head(build_model(config, tokenizer, run.device, run.pretrained), tokenizer.pad_id)
         train_loader, eval_loader = build_pair_loaders(config, tokenizer, run.data_rank, run.data_parallel_size)
-        config = run.resolve(model)
+        config = run.resolve(model, train_loader)
         strategy = RewardStrategy(tokenizer.pad_id, config.rm.center_rewards_coefficient)
         return train_with_trainer(run, model, strategy, train_loader, eval_loader, callbacks or [])

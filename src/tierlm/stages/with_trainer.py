@@ -48,6 +48,7 @@ def train_with_trainer(
         progress_bar=config.infra.progress_bar,
         sampler=None if run.seq2seq else eval_sampler(config, tokenizer, run.stage, run.kind),
         callbacks=callbacks,
+        batches_per_epoch=run.plan.batches_per_epoch if run.plan is not None else None,
     )
     run.begin(trainer)
     prefetch = (

@@ -66,36 +66,32 @@ def test_a_conflict_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_launch_with_the_shipped_fsdp2_config(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def test_the_launch_script_runs_ul2_tiny_with_the_shipped_fsdp2_config(tmp_path):
+    """scripts/launch_training.sh (Accelerate with configs/accelerate_fsdp2.yaml) on 2 CPU processes, the overrides
+    in the FSDP2 story's own field names (infra.fsdp_activation_checkpointing, infra.num_gpus, training.eval_samples,
+    infra.logging_dir)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "NUM_PROCESSES": "2"}  # the yaml's bf16 stays
     out = tmp_path / "run"
+    env.update(OUTPUT_DIR=str(out), TRAIN_CONFIG="ul2-tiny", PYTHON=sys.executable)
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(REPO / "configs" / "accelerate_fsdp2.yaml"),
-            "--num_processes",
-            "2",
-            "-m",
-            "tierlm",
-            "pretrain",
-            "--config",
-            "ul2-tiny",
+            "bash",
+            str(REPO / "scripts" / "launch_training.sh"),
             "model.depth=1",
             "tokenizer.vocab_size=300",
             "tokenizer.num_train_docs=300",
             "training.num_train_steps=3",
             "training.warmup_steps=0",
             "training.eval_steps=3",
-            "training.eval_batches=1",
+            "training.eval_samples=2",
             "training.save_steps=3",
             "data.max_encoder_length=64",
             "data.max_decoder_length=32",
             "training.per_device_train_batch_size=2",
+            "infra.fsdp_activation_checkpointing=true",
+            "infra.num_gpus=2",
+            f"infra.logging_dir={tmp_path / 'logs'}",
             "infra.progress_bar=false",
-            f"infra.output_dir={out}",
         ],
         cwd=REPO,
         env=env,
@@ -115,6 +111,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_config(tmp_path):
         and saved["infra"]["activation_checkpointing"]
         and saved["infra"]["fsdp_sharding_strategy"] == "FULL_SHARD"
     )
+    assert saved["training"]["eval_batches"] == 1 and saved["training"]["logging_dir"] == str(tmp_path / "logs")
     assert (out / "checkpoints" / "step_3" / "state").is_dir()  # FSDP's sharded checkpoint
 
 

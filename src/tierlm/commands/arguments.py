@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         stage_parser.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)"
         )
+        stage_parser.add_argument(
+            "--resume-from",
+            metavar="CHECKPOINT",
+            default=None,
+            help="continue from this checkpoint folder, this run's or another's of the same config "
+            "(training.resume_from_checkpoint)",
+        )
         if stage.name == "rl":
             stage_parser.add_argument(
                 "--check-parity",

@@ -43,6 +43,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from tierlm.config.launchers import accelerate_overrides
 
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
+    if getattr(args, "resume_from", None):
+        overrides.append(f"training.resume_from_checkpoint={args.resume_from}")
     config = accelerate_overrides(
         TierlmConfig.load(args.config, overrides), os.environ
     )  # under `accelerate launch`: its settings

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from tierlm.config.aliases import alias_overrides, translate_aliases
 from tierlm.errors import ConfigError, first_line
 
 
@@ -37,17 +38,23 @@ def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             if parsed is not None and not isinstance(parsed, dict):
                 raise ConfigError(f"{path} must hold a mapping of sections (model, data, training, infra, ...)")
             base = OmegaConf.create(text) if parsed else OmegaConf.create({})  # OmegaConf's YAML: 3e-4 is a float
+            base = OmegaConf.create(translate_aliases(OmegaConf.to_container(base)))  # the file's own names first
         except (yaml.YAMLError, OmegaConfBaseException) as e:
             raise ConfigError(f"{path} is not valid YAML: {first_line(e)}") from None
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like section.key=value")
+    named, eval_samples = alias_overrides(overrides)  # an override in the story's names wins over the file's
     try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(named))
         raw = OmegaConf.to_container(merged, resolve=True)
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
         raise ConfigError(f"cannot apply overrides {' '.join(overrides)}: {first_line(e)}") from None
-    return raw
+    if eval_samples is not None:  # it replaces the file's eval_batches (an override's is a conflict, refused)
+        if not any(item.startswith("training.eval_batches=") for item in overrides):
+            raw.setdefault("training", {}).pop("eval_batches", None)
+        raw["training"]["eval_samples"] = yaml.safe_load(eval_samples)
+    return translate_aliases(raw)
 
 
 PRESETS_DIR = Path(__file__).parent / "presets"

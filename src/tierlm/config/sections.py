@@ -303,6 +303,9 @@ class TrainingConfig(Section):
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the latest checkpoint in output_dir if there is one; never: refuse to reuse a run
     directory."""
+    resume_from_checkpoint: str | None = None
+    """Continue from this checkpoint folder (`.../checkpoints/step_N`) instead of the latest: an earlier one of this
+    run, or another run's of the same stage and shape (its new checkpoints and model go to this run's output_dir)."""
 
     @field_validator("per_device_train_batch_size", mode="before")
     @classmethod
@@ -420,6 +423,9 @@ class InfraConfig(Section):
     """FSDP only: FULL_SHARD re-shards each block after its forward (least memory); SHARD_GRAD_OP
     keeps them gathered until the backward (no second all-gather); HYBRID_SHARD shards within each
     machine and replicates across machines (2-D mesh)."""
+    num_gpus: int | None = Field(None, gt=0)
+    """The ranks the run is launched with (the FSDP2 story's name), checked against what the launcher started
+    (None: whatever it started)."""
     dist_timeout_s: float = Field(600.0, gt=0)
     """How long a collective waits for a silent rank before the job fails (instead of hanging)."""
     max_memory_gb: float | None = Field(None, gt=0)
@@ -509,8 +515,10 @@ class TierlmConfig(Section):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "TierlmConfig":
+        from tierlm.config.aliases import translate_aliases
+
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(translate_aliases(raw))
         except ValidationError as e:
             raise ConfigError(describe_error(e.errors()[0], cls)) from None
 

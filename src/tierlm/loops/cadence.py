@@ -158,15 +158,17 @@ def resume_backend(backend: TrainingBackend, warn: bool = True) -> tuple[Path, d
     return None
 
 
-def resume(loop: Loop) -> Path | None:
-    """Continue `loop` from its newest loadable checkpoint (and its companions from the same step)."""
-    found = resume_backend(loop.backend, warn=loop.backend.is_main)
+def resume(loop: Loop, chosen: Path | None = None) -> Path | None:
+    """Continue `loop` from its newest loadable checkpoint, or from `chosen` (any run's; its failure to load is an
+    error, not a reason to try another), and its companions from the same step of the same run."""
+    if chosen is not None:
+        found = chosen, loop.backend.load_checkpoint(chosen).wait()
+    else:
+        found = resume_backend(loop.backend, warn=loop.backend.is_main)
     if found is None:
         return None
     path, trainer_state = found
     loop.load_trainer_state(trainer_state)
-    for companion in loop.companions():
-        companion.load_checkpoint(
-            companion.checkpoint_dir / path.name
-        ).wait()  # the same step's (a missing one is a CheckpointError)
+    for companion in loop.companions():  # the same step's, beside it (a missing one is a CheckpointError)
+        companion.load_checkpoint(path.parent.parent / companion.checkpoint_dir.name / path.name).wait()
     return path

@@ -456,8 +456,8 @@ class RLTrainer:
     def on_save(self, path: Path) -> None:
         pass
 
-    def resume(self) -> Path | None:
-        return cadence.resume(self)
+    def resume(self, chosen: Path | None = None) -> Path | None:
+        return cadence.resume(self, chosen)
 
     # -- the loop --------------------------------------------------------------------------
     def after_step(self, metrics: dict[str, float], log: bool) -> None:

@@ -235,9 +235,10 @@ class Trainer:
         """A checkpoint of the run at this step (with retention)."""
         return cadence.save(self)
 
-    def resume(self) -> Path | None:
-        """Continue from the newest loadable checkpoint; a damaged one is reported in one line and skipped."""
-        return cadence.resume(self)
+    def resume(self, chosen: Path | None = None) -> Path | None:
+        """Continue from the newest loadable checkpoint (a damaged one is reported in one line and skipped), or from
+        `chosen`."""
+        return cadence.resume(self, chosen)
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         if not metrics.get("skipped"):

@@ -124,29 +124,55 @@ def check_run_directory(config: TierlmConfig, stage: str) -> Path | None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"infra.output_dir {out} is a file; give a folder for the run")
     check_writable(out.absolute())
+    chosen = chosen_checkpoint(config, stage)
     if not out.exists() or not any(out.iterdir()):
-        return None
+        return chosen
     recorded = recorded_run(out)
     if recorded is None:
         raise ConfigError(f"infra.output_dir {out} is not empty and holds no tierlm run; choose a new or empty folder")
-    mine = fingerprint(config, stage) if recorded else {}
-    if recorded and recorded.get("stage") != stage:
-        raise ConfigError(
-            f"{out} holds a {recorded.get('stage')} run, not {stage}: use a new infra.output_dir "
-            f"(and model.model_name_or_path={out} to start from it)"
-        )
-    for key in sorted(set(mine) | set(recorded)):
-        if mine.get(key) != recorded.get(key):
-            raise ConfigError(
-                f"{out} was run with {key}={recorded.get(key)!r}, this command has {mine.get(key)!r}; "
-                "resume with the same value or use a new infra.output_dir"
-            )
+    check_same_run(config, stage, recorded, out, "use a new infra.output_dir")
+    if chosen is not None:
+        return chosen
     latest = find_latest_checkpoint(out / CHECKPOINTS_DIRNAME)
     if latest is not None and config.training.resume == "never":
         raise ConfigError(
             f"{out} already holds checkpoints; use a new infra.output_dir or training.resume=auto to continue"
         )
     return latest
+
+
+def check_same_run(config: TierlmConfig, stage: str, recorded: dict[str, Any], where: Path, otherwise: str) -> None:
+    """Refuse, in one line, a run that would continue one recorded with another stage or shape."""
+    mine = fingerprint(config, stage) if recorded else {}
+    if recorded and recorded.get("stage") != stage:
+        raise ConfigError(
+            f"{where} holds a {recorded.get('stage')} run, not {stage}: {otherwise} "
+            f"(and model.model_name_or_path={where} to start from it)"
+        )
+    for key in sorted(set(mine) | set(recorded)):
+        if mine.get(key) != recorded.get(key):
+            raise ConfigError(
+                f"{where} was run with {key}={recorded.get(key)!r}, this command has {mine.get(key)!r}; "
+                f"resume with the same value or {otherwise}"
+            )
+
+
+def chosen_checkpoint(config: TierlmConfig, stage: str) -> Path | None:
+    """training.resume_from_checkpoint, checked: a sealed checkpoint of a run of this stage and shape."""
+    chosen = config.training.resume_from_checkpoint
+    if chosen is None:
+        return None
+    path = Path(chosen)
+    if not (path / "meta.json").is_file():
+        raise ConfigError(
+            f"training.resume_from_checkpoint {path} is not a checkpoint folder (a run's checkpoints/step_N)"
+        )
+    run = path.parent.parent
+    recorded = recorded_run(run) if path.parent.name == CHECKPOINTS_DIRNAME else None
+    if recorded is None:
+        raise ConfigError(f"training.resume_from_checkpoint {path} is not inside a tierlm run's checkpoints folder")
+    check_same_run(config, stage, recorded, run, "start from its model with model.model_name_or_path")
+    return path
 
 
 # -- the pieces every stage sets up ---------------------------------------------------------
@@ -159,6 +185,12 @@ def seed_everything(seed: int) -> None:
 def distributed_context(config: TierlmConfig) -> DistributedContext | None:
     """Join torchrun's process group when the config asks for data parallelism (or "auto" finds >1 rank)."""
     infra, tr = config.infra, config.training
+    world = int(os.environ["WORLD_SIZE"]) if launched_distributed() else 1
+    if infra.num_gpus is not None and infra.num_gpus != world:
+        raise ConfigError(
+            f"infra.num_gpus={infra.num_gpus} but {world} rank(s) were started: launch {infra.num_gpus} (torchrun "
+            f"--nproc_per_node / accelerate launch --num_processes), or set infra.num_gpus={world} or null"
+        )
     kind = infra.distributed_type
     if infra.model_parallel:
         sizes = (
@@ -444,7 +476,8 @@ class Run:
             self.config.to_yaml(self.output_dir / "config.yaml")
             if self.memory is not None:  # what the planner expected, beside the measured rss_mb of metrics.jsonl
                 (self.output_dir / "memory_estimate.json").write_text(json.dumps(self.memory.record(), indent=1) + "\n")
-        self.resumed = trainer.resume() if self.latest is not None else None
+        chosen = self.latest if self.config.training.resume_from_checkpoint is not None else None
+        self.resumed = trainer.resume(chosen) if self.latest is not None else None
         if self.is_main:
             metrics = self.output_dir / "metrics.jsonl"
             if self.resumed is None and metrics.exists():  # a fresh start never appends to an old run's lines

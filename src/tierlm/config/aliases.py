@@ -1,0 +1,79 @@
+"""The field names of the FSDP2 training story's config (its `TrainingConfig` / `InfraConfig` dataclasses), read as
+tierlm's: a YAML written for that story loads as it is.
+
+Each name moves to the tierlm field that means the same; one that the config also sets under tierlm's own name, to
+another value, is refused in one line. `training.eval_samples` becomes whole evaluation batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from tierlm.errors import ConfigError
+
+MOVED = {
+    ("infra", "logging_dir"): ("training", "logging_dir"),
+    ("infra", "fsdp_activation_checkpointing"): ("infra", "activation_checkpointing"),
+    ("infra", "fsdp_cpu_offload"): ("infra", "cpu_offload"),
+}
+"""(section, the story's name) -> (section, tierlm's name)."""
+
+
+def _put(raw: dict[str, Any], source: str, target: tuple[str, str], value: Any) -> None:
+    section, name = target
+    if not isinstance(raw.get(section), dict):
+        raw[section] = {}
+    if name in raw[section] and raw[section][name] != value:
+        raise ConfigError(
+            f"{source}={value} is tierlm's {section}.{name}, which the config also sets, to {raw[section][name]}: "
+            "keep one"
+        )
+    raw[section][name] = value
+
+
+def alias_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], str | None]:
+    """`section.key=value` overrides with the story's names renamed to tierlm's, and the value of a
+    `training.eval_samples=N` among them (None: none), which needs the merged eval batch size.
+
+    >>> alias_overrides(["infra.fsdp_cpu_offload=true", "training.eval_samples=64", "training.seed=1"])
+    (['infra.cpu_offload=true', 'training.seed=1'], '64')
+    """
+    named, samples = [], None
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "training.eval_samples":
+            samples = value
+            continue
+        moved = MOVED.get(tuple(key.split(".", 1)))
+        named.append(f"{'.'.join(moved)}={value}" if moved else item)
+    return named, samples
+
+
+def translate_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` (a config as read) with the story's names moved to tierlm's.
+
+    >>> translate_aliases({"infra": {"logging_dir": "./logs", "fsdp_activation_checkpointing": True}})
+    {'infra': {'activation_checkpointing': True}, 'training': {'logging_dir': './logs'}}
+    >>> translate_aliases({"training": {"eval_samples": 1000, "per_device_eval_batch_size": 8}})
+    {'training': {'per_device_eval_batch_size': 8, 'eval_batches': 125}}
+    """
+    if not isinstance(raw, dict):
+        return raw
+    raw = copy.deepcopy(raw)
+    for (section, name), target in MOVED.items():
+        if isinstance(raw.get(section), dict) and name in raw[section]:
+            _put(raw, f"{section}.{name}", target, raw[section].pop(name))
+    training = raw.get("training")
+    if isinstance(training, dict) and "eval_samples" in training:
+        from tierlm.config.sections import TrainingConfig
+
+        samples = training.pop("eval_samples")
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples <= 0:
+            raise ConfigError(f"training.eval_samples must be a number of examples > 0, got {samples!r}")
+        rows = training.get(
+            "per_device_eval_batch_size", TrainingConfig.model_fields["per_device_eval_batch_size"].default
+        )
+        _put(raw, "training.eval_samples", ("training", "eval_batches"), math.ceil(samples / rows))
+    return raw

@@ -148,3 +148,22 @@ def test_a_run_continues_from_any_checkpoint(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
         assert not (tmp_path / "c").exists()
+
+
+def test_save_best_keeps_a_checkpoint_of_every_new_best_evaluation(tmp_path):
+    """training.save_best with an evaluation every step and no save_steps: a checkpoint exactly at the steps whose
+    val loss beat every earlier one (read from the run's own eval lines), plus the last; the summary names the best."""
+    from tierlm.checkpoint import find_best_checkpoint, list_checkpoints
+
+    run = tmp_path / "run"
+    args = ["pretrain", "--config", "tiny_pretrain", *TINY, "training.num_train_steps=8", "training.eval_steps=1"]
+    assert main([*args, "training.save_best=true", "training.learning_rate=0.05", f"infra.output_dir={run}"]) == 0
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "eval"]
+    best, expected = float("inf"), set()
+    for r in evals:
+        if r["step"] >= 1 and r["val_loss"] < best:  # step 0's evaluation is of no checkpoint
+            best, _ = r["val_loss"], expected.add(r["step"])
+    saved = {int(p.name.split("_")[1]) for p in list_checkpoints(run / "checkpoints")}
+    assert saved == expected | {8} and len(expected) >= 2, (saved, [(r["step"], r["val_loss"]) for r in evals])
+    loss = {r["step"]: r["val_loss"] for r in evals}
+    assert find_best_checkpoint(run / "checkpoints").name == f"step_{min(saved, key=loss.get)}"

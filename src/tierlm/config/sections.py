@@ -277,6 +277,9 @@ class TrainingConfig(Section):
     """Checkpoint every N steps (0: only at the end)."""
     save_total_limit: int = Field(0, ge=0)
     """Keep only the newest N checkpoints (0 keeps all); the best by val loss is kept as well."""
+    save_best: bool = False
+    """Also save a checkpoint at every evaluation that beats the best so far (val loss; RL: pass@1), so the best
+    model is always on disk whatever save_steps says; the summary names it (best_checkpoint)."""
     async_save: bool = False
     """Copy the state to CPU at each save and write it on a background thread while training goes on."""
     average_last_n: int = Field(0, ge=0)

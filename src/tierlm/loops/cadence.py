@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from tierlm.backends.protocol import TrainingBackend
-from tierlm.checkpoint import prune_checkpoints, resume_candidates
+from tierlm.checkpoint import find_best_checkpoint, prune_checkpoints, resume_candidates
+from tierlm.checkpoint.core import checkpoint_metric
 from tierlm.config import TrainingConfig
 from tierlm.errors import CheckpointError
 from tierlm.loops.signals import GracefulStop, RunInterrupted
@@ -89,6 +90,7 @@ def run_loop(loop: Loop) -> None:
     if loop.evaluates and state.step == 0:
         loop.evaluate()
     start = time.perf_counter() - state.elapsed_s
+    best = best_saved_metric(loop)  # training.save_best: the metric to beat, as the checkpoints on disk record it
     while state.step < cfg.num_train_steps:
         metrics = loop.loop_step()
         state.step += 1
@@ -97,12 +99,23 @@ def run_loop(loop: Loop) -> None:
         loop.after_step(metrics, log=due(cfg.logging_steps, state.step) or last)
         if loop.evaluates and (due(cfg.eval_steps, state.step) or last):
             loop.log_eval(loop.evaluate())
-        saved = due(cfg.save_steps, state.step) or last
+        metric = loop.checkpoint_metric()  # None unless evaluated at this step
+        better = cfg.save_best and metric is not None and (best is None or metric < best)
+        saved = due(cfg.save_steps, state.step) or last or better
         if saved:
             save(loop)
+            best = metric if better else best
         if not last:
             stop_if_signalled(loop, saved)
     wait_for_saves(loop)
+
+
+def best_saved_metric(loop: Loop) -> float | None:
+    """The lowest metric a checkpoint of the loop records (None: none, or training.save_best is off)."""
+    if not loop.config.save_best:
+        return None
+    best = find_best_checkpoint(loop.backend.checkpoint_dir)
+    return checkpoint_metric(best) if best is not None else None
 
 
 def save(loop: Loop) -> Path:

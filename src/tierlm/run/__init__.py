@@ -39,7 +39,7 @@ import torch
 from tierlm.build.backend import check_deepspeed, distributed_kind
 from tierlm.build.stage import Stage
 from tierlm.build.tokenizer import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401
-from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_latest_checkpoint
+from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_best_checkpoint, find_latest_checkpoint
 from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace_folder
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
@@ -510,6 +510,9 @@ class Run:
             world_size=self.world_size,
             distributed_type=self.kind,
         )
+        if self.config.training.save_best:
+            best = find_best_checkpoint(self.checkpoint_dir)
+            summary["best_checkpoint"] = str(best) if best is not None else None
         state = None
         if backend is not None:
             model, state = backend.export_model, backend.full_model_state()

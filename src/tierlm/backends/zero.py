@@ -181,6 +181,20 @@ class DeepSpeedTrainingBackend(DistributedTrainingBackend):
                 state[name] = whole.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
 
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's partition of the parameters (ZeRO-3's `ds_tensor`) and of the optimizer state."""
+        params = sum(
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
+            for p in self.engine.module.parameters()
+        )
+        states = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        return {"param_bytes": float(params), "optimizer_bytes": float(states)}
+
     @classmethod
     def memory_per_rank(
         cls,

@@ -470,7 +470,9 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
         with warnings.catch_warnings():  # "loading in a single process" is what we mean without a job
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             storable, restore = dcp_storable(wanted)
-            dcp.load(storable, storage_reader=SafeFileSystemReader(state_dir), planner=SafeLoadPlanner())
+            sharded = any(hasattr(v, "device_mesh") for v in wanted["model"].values())  # FSDP's DTensors: a job's load
+            reader, planner = SafeFileSystemReader(state_dir), SafeLoadPlanner()
+            dcp.load(storable, storage_reader=reader, planner=planner, no_dist=not sharded)
             restore()
     except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): hand on the first as what it is
         failure = next(iter(e.failures.values()))[0] if e.failures else RuntimeError(str(e))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import tempfile
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -102,16 +103,27 @@ def average_checkpoints(paths: list[str | Path], out_dir: str | Path) -> Path:
     """Average the model weights of several checkpoints (or model folders) into a new model folder.
 
     Tokenizer, config and the native description are taken from the last one; every weight must
-    have the same name and shape in all of them. Each input is verified first; `out_dir` must be
-    new (or empty) and outside every input, and appears only once complete.
+    have the same name and shape in all of them. Each input is verified first; a sharded checkpoint (a torchrun
+    job's, DeepSpeed's) is gathered in this process first. `out_dir` must be new (or empty) and outside every
+    input, and appears only once complete.
     """
-    from safetensors.torch import load_file, save_file
-
     if len(paths) < 2:
         raise CheckpointError(f"averaging needs at least 2 checkpoints, got {len(paths)}")
-    folders = [verified_model_folder(p) for p in paths]
-    out = Path(out_dir)
-    check_new_folder(out, [Path(p) for p in paths] + folders)
+    with tempfile.TemporaryDirectory(prefix="tierlm-average-") as scratch:
+        folders = []
+        for i, path in enumerate(map(Path, paths)):
+            if is_sharded_checkpoint(path):
+                folders.append(export_sharded_checkpoint(path, Path(scratch) / str(i)))
+            else:
+                folders.append(verified_model_folder(path))
+        out = Path(out_dir)
+        check_new_folder(out, [Path(p) for p in paths] + folders)
+        return _average(folders, out)
+
+
+def _average(folders: list[Path], out: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
     states = []
     for folder in folders:
         try:

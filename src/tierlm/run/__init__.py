@@ -226,10 +226,6 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
         raise ConfigError(
             "training.async_save is for one process; distributed runs save sharded checkpoints synchronously"
         )
-    if tr.average_last_n:
-        raise ConfigError(
-            "training.average_last_n needs full checkpoints; under torchrun, `tierlm export` them and `tierlm average`"
-        )
     return init_distributed(infra.device_type, infra.dist_timeout_s)
 
 

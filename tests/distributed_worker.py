@@ -67,6 +67,7 @@ def build(
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
     architecture: str = "gpt",
+    async_save: bool = False,
 ):
     from tierlm.models.gpt2.family import GPT2_FAMILY
 
@@ -122,7 +123,9 @@ def build(
         return DeepSpeedTrainingBackend(
             model, optimizer_fn, zero_stage=int(mode[4]), offload_optimizer=mode.endswith("offload"), **common
         )
-    return FSDPTrainingBackend(model, optimizer_fn, activation_checkpointing=activation_checkpointing, **common)
+    return FSDPTrainingBackend(
+        model, optimizer_fn, activation_checkpointing=activation_checkpointing, async_save=async_save, **common
+    )
 
 
 def run(
@@ -136,11 +139,12 @@ def run(
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
     architecture: str = "gpt",
+    async_save: bool = False,
 ) -> None:
     distributed = mode != "single"
     ctx = init_distributed("cpu", timeout_s=60) if distributed else None
     rank, world = (ctx.rank, ctx.world_size) if ctx else (0, 1)
-    backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer, architecture)
+    backend = build(mode, checkpoint_dir, activation_checkpointing, optimizer, architecture, async_save)
     if load:
         backend.load_checkpoint(load).wait()
     share, shares = (
@@ -159,7 +163,10 @@ def run(
             {"step": step + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"]}
         )
         if save_at is not None and step + 1 == save_at:
-            backend.save_checkpoint(step + 1, {"note": "test"}).wait()
+            saving = backend.save_checkpoint(step + 1, {"note": "test"})
+            if not async_save:  # async: written while the next steps train, sealed at the end
+                saving.wait()
+    backend.wait_for_save()
     memory = backend.memory_stats()
     if rank == 0:
         out.write_text(json.dumps({"steps": records, "memory": memory, "world_size": world}))
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
     parser.add_argument("--model", default="gpt", choices=["gpt", "gpt2"])
+    parser.add_argument("--async-save", type=int, default=0, help="FSDP: DCP's async save, overlapping the steps")
     args = parser.parse_args(argv)
     if args.mode == "factories":
         factories(args.out, args.model_folder)
@@ -268,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             bool(args.activation_checkpointing),
             args.optimizer,
             args.model,
+            bool(args.async_save),
         )
     shutdown_distributed()  # after the backends are out of scope (see its docstring)
 

@@ -83,8 +83,10 @@ def test_muon_at_two_ranks_matches_one_process(single_muon, mode, tmp_path):
 
 
 def test_sharded_checkpoint_resumes_at_one_rank_as_if_never_stopped(single, tmp_path):
-    """Save at 2 ranks (step 5) -> load in one process -> steps 6..10 equal the run that never stopped."""
-    run_worker("fsdp", tmp_path / "first.json", steps="0:5", save_at=5, checkpoint_dir=tmp_path / "ckpt")
+    """Save at 2 ranks (step 5, DCP's async save: written while steps 6..10 train) -> load in one process -> steps
+    6..10 equal the run that never stopped."""
+    first = run_worker("fsdp", tmp_path / "first.json", save_at=5, checkpoint_dir=tmp_path / "ckpt", async_save=1)
+    assert_same_steps(first["steps"], single["steps"])
     checkpoint = tmp_path / "ckpt" / "step_5"
     assert (checkpoint / "state").is_dir() and not (checkpoint / "model" / "model.safetensors").exists()
     resumed = run_worker(

@@ -48,6 +48,7 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
             "join the process group first (tierlm.primitives.parallel.init_distributed, under torchrun)"
         )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._pending_save, self._checkpoint_group = None, None
         optimizer = optimizer_fn(model)  # after wrapping: FSDP2's parameters are DTensor shards
         super().__init__(model, optimizer, scheduler=scheduler_fn(optimizer) if scheduler_fn else None, **kwargs)
 
@@ -77,9 +78,14 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
         write_extra: Callable[[Path], None] | None = None,
         metric: float | None = None,
     ) -> TrainFuture[Path]:
-        """Every rank writes its shards; rank 0 adds config, tokenizer and trainer state and seals it."""
+        """Every rank writes its shards; rank 0 adds config, tokenizer and trainer state and seals it. With
+        `async_save`, the shards are staged to CPU memory now and written on a background thread (DCP's async save,
+        coordinated over a gloo group of its own); the next save, `wait_for_save()` or the future seals it."""
+        self.wait_for_save()
         state = {"backend_step": self.step, **(trainer_state or {})}
-        path = checkpoint.save_sharded_checkpoint(
+        if self.async_save and self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")  # collective: every rank's first async save
+        saved = checkpoint.save_sharded_checkpoint(
             self.checkpoint_dir,
             step,
             self.model,
@@ -89,8 +95,18 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
             write_extra,
             metric,
             self.export_model,
+            async_group=self._checkpoint_group if self.async_save else None,
         )
-        return TrainFuture.ready(path)
+        if isinstance(saved, Path):
+            return TrainFuture.ready(saved)
+        self._pending_save = saved
+        return TrainFuture(lambda: (self.wait_for_save(), saved.root / f"step_{step}")[1])
+
+    def wait_for_save(self) -> None:
+        """Finish an async save: this rank's shards written, and on rank 0 the checkpoint sealed."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
 
 
 class DDPTrainingBackend(DistributedTrainingBackend):
@@ -117,6 +133,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
         fp8: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         flash_attention: bool = True,
+        async_save: bool = False,
     ):
         assert gradient_accumulation_steps >= 1, (
             f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
@@ -143,6 +160,7 @@ class DDPTrainingBackend(DistributedTrainingBackend):
             fused_cross_entropy=fused_cross_entropy,
             grad_scaler=grad_scaler,
             flash_attention=flash_attention,
+            async_save=async_save,
         )
 
     @property
@@ -195,6 +213,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         fp8: bool = False,
         sharding: str = "FULL_SHARD",
         flash_attention: bool = True,
+        async_save: bool = False,
     ):
         device = torch.device(device)
         world = dist.get_world_size()
@@ -221,6 +240,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
             max_grad_norm=max_grad_norm,
             fused_cross_entropy=fused_cross_entropy,
             flash_attention=flash_attention,
+            async_save=async_save,
         )
 
     def _place(self, model: nn.Module) -> nn.Module:

@@ -117,6 +117,7 @@ def build_backend(
             fp8=tr.fp8,
             sharding=infra.fsdp_sharding_strategy,
             flash_attention=config.model.use_flash_attention,
+            async_save=tr.async_save,
         )
     if infra.cpu_offload:
         raise ConfigError(
@@ -139,6 +140,7 @@ def build_backend(
             fp8=tr.fp8,
             grad_scaler=scaler,
             flash_attention=config.model.use_flash_attention,
+            async_save=tr.async_save,
         )
     model = prepare_model(model, device, infra.activation_checkpointing, infra.compile, tr.fp8)
     optimizer = optimizer_fn(model)

@@ -208,7 +208,8 @@ def save_sharded_checkpoint(
     write_extra: Callable[[Path], None] | None = None,
     metric: float | None = None,
     whole_model: nn.Module | None = None,
-) -> Path:
+    async_group: Any | None = None,
+) -> Path | PendingSave:
     """Collective: every rank writes its shards of the weights and optimizer state into `state/`;
     rank 0 writes the model config, scheduler, trainer state and extras and seals the folder
     atomically, as `write_snapshot` does. The checkpoint directory must be shared by all ranks.
@@ -216,13 +217,12 @@ def save_sharded_checkpoint(
     The optimizer state is flattened (its hyperparameters kept per parameter name), so ranks that hold
     different parameters — pipeline stages — write one consistent checkpoint that loads at any layout.
     `whole_model`: the model whose config describes the checkpoint, when `model` is one stage of it.
-    """
+    `async_group` (a process group of its own, for the background writes' coordination): DCP's async save —
+    the shards are staged to CPU memory now and written on a background thread; the returned `PendingSave`
+    seals the folder when `finish()`ed (before the next save)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    from tierlm.models import unwrap_model
-    from tierlm.models.io import save_model_config
 
     root, is_main = Path(checkpoint_dir), dist.get_rank() == 0
     tmp = root / f".tmp_step_{step}_sharded"
@@ -233,20 +233,53 @@ def save_sharded_checkpoint(
     model_state, optim_state = get_state_dict(
         model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True)
     )
-    dcp.save(dcp_storable({"model": model_state, "optim": optim_state})[0], checkpoint_id=str(tmp / STATE_DIRNAME))
-    final = root / f"step_{step}"
-    if is_main:
-        try:
-            save_model_config(unwrap_model(whole_model if whole_model is not None else model), tmp / "model")
-            torch.save(train_state(None, scheduler), tmp / "train_state.pt")
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched"
-            ) from e
-        seal_checkpoint(tmp, root, step, trainer_state, write_extra, metric)
+    storable = dcp_storable({"model": model_state, "optim": optim_state})[0]
+    described = whole_model if whole_model is not None else model
+    extras = train_state(None, scheduler) if is_main else None  # the scheduler and RNG as they are now
+    pending = PendingSave(root, step, tmp, described, extras, trainer_state, write_extra, metric, is_main)
+    if async_group is not None:
+        pending.future = dcp.async_save(storable, checkpoint_id=str(tmp / STATE_DIRNAME), process_group=async_group)
+        return pending
+    dcp.save(storable, checkpoint_id=str(tmp / STATE_DIRNAME))
+    final = pending.finish()
     dist.barrier()
     return final
+
+
+@dataclass
+class PendingSave:
+    """A sharded checkpoint whose shards are written (or being written, `future`); `finish()` waits for them and, on
+    rank 0, writes the config, scheduler, RNG and trainer state and seals it."""
+
+    root: Path
+    step: int
+    tmp: Path
+    model: nn.Module
+    extras: dict[str, Any] | None
+    trainer_state: dict[str, Any] | None
+    write_extra: Callable[[Path], None] | None
+    metric: float | None
+    is_main: bool
+    future: Any = None
+
+    def finish(self) -> Path:
+        from tierlm.models import unwrap_model
+        from tierlm.models.io import save_model_config
+
+        if self.future is not None:
+            self.future.result()  # this rank's shards (rank 0: and the index, once every rank's are written)
+        final = self.root / f"step_{self.step}"
+        if self.is_main:
+            try:
+                save_model_config(unwrap_model(self.model), self.tmp / "model")
+                torch.save(self.extras, self.tmp / "train_state.pt")
+            except OSError as e:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise CheckpointError(
+                    f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched"
+                ) from e
+            seal_checkpoint(self.tmp, self.root, self.step, self.trainer_state, self.write_extra, self.metric)
+        return final
 
 
 def seal_checkpoint(

@@ -222,9 +222,9 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
                 f"torchrun started {os.environ['WORLD_SIZE']} ranks but infra.distributed_type=none; use fsdp or ddp"
             )
         return None
-    if tr.async_save:
+    if tr.async_save and infra.model_parallel:
         raise ConfigError(
-            "training.async_save is for one process; distributed runs save sharded checkpoints synchronously"
+            "training.async_save is for one process, DDP and FSDP2; tensor / pipeline parallel runs save synchronously"
         )
     return init_distributed(infra.device_type, infra.dist_timeout_s)
 

@@ -143,6 +143,33 @@ def auto_find_batch_size(
     raise RuntimeError(f"Could not find working batch size >= {min_batch_size}")
 
 
+def throughput_knee(
+    seconds_for: Callable[[int], float | None], largest: int, tolerance: float = 0.05
+) -> tuple[int, dict]:
+    """(rows, {rows: rows/s}): the smallest power of two up to `largest` whose measured rate is within `tolerance`
+    of the best, trying 1, 2, 4, ... and stopping two doublings after the rate last rose by more than `tolerance`
+    (on a CPU tokens/s stops rising after a few rows; on a GPU it climbs to the memory bound). `seconds_for(n)`
+    times a step of n rows, or is None when n rows do not fit (the search stops there).
+
+    >>> knee, rates = throughput_knee(lambda n: n / min(n, 8), 1024)  # the rate saturates at 8 rows
+    >>> knee, sorted(rates)
+    (8, [1, 2, 4, 8, 16, 32])
+    """
+    rates: dict[int, float] = {}
+    best, stalled, rows = 0.0, 0, 1
+    while rows <= largest and stalled < 2:
+        seconds = seconds_for(rows)
+        if seconds is None:
+            if not rates:
+                raise RuntimeError("not even 1 row fits in memory")
+            break
+        rates[rows] = rows / max(seconds, 1e-9)
+        best, stalled = (rates[rows], 0) if rates[rows] > best * (1 + tolerance) else (best, stalled + 1)
+        rows *= 2
+    top = max(rates.values())
+    return min(n for n, rate in rates.items() if rate >= (1 - tolerance) * top), rates
+
+
 def _loss_of(outputs: Any) -> torch.Tensor:
     if hasattr(outputs, "loss"):
         return outputs.loss

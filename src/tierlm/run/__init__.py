@@ -321,6 +321,17 @@ class Run:
             return Path(self.scratch[-1].name)
         return self.output_dir / name
 
+    def agreed(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (one process: `value`), for a choice each rank could make differently
+        (a timing's)."""
+        if self.ctx is None:
+            return value
+        import torch.distributed as dist
+
+        shared = [value]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
     def note(self, text: str) -> None:
         """Say `text` (stdout, rank 0) once the run begins: a refusal before that is the only line printed."""
         if self.is_main:

@@ -8,6 +8,7 @@ import json
 import math
 import resource
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -19,9 +20,10 @@ from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, Tokenizer
 from tierlm.loops.trainer import Trainer
 from tierlm.metrics import flops_per_token, peak_flops
+from tierlm.metrics.memory import clear_memory
 from tierlm.metrics.report import model_figures
 from tierlm.models import forward_cross_entropy
-from tierlm.plan.batch import auto_find_batch_size
+from tierlm.plan.batch import auto_find_batch_size, throughput_knee
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
 from tierlm.run import Run, extras_writer
@@ -128,10 +130,12 @@ class _TrainingLoss(torch.nn.Module):
 
 
 def confirm_batch_size(run: Run, model: torch.nn.Module) -> bool:
-    """training.per_device_train_batch_size=auto, confirmed by one real forward/backward at the planned
-    micro-batch (`auto_find_batch_size`): on CUDA an out-of-memory halves it and tries again, and the run's
-    config takes the size that ran. True when it changed (the loaders must be rebuilt). Not under FSDP or
-    model parallelism: before sharding, each rank holds the whole model, which the sharded run does not."""
+    """training.per_device_train_batch_size=auto, confirmed by real forward/backward passes: the planned micro-batch
+    runs (`auto_find_batch_size`: on CUDA an out-of-memory halves it and tries again), then, for a new run, the
+    smallest power of two within 5% of the best tokens/s measured up to it (`throughput_knee`: on a CPU a few rows
+    train as fast as thousands), agreed by every rank as rank 0 measured it. The run's config takes the size.
+    True when it changed (the loaders must be rebuilt). Not under FSDP, DeepSpeed or model parallelism: before
+    sharding, each rank holds the whole model, which the sharded run does not."""
     tr, T = run.config.training, run.config.data.max_seq_length
     if run.kind in SHARDED_KINDS:
         return False
@@ -139,12 +143,40 @@ def confirm_batch_size(run: Run, model: torch.nn.Module) -> bool:
     def sample(n: int) -> dict[str, torch.Tensor]:
         return {"input_ids": torch.zeros(n * run.stage.rows_per_example, T, dtype=torch.long, device=run.device)}
 
-    rows = auto_find_batch_size(
-        _TrainingLoss(model), sample, start_batch_size=tr.per_device_train_batch_size, predict_on_cpu=False
-    )
-    if rows == tr.per_device_train_batch_size:
+    loss = _TrainingLoss(model)
+    planned = tr.per_device_train_batch_size
+    if run.latest is not None:  # a resumed run keeps the size its data position counts, if it still fits
+        rows = auto_find_batch_size(loss, sample, start_batch_size=planned, predict_on_cpu=False)
+        why = f"ran out of memory at {planned}"
+    else:  # every size tried ran: the one chosen is confirmed
+        rows, rates = throughput_knee(lambda n: _step_seconds(loss, sample(n), run.device), planned)
+        rows = run.agreed(rows)
+        shown = ", ".join(f"{n}: {rate * T:,.0f}" for n, rate in rates.items())
+        why = f"the smallest within 5% of the best tokens/s measured ({shown}) of the {planned} memory allows"
+    if rows == planned:
         return False
-    ran_out = tr.per_device_train_batch_size
-    run.note(f"training.per_device_train_batch_size=auto: {rows} rows (ran out of memory at {ran_out})")
+    run.note(f"training.per_device_train_batch_size=auto: {rows} rows ({why})")
     run.set_batch_size(rows)
     return True
+
+
+def _step_seconds(loss: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> float | None:
+    """A forward and backward of `batch`, timed: the faster of two after a warm-up (None: out of CUDA memory); its
+    gradients are dropped, and no training randomness is drawn."""
+    times = []
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for _ in range(3):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                loss(**batch).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+                loss.zero_grad(set_to_none=True)
+    except torch.cuda.OutOfMemoryError:
+        loss.zero_grad(set_to_none=True)
+        clear_memory()
+        return None
+    return min(times[1:])

@@ -30,6 +30,17 @@ from tierlm.primitives.schedules import TrainingSchedule
 
 CONFIG = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=32)
 GPT2_CONFIG = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=32)
+GPT2_V6_CONFIG = GPT2Config(  # the research variant with the most new parameters: RA, R-MLP, its mixer and gate
+    n_layer=2,
+    n_head=4,
+    n_embd=32,
+    vocab_size=97,
+    block_size=32,
+    ra_r=4,
+    rmlp_r_ff=64,
+    rmlp_mixer=True,
+    rmlp_gate_alpha=True,
+)
 ROWS, SEQ, ACCUM = 4, 16, 2
 
 
@@ -72,7 +83,8 @@ def build(
     from tierlm.models.gpt2.family import GPT2_FAMILY
 
     torch.manual_seed(0)
-    model = build_gpt(CONFIG) if architecture == "gpt" else GPT2_FAMILY.build_from_config(GPT2_CONFIG)
+    gpt2 = GPT2_V6_CONFIG if architecture == "gpt2_v6" else GPT2_CONFIG
+    model = build_gpt(CONFIG) if architecture == "gpt" else GPT2_FAMILY.build_from_config(gpt2)
     with torch.no_grad():  # off the zero-initialised projections, so every weight gets a gradient
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -256,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
-    parser.add_argument("--model", default="gpt", choices=["gpt", "gpt2"])
+    parser.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "gpt2_v6"])
     parser.add_argument("--async-save", type=int, default=0, help="FSDP: DCP's async save, overlapping the steps")
     args = parser.parse_args(argv)
     if args.mode == "factories":

@@ -82,6 +82,16 @@ def test_muon_at_two_ranks_matches_one_process(single_muon, mode, tmp_path):
     assert single_muon["steps"][-1]["loss"] < single_muon["steps"][0]["loss"]
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_gpt2_research_variant_at_two_ranks_matches_one_process(mode, tmp_path):
+    """GPT-2 V6 (RA gates, R-MLP with its mixer and extra gate: per-layer scalars FSDP2 shards unevenly) at 2 DDP /
+    FSDP2 ranks == 1 process, 10 steps (1e-5)."""
+    one = run_worker("single", tmp_path / "one.json", model="gpt2_v6")
+    two = run_worker(mode, tmp_path / f"{mode}.json", model="gpt2_v6")
+    assert_same_steps(two["steps"], one["steps"])
+    assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]
+
+
 def test_sharded_checkpoint_resumes_at_one_rank_as_if_never_stopped(single, tmp_path):
     """Save at 2 ranks (step 5, DCP's async save: written while steps 6..10 train) -> load in one process -> steps
     6..10 equal the run that never stopped."""

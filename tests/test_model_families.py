@@ -69,6 +69,56 @@ def test_gpt2_loads_transformers_weights_with_the_same_logits_and_loss(tmp_path)
     assert torch.allclose(total / (labels != -100).sum(), reference.loss, atol=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["V1", "V2", "V3", "V6"])
+def test_a_research_variant_of_a_pretrained_gpt2_starts_as_it(variant, tmp_path):
+    """model.variant on a transformers GPT-2 folder: RA (V1), RA + self-restart (V2), R-MLP (V3) and R-MLP's
+    mixer and extra gate (V6) add parameters that start at the identity: transformers' own logits at step 0."""
+    from tierlm.config import ModelConfig
+
+    hf, folder = _hf_gpt2(tmp_path)
+    ours = GPT2_FAMILY.import_transformers(folder, model_config=ModelConfig(architecture="gpt2", variant=variant))
+    ids = torch.randint(0, 61, (3, 20))
+    with torch.no_grad():
+        assert torch.allclose(ours.eval()(ids), hf(ids).logits, atol=1e-5)
+    assert ours.config.ra_r == 4 and (ours.config.rmlp_r_ff == 64) == (variant in ("V3", "V6"))
+    assert sum(p.numel() for p in ours.parameters()) > sum(p.numel() for p in hf.parameters())  # the new gates
+
+
+def test_a_pretrained_gpt2_trains_as_v3_and_what_cannot_start_as_it_is_refused(tmp_path, capsys):
+    """`tierlm pretrain` from a transformers GPT-2 folder as V3: it trains (the loss falls), and the run's model is
+    the variant; a variant that changes what the model computes (V11's delayed activation) is one line."""
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    from tierlm.data import load_tokenizer
+
+    pre = tmp_path / "pre"
+    assert main(["pretrain", "--config", "tiny_pretrain", *TINY, f"infra.output_dir={pre}"]) == 0
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(HFConfig(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
+    load_tokenizer(pre / "model").save(folder)
+    args = [
+        "pretrain",
+        "--config",
+        "tiny_pretrain",
+        *TINY[3:],
+        "model.architecture=gpt2",
+        f"model.model_name_or_path={folder}",
+    ]
+    run = tmp_path / "v3"
+    steps = ["training.num_train_steps=30", "training.learning_rate=3e-3", "training.eval_steps=30"]
+    assert main([*args, "model.variant=V3", *steps, f"infra.output_dir={run}"]) == 0
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["val_loss"] < 0.8 * evals[0]["val_loss"]
+    trained = load_pretrained_model(run / "model")
+    assert (trained.config.ra_r, trained.config.rmlp_r_ff) == (4, 64)
+    capsys.readouterr()
+    assert main([*args, "model.variant=V11", f"infra.output_dir={tmp_path / 'v11'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot start as the pretrained GPT-2" in err[0], err
+
+
 def test_gpt2_exports_to_transformers_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -63,8 +63,8 @@ def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device
     imported = None
     if pretrained is not None and family.native and isinstance(pretrained, Path) and not is_native_folder(pretrained):
         imported = family.import_transformers(
-            pretrained, device, dtype, tokenizer.vocab_size
-        )  # e.g. GPT-2 weights as tierlm's gpt2
+            pretrained, device, dtype, tokenizer.vocab_size, config.model
+        )  # e.g. GPT-2 weights as tierlm's gpt2 (a research variant of it, at the identity)
     if pretrained is not None and imported is None:
         model = load_pretrained_model(pretrained, device=device, dtype=dtype, trust_remote_code=m.trust_remote_code)
     else:

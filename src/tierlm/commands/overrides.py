@@ -97,12 +97,25 @@ def check_starting_model(command: str, config: TierlmConfig, overrides: Iterable
             )
     if start is None:
         return
+    if family.name == "gpt2" and not native and all(_variant(key) for key in shaping):
+        if not isinstance(location, Path):
+            raise ConfigError(
+                f"{shaping[0]} makes a research variant of a local GPT-2 folder; download {start} first "
+                f"(huggingface-cli download {start} --local-dir <folder>) and start from the folder"
+            )
+        return  # the import makes the variant of the pretrained weights, starting as they are (GPT-2's family)
     if not (native and _describes(config, family, location)):  # tierlm's settings do not describe a transformers model
         raise ConfigError(
             f"{shaping[0]} shapes a model built from scratch, but `tierlm {command}` starts from {start} "
             "(model.model_name_or_path), whose shape is its own and differs: drop it, or drop "
             "model.model_name_or_path to train a new model"
         )
+
+
+def _variant(key: str) -> bool:
+    from tierlm.models.gpt2.family import VARIANT_KEYS
+
+    return key.split(".")[1] in VARIANT_KEYS
 
 
 def _shapes(key: str) -> bool:

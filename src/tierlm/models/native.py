@@ -89,10 +89,16 @@ class NativeFamily(ModelFamily):
         return None
 
     def import_transformers(
-        self, folder: Path, device="cpu", dtype: torch.dtype = torch.float32, vocab_size: int | None = None
+        self,
+        folder: Path,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+        vocab_size: int | None = None,
+        model_config=None,
     ) -> nn.Module | None:
         """A transformers folder of this family's twin as a native model (None: not supported). `vocab_size`:
-        the run's tokenizer's, for a family whose import adds tokens."""
+        the run's tokenizer's, for a family whose import adds tokens; `model_config`: the run's model section, for a
+        family that reshapes what it imports (GPT-2's research variants)."""
         return None
 
     def exportable(self, model: nn.Module) -> str | None:

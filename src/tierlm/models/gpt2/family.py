@@ -63,6 +63,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+VARIANT_KEYS = ("variant", "ra", "rmlp", "delay", "kv_pruning", "mlp_ratio")
+"""The model settings that make a research variant (they may reshape a pretrained GPT-2: `import_transformers`)."""
+PRESERVING = {"ra.r", "ra.per_head_gates", "ra.self_restart", "rmlp.r_ff", "rmlp.mixer", "rmlp.gate_alpha"}
+"""Variant fields whose new parameters can start as the identity, so a pretrained GPT-2 keeps its function."""
+
+
 def variant_fields(model_config) -> dict[str, Any]:
     """The variant fields of `model.variant`, overridden by explicit `model.ra.*`, `model.rmlp.*`
     and `model.mlp_ratio` values, as {"ra.r": 4, "rmlp.r_ff": 64, "mlp_ratio": 6.0, ...}.
@@ -241,8 +247,13 @@ class GPT2Family(NativeCausalLM):
             )
         return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
 
-    def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None) -> GPT2:
-        """A transformers GPT-2 folder (`GPT2LMHeadModel`'s config.json and safetensors) as a native GPT2."""
+    def import_transformers(
+        self, folder, device="cpu", dtype=torch.float32, vocab_size=None, model_config=None
+    ) -> GPT2:
+        """A transformers GPT-2 folder (`GPT2LMHeadModel`'s config.json and safetensors) as a native GPT2, made the
+        research variant `model_config` asks for (model.variant, model.ra.*, model.rmlp.*) with its new parameters
+        at the identity (`start_as_pretrained`): the variant computes the pretrained model's logits until it trains.
+        A variant that cannot start so (delayed activation, KV pruning, another MLP width) is refused."""
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -252,6 +263,14 @@ class GPT2Family(NativeCausalLM):
                 f"{folder} holds a {hf.model_type!r} model, not GPT-2; drop model.architecture=gpt2 to train it as it "
                 f"is"
             )
+        mlp_ratio = (hf.n_inner or 4 * hf.n_embd) / hf.n_embd
+        v = variant_fields(model_config) if model_config is not None else {}
+        changed = [k for k, value in v.items() if k not in PRESERVING and value not in (None, False, "none")]
+        if changed and not (changed == ["mlp_ratio"] and v["mlp_ratio"] == mlp_ratio):
+            raise ConfigError(
+                f"model.{changed[0]} cannot start as the pretrained GPT-2 in {folder} (it changes what the model "
+                "computes, or its shape); from a pretrained GPT-2 use RA and R-MLP (V1-V9), or train from scratch"
+            )
         config = GPT2Config(
             n_layer=hf.n_layer,
             n_head=hf.n_head,
@@ -260,11 +279,23 @@ class GPT2Family(NativeCausalLM):
             block_size=hf.n_positions,
             dropout=hf.resid_pdrop,
             layer_norm_eps=hf.layer_norm_epsilon,
-            mlp_ratio=(hf.n_inner or 4 * hf.n_embd) / hf.n_embd,
+            mlp_ratio=mlp_ratio,
+            ra_r=v.get("ra.r", 0),
+            ra_per_head=v.get("ra.per_head_gates", False),
+            self_restart=v.get("ra.self_restart", False),
+            rmlp_r_ff=v.get("rmlp.r_ff", 0),
+            rmlp_mixer=v.get("rmlp.mixer", False),
+            rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
         )
+        problems = config.validate()
+        if problems:
+            raise ConfigError(f"model ({self.name}) from {folder}: {problems[0]}")
         model = self.build_from_config(config, device, dtype)
         state = self.from_hf_state(model, load_file(Path(folder) / WEIGHTS_FILE, device=str(device)))
-        model.load_state_dict({k: v for k, v in state.items()}, strict=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        new = {name for name, _ in model.named_parameters() if name not in state}
+        assert not unexpected and set(missing) <= new, f"GPT-2 weights do not fit: {unexpected or missing}"
+        start_as_pretrained(model)
         return model
 
     def to_hf_state(self, model, state):
@@ -285,6 +316,37 @@ class GPT2Family(NativeCausalLM):
         if "wte.weight" in out:
             out["lm_head.weight"] = out["wte.weight"]
         return out
+
+
+@torch.no_grad()
+def start_as_pretrained(model: nn.Module) -> None:
+    """The research variants' new parameters at the identity: RA's and R-MLP's gates at 1 (each slice weighs as in
+    the plain model), R-MLP's extra scalar at 1 and its mixer the identity, self-restart's share of the values at 0.
+
+    >>> from tierlm.models.gpt2.model import GPT2Config
+    >>> plain = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8))
+    >>> v2 = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8,
+    ...                                              ra_r=2, self_restart=True, rmlp_r_ff=8, rmlp_mixer=True))
+    >>> _ = v2.load_state_dict(plain.state_dict(), strict=False); start_as_pretrained(v2)
+    >>> ids = torch.tensor([[1, 2, 3]]); torch.allclose(v2(ids), plain(ids), atol=1e-6)
+    True
+    """
+    from tierlm.models.gpt2.ra import ReciprocalGates, SelfRestart
+    from tierlm.models.gpt2.rmlp import ReciprocalMLP
+
+    for module in model.modules():
+        if isinstance(module, (ReciprocalGates, ReciprocalMLP)):
+            module.w_std.fill_(1.0)
+            module.w_rec.fill_(1.0)
+        if isinstance(module, SelfRestart):
+            module.alpha.zero_()
+        if isinstance(module, ReciprocalMLP):
+            if module.gate_alpha is not None:
+                module.gate_alpha.fill_(1.0)
+            if module.attn_alpha is not None:
+                module.attn_alpha.zero_()
+            if module.mixer is not None:
+                torch.nn.init.eye_(module.mixer.weight)
 
 
 GPT2_FAMILY = register_family(GPT2Family())

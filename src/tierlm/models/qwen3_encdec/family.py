@@ -102,7 +102,9 @@ class Qwen3EncDecFamily(NativeFamily):
     def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
         return self.build_from_config(self.encdec_config(model_config, vocab_size, max_seq_len), device, dtype)
 
-    def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None) -> Qwen3ForSeq2SeqLM:
+    def import_transformers(
+        self, folder, device="cpu", dtype=torch.float32, vocab_size=None, model_config=None
+    ) -> Qwen3ForSeq2SeqLM:
         """A decoder-only transformers Qwen3 folder as the start of both stacks (`initialize_from_qwen3`),
         its vocabulary grown to `vocab_size` (the run's tokenizer: the source's with sentinels and mode tokens)."""
         from transformers import AutoConfig

@@ -90,6 +90,27 @@ def variant_fields(model_config) -> dict[str, Any]:
     return fields
 
 
+def variant_config(v: dict[str, Any]) -> dict[str, Any]:
+    """`variant_fields`' values as `GPT2Config` fields (ra.r -> ra_r, ...); what they leave unset stays off."""
+    return {
+        "ra_r": v.get("ra.r", 0),
+        "ra_per_head": v.get("ra.per_head_gates", False),
+        "self_restart": v.get("ra.self_restart", False),
+        "rmlp_r_ff": v.get("rmlp.r_ff", 0),
+        "rmlp_mixer": v.get("rmlp.mixer", False),
+        "rmlp_gate_alpha": v.get("rmlp.gate_alpha", False),
+        "rmlp_attention_aware": v.get("rmlp.attention_aware", False),
+        "delay_mode": v.get("delay.mode", "none"),
+        "kv_prune": v.get("kv.enabled", False),
+        **{
+            f"delay_{k}": v[f"delay.{k}"]
+            for k in ("start_step", "ramp_steps", "window", "cv_threshold")
+            if f"delay.{k}" in v
+        },
+        **{f"kv_{k}": v[f"kv.{k}"] for k in ("keep_ratio", "recency", "learned", "values_only") if f"kv.{k}" in v},
+    }
+
+
 class GPT2Family(NativeCausalLM):
     name = "gpt2"
     model_fields = (*SHAPE_FIELDS, "dropout", "ra", "rmlp", "delay", "kv_pruning", "mlp_ratio")
@@ -126,21 +147,7 @@ class GPT2Family(NativeCausalLM):
             dropout=m.dropout,
             bias=m.bias,
             mlp_ratio=v.get("mlp_ratio", 4.0),
-            ra_r=v.get("ra.r", 0),
-            ra_per_head=v.get("ra.per_head_gates", False),
-            self_restart=v.get("ra.self_restart", False),
-            rmlp_r_ff=v.get("rmlp.r_ff", 0),
-            rmlp_mixer=v.get("rmlp.mixer", False),
-            rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
-            rmlp_attention_aware=v.get("rmlp.attention_aware", False),
-            delay_mode=v.get("delay.mode", "none"),
-            kv_prune=v.get("kv.enabled", False),
-            **{
-                f"delay_{k}": v[f"delay.{k}"]
-                for k in ("start_step", "ramp_steps", "window", "cv_threshold")
-                if f"delay.{k}" in v
-            },
-            **{f"kv_{k}": v[f"kv.{k}"] for k in ("keep_ratio", "recency", "learned", "values_only") if f"kv.{k}" in v},
+            **variant_config(v),
         )
         problems = config.validate()
         if problems:
@@ -280,12 +287,7 @@ class GPT2Family(NativeCausalLM):
             dropout=hf.resid_pdrop,
             layer_norm_eps=hf.layer_norm_epsilon,
             mlp_ratio=mlp_ratio,
-            ra_r=v.get("ra.r", 0),
-            ra_per_head=v.get("ra.per_head_gates", False),
-            self_restart=v.get("ra.self_restart", False),
-            rmlp_r_ff=v.get("rmlp.r_ff", 0),
-            rmlp_mixer=v.get("rmlp.mixer", False),
-            rmlp_gate_alpha=v.get("rmlp.gate_alpha", False),
+            **variant_config(v),
         )
         problems = config.validate()
         if problems:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.conftest import REPO, run_cli, torchrun
+from tests.conftest import REPO, TINY, run_cli, torchrun
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 
@@ -366,6 +366,46 @@ def test_fsdp_sharding_strategies_match_one_process(tmp_path):
         assert losses(out) == pytest.approx(losses(tmp_path / "one"), abs=1e-4), strategy
         estimate = json.loads((out / "memory_estimate.json").read_text())["parts_bytes"]
         assert estimate["FSDP gathered blocks"] > 0
+
+
+def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(tiny_runs, tmp_path):
+    """Continuing a trained model under FSDP2 with infra.cpu_ram_efficient_loading: rank 1 builds it on the meta
+    device and takes its shards from rank 0's copy by broadcast; the steps are one process's (1e-4)."""
+    common = [
+        "pretrain",
+        "--config",
+        "configs/tiny_pretrain.yaml",
+        *TINY,
+        f"model.model_name_or_path={tiny_runs / 'pre' / 'model'}",
+    ]
+    common += ["training.num_train_steps=4", "training.logging_steps=1", "training.eval_steps=2"]
+    two = tmp_path / "two"
+    result = torchrun(
+        "-m",
+        "tierlm",
+        *common,
+        "training.per_device_train_batch_size=4",
+        "infra.distributed_type=fsdp",
+        "infra.cpu_ram_efficient_loading=true",
+        f"infra.output_dir={two}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the weights were read on rank 0 alone, for 2 ranks" in result.stdout
+    from tierlm.commands.cli import main
+
+    assert main([*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}"]) == 0
+
+    def lines(run):
+        records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [
+            (r["step"], r["loss"] if r["type"] == "train" else r["val_loss"])
+            for r in records
+            if r["type"] in ("train", "eval")
+        ]
+
+    got, expected = lines(two), lines(tmp_path / "one")
+    assert [s for s, _ in got] == [s for s, _ in expected] and len(got) >= 6
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, expected)), (got, expected)
 
 
 def test_fsdp_on_one_process_saves_its_model(tmp_path):

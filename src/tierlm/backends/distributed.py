@@ -23,7 +23,7 @@ from tierlm import checkpoint
 from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
-from tierlm.models import family_of
+from tierlm.models import family_of, unwrap_model
 from tierlm.primitives.parallel import apply_ddp, apply_fsdp
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -107,6 +107,19 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             pending.finish()
+
+
+def broadcast_full_state(model: nn.Module, full: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill a sharded `model` whose ranks other than 0 were built on the meta device: every rank's storage is
+    allocated (`to_empty`), rank 0's `full` state (empty elsewhere) is broadcast into the shards
+    (`set_model_state_dict(broadcast_from_rank0=True)`), and the buffers no state dict carries (rotary tables)
+    are computed again by the model's family."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    family_of(model).after_materialize(unwrap_model(model))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
 
 
 class DDPTrainingBackend(DistributedTrainingBackend):
@@ -214,9 +227,13 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         sharding: str = "FULL_SHARD",
         flash_attention: bool = True,
         async_save: bool = False,
+        broadcast_weights: bool = False,
     ):
+        """`broadcast_weights`: `model` holds its weights on rank 0 only (on the meta device elsewhere); the shards
+        are filled from rank 0's full copy after sharding (the weights read once per job, not once per rank)."""
         device = torch.device(device)
         world = dist.get_world_size()
+        full = model.state_dict() if broadcast_weights and dist.get_rank() == 0 else {}
 
         def shard(m: nn.Module, block_list) -> None:
             apply_fsdp(m, world, device.type, param_dtype, reduce_dtype, cpu_offload, block_list(), sharding=sharding)
@@ -229,6 +246,8 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
             compile=compile,
             data_parallel=shard,
         )
+        if broadcast_weights:
+            broadcast_full_state(model, full, device)
         self.cpu_offload = cpu_offload
         super().__init__(
             model,

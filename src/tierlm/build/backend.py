@@ -43,8 +43,10 @@ def build_backend(
     checkpoint_dir: Path,
     device: torch.device,
     ctx: DistributedContext | None,
+    broadcast_weights: bool = False,
 ) -> PyTorchTrainingBackend:
-    """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload)."""
+    """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload);
+    `broadcast_weights`: under FSDP2, rank 0 alone holds `model`'s weights (`loads_on_rank0_only`)."""
     tr, infra = config.training, config.infra
 
     kind = distributed_kind(config, ctx)
@@ -118,6 +120,7 @@ def build_backend(
             sharding=infra.fsdp_sharding_strategy,
             flash_attention=config.model.use_flash_attention,
             async_save=tr.async_save,
+            broadcast_weights=broadcast_weights,
         )
     if infra.cpu_offload:
         raise ConfigError(

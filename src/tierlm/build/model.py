@@ -54,8 +54,28 @@ def model_context(config: TierlmConfig, vocab_size: int, pretrained: Path | str 
     return model_max_seq_len(model) if model is not None else None
 
 
-def build_model(config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained) -> torch.nn.Module:
+def loads_on_rank0_only(config: TierlmConfig, pretrained, kind: str) -> bool:
+    """infra.cpu_ram_efficient_loading as this run honours it: under FSDP2, from a tierlm model folder (whose
+    family recomputes what `to_empty` leaves blank); elsewhere every rank reads the weights it needs anyway."""
+    if not config.infra.cpu_ram_efficient_loading or pretrained is None or kind != "fsdp":
+        return False
+    if not (isinstance(pretrained, Path) and is_native_folder(pretrained)) or config.model.lora.r:
+        raise ConfigError(
+            "infra.cpu_ram_efficient_loading builds the other ranks' model on the meta device from a tierlm model "
+            f"folder without LoRA; {pretrained} is not one (or model.lora is set): drop the setting"
+        )
+    return True
+
+
+def build_model(
+    config: TierlmConfig, tokenizer: Tokenizer, device: torch.device, pretrained, on_meta: bool = False
+) -> torch.nn.Module:
+    """The run's model: a new one, a pretrained folder's or hub id's (GPT-2's research variants made of GPT-2), with
+    LoRA; `on_meta`: only its shapes, on the meta device (infra.cpu_ram_efficient_loading's other ranks)."""
     m, dtype = config.model, parse_dtype(config.model.dtype)
+    if on_meta:
+        with torch.device("meta"):
+            return family_for_folder(pretrained).build_from_folder(pretrained, dtype=dtype)
     family = family_named(m.architecture)
     check_lora_request(config, device, pretrained)
     if m.load_in_4bit:

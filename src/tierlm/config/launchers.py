@@ -62,6 +62,7 @@ def accelerate_settings(env: Mapping[str, str]) -> dict[tuple[str, str], object]
         out[("infra", "distributed_type")] = "fsdp"
         out[("infra", "fsdp_sharding_strategy")] = SHARDING[strategy]
         out[("infra", "cpu_offload")] = _true(env.get("FSDP_OFFLOAD_PARAMS"))
+        out[("infra", "cpu_ram_efficient_loading")] = _true(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING"))
         out[("infra", "activation_checkpointing")] = _true(env.get("FSDP_ACTIVATION_CHECKPOINTING"))
     if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
         out.update(deepspeed_settings(env))

@@ -422,6 +422,10 @@ class InfraConfig(Section):
     """torch.compile each transformer block (slow to start; worth it on GPUs)."""
     cpu_offload: bool = False
     """FSDP only: keep parameter shards, gradients and optimizer state in CPU memory."""
+    cpu_ram_efficient_loading: bool = False
+    """FSDP only, starting from a tierlm model folder (pretraining or SFT): rank 0 alone reads the weights; the other
+    ranks build the model on the meta device and take their shards by broadcast (one copy of the weights in a
+    machine's memory instead of one per rank). Accelerate's fsdp_cpu_ram_efficient_loading."""
     fsdp_sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"] = "FULL_SHARD"
     """FSDP only: FULL_SHARD re-shards each block after its forward (least memory); SHARD_GRAD_OP
     keeps them gathered until the backward (no second all-gather); HYBRID_SHARD shards within each

@@ -133,6 +133,14 @@ class NativeFamily(ModelFamily):
                 f"{Path(folder) / NATIVE_CONFIG_FILE} does not describe a {self.name} model: {e}"
             ) from None
 
+    def after_materialize(self, model: nn.Module) -> None:
+        """After `to_empty` (a model built on the meta device given storage): the ties and the derived buffers no
+        state dict carries (the rotary tables), computed again."""
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        if hasattr(model, "init_rotary"):
+            model.init_rotary()
+
     def build_from_folder(self, folder, dtype=torch.float32):
         return self.build_from_config(self.config_from_folder(Path(folder)), dtype=dtype)
 

@@ -6,7 +6,7 @@ tierlm pretrain --config configs/tiny_pretrain.yaml
 from __future__ import annotations
 
 from tierlm.build.loaders import build_loaders
-from tierlm.build.model import build_model
+from tierlm.build.model import build_model, loads_on_rank0_only
 from tierlm.build.stage import Stage
 from tierlm.data import RankSlice
 from tierlm.run import Run
@@ -34,10 +34,14 @@ def train_on_rows(run: Run, strategy_class, callbacks: list) -> dict:
     config, tokenizer = run.choose_batch_size(), run.tokenizer
     train_loader, eval_loader = build_loaders(config, run.stage, tokenizer, run.data_parallel_size, run.seq2seq)
     run.check_memory(train_loader.resident_documents)
-    model = build_model(config, tokenizer, run.device, run.pretrained)
+    rank0_reads = loads_on_rank0_only(config, run.pretrained, run.kind)  # the other ranks: shapes, then a broadcast
+    model = build_model(config, tokenizer, run.device, run.pretrained, on_meta=rank0_reads and not run.is_main)
+    if rank0_reads:
+        run.note(f"infra.cpu_ram_efficient_loading: the weights were read on rank 0 alone, for {run.world_size} ranks")
     if auto_rows and confirm_batch_size(run, model):  # CUDA: halved after an out-of-memory
         train_loader, eval_loader = build_loaders(run.config, run.stage, tokenizer, run.data_parallel_size, run.seq2seq)
     run.resolve(model, train_loader)
     if run.ctx is not None:
         train_loader = RankSlice(train_loader, run.data_rank, run.data_parallel_size)
-    return train_with_trainer(run, model, strategy_class(tokenizer.token_bytes()), train_loader, eval_loader, callbacks)
+    strategy = strategy_class(tokenizer.token_bytes())
+    return train_with_trainer(run, model, strategy, train_loader, eval_loader, callbacks, broadcast_weights=rank0_reads)

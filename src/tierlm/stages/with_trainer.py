@@ -30,12 +30,20 @@ from tierlm.run import Run, extras_writer
 
 
 def train_with_trainer(
-    run: Run, model: torch.nn.Module, strategy, train_loader, eval_loader, callbacks: list, on_backend=None
+    run: Run,
+    model: torch.nn.Module,
+    strategy,
+    train_loader,
+    eval_loader,
+    callbacks: list,
+    on_backend=None,
+    broadcast_weights: bool = False,
 ) -> dict:
     """Put `model` on the config's backend and train it with `strategy` through the `Trainer`; returns the
-    summary. `on_backend(backend)` runs once the backend exists (DPO's JAX reference comes from it)."""
+    summary. `on_backend(backend)` runs once the backend exists (DPO's JAX reference comes from it);
+    `broadcast_weights`: rank 0 alone holds the weights (infra.cpu_ram_efficient_loading)."""
     config, tokenizer = run.config, run.tokenizer
-    backend = build_backend(config, model, run.checkpoint_dir, run.device, run.ctx)
+    backend = build_backend(config, model, run.checkpoint_dir, run.device, run.ctx, broadcast_weights)
     if on_backend is not None:
         on_backend(backend)
     trainer = Trainer(

@@ -62,6 +62,15 @@ def single(tmp_path_factory):
     }
 
 
+def test_muon_under_tensor_times_pipeline_parallel_matches_one_process(tmp_path):
+    """Muon (the hidden matrices) + AdamW (the rest) on 4 ranks, tensor 2 x pipeline 2: each stage's matrices
+    orthogonalised once by one of the stage's ranks (gathered over the tensor split) == 1 process, 10 steps."""
+    one = run_worker("single", tmp_path / "one.json", optimizer="muon", checkpoint_dir=tmp_path / "c1")
+    both = run_worker("tp_pp", tmp_path / "tp_pp.json", nproc=4, optimizer="muon", checkpoint_dir=tmp_path / "c2")
+    assert_same_steps(both["steps"], one["steps"], tol=1e-5)
+    assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]
+
+
 def test_tensor_parallel_matches_one_process_and_splits_the_blocks(single, tmp_path):
     tp = run_worker("tp", tmp_path / "tp.json", save_at=5, checkpoint_dir=tmp_path / "ckpt")
     assert_same_steps(tp["steps"], single["steps"], tol=1e-4)

@@ -138,6 +138,20 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
             autocast_dtype=param_dtype if dims.dp == 1 else None,
         )
         self._step_parameter_by_parameter()
+        self._split_orthogonalisations()
+
+    def _split_orthogonalisations(self) -> None:
+        """Muon orthogonalises each matrix once, on one of the ranks holding it: under pipeline parallelism the ranks
+        of one stage, a group of their own (every rank makes every stage's group, as `new_group` asks)."""
+        if self.dims.pp == 1:
+            return
+        from tierlm.primitives.optim.muon import Muon
+
+        mesh, pp_rank = self.mesh.mesh, self.mesh["pp"].get_local_rank()
+        groups = [dist.new_group(mesh[p].flatten().tolist()) for p in range(self.dims.pp)]
+        for optimizer in inner_optimizers(self.optimizer):
+            if isinstance(optimizer, Muon):
+                optimizer.group = groups[pp_rank]
 
     # -- pipeline ----------------------------------------------------------------------------------
     @classmethod

@@ -195,8 +195,8 @@ def model_parallel_backend(
         "training.fp16 (use training.bf16)": tr.fp16,
         "training.fp8": tr.fp8,
         "infra.cpu_offload": infra.cpu_offload,
-        f"training.optimizer={tr.optimizer} (AdamW only: Muon orthogonalises and AdamWPrune ranks whole matrices)": (
-            tr.optimizer != "adamw"
+        f"training.optimizer={tr.optimizer} (AdamW and Muon: AdamWPrune ranks and SPAM clips whole matrices)": (
+            tr.optimizer not in ("adamw", "muon")
         ),
         "model.lora": has_lora(model),
         "infra.fsdp_sharding_strategy=HYBRID_SHARD": infra.fsdp_sharding_strategy == "HYBRID_SHARD",

@@ -90,7 +90,8 @@ class Muon(Optimizer):
     with more rows than columns has smaller entries after orthogonalisation; the factor evens the
     step per element out). `ns_dtype=None` computes the iteration in bf16 on GPUs and fp32 on CPU.
     `distributed=True` (every rank holds the same full gradients, as after DDP; FSDP2's DTensor
-    shards are detected) splits the orthogonalisations across the ranks of the default group.
+    shards are detected) splits the orthogonalisations across the ranks of `group` (default: the whole job; under
+    pipeline parallelism, the ranks holding the same stage, which the model-parallel backend sets).
 
     >>> w = torch.nn.Parameter(torch.zeros(4, 4))
     >>> opt = Muon([w], lr=0.1)
@@ -127,6 +128,8 @@ class Muon(Optimizer):
                 )
         self.ns_dtype = ns_dtype
         self.distributed = distributed
+        self.group = None
+        """The ranks that hold these same parameters (None: every rank of the job)."""
 
     def _ns_dtype(self, t: torch.Tensor) -> torch.dtype:
         if self.ns_dtype is not None:
@@ -162,9 +165,10 @@ class Muon(Optimizer):
     def _orthogonalized(self, work: list) -> list[torch.Tensor]:
         """Each direction orthogonalised once: by this process, or by its owner rank, then shared."""
         sharded = any(hasattr(d, "device_mesh") for _, _, d in work)
-        if not (self.distributed or sharded) or not dist.is_initialized() or dist.get_world_size() == 1:
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if not (self.distributed or sharded) or world == 1:
             return [newton_schulz_orthogonalize(_full(d), g["ns_steps"], self._ns_dtype(d)) for _, g, d in work]
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank(self.group)
         fulls = [_full(d) for _, _, d in work]  # FSDP: all-gathers each matrix (DDP: already whole)
         results, pending = [], []
         for i, ((_, group, direction), full) in enumerate(zip(work, fulls)):
@@ -173,7 +177,8 @@ class Muon(Optimizer):
                 out = newton_schulz_orthogonalize(full, group["ns_steps"], self._ns_dtype(full)).contiguous()
             else:
                 out = torch.empty_like(full)
-            pending.append(dist.broadcast(out, src=owner, async_op=True))
+            source = owner if self.group is None else dist.get_global_rank(self.group, owner)
+            pending.append(dist.broadcast(out, src=source, group=self.group, async_op=True))
             results.append(out)
         for handle in pending:
             handle.wait()

@@ -89,7 +89,7 @@ def test_the_story_s_training_config_loads_as_written(tmp_path):
     (tmp_path / "both.yaml").write_text("training:\n  logging_dir: a\ninfra:\n  logging_dir: b\n")
     with pytest.raises(ConfigError, match="infra.logging_dir=b is tierlm's training.logging_dir, which the config"):
         TierlmConfig.load(tmp_path / "both.yaml")
-    with pytest.raises(ConfigError, match="eval_samples must be a number of examples"):
+    with pytest.raises(ConfigError, match="training.eval_samples must be > 0"):
         TierlmConfig.load(None, ["training.eval_samples=-3"])
 
 

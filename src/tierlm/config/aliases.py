@@ -2,13 +2,12 @@
 tierlm's: a YAML written for that story loads as it is.
 
 Each name moves to the tierlm field that means the same; one that the config also sets under tierlm's own name, to
-another value, is refused in one line. `training.eval_samples` becomes whole evaluation batches.
+another value, is refused in one line.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 from tierlm.errors import ConfigError
@@ -33,31 +32,26 @@ def _put(raw: dict[str, Any], source: str, target: tuple[str, str], value: Any) 
     raw[section][name] = value
 
 
-def alias_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], str | None]:
-    """`section.key=value` overrides with the story's names renamed to tierlm's, and the value of a
-    `training.eval_samples=N` among them (None: none), which needs the merged eval batch size.
+def alias_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """`section.key=value` overrides with the story's names renamed to tierlm's.
 
-    >>> alias_overrides(["infra.fsdp_cpu_offload=true", "training.eval_samples=64", "training.seed=1"])
-    (['infra.cpu_offload=true', 'training.seed=1'], '64')
+    >>> alias_overrides(["infra.fsdp_cpu_offload=true", "training.seed=1"])
+    ['infra.cpu_offload=true', 'training.seed=1']
     """
-    named, samples = [], None
+    named = []
     for item in overrides:
         key, _, value = item.partition("=")
-        if key == "training.eval_samples":
-            samples = value
-            continue
         moved = MOVED.get(tuple(key.split(".", 1)))
         named.append(f"{'.'.join(moved)}={value}" if moved else item)
-    return named, samples
+    return named
 
 
 def translate_aliases(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` (a config as read) with the story's names moved to tierlm's.
+    """`raw` (a config as read) with the story's names moved to tierlm's (`training.eval_samples` is a field of its
+    own, turned into eval batches by `TrainingConfig`).
 
     >>> translate_aliases({"infra": {"logging_dir": "./logs", "fsdp_activation_checkpointing": True}})
     {'infra': {'activation_checkpointing': True}, 'training': {'logging_dir': './logs'}}
-    >>> translate_aliases({"training": {"eval_samples": 1000, "per_device_eval_batch_size": 8}})
-    {'training': {'per_device_eval_batch_size': 8, 'eval_batches': 125}}
     """
     if not isinstance(raw, dict):
         return raw
@@ -65,15 +59,4 @@ def translate_aliases(raw: dict[str, Any]) -> dict[str, Any]:
     for (section, name), target in MOVED.items():
         if isinstance(raw.get(section), dict) and name in raw[section]:
             _put(raw, f"{section}.{name}", target, raw[section].pop(name))
-    training = raw.get("training")
-    if isinstance(training, dict) and "eval_samples" in training:
-        from tierlm.config.sections import TrainingConfig
-
-        samples = training.pop("eval_samples")
-        if not isinstance(samples, int) or isinstance(samples, bool) or samples <= 0:
-            raise ConfigError(f"training.eval_samples must be a number of examples > 0, got {samples!r}")
-        rows = training.get(
-            "per_device_eval_batch_size", TrainingConfig.model_fields["per_device_eval_batch_size"].default
-        )
-        _put(raw, "training.eval_samples", ("training", "eval_batches"), math.ceil(samples / rows))
     return raw

@@ -44,16 +44,15 @@ def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like section.key=value")
-    named, eval_samples = alias_overrides(overrides)  # an override in the story's names wins over the file's
+    named = alias_overrides(overrides)  # an override in the story's names wins over the file's
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(named))
         raw = OmegaConf.to_container(merged, resolve=True)
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
         raise ConfigError(f"cannot apply overrides {' '.join(overrides)}: {first_line(e)}") from None
-    if eval_samples is not None:  # it replaces the file's eval_batches (an override's is a conflict, refused)
-        if not any(item.startswith("training.eval_batches=") for item in overrides):
-            raw.setdefault("training", {}).pop("eval_batches", None)
-        raw["training"]["eval_samples"] = yaml.safe_load(eval_samples)
+    overridden = {item.partition("=")[0] for item in overrides}
+    if "training.eval_samples" in overridden and "training.eval_batches" not in overridden:
+        raw.get("training", {}).pop("eval_batches", None)  # the override's eval_samples replaces the file's batches
     return translate_aliases(raw)
 
 

@@ -15,6 +15,7 @@ tierlm.errors.ConfigError: unknown key training.learnig_rate (did you mean train
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -290,6 +291,9 @@ class TrainingConfig(Section):
     """Evaluate every N steps, and before the first step and at the end (0: only at the end)."""
     eval_batches: int = Field(8, gt=0)
     """Batches per evaluation (a fixed set, the same every time)."""
+    eval_samples: int | None = Field(None, gt=0)
+    """Examples per evaluation instead (the FSDP2 training story's name): eval_batches becomes the whole batches of
+    per_device_eval_batch_size that hold them."""
     sample_prompts: list[str] = Field(default_factory=lambda: ["The capital of France is", "What is 12 + 7?"])
     """At each evaluation, greedy completions of these prompts (user turns for chat stages) are
     written to metrics.jsonl as "sample" lines (not under FSDP, whose shards generate together)."""
@@ -327,6 +331,22 @@ class TrainingConfig(Section):
         if isinstance(value, str) and value.strip().isdigit():
             return int(value)
         raise ValueError(f"training.total_batch_size must be auto or a number of tokens, got {value!r}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_samples(cls, data: Any) -> Any:
+        """training.eval_samples as the whole eval batches that hold them."""
+        samples = data.get("eval_samples") if isinstance(data, dict) else None
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples <= 0:
+            return data  # absent, or refused by the field's own check
+        rows = data.get("per_device_eval_batch_size", cls.model_fields["per_device_eval_batch_size"].default)
+        batches = math.ceil(samples / rows) if isinstance(rows, int) and rows > 0 else None
+        if batches is not None and data.get("eval_batches", batches) != batches:
+            raise ValueError(
+                f"training.eval_samples={samples} makes {batches} eval batches but training.eval_batches is "
+                f"{data['eval_batches']}: keep one"
+            )
+        return {**data, "eval_batches": batches} if batches is not None else data
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "TrainingConfig":

@@ -82,12 +82,11 @@ def test_muon_at_two_ranks_matches_one_process(single_muon, mode, tmp_path):
     assert single_muon["steps"][-1]["loss"] < single_muon["steps"][0]["loss"]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_a_gpt2_research_variant_at_two_ranks_matches_one_process(mode, tmp_path):
-    """GPT-2 V6 (RA gates, R-MLP with its mixer and extra gate: per-layer scalars FSDP2 shards unevenly) at 2 DDP /
-    FSDP2 ranks == 1 process, 10 steps (1e-5)."""
+def test_a_gpt2_research_variant_at_two_ranks_matches_one_process(tmp_path):
+    """GPT-2 V6 (RA gates, R-MLP with its mixer and extra gate: per-layer scalars FSDP2 shards unevenly) at 2 FSDP2
+    ranks == 1 process, 10 steps (1e-5). (DDP's replicas hold whole modules: nothing variant-specific to split.)"""
     one = run_worker("single", tmp_path / "one.json", model="gpt2_v6")
-    two = run_worker(mode, tmp_path / f"{mode}.json", model="gpt2_v6")
+    two = run_worker("fsdp", tmp_path / "fsdp.json", model="gpt2_v6")
     assert_same_steps(two["steps"], one["steps"])
     assert one["steps"][-1]["loss"] < one["steps"][0]["loss"]
 

@@ -126,7 +126,7 @@ DEEPSPEED_ENV = {
 }
 
 
-def test_deepspeed_settings_are_taken_and_what_tierlm_cannot_do_refused(tmp_path, capsys):
+def test_deepspeed_settings_are_taken_and_what_tierlm_cannot_do_refused(tiny_runs, tmp_path, capsys):
     from tierlm.build.backend import read_deepspeed_config
     from tierlm.commands.cli import main
 
@@ -159,7 +159,16 @@ def test_deepspeed_settings_are_taken_and_what_tierlm_cannot_do_refused(tmp_path
     with pytest.raises(ConfigError, match="must hold a JSON object"):
         read_deepspeed_config(str(tmp_path / "list.json"))
     for argv, message in (
-        (["dpo", "--config", "tiny_dpo", "infra.distributed_type=deepspeed"], "does not run under DeepSpeed"),
+        (
+            [
+                "dpo",
+                "--config",
+                "tiny_dpo",
+                f"model.model_name_or_path={tiny_runs / 'sft'}",
+                "infra.distributed_type=deepspeed",
+            ],
+            "does not run under DeepSpeed",
+        ),
         (["pretrain", "--config", "tiny_pretrain", "infra.distributed_type=deepspeed"], "runs under a launcher"),
         (["pretrain", "--config", "configs/accelerate_deepspeed.yaml"], "is Accelerate's launcher config"),
     ):

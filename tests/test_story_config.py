@@ -104,8 +104,7 @@ def test_num_gpus_must_be_what_the_launcher_started(tmp_path, capsys):
 
 def test_a_run_continues_from_any_checkpoint(tmp_path, capsys):
     """Run A saves at steps 3 and 6. Run B, a new directory, continues from A's step 3 and ends with A's weights bit
-    for bit, its lines from step 4; A itself continued from its earlier step 3 does too. A checkpoint of another
-    shape, or no checkpoint at all, is one line."""
+    for bit, its lines from step 4. A checkpoint of another shape, or no checkpoint at all, is one line."""
     args = ["pretrain", "--config", "tiny_pretrain", *TINY, "training.num_train_steps=6", "training.save_steps=3"]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main([*args, "training.logging_steps=1", f"infra.output_dir={a}"]) == 0
@@ -125,20 +124,6 @@ def test_a_run_continues_from_any_checkpoint(tmp_path, capsys):
     assert (b / "model" / "model.safetensors").read_bytes() == weights
     steps = [r["step"] for r in map(json.loads, (b / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert steps == [4, 5, 6]
-    (a / "model").rename(tmp_path / "a_model")
-    assert (
-        main(
-            [
-                *args,
-                "training.logging_steps=1",
-                f"infra.output_dir={a}",
-                "--resume-from",
-                str(a / "checkpoints" / "step_3"),
-            ]
-        )
-        == 0
-    )
-    assert (a / "model" / "model.safetensors").read_bytes() == weights
     capsys.readouterr()
     for chosen, message in (
         (a / "checkpoints" / "step_3", "was run with model.depth=1, this command has 2"),

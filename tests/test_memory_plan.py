@@ -325,7 +325,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in lines if r.get("type") == "train"]
 
 
-def test_auto_batch_size_trains_as_the_hand_set_equivalent(tmp_path):
+def test_auto_batch_size_trains_as_the_hand_set_equivalent(tmp_path, capsys):
     """With the total batch fixed at 8 rows, a budget that fits 4 rows (not 8) makes auto plan 4; the timed passes
     then take the smallest size within 5% of the best tokens/s up to 4, and accumulate the rest: the same losses as
     that size set by hand, and (summation order aside) as 8 x 1."""
@@ -343,18 +343,13 @@ def test_auto_batch_size_trains_as_the_hand_set_equivalent(tmp_path):
     )
     budget_gb = (1.2 * four + 1.2 * eight) / 2 / 1e9  # room for 4 rows and the margin, not for 8
 
+    from tierlm.commands.cli import main
+
     def train(name, rows, *extra):
         out = tmp_path / name
-        result = run_cli(
-            "pretrain",
-            *TINY,
-            f"training.per_device_train_batch_size={rows}",
-            "training.total_batch_size=512",
-            f"infra.output_dir={out}",
-            *extra,
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-        return _losses(out), result.stdout
+        args = [f"training.per_device_train_batch_size={rows}", "training.total_batch_size=512", *extra]
+        assert main(["pretrain", *TINY, *args, f"infra.output_dir={out}"]) == 0
+        return _losses(out), capsys.readouterr().out
 
     auto, stdout = train("auto", "auto", f"infra.max_memory_gb={budget_gb}")
     assert "training.per_device_train_batch_size=auto: 4 rows (predicted" in stdout

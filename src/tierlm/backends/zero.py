@@ -27,6 +27,7 @@ from tierlm.backends.protocol import TrainFuture
 from tierlm.checkpoint.zero import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from tierlm.errors import ConfigError
 from tierlm.models import family_of
+from tierlm.primitives.parallel import parameter_and_optimizer_bytes
 
 
 def deepspeed_config(
@@ -187,12 +188,7 @@ class DeepSpeedTrainingBackend(DistributedTrainingBackend):
             (p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
             for p in self.engine.module.parameters()
         )
-        states = sum(
-            t.numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        )
+        _, states = parameter_and_optimizer_bytes(self.engine.module, self.optimizer)
         return {"param_bytes": float(params), "optimizer_bytes": float(states)}
 
     @classmethod

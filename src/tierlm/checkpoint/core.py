@@ -225,11 +225,7 @@ def save_sharded_checkpoint(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     root, is_main = Path(checkpoint_dir), dist.get_rank() == 0
-    tmp = root / f".tmp_step_{step}_sharded"
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / STATE_DIRNAME).mkdir(parents=True)
-    dist.barrier()
+    tmp = begin_collective_checkpoint(root, step, "sharded", STATE_DIRNAME)
     model_state, optim_state = get_state_dict(
         model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True)
     )
@@ -244,6 +240,19 @@ def save_sharded_checkpoint(
     final = pending.finish()
     dist.barrier()
     return final
+
+
+def begin_collective_checkpoint(root: Path, step: int, kind: str, inner: str | None = None) -> Path:
+    """Collective: the hidden folder every rank writes checkpoint `step_<step>` into (with `inner` in it), made
+    afresh by rank 0 before any rank writes."""
+    import torch.distributed as dist
+
+    tmp = root / f".tmp_step_{step}_{kind}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / inner if inner else tmp).mkdir(parents=True)
+    dist.barrier()
+    return tmp
 
 
 @dataclass

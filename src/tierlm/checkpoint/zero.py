@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,9 +17,10 @@ import torch
 
 from tierlm.checkpoint.core import (
     DEEPSPEED_DIRNAME,
+    PendingSave,
+    begin_collective_checkpoint,
     checkpoint_to_load,
     restore_rng_state,
-    seal_checkpoint,
     train_state,
 )
 from tierlm.checkpoint.verify import verify_checkpoint
@@ -42,25 +42,11 @@ def save_deepspeed_checkpoint(
     config, scheduler, RNG and trainer state and seals the folder atomically. The directory is shared by all ranks."""
     import torch.distributed as dist
 
-    from tierlm.models.io import save_model_config
-
     root, is_main = Path(checkpoint_dir), dist.get_rank() == 0
-    tmp, final = root / f".tmp_step_{step}_deepspeed", root / f"step_{step}"
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp = begin_collective_checkpoint(root, step, "deepspeed")
+    extras = train_state(None, scheduler) if is_main else None  # the scheduler and RNG as they are now
     engine.save_checkpoint(str(tmp / DEEPSPEED_DIRNAME), tag=TAG, save_latest=False)
-    if is_main:
-        try:
-            save_model_config(engine.module, tmp / "model")
-            torch.save(train_state(None, scheduler), tmp / "train_state.pt")
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {final}: {e.strerror or e}; older checkpoints are untouched"
-            ) from e
-        seal_checkpoint(tmp, root, step, trainer_state, write_extra, metric)
+    final = PendingSave(root, step, tmp, engine.module, extras, trainer_state, write_extra, metric, is_main).finish()
     dist.barrier()
     return final
 

@@ -53,7 +53,7 @@ def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     overridden = {item.partition("=")[0] for item in overrides}
     if "training.eval_samples" in overridden and "training.eval_batches" not in overridden:
         raw.get("training", {}).pop("eval_batches", None)  # the override's eval_samples replaces the file's batches
-    return translate_aliases(raw)
+    return raw
 
 
 PRESETS_DIR = Path(__file__).parent / "presets"

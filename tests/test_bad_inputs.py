@@ -1570,6 +1570,123 @@ CASES = [
         "variant own: .*c.jsonl",
         write("c.jsonl", b"\xff\xfe not text\n"),
     ),
+    # -- DeepSpeed, epochs, resuming from any checkpoint, the FSDP2 story's names, pretrained GPT-2 variants ---
+    Case(
+        "deepspeed-without-a-launcher",
+        ["pretrain", "--config", cfg(PRE), *TINY, "infra.distributed_type=deepspeed"],
+        "runs under a launcher",
+    ),
+    Case(
+        "deepspeed-for-dpo",
+        ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "infra.distributed_type=deepspeed"],
+        "does not run under DeepSpeed",
+    ),
+    Case(
+        "deepspeed-setting-without-deepspeed",
+        ["pretrain", "--config", cfg(PRE), *TINY, "infra.deepspeed_offload_optimizer=true"],
+        "is a DeepSpeed setting",
+    ),
+    Case(
+        "deepspeed-param-offload-at-stage-2",
+        [
+            "pretrain",
+            "--config",
+            cfg(PRE),
+            *TINY,
+            "infra.distributed_type=deepspeed",
+            "infra.deepspeed_zero_stage=2",
+            "infra.deepspeed_offload_params=true",
+        ],
+        "deepspeed_zero_stage=3",
+    ),
+    Case(
+        "deepspeed-with-tensor-parallel",
+        ["pretrain", "--config", cfg(PRE), *TINY, "infra.distributed_type=deepspeed", "infra.tensor_parallel_size=2"],
+        "shards by ZeRO",
+    ),
+    Case(
+        "deepspeed-with-fsdp-offload",
+        ["pretrain", "--config", cfg(PRE), *TINY, "infra.distributed_type=deepspeed", "infra.cpu_offload=true"],
+        "FSDP's",
+    ),
+    Case(
+        "epochs-with-a-horizon",
+        ["pretrain", "--config", cfg(PRE), *TINY, "training.num_train_epochs=1", "training.target_param_data_ratio=10"],
+        "keep one",
+    ),
+    Case(
+        "epochs-with-steps",
+        ["pretrain", "--config", cfg(PRE), *TINY, "training.num_train_epochs=1", "training.num_train_steps=5"],
+        "num_train_steps=null",
+    ),
+    Case(
+        "epochs-too-few-for-a-step",
+        ["pretrain", "--config", cfg(PRE), *TINY, "training.num_train_epochs=0.001", "training.num_train_steps=null"],
+        "make no whole step",
+    ),
+    Case(
+        "epochs-not-positive",
+        ["pretrain", "--config", cfg(PRE), *TINY, "training.num_train_epochs=0"],
+        "num_train_epochs",
+    ),
+    Case(
+        "resume-from-nowhere",
+        ["pretrain", "--config", cfg(PRE), *TINY, "--resume-from", "./nowhere"],
+        "is not a checkpoint folder",
+    ),
+    Case(
+        "resume-from-another-shape",
+        ["pretrain", "--config", cfg(PRE), *TINY, "model.depth=2", "--resume-from", "{pre}/checkpoints/step_3"],
+        "was run with model.depth=1",
+    ),
+    Case(
+        "num-gpus-not-launched",
+        ["pretrain", "--config", cfg(PRE), *TINY, "infra.num_gpus=8"],
+        "infra.num_gpus=8 but 1 rank",
+    ),
+    Case(
+        "story-name-and-tierlm-name-disagree",
+        ["pretrain", "--config", "story.yaml"],
+        "infra.logging_dir=b is tierlm's training.logging_dir",
+        write("story.yaml", "training:\n  logging_dir: a\ninfra:\n  logging_dir: b\n"),
+    ),
+    Case(
+        "eval-samples-against-eval-batches",
+        ["pretrain", "--config", cfg(PRE), *TINY, "training.eval_samples=64", "training.eval_batches=1"],
+        "keep one",
+    ),
+    Case(
+        "accelerate-config-as-tierlm-config",
+        ["pretrain", "--config", "accelerate_fsdp2"],
+        "Accelerate's launcher config",
+    ),
+    Case(
+        "gpt2-variant-that-cannot-start-as-pretrained",
+        [
+            "pretrain",
+            "--config",
+            cfg(PRE),
+            *TINY[3:],
+            "model.architecture=gpt2",
+            "model.model_name_or_path=gpt2",
+            "model.variant=V11",
+        ],
+        "cannot start as the pretrained GPT-2",
+        gpt2_folder("gpt2"),
+    ),
+    Case(
+        "gpt2-variant-of-a-hub-id",
+        [
+            "pretrain",
+            "--config",
+            cfg(PRE),
+            *TINY[3:],
+            "model.architecture=gpt2",
+            "model.model_name_or_path=openai-community/gpt2",
+            "model.variant=V3",
+        ],
+        "download openai-community/gpt2 first",
+    ),
 ]
 
 

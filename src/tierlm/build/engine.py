@@ -15,13 +15,20 @@ from tierlm.rollout.tools import Calculator, PythonTool
 
 
 def build_engine(
-    rl: RLConfig, model: nn.Module, tokenizer, folder: Path | None, sharded: bool = False, world_size: int = 1
+    rl: RLConfig,
+    model: nn.Module,
+    tokenizer,
+    folder: Path | None,
+    sharded: bool = False,
+    world_size: int = 1,
+    task=None,
 ):
-    """An engine sampling `model` with the run's tools: tierlm's own on the policy's live weights, or on a whole copy
-    of its own (loaded with the policy's weights at each sync) when the policy will be `sharded` (FSDP) or sampling
-    runs ahead of training (off-policy); or vLLM, which holds weights of its own (a model folder under `folder`,
-    which tierlm's engine does not need)."""
+    """An engine sampling `model` with the run's tools (rl.tools, and those its `task` declares): tierlm's own on
+    the policy's live weights, or on a whole copy of its own (loaded with the policy's weights at each sync) when the
+    policy will be `sharded` (FSDP) or sampling runs ahead of training (off-policy); or vLLM, which holds weights of
+    its own (a model folder under `folder`, which tierlm's engine does not need)."""
     tools = [{"calculator": Calculator, "python": PythonTool}[name]() for name in rl.tools]
+    tools += list(getattr(task, "tools", {}).values())
     if rl.engine == "native":
         own_copy = sharded or rl.max_off_policy_steps > 0
         return Engine(copy.deepcopy(model) if own_copy else model, tokenizer.stop_ids, tokenizer, tools)

@@ -15,6 +15,7 @@ from tierlm.data import SourceOptions, open_examples
 from tierlm.errors import ConfigError, DataError
 from tierlm.tasks import Environment, ExamplesTask, Task, is_environment, synthetic_name, synthetic_task
 from tierlm.tasks.rewards import format_reward
+from tierlm.tasks.verifiers import open_environment, verifiers_name
 
 
 def is_environment_spec(spec: str | None) -> bool:
@@ -42,6 +43,15 @@ def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environ
         raise ConfigError(
             "RL reads the prompts of one data.dataset_name into memory: drop data.mixture / data.streaming"
         )
+    if verifiers_name(d.dataset_name) is not None:
+        eval_name = d.eval_dataset_name
+        if eval_name is not None and verifiers_name(eval_name) is None:
+            raise ConfigError(f"data.eval_dataset_name={eval_name}: verifiers environments evaluate on verifiers:<id>")
+        if config.rl.reward != "auto":
+            raise ConfigError(f"rl.reward={config.rl.reward}: {d.dataset_name} scores with its own rewards: drop it")
+        return open_environment(d.dataset_name, eval_name, config.rl.environment_args, d.val_fraction)
+    if config.rl.environment_args:
+        raise ConfigError("rl.environment_args set a verifiers environment's fields: data.dataset_name=verifiers:<id>")
     if is_environment_spec(d.dataset_name) or is_environment_spec(d.eval_dataset_name):
         return (
             open_task(d.dataset_name, "train", d.num_synthetic_examples, tr.seed),

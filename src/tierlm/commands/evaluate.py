@@ -30,7 +30,7 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
     eval_task = open_tasks(config)[1]
     with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # rl.engine=vllm: its model folder
-        engine = build_engine(config.rl, model, tokenizer, Path(folder))
+        engine = build_engine(config.rl, model, tokenizer, Path(folder), task=eval_task)
         try:
             trainer = RLTrainer(None, None, engine, tokenizer, None, eval_task, config.rl, config.training)
             return trainer.evaluate()

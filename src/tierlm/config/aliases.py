@@ -1,5 +1,6 @@
-"""The field names of the FSDP2 training story's config (its `TrainingConfig` / `InfraConfig` dataclasses), read as
-tierlm's: a YAML written for that story loads as it is.
+"""Field names other configs use, read as tierlm's: the FSDP2 training story's (its `TrainingConfig` / `InfraConfig`
+dataclasses), so a YAML written for that story loads as it is, and `rl.environment` (prime-rl's name for the
+environment an RL run trains on: tierlm's data.dataset_name).
 
 Each name moves to the tierlm field that means the same; one that the config also sets under tierlm's own name, to
 another value, is refused in one line.
@@ -16,8 +17,9 @@ MOVED = {
     ("infra", "logging_dir"): ("training", "logging_dir"),
     ("infra", "fsdp_activation_checkpointing"): ("infra", "activation_checkpointing"),
     ("infra", "fsdp_cpu_offload"): ("infra", "cpu_offload"),
+    ("rl", "environment"): ("data", "dataset_name"),
 }
-"""(section, the story's name) -> (section, tierlm's name)."""
+"""(section, the other name) -> (section, tierlm's name)."""
 
 
 def _put(raw: dict[str, Any], source: str, target: tuple[str, str], value: Any) -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -117,6 +117,9 @@ class RLConfig(Section):
     """Tools the model may call during generation (results are spliced in and masked from the loss): calculator
     (arithmetic), python (a program run in the sandbox; it answers what the program printed). A request
     `name: argument` picks a tool; a bare one goes to the first listed."""
+    environment_args: dict[str, Any] = Field(default_factory=dict)
+    """A verifiers environment's settings (`data.dataset_name: verifiers:<id>`, or `rl.environment`): its taskset
+    config's fields, as verifiers' `--env.taskset.*` takes them (e.g. {num_tasks: 200})."""
     eval_problems: int = Field(100, gt=0)
     """Held-out problems for pass@k."""
     eval_k: int = Field(4, gt=0)

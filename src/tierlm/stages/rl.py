@@ -103,7 +103,7 @@ class RL(Stage):
             value_backend = build_backend(parallel, value_model(model), folder, run.device, run.ctx)
             critic = Critic(value_backend, ValueStrategy(rl.value_clip_range))
         sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
-        engine = build_engine(rl, model, tokenizer, run.scratch_dir("sampler"), sharded, run.world_size)
+        engine = build_engine(rl, model, tokenizer, run.scratch_dir("sampler"), sharded, run.world_size, train_task)
         run.note(f"rollouts: {engine_name(rl)}")
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
         strategy = policy_gradient_strategy(rl)

@@ -205,12 +205,48 @@ def factories(out: Path, model_folder: str) -> None:
             out.write_text(json.dumps(losses))
 
 
-def megatron(out: Path, sizes: str) -> None:
-    """Seed 001's distributed example: Trainer(backend=MegatronBackend(...), strategy=PretrainStrategy()), train_step on
-    the same rows on every rank; rank 0 writes the losses."""
+def rollout_batch(step: int) -> dict[str, torch.Tensor]:
+    """An RL step's rollouts as the trainer document's `rl_dataloader` yields them: prompt + completion ids, the
+    completion's labels (the prompt masked), one advantage per rollout, the sampler's and a reference's log-probs."""
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((ROWS, 1), -100)], dim=1)
+    labels[:, : SEQ // 2] = -100  # the prompt's positions
+    near = -torch.log(torch.tensor(float(CONFIG.vocab_size)))  # old / reference log-probs near the uniform policy's
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "advantages": torch.randn(ROWS, generator=g),
+        "old_logprobs": (near + 0.3 * torch.randn(ROWS, SEQ, generator=g)) * (labels != -100),
+        "ref_logprobs": (near + 0.3 * torch.randn(ROWS, SEQ, generator=g)) * (labels != -100),
+    }
+
+
+def preference_batch(step: int) -> dict[str, torch.Tensor]:
+    """Two chosen rows then their two rejected rows (the reply's labels only) with precomputed reference log-probs."""
+    g = torch.Generator().manual_seed(3000 + step)
+    ids = torch.randint(0, CONFIG.vocab_size, (ROWS, SEQ), generator=g)
+    ids[ROWS // 2 :, : SEQ // 2] = ids[: ROWS // 2, : SEQ // 2]  # each pair shares its prompt
+    labels = torch.cat([ids[:, 1:], torch.full((ROWS, 1), -100)], dim=1)
+    labels[:, : SEQ // 2 - 1] = -100
+    ref = -(SEQ // 2) * torch.log(torch.tensor(float(CONFIG.vocab_size))) + torch.randn(ROWS, generator=g)
+    return {"input_ids": ids, "labels": labels, "ref_logps": ref}
+
+
+def megatron(out: Path, sizes: str, strategy: str = "pretrain") -> None:
+    """Seed 001's examples: Trainer(backend=MegatronBackend(...), strategy=PretrainStrategy()), its RL example with
+    PPOStrategy(kl_coef=0.1, clip_range=0.2) on rollout batches, and DPO on preference pairs; train_step on the same
+    rows on every rank; rank 0 writes the losses."""
     from tierlm.backends import MegatronBackend
     from tierlm.loops.trainer import Trainer
-    from tierlm.strategies import PretrainStrategy
+    from tierlm.strategies import PPOStrategy, PretrainStrategy
+    from tierlm.strategies.dpo import DPOStrategy
+
+    strategies = {
+        "pretrain": PretrainStrategy,
+        "ppo": lambda: PPOStrategy(kl_coef=0.1, clip_range=0.2),
+        "dpo": lambda: DPOStrategy(beta=0.1),
+    }
 
     tensor, pipeline = map(int, sizes.split("x"))
     trainer = Trainer(
@@ -222,13 +258,17 @@ def megatron(out: Path, sizes: str) -> None:
             learning_rate=3e-3,
             device_type="cpu",
         ),
-        strategy=PretrainStrategy(),
+        strategy=strategies[strategy](),
     )
     model_state = trainer.backend.model_state()
     losses = []
     for step in range(6):
-        tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
-        result = trainer.train_step({"tokens": tokens}, model_state, model_state.optimizer_state)
+        if strategy == "pretrain":
+            g = torch.Generator().manual_seed(step % 2)
+            batch = {"tokens": torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=g)}
+        else:
+            batch = rollout_batch(step) if strategy == "ppo" else preference_batch(step)
+        result = trainer.train_step(batch, model_state, model_state.optimizer_state)
         model_state = result.model_state
         losses.append(result.metrics["loss"])
     if trainer.backend.rank == 0:
@@ -268,13 +308,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
+    parser.add_argument(
+        "--strategy", default="pretrain", choices=["pretrain", "ppo", "dpo"], help="megatron: its example"
+    )
     parser.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "gpt2_v6"])
     parser.add_argument("--async-save", type=int, default=0, help="FSDP: DCP's async save, overlapping the steps")
     args = parser.parse_args(argv)
     if args.mode == "factories":
         factories(args.out, args.model_folder)
     elif args.mode == "megatron":
-        megatron(args.out, args.sizes)
+        megatron(args.out, args.sizes, args.strategy)
     else:
         first, last = map(int, args.steps.split(":"))
         run(

@@ -6,6 +6,8 @@ The reference is one process on the same global batches (tests/distributed_worke
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tests.test_distributed import assert_same_steps, run_worker
@@ -224,29 +226,22 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(tmp_path / "tp_one")))
 
 
-@pytest.mark.parametrize("sizes", ["2x1", "1x2"])
-def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
-    """Seed 001's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
-    strategy=PretrainStrategy())`
-    at tensor 2 and at pipeline 2: the losses of `PyTorchBackend` on one process."""
-    from tests.distributed_worker import CONFIG, SEQ
+@pytest.mark.parametrize(
+    "sizes,strategy", [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo")]
+)
+def test_seed_megatron_backend_example_trains_as_one_process(sizes, strategy, tmp_path):
+    """The trainer document's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
+    strategy=PretrainStrategy())` at tensor 2 and at pipeline 2, and its RL example (`PPOStrategy(kl_coef=0.1,
+    clip_range=0.2)` on rollout batches) and DPO on preference pairs at tensor 2, the vocabulary split: the losses of
+    one process."""
+    from tests.distributed_worker import megatron
 
-    from tierlm.backends import MegatronBackend
-    from tierlm.loops.trainer import Trainer
-    from tierlm.strategies import PretrainStrategy
-
-    got = run_worker("megatron", tmp_path / "m.json", sizes=sizes)
-    trainer = Trainer(
-        MegatronBackend(CONFIG, checkpoint_dir=tmp_path / "one", learning_rate=3e-3, device_type="cpu"),
-        PretrainStrategy(),
-    )
-    state, expected = trainer.backend.model_state(), []
-    for step in range(6):
-        tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
-        result = trainer.train_step({"tokens": tokens}, state, state.optimizer_state)
-        state = result.model_state
-        expected.append(result.metrics["loss"])
-    assert got == pytest.approx(expected, abs=1e-4) and expected[-1] < expected[0]
+    got = run_worker("megatron", tmp_path / "m.json", sizes=sizes, strategy=strategy)
+    megatron(tmp_path / "one.json", "1x1", strategy)  # MegatronBackend in this one process
+    expected = json.loads((tmp_path / "one.json").read_text())
+    assert got == pytest.approx(expected, abs=1e-4) and expected[-1] != expected[0]
+    if strategy == "pretrain":
+        assert expected[-1] < expected[0]
 
 
 def test_tensor_times_pipeline_on_four_ranks_matches_one_process_and_its_checkpoint_resumes_in_one(single, tmp_path):

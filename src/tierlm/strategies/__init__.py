@@ -2,7 +2,17 @@
 
 from tierlm.strategies.base import CrossEntropyStrategy, TrainingStrategy
 from tierlm.strategies.pretrain import PretrainStrategy
+from tierlm.strategies.rl import GRPOStrategy, PPOStrategy, ReinforceStrategy
 from tierlm.strategies.seq2seq import Seq2SeqStrategy
 from tierlm.strategies.sft import SFTStrategy
 
-__all__ = ["CrossEntropyStrategy", "PretrainStrategy", "SFTStrategy", "Seq2SeqStrategy", "TrainingStrategy"]
+__all__ = [
+    "CrossEntropyStrategy",
+    "GRPOStrategy",
+    "PPOStrategy",
+    "PretrainStrategy",
+    "ReinforceStrategy",
+    "SFTStrategy",
+    "Seq2SeqStrategy",
+    "TrainingStrategy",
+]

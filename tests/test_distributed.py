@@ -458,9 +458,9 @@ def test_fsdp_bf16_on_one_gpu(tmp_path):
 def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
     """`torchrun -m tierlm rl` under DDP and FSDP2 draws the rollouts one process draws (each prompt's sampling
     keyed by its place in the global batch, every group on one rank) and takes the same steps (per-step losses
-    1e-5, with a KL reference); the FSDP run's sampler is a whole copy refreshed after every update, and SIGKILL +
-    resume under torchrun ends bit-identical. `tierlm dpo` under torchrun (FSDP) matches one process on the same
-    global batch."""
+    1e-5, with a KL reference); the FSDP run's sampler is a whole copy refreshed after every update, and a rank lost
+    mid-run on two "nodes" is restarted by torchrun and resumes by itself, bit-identical. `tierlm dpo` under torchrun
+    (FSDP) matches one process on the same global batch."""
     sft = tiny_runs / "sft"
     tiny = [
         "data.max_seq_length=64",
@@ -510,19 +510,17 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
         assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # the FSDP sampler's copy is the policy
     assert (out / "checkpoints" / "step_3" / "state").is_dir() and (out / "model" / "model.safetensors").is_file()
 
-    # SIGKILL the FSDP job at its step-2 checkpoint; resumed, it ends with the uninterrupted run's weights.
+    # The FSDP job on two "nodes" (torchrun agents, --max-restarts 1): a rank SIGKILLed as it begins step 3, after
+    # the step-2 checkpoint; torchrun restarts the group, which resumes by itself and ends with the uninterrupted
+    # run's weights.
+    from tests.test_monitor import ENV, two_nodes
+
     killed = tmp_path / "rl_killed"
     args = ["-m", "tierlm", *rl, "infra.distributed_type=fsdp", f"infra.output_dir={killed}"]
-    job = torchrun(*args, wait=False)
-    latest, deadline = killed / "checkpoints" / "latest", time.time() + 300
-    while not (latest.is_file() and latest.read_text().strip() == "step_2"):
-        assert job.poll() is None and time.time() < deadline, "the job ended before its step-2 checkpoint"
-        time.sleep(0.005)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
-    assert not (killed / "model").exists()
-    result = torchrun(*args, "--resume")
-    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = two_nodes(args, {**ENV, "TIERLM_FAULT_KILL": "0:3"})
+    outputs = [job.communicate(timeout=400) for job in jobs]
+    assert all(job.returncode == 0 for job in jobs), [err[-3000:] for _, err in outputs]
+    assert sum(out_.count("held-out pass@1") for out_, _ in outputs) == 1  # the restarted group finished once
     straight, resumed = (load_file(run / "model" / "model.safetensors") for run in (out, killed))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 

@@ -226,9 +226,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(tmp_path / "tp_one")))
 
 
-@pytest.mark.parametrize(
-    "sizes,strategy", [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo")]
-)
+@pytest.mark.parametrize("sizes,strategy", [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo")])
 def test_seed_megatron_backend_example_trains_as_one_process(sizes, strategy, tmp_path):
     """The trainer document's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
     strategy=PretrainStrategy())` at tensor 2 and at pipeline 2, and its RL example (`PPOStrategy(kl_coef=0.1,

@@ -74,6 +74,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if "val_loss" in summary:
         bpb = f" (bits per byte {summary['val_bpb']:.4f})" if "val_bpb" in summary else ""
         print(f"final val loss: {summary['val_loss']:.4f}{bpb}")
+        if "val_protocol" in summary:
+            print(f"  scored: {summary['val_protocol']}")
     print(f"model: {summary['model_dir']}  ({summary['step']} steps, {summary['elapsed_s']:.0f} s)")
 
 

@@ -289,8 +289,9 @@ class TrainingConfig(Section):
     """Steps whose loss or gradient norm is NaN/Inf are skipped; this many in a row stops the run."""
     eval_steps: int = Field(100, ge=0)
     """Evaluate every N steps, and before the first step and at the end (0: only at the end)."""
-    eval_batches: int = Field(8, gt=0)
-    """Batches per evaluation (a fixed set, the same every time)."""
+    eval_batches: int | Literal["all"] = 8
+    """Batches per evaluation (a fixed set, the same every time); all: one whole pass over the validation data (with
+    data.stream, every held-out token scored once: the figure nanoGPT's and llm.c's readers compare)."""
     eval_samples: int | None = Field(None, gt=0)
     """Examples per evaluation instead (the FSDP2 training story's name): eval_batches becomes the whole batches of
     per_device_eval_batch_size that hold them."""
@@ -331,6 +332,13 @@ class TrainingConfig(Section):
         if isinstance(value, str) and value.strip().isdigit():
             return int(value)
         raise ValueError(f"training.total_batch_size must be auto or a number of tokens, got {value!r}")
+
+    @field_validator("eval_batches")
+    @classmethod
+    def _some_batches(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"training.eval_batches must be a number > 0 or all, got {value}")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -455,6 +463,11 @@ class InfraConfig(Section):
     (None: whatever it started)."""
     dist_timeout_s: float = Field(600.0, gt=0)
     """How long a collective waits for a silent rank before the job fails (instead of hanging)."""
+    hang_timeout: float | None = Field(300.0, gt=0)
+    """Seconds a step, an evaluation or a save may go without progress (the first step three times as long: it
+    compiles and warms up) before every rank writes the stacks of all its threads to hang-rank<R>.txt in the run
+    directory and exits naming the phase (`tierlm.loops.monitor`); below infra.dist_timeout_s, so the stacks come
+    before a collective's own timeout. None: no watchdog."""
     max_memory_gb: float | None = Field(None, gt=0)
     """Memory each rank may use, in GB (1e9 bytes), for the pre-flight check and the automatic batch
     size (default: what the device has: free GPU memory, or RAM and the cgroup limit shared by the ranks)."""
@@ -464,6 +477,15 @@ class InfraConfig(Section):
     """W&B run name (default: W&B picks one)."""
     wandb_entity: str | None = None
     """W&B team or user the run belongs to (default: the logged-in user's)."""
+
+    @model_validator(mode="after")
+    def _check_hang_timeout(self) -> "InfraConfig":
+        if self.hang_timeout is not None and self.hang_timeout >= self.dist_timeout_s:
+            raise ValueError(
+                f"infra.hang_timeout={self.hang_timeout:g} must be below infra.dist_timeout_s={self.dist_timeout_s:g}: "
+                "a stuck collective would fail first, without the stacks of the ranks; lower it or raise the other"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_deepspeed(self) -> "InfraConfig":

@@ -432,8 +432,8 @@ class RankSlice:
         return self.loader.stats()
 
 
-def eval_batches(loader: PackedLoader, max_batches: int) -> list[dict[str, torch.Tensor]]:
-    """Up to `max_batches` batches of one unshuffled pass from the start: a fixed eval set."""
+def eval_batches(loader: PackedLoader, max_batches: int | None) -> list[dict[str, torch.Tensor]]:
+    """Up to `max_batches` batches of one unshuffled pass from the start (None: the whole pass): a fixed eval set."""
     loader.rewind()
     loader.repeat = False
     batches = []
@@ -442,6 +442,32 @@ def eval_batches(loader: PackedLoader, max_batches: int) -> list[dict[str, torch
         if len(batches) == max_batches:
             break
     return batches
+
+
+def eval_protocol(loader: PackedLoader, batches: list[dict[str, torch.Tensor]]) -> str:
+    """What a validation loss over `batches` (`eval_batches` of `loader`) scores, in words: the protocol a reader
+    needs to compare it with another library's figure.
+
+    >>> stream = PackedLoader(StreamWindows(np.arange(43), 5), 4, 4, shuffle=False)
+    >>> eval_protocol(stream, eval_batches(stream, None))
+    'every held-out token once: the 40 targets of the token stream held out, in 10 windows of 4 (2 left over)'
+    >>> eval_protocol(stream, eval_batches(stream, 1))
+    'the first 16 of the 42 targets of the token stream held out (windows of 4; training.eval_batches=all: all)'
+    """
+    scored = int(sum(int(b["mask"][:, 1:].sum()) for b in batches))
+    windows = loader.documents
+    if isinstance(windows, StreamWindows):
+        targets, width = len(windows.tokens) - 1, windows.window - 1
+        if scored == len(windows) * width:
+            return (
+                f"every held-out token once: the {scored:,} targets of the token stream held out, in {len(windows):,} "
+                f"windows of {width} ({targets - scored} left over)"
+            )
+        return (
+            f"the first {scored:,} of the {targets:,} targets of the token stream held out (windows of {width}; "
+            "training.eval_batches=all: all)"
+        )
+    return f"{scored:,} tokens in {len(batches)} batches of rows packed from held-out documents"
 
 
 class Prefetcher:

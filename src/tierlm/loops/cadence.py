@@ -28,6 +28,7 @@ from tierlm.checkpoint import find_best_checkpoint, prune_checkpoints, resume_ca
 from tierlm.checkpoint.core import checkpoint_metric
 from tierlm.config import TrainingConfig
 from tierlm.errors import CheckpointError
+from tierlm.loops.monitor import RunMonitor, injected_fault
 from tierlm.loops.signals import GracefulStop, RunInterrupted
 
 
@@ -41,6 +42,8 @@ class Loop(Protocol):
     stop: GracefulStop | None
     write_extra: Callable[[Path], None] | None
     """What a checkpoint carries besides weights (tokenizer, config; `tierlm.run.extras_writer`)."""
+    monitor: RunMonitor | None
+    """Told each phase as it begins (the hang watchdog, the progress file; `tierlm.loops.monitor`), when set."""
     evaluates: bool
     """Whether it has anything to evaluate."""
 
@@ -86,27 +89,42 @@ def due(every: int, step: int) -> bool:
 
 def run_loop(loop: Loop) -> None:
     """Train `loop` from its state's step to training.num_train_steps."""
-    cfg, state = loop.config, loop.state
+    cfg, state, monitor = loop.config, loop.state, loop.monitor
+
+    def enter(what: str) -> None:
+        if monitor is not None:
+            monitor.phase(what, state)
+
     if loop.evaluates and state.step == 0:
+        enter("the evaluation before step 1")
         loop.evaluate()
     start = time.perf_counter() - state.elapsed_s
     best = best_saved_metric(loop)  # training.save_best: the metric to beat, as the checkpoints on disk record it
     while state.step < cfg.num_train_steps:
+        enter(f"step {state.step + 1}")
+        if monitor is not None:
+            injected_fault(monitor.rank, state.step + 1)
         metrics = loop.loop_step()
         state.step += 1
         state.elapsed_s = time.perf_counter() - start
         last = state.step == cfg.num_train_steps
         loop.after_step(metrics, log=due(cfg.logging_steps, state.step) or last)
+        if monitor is not None:
+            monitor.first_step = False
         if loop.evaluates and (due(cfg.eval_steps, state.step) or last):
+            enter(f"the evaluation at step {state.step}")
             loop.log_eval(loop.evaluate())
         metric = loop.checkpoint_metric()  # None unless evaluated at this step
         better = cfg.save_best and metric is not None and (best is None or metric < best)
         saved = due(cfg.save_steps, state.step) or last or better
         if saved:
+            enter(f"saving step {state.step}")
             save(loop)
             best = metric if better else best
         if not last:
+            enter(f"the stop check after step {state.step}")
             stop_if_signalled(loop, saved)
+    enter("waiting for the last save")
     wait_for_saves(loop)
 
 

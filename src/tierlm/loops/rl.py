@@ -93,6 +93,7 @@ class RLTrainer:
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
     stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
+    monitor: Any = None  # set by the run: the hang watchdog and the progress file (`tierlm.loops.monitor`)
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step

@@ -102,7 +102,8 @@ class Trainer:
         self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
         config = self.config
         self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
-        self.eval_set = eval_batches(eval_loader, config.eval_batches) if eval_loader is not None else []
+        count = None if config.eval_batches == "all" else config.eval_batches
+        self.eval_set = eval_batches(eval_loader, count) if eval_loader is not None else []
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.write_extra, self.progress_bar = write_extra, progress_bar
         self.sampler = sampler  # model -> [{"prompt", "completion"}], run by rank 0 at each evaluation
@@ -110,6 +111,7 @@ class Trainer:
         self.batches_per_epoch = batches_per_epoch
         self.state = LoopState()
         self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
+        self.monitor = None  # set by the run: the hang watchdog and the progress file (`tierlm.loops.monitor`)
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
         # Data-parallel backends say where this process sits; rank 0 reports and prunes. Evaluation shards its

@@ -45,7 +45,8 @@ from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError, DataError
-from tierlm.loops.signals import GracefulStop
+from tierlm.loops.monitor import RunMonitor, gather_hosts
+from tierlm.loops.signals import GracefulStop, RunInterrupted
 from tierlm.metrics import JSONLSink, MetricsLogger, MLflowSink, TensorBoardSink, WandbSink
 from tierlm.models import family_named, save_model_folder, unwrap_model
 from tierlm.plan import plan_run  # noqa: F401  (`tierlm plan`'s run, importable from here as before)
@@ -478,6 +479,14 @@ class Run:
                     f"tierlm: warning: removed {len(stale)} unfinished save(s) of an interrupted run", file=sys.stderr
                 )
             shutil.rmtree(self.output_dir / ".model.tmp", ignore_errors=True)
+            restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+            if restarts and not self.config.training.save_steps:
+                print(
+                    f"tierlm: warning: torchrun may restart this job {restarts} time(s) and a restart resumes from "
+                    "the newest checkpoint, but training.save_steps=0 saves only at the end: a restart starts over; "
+                    "set training.save_steps",
+                    file=sys.stderr,
+                )
             run_file = {"stage": self.stage.name, "fingerprint": fingerprint(self.config, self.stage.name)}
             (self.output_dir / RUN_FILE).write_text(json.dumps(run_file, indent=1) + "\n")
             self.config.to_yaml(self.output_dir / "config.yaml")
@@ -498,11 +507,31 @@ class Run:
         return self.resumed
 
     def train(self, trainer) -> dict[str, Any]:
-        """The stage's loop, with the stop signals caught (they end it after a saved step)."""
+        """The stage's loop, with the stop signals caught (they end it after a saved step), watched for hangs and
+        reporting its progress (`tierlm.loops.monitor`)."""
+        rank = self.ctx.rank if self.ctx is not None else 0
+        hosts = gather_hosts(rank, self.ctx is not None)
+        trainer.monitor = RunMonitor(
+            self.output_dir,
+            rank,
+            self.is_main,
+            self.stage.name,
+            self.config.training.num_train_steps,
+            self.config.infra.hang_timeout,
+            hosts,
+            self.checkpoint_dir,
+        )
+        status = "failed"
         try:
             with self.stop:
-                return trainer.train()
+                summary = trainer.train()
+            status = "finished"
+            return summary
+        except RunInterrupted:
+            status = "interrupted"
+            raise
         finally:
+            trainer.monitor.close(status)
             trainer.logger.close()
 
     def finish(self, model: torch.nn.Module, summary: dict[str, Any], backend=None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from tierlm.build.stage import Stage
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, Tokenizer
+from tierlm.data.packing import PackedLoader, eval_protocol
 from tierlm.loops.trainer import Trainer
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import clear_memory
@@ -60,6 +61,9 @@ def train_with_trainer(
         callbacks=callbacks,
         batches_per_epoch=run.plan.batches_per_epoch if run.plan is not None else None,
     )
+    protocol = eval_protocol(eval_loader, trainer.eval_set) if isinstance(eval_loader, PackedLoader) else None
+    if protocol is not None:
+        run.note(f"validation: {protocol}")
     run.begin(trainer)
     prefetch = (
         config.data.prefetch_batches
@@ -73,6 +77,8 @@ def train_with_trainer(
     finally:
         if isinstance(trainer.train_loader, Prefetcher):
             trainer.train_loader.close()
+    if protocol is not None and "val_loss" in summary:
+        summary["val_protocol"] = protocol
     run.finish(backend.model, summary, backend)
     tr = config.training
     if run.is_main and tr.optimizer == "adamw_prune":  # the pruning evaluation, beside the run's model

@@ -111,6 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
                 "by more than rl.parity_tolerance; trains and writes nothing",
             )
 
+    launch = commands.add_parser(
+        "launch",
+        help="write a cluster launch script for a run (Slurm: one task per node, torchrun, requeue on preemption)",
+    )
+    launch.add_argument("--slurm", action="store_true", required=True, help="an sbatch script (the one scheduler)")
+    launch.add_argument("stage", choices=sorted(STAGES), help="the stage to run")
+    _add_config_args(launch, required=False)
+    launch.add_argument("--nodes", type=_positive_int, required=True, help="machines")
+    launch.add_argument("--gpus-per-node", type=_non_negative_int, default=0, help="ranks a machine (0: one CPU rank)")
+    launch.add_argument("--time", required=True, help="the job's time limit: MINUTES, HH:MM:SS or D-HH:MM:SS")
+    launch.add_argument("--partition", default=None)
+    launch.add_argument("--account", default=None)
+    launch.add_argument("--cpus-per-task", type=_positive_int, default=None, help="CPU cores per node")
+    launch.add_argument("--max-restarts", type=_non_negative_int, default=3, help="torchrun restarts after a rank dies")
+    launch.add_argument("--port", type=int, default=29500, help="the rendezvous port on the first node")
+    launch.add_argument("--python", default="python", help="the Python on the nodes (a venv's, on shared storage)")
+    launch.add_argument("--out", default=None, help="write the script here (default: print it)")
+
     plan = commands.add_parser(
         "plan", help="print what a run would do (model, tokens, batch, optimizer groups, time) without training"
     )

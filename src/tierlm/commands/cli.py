@@ -342,6 +342,42 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"wrote {overlay_report([Path(d) for d in args.run_dirs], Path(args.out))}")
 
 
+def cmd_launch(args: argparse.Namespace) -> None:
+    from tierlm.commands.launch import slurm_script
+    from tierlm.config import TierlmConfig
+
+    config = TierlmConfig.load(args.config, args.overrides)  # a bad config is refused here, not on the cluster
+    script = slurm_script(
+        args.stage,
+        args.config,
+        args.overrides,
+        config,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        time_limit=args.time,
+        partition=args.partition,
+        account=args.account,
+        cpus_per_task=args.cpus_per_task,
+        max_restarts=args.max_restarts,
+        port=args.port,
+        python=args.python,
+    )
+    if not config.training.save_steps:
+        _say(
+            "tierlm: warning: training.save_steps=0 saves only at the end: a restarted or requeued job starts over; "
+            "set training.save_steps"
+        )
+    if args.out is None:
+        print(script, end="")
+        return
+    out = Path(args.out)
+    if out.exists():
+        raise ConfigError(f"--out {out} exists; choose another file (nothing is overwritten)")
+    out.write_text(script)
+    out.chmod(0o755)
+    print(f"wrote {out}: submit it with `sbatch {out}`")
+
+
 def cmd_config(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.config.files import list_presets
@@ -392,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "push": cmd_push,
         "speedrun": cmd_speedrun,
         "ablate": cmd_ablate,
+        "launch": cmd_launch,
     }
     handler = handlers.get(args.command) or {"tokenizer": cmd_tokenizer_train, "config": cmd_config}[args.command]
     try:

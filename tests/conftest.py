@@ -50,6 +50,24 @@ def run_cli(*args, cwd=None, timeout=600):
     )
 
 
+def run_main(*args):
+    """`tierlm ARGS` by tierlm's `main` in this process, its output captured: `run_cli`'s result where the process
+    boundary is not what a test checks (a fresh interpreter costs seconds of imports each time)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from tierlm.commands.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's refusals
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["tierlm", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def torchrun(*args, nproc: int = 2, timeout: int = 300, wait: bool = True, **popen):
     """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC ARGS` (one thread per rank);
     `wait=False`: start it in its own process group (for os.killpg) and return the process."""

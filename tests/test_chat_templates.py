@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import CHAT, TINY, run_cli
+from conftest import CHAT, TINY, run_main
 from tierlm.data import load_tokenizer, train_bpe_tokenizer
 from tierlm.data.chat_templates import set_chat_template
 from tierlm.data.rows import Conversation
@@ -137,7 +137,7 @@ def test_sft_with_tools_from_a_dataset_and_chatml(chatml_tokenizer, tmp_path):
     ]
     data = tmp_path / "tools.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pre = run_cli(
+    pre = run_main(
         "pretrain",
         "--config",
         "tiny_pretrain",
@@ -146,7 +146,7 @@ def test_sft_with_tools_from_a_dataset_and_chatml(chatml_tokenizer, tmp_path):
         f"infra.output_dir={tmp_path / 'pre'}",
     )
     assert pre.returncode == 0, pre.stderr[-2000:]
-    sft = run_cli(
+    sft = run_main(
         "sft",
         "--config",
         "configs/tiny_sft.yaml",

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import kill_at_checkpoint, run_cli
+from conftest import kill_at_checkpoint, run_main
 from tierlm import checkpoint
 from tierlm.backends import PyTorchTrainingBackend
 from tierlm.errors import CheckpointError, TrainingDiverged
@@ -72,12 +72,12 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
         "training.num_train_steps=60",
         "training.save_steps=20",
     ]
-    assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
+    assert run_main(*args, f"infra.output_dir={straight}").returncode == 0
 
     kill_at_checkpoint(args, killed, 20)
     assert not (killed / "checkpoints" / "step_60").exists()
 
-    result = run_cli(*args, f"infra.output_dir={killed}", "--resume")
+    result = run_main(*args, f"infra.output_dir={killed}", "--resume")
     assert result.returncode == 0, result.stderr
     losses = lambda run: [(r["step"], r["loss"]) for r in _lines(run / "metrics.jsonl") if r["type"] == "train"]  # noqa: E731
     assert losses(killed) == losses(straight) and len(losses(straight)) == 60
@@ -217,7 +217,7 @@ def test_average_equals_hand_computed_mean(tmp_path):
             for p in model.parameters():
                 p.normal_(i, 1.0)
     folders = [save_model_folder(m, tmp_path / f"m{i}") for i, m in enumerate(models)]
-    result = run_cli("average", *folders, "--out", tmp_path / "avg", timeout=120)
+    result = run_main("average", *folders, "--out", tmp_path / "avg")
     assert result.returncode == 0, result.stderr
     averaged = load_native_model(tmp_path / "avg")
     for name, param in averaged.named_parameters():
@@ -235,14 +235,14 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, tiny_tokenizer
         for p in backend.model.parameters():
             p.normal_(0, 0.2)
     path = backend.save_checkpoint(1, write_extra=lambda folder: tiny_tokenizer.save(folder / "model")).wait()
-    result = run_cli("export", path, tmp_path / "exported", timeout=120)
+    result = run_main("export", path, tmp_path / "exported")
     assert result.returncode == 0, result.stderr
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert AutoTokenizer.from_pretrained(tmp_path / "exported").chat_template
     ids = torch.randint(0, 40, (2, 12))
     with torch.no_grad():
         assert (hf(input_ids=ids).logits - backend.model(ids)).abs().max().item() <= 1e-4
-    assert run_cli("export", path, tmp_path / "exported", timeout=120).returncode == 2  # never overwrites
+    assert run_main("export", path, tmp_path / "exported").returncode == 2  # never overwrites
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_main
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 
@@ -84,7 +84,7 @@ def test_cli_errors_are_one_line_exit_2(args, tmp_path):
 
     if "infra.device_type=cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args], timeout=120)
+    result = run_main(*[a.replace("{tmp}", str(tmp_path)) for a in args])
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("tierlm: error: "), result.stderr

@@ -77,7 +77,7 @@ def test_core_equals_a_per_prompt_reference_and_centres_on_the_baseline(tiny_run
 
 
 def test_tierlm_eval_core_writes_the_run_result_and_refuses_a_folder_without_a_bundle(tiny_runs, tmp_path, capsys):
-    from conftest import run_cli
+    from conftest import run_main
     from tierlm.commands.cli import main
 
     run = shutil.copytree(tiny_runs / "pre", tmp_path / "run")
@@ -88,7 +88,7 @@ def test_tierlm_eval_core_writes_the_run_result_and_refuses_a_folder_without_a_b
     assert json.loads((run / "core.json").read_text())["tasks"]["sums"]["items"] == 2
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["type"] == "core" and "## CORE" in (run / "report.md").read_text()
-    bad = run_cli("eval", "--checkpoint", run, "--core", tmp_path)
+    bad = run_main("eval", "--checkpoint", run, "--core", tmp_path)
     assert bad.returncode == 2 and "is not a CORE eval bundle: no core.yaml" in bad.stderr.strip().splitlines()[-1]
     with pytest.raises(ConfigError, match="no core.yaml"):
         read_bundle(tmp_path)

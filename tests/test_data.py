@@ -412,3 +412,39 @@ def test_stream_mode_reads_a_text_file_as_consecutive_windows():
     seen = Counter(tuple(row) for batch in train for row in batch["tokens"].tolist())
     assert seen == expected and train.stats()["data_cropped_frac"] == 0
     assert val.next_batch()["tokens"][0].tolist() == ids[cut : cut + 65]
+
+
+def test_stream_mode_reads_a_folder_of_llmc_shards_holding_out_its_val_shard(tmp_path, tiny_tokenizer):
+    """llm.c's FineWeb layout (`*_train_*.bin` shards and one `*_val_*.bin`): the train shards are one stream (a
+    window runs across a shard boundary), the val shard is held out whole and scored once; a shard made with
+    another tokenizer is one line."""
+    from tierlm.build.loaders import build_loaders
+    from tierlm.config import TierlmConfig
+    from tierlm.data.packing import eval_batches, eval_protocol
+
+    def shard(name: str, tokens: np.ndarray) -> None:
+        header = np.zeros(256, dtype=np.int32)
+        header[:3] = [20240520, 1, len(tokens)]
+        (tmp_path / "fineweb" / name).write_bytes(header.tobytes() + tokens.astype(np.uint16).tobytes())
+
+    (tmp_path / "fineweb").mkdir()
+    rng = np.random.default_rng(0)
+    first, second, held = (rng.integers(0, tiny_tokenizer.vocab_size, n) for n in (50, 31, 28))
+    shard("edufineweb_val_000000.bin", held)
+    shard("edufineweb_train_000001.bin", first)
+    shard("edufineweb_train_000002.bin", second)
+    folder = f"data.dataset_name={tmp_path / 'fineweb'}"
+    config = TierlmConfig.load("tiny_pretrain", [folder, "data.stream=true", "data.max_seq_length=8"])
+    train, val = build_loaders(config, STAGES["pretrain"], tiny_tokenizer)
+    stream = np.concatenate([first, second])
+    train.repeat = False
+    rows = sorted(tuple(row) for batch in train for row in batch["tokens"].tolist())
+    assert rows == sorted(tuple(stream[i * 8 : i * 8 + 9].tolist()) for i in range((len(stream) - 1) // 8))
+    assert tuple(stream[48:57].tolist()) in rows  # across the shard boundary
+    scored = eval_batches(val, None)
+    assert torch.equal(torch.cat([b["tokens"] for b in scored])[:, :-1].flatten(), torch.from_numpy(held[:24]))
+    assert eval_protocol(val, scored).startswith("every held-out token once: the 24 targets")
+    vocab = tiny_tokenizer.vocab_size
+    shard("edufineweb_train_000003.bin", np.array([1, 2, vocab]))
+    with pytest.raises(DataError, match=rf"edufineweb_train_000003.bin: token id {vocab} >= vocab size {vocab}"):
+        build_loaders(config, STAGES["pretrain"], tiny_tokenizer)

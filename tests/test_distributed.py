@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.conftest import REPO, TINY, run_cli, torchrun
+from tests.conftest import REPO, TINY, run_main, torchrun
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 
@@ -268,7 +268,7 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("run directory:") == 1  # rank 0 reports
     one = tmp_path / "one"
-    result = run_cli(*common, f"infra.output_dir={one}", "training.per_device_train_batch_size=16")
+    result = run_main(*common, f"infra.output_dir={one}", "training.per_device_train_batch_size=16")
     assert result.returncode == 0, result.stderr[-3000:]
 
     def lines(
@@ -294,7 +294,7 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
 
     shutil.rmtree(two / "checkpoints" / "step_12")
     (two / "checkpoints" / "latest").write_text("step_6\n")
-    result = run_cli(*common, f"infra.output_dir={two}", "training.per_device_train_batch_size=16")
+    result = run_main(*common, f"infra.output_dir={two}", "training.per_device_train_batch_size=16")
     assert result.returncode == 0, result.stderr[-3000:]
     c = lines(two)
     assert [(r["type"], r["step"]) for r in c] == [(r["type"], r["step"]) for r in b]
@@ -309,7 +309,7 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     ]
     result = torchrun("-m", "tierlm", *common, *three)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_cli("export", tmp_path / "three" / "checkpoints" / "step_12", tmp_path / "exported")
+    result = run_main("export", tmp_path / "three" / "checkpoints" / "step_12", tmp_path / "exported")
     assert result.returncode == 0, result.stderr
     exported, final = (
         load_file(tmp_path / "exported" / "model.safetensors"),
@@ -323,7 +323,7 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     # A sharded checkpoint is not a model folder: sampling from it says to export first.
-    result = run_cli("sample", "--checkpoint", tmp_path / "three" / "checkpoints" / "step_12", "--prompt", "1 + 1")
+    result = run_main("sample", "--checkpoint", tmp_path / "three" / "checkpoints" / "step_12", "--prompt", "1 + 1")
     assert result.returncode == 2 and "tierlm export" in result.stderr
 
 
@@ -343,7 +343,7 @@ def test_fsdp_sharding_strategies_match_one_process(tmp_path):
         "data.num_synthetic_examples=2000",
         "infra.progress_bar=false",
     ]
-    result = run_cli(*common, f"infra.output_dir={tmp_path / 'one'}", "training.per_device_train_batch_size=16")
+    result = run_main(*common, f"infra.output_dir={tmp_path / 'one'}", "training.per_device_train_batch_size=16")
     assert result.returncode == 0, result.stderr[-3000:]
 
     def losses(run: Path) -> list[float]:
@@ -489,7 +489,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
         "rl.micro_batch_size=2",
     ]
     one = tmp_path / "rl1"
-    result = run_cli(*rl, f"infra.output_dir={one}")
+    result = run_main(*rl, f"infra.output_dir={one}")
     assert result.returncode == 0, result.stderr[-3000:]
     for kind in ("ddp", "fsdp"):
         out = tmp_path / f"rl_{kind}"
@@ -544,7 +544,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
         "-m", "tierlm", *dpo, "training.per_device_train_batch_size=4", f"infra.output_dir={tmp_path / 'dpo2'}"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_cli(*dpo, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'dpo1'}")
+    result = run_main(*dpo, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'dpo1'}")
     assert result.returncode == 0, result.stderr[-3000:]
     two, one = (
         [

@@ -158,7 +158,7 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
 
     from safetensors.torch import load_file
 
-    from conftest import resume_from_checkpoint, run_cli
+    from conftest import resume_from_checkpoint, run_main
 
     args = [
         "pretrain",
@@ -181,7 +181,7 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     import shutil
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    result = run_cli(*args, f"infra.output_dir={straight}")
+    result = run_main(*args, f"infra.output_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     shutil.copytree(straight, resumed)  # the same run, rolled back to its step 3 and resumed in this process
     resume_from_checkpoint(args, resumed, 3, in_process=True)
@@ -201,7 +201,7 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
     assert "<extra_id_31>" in tokenizer.hf.get_vocab()
     saved = json.loads((straight / "model" / "tierlm_model.json").read_text())
     assert saved["decoder_start_token_id"] == tokenizer.pad_id  # generation starts where training's decoder rows start
-    sample = run_cli(
+    sample = run_main(
         "sample",
         "--checkpoint",
         straight,
@@ -221,7 +221,7 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
     of the global UL2 batch compute what 1 process x 8 rows does."""
     import json
 
-    from conftest import run_cli, torchrun
+    from conftest import run_main, torchrun
 
     common = [
         "pretrain",
@@ -240,7 +240,7 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
         "data.max_decoder_length=32",
         "infra.progress_bar=false",
     ]
-    one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
+    one = run_main(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(
         "-m",
@@ -274,7 +274,7 @@ def test_ul2_starts_from_a_decoder_only_qwen3_folder_and_reads_a_stream(tmp_path
     its text as a stream (parquet shards, data.streaming)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from conftest import run_cli
+    from conftest import run_main
     from test_streaming import parquet_shards
     from tierlm.build.model import build_model
     from tierlm.build.tokenizer import run_tokenizer
@@ -331,6 +331,6 @@ def test_ul2_starts_from_a_decoder_only_qwen3_folder_and_reads_a_stream(tmp_path
             atol=1e-5,
         )
 
-    result = run_cli("pretrain", "--config", "ul2-tiny", *overrides)
+    result = run_main("pretrain", "--config", "ul2-tiny", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     assert family_for_folder(tmp_path / "run" / "model").name == "qwen3_encdec"

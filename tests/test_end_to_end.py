@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, run_main
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.stages import run_stage
@@ -56,7 +56,7 @@ def test_cli_pretrain_sft_sample(tmp_path):
     assert evals[-1]["val_loss"] < 0.7 * evals[0]["val_loss"]
     assert (pre / "config.yaml").is_file() and (pre / "model" / "tokenizer.json").is_file()
 
-    result = run_cli(
+    result = run_main(
         "sft",
         "--config",
         "configs/tiny_sft.yaml",
@@ -71,7 +71,7 @@ def test_cli_pretrain_sft_sample(tmp_path):
     sft_evals = [r for r in _lines(sft / "metrics.jsonl") if r["type"] == "eval"]
     assert sft_evals[-1]["val_loss"] < sft_evals[0]["val_loss"]
 
-    result = run_cli("sample", "--checkpoint", sft, "--prompt", "What is 12 + 7?", "--max-new-tokens", "16")
+    result = run_main("sample", "--checkpoint", sft, "--prompt", "What is 12 + 7?", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), "the model answered nothing"
 
@@ -94,7 +94,7 @@ def test_cli_pretrain_sft_sample(tmp_path):
         f"infra.output_dir={rl}",
         "infra.device_type=cpu",
     ]
-    result = run_cli(*rl_args)
+    result = run_main(*rl_args)
     assert result.returncode == 0, result.stderr
     assert "held-out pass@1" in result.stdout
     records = _lines(rl / "metrics.jsonl")
@@ -111,7 +111,7 @@ def test_cli_pretrain_sft_sample(tmp_path):
     assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # sampler and trainer agree on the sampled tokens
     assert (rl / "model" / "model.safetensors").is_file()
     # `tierlm eval` reproduces the run's last pass@k eval (the same seeded samples) without training.
-    result = run_cli(
+    result = run_main(
         "eval",
         "--checkpoint",
         rl,
@@ -131,14 +131,14 @@ def test_cli_pretrain_sft_sample(tmp_path):
 
     shutil.rmtree(rl / "checkpoints" / "step_4")
     (rl / "checkpoints" / "latest").write_text("step_2\n")
-    result = run_cli(*rl_args)
+    result = run_main(*rl_args)
     assert result.returncode == 0, result.stderr
     again = [r for r in _lines(rl / "metrics.jsonl") if r["type"] == "train"]
     keys = ("step", "loss", "reward_mean", "grad_norm", "completion_len")
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in train]
 
     dpo = tmp_path / "dpo"
-    result = run_cli(
+    result = run_main(
         "dpo",
         "--config",
         "configs/tiny_dpo.yaml",
@@ -235,9 +235,7 @@ def test_transformers_architecture_from_scratch_with_tensorboard(tmp_path):
 def test_cli_tokenizer_train(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"line {i} of some text, with words and numbers {i * 7}" for i in range(200)))
-    result = run_cli(
-        "tokenizer", "train", "--data", corpus, "--out", tmp_path / "tok", "--vocab-size", "300", timeout=120
-    )
+    result = run_main("tokenizer", "train", "--data", corpus, "--out", tmp_path / "tok", "--vocab-size", "300")
     assert result.returncode == 0, result.stderr
     from tierlm.data import load_tokenizer
 
@@ -304,7 +302,7 @@ def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
 )
 def test_cli_bad_data_is_one_line_exit_2(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
-    result = run_cli(
+    result = run_main(
         "sft",
         "--config",
         "configs/tiny_sft.yaml",
@@ -322,7 +320,7 @@ def test_cli_token_file_beyond_vocab_is_one_line_exit_2(tmp_path, tiny_tokenizer
 
     tiny_tokenizer.save(tmp_path / "tok")
     np.array([0, 5, 6, tiny_tokenizer.vocab_size + 3], dtype=np.uint16).tofile(tmp_path / "t.bin")
-    result = run_cli(
+    result = run_main(
         "pretrain",
         f"data.dataset_name={tmp_path / 't.bin'}",
         f"model.tokenizer_name_or_path={tmp_path / 'tok'}",
@@ -357,7 +355,7 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
         "infra.progress_bar=false",
         "infra.device_type=cpu",
     ]
-    result = run_cli("speedrun", "--depth", "1", "--out", out, *small)
+    result = run_main("speedrun", "--depth", "1", "--out", out, *small)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"report card: {out / 'report.md'}" in result.stdout
     report = (out / "report.md").read_text()
@@ -380,11 +378,11 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
         s["done"] for s in record["stages"].values()
     )
 
-    again = run_cli("speedrun", "--depth", "1", "--out", out, *small)
+    again = run_main("speedrun", "--depth", "1", "--out", out, *small)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (
         json.loads((out / "speedrun.json").read_text())["stages"]["pretrain"]["seconds"]
         == record["stages"]["pretrain"]["seconds"]
     )
-    wrong = run_cli("speedrun", "--depth", "2", "--out", out, *small)
+    wrong = run_main("speedrun", "--depth", "2", "--out", out, *small)
     assert wrong.returncode == 2 and "depth-1 speedrun" in wrong.stderr

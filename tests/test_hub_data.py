@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_main
 from tierlm.build.loaders import open_splits
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, DataError
@@ -89,7 +89,7 @@ def test_eval_split_needs_named_splits(tmp_path, tiny_tokenizer):
 
 def test_sft_on_an_ultrachat_like_folder(tmp_path):
     folder = hub_folder(tmp_path / "ultrachat", {"train_sft": 200, "test_sft": 20})
-    result = run_cli(
+    result = run_main(
         "sft",
         "--config",
         "tiny_pretrain",
@@ -179,7 +179,7 @@ def test_dpo_on_an_ultrafeedback_like_folder(tmp_path, tiny_runs):
     folder = parquet_folder(
         tmp_path / "ultrafeedback", {"train": ultrafeedback_rows(24, "train"), "test": ultrafeedback_rows(6, "test")}
     )
-    result = run_cli(
+    result = run_main(
         "dpo",
         "--config",
         "configs/tiny_dpo.yaml",
@@ -256,7 +256,7 @@ def test_rl_on_a_gsm8k_like_folder(tmp_path, tiny_runs):
     folder = parquet_folder(
         tmp_path / "gsm8k", {"train": gsm8k_rows(20, "train"), "test": gsm8k_rows(4, "test")}, configs={"main": "main"}
     )
-    result = run_cli(
+    result = run_main(
         "rl",
         "--config",
         "configs/tiny_rl.yaml",

@@ -292,7 +292,7 @@ print(json.dumps({"devices": len(jax.local_devices()), "losses": losses}))
 
 @pytest.mark.slow
 def test_tierlm_pretrain_with_the_jax_backend(tmp_path):
-    from conftest import run_cli
+    from conftest import run_main
 
     out = tmp_path / "run"
     args = [
@@ -309,11 +309,11 @@ def test_tierlm_pretrain_with_the_jax_backend(tmp_path):
         "infra.progress_bar=false",
         f"infra.output_dir={out}",
     ]
-    result = run_cli(*args)
+    result = run_main(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "eval"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
-    resumed = run_cli(
+    resumed = run_main(
         *args[:-1],
         "infra.backend=pytorch",
         "training.num_train_steps=10",

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import TINY, resume_from_checkpoint, run_cli
+from conftest import TINY, resume_from_checkpoint, run_main
 
 ARGS = [
     "pretrain",
@@ -45,7 +45,7 @@ def test_tensorboard_and_mlflow_continue_the_same_run(tmp_path):
     args = [*ARGS, "training.report_to=[tensorboard,mlflow]"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
-        result = run_cli(*args, f"infra.output_dir={out}")
+        result = run_main(*args, f"infra.output_dir={out}")
         assert result.returncode == 0, result.stderr[-3000:]
     run_id = (resumed / "mlflow_run_id").read_text()
     resume_from_checkpoint(args, resumed, 3)
@@ -69,7 +69,7 @@ def test_wandb_resumes_the_run_the_directory_keeps(tmp_path):
     os.environ.update(env)
     try:
         args = [*ARGS, "training.report_to=[wandb]"]
-        result = run_cli(*args, f"infra.output_dir={out}")
+        result = run_main(*args, f"infra.output_dir={out}")
         assert result.returncode == 0, result.stderr[-3000:]
         run_id = (out / "wandb_run_id").read_text().strip()
         resume_from_checkpoint(args, out, 3)

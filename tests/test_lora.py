@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_cli, torchrun
+from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_main, torchrun
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import forward_logits, load_pretrained_model, save_model_folder
@@ -153,7 +153,7 @@ def test_lora_sft_resumes_bit_exactly_and_exports(tiny_runs, tmp_path):
         "training.logging_steps=1",
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run_cli(*args, f"infra.output_dir={straight}").returncode == 0
+    assert run_main(*args, f"infra.output_dir={straight}").returncode == 0
     shutil.copytree(straight, resumed)  # the same run, rolled back to its step 3 and resumed in this process
     resume_from_checkpoint(args, resumed, 3, in_process=True)
     assert _train_losses(resumed)[-3:] == _train_losses(straight)[-3:] and len(_train_losses(straight)) == 6
@@ -188,7 +188,7 @@ def test_lora_sft_resumes_bit_exactly_and_exports(tiny_runs, tmp_path):
 
 @pytest.mark.slow
 def test_lora_dpo_and_rl_run_against_the_adapter_free_reference(tiny_runs, tmp_path):
-    dpo = run_cli(
+    dpo = run_main(
         "dpo",
         "--config",
         "configs/tiny_dpo.yaml",
@@ -205,7 +205,7 @@ def test_lora_dpo_and_rl_run_against_the_adapter_free_reference(tiny_runs, tmp_p
         if r["type"] == "train"
     ][0]
     assert abs(first["loss"] - 0.6931) < 1e-3, first  # step 1: policy == reference (B = 0), so the DPO loss is log 2
-    rl = run_cli(
+    rl = run_main(
         "rl",
         "--config",
         "configs/tiny_rl.yaml",
@@ -257,7 +257,7 @@ def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
         "training.save_steps=4",
         "training.logging_steps=1",
     ]
-    one = run_cli(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
+    one = run_main(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(
         "-m",
@@ -273,7 +273,7 @@ def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
     )
     checkpoint = tmp_path / "two" / "checkpoints" / "step_4"
     assert (checkpoint / "state").is_dir() and (checkpoint / "model" / "adapter" / "adapter_config.json").is_file()
-    result = run_cli("export", checkpoint, tmp_path / "exported")
+    result = run_main("export", checkpoint, tmp_path / "exported")
     assert result.returncode == 0, result.stderr[-2000:]
     a, b = (
         load_file(tmp_path / "exported" / "model.safetensors"),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_main
 from tierlm.config import DataConfig, FullConfig, InfraConfig, ModelConfig, TierlmConfig, TrainingConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import clear_memory, get_memory_stats, log_memory_stats
@@ -368,7 +368,7 @@ def test_preflight_refuses_in_one_line_and_writes_nothing(tmp_path, override):
     """A run that cannot fit: one line naming the largest part, exit 2, under 10 s, no run directory."""
     out = tmp_path / "run"
     start = time.perf_counter()
-    result = run_cli("pretrain", *TINY, override, f"infra.output_dir={out}")
+    result = run_main("pretrain", *TINY, override, f"infra.output_dir={out}")
     assert result.returncode == 2 and time.perf_counter() - start < 10
     line = result.stderr.strip()
     assert "\n" not in line and line.startswith("tierlm: error: this run needs") and "the largest part is" in line
@@ -376,7 +376,7 @@ def test_preflight_refuses_in_one_line_and_writes_nothing(tmp_path, override):
 
 
 def test_plan_shows_the_memory_table():
-    result = run_cli("plan", *TINY, "training.per_device_train_batch_size=auto", "infra.max_memory_gb=2")
+    result = run_main("plan", *TINY, "training.per_device_train_batch_size=auto", "infra.max_memory_gb=2")
     assert result.returncode == 0, result.stderr
     assert "memory per rank (cpu, 1 rank" in result.stdout and "optimizer state" in result.stdout
     assert "note: training.per_device_train_batch_size=auto:" in result.stdout

@@ -176,7 +176,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     import shutil
 
     from safetensors.torch import load_file
-    from tests.conftest import run_cli, torchrun
+    from tests.conftest import run_main, torchrun
 
     shape = ["model.depth=4", "model.aspect_ratio=16"]  # the native GPT's (Qwen3's shape is its model.hf_config)
     common = [
@@ -206,7 +206,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
         one, run = references.setdefault(tuple(shared), tmp_path / f"{name}_one"), tmp_path / name
         shared = shared if shared == QWEN3 else [*shape, *shared]
         if not one.exists():
-            assert (result := run_cli(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[
+            assert (result := run_main(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[
                 -3000:
             ]
         result = torchrun("-m", "tierlm", *common, *shared, *layout, f"infra.output_dir={run}")
@@ -222,7 +222,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     run = tmp_path / "tp"
     shutil.rmtree(run / "checkpoints" / "step_6")
     (run / "checkpoints" / "latest").write_text("step_3\n")
-    assert (result := run_cli(*common, *shape, f"infra.output_dir={run}")).returncode == 0, result.stderr[-3000:]
+    assert (result := run_main(*common, *shape, f"infra.output_dir={run}")).returncode == 0, result.stderr[-3000:]
     assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(tmp_path / "tp_one")))
 
 

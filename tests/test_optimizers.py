@@ -267,7 +267,7 @@ def test_tierlm_plan_matches_what_the_run_does(tmp_path):
 
     import yaml
 
-    from conftest import TINY, run_cli
+    from conftest import TINY, run_main
 
     args = [
         "--config",
@@ -282,7 +282,7 @@ def test_tierlm_plan_matches_what_the_run_does(tmp_path):
         "training.weight_decay=0.1",
         f"infra.output_dir={tmp_path / 'run'}",
     ]
-    planned = run_cli("plan", *args)
+    planned = run_main("plan", *args)
     assert planned.returncode == 0, planned.stderr
     steps = int(re.search(r"steps\s+([\d,]+) \(", planned.stdout).group(1).replace(",", ""))
     batch, accumulation = re.search(
@@ -291,7 +291,7 @@ def test_tierlm_plan_matches_what_the_run_does(tmp_path):
     batch = int(batch.replace(",", ""))
     assert batch == 1024 * int(accumulation) and steps >= 2, planned.stdout
 
-    trained = run_cli("pretrain", *args)
+    trained = run_main("pretrain", *args)
     assert trained.returncode == 0, trained.stderr
     plan_table = planned.stdout.split("memory per rank")[
         0

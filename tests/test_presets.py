@@ -129,7 +129,6 @@ def test_the_shakespeare_preset_trains_as_a_stream(tmp_path):
             "pretrain",
             "--config",
             "gpt2-shakespeare-char",
-            "data.stream=true",
             "training.num_train_steps=20",
             "training.warmup_steps=2",
             "training.eval_steps=20",

@@ -255,9 +255,9 @@ def test_fp8_swaps_the_hidden_linears_and_disable_fp8_runs_them_plain():
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs an H100-class GPU"
 )
 def test_fp8_trains_on_a_gpu(tmp_path):  # pragma: no cover - no such GPU on the CI machines
-    from conftest import TINY, run_cli
+    from conftest import TINY, run_main
 
-    result = run_cli(
+    result = run_main(
         "pretrain",
         "--config",
         "tiny_pretrain",

@@ -466,7 +466,7 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
     losses and value losses)."""
     import json
 
-    from conftest import resume_from_checkpoint, run_cli
+    from conftest import resume_from_checkpoint, run_main
 
     args = [
         *_tiny_rl(tiny_runs),
@@ -479,7 +479,7 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
-        result = run_cli(*args, f"infra.output_dir={out}")
+        result = run_main(*args, f"infra.output_dir={out}")
         assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (straight / "critic_checkpoints").glob("step_*")) == ["step_2", "step_4"]
     resume_from_checkpoint(args, resumed, 2)
@@ -518,7 +518,7 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
     in the checkpoint); and an asynchronous run is deterministic whatever the threads' timing."""
     from safetensors.torch import load_file
 
-    from conftest import kill_at_checkpoint, run_cli
+    from conftest import kill_at_checkpoint, run_main
 
     args = [
         *_tiny_rl(tiny_runs),
@@ -529,7 +529,7 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
         "training.num_train_steps=5",
     ]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    result = run_cli(*args, f"infra.output_dir={straight}")
+    result = run_main(*args, f"infra.output_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     train = [r for r in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert [r["weight_version"] for r in train] == [0, 0, 1, 2, 3] and [r["staleness"] for r in train] == [
@@ -544,7 +544,7 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
     assert list(state["pending_rollouts"][0]) == ["2"]  # step 2's batch, sampled with the weights of step 1
 
     kill_at_checkpoint(args, killed, 2)
-    result = run_cli(*args, f"infra.output_dir={killed}", "--resume")
+    result = run_main(*args, f"infra.output_dir={killed}", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = (load_file(run / "model" / "model.safetensors") for run in (straight, killed))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -569,10 +569,10 @@ def test_vllm_refuses_a_model_without_a_transformers_twin(tmp_path, tiny_tokeniz
 def test_check_parity_reports_the_gap_and_writes_nothing(tiny_runs, tmp_path):
     """`tierlm rl --check-parity`: step 0's rollouts through the sampler and the trainer; the native engine's
     float32 log-probs match the trainer's to rounding, and no run directory is made."""
-    from conftest import RL, run_cli
+    from conftest import RL, run_main
 
     out = tmp_path / "never"
-    done = run_cli(
+    done = run_main(
         "rl", "--config", "configs/tiny_rl.yaml", *RL, f"model.model_name_or_path={tiny_runs / 'sft'}",
         f"infra.output_dir={out}", "--check-parity",
     )  # fmt: skip

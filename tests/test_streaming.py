@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, kill_at_checkpoint, run_cli
+from conftest import TINY, kill_at_checkpoint, run_main
 from tierlm.build.loaders import build_loaders
 from tierlm.config import TierlmConfig
 from tierlm.data import RankSlice
@@ -143,11 +143,11 @@ def test_streamed_pretraining_killed_and_resumed_is_bit_identical(tmp_path):
         "training.eval_steps=12",
     ]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    result = run_cli(*args, f"infra.output_dir={straight}")
+    result = run_main(*args, f"infra.output_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     kill_at_checkpoint(args, killed, 8)
-    result = run_cli(*args, f"infra.output_dir={killed}", "--resume")
+    result = run_main(*args, f"infra.output_dir={killed}", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
 
     def losses(run):
@@ -168,7 +168,7 @@ def test_sft_streams_an_ultrachat_like_folder(tmp_path):
     from test_hub_data import hub_folder
 
     folder = hub_folder(tmp_path / "ultrachat", {"train_sft": 60, "test_sft": 8})
-    result = run_cli(
+    result = run_main(
         "sft",
         "--config",
         "tiny_pretrain",

@@ -28,6 +28,7 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.data.hub import available_splits, default_eval_split
+from tierlm.data.packing import ConcatTokens
 from tierlm.data.preferences import PairLoader, UnpairedLoader
 from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, open_stream
 from tierlm.data.streaming import StreamingLoader
@@ -319,12 +320,15 @@ def streaming_loaders(
 STREAM_MAX_TOKENS = 1 << 30  # a stream read from text is held in memory (4 bytes a token)
 
 
-def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.ndarray:
-    """One source as a token stream: a text file encoded whole, a token file as it lies (memory-mapped),
-    anything else its documents one after another (each after its separator token)."""
+def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.ndarray | ConcatTokens:
+    """One source as a token stream: a text file encoded whole, a token file as it lies (memory-mapped), a folder
+    of token files one after another (memory-mapped), anything else its documents one after another (each after its
+    separator token)."""
     from tierlm.data.sources import TokenFileExamples, builtin_corpus
 
     path = builtin_corpus(name) if name.startswith("builtin:") else Path(name)
+    if path.is_dir() and (shards := token_shards(path)):
+        return ConcatTokens([token_map(shard, config.data.token_dtype, tokenizer.vocab_size) for shard in shards])
     if path.is_file() and path.suffix in TOKEN_SUFFIXES:
         tokens = TokenFileExamples(path, config.data.token_dtype, tokenizer.document_separator_id, tokenizer.vocab_size)
         return tokens._map()
@@ -355,17 +359,46 @@ def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.n
     return np.concatenate(parts)
 
 
+def token_shards(folder: Path) -> list[Path]:
+    """A folder's token files (`.bin` / `.npy`), in name order; [] when it holds anything else."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    return files if files and all(p.suffix in TOKEN_SUFFIXES for p in files) else []
+
+
+def token_map(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
+    """A token file's tokens, memory-mapped (an llm.c shard's header skipped); its first million tokens checked to be
+    ids of the run's vocabulary (a whole scan of billions would hold up the start)."""
+    from tierlm.data.sources import TokenFileExamples
+
+    kind, offset, count = TokenFileExamples._layout(path, np.dtype(dtype))
+    tokens = np.memmap(path, dtype=kind, mode="r", offset=offset, shape=(count,))
+    head = np.asarray(tokens[: 1 << 20])
+    if len(head) and int(head.max()) >= vocab_size:
+        raise DataError(
+            f"{path}: token id {int(head.max())} >= vocab size {vocab_size}; the shard was made with another tokenizer"
+        )
+    return tokens
+
+
 def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) -> tuple[PackedLoader, PackedLoader]:
-    """`data.stream`: every source one token stream, its tail held out, both cut into windows of a row."""
+    """`data.stream`: every source one token stream, cut into windows of a row; held out: the shards of a token folder
+    named `*val*` (llm.c's and nanoGPT's FineWeb layout), else the stream's tail."""
     d, tr = config.data, config.training
     if d.mixture or d.eval_dataset_name:
         raise ConfigError(
             "data.stream reads one data.dataset_name and holds out its tail; drop data.mixture / data.eval_dataset_name"
         )
-    tokens = source_stream(d.dataset_name, config, tokenizer)
-    cut = int(len(tokens) * (1 - d.val_fraction))
-    window = d.max_seq_length + 1
-    train, val = StreamWindows(tokens[:cut], window), StreamWindows(tokens[cut:], window)
+    window, path = d.max_seq_length + 1, Path(d.dataset_name)
+    shards = token_shards(path) if path.is_dir() else []
+    held = [s for s in shards if "val" in s.stem]
+    if held and len(held) < len(shards):  # the dataset's own validation shards, whole
+        maps = {s: token_map(s, d.token_dtype, tokenizer.vocab_size) for s in shards}
+        train = StreamWindows(ConcatTokens([maps[s] for s in shards if s not in held]), window)
+        val = StreamWindows(ConcatTokens([maps[s] for s in held]), window)
+    else:
+        tokens = source_stream(d.dataset_name, config, tokenizer)
+        cut = int(len(tokens) * (1 - d.val_fraction))
+        train, val = StreamWindows(tokens[:cut], window), StreamWindows(tokens[cut:], window)
     return (
         PackedLoader(
             train, tr.per_device_train_batch_size * world_size, d.max_seq_length, seed=tr.seed, pad_id=tokenizer.pad_id

@@ -366,6 +366,39 @@ class PackedLoader(BatchIterable):
         return batch
 
 
+class ConcatTokens:
+    """Token arrays (memory-mapped shards) read as one, without copying: `len`, and slices — a short slice (a
+    window) is read out as an array, a long one is a view of the same shards.
+
+    >>> stream = ConcatTokens([np.arange(5), np.arange(5, 12)])
+    >>> len(stream), stream[3:8].tolist(), len(stream[2:]), stream[2:][8:10].tolist()
+    (12, [3, 4, 5, 6, 7], 10, [10, 11])
+    """
+
+    VIEW_AT = 1 << 20  # slices this long or longer stay views
+
+    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
+        self.parts, self.ends = parts, np.cumsum([len(p) for p in parts])
+        self.start, self.stop = start, int(self.ends[-1]) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: slice) -> np.ndarray | ConcatTokens:
+        assert isinstance(index, slice) and index.step in (None, 1), "token streams are read by contiguous slices"
+        lo, hi, _ = index.indices(len(self))
+        lo, hi = self.start + lo, self.start + max(hi, lo)
+        if hi - lo >= self.VIEW_AT:
+            return ConcatTokens(self.parts, lo, hi)
+        pieces, first = [], int(np.searchsorted(self.ends, lo, side="right"))
+        for i in range(first, len(self.parts)):
+            begin = int(self.ends[i - 1]) if i else 0
+            if begin >= hi:
+                break
+            pieces.append(np.asarray(self.parts[i][max(lo - begin, 0) : hi - begin]))
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+
+
 class StreamWindows:
     """A token stream cut into consecutive windows of `window` tokens that overlap by one, so every
     token after the first is a target exactly once: how a plain GPT-2 script reads a text file (no
@@ -377,7 +410,7 @@ class StreamWindows:
     (3, [[0, 1, 2, 3], [6, 7, 8, 9]])
     """
 
-    def __init__(self, tokens: np.ndarray, window: int):
+    def __init__(self, tokens: np.ndarray | ConcatTokens, window: int):
         assert window >= 2, f"a window needs at least 2 tokens, got {window}"
         self.tokens, self.window = tokens, window
         self.count = (len(tokens) - 1) // (window - 1)

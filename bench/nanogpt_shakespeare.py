@@ -51,7 +51,11 @@ def run_nanogpt(nanogpt: Path, out: Path, steps: int) -> tuple[float, float, Pat
     command = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False"]
     command += ["--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4"]
     command += ["--n_head=4", "--n_embd=128", f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--dropout=0.0"]
-    command += ["--always_save_checkpoint=True", f"--out_dir={out / 'out-nanogpt'}"]
+    command += [
+        "--always_save_checkpoint=True",
+        f"--eval_interval={min(250, steps)}",
+        f"--out_dir={out / 'out-nanogpt'}",
+    ]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=work, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -64,7 +68,8 @@ def run_tierlm(out: Path, steps: int) -> tuple[float, float, Path]:
     """(tierlm's own final val loss, its wall seconds, its model folder)."""
     run = out / "tierlm"
     shutil.rmtree(run, ignore_errors=True)
-    overrides = [f"training.num_train_steps={steps}", "training.learning_rate=1e-3", "training.min_lr_ratio=0.1"]
+    overrides = [f"training.num_train_steps={steps}", f"training.warmup_steps={min(100, steps // 2)}"]
+    overrides += ["training.learning_rate=1e-3", "training.min_lr_ratio=0.1"]
     overrides += ["training.eval_steps=0", "training.save_steps=0", "model.bias=false", f"infra.output_dir={run}"]
     overrides += ["infra.progress_bar=false"]
     command = [sys.executable, "-m", "tierlm", "pretrain", "--config", "gpt2-shakespeare-char", *overrides]
@@ -102,7 +107,7 @@ def nanogpt_scorer(nanogpt: Path, checkpoint: Path):
     model.eval()
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # nanoGPT returns every position's logits when given targets
-        return model(x, targets=x)[0]
+        return model(x, targets=x.contiguous())[0]
 
     return logits_of
 

@@ -845,6 +845,9 @@ CASES = [
     # -- RL and eval ---------------------------------------------------------------------------
     Case("chat-missing-checkpoint", ["chat", "--checkpoint", "nope"], "nope"),
     Case("serve-port-out-of-range", ["serve", "--checkpoint", "{sft}", "--port", "70000"], "--port must be in"),
+    Case("serve-timeout-zero", ["serve", "--checkpoint", "{sft}", "--timeout", "0"], "--timeout must be > 0"),
+    Case("serve-queue-negative", ["serve", "--checkpoint", "{sft}", "--max-queue", "-1"], "--max-queue must be >= 0"),
+    Case("serve-empty-api-key", ["serve", "--checkpoint", "{sft}", "--api-key", " "], "--api-key is empty"),
     Case(
         "serve-vllm-server-down",
         ["serve", "--checkpoint", "{sft}", "--engine", "vllm", "--vllm-url", "http://127.0.0.1:9", "--port", "1"],

@@ -123,3 +123,113 @@ def test_the_chat_page_in_a_real_browser(bot, server):
             assert page.text_content(".assistant") == want.text  # streamed into the page, chunk by chunk
         finally:
             browser.close()
+
+
+@pytest.fixture
+def guarded(bot):
+    """The server for a crowd: one request may wait (--max-queue 1), 1.5 s per request, an API key; each token takes
+    20 ms more (a slow model, so a stream can be left mid-reply)."""
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
+    from tierlm.commands.serve import create_app
+
+    decode = bot.engine._decode
+
+    def slow(tokens, cache):
+        time.sleep(0.02)
+        return decode(tokens, cache)
+
+    bot.engine._decode = slow
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    instance = uvicorn.Server(
+        uvicorn.Config(create_app(bot, max_queue=1, timeout_s=1.5, api_key="k"), port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    while not instance.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    instance.should_exit = True
+    thread.join(timeout=10)
+    del bot.engine._decode
+
+
+def _outcomes(httpx, url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("tierlm_requests_total{")
+    }
+
+
+def test_a_crowd_is_queued_refused_timed_out_and_cancelled(bot, guarded):
+    httpx = pytest.importorskip("httpx")
+    key = {"Authorization": "Bearer k"}
+    ask = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 8}
+    assert httpx.post(f"{guarded}/v1/chat/completions", json=ask).status_code == 401
+    assert httpx.get(f"{guarded}/v1/models").json()["error"]["code"] == 401
+    assert httpx.get(f"{guarded}/health").json() == {"status": "ok", "model": bot.name, "running": 0, "waiting": 0}
+
+    # The model busy (its lock held here): one request generates-to-be, one waits, the next is refused with
+    # Retry-After; the two admitted time out (504, JSON) once the lock has been held past their 1.5 s.
+    results: list = []
+    with bot.lock:
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(
+                    httpx.post(f"{guarded}/v1/chat/completions", json=ask, headers=key, timeout=30)
+                )
+            )
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        while httpx.get(f"{guarded}/health").json()["waiting"] < 1:
+            time.sleep(0.02)
+        refused = httpx.post(f"{guarded}/v1/chat/completions", json=ask, headers=key)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+        for t in threads:
+            t.join(timeout=30)
+    assert [r.status_code for r in results] == [504, 504] and all(
+        r.json()["error"]["type"] == "timeout" for r in results
+    )
+
+    # A streamed reply left after its first words: its generation stops at the next token and frees the model.
+    long = {**ask, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{guarded}/v1/chat/completions", json=long, headers=key, timeout=30) as response:
+        for line in response.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break
+    deadline = time.time() + 5
+    while _outcomes(httpx, guarded).get("cancelled", 0) < 1:
+        assert time.time() < deadline, _outcomes(httpx, guarded)
+        time.sleep(0.05)
+    answered = httpx.post(f"{guarded}/v1/chat/completions", json=ask, headers=key, timeout=30)
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"]
+    outcomes = _outcomes(httpx, guarded)
+    assert outcomes["rejected"] == 1 and outcomes["timeout"] == 2 and outcomes["cancelled"] == 1
+    metrics = httpx.get(f"{guarded}/metrics").text
+    for name in (
+        "tierlm_queue_depth",
+        "tierlm_tokens_per_second",
+        "tierlm_request_seconds_bucket",
+        "tierlm_generated_tokens_total",
+    ):
+        assert name in metrics, name
+
+
+def test_a_reply_stopped_midway_keeps_its_text_and_says_why(bot):
+    count = iter(range(1000))
+    reply = bot.reply(
+        [{"role": "user", "content": QUESTION}],
+        temperature=0.0,
+        max_new_tokens=24,
+        should_stop=lambda: "timeout" if next(count) >= 2 else None,
+    )
+    assert reply.finish_reason == "timeout" and reply.completion_tokens == 3
+    assert not bot.lock.locked() and not bot.engine.model.training

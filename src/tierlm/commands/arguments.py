@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
         "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
     )
     serve.add_argument("--vllm-url", default=None, help="--engine vllm: a vLLM server (scripts/vllm_server.sh)")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait; one more is answered 429")
+    serve.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
+    serve.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (default: $TIERLM_API_KEY, or none)"
+    )
 
     sample = commands.add_parser("sample", help="generate from a trained model")
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")

@@ -22,9 +22,19 @@ from tierlm.errors import DataError
 @dataclass
 class Reply:
     text: str
-    finish_reason: str  # "stop" (the end-of-turn token) or "length" (max_new_tokens ran out)
+    finish_reason: str  # "stop" (the end-of-turn token), "length" (max_new_tokens ran out), or why it was stopped
     prompt_tokens: int
     completion_tokens: int
+
+
+class Busy(Exception):
+    """The model stayed busy with other replies for longer than this one could wait."""
+
+
+class _Stopped(Exception):
+    def __init__(self, reason: str, completion):
+        super().__init__(reason)
+        self.reason, self.completion = reason, completion
 
 
 class Chatbot:
@@ -87,8 +97,13 @@ class Chatbot:
         max_new_tokens: int = 128,
         on_text: Callable[[str], None] | None = None,
         seed: int | None = None,
+        should_stop: Callable[[], str | None] | None = None,
+        wait_s: float | None = None,
     ) -> Reply:
-        """The assistant's next turn after `messages` (OpenAI role/content dicts); `on_text(piece)` streams it."""
+        """The assistant's next turn after `messages` (OpenAI role/content dicts); `on_text(piece)` streams it.
+        `should_stop()`, asked after every token, names a reason to stop early ("cancelled", "timeout"): the reply so
+        far comes back with that finish reason. `wait_s`: how long to wait for the model (busy with other replies)
+        before raising `Busy`."""
         from tierlm.rollout.engine import readable_text
 
         if not messages or any(
@@ -116,15 +131,25 @@ class Chatbot:
 
         def stream(row: int, completion) -> None:
             emit(readable_text(self.tokenizer, completion.tokens))
+            reason = should_stop() if should_stop is not None else None
+            if reason is not None:
+                raise _Stopped(reason, completion)
 
         generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
-        with self.lock:
+        if not self.lock.acquire(timeout=-1 if wait_s is None else max(wait_s, 0.0)):
+            raise Busy(f"the model stayed busy for {wait_s:.0f} s")
+        try:
             completion = self.engine.generate(
                 prompt, 1, min(max_new_tokens, room), temperature, generator=generator, on_token=stream
             )[0]
+            reason = "stop" if completion.finished else "length"
+        except _Stopped as stopped:
+            completion, reason = stopped.completion, stopped.reason
+        finally:
+            self.lock.release()
         text = readable_text(self.tokenizer, completion.tokens)
         emit(text)
-        return Reply(text, "stop" if completion.finished else "length", len(prompt), len(completion.tokens))
+        return Reply(text, reason, len(prompt), len(completion.tokens))
 
     def history_entry(self, reply: Reply) -> dict:
         return {"role": "assistant", "content": reply.text}

@@ -315,12 +315,14 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from tierlm.commands.chat import Chatbot
-    from tierlm.commands.serve import check_port, serve
+    from tierlm.commands.serve import check_port, check_serving, serve
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TIERLM_API_KEY")
     check_port(args.port)  # before the model loads
+    check_serving(args.host, args.max_queue, args.timeout, api_key)
     bot = Chatbot(args.checkpoint, args.device_type, engine=args.engine, vllm_url=args.vllm_url)
     try:
-        serve(bot, args.host, args.port)
+        serve(bot, args.host, args.port, args.max_queue, args.timeout, api_key)
     finally:
         bot.close()
 

@@ -1,34 +1,123 @@
 """Tier 3: `tierlm serve` — a trained chat model behind an OpenAI-compatible HTTP API (FastAPI + uvicorn)
-and a one-page chat UI.
+and a one-page chat UI, for a small crowd.
 
     POST /v1/chat/completions   {messages, temperature, max_tokens, stream, seed}: a chat.completion, or
                                 with "stream": true server-sent chat.completion.chunk events, then [DONE]
     GET  /v1/models             the one model served
+    GET  /health                {status, model, running, waiting}
+    GET  /metrics               Prometheus text: requests by outcome, queue depth, tokens, latency
     GET  /                      the chat page (it streams from the endpoint above)
 
-Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`.
+Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`. Requests beyond the
+one generating wait their turn, at most `max_queue` of them: one more is answered 429 with Retry-After (the
+replies ahead of it times the recent mean). A request that has not finished after `timeout_s` (waiting included)
+ends: 504 before its first token, else the text so far with finish_reason "timeout". A client that disconnects
+stops its generation at the next token. With `api_key`, the /v1 endpoints want `Authorization: Bearer <key>`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoint's request model from its
 # annotation, which must be the class itself (it is defined inside create_app).
+import asyncio
 import json
-import queue
+import math
 import threading
 import time
 import uuid
+from collections import deque
 
-from tierlm.commands.chat import Chatbot
+from tierlm.commands.chat import Busy, Chatbot
 from tierlm.errors import ConfigError, DataError
 
 
-def create_app(bot: Chatbot):
+class Gate:
+    """Admission: how many requests are in (running or waiting), the recent mean reply time, and the figures
+    /metrics exports (prometheus_client, a registry of the app's own)."""
+
+    def __init__(self, max_queue: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.max_queue, self.inside, self.lock = max_queue, 0, threading.Lock()
+        self.recent: deque[float] = deque(maxlen=20)
+        self.tokens: deque[tuple[float, int]] = deque(maxlen=1000)  # (finish time, completion tokens)
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tierlm_requests", "Chat completion requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.waiting = Gauge("tierlm_queue_depth", "Requests waiting for the model", registry=self.registry)
+        self.running = Gauge("tierlm_running_requests", "Requests generating", registry=self.registry)
+        self.generated = Counter("tierlm_generated_tokens", "Completion tokens generated", registry=self.registry)
+        self.latency = Histogram(
+            "tierlm_request_seconds",
+            "Seconds from a request's arrival to its last token",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.first_token = Histogram(
+            "tierlm_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        Gauge(
+            "tierlm_tokens_per_second", "Completion tokens per second over the last minute", registry=self.registry
+        ).set_function(self.tokens_per_second)
+
+    def admit(self) -> int | None:
+        """Let a request in (None), or say in how many seconds to retry."""
+        with self.lock:
+            if self.inside >= self.max_queue + 1:
+                mean = sum(self.recent) / len(self.recent) if self.recent else 1.0
+                return max(1, math.ceil(mean * (self.inside - self.max_queue)))
+            self.inside += 1
+            self.waiting.set(self.inside - 1)
+            return None
+
+    def leave(self, seconds: float, outcome: str, tokens: int) -> None:
+        with self.lock:
+            self.inside -= 1
+            self.waiting.set(max(self.inside - 1, 0))
+            self.recent.append(seconds)
+            self.tokens.append((time.monotonic(), tokens))
+        self.requests.labels(outcome).inc()
+        self.generated.inc(tokens)
+        self.latency.observe(seconds)
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        return sum(n for t, n in list(self.tokens) if now - t <= 60) / 60.0
+
+
+class Job:
+    """One request's generation, run on a thread of its own: its deadline, whether its client went away, and the
+    pieces of text (then the reply, or the error) it hands the response."""
+
+    def __init__(self, timeout_s: float, loop: asyncio.AbstractEventLoop):
+        self.start, self.deadline = time.monotonic(), time.monotonic() + timeout_s
+        self.cancelled, self.first_token_at = False, None
+        self.loop, self.pieces = loop, asyncio.Queue()
+
+    def stop_reason(self) -> str | None:
+        if self.cancelled:
+            return "cancelled"
+        return "timeout" if time.monotonic() > self.deadline else None
+
+    def put(self, kind: str, value) -> None:
+        if kind == "text" and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.loop.call_soon_threadsafe(self.pieces.put_nowait, (kind, value))
+
+
+def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_key: str | None = None):
     """The FastAPI app answering for `bot`."""
     try:
-        from fastapi import FastAPI, HTTPException
-        from fastapi.responses import HTMLResponse, StreamingResponse
+        from fastapi import Depends, FastAPI, HTTPException, Request
+        from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         from pydantic import BaseModel, Field
     except ImportError:
-        raise ConfigError("tierlm serve needs fastapi and uvicorn: pip install 'tierlm[serve]'") from None
+        raise ConfigError(
+            "tierlm serve needs fastapi, uvicorn and prometheus_client: pip install 'tierlm[serve]'"
+        ) from None
 
     class Message(BaseModel):
         role: str
@@ -42,81 +131,144 @@ def create_app(bot: Chatbot):
         stream: bool = False
         seed: int | None = None
 
+    gate = Gate(max_queue)
     app = FastAPI(title="tierlm", version="0.1.0")
+
+    def authorized(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise HTTPException(status_code=401, detail="a valid API key is needed: Authorization: Bearer <key>")
+
+    def error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+        body = {"error": {"message": message, "type": kind, "code": status}}
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:
-        return CHAT_PAGE.replace("{{MODEL}}", bot.name)
+        return CHAT_PAGE.replace("{{MODEL}}", bot.name).replace("{{KEY}}", "true" if api_key else "false")
 
-    @app.get("/v1/models")
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": bot.name, "running": min(gate.inside, 1), "waiting": max(gate.inside - 1, 0)}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(gate.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
     def models() -> dict:
         return {"object": "list", "data": [{"id": bot.name, "object": "model", "created": 0, "owned_by": "tierlm"}]}
 
-    @app.post("/v1/chat/completions")
-    def chat_completions(request: ChatRequest):
-        messages = [m.model_dump() for m in request.messages]
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        retry = gate.admit()
+        if retry is not None:
+            gate.requests.labels("rejected").inc()
+            message = f"{max_queue} requests are waiting already: retry in {retry} s"
+            return error(429, message, "rate_limit_exceeded", {"Retry-After": str(retry)})
+        job = Job(timeout_s, asyncio.get_running_loop())
+        messages = [m.model_dump() for m in body.messages]
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        settings = dict(temperature=request.temperature, max_new_tokens=request.max_tokens, seed=request.seed)
-        if not request.stream:
+        settings = dict(temperature=body.temperature, max_new_tokens=body.max_tokens, seed=body.seed)
+
+        def generate() -> None:
+            outcome, tokens = "error", 0
             try:
-                reply = bot.reply(messages, **settings)
+                gate.waiting.set(max(gate.inside - 1, 0))
+                reply = bot.reply(
+                    messages,
+                    on_text=lambda text: job.put("text", text),
+                    should_stop=job.stop_reason,
+                    wait_s=job.deadline - time.monotonic(),
+                    **settings,
+                )
+                outcome, tokens = reply.finish_reason, reply.completion_tokens
+                job.put("done", reply)
+            except Busy as e:
+                outcome = "timeout"
+                job.put("busy", str(e))
             except DataError as e:
-                raise HTTPException(status_code=400, detail=str(e)) from None
-            return {
-                "id": ident,
-                "object": "chat.completion",
-                "created": created,
-                "model": bot.name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": reply.text},
-                        "finish_reason": reply.finish_reason,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": reply.prompt_tokens,
-                    "completion_tokens": reply.completion_tokens,
-                    "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-                },
-            }
+                outcome = "invalid"
+                job.put("error", str(e))
+            except Exception as e:  # the model failed: the client gets a 500, the server goes on
+                job.put("failed", f"{type(e).__name__}: {e}")
+            finally:
+                if job.first_token_at is not None:
+                    gate.first_token.observe(job.first_token_at - job.start)
+                gate.leave(time.monotonic() - job.start, outcome, tokens)
+
+        threading.Thread(target=generate, daemon=True, name="tierlm-generate").start()
 
         def chunk(delta: dict, finish_reason: str | None = None) -> str:
-            body = {
+            data = {
                 "id": ident,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": bot.name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
             }
-            return f"data: {json.dumps(body)}\n\n"
+            return f"data: {json.dumps(data)}\n\n"
 
-        def events():
-            pieces: queue.Queue = queue.Queue()
+        if body.stream:
 
-            def generate() -> None:
+            async def events():
                 try:
-                    pieces.put(
-                        ("done", bot.reply(messages, on_text=lambda text: pieces.put(("text", text)), **settings))
-                    )
-                except DataError as e:
-                    pieces.put(("error", str(e)))
+                    yield chunk({"role": "assistant", "content": ""})
+                    while True:
+                        kind, value = await job.pieces.get()
+                        if kind == "text":
+                            yield chunk({"content": value})
+                            continue
+                        if kind == "done":
+                            yield chunk({}, value.finish_reason)
+                        else:
+                            failure = {
+                                "error": {
+                                    "message": value,
+                                    "type": "server_error" if kind != "error" else "invalid_request_error",
+                                }
+                            }
+                            yield f"data: {json.dumps(failure)}\n\n"
+                        break
+                    yield "data: [DONE]\n\n"
+                finally:  # the client went away (or the stream ended): stop generating at the next token
+                    job.cancelled = True
 
-            threading.Thread(target=generate, daemon=True, name="tierlm-generate").start()
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, value = pieces.get()
-                if kind == "text":
-                    yield chunk({"content": value})
-                    continue
-                if kind == "error":
-                    yield f"data: {json.dumps({'error': {'message': value, 'type': 'invalid_request_error'}})}\n\n"
-                else:
-                    yield chunk({}, value.finish_reason)
-                break
-            yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        while True:  # a plain request: wait for the reply, stopping the generation if the client disconnects
+            try:
+                kind, value = await asyncio.wait_for(job.pieces.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True
+                continue
+            if kind == "text":
+                continue
+            break
+        if kind == "error":
+            return error(400, value, "invalid_request_error")
+        if kind == "busy" or (kind == "done" and value.finish_reason == "timeout" and not value.completion_tokens):
+            return error(504, f"no reply within the server's {timeout_s:g} s timeout", "timeout")
+        if kind == "failed":
+            return error(500, value, "server_error")
+        return {
+            "id": ident,
+            "object": "chat.completion",
+            "created": created,
+            "model": bot.name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": value.text},
+                    "finish_reason": value.finish_reason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": value.prompt_tokens,
+                "completion_tokens": value.completion_tokens,
+                "total_tokens": value.prompt_tokens + value.completion_tokens,
+            },
+        }
 
     return app
 
@@ -127,17 +279,45 @@ def check_port(port: int) -> None:
         raise ConfigError(f"--port must be in [0, 65535], got {port}")
 
 
-def serve(bot: Chatbot, host: str = "127.0.0.1", port: int = 8000) -> None:
+def check_serving(host: str, max_queue: int, timeout_s: float, api_key: str | None) -> None:
+    """The serving settings, checked before the model is loaded; opening the server beyond this machine without a
+    key is said out loud."""
+    if max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0 (waiting requests), got {max_queue}")
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {timeout_s}")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or drop it to serve without one")
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        import sys
+
+        print(
+            f"tierlm: warning: serving on {host} without --api-key: anyone who reaches it can use the model",
+            file=sys.stderr,
+        )
+
+
+def serve(
+    bot: Chatbot,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_queue: int = 16,
+    timeout_s: float = 120.0,
+    api_key: str | None = None,
+) -> None:
     """Serve until interrupted."""
     try:
         import uvicorn
     except ImportError:
         raise ConfigError("tierlm serve needs fastapi and uvicorn: pip install 'tierlm[serve]'") from None
     check_port(port)
+    check_serving(host, max_queue, timeout_s, api_key)
     print(
-        f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 (Ctrl-C stops)", flush=True
+        f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 , health /health, "
+        f"metrics /metrics (Ctrl-C stops)",
+        flush=True,
     )
-    uvicorn.run(create_app(bot), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(bot, max_queue, timeout_s, api_key), host=host, port=port, log_level="warning")
 
 
 CHAT_PAGE = """<!doctype html>
@@ -169,6 +349,7 @@ CHAT_PAGE = """<!doctype html>
 <script>
 const log = document.getElementById("log"), input = document.getElementById("input"), form = document.getElementById("form");
 let history = [];
+const key = {{KEY}} ? window.prompt("API key for this server") : null;
 function bubble(role, text) {
   const div = document.createElement("div");
   div.className = "message " + role;
@@ -188,7 +369,9 @@ form.onsubmit = async (e) => {
   history.push({role: "user", content: text});
   const answer = bubble("assistant", "");
   answer.dataset.done = "false";
-  const response = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
+  const headers = {"Content-Type": "application/json"};
+  if (key) headers["Authorization"] = "Bearer " + key;
+  const response = await fetch("/v1/chat/completions", {method: "POST", headers: headers,
     body: JSON.stringify({messages: history, stream: true, temperature: parseFloat(document.getElementById("temperature").value)})});
   const reader = response.body.getReader(), decoder = new TextDecoder();
   let buffer = "";

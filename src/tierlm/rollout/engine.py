@@ -169,6 +169,12 @@ class Engine:
             )
         was_training = self.model.training
         self.model.eval()
+        try:
+            return self._generate(prompt_ids, num_samples, max_len, temperature, top_k, top_p, generator, on_token)
+        finally:  # also when on_token stops it (a server's cancelled request)
+            self.model.train(was_training)
+
+    def _generate(self, prompt_ids, num_samples, max_len, temperature, top_k, top_p, generator, on_token):
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, cache = self._prefill(ids, num_samples, max_len)
         out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
@@ -209,7 +215,6 @@ class Engine:
             if i == steps - 1 or all(c.finished for c in out):
                 break
             logits = self._decode(torch.tensor(step, device=self.device), cache)
-        self.model.train(was_training)
         return out
 
     def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:

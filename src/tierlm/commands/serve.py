@@ -142,6 +142,10 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         body = {"error": {"message": message, "type": kind, "code": status}}
         return JSONResponse(body, status_code=status, headers=headers)
 
+    @app.exception_handler(HTTPException)
+    async def openai_error(request: Request, exc: HTTPException) -> JSONResponse:  # OpenAI's error body
+        return error(exc.status_code, str(exc.detail), "invalid_request_error", exc.headers)
+
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:
         return CHAT_PAGE.replace("{{MODEL}}", bot.name).replace("{{KEY}}", "true" if api_key else "false")

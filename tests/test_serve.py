@@ -233,3 +233,45 @@ def test_a_reply_stopped_midway_keeps_its_text_and_says_why(bot):
     )
     assert reply.finish_reason == "timeout" and reply.completion_tokens == 3
     assert not bot.lock.locked() and not bot.engine.model.training
+
+
+def test_concurrent_requests_are_generated_together_and_answer_as_alone(bot, tiny_runs):
+    """A bot with batch rows: four clients at once through the server get, greedy, what each gets one at a time
+    (continuous batching: each request joins the running batch between decode steps)."""
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from tierlm.commands.serve import create_app
+
+    questions = [QUESTION, "What is 10 + 7?", "What is 3 + 3?", "What is 41 + 1?"]
+    alone = [bot.reply([{"role": "user", "content": q}], temperature=0.0, max_new_tokens=24).text for q in questions]
+    batched = Chatbot(tiny_runs / "sft", "cpu", batch_rows=4)
+    assert batched.scheduler is not None and batched.batch_rows == 4
+    widest, step = [0], batched.scheduler.decoder.step
+    batched.scheduler.decoder.step = lambda tokens: (widest.append(len(tokens)), step(tokens))[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    instance = uvicorn.Server(uvicorn.Config(create_app(batched), port=port, log_level="warning"))
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    try:
+        while not instance.started:
+            time.sleep(0.05)
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            body = {"messages": [{"role": "user", "content": questions[i]}], "temperature": 0, "max_tokens": 24}
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+            answers[i] = response.json()["choices"][0]["message"]["content"]
+
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(timeout=60)
+        assert [answers[i] for i in range(4)] == alone
+        assert max(widest) > 1  # decode steps served several requests at once
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)
+        batched.close()

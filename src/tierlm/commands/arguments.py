@@ -282,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
         "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
     )
     serve.add_argument("--vllm-url", default=None, help="--engine vllm: a vLLM server (scripts/vllm_server.sh)")
+    serve.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=8,
+        help="replies generated together (continuous batching on tierlm's engine, native GPT; 1: one at a time)",
+    )
     serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait; one more is answered 429")
     serve.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
     serve.add_argument(

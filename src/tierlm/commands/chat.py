@@ -48,7 +48,10 @@ class Chatbot:
         tools: bool = True,
         engine: str = "native",
         vllm_url: str | None = None,
+        batch_rows: int = 1,
     ):
+        """`batch_rows` > 1: replies asked for at once are generated together, up to that many (continuous batching,
+        `tierlm.rollout.batching`; the native GPT on tierlm's engine), else one at a time."""
         import tempfile
 
         from tierlm.build.engine import build_engine
@@ -81,8 +84,21 @@ class Chatbot:
             self.close_folder()
             raise
         self.lock = threading.Lock()
+        self.scheduler = None
+        if batch_rows > 1 and engine == "native":
+            from tierlm.rollout.batching import BatchScheduler
+
+            if BatchScheduler.supports(self.engine):
+                self.scheduler = BatchScheduler(self.engine, batch_rows)
+
+    @property
+    def batch_rows(self) -> int:
+        """How many replies are generated at once."""
+        return self.scheduler.decoder.max_rows if self.scheduler is not None else 1
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.engine.close()
         self.close_folder()
 
@@ -136,6 +152,25 @@ class Chatbot:
                 raise _Stopped(reason, completion)
 
         generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
+        if self.scheduler is not None:  # joins the replies in flight; waits for a free row within its should_stop
+            from tierlm.rollout.batching import Request
+
+            request = Request(
+                prompt,
+                min(max_new_tokens, room),
+                temperature,
+                generator,
+                on_token=lambda completion: emit(readable_text(self.tokenizer, completion.tokens)),
+                should_stop=should_stop,
+            )
+            self.scheduler.submit(request).done.wait()
+            if request.reason == "error":
+                raise RuntimeError(f"the model failed: {request.error}")
+            if request.reason == "timeout" and not request.completion.tokens:
+                raise Busy("the model stayed busy until the request's time ran out")
+            text = readable_text(self.tokenizer, request.completion.tokens)
+            emit(text)
+            return Reply(text, request.reason, len(prompt), len(request.completion.tokens))
         if not self.lock.acquire(timeout=-1 if wait_s is None else max(wait_s, 0.0)):
             raise Busy(f"the model stayed busy for {wait_s:.0f} s")
         try:

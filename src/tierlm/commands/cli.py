@@ -320,7 +320,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("TIERLM_API_KEY")
     check_port(args.port)  # before the model loads
     check_serving(args.host, args.max_queue, args.timeout, api_key)
-    bot = Chatbot(args.checkpoint, args.device_type, engine=args.engine, vllm_url=args.vllm_url)
+    bot = Chatbot(
+        args.checkpoint, args.device_type, engine=args.engine, vllm_url=args.vllm_url, batch_rows=args.max_batch
+    )
     try:
         serve(bot, args.host, args.port, args.max_queue, args.timeout, api_key)
     finally:

@@ -8,9 +8,10 @@ and a one-page chat UI, for a small crowd.
     GET  /metrics               Prometheus text: requests by outcome, queue depth, tokens, latency
     GET  /                      the chat page (it streams from the endpoint above)
 
-Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`. Requests beyond the
-one generating wait their turn, at most `max_queue` of them: one more is answered 429 with Retry-After (the
-replies ahead of it times the recent mean). A request that has not finished after `timeout_s` (waiting included)
+Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`. Requests generate
+together, up to the bot's batch rows (continuous batching: each joins between decode steps); the rest wait their
+turn, at most `max_queue` of them: one more is answered 429 with Retry-After (the replies ahead of it times the
+recent mean). A request that has not finished after `timeout_s` (waiting included)
 ends: 504 before its first token, else the text so far with finish_reason "timeout". A client that disconnects
 stops its generation at the next token. With `api_key`, the /v1 endpoints want `Authorization: Bearer <key>`.
 """
@@ -33,10 +34,10 @@ class Gate:
     """Admission: how many requests are in (running or waiting), the recent mean reply time, and the figures
     /metrics exports (prometheus_client, a registry of the app's own)."""
 
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, running: int = 1):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.max_queue, self.inside, self.lock = max_queue, 0, threading.Lock()
+        self.max_queue, self.running_at_once, self.inside, self.lock = max_queue, running, 0, threading.Lock()
         self.recent: deque[float] = deque(maxlen=20)
         self.tokens: deque[tuple[float, int]] = deque(maxlen=1000)  # (finish time, completion tokens)
         self.registry = CollectorRegistry()
@@ -65,17 +66,26 @@ class Gate:
     def admit(self) -> int | None:
         """Let a request in (None), or say in how many seconds to retry."""
         with self.lock:
-            if self.inside >= self.max_queue + 1:
+            if self.inside >= self.max_queue + self.running_at_once:
                 mean = sum(self.recent) / len(self.recent) if self.recent else 1.0
-                return max(1, math.ceil(mean * (self.inside - self.max_queue)))
+                ahead = (self.inside - self.max_queue) / self.running_at_once
+                return max(1, math.ceil(mean * ahead))
             self.inside += 1
-            self.waiting.set(self.inside - 1)
+            self.publish()
             return None
+
+    def publish(self) -> None:
+        self.waiting.set(self.queue_depth)
+        self.running.set(self.inside - self.queue_depth)
+
+    @property
+    def queue_depth(self) -> int:
+        return max(self.inside - self.running_at_once, 0)
 
     def leave(self, seconds: float, outcome: str, tokens: int) -> None:
         with self.lock:
             self.inside -= 1
-            self.waiting.set(max(self.inside - 1, 0))
+            self.publish()
             self.recent.append(seconds)
             self.tokens.append((time.monotonic(), tokens))
         self.requests.labels(outcome).inc()
@@ -131,7 +141,7 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         stream: bool = False
         seed: int | None = None
 
-    gate = Gate(max_queue)
+    gate = Gate(max_queue, bot.batch_rows)
     app = FastAPI(title="tierlm", version="0.1.0")
 
     def authorized(request: Request) -> None:
@@ -152,7 +162,8 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "model": bot.name, "running": min(gate.inside, 1), "waiting": max(gate.inside - 1, 0)}
+        running = gate.inside - gate.queue_depth
+        return {"status": "ok", "model": bot.name, "running": running, "waiting": gate.queue_depth}
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -177,7 +188,6 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         def generate() -> None:
             outcome, tokens = "error", 0
             try:
-                gate.waiting.set(max(gate.inside - 1, 0))
                 reply = bot.reply(
                     messages,
                     on_text=lambda text: job.put("text", text),

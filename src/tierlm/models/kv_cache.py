@@ -12,6 +12,9 @@ class LayerCache:
         self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0
+        self.mask: torch.Tensor | None = None
+        """(B, max_len) bool, which positions hold each row's own keys: rows of a continuous batch start at different
+        positions (`tierlm.rollout.batching`); None: every row holds every position."""
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store T new positions; return all cached keys and values (B, Hkv, length, D)."""
@@ -19,8 +22,14 @@ class LayerCache:
         assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
+        if self.mask is not None:
+            self.mask[:, self.length : end] = True
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """The keys each row's new query may see, (B, 1, 1, length); None when every row holds them all."""
+        return None if self.mask is None else self.mask[:, None, None, : self.length]
 
     def repeat(self, n: int) -> None:
         """Copy each row n times (a prompt prefilled once, then sampled n ways)."""

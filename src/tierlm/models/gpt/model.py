@@ -272,8 +272,8 @@ class Attention(nn.Module):
             mask = band if mask is None else mask & band
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-        if T == 1 and cache is not None:  # one new token attends to everything cached: no mask at all
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        if T == 1 and cache is not None:  # one new token attends to everything its row cached: no causal mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attention_mask(), enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if isinstance(mask, PackedDocuments):
             if not torch.compiler.is_compiling():  # eager: each document alone

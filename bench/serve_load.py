@@ -1,0 +1,132 @@
+"""`tierlm serve` under load: 1, 8 and 32 concurrent streamed clients against one server on 127.0.0.1, with replies
+generated one at a time (`--max-batch 1`) and together (continuous batching), side by side.
+
+    .venv/bin/python bench/serve_load.py --checkpoint runs/tiny_sft [--clients 1,8,32] [--requests 4]
+                                         [--max-tokens 64] [--batch 32]
+
+Each client sends `--requests` streamed chat completions one after another (a short arithmetic question,
+temperature 0.7, `--max-tokens`); a server is started per setting (`tierlm serve` in its own process, loopback only)
+and stopped after. Printed per setting: requests that failed (any non-200 or an error event), completion tokens per
+second over the whole load (the server's own `tierlm_generated_tokens_total`, before and after), and each
+request's latency (send to the last event) at p50 and p95, then the batched server's tokens/s over the
+one-at-a-time server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("tierlm_generated_tokens_total")
+    )
+
+
+async def client(url: str, requests: int, max_tokens: int, seed: int, latencies: list, failures: list) -> None:
+    async with httpx.AsyncClient(timeout=600) as http:
+        for r in range(requests):
+            body = {
+                "messages": [{"role": "user", "content": f"What is {seed + r} + {7 * r + 3}?"}],
+                "temperature": 0.7,
+                "max_tokens": max_tokens,
+                "stream": True,
+                "seed": seed * 1000 + r,
+            }
+            start = time.perf_counter()
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    failures.append(response.status_code)
+                    await response.aread()
+                    continue
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"error"' in line:
+                        failures.append(json.loads(line[6:])["error"]["message"])
+            latencies.append(time.perf_counter() - start)
+
+
+def measure(checkpoint: str, batch: int, clients: int, requests: int, max_tokens: int) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "tierlm", "serve", "--checkpoint", checkpoint, "--port", str(port)]
+    command += ["--max-batch", str(batch), "--max-queue", "64", "--timeout", "600", "--device-type", "cpu"]
+    server = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.time() < deadline, server.stderr.read() if server.stderr else ""
+            time.sleep(0.2)
+        before, start = generated_tokens(url), time.perf_counter()
+        latencies: list[float] = []
+        failures: list = []
+
+        async def load() -> None:
+            await asyncio.gather(*(client(url, requests, max_tokens, c, latencies, failures) for c in range(clients)))
+
+        asyncio.run(load())
+        seconds = time.perf_counter() - start
+        tokens = generated_tokens(url) - before
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    ordered = sorted(latencies)
+    return {
+        "failed": len(failures),
+        "tokens_per_s": tokens / seconds,
+        "p50": statistics.median(ordered),
+        "p95": ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))],
+        "requests": len(latencies) + len(failures),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a chat model (a run directory, e.g. runs/tiny_sft)")
+    parser.add_argument("--clients", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32, help="--max-batch of the batched server")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    print(f"{'clients':>8} {'server':>14} {'requests':>9} {'failed':>7} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7}")
+    for clients in map(int, args.clients.split(",")):
+        results = {}
+        for name, batch in (("one at a time", 1), (f"batched ({args.batch})", args.batch)):
+            r = results[name] = measure(args.checkpoint, batch, clients, args.requests, args.max_tokens)
+            print(
+                f"{clients:>8} {name:>14} {r['requests']:>9} {r['failed']:>7} {r['tokens_per_s']:>9.1f} "
+                f"{r['p50']:>7.2f} {r['p95']:>7.2f}",
+                flush=True,
+            )
+        one, together = results["one at a time"], results[f"batched ({args.batch})"]
+        ratio = together["tokens_per_s"] / one["tokens_per_s"]
+        print(f"{clients:>8} {'batched / one':>14} {'':>9} {'':>7} {ratio:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

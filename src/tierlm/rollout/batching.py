@@ -1,0 +1,274 @@
+"""Continuous batching for the native GPT: sequences join a running batch between decode steps and leave it when they
+finish, so one forward pass per step serves every request in flight (`tierlm serve`'s crowd).
+
+The rows share one timeline of cache positions. A sequence that joins when the timeline is at L is prefilled alone
+and its keys placed at positions [L - P, L), the positions before them masked off for that row; every row then
+decodes at L, L + 1, ... together. Rotary embeddings make attention depend only on the distance between a query and
+a key, so a key computed at position p and turned by d more (one more rotation: R(p + d) = R(d) R(p)) is the key the
+row would hold had it started d later — a row's logits are what it computes alone (to float rounding). When the
+timeline reaches the model's context, it is compacted: every row's keys move left by the room nobody uses, turned
+back by as much. A sequence longer than the timeline so far pushes everyone right the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tierlm.models import unwrap_model
+from tierlm.models.gpt.model import GPT, apply_rotary
+from tierlm.models.kv_cache import KVCache
+from tierlm.rollout.engine import Completion
+from tierlm.rollout.sampling import sample_next_token
+
+
+class BatchedDecoder:
+    """The KV cache of every sequence in flight and the model step over them. `join(prompt)` returns the logits of
+    its first new token and gives it a row (rows keep the order they joined in); `step(tokens)` feeds one token per
+    row and returns each row's next logits; `leave(rows)` drops rows."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int = 32):
+        self.model = unwrap_model(model)
+        assert isinstance(self.model, GPT), "continuous batching needs the native GPT (rotary positions)"
+        assert all(w is None for w in self.model.config.layer_windows()), "sliding-window layers are not batched"
+        assert max_rows >= 1, f"max_rows must be >= 1, got {max_rows}"
+        config, self.max_rows = self.model.config, max_rows
+        self.capacity = config.max_seq_len
+        parameter = next(self.model.parameters())
+        self.cache = KVCache(config, 0, self.capacity, parameter.device, parameter.dtype)
+        for layer in self.cache.layers:
+            layer.mask = torch.zeros(0, self.capacity, dtype=torch.bool, device=parameter.device)
+
+    @property
+    def rows(self) -> int:
+        return self.cache.layers[0].k.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @torch.no_grad()
+    def join(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Prefill `prompt_ids` alone, add its row; the logits (V,) of its first new token."""
+        assert self.rows < self.max_rows, f"the batch is full ({self.max_rows} rows)"
+        size = len(prompt_ids)
+        assert 0 < size < self.capacity, f"a prompt of {size} tokens does not fit a context of {self.capacity}"
+        alone = KVCache(self.model.config, 1, size, self.cache.layers[0].k.device, self.cache.layers[0].k.dtype)
+        ids = torch.tensor([prompt_ids], device=alone.layers[0].k.device)
+        logits = self.model(ids, cache=alone)[0, -1]
+        if self.rows == 0:
+            self._set_length(0)
+        if size > self.length:
+            self._shift(size - self.length)  # everyone right, so the new row's keys end where the timeline is
+        if self.length + 1 > self.capacity:  # no room left to decode even one token: compact first
+            self._compact()
+        start = self.length - size
+        turn = self._turn(start)
+        for layer, mine in zip(self.cache.layers, alone.layers):
+            k, v = layer.k.new_zeros((1, *layer.k.shape[1:])), layer.v.new_zeros((1, *layer.v.shape[1:]))
+            k[:, :, start : self.length] = turn(mine.k[:, :, :size])
+            v[:, :, start : self.length] = mine.v[:, :, :size]
+            mask = layer.mask.new_zeros((1, self.capacity))
+            mask[:, start : self.length] = True
+            layer.k, layer.v = torch.cat([layer.k, k]), torch.cat([layer.v, v])
+            layer.mask = torch.cat([layer.mask, mask])
+        return logits
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,); the next logits of every row (B, V)."""
+        assert tokens.shape == (self.rows,), f"one token per row: {self.rows} rows, got {tuple(tokens.shape)}"
+        if self.length + 1 > self.capacity:
+            self._compact()
+        return self.model(tokens[:, None].to(self.cache.layers[0].k.device), cache=self.cache)[:, -1]
+
+    def leave(self, rows: list[int]) -> None:
+        """Drop `rows` (indices into the current batch); the others keep their order."""
+        keep = torch.tensor([r for r in range(self.rows) if r not in set(rows)], dtype=torch.long)
+        for layer in self.cache.layers:
+            index = keep.to(layer.k.device)
+            layer.k, layer.v, layer.mask = layer.k[index], layer.v[index], layer.mask[index]
+        if self.rows == 0:
+            self._set_length(0)
+
+    def room(self, row: int) -> int:
+        """Positions row `row` holds (its prompt and the tokens fed since): with the next, it must stay within the
+        model's context."""
+        return int(self.cache.layers[0].mask[row].sum())
+
+    # -- moving the timeline ---------------------------------------------------------------------
+    def _turn(self, offset: int):
+        """Keys at p -> the same keys at p + offset (negative: back)."""
+        if offset == 0:
+            return lambda k: k
+        cos = self.model.rope_cos[abs(offset)].float()
+        sin = self.model.rope_sin[abs(offset)].float() * (1 if offset > 0 else -1)
+        return lambda k: apply_rotary(k.float(), cos, sin).to(k.dtype)
+
+    def _shift(self, offset: int) -> None:
+        """Every row's keys `offset` positions later (negative: earlier), the timeline with them."""
+        turn, length = self._turn(offset), self.length
+        lo = max(0, -offset)
+        for layer in self.cache.layers:
+            k, v, mask = torch.zeros_like(layer.k), torch.zeros_like(layer.v), torch.zeros_like(layer.mask)
+            k[:, :, lo + offset : length + offset] = turn(layer.k[:, :, lo:length])
+            v[:, :, lo + offset : length + offset] = layer.v[:, :, lo:length]
+            mask[:, lo + offset : length + offset] = layer.mask[:, lo:length]
+            layer.k, layer.v, layer.mask = k, v, mask
+        self._set_length(length + offset)
+
+    def _compact(self) -> None:
+        """Move everyone left by the positions no row uses (at the start of the timeline)."""
+        used = self.cache.layers[0].mask[:, : self.length].any(dim=0)
+        unused = int(used.float().argmax()) if bool(used.any()) else self.length
+        assert unused > 0, f"the rows fill the model's context of {self.capacity}: finish the longest first"
+        self._shift(-unused)
+
+    def _set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            layer.length = length
+
+
+@dataclass
+class Request:
+    """One sequence to generate through a `BatchScheduler`: its prompt and sampling, `on_token(completion)` after
+    each token it gets, `should_stop()` naming a reason to end it early, and, once `done` is set, its `completion`
+    and `reason` ("stop", "length", or should_stop's)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    generator: torch.Generator | None = None
+    on_token: Callable[[Completion], None] | None = None
+    should_stop: Callable[[], str | None] | None = None
+    completion: Completion = field(default_factory=Completion)
+    reason: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    forced: list[int] = field(default_factory=list)
+    call_open: int | None = None
+    error: str | None = None
+    """Why the model failed on the batch it was in (reason "error")."""
+
+
+class BatchScheduler:
+    """Requests from any thread generated together by one thread: each joins the running batch between decode steps
+    (up to `max_rows` at once; the rest wait), leaves when it ends, and gets its tokens as they come. `engine` (the
+    model's `Engine`) lends its stop tokens and its tools (a calculator call answered mid-sequence, as alone)."""
+
+    def __init__(self, engine, max_rows: int = 16):
+        self.engine, self.decoder = engine, BatchedDecoder(engine.model, max_rows)
+        engine.model.eval()
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request] = []  # in flight, in the decoder's row order
+        self.wake, self.closed = threading.Condition(), False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="tierlm-batch")
+        self.thread.start()
+
+    @staticmethod
+    def supports(engine) -> bool:
+        """Can `engine`'s model be batched (the native GPT without sliding windows)?"""
+        model = unwrap_model(getattr(engine, "model", None)) if getattr(engine, "model", None) is not None else None
+        return isinstance(model, GPT) and all(w is None for w in model.config.layer_windows())
+
+    def submit(self, request: Request) -> Request:
+        assert 0 < len(request.prompt_ids) < self.decoder.capacity, "the caller checks the prompt fits the context"
+        with self.wake:
+            self.waiting.append(request)
+            self.wake.notify()
+        return request
+
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def close(self) -> None:
+        with self.wake:
+            self.closed = True
+            self.wake.notify()
+        self.thread.join(timeout=10)
+
+    # -- the one thread that runs the model -----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception as e:  # the model failed on this batch: its requests end with the error, the rest go on
+                for request in self.rows:
+                    request.reason, request.error = "error", f"{type(e).__name__}: {e}"
+                    request.done.set()
+                self.decoder.leave(list(range(self.decoder.rows)))
+                self.rows = []
+
+    def _serve(self) -> None:
+        logits: torch.Tensor | None = None
+        while True:
+            with self.wake:
+                while not self.closed and not self.rows and not self.waiting:
+                    self.wake.wait()
+                if self.closed:
+                    for request in [*self.rows, *self.waiting]:
+                        request.reason = request.reason or "cancelled"
+                        request.done.set()
+                    return
+                arrivals = []
+                while self.waiting and len(self.rows) + len(arrivals) < self.decoder.max_rows:
+                    arrivals.append(self.waiting.popleft())
+            arrivals = [r for r in arrivals if not self._stopped(r)]
+            if arrivals:  # each joins between two steps; its first logits join the batch's
+                firsts = torch.stack([self.decoder.join(request.prompt_ids) for request in arrivals])
+                logits = firsts if logits is None else torch.cat([logits, firsts])
+                self.rows = self.rows + arrivals
+            if not self.rows:
+                logits = None
+                continue
+            assert logits is not None and logits.shape[0] == len(self.rows), "one row of logits per request"
+            tokens = [self._next(request, logits[i]) for i, request in enumerate(self.rows)]
+            ended = [i for i, request in enumerate(self.rows) if request.reason is not None]
+            if ended:
+                self.decoder.leave(ended)
+                for i in ended:
+                    self.rows[i].done.set()
+                keep = [i for i in range(len(self.rows)) if i not in set(ended)]
+                self.rows, tokens = [self.rows[i] for i in keep], [tokens[i] for i in keep]
+            logits = self.decoder.step(torch.tensor(tokens)) if self.rows else None
+
+    def _stopped(self, request: Request) -> bool:
+        reason = request.should_stop() if request.should_stop is not None else None
+        if reason is not None:
+            request.reason = reason
+            request.done.set()
+        return reason is not None
+
+    def _next(self, request: Request, logits: torch.Tensor) -> int:
+        """The row's next token (sampled, or a forced tool result), recorded; sets `reason` when the row ends."""
+        engine, completion = self.engine, request.completion
+        if request.forced:
+            token = request.forced.pop(0)
+            completion.tokens.append(token)
+            completion.logprobs.append(0.0)
+            completion.mask.append(0)
+        else:
+            token = int(sample_next_token(logits[None], request.temperature, generator=request.generator)[0])
+            completion.tokens.append(token)
+            completion.logprobs.append(0.0)
+            completion.mask.append(1)
+            if token in engine.stop_ids:
+                completion.finished, request.reason = True, "stop"
+            elif engine.tools and token == engine.call_start:
+                request.call_open = len(completion.tokens)
+            elif engine.tools and token == engine.call_end and request.call_open is not None:
+                request.forced = engine._tool_result(completion.tokens[request.call_open : -1])
+                request.call_open = None
+                completion.tool_calls += 1
+        if request.on_token is not None:
+            request.on_token(completion)
+        full = len(request.prompt_ids) + len(completion.tokens) >= self.decoder.capacity
+        if request.reason is None and (len(completion.tokens) >= request.max_new_tokens or full):
+            request.reason = "length"
+        if request.reason is None:
+            self._stopped(request)
+        return token

@@ -1,0 +1,95 @@
+"""Continuous batching (`tierlm.rollout.batching`): sequences that join a running batch at different steps, leave
+it when done and outlive the model's context together compute what each computes alone."""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.models import GPTConfig, build_gpt
+from tierlm.rollout.batching import BatchedDecoder
+from tierlm.rollout.engine import Engine
+
+
+def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and their logits, the sequence alone (the engine's own cache)."""
+    engine, rows = Engine(model), []
+    out = engine.generate(prompt, 1, steps, temperature=0.0, on_token=lambda r, c: None)[0]
+    ids = torch.tensor([prompt + out.tokens[:-1]])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1 :]
+    rows.extend(out.tokens)
+    return rows, logits
+
+
+def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone():
+    torch.manual_seed(0)
+    model = build_gpt(
+        GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=48)
+    ).eval()
+    prompts = {"a": [5, 9, 13], "b": list(range(20, 31)), "c": [7], "d": [3, 1, 4, 1, 5, 9, 2, 6]}
+    joins = {"a": 0, "b": 2, "c": 5, "d": 40}  # d joins after the timeline has passed the context: compaction
+    lengths = {"a": 30, "b": 12, "c": 40, "d": 6}
+    expected = {name: _alone(model, prompts[name], lengths[name]) for name in prompts}
+
+    batch, rows, got, logits_seen = BatchedDecoder(model, max_rows=4), [], {}, {}
+    moves: list[int] = []
+    shift = batch._shift
+    batch._shift = lambda offset: (moves.append(offset), shift(offset))[1]
+    for step in range(80):
+        for name, at in joins.items():
+            if at == step:
+                first = batch.join(prompts[name])
+                rows.append(name)
+                got[name], logits_seen[name] = [int(first.argmax())], [first]
+        if not rows:
+            continue
+        done = [i for i, name in enumerate(rows) if len(got[name]) == lengths[name]]
+        batch.leave(done)
+        rows = [name for i, name in enumerate(rows) if i not in done]
+        if not rows:
+            continue
+        logits = batch.step(torch.tensor([got[name][-1] for name in rows]))
+        for i, name in enumerate(rows):
+            got[name].append(int(logits[i].argmax()))
+            logits_seen[name].append(logits[i])
+    assert batch.rows == 0
+    assert any(m > 0 for m in moves) and any(m < 0 for m in moves), moves  # pushed right by b, compacted later
+    for name, (tokens, logits) in expected.items():
+        assert got[name] == tokens, name
+        torch.testing.assert_close(torch.stack(logits_seen[name][: len(tokens)]), logits, atol=1e-4, rtol=1e-4)
+
+
+def test_requests_from_many_threads_get_what_each_gets_alone():
+    """The scheduler's one thread runs every request in flight together; greedy replies equal the engine's alone,
+    a request stopped by its caller ends with that reason, and one that never joins is not run."""
+    import threading
+
+    from tierlm.rollout.batching import BatchScheduler, Request
+
+    torch.manual_seed(0)
+    model = build_gpt(
+        GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=64)
+    ).eval()
+    engine = Engine(model, stop_ids=[3])
+    prompts = [[5, 9, 13], list(range(20, 31)), [7], [8, 8, 8, 2]]
+    alone = [engine.generate(p, 1, 20, temperature=0.0)[0] for p in prompts]
+    scheduler = BatchScheduler(engine, max_rows=2)  # four requests, two rows: two wait their turn
+    try:
+        requests = [Request(p, 20, temperature=0.0) for p in prompts]
+        threads = [threading.Thread(target=scheduler.submit, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for r in requests:
+            assert r.done.wait(timeout=30)
+        assert [r.completion.tokens for r in requests] == [a.tokens for a in alone]
+        assert [r.reason for r in requests] == ["stop" if a.finished else "length" for a in alone]
+        count = iter(range(100))
+        stopped = scheduler.submit(
+            Request(prompts[0], 20, 0.0, should_stop=lambda: "cancelled" if next(count) >= 3 else None)
+        )
+        never = scheduler.submit(Request(prompts[1], 20, 0.0, should_stop=lambda: "timeout"))
+        assert stopped.done.wait(timeout=30) and never.done.wait(timeout=30)
+        assert stopped.reason == "cancelled" and 0 < len(stopped.completion.tokens) <= 3
+        assert never.reason == "timeout" and never.completion.tokens == []
+    finally:
+        scheduler.close()

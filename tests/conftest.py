@@ -50,9 +50,10 @@ def run_cli(*args, cwd=None, timeout=600):
     )
 
 
-def run_main(*args):
+def run_main(*args, timeout=None):
     """`tierlm ARGS` by tierlm's `main` in this process, its output captured: `run_cli`'s result where the process
-    boundary is not what a test checks (a fresh interpreter costs seconds of imports each time)."""
+    boundary is not what a test checks (a fresh interpreter costs seconds of imports each time). `timeout` is
+    `run_cli`'s, unused here."""
     import contextlib
     import io
     import subprocess

@@ -102,6 +102,9 @@ def two_nodes(args: list[str], env: dict, max_restarts: int = 1) -> list[subproc
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
     agent += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tierlm-test"]
     agent += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.5"]
+    # PyTorch's agents share one TCP store across rendezvous rounds; a restarted group could then hang in gloo's
+    # set-up (2 of 6 two-node restarts here, 0 of 8 with the store per round): the opt-out tierlm tells users to set.
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return [
         subprocess.Popen([*agent, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)

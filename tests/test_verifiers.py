@@ -130,7 +130,8 @@ def test_rl_on_a_verifiers_environment_trains_as_on_the_same_native_task(environ
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7), (a, b)
 
 
-def test_verifiers_refusals(environment, tmp_path, capsys):
+def test_verifiers_refusals(environment, tiny_runs, tmp_path, capsys):
+    start = f"model.model_name_or_path={tiny_runs / 'sft'}"
     for overrides, message in (
         (["rl.environment=verifiers:no_such_env"], "verifiers environment 'no_such_env' is not installed"),
         (["rl.environment=verifiers:arith_env", "rl.environment_args={count: many}"], "rl.environment_args.count"),
@@ -139,7 +140,7 @@ def test_verifiers_refusals(environment, tmp_path, capsys):
         (["rl.environment=verifiers:arith_env", "data.eval_dataset_name=synthetic:arithmetic"], "evaluate on"),
         (["rl.environment=verifiers:arith_env", "rl.reward=number"], "scores with its own rewards"),
     ):
-        assert main(["rl", "--config", "tiny_rl", *overrides, f"infra.output_dir={tmp_path}/r"]) == 2
+        assert main(["rl", "--config", "tiny_rl", start, *overrides, f"infra.output_dir={tmp_path}/r"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (overrides, err)
         assert not (tmp_path / "r").exists()

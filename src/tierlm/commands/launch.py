@@ -79,6 +79,7 @@ def slurm_script(
             f"mkdir -p {shlex.quote(str(output_dir))}",
             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             f"export OMP_NUM_THREADS={threads}",
+            "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a fresh store per restart (a shared one can hang it)",
             "",
             "# Near the time limit or when preempted: requeue, and let tierlm save a checkpoint and stop.",
             "# shellcheck disable=SC2329  # called by the trap",

@@ -255,6 +255,23 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
     return MetricsLogger([*sinks, ReportSink(output_dir)])
 
 
+def warn_restarts(config: TierlmConfig) -> None:
+    """Under `torchrun --max-restarts N`: what would keep a restart from resuming, said at the start."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and not config.training.save_steps:
+        print(
+            f"tierlm: warning: torchrun may restart this job {restarts} time(s) and a restart resumes from the newest "
+            "checkpoint, but training.save_steps=0 saves only at the end: a restart starts over (set save_steps)",
+            file=sys.stderr,
+        )
+    if restarts and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        print(
+            "tierlm: warning: torchrun shares one TCP store across its restarts, which can hang a restarted group in "
+            "its set-up; launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tierlm launch --slurm does)",
+            file=sys.stderr,
+        )
+
+
 def write_model_extras(folder: Path, tokenizer: Tokenizer, meta: dict[str, Any], manifest: bool = False) -> None:
     """Beside a model's weights: its tokenizer, a generation config that stops where tierlm stops
     (the end-of-turn token), and training_meta.json (with `manifest`, also the sizes and hashes of
@@ -479,14 +496,7 @@ class Run:
                     f"tierlm: warning: removed {len(stale)} unfinished save(s) of an interrupted run", file=sys.stderr
                 )
             shutil.rmtree(self.output_dir / ".model.tmp", ignore_errors=True)
-            restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-            if restarts and not self.config.training.save_steps:
-                print(
-                    f"tierlm: warning: torchrun may restart this job {restarts} time(s) and a restart resumes from "
-                    "the newest checkpoint, but training.save_steps=0 saves only at the end: a restart starts over; "
-                    "set training.save_steps",
-                    file=sys.stderr,
-                )
+            warn_restarts(self.config)
             run_file = {"stage": self.stage.name, "fingerprint": fingerprint(self.config, self.stage.name)}
             (self.output_dir / RUN_FILE).write_text(json.dumps(run_file, indent=1) + "\n")
             self.config.to_yaml(self.output_dir / "config.yaml")

@@ -2,14 +2,15 @@
 generated one at a time (`--max-batch 1`) and together (continuous batching), side by side.
 
     .venv/bin/python bench/serve_load.py --checkpoint runs/tiny_sft [--clients 1,8,32] [--requests 4]
-                                         [--max-tokens 64] [--batch 32]
+                                         [--max-tokens 64] [--batch 32] [--random-weights]
 
 Each client sends `--requests` streamed chat completions one after another (a short arithmetic question,
 temperature 0.7, `--max-tokens`); a server is started per setting (`tierlm serve` in its own process, loopback only)
 and stopped after. Printed per setting: requests that failed (any non-200 or an error event), completion tokens per
 second over the whole load (the server's own `tierlm_generated_tokens_total`, before and after), and each
 request's latency (send to the last event) at p50 and p95, then the batched server's tokens/s over the
-one-at-a-time server's.
+one-at-a-time server's. `--random-weights` serves the checkpoint's model with random weights: a trained tiny model
+answers in a few tokens, and requests that short measure HTTP more than generation.
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def random_weights(checkpoint: str, folder: Path) -> str:
+    """The checkpoint's model with random weights (same architecture, tokenizer and chat template): its replies seldom
+    end early, so every request generates its whole max_tokens (throughput, not quality)."""
+    import torch
+
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.data import load_tokenizer
+    from tierlm.models import build_gpt, load_pretrained_model
+    from tierlm.models.io import save_model_folder
+
+    location = verified_model_location(checkpoint)
+    torch.manual_seed(0)
+    save_model_folder(build_gpt(load_pretrained_model(location).config), folder)
+    load_tokenizer(location).save(folder)
+    return str(folder)
 
 
 def free_port() -> int:
@@ -111,7 +129,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="--max-batch of the batched server")
+    parser.add_argument(
+        "--random-weights", action="store_true", help="serve the checkpoint's model with random weights (long replies)"
+    )
     args = parser.parse_args()
+    if args.random_weights:
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="tierlm-serve-load-")) / "model"
+        args.checkpoint = random_weights(args.checkpoint, folder)
+        print(f"serving {args.checkpoint}: the checkpoint's model with random weights")
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     print(f"{'clients':>8} {'server':>14} {'requests':>9} {'failed':>7} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7}")
     for clients in map(int, args.clients.split(",")):

@@ -44,8 +44,8 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
         if not rows:
             continue
         done = [i for i, name in enumerate(rows) if len(got[name]) == lengths[name]]
-        batch.leave(done)
-        rows = [name for i, name in enumerate(rows) if i not in done]
+        order = batch.leave(done)  # the last rows move into the freed places
+        rows = [rows[i] for i in order]
         if not rows:
             continue
         logits = batch.step(torch.tensor([got[name][-1] for name in rows]))

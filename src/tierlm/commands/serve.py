@@ -227,10 +227,19 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
             async def events():
                 try:
                     yield chunk({"role": "assistant", "content": ""})
+                    pending = None
                     while True:
-                        kind, value = await job.pieces.get()
-                        if kind == "text":
-                            yield chunk({"content": value})
+                        kind, value = pending or await job.pieces.get()
+                        pending = None
+                        if kind == "text":  # with the pieces that came meanwhile: one event, not one per token
+                            text = [value]
+                            while not job.pieces.empty():
+                                pending = job.pieces.get_nowait()
+                                if pending[0] != "text":
+                                    break
+                                text.append(pending[1])
+                                pending = None
+                            yield chunk({"content": "".join(text)})
                             continue
                         if kind == "done":
                             yield chunk({}, value.finish_reason)
@@ -326,6 +335,11 @@ def serve(
         raise ConfigError("tierlm serve needs fastapi and uvicorn: pip install 'tierlm[serve]'") from None
     check_port(port)
     check_serving(host, max_queue, timeout_s, api_key)
+    import sys
+
+    # The model's thread and the event loop's take turns at the GIL, each token a handoff: Python's default 5 ms slice
+    # would make every handoff wait up to that long.
+    sys.setswitchinterval(0.0005)
     print(
         f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 , health /health, "
         f"metrics /metrics (Ctrl-C stops)",

@@ -6,8 +6,9 @@ and its keys placed at positions [L - P, L), the positions before them masked of
 decodes at L, L + 1, ... together. Rotary embeddings make attention depend only on the distance between a query and
 a key, so a key computed at position p and turned by d more (one more rotation: R(p + d) = R(d) R(p)) is the key the
 row would hold had it started d later — a row's logits are what it computes alone (to float rounding). When the
-timeline reaches the model's context, it is compacted: every row's keys move left by the room nobody uses, turned
-back by as much. A sequence longer than the timeline so far pushes everyone right the same way.
+timeline reaches the model's context, or once most of it is positions no row uses (which every step would attend
+over for nothing), it is compacted: every row's keys move left by the room nobody uses, turned back by as much. A
+sequence longer than the timeline so far pushes everyone right the same way.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from tierlm.rollout.sampling import sample_next_token
 
 class BatchedDecoder:
     """The KV cache of every sequence in flight and the model step over them. `join(prompt)` returns the logits of
-    its first new token and gives it a row (rows keep the order they joined in); `step(tokens)` feeds one token per
-    row and returns each row's next logits; `leave(rows)` drops rows."""
+    its first new token and gives it the next row; `step(tokens)` feeds one token per row and returns each row's next
+    logits; `leave(rows)` drops rows. The cache is allocated once for `max_rows` rows: the rows in flight are its
+    first ones, so joining writes one row and leaving moves the last rows into the freed places (never the whole
+    cache)."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int = 32):
         self.model = unwrap_model(model)
@@ -39,13 +42,11 @@ class BatchedDecoder:
         config, self.max_rows = self.model.config, max_rows
         self.capacity = config.max_seq_len
         parameter = next(self.model.parameters())
-        self.cache = KVCache(config, 0, self.capacity, parameter.device, parameter.dtype)
-        for layer in self.cache.layers:
-            layer.mask = torch.zeros(0, self.capacity, dtype=torch.bool, device=parameter.device)
-
-    @property
-    def rows(self) -> int:
-        return self.cache.layers[0].k.shape[0]
+        self.cache = KVCache(config, max_rows, self.capacity, parameter.device, parameter.dtype)
+        self.full = [(layer.k, layer.v) for layer in self.cache.layers]  # every row's place
+        self.full_mask = torch.zeros(max_rows, self.capacity, dtype=torch.bool, device=parameter.device)
+        self.rows = 0
+        self._views()
 
     @property
     def length(self) -> int:
@@ -57,50 +58,64 @@ class BatchedDecoder:
         assert self.rows < self.max_rows, f"the batch is full ({self.max_rows} rows)"
         size = len(prompt_ids)
         assert 0 < size < self.capacity, f"a prompt of {size} tokens does not fit a context of {self.capacity}"
-        alone = KVCache(self.model.config, 1, size, self.cache.layers[0].k.device, self.cache.layers[0].k.dtype)
-        ids = torch.tensor([prompt_ids], device=alone.layers[0].k.device)
-        logits = self.model(ids, cache=alone)[0, -1]
+        alone = KVCache(self.model.config, 1, size, self.full_mask.device, self.full[0][0].dtype)
+        logits = self.model(torch.tensor([prompt_ids], device=self.full_mask.device), cache=alone)[0, -1]
         if self.rows == 0:
             self._set_length(0)
         if size > self.length:
             self._shift(size - self.length)  # everyone right, so the new row's keys end where the timeline is
         if self.length + 1 > self.capacity:  # no room left to decode even one token: compact first
             self._compact()
-        start = self.length - size
-        turn = self._turn(start)
-        for layer, mine in zip(self.cache.layers, alone.layers):
-            k, v = layer.k.new_zeros((1, *layer.k.shape[1:])), layer.v.new_zeros((1, *layer.v.shape[1:]))
-            k[:, :, start : self.length] = turn(mine.k[:, :, :size])
-            v[:, :, start : self.length] = mine.v[:, :, :size]
-            mask = layer.mask.new_zeros((1, self.capacity))
-            mask[:, start : self.length] = True
-            layer.k, layer.v = torch.cat([layer.k, k]), torch.cat([layer.v, v])
-            layer.mask = torch.cat([layer.mask, mask])
+        start, row, turn = self.length - size, self.rows, self._turn(self.length - size)
+        for (k, v), mine in zip(self.full, alone.layers):
+            k[row].zero_()
+            v[row].zero_()
+            k[row, :, start : self.length] = turn(mine.k[0, :, :size])
+            v[row, :, start : self.length] = mine.v[0, :, :size]
+        self.full_mask[row] = False
+        self.full_mask[row, start : self.length] = True
+        self.rows += 1
+        self._views()
         return logits
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (B,); the next logits of every row (B, V)."""
         assert tokens.shape == (self.rows,), f"one token per row: {self.rows} rows, got {tuple(tokens.shape)}"
-        if self.length + 1 > self.capacity:
-            self._compact()
-        return self.model(tokens[:, None].to(self.cache.layers[0].k.device), cache=self.cache)[:, -1]
+        unused = self._unused()
+        if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):
+            self._compact()  # at the context, or once most of the timeline is positions no row uses
+        return self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
 
-    def leave(self, rows: list[int]) -> None:
-        """Drop `rows` (indices into the current batch); the others keep their order."""
-        keep = torch.tensor([r for r in range(self.rows) if r not in set(rows)], dtype=torch.long)
-        for layer in self.cache.layers:
-            index = keep.to(layer.k.device)
-            layer.k, layer.v, layer.mask = layer.k[index], layer.v[index], layer.mask[index]
+    @torch.no_grad()
+    def leave(self, rows: list[int]) -> list[int]:
+        """Drop `rows` (indices into the current batch), each place taken by the last row; returns, for each row now,
+        the index it had before."""
+        order = list(range(self.rows))
+        for row in sorted(set(rows), reverse=True):
+            last = self.rows - 1
+            if row != last:
+                for k, v in self.full:
+                    k[row], v[row] = k[last], v[last]
+                self.full_mask[row] = self.full_mask[last]
+                order[row] = order[last]
+            order.pop()
+            self.rows -= 1
+        self._views()
         if self.rows == 0:
             self._set_length(0)
+        return order
 
     def room(self, row: int) -> int:
-        """Positions row `row` holds (its prompt and the tokens fed since): with the next, it must stay within the
-        model's context."""
-        return int(self.cache.layers[0].mask[row].sum())
+        """Positions row `row` holds (its prompt and the tokens fed since)."""
+        return int(self.full_mask[row].sum())
 
     # -- moving the timeline ---------------------------------------------------------------------
+    def _views(self) -> None:
+        """The model sees the rows in flight: the first `rows` of every place."""
+        for layer, (k, v) in zip(self.cache.layers, self.full):
+            layer.k, layer.v, layer.mask = k[: self.rows], v[: self.rows], self.full_mask[: self.rows]
+
     def _turn(self, offset: int):
         """Keys at p -> the same keys at p + offset (negative: back)."""
         if offset == 0:
@@ -111,20 +126,26 @@ class BatchedDecoder:
 
     def _shift(self, offset: int) -> None:
         """Every row's keys `offset` positions later (negative: earlier), the timeline with them."""
-        turn, length = self._turn(offset), self.length
+        turn, length, n = self._turn(offset), self.length, self.rows
         lo = max(0, -offset)
-        for layer in self.cache.layers:
-            k, v, mask = torch.zeros_like(layer.k), torch.zeros_like(layer.v), torch.zeros_like(layer.mask)
-            k[:, :, lo + offset : length + offset] = turn(layer.k[:, :, lo:length])
-            v[:, :, lo + offset : length + offset] = layer.v[:, :, lo:length]
-            mask[:, lo + offset : length + offset] = layer.mask[:, lo:length]
-            layer.k, layer.v, layer.mask = k, v, mask
+        for k, v in self.full:
+            moved_k, moved_v = turn(k[:n, :, lo:length]), v[:n, :, lo:length].clone()
+            k[:n].zero_()
+            v[:n].zero_()
+            k[:n, :, lo + offset : length + offset], v[:n, :, lo + offset : length + offset] = moved_k, moved_v
+        moved = self.full_mask[:n, lo:length].clone()
+        self.full_mask[:n] = False
+        self.full_mask[:n, lo + offset : length + offset] = moved
         self._set_length(length + offset)
+
+    def _unused(self) -> int:
+        """Positions at the start of the timeline that no row uses."""
+        used = self.full_mask[: self.rows, : self.length].any(dim=0)
+        return int(used.float().argmax()) if bool(used.any()) else self.length
 
     def _compact(self) -> None:
         """Move everyone left by the positions no row uses (at the start of the timeline)."""
-        used = self.cache.layers[0].mask[:, : self.length].any(dim=0)
-        unused = int(used.float().argmax()) if bool(used.any()) else self.length
+        unused = self._unused()
         assert unused > 0, f"the rows fill the model's context of {self.capacity}: finish the longest first"
         self._shift(-unused)
 
@@ -229,11 +250,10 @@ class BatchScheduler:
             tokens = [self._next(request, logits[i]) for i, request in enumerate(self.rows)]
             ended = [i for i, request in enumerate(self.rows) if request.reason is not None]
             if ended:
-                self.decoder.leave(ended)
+                order = self.decoder.leave(ended)  # the rows left, in the decoder's new order
                 for i in ended:
                     self.rows[i].done.set()
-                keep = [i for i in range(len(self.rows)) if i not in set(ended)]
-                self.rows, tokens = [self.rows[i] for i in keep], [tokens[i] for i in keep]
+                self.rows, tokens = [self.rows[i] for i in order], [tokens[i] for i in order]
             logits = self.decoder.step(torch.tensor(tokens)) if self.rows else None
 
     def _stopped(self, request: Request) -> bool:

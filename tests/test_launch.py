@@ -125,7 +125,17 @@ def test_launch_refusals(tmp_path, capsys):
         assert main(["launch", "--slurm", "pretrain", "--config", "tiny_pretrain", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (args, err)
-    for args, message in ((["--nodes", "2"], "required: --time"), (["--nodes", "0", "--time", "10"], "--nodes: must")):
+    for command, message in (
+        (["--slurm", "pretrain", "--nodes", "2"], "needs --time"),
+        (["--torchx", "pretrain", "--nodes", "2", "--time", "10"], "--time, --partition and --account are Slurm's"),
+    ):
+        assert main(["launch", *command]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    for args, message in (
+        (["--nodes", "2", "--torchx"], "not allowed with"),
+        (["--nodes", "0", "--time", "10"], "--nodes: must"),
+    ):
         with pytest.raises(SystemExit) as exit_:  # argparse's one line
             main(["launch", "--slurm", "pretrain", *args])
         err = capsys.readouterr().err.strip().splitlines()
@@ -133,3 +143,33 @@ def test_launch_refusals(tmp_path, capsys):
     (tmp_path / "taken").write_text("mine")
     args = ["--nodes", "1", "--time", "10", "--out", str(tmp_path / "taken")]
     assert main(["launch", "--slurm", "pretrain", *args]) == 2 and (tmp_path / "taken").read_text() == "mine"
+
+
+TORCHX = REPO / ".venv-torchx" / "bin" / "torchx"
+
+
+@pytest.mark.skipif(
+    not TORCHX.exists(),
+    reason="TorchX lives in its own venv (it pins urllib3<1.27): python -m venv "
+    ".venv-torchx && .venv-torchx/bin/pip install torchx==0.7.0",
+)
+def test_the_torchx_component_trains_two_local_nodes(tmp_path):
+    """`tierlm launch --torchx`'s component through TorchX's own CLI on its `local_cwd` scheduler: two replicas
+    (two "nodes") meeting at a c10d rendezvous train the run to its end."""
+    out, component = tmp_path / "run", tmp_path / "tierlm_torchx.py"
+    overrides = [*TINY, "training.num_train_steps=4", "training.save_steps=2", f"infra.output_dir={out}"]
+    port = str(20000 + os.getpid() % 20000)
+    args = ["launch", "--torchx", "pretrain", "--config", "tiny_pretrain", "--nodes", "2", "--port", port]
+    assert main([*args, "--out", str(component), *overrides]) == 0
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [str(TORCHX), "run", "-s", "local_cwd", f"{component}:train"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["status"] == "finished" and progress["step"] == 4 and len(progress["hosts"]) == 2

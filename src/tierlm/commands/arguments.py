@@ -113,14 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch",
-        help="write a cluster launch script for a run (Slurm: one task per node, torchrun, requeue on preemption)",
+        help="write a cluster launch file for a run (a Slurm script, or a TorchX component)",
     )
-    launch.add_argument("--slurm", action="store_true", required=True, help="an sbatch script (the one scheduler)")
+    scheduler = launch.add_mutually_exclusive_group(required=True)
+    scheduler.add_argument("--slurm", action="store_true", help="an sbatch script")
+    scheduler.add_argument(
+        "--torchx", action="store_true", help="a TorchX component (Kubernetes and the other schedulers TorchX supports)"
+    )
     launch.add_argument("stage", choices=sorted(STAGES), help="the stage to run")
     _add_config_args(launch, required=False)
     launch.add_argument("--nodes", type=_positive_int, required=True, help="machines")
     launch.add_argument("--gpus-per-node", type=_non_negative_int, default=0, help="ranks a machine (0: one CPU rank)")
-    launch.add_argument("--time", required=True, help="the job's time limit: MINUTES, HH:MM:SS or D-HH:MM:SS")
+    launch.add_argument("--time", default=None, help="Slurm: the job's time limit: MINUTES, HH:MM:SS or D-HH:MM:SS")
     launch.add_argument("--partition", default=None)
     launch.add_argument("--account", default=None)
     launch.add_argument("--cpus-per-task", type=_positive_int, default=None, help="CPU cores per node")

@@ -347,25 +347,30 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
-    from tierlm.commands.launch import slurm_script
+    from tierlm.commands.launch import slurm_script, torchx_component
     from tierlm.config import TierlmConfig
 
     config = TierlmConfig.load(args.config, args.overrides)  # a bad config is refused here, not on the cluster
-    script = slurm_script(
-        args.stage,
-        args.config,
-        args.overrides,
-        config,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        time_limit=args.time,
-        partition=args.partition,
-        account=args.account,
-        cpus_per_task=args.cpus_per_task,
-        max_restarts=args.max_restarts,
-        port=args.port,
-        python=args.python,
-    )
+    shape = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task)
+    shape.update(max_restarts=args.max_restarts, port=args.port)
+    if args.torchx:
+        if args.time or args.partition or args.account:
+            raise ConfigError("--time, --partition and --account are Slurm's: the TorchX scheduler takes its own")
+        script = torchx_component(args.stage, args.config, args.overrides, config, **shape)
+    else:
+        if args.time is None:
+            raise ConfigError("tierlm launch --slurm needs --time (the job's limit: MINUTES, HH:MM:SS or D-HH:MM:SS)")
+        script = slurm_script(
+            args.stage,
+            args.config,
+            args.overrides,
+            config,
+            time_limit=args.time,
+            partition=args.partition,
+            account=args.account,
+            python=args.python,
+            **shape,
+        )
     if not config.training.save_steps:
         _say(
             "tierlm: warning: training.save_steps=0 saves only at the end: a restarted or requeued job starts over; "
@@ -379,7 +384,8 @@ def cmd_launch(args: argparse.Namespace) -> None:
         raise ConfigError(f"--out {out} exists; choose another file (nothing is overwritten)")
     out.write_text(script)
     out.chmod(0o755)
-    print(f"wrote {out}: submit it with `sbatch {out}`")
+    how = f"torchx run -s <scheduler> {out}:train" if args.torchx else f"sbatch {out}"
+    print(f"wrote {out}: submit it with `{how}`")
 
 
 def cmd_config(args: argparse.Namespace) -> None:

@@ -105,3 +105,83 @@ def slurm_script(
             "",
         ]
     )
+
+
+def torchx_component(
+    stage: str,
+    config_name: str | None,
+    overrides: list[str],
+    config: TierlmConfig,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    cpus_per_task: int | None = None,
+    max_restarts: int = 3,
+    port: int = 29500,
+    image: str = "ghcr.io/pytorch/torchx:0.7.0",
+) -> str:
+    """A TorchX component file for the run (TorchX's `dist.ddp` under the hood): `torchx run -s <scheduler>
+    FILE:train` submits it to Kubernetes, Slurm, AWS Batch, Ray or a local process (`local_cwd`) as TorchX supports.
+    Each node runs torchrun (`nodes` x `gpus_per_node` ranks, a c10d rendezvous on the first replica); the scheduler
+    retries the job `max_restarts` times, and each retry resumes from the newest checkpoint.
+
+    >>> config = TierlmConfig.load("tiny_pretrain", ["infra.output_dir=/shared/runs/a"])
+    >>> text = torchx_component("pretrain", "tiny_pretrain", [], config, nodes=2, gpus_per_node=8)
+    >>> compile(text, "tierlm_torchx.py", "exec") is not None, "nodes: int = 2," in text, "per_node: int = 8," in text
+    (True, True, True)
+    """
+    if nodes < 1 or gpus_per_node < 0 or max_restarts < 0 or not 0 < port < 65536:
+        raise ConfigError(
+            f"tierlm launch --torchx needs --nodes >= 1, --gpus-per-node >= 0, --max-restarts >= 0 and a port in "
+            f"1..65535, got {nodes}, {gpus_per_node}, {max_restarts}, {port}"
+        )
+    output_dir = Path(config.infra.output_dir).absolute()
+    arguments = [stage, *(["--config", config_name] if config_name else []), *overrides]
+    arguments += [f"infra.output_dir={output_dir}"]
+    ranks = gpus_per_node or 1
+    cpus = cpus_per_task or 2 * ranks
+    return f'''"""tierlm {stage} on {nodes} node(s) x {ranks} rank(s), a TorchX component by `tierlm launch --torchx`.
+
+    torchx run -s kubernetes {{this file}}:train --image <an image with tierlm installed>
+    torchx run -s local_cwd {{this file}}:train      # here, as processes (torchrun and tierlm on PATH)
+"""
+
+import torchx.specs as specs
+from torchx.components.dist import ddp
+
+
+def train(
+    image: str = {image!r},
+    nodes: int = {nodes},
+    gpus_per_node: int = {gpus_per_node},
+    cpus: int = {cpus},
+    mem_mb: int = {max(4096, 8192 * ranks)},
+    max_retries: int = {max_restarts},
+    rdzv_port: int = {port},
+) -> specs.AppDef:
+    """tierlm {stage}; each retry resumes from the run's newest checkpoint.
+
+    Args:
+        image: the container image (with tierlm and its dependencies)
+        nodes: machines
+        gpus_per_node: ranks per machine (0: one CPU rank)
+        cpus: CPU cores per machine
+        mem_mb: memory per machine, in MB
+        max_retries: times the scheduler starts the job again after a failure
+        rdzv_port: the rendezvous port on the first machine
+    """
+    threads = str(max(cpus // max(gpus_per_node, 1), 1))  # BLAS threads per rank
+    return ddp(
+        *{arguments!r},
+        m="tierlm",
+        image=image,
+        name="tierlm-{stage}",
+        cpu=cpus,
+        gpu=gpus_per_node,
+        memMB=mem_mb,
+        j=f"{{nodes}}x{{max(gpus_per_node, 1)}}",
+        max_retries=max_retries,
+        rdzv_port=rdzv_port,
+        env={{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": threads}},
+    )
+'''

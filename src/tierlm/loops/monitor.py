@@ -99,32 +99,48 @@ class RunMonitor:
         self._write(status, force=True)
 
     # -- the watchdog -----------------------------------------------------------------------
+    @property
+    def _every(self) -> float:
+        """Seconds between the watchdog's checks."""
+        assert self.hang_timeout is not None
+        return min(1.0, self.hang_timeout / 4)
+
     def _watch(self) -> None:
         assert self.hang_timeout is not None
-        while not self._done.wait(min(1.0, self.hang_timeout / 4)):
+        while not self._done.wait(self._every):
             stalled = time.monotonic() - self.since
             if stalled > self.hang_timeout * (FIRST_STEP_ALLOWANCE if self.first_step else 1):
                 self._hang(stalled)
 
     def _hang(self, stalled: float) -> None:
+        import tempfile
+
         where = where_waiting(self._main)
         path = self.folder / f"hang-rank{self.rank}.txt"
+        with tempfile.TemporaryFile("w+") as scratch:  # the stacks once, then to the run directory and the log
+            who = f"rank {self.rank} ({socket.gethostname()}, pid {os.getpid()})"
+            scratch.write(f"{who}: {self.what}, {stalled:.0f} s\n")
+            scratch.flush()
+            faulthandler.dump_traceback(file=scratch, all_threads=True)
+            scratch.seek(0)
+            stacks = scratch.read()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(f"rank {self.rank} ({socket.gethostname()}, pid {os.getpid()}): {self.what}, {stalled:.0f} s\n")
-                faulthandler.dump_traceback(file=f, all_threads=True)
+            path.write_text(stacks)
         except OSError:
             path = Path("(not written: the run directory is not writable)")
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         hint = " (the first: raise infra.hang_timeout above one step's time)" if self.first_step else ""
-        print(
+        line = (
             f"tierlm: rank {self.rank} made no progress for {stalled:.0f} s in {self.what}{hint}, waiting in {where}; "
-            f"stacks in {path} (infra.hang_timeout={self.hang_timeout:g})",
-            file=sys.stderr,
-            flush=True,
+            f"stacks in {path} (infra.hang_timeout={self.hang_timeout:g})"
         )
+        # Each its own write: the ranks share the log, and one write of a line is not cut by another rank's output.
+        os.write(2, stacks.encode())
+        os.write(2, f"\n{line}\n".encode())
         self._write("hung", force=True)
+        # The other ranks' watchdogs fire within one check of this one (their phases began together): wait two checks
+        # before leaving, or this rank's exit would end theirs (a collective's error) before they wrote their stacks.
+        time.sleep(2 * self._every)
         os._exit(HANG_EXIT)
 
     # -- the progress file ------------------------------------------------------------------

@@ -19,6 +19,20 @@ from tierlm.errors import ConfigError
 TIME_LIMIT = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 
 
+def check_shape(scheduler: str, nodes: int, gpus_per_node: int, max_restarts: int, port: int) -> None:
+    """The job's shape, as both schedulers' files need it."""
+    if nodes < 1 or gpus_per_node < 0 or max_restarts < 0 or not 0 < port < 65536:
+        raise ConfigError(
+            f"tierlm launch --{scheduler} needs --nodes >= 1, --gpus-per-node >= 0, --max-restarts >= 0 and a port "
+            f"in 1..65535, got {nodes}, {gpus_per_node}, {max_restarts}, {port}"
+        )
+
+
+def tierlm_arguments(stage: str, config_name: str | None, overrides: list[str], output_dir: Path) -> list[str]:
+    """`tierlm`'s arguments on every node: the stage, the config, the overrides, the run directory (absolute)."""
+    return [stage, *(["--config", config_name] if config_name else []), *overrides, f"infra.output_dir={output_dir}"]
+
+
 def slurm_script(
     stage: str,
     config_name: str | None,
@@ -43,11 +57,7 @@ def slurm_script(
     >>> [line for line in script.splitlines() if line.startswith("#SBATCH --nodes") or "--nproc_per_node" in line]
     ['#SBATCH --nodes=2', '  --nnodes 2 --nproc_per_node 8 \\\\']
     """
-    if nodes < 1 or gpus_per_node < 0 or max_restarts < 0 or not 0 < port < 65536:
-        raise ConfigError(
-            f"tierlm launch --slurm needs --nodes >= 1, --gpus-per-node >= 0, --max-restarts >= 0 and a port in "
-            f"1..65535, got {nodes}, {gpus_per_node}, {max_restarts}, {port}"
-        )
+    check_shape("slurm", nodes, gpus_per_node, max_restarts, port)
     if not TIME_LIMIT.match(time_limit):
         raise ConfigError(f"--time {time_limit!r}: Slurm's time limits read MINUTES, HH:MM:SS or D-HH:MM:SS")
     output_dir = Path(config.infra.output_dir).absolute()
@@ -66,8 +76,7 @@ def slurm_script(
     sbatch += [f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--account={account}"] if account else []
-    command = ["-m", "tierlm", stage, *(["--config", config_name] if config_name else []), *overrides]
-    command += [f"infra.output_dir={output_dir}"]
+    command = ["-m", "tierlm", *tierlm_arguments(stage, config_name, overrides, output_dir)]
     threads = f"$(( ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} ))"
     return "\n".join(
         [
@@ -130,14 +139,8 @@ def torchx_component(
     >>> compile(text, "tierlm_torchx.py", "exec") is not None, "nodes: int = 2," in text, "per_node: int = 8," in text
     (True, True, True)
     """
-    if nodes < 1 or gpus_per_node < 0 or max_restarts < 0 or not 0 < port < 65536:
-        raise ConfigError(
-            f"tierlm launch --torchx needs --nodes >= 1, --gpus-per-node >= 0, --max-restarts >= 0 and a port in "
-            f"1..65535, got {nodes}, {gpus_per_node}, {max_restarts}, {port}"
-        )
-    output_dir = Path(config.infra.output_dir).absolute()
-    arguments = [stage, *(["--config", config_name] if config_name else []), *overrides]
-    arguments += [f"infra.output_dir={output_dir}"]
+    check_shape("torchx", nodes, gpus_per_node, max_restarts, port)
+    arguments = tierlm_arguments(stage, config_name, overrides, Path(config.infra.output_dir).absolute())
     ranks = gpus_per_node or 1
     cpus = cpus_per_task or 2 * ranks
     return f'''"""tierlm {stage} on {nodes} node(s) x {ranks} rank(s), a TorchX component by `tierlm launch --torchx`.

@@ -106,10 +106,6 @@ class BatchedDecoder:
             self._set_length(0)
         return order
 
-    def room(self, row: int) -> int:
-        """Positions row `row` holds (its prompt and the tokens fed since)."""
-        return int(self.full_mask[row].sum())
-
     # -- moving the timeline ---------------------------------------------------------------------
     def _views(self) -> None:
         """The model sees the rows in flight: the first `rows` of every place."""
@@ -201,9 +197,6 @@ class BatchScheduler:
             self.waiting.append(request)
             self.wake.notify()
         return request
-
-    def queued(self) -> int:
-        return len(self.waiting)
 
     def close(self) -> None:
         with self.wake:

@@ -1585,6 +1585,32 @@ CASES = [
         "does not run under DeepSpeed",
     ),
     Case(
+        "kto-under-pipeline-stages",
+        [
+            "dpo",
+            "--config",
+            cfg(DPO_CFG),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "dpo.loss_type=kto",
+            "infra.pipeline_parallel_size=2",
+        ],
+        "estimates its KL from the whole batch",
+    ),
+    Case(
+        "dpo-pairs-that-do-not-split-into-pipeline-pieces",
+        [
+            "dpo",
+            "--config",
+            cfg(DPO_CFG),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "training.per_device_train_batch_size=3",
+            "infra.pipeline_parallel_size=2",
+        ],
+        "a multiple of 2",
+    ),
+    Case(
         "deepspeed-setting-without-deepspeed",
         ["pretrain", "--config", cfg(PRE), *TINY, "infra.deepspeed_offload_optimizer=true"],
         "is a DeepSpeed setting",

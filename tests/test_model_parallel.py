@@ -226,7 +226,9 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
     assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(lines(run), lines(tmp_path / "tp_one")))
 
 
-@pytest.mark.parametrize("sizes,strategy", [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo")])
+@pytest.mark.parametrize(
+    "sizes,strategy", [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo"), ("1x2", "ppo"), ("1x2", "dpo")]
+)
 def test_seed_megatron_backend_example_trains_as_one_process(sizes, strategy, tmp_path):
     """The trainer document's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
     strategy=PretrainStrategy())` at tensor 2 and at pipeline 2, and its RL example (`PPOStrategy(kl_coef=0.1,
@@ -370,3 +372,48 @@ def test_transformers_stages_chain_to_the_models_own_logits(model_type):
     whole = model.state_dict()
     assert all(torch.equal(v, whole[k]) for stage in stages for k, v in stage.state_dict().items())
     assert [len(family.blocks(stage)) for stage in stages] == [1, 1, 1]
+
+
+def test_dpo_under_pipeline_stages_matches_one_process(tmp_path):
+    """`torchrun -m tierlm dpo` on 2 pipeline stages (each micro-batch of 8 pairs cut into 2 pieces of whole pairs, the
+    loss run on the last stage one piece at a time, a frozen reference on every rank) takes one process's steps:
+    losses, gradient norms and evaluations."""
+    from tests.conftest import CHAT, TINY, run_main, torchrun
+
+    pre, sft = tmp_path / "pre", tmp_path / "sft"  # two blocks, one per stage
+    for args in (
+        ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY, "model.depth=2", f"infra.output_dir={pre}"],
+        ["sft", "--config", "configs/tiny_sft.yaml", *CHAT, f"model.model_name_or_path={pre}", f"infra.output_dir={sft}"],
+    ):
+        assert (result := run_main(*args)).returncode == 0, result.stderr[-3000:]
+    dpo = [
+        "dpo",
+        "--config",
+        "configs/tiny_dpo.yaml",
+        f"model.model_name_or_path={sft}",
+        "data.max_seq_length=64",
+        "data.num_synthetic_examples=64",
+        "data.num_synthetic_eval_examples=16",
+        "infra.device_type=cpu",
+        "infra.progress_bar=false",
+        "training.num_train_steps=4",
+        "training.eval_steps=2",
+        "training.eval_batches=4",
+        "training.logging_steps=1",
+        "training.warmup_steps=0",
+        "training.per_device_eval_batch_size=4",
+        "training.per_device_train_batch_size=8",
+    ]
+    result = torchrun("-m", "tierlm", *dpo, "infra.pipeline_parallel_size=2", f"infra.output_dir={tmp_path / 'pp'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result := run_main(*dpo, f"infra.output_dir={tmp_path / 'one'}")).returncode == 0, result.stderr[-3000:]
+    pp, one = (
+        [r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines()) if r["type"] != "sample"]
+        for run in ("pp", "one")
+    )
+    assert [(r["type"], r["step"]) for r in pp] == [(r["type"], r["step"]) for r in one]
+    for a, b in zip(pp, one):
+        for key in ("loss", "grad_norm", "val_loss", "reward_margin", "pref_acc"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a, b)
+    assert one[-1]["val_loss"] < one[0]["val_loss"]

@@ -21,10 +21,18 @@ from torch import nn
 from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
 from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
+from tierlm.backends.pytorch import loss_sum_and_count
 from tierlm.errors import ConfigError
-from tierlm.models import family_of
+from tierlm.models import family_of, lora
+from tierlm.models.lora import has_lora
 from tierlm.primitives.dtype_device import move_to
-from tierlm.primitives.losses import cross_entropy_sum, get_labels, reads_label_cross_entropy_only, token_weights
+from tierlm.primitives.losses import (
+    cross_entropy_sum,
+    get_labels,
+    reads_label_cross_entropy_only,
+    row_blocks,
+    token_weights,
+)
 from tierlm.primitives.model_parallel import (
     ParallelDims,
     apply_tensor_parallel,
@@ -72,6 +80,8 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         plan = (
             family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}
         )  # a ConfigError, before anything moves
+        if plan and has_lora(model):
+            plan = lora.tensor_parallel_plan(next(family.blocks(model).children()), plan, sequence_parallel)
         outer = family.tensor_parallel_model_plan(model, sequence_parallel) if dims.tp > 1 and vocab_parallel else {}
         self.vocab_parallel = "vocab_head" in outer.values()
         if sequence_parallel and dims.pp > 1:
@@ -113,6 +123,8 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         self.dp_group = self.mesh["dp"].get_group() if dims.dp > 1 else None
         self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
         self.stage_shared, self.uncounted = [], set()
+        self._rows: PackedRows | None = None  # a step's rows while a loss other than the cross-entropy runs them
+        self._inferring = False  # while the pipeline schedule infers its shapes
         if dims.pp > 1:
             self.parts, self.schedule_name, self.microbatches = (
                 parts,
@@ -220,7 +232,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
             PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
             for part, i in zip(self.parts, self.stage_ids)
         ]
-        loss = summed_cross_entropy  # and scale_grads=False: the gradient of the summed loss, as every backend's
+        loss = self._stage_loss  # and scale_grads=False: the gradient of the summed loss, as every backend's
         if self.schedule_name == "interleaved_1F1B":
             self.schedule = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss, scale_grads=False)
         else:
@@ -231,12 +243,35 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
                 stages[0], self.microbatches, loss_fn=loss, scale_grads=False
             )
         self._shape = shape
+        initialize = self.schedule._initialize_pp_stages
+
+        def inferring(*args, **kwargs):  # the schedule's first pass infers shapes, calling the loss once more
+            self._inferring = True
+            try:
+                return initialize(*args, **kwargs)
+            finally:
+                self._inferring = False
+
+        self.schedule._initialize_pp_stages = inferring
         return self.schedule
+
+    def _stage_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: its token cross-entropy, or — while `_rows` holds a step's loss
+        function — that function on the micro-batch's rows (a shape-inferring call gets the cross-entropy: it must
+        not count, nor touch a strategy's statistics)."""
+        if self._rows is None:
+            return summed_cross_entropy(logits, target)
+        batch = self._rows.unpack(target)
+        if self._inferring:
+            return summed_cross_entropy(logits, get_labels(batch))
+        total, count = loss_sum_and_count(self._on_logits(self._rows.fn), logits, batch)
+        self._rows.counts.append(count.detach())
+        return total
 
     def _pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor]:
         """(the first stage's inputs, the last stage's targets); rows added with nothing to train (labels -100)
         until the rows split into the pipeline's micro-batches."""
-        ids, pad = batch["input_ids"], -batch["input_ids"].shape[0] % self.microbatches
+        pad = -batch["input_ids"].shape[0] % self.microbatches
         if pad:
             batch = {
                 k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() else v
@@ -244,11 +279,16 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
             }
             batch["labels"] = get_labels(batch).clone()
             batch["labels"][-pad:] = -100
-            ids = batch["input_ids"]
-        positions = batch.get("position_ids")
-        positions = positions if positions is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         labels = get_labels(batch).masked_fill(token_weights(get_labels(batch), batch.get("loss_mask")) == 0, -100)
-        return ((ids, positions.float()) if self.has_first else ()), labels
+        return self._first_stage_inputs(batch), labels
+
+    def _first_stage_inputs(self, batch: dict[str, torch.Tensor]) -> tuple:
+        """What the first stage reads (the ids and their positions); nothing on the other stages' ranks."""
+        if not self.has_first:
+            return ()
+        ids, positions = batch["input_ids"], batch.get("position_ids")
+        positions = positions if positions is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return ids, positions.float()
 
     def _run_pipeline(
         self, batch: dict[str, torch.Tensor], train: bool
@@ -293,11 +333,52 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         if self.dims.pp == 1:
             with self._loss_parallel():
                 return super().forward_backward(batch, self._on_logits(loss_fn or self.loss_fn))
-        self._check_cross_entropy(loss_fn)
+        loss_fn = loss_fn or self.loss_fn
         self.model.train()
         batch = self._to_device(batch)
-        total, count, _ = self._run_pipeline(batch, train=True)
+        if reads_label_cross_entropy_only(loss_fn):
+            total, count, _ = self._run_pipeline(batch, train=True)
+        else:
+            total, count = self._run_pipeline_rows(batch, loss_fn)
         return self._accumulate(total, count)
+
+    def _run_pipeline_rows(self, batch: dict[str, torch.Tensor], fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training pass of a loss that splits by rows (`splits_by_rows`: DPO's pairs, the policy-gradient
+        losses): the rows reordered so each pipeline micro-batch takes the same slice of every block (whole pairs),
+        the batch's per-row tensors sent to the last stage as the schedule's target, `fn` run there on each
+        micro-batch's rows. (The summed loss and its count, on every rank of the pipeline.)"""
+        blocks, rows, pieces = row_blocks(fn), batch["input_ids"].shape[0], self.microbatches
+        if blocks is None:
+            raise ConfigError(
+                "pipeline parallelism runs a loss one micro-batch of rows at a time: the token cross-entropy, DPO's "
+                "pairs and the policy-gradient losses split so, this loss does not say it does (mark it with "
+                "tierlm.primitives.losses.splits_by_rows): use tensor parallelism or FSDP2"
+            )
+        if rows % (blocks * pieces):
+            unit = "pairs" if blocks == 2 else "rows"
+            raise ConfigError(
+                f"pipeline parallelism cuts each micro-batch into infra.pipeline_microbatches={pieces} pieces of whole "
+                f"{unit}: {rows // blocks} {unit} do not split evenly; make the micro-batch size a multiple of {pieces}"
+            )
+        order = torch.arange(rows, device=self.device).view(blocks, pieces, -1).transpose(0, 1).reshape(-1)
+        batch = {k: v[order] if _is_row_tensor(v, rows) else v for k, v in batch.items()}
+        self._rows = PackedRows(batch, rows, fn)
+        schedule, losses = self._schedule_for(tuple(batch["input_ids"].shape)), []
+        try:
+            with self._autocast(), self._loss_parallel():
+                schedule.step(
+                    *self._first_stage_inputs(batch),
+                    target=self._rows.packed if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                )
+            counts = self._rows.counts
+        finally:
+            self._rows = None
+        sums = torch.zeros(2, device=self.device)
+        if self.has_last:
+            sums = torch.stack([torch.stack(losses).sum().detach().float(), torch.stack(counts).sum().float()])
+        dist.all_reduce(sums, group=self.pp_group)  # the last stage's, known to every stage
+        return sums[0], sums[1]
 
     @torch.no_grad()
     def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
@@ -320,13 +401,6 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         last = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.dims.pp)
         dist.broadcast_object_list(metrics, src=last, group=self.pp_group)
         return TrainFuture.ready(metrics[0])
-
-    def _check_cross_entropy(self, loss_fn: Callable | None) -> None:
-        if not reads_label_cross_entropy_only(loss_fn or self.loss_fn):
-            raise ConfigError(
-                "pipeline parallelism trains the token cross-entropy (pretraining, SFT); DPO, RL and custom "
-                "losses need the whole model on a rank: use tensor parallelism or FSDP2"
-            )
 
     @property
     def export_model(self) -> nn.Module:
@@ -404,6 +478,31 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
             extra_group=self.pp_group,  # stages hold different blocks
             also_scale=[p.grad for p in grads if id(p) in self.uncounted],
         )
+
+
+class PackedRows:
+    """A batch's per-row tensors packed side by side into one float64 (rows, width) tensor — the pipeline schedule's
+    target, which it splits by rows into micro-batches and hands the last stage's loss — and each piece unpacked
+    into a batch again (exact: float64 holds every id, mask and fp32 value). Tensors not per row go as they are."""
+
+    def __init__(self, batch: dict[str, torch.Tensor], rows: int, fn: Callable):
+        self.fn, self.counts = fn, []
+        per_row = {k: v for k, v in batch.items() if _is_row_tensor(v, rows)}
+        self.constants = {k: v for k, v in batch.items() if k not in per_row}
+        self.layout = [(k, v.shape[1:], v.dtype) for k, v in per_row.items()]
+        self.packed = torch.cat([v.reshape(rows, -1).double() for v in per_row.values()], dim=1)
+
+    def unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = dict(self.constants), 0
+        for name, shape, dtype in self.layout:
+            width = shape.numel()
+            out[name] = packed[:, at : at + width].reshape(-1, *shape).to(dtype)
+            at += width
+        return out
+
+
+def _is_row_tensor(value, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -177,7 +177,6 @@ def model_parallel_backend(
     do is
     refused in one line each."""
     from tierlm.backends.model_parallel import ModelParallelTrainingBackend
-    from tierlm.models.lora import has_lora
     from tierlm.primitives.model_parallel import ParallelDims
 
     tr, infra = config.training, config.infra
@@ -198,7 +197,6 @@ def model_parallel_backend(
         f"training.optimizer={tr.optimizer} (AdamW and Muon: AdamWPrune ranks and SPAM clips whole matrices)": (
             tr.optimizer not in ("adamw", "muon")
         ),
-        "model.lora": has_lora(model),
         "infra.fsdp_sharding_strategy=HYBRID_SHARD": infra.fsdp_sharding_strategy == "HYBRID_SHARD",
     }
     for what, asked in refusals.items():

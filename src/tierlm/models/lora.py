@@ -113,6 +113,42 @@ def apply_lora(
     return model
 
 
+def tensor_parallel_plan(block: nn.Module, plan: dict[str, str], sequence_parallel: bool = False) -> dict[str, str]:
+    """A block's tensor-parallel `plan` (`tierlm.primitives.model_parallel.apply_tensor_parallel`'s words) for the block
+    with LoRA adapters in its linear layers: each adapted layer's frozen base splits as the plain layer did, and
+
+    - column-wise (output split): B splits by columns with it; A stays whole (its input is the whole activation,
+      and B's split input sums A's gradient over the group in backward, as it does for any column-wise input);
+    - row-wise (input split): A splits by rows with it (its output summed over the group); B stays whole.
+
+    A `ConfigError` for an adapted layer split any other way (GPT-2's fused q/k/v), for adapter dropout, which would
+    drop different inputs on each rank of a group, and with the sequence split (not built)."""
+    if sequence_parallel:  # tried: B of o / down with its gradient summed trains off one process's steps
+        raise ConfigError("model.lora does not train with infra.sequence_parallel: drop infra.sequence_parallel")
+    out = {}
+    for path, kind in plan.items():
+        layer = block.get_submodule(path)
+        if not (hasattr(layer, "lora_A") and hasattr(layer, "base_layer")):
+            out[path] = kind
+            continue
+        if any(getattr(d, "p", 0.0) > 0 for d in layer.lora_dropout.values()):
+            raise ConfigError(
+                "model.lora.dropout under tensor parallelism would drop different inputs on each rank of a group: "
+                "set model.lora.dropout=0"
+            )
+        a, b = f"{path}.lora_A.default", f"{path}.lora_B.default"
+        if kind == "colwise":
+            out.update({f"{path}.base_layer": "colwise", b: "colwise"})
+        elif kind == "rowwise":
+            out.update({f"{path}.base_layer": "rowwise", a: "rowwise"})
+        else:
+            raise ConfigError(
+                f"model.lora on {path}, which tensor parallelism splits as {kind}: leave it out of "
+                f"model.lora.target_modules, or train without infra.tensor_parallel_size"
+            )
+    return out
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Run the base model: the adapters add nothing inside (DPO's reference, RL's KL reference)."""

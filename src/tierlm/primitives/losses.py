@@ -94,6 +94,30 @@ def reads_label_cross_entropy_only(fn: Callable | None) -> bool:
     return bool(getattr(fn, "label_cross_entropy_only", False))
 
 
+def splits_by_rows(blocks: int = 1) -> Callable[[Callable], Callable]:
+    """Mark a loss `fn(logits, batch) -> (sum, count)` whose sum and count over a batch are the sums over any
+    split of its rows into sub-batches, each taking the same slice of each of the batch's `blocks` equal blocks of
+    rows: 1 when rows stand alone (the policy-gradient losses), 2 for a batch of N chosen then N rejected rows
+    (DPO's pairs). Pipeline stages may then run it one micro-batch of rows at a time (`row_blocks`).
+
+    >>> @splits_by_rows(2)
+    ... def pairs_loss(logits, batch): ...
+    >>> row_blocks(pairs_loss), row_blocks(cross_entropy_sum)
+    (2, None)
+    """
+
+    def mark(fn: Callable) -> Callable:
+        fn.row_blocks = blocks
+        return fn
+
+    return mark
+
+
+def row_blocks(fn: Callable | None) -> int | None:
+    """The `blocks` a loss was marked with by `splits_by_rows` (bound methods included); None when unmarked."""
+    return getattr(fn, "row_blocks", None)
+
+
 def _chunk_rows(vocab_size: int, budget_elements: int = 1 << 25) -> int:
     """Rows per chunk so one chunk's fp32 logits stay near `budget_elements` (128 MB)."""
     return max(64, budget_elements // vocab_size)

@@ -42,6 +42,24 @@ class DPO(Stage):
     token_rows = False
     rows_per_example = 2  # a pair's chosen and rejected rows
 
+    def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
+        """Pipeline stages run the loss one micro-batch of whole pairs at a time: the pairs must split evenly, and
+        KTO's KL estimate is the whole batch's."""
+        infra, pairs = config.infra, config.training.per_device_train_batch_size
+        if infra.pipeline_parallel_size > 1:
+            pieces = infra.pipeline_microbatches or infra.pipeline_parallel_size * infra.stages_per_rank
+            if config.dpo.loss_type == "kto":
+                raise ConfigError(
+                    "dpo.loss_type=kto estimates its KL from the whole batch, which pipeline stages see one "
+                    "micro-batch at a time: drop infra.pipeline_parallel_size (tensor parallelism or FSDP2 run it)"
+                )
+            if isinstance(pairs, int) and pairs % pieces:
+                raise ConfigError(
+                    f"pipeline parallelism cuts each micro-batch into infra.pipeline_microbatches={pieces} pieces of "
+                    f"whole pairs: make training.per_device_train_batch_size ({pairs}) a multiple of {pieces}"
+                )
+        return config
+
     def reference_model(self, config: TierlmConfig | None) -> str | None:
         return "in step" if config is not None and uses_frozen_reference(config) else None
 

@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from tierlm.primitives.losses import IGNORE_INDEX, token_logprobs
+from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -158,6 +158,7 @@ class DPOStrategy:
         )
         return policy[:n], policy[n:], *losses
 
+    @splits_by_rows(2)  # N chosen rows, then their N rejected rows
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         *_, losses, _, _ = self._pairs(logits, batch)
         return losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)

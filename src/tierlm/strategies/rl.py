@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from tierlm.primitives.losses import IGNORE_INDEX, token_logprobs  # noqa: F401  (token_logprobs: also this module's name)
+from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs  # noqa: F401  (token_logprobs: also this module's name)
 from tierlm.strategies.rl_losses import LOSSES, LossSettings, ppo
 
 Batch = Mapping[str, torch.Tensor]
@@ -218,6 +218,7 @@ class PolicyGradientStrategy:
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         return dict(batch)
 
+    @splits_by_rows(1)  # every loss of `rl_losses` sums over rows (its normaliser too)
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
         logprobs = token_logprobs(logits, labels, self.temperature)

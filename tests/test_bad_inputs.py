@@ -406,9 +406,9 @@ CASES = [
         "infra.backend=jax does not do training.bf16",
     ),
     Case(
-        "jax-with-muon",
-        ["pretrain", "--config", cfg(PRE), *TINY, "infra.backend=jax", "training.optimizer=muon"],
-        "infra.backend=jax does not do training.optimizer=muon",
+        "jax-with-adamw-spam",
+        ["pretrain", "--config", cfg(PRE), *TINY, "infra.backend=jax", "training.optimizer=adamw_spam"],
+        "infra.backend=jax does not do training.optimizer=adamw_spam",
     ),
     Case(
         "jax-with-an-encoder-decoder",

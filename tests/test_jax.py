@@ -162,20 +162,26 @@ def test_functional_optimizers_equal_torch_and_optax_step_for_step():
     torch.testing.assert_close(f_w["w"], w.detach(), atol=1e-5, rtol=0)
 
 
-def _backends(model: torch.nn.Module, tmp_path, steps: int = 20):
+def _backends(model: torch.nn.Module, tmp_path, steps: int = 20, optimizer: str = "adamw"):
     """A PyTorch and a JAX backend over copies of `model`: AdamW with four roles' LRs, weight decay on the
-    matrices, 3 warmup steps then cosine, gradients clipped at 1."""
-    settings = RoleSettings(matrix_lr=3e-3, embedding_lr=2e-2, unembedding_lr=4e-3, scalar_lr=5e-3, weight_decay=0.1)
+    matrices, 3 warmup steps then cosine, gradients clipped at 1 (`optimizer="muon"`: Muon on the matrices, its
+    momentum warmed up and its weight decay falling as nanochat's schedule moves them, AdamW on the rest)."""
+    from tierlm.primitives.optim import build_muon
+
+    matrix_lr = 2e-2 if optimizer == "muon" else 3e-3
+    settings = RoleSettings(
+        matrix_lr=matrix_lr, embedding_lr=2e-2, unembedding_lr=4e-3, scalar_lr=5e-3, weight_decay=0.1
+    )
     out = []
     for kind in ("pytorch", "jax"):
         m = copy.deepcopy(model)
-        optimizer = build_adamw(m, settings)
-        scheduler = create_warmup_scheduler(optimizer, 3, steps, "cosine", 0.1)
+        optimizer_ = (build_muon if optimizer == "muon" else build_adamw)(m, settings)
+        scheduler = create_warmup_scheduler(optimizer_, 3, steps, "cosine", 0.1)
         folder = tmp_path / kind
         out.append(
-            PyTorchTrainingBackend(m, optimizer, None, folder, "cpu", scheduler, 1.0)
+            PyTorchTrainingBackend(m, optimizer_, None, folder, "cpu", scheduler, 1.0)
             if kind == "pytorch"
-            else JaxTrainingBackend(m, optimizer, folder, scheduler, 1.0)
+            else JaxTrainingBackend(m, optimizer_, folder, scheduler, 1.0)
         )
     return out
 
@@ -199,12 +205,15 @@ def _batches(kind: str, n: int = 20):
     return batches * (n // 4)
 
 
-@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo", "gpt2-pretrain"])
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo", "gpt2-pretrain", "muon-pretrain"])
 def test_the_jax_backend_trains_as_the_pytorch_backend(stage, tmp_path):
-    """20 AdamW steps from the same weights on the same batches: losses and the trained models' logits within 1e-4,
-    and the evaluation metrics (the strategies' JAX twins) too; the native GPT, and GPT-2."""
-    torch_backend, jax_backend = _backends(_gpt2() if stage.startswith("gpt2") else _model(), tmp_path)
-    stage = stage.removeprefix("gpt2-")
+    """20 AdamW (or Muon + AdamW) steps from the same weights on the same batches: losses and the trained models'
+    logits within 1e-4, and the evaluation metrics (the strategies' JAX twins) too; the native GPT, and GPT-2."""
+    optimizer = "muon" if stage.startswith("muon") else "adamw"
+    torch_backend, jax_backend = _backends(
+        _gpt2() if stage.startswith("gpt2") else _model(), tmp_path, optimizer=optimizer
+    )
+    stage = stage.removeprefix("gpt2-").removeprefix("muon-")
     if stage == "dpo":
         strategies = (
             DPOStrategy(0.1, FrozenReference(copy.deepcopy(torch_backend.model), "cpu")),
@@ -233,10 +242,10 @@ def test_the_jax_backend_trains_as_the_pytorch_backend(stage, tmp_path):
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-3 for k in want), (got, want)
 
 
-@pytest.mark.parametrize("first", ["jax", "pytorch"])
-def test_a_checkpoint_crosses_between_the_backends(first, tmp_path):
-    """3 steps on one backend, a checkpoint, 3 more on the other = 6 on the first (weights, Adam moments,
-    step count and schedule all crossed)."""
+@pytest.mark.parametrize("first,optimizer", [("jax", "adamw"), ("pytorch", "adamw"), ("jax", "muon")])
+def test_a_checkpoint_crosses_between_the_backends(first, optimizer, tmp_path):
+    """3 steps on one backend, a checkpoint, 3 more on the other = 6 on the first (weights, Adam moments, Muon's
+    momentum, step count and schedule all crossed)."""
     strategy, batches = PretrainStrategy(), _batches("pretrain", 8)[:6]
 
     def train(backend, part):
@@ -246,14 +255,17 @@ def test_a_checkpoint_crosses_between_the_backends(first, tmp_path):
             out.append(backend.optim_step().wait()["loss"])
         return out
 
-    torch_backend, jax_backend = _backends(_model(tied=True), tmp_path / "a", steps=6)
+    torch_backend, jax_backend = _backends(_model(tied=True), tmp_path / "a", steps=6, optimizer=optimizer)
     one, other = (jax_backend, torch_backend) if first == "jax" else (torch_backend, jax_backend)
     losses = train(one, batches[:3])
     path = one.save_checkpoint(3).wait()
     other.checkpoint_dir = one.checkpoint_dir
     assert other.load_checkpoint(path).wait()["backend_step"] == 3
     losses += train(other, batches[3:])
-    straight = train(_backends(_model(tied=True), tmp_path / "b", steps=6)[0 if first == "pytorch" else 1], batches)
+    straight = train(
+        _backends(_model(tied=True), tmp_path / "b", steps=6, optimizer=optimizer)[0 if first == "pytorch" else 1],
+        batches,
+    )
     np.testing.assert_allclose(losses, straight, atol=1e-4, rtol=0)
 
 
@@ -321,3 +333,86 @@ def test_tierlm_pretrain_with_the_jax_backend(tmp_path):
         f"infra.output_dir={out}",
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # the JAX run's checkpoint continues under PyTorch
+
+
+@pytest.mark.parametrize("loss", ["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "distill"])
+def test_the_policy_gradient_losses_have_jax_twins(loss):
+    """Each `rl.loss` in jax.numpy (the JAX backend's) equals PyTorch's, the loss and its gradient by the logits,
+    with stale old log-probs, a KL reference and off-policy importance weights."""
+    import jax
+
+    from tierlm.primitives.jax_losses import jax_twin
+    from tierlm.strategies.rl import PolicyGradientStrategy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g)
+    labels = torch.randint(0, 7, (3, 5), generator=g)
+    labels[0, :2] = labels[2, :] = -100  # a prompt, and a row with nothing to train
+    near = torch.randn(3, 5, generator=g) * 0.3 - 2.0
+    batch = {
+        "labels": labels,
+        "advantages": torch.randn(3, generator=g) if loss != "distill" else torch.randn(3, 5, generator=g),
+        "old_logprobs": near,
+        "ref_logprobs": near + 0.1 * torch.randn(3, 5, generator=g),
+        "importance": torch.rand(3, 5, generator=g) + 0.5,
+    }
+    strategy = PolicyGradientStrategy(0.2, kl_coef=0.05, temperature=0.8, loss=loss, max_new_tokens=5)
+    leaf = logits.clone().requires_grad_(True)
+    total, count = strategy.compute_loss(leaf, batch)
+    total.backward()
+    twin, jax_batch = jax_twin(strategy.compute_loss), {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
+    (jax_total, jax_count), grad = jax.value_and_grad(lambda x: twin(x, jax_batch), has_aux=True)(
+        jnp.asarray(logits.numpy())
+    )
+    assert float(jax_count) == float(count) and abs(float(jax_total) - float(total)) < 1e-5, (jax_total, total)
+    np.testing.assert_allclose(np.asarray(grad[0] if isinstance(grad, tuple) else grad), leaf.grad.numpy(), atol=1e-6)
+    metrics = jax_twin(strategy.compute_metrics)(jnp.asarray(logits.numpy()), jax_batch)
+    np.testing.assert_allclose(
+        np.asarray(metrics["logprobs"]), strategy.compute_metrics(logits, batch)["logprobs"].numpy(), atol=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_tierlm_rl_with_the_jax_backend_takes_the_pytorch_steps(tiny_runs, tmp_path, monkeypatch):
+    """`tierlm rl infra.backend=jax` (GRPO, a KL reference): the rollouts (the sampler reads JAX's weights after each
+    update), rewards, losses and held-out pass@k of the PyTorch backend's run. (A reward for digits, so the tiny model's
+    rollouts differ in reward: with none the advantages are 0 and AdamW turns each backend's float noise into steps.)"""
+    from conftest import run_main
+
+    (tmp_path / "digits_reward.py").write_text(
+        "def reward(prompt, completion, reference):\n    return 0.25 * sum(c.isdigit() for c in completion)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "rl",
+        "--config",
+        str(REPO / "configs/tiny_rl.yaml"),
+        f"model.model_name_or_path={tiny_runs / 'sft'}",
+        "data.max_seq_length=64",
+        "training.num_train_steps=3",
+        "training.eval_steps=3",
+        "training.logging_steps=1",
+        "rl.loss=grpo",
+        "rl.reward=digits_reward:reward",
+        "rl.kl_coef=0.05",
+        "rl.prompts_per_step=4",
+        "rl.group_size=4",
+        "rl.max_new_tokens=8",
+        "rl.eval_problems=8",
+        "infra.device_type=cpu",
+        "infra.progress_bar=false",
+    ]
+    for backend in ("jax", "pytorch"):
+        result = run_main(*args, f"infra.backend={backend}", f"infra.output_dir={tmp_path / backend}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    jax_run, torch_run = (
+        [r for r in map(json.loads, (tmp_path / b / "metrics.jsonl").read_text().splitlines()) if r["type"] != "sample"]
+        for b in ("jax", "pytorch")
+    )
+    assert [(r["type"], r["step"]) for r in jax_run] == [(r["type"], r["step"]) for r in torch_run]
+    assert any(r.get("reward_std", 0.0) > 0 for r in torch_run), torch_run  # advantages that are not all 0
+    for a, b in zip(jax_run, torch_run):
+        assert a.get("reward_mean") == b.get("reward_mean") and a.get("completion_len") == b.get("completion_len")
+        for key in ("loss", "kl", "grad_norm", "pass@1", "pass@k"):
+            assert abs(a.get(key, 0.0) - b.get(key, 0.0)) < 1e-4, (key, a, b)
+        assert a.get("logprob_abs_diff", 0.0) < 1e-4  # the sampler holds the weights JAX trained

@@ -29,6 +29,25 @@ from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.errors import ConfigError
 from tierlm.models import family_of
+from tierlm.primitives.optim import inner_optimizers
+
+HYPERPARAMETERS = ("lr", "momentum", "weight_decay")
+"""What a PyTorch parameter group's schedule may change between steps, handed to the jitted step."""
+
+
+def functional_twin(optimizer: torch.optim.Optimizer, group: dict):
+    """The JAX optimizer of one PyTorch parameter group: `JaxAdam` for Adam / AdamW, `JaxMuon` for Muon."""
+    from tierlm.primitives.optim.jax import JaxAdam, JaxMuon
+    from tierlm.primitives.optim.muon import Muon
+
+    if isinstance(optimizer, Muon):
+        return JaxMuon(group["lr"], group["momentum"], group["nesterov"], group["ns_steps"], group["weight_decay"])
+    if isinstance(optimizer, torch.optim.AdamW) or type(optimizer) is torch.optim.Adam:
+        return JaxAdam(group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+    raise ConfigError(
+        f"the JAX backend trains with AdamW and Muon (their JAX twins); got {type(optimizer).__name__}: "
+        "set training.optimizer=adamw or muon"
+    )
 
 
 class JaxTrainingBackend(TrainingBackend):
@@ -47,14 +66,8 @@ class JaxTrainingBackend(TrainingBackend):
         import jax
 
         from tierlm.models.gpt.jax import params_from_torch
-        from tierlm.primitives.optim.jax import JaxAdam
 
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
-        if not isinstance(optimizer, torch.optim.AdamW) and type(optimizer) is not torch.optim.Adam:
-            raise ConfigError(
-                f"the JAX backend trains with AdamW (its groups become optax AdamW); got {type(optimizer).__name__}: "
-                "set training.optimizer=adamw"
-            )
         self.forward_fn = jax_forward or family_of(model).jax_forward(model)
         if self.forward_fn is None:
             raise ConfigError(
@@ -65,14 +78,14 @@ class JaxTrainingBackend(TrainingBackend):
         self.checkpoint_dir, self.max_grad_norm, self.loss_fn = Path(checkpoint_dir), max_grad_norm, loss_fn
         self.device = torch.device("cpu")  # where batches and results live on the PyTorch side
         names = {id(p): n for n, p in model.named_parameters()}
-        self.groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        self.adams = [JaxAdam(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in optimizer.param_groups]
+        self.owners = [(inner, g) for inner in inner_optimizers(optimizer) for g in inner.param_groups]
+        self.groups = [[names[id(p)] for p in g["params"]] for _, g in self.owners]
+        self.adams = [functional_twin(inner, g) for inner, g in self.owners]  # each group's optax / JAX optimizer
         self.params = params_from_torch(model)
         self.opt_states = [adam.init(self._group(self.params, i)) for i, adam in enumerate(self.adams)]
         self.devices = jax.local_devices()
         self.step, self._synced = 0, True
         self._jitted: dict[Any, Callable] = {}
-        self._updates = [jax.jit(adam.update) for adam in self.adams]
         self._reset_accumulators()
 
     # -- the PyTorch side ------------------------------------------------------------------
@@ -87,6 +100,10 @@ class JaxTrainingBackend(TrainingBackend):
         return self._module
 
     eval_model = model
+
+    def sampler_state(self) -> dict[str, torch.Tensor]:
+        """The weights JAX holds now, in the PyTorch module's names, for RL's rollout engine (a PyTorch model)."""
+        return self.model.state_dict()
 
     def memory_stats(self) -> dict[str, float]:
         params = sum(int(np.prod(v.shape)) * 4 for v in self.params.values())
@@ -149,9 +166,15 @@ class JaxTrainingBackend(TrainingBackend):
     # -- protocol --------------------------------------------------------------------------
     def forward_backward(self, batch: Batch, loss_fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
         import jax
+        import jax.numpy as jnp
 
         (total, count), grads = self._compiled("grad", loss_fn)(self.params, self._to_jax(batch))
-        self._grads = grads if self._grads is None else jax.tree_util.tree_map(lambda a, b: a + b, self._grads, grads)
+        if self._grads is None:
+            self._grads = grads
+        else:
+            if "add" not in self._jitted:
+                self._jitted["add"] = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), donate_argnums=0)
+            self._grads = self._jitted["add"](self._grads, grads)
         total, count = float(total), float(count)
         self._loss_sum += total
         self._num_tokens += count
@@ -169,16 +192,8 @@ class JaxTrainingBackend(TrainingBackend):
         )
 
     def optim_step(self) -> TrainFuture[dict[str, float]]:
-        import jax
-        import jax.numpy as jnp
-
         assert self._num_micro_batches > 0, "optim_step() called without a forward_backward() since the last step"
         loss, num_tokens = self._loss_sum / max(self._num_tokens, 1.0), self._num_tokens
-        grads = jax.tree_util.tree_map(lambda g: g / max(num_tokens, 1.0), self._grads)
-        grad_norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads))))
-        if self.max_grad_norm > 0 and self.max_grad_norm / (grad_norm + 1e-6) < 1.0:  # torch's clip_grad_norm_
-            scale = self.max_grad_norm / (grad_norm + 1e-6)
-            grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         reported = {
             "lr": lrs[0],
@@ -188,15 +203,12 @@ class JaxTrainingBackend(TrainingBackend):
                 else {}
             ),
         }
+        settings = [{k: v for k, v in g.items() if k in HYPERPARAMETERS} for g in self.optimizer.param_groups]
+        params, opt_states, grad_norm = self._step_fn()(self.params, self._grads, self.opt_states, settings, num_tokens)
+        grad_norm = float(grad_norm)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(loss))
-        if finite:
-            params = dict(self.params)
-            for i, (update, adam) in enumerate(zip(self._updates, self.adams)):
-                state = adam.with_learning_rate(self.opt_states[i], lrs[i])
-                group = self._group(self.params, i)
-                updates, self.opt_states[i] = update(self._group(grads, i), state, group)
-                params.update({k: group[k] + updates[k] for k in group})
-            self.params, self._synced = params, False
+        if finite:  # else the step is skipped: the old parameters and moments stay
+            self.params, self.opt_states, self._synced = params, list(opt_states), False
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
@@ -204,6 +216,34 @@ class JaxTrainingBackend(TrainingBackend):
         return TrainFuture.ready(
             {"loss": loss, "grad_norm": grad_norm, **reported, "num_tokens": num_tokens, "skipped": float(not finite)}
         )
+
+    def _step_fn(self) -> Callable:
+        """The whole optimizer step as one `jax.jit` program: the summed gradients divided by the step's tokens, their
+        global norm, clipped as `torch.nn.utils.clip_grad_norm_` clips, each group's update (AdamW, Muon) at its
+        group's LR, momentum and weight decay (arguments: scheduling them compiles nothing)."""
+        if self._jitted.get("step") is None:
+            import jax
+            import jax.numpy as jnp
+
+            adams, groups, max_norm = self.adams, self.groups, self.max_grad_norm
+
+            def step(params, grads, opt_states, settings, num_tokens):
+                grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(num_tokens, 1.0), grads)
+                norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+                if max_norm > 0:
+                    scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+                    grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+                new_params, new_states = dict(params), []
+                for i, adam in enumerate(adams):
+                    group = {name: params[name] for name in groups[i]}
+                    state = adam.with_hyperparameters(opt_states[i], settings[i])
+                    updates, state = adam.update({name: grads[name] for name in groups[i]}, state, group)
+                    new_params.update({name: group[name] + updates[name] for name in group})
+                    new_states.append(state)
+                return new_params, new_states, norm
+
+            self._jitted["step"] = jax.jit(step)
+        return self._jitted["step"]
 
     # -- the functional trainer API (tierlm.backends.state; Trainer.train_step) ------------
     def model_state(self) -> ModelState:
@@ -245,33 +285,21 @@ class JaxTrainingBackend(TrainingBackend):
     # -- checkpoints: the PyTorch backend's files --------------------------------------------
     @torch.no_grad()
     def _optimizer_into_torch(self) -> None:
+        """The optimizers' state written into the PyTorch optimizers (AdamW's moments, Muon's momentum), per parameter,
+        as the PyTorch backend keeps it."""
         named = dict(self.model.named_parameters())
-        for i, adam in enumerate(self.adams):
-            count, mu, nu = adam.moments(self.opt_states[i])
-            for name in self.groups[i]:
-                if count:
-                    self.optimizer.state[named[name]] = {
-                        "step": torch.tensor(float(count)),
-                        "exp_avg": torch.from_numpy(np.array(mu[name])),
-                        "exp_avg_sq": torch.from_numpy(np.array(nu[name])),
-                    }
+        for i, ((inner, _), adam) in enumerate(zip(self.owners, self.adams)):
+            for name, state in adam.torch_state(self.opt_states[i]).items():
+                inner.state[named[name]] = {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
 
     def _optimizer_from_torch(self) -> None:
-        import jax.numpy as jnp
-
         from tierlm.models.gpt.jax import params_from_torch
 
         self.params, self._synced = params_from_torch(self._module), True
         named = dict(self._module.named_parameters())
-        for i, adam in enumerate(self.adams):
-            states = [self.optimizer.state.get(named[name], {}) for name in self.groups[i]]
-            if not states or "exp_avg" not in states[0]:
-                self.opt_states[i] = adam.init(self._group(self.params, i))
-                continue
-            count = int(states[0]["step"])
-            mu = {name: jnp.asarray(s["exp_avg"].float().numpy()) for name, s in zip(self.groups[i], states)}
-            nu = {name: jnp.asarray(s["exp_avg_sq"].float().numpy()) for name, s in zip(self.groups[i], states)}
-            self.opt_states[i] = adam.with_moments(adam.init(self._group(self.params, i)), count, mu, nu)
+        for i, ((inner, _), adam) in enumerate(zip(self.owners, self.adams)):
+            states = {name: inner.state.get(named[name], {}) for name in self.groups[i]}
+            self.opt_states[i] = adam.from_torch_state(adam.init(self._group(self.params, i)), states)
 
     def save_checkpoint(
         self,

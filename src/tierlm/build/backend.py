@@ -245,7 +245,7 @@ def jax_backend(
         "infra.compile (jax.jit compiles)": infra.compile,
         "infra.activation_checkpointing": infra.activation_checkpointing,
         "model.lora": bool(m.lora.r),
-        f"training.optimizer={tr.optimizer} (AdamW only)": tr.optimizer != "adamw",
+        f"training.optimizer={tr.optimizer} (AdamW and Muon)": tr.optimizer not in ("adamw", "muon"),
         f"model.dtype={m.dtype} (fp32 only)": m.dtype != "float32",
     }
     for what, asked in refusals.items():

@@ -23,11 +23,13 @@ def token_weights(labels: jax.Array, loss_mask: jax.Array | None = None) -> jax.
     return weights * loss_mask.astype(jnp.float32) if loss_mask is not None else weights
 
 
-def token_logprobs(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """log p(label) at every position (B, T); 0 where unlabelled."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
-    return picked * (labels != IGNORE_INDEX)
+def token_logprobs(logits: jax.Array, labels: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log p(label) at every position (B, T) under softmax(logits / temperature); 0 where unlabelled."""
+    scaled = logits.astype(jnp.float32)
+    scaled = scaled / temperature if temperature not in (0.0, 1.0) else scaled
+    # the label's logit less the log-sum-exp: no (B, T, V) array of log-probs beside the logits
+    picked = jnp.take_along_axis(scaled, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+    return (picked - jax.nn.logsumexp(scaled, axis=-1)) * (labels != IGNORE_INDEX)
 
 
 def per_token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -57,6 +59,6 @@ def jax_twin(fn: Callable | None) -> Callable | None:
     if twin is None:
         raise NotImplementedError(
             f"{type(owner).__name__ if owner is not None else name} has no JAX twin of {name} "
-            f"(a method jax_{name.lstrip('_')}); the JAX backend trains pretraining, SFT and DPO"
+            f"(a method jax_{name.lstrip('_')}); the JAX backend trains pretraining, SFT, DPO and the policy-gradient losses"
         )
     return twin

@@ -226,6 +226,21 @@ class PolicyGradientStrategy:
         self._stats.append({k: v.detach() for k, v in stats.items()})
         return total, count
 
+    # -- the JAX backend's twins (tierlm.primitives.jax_losses.jax_twin), tested equal to the methods above --------
+    def jax_compute_loss(self, logits, batch):
+        from tierlm.primitives.jax_losses import IGNORE_INDEX as IGNORE
+        from tierlm.primitives.jax_losses import token_logprobs as jax_token_logprobs
+        from tierlm.strategies.rl_losses_jax import LOSSES as JAX_LOSSES
+
+        labels = batch["labels"]
+        logprobs = jax_token_logprobs(logits, labels, self.temperature)
+        return JAX_LOSSES[self.loss](logprobs, batch, (labels != IGNORE).astype(logprobs.dtype), self.settings)
+
+    def jax_compute_metrics(self, logits, batch):
+        from tierlm.primitives.jax_losses import token_logprobs as jax_token_logprobs
+
+        return {"logprobs": jax_token_logprobs(logits, batch["labels"], self.temperature)}
+
     def take_stats(self) -> dict[str, float]:
         """The summed statistics of the loss calls since the last take (this rank's)."""
         sums: dict[str, float] = {}

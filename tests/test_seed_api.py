@@ -109,6 +109,49 @@ def test_seed_rl_example_ppo(tmp_path):
     assert new[0] > old.sum(dim=1)[0] and new[1] < old.sum(dim=1)[1]
 
 
+@pytest.mark.parametrize("name,make", backends(), ids=[n for n, _ in backends()])
+def test_a_functional_optimizer_steps_the_loop(name, make, tmp_path):
+    """`Trainer(backend, strategy, optimizer=<functional Adam>)`: `train_step` updates with it (its state in and out
+    as `optimizer_state`) — the steps of a plain loop with torch.optim.Adam and the same clipping; handing back an older
+    (model_state, optimizer_state) steps from it."""
+    from tierlm.models import forward_logits
+
+    backend = make(tmp_path)
+    reference = copy.deepcopy(backend.model)  # the same initial weights, trained by a plain loop
+    if name == "jax":
+        from tierlm.primitives.optim.jax import JaxAdam
+
+        optimizer = JaxAdam(lr=1e-2)
+    else:
+        from tierlm.primitives.optim.functional import PyTorchAdam
+
+        optimizer = PyTorchAdam(lr=1e-2)
+    strategy = PretrainStrategy()
+    trainer = Trainer(backend, strategy, optimizer=optimizer)
+    model_state, optimizer_state = backend.model_state(), None  # None: the optimizer's init
+    batches = [{"tokens": t} for t in torch.randint(0, V, (2, 4, 17), generator=torch.Generator().manual_seed(3))] * 3
+    losses, states = [], []
+    for batch in batches:
+        states.append((copy.deepcopy(model_state), copy.deepcopy(optimizer_state)))
+        result = trainer.train_step(batch, model_state, optimizer_state)
+        model_state, optimizer_state = result.model_state, result.model_state.optimizer_state
+        losses.append(result.metrics["loss"])
+
+    adam, expected = torch.optim.Adam(reference.parameters(), lr=1e-2), []
+    for batch in batches:
+        prepared = strategy.prepare_batch(batch)
+        total, count = strategy.compute_loss(forward_logits(reference, prepared), prepared)
+        (total / count).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        adam.step()
+        adam.zero_grad()
+        expected.append(float(total / count))
+    assert losses == pytest.approx(expected, abs=1e-4) and losses[-1] < losses[0]
+    again = trainer.train_step(batches[3], *states[3])  # from the state before step 4, moments included
+    assert again.metrics["loss"] == pytest.approx(losses[3], abs=1e-6)
+    assert backend.model_state().step == 4
+
+
 def test_train_epoch_is_one_pass_of_a_tierlm_loader(tmp_path):
     import numpy as np
 
@@ -126,6 +169,60 @@ def test_train_epoch_is_one_pass_of_a_tierlm_loader(tmp_path):
     trainer = Trainer(PyTorchBackend(MODEL_CONFIG, tmp_path, device_type="cpu"), PretrainStrategy())
     state = trainer.train_epoch(loader)
     assert state.step == one_pass > 0 and loader.repeat  # one pass; the loader is left repeating as it was
+
+
+def test_train_epoch_evaluates_checkpoints_and_resumes_mid_epoch(tmp_path):
+    """`train_epoch` evaluates every `eval_steps` and at the end, checkpoints every `save_steps` and at the end (the
+    loader's position inside); a new trainer resumed from the mid-epoch checkpoint finishes the epoch (2 steps, not 6)
+    with the uninterrupted one's weights."""
+    import numpy as np
+
+    from tierlm.config import TrainingConfig
+    from tierlm.data import ListExamples
+    from tierlm.data.packing import Document, Documents, PackedLoader
+
+    def as_documents(items):
+        return [Document(np.asarray(x, dtype=np.int64)) for x in items]
+
+    docs = Documents(ListExamples([[1] + [(7 * i + k) % V for k in range(20)] for i in range(12)]), as_documents)
+    eval_batches = [{"tokens": torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(9))}]
+
+    class Records:
+        def __init__(self):
+            self.records = []
+
+        def log(self, record):
+            self.records.append(record)
+
+        def close(self):
+            pass
+
+    def trainer(out):
+        from tierlm.metrics.sinks import MetricsLogger
+
+        torch.manual_seed(0)
+        sink = Records()
+        backend = PyTorchBackend(MODEL_CONFIG, out, learning_rate=3e-3, device_type="cpu")
+        config = TrainingConfig(eval_steps=4, save_steps=4, save_total_limit=0)
+        return Trainer(
+            backend, PretrainStrategy(), config=config, eval_loader=eval_batches, logger=MetricsLogger([sink])
+        ), sink
+
+    straight, records = trainer(tmp_path / "a")
+    straight.train_epoch(PackedLoader(docs, batch_size=2, seq_len=16))
+    steps = straight.state.step
+    assert steps == 6, steps  # 12 rows of 21 tokens in 2 x 16 windows
+    assert [r["step"] for r in records.records if r["type"] == "eval"] == [4, 6]  # every 4 steps, and the end
+    assert sorted(p.name for p in (tmp_path / "a").glob("step_*")) == ["step_4", "step_6"]
+
+    resumed, _ = trainer(tmp_path / "a")  # the same folder: resumes from step 4, mid-epoch
+    resumed.train_loader = PackedLoader(docs, batch_size=2, seq_len=16)
+    resumed.resume(tmp_path / "a" / "step_4")
+    assert resumed.state.step == 4
+    resumed.train_epoch(resumed.train_loader)
+    assert resumed.state.step == steps
+    for (name, a), b in zip(straight.backend.model.named_parameters(), resumed.backend.model.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_an_unknown_loss_name_is_refused():

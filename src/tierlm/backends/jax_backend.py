@@ -81,6 +81,7 @@ class JaxTrainingBackend(TrainingBackend):
         self.owners = [(inner, g) for inner in inner_optimizers(optimizer) for g in inner.param_groups]
         self.groups = [[names[id(p)] for p in g["params"]] for _, g in self.owners]
         self.adams = [functional_twin(inner, g) for inner, g in self.owners]  # each group's optax / JAX optimizer
+        self._own = (self.owners, self.groups)
         self.params = params_from_torch(model)
         self.opt_states = [adam.init(self._group(self.params, i)) for i, adam in enumerate(self.adams)]
         self.devices = jax.local_devices()
@@ -203,7 +204,11 @@ class JaxTrainingBackend(TrainingBackend):
                 else {}
             ),
         }
-        settings = [{k: v for k, v in g.items() if k in HYPERPARAMETERS} for g in self.optimizer.param_groups]
+        settings = (
+            [{k: v for k, v in g.items() if k in HYPERPARAMETERS} for g in self.optimizer.param_groups]
+            if self.owners is not None
+            else [None]  # a functional optimizer (`use_optimizer`) keeps its own settings
+        )
         params, opt_states, grad_norm = self._step_fn()(self.params, self._grads, self.opt_states, settings, num_tokens)
         grad_norm = float(grad_norm)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(loss))
@@ -236,7 +241,9 @@ class JaxTrainingBackend(TrainingBackend):
                 new_params, new_states = dict(params), []
                 for i, adam in enumerate(adams):
                     group = {name: params[name] for name in groups[i]}
-                    state = adam.with_hyperparameters(opt_states[i], settings[i])
+                    state = opt_states[i]
+                    if settings[i] is not None:
+                        state = adam.with_hyperparameters(state, settings[i])
                     updates, state = adam.update({name: grads[name] for name in groups[i]}, state, group)
                     new_params.update({name: group[name] + updates[name] for name in group})
                     new_states.append(state)
@@ -248,14 +255,35 @@ class JaxTrainingBackend(TrainingBackend):
     # -- the functional trainer API (tierlm.backends.state; Trainer.train_step) ------------
     def model_state(self) -> ModelState:
         """The current state, a value (JAX arrays never change): hand an older one back to step from it."""
+        opt_state = list(self.opt_states) if self.owners is not None else self.opt_states[0]
         return ModelState(
-            dict(self.params), list(self.opt_states), self.step, {"lr": [g["lr"] for g in self.optimizer.param_groups]}
+            dict(self.params), opt_state, self.step, {"lr": [g["lr"] for g in self.optimizer.param_groups]}
         )
 
     def load_model_state(self, state: ModelState, optimizer_state: Any | None = None) -> None:
         self.params, self._synced = dict(state.weights), False
-        self.opt_states = list(state.optimizer_state if optimizer_state is None else optimizer_state)
+        opt_state = state.optimizer_state if optimizer_state is None else optimizer_state
+        if self.owners is None:  # a functional optimizer's state (None: it starts afresh)
+            self.opt_states = [self.adams[0].init(self.params) if opt_state is None else opt_state]
+        else:
+            self.opt_states = list(opt_state)
         self.step = state.step
+
+    def use_optimizer(self, optimizer) -> None:
+        """Update every parameter with `optimizer` (JAX's functional form: JaxAdam, JaxMuon, an optax transformation)
+        from now on; `model_state().optimizer_state` is then its state. The backend's own optimizer: None."""
+        if optimizer is None or optimizer is self.optimizer:
+            self.owners, self.groups = self._own
+            self.adams = [functional_twin(inner, g) for inner, g in self.owners]
+        else:
+            if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+                raise ConfigError(
+                    f"{type(optimizer).__name__} is neither the backend's optimizer nor a functional one "
+                    "(init(params), update(grads, state, params))"
+                )
+            self.owners, self.groups, self.adams = None, [list(self.params)], [optimizer]
+        self.opt_states = [adam.init(self._group(self.params, i)) for i, adam in enumerate(self.adams)]
+        self._jitted.pop("step", None)
 
     def gradient_info(self) -> GradientInfo:
         return GradientInfo(dict(self._grads or {}), self._loss_sum, self._num_tokens, reduced=True)
@@ -268,7 +296,10 @@ class JaxTrainingBackend(TrainingBackend):
         return 0
 
     def apply_gradients(self, model, gradients: GradientInfo, optimizer=None):
-        """Normalise, clip, update (`optim_step`); returns the new parameters; metrics in `last_step_metrics`."""
+        """Normalise, clip, update (`optim_step`) with `optimizer` — the backend's own, or a functional one
+        (`use_optimizer`); returns the new parameters; metrics in `last_step_metrics`."""
+        if optimizer is not None and optimizer is not self.optimizer and self.adams != [optimizer]:
+            self.use_optimizer(optimizer)
         self._grads, self._loss_sum, self._num_tokens = (
             dict(gradients.gradients),
             gradients.loss_sum,
@@ -286,7 +317,9 @@ class JaxTrainingBackend(TrainingBackend):
     @torch.no_grad()
     def _optimizer_into_torch(self) -> None:
         """The optimizers' state written into the PyTorch optimizers (AdamW's moments, Muon's momentum), per parameter,
-        as the PyTorch backend keeps it."""
+        as the PyTorch backend keeps it (a functional optimizer's state is its caller's: not written)."""
+        if self.owners is None:
+            return
         named = dict(self.model.named_parameters())
         for i, ((inner, _), adam) in enumerate(zip(self.owners, self.adams)):
             for name, state in adam.torch_state(self.opt_states[i]).items():
@@ -296,6 +329,8 @@ class JaxTrainingBackend(TrainingBackend):
         from tierlm.models.gpt.jax import params_from_torch
 
         self.params, self._synced = params_from_torch(self._module), True
+        if self.owners is None:
+            return
         named = dict(self._module.named_parameters())
         for i, ((inner, _), adam) in enumerate(zip(self.owners, self.adams)):
             states = {name: inner.state.get(named[name], {}) for name in self.groups[i]}

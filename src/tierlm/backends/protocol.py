@@ -192,7 +192,15 @@ class TrainingBackend(Protocol):
 
     def all_reduce_gradients(self, gradients: Any) -> Any: ...
 
-    def apply_gradients(self, model: Any, gradients: Any, optimizer: Any = None) -> Any: ...
+    def apply_gradients(self, model: Any, gradients: Any, optimizer: Any = None) -> Any:
+        """Normalise, clip and update with `optimizer`: the backend's own (or None), or a functional optimizer
+        (`use_optimizer`)."""
+        ...
+
+    def use_optimizer(self, optimizer: Any) -> None:
+        """Update with a functional optimizer (`init` / `update`) from now on (the backend's own: None); the states
+        `model_state` gives and `load_model_state` takes are then its states."""
+        ...
 
     def communication_bytes(self) -> int:
         """Gradient bytes each rank sends per step."""

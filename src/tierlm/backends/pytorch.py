@@ -14,6 +14,7 @@ from torch import nn
 from tierlm import checkpoint
 from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
+from tierlm.errors import ConfigError
 from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy, unwrap_model
 from tierlm.models.lora import adapters_disabled, has_lora
 from tierlm.primitives.dtype_device import move_to
@@ -157,6 +158,7 @@ class PyTorchTrainingBackend(TrainingBackend):
         self.grad_scaler = grad_scaler
         self.flash_attention = flash_attention
         self._model_fuses: dict[int, bool] = {}
+        self.functional, self.functional_state = None, None  # a functional optimizer in use (`use_optimizer`)
         self.step = 0
         self._save_thread: threading.Thread | None = None
         self._save_error: BaseException | None = None
@@ -309,7 +311,7 @@ class PyTorchTrainingBackend(TrainingBackend):
         # update (one host sync per step; the schedule still advances, as the step still counts).
         finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
         if finite:
-            self.optimizer.step()
+            self._update()
         if self.grad_scaler is not None:  # an overflow of the scaled gradients is the scaler's to handle, not a failure
             overflow = not finite and bool(torch.isfinite(loss))
             reported.update(loss_scale=self.grad_scaler.get_scale(), overflow=float(overflow))
@@ -331,12 +333,40 @@ class PyTorchTrainingBackend(TrainingBackend):
             }
         )
 
+    def _update(self) -> None:
+        """The update of the normalised, clipped gradients: the optimizer's step, or the functional optimizer's
+        `params + update(grads, state, params)`, its new state kept for `model_state`."""
+        if self.functional is None:
+            self.optimizer.step()
+            return
+        params = {n: p for n, p in unwrap_model(self.model).named_parameters() if p.grad is not None}
+        values = {n: p.detach() for n, p in params.items()}
+        state = self.functional.init(values) if self.functional_state is None else self.functional_state
+        updates, self.functional_state = self.functional.update({n: p.grad for n, p in params.items()}, state, values)
+        with torch.no_grad():
+            for name, param in params.items():
+                param.add_(updates[name])
+
+    def use_optimizer(self, optimizer) -> None:
+        if optimizer is None or optimizer is self.optimizer:
+            self.functional, self.functional_state = None, None
+            return
+        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+            raise ConfigError(
+                f"{type(optimizer).__name__} is neither the backend's optimizer nor a functional one (init(params), "
+                "update(grads, state, params))"
+            )
+        if any(hasattr(p, "device_mesh") for p in self.model.parameters()):
+            raise ConfigError("a functional optimizer updates whole tensors: use the backend's optimizer under FSDP")
+        if optimizer is not self.functional:
+            self.functional, self.functional_state = optimizer, None
+
     # -- the functional trainer API (tierlm.backends.state; Trainer.train_step) ------------
     def model_state(self) -> ModelState:
         """The live state (a view: the next step changes it in place)."""
         return ModelState(
             dict(unwrap_model(self.model).named_parameters()),
-            self.optimizer.state_dict(),
+            self.functional_state if self.functional is not None else self.optimizer.state_dict(),
             self.step,
             {"lr": [g["lr"] for g in self.optimizer.param_groups]},
         )
@@ -349,7 +379,9 @@ class PyTorchTrainingBackend(TrainingBackend):
             if value is not params[name]:
                 params[name].copy_(value)
         optimizer_state = state.optimizer_state if optimizer_state is None else optimizer_state
-        if optimizer_state is not None and not _shares_tensors(optimizer_state, self.optimizer):
+        if self.functional is not None:  # the functional optimizer's state (None: it starts afresh)
+            self.functional_state = optimizer_state
+        elif optimizer_state is not None and not _shares_tensors(optimizer_state, self.optimizer):
             self.optimizer.load_state_dict(optimizer_state)
         self.step = state.step
 
@@ -372,8 +404,11 @@ class PyTorchTrainingBackend(TrainingBackend):
         return ring_all_reduce_bytes(grad_bytes, self.world_size)
 
     def apply_gradients(self, model: nn.Module, gradients: GradientInfo, optimizer=None) -> nn.Module:
-        """Normalise by the step's tokens, clip, step (`optim_step`); its metrics are `last_step_metrics`."""
+        """Normalise by the step's tokens, clip, step (`optim_step`) with `optimizer` — the backend's own, or a
+        functional one (`use_optimizer`); its metrics are `last_step_metrics`."""
         assert gradients.reduced, "apply_gradients takes reduced gradients (all_reduce_gradients first)"
+        if optimizer is not None and optimizer is not self.optimizer and optimizer is not self.functional:
+            self.use_optimizer(optimizer)
         self.last_step_metrics = self.optim_step().wait()
         return model
 

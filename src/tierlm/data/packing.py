@@ -466,7 +466,10 @@ class RankSlice:
 
 
 def eval_batches(loader: PackedLoader, max_batches: int | None) -> list[dict[str, torch.Tensor]]:
-    """Up to `max_batches` batches of one unshuffled pass from the start (None: the whole pass): a fixed eval set."""
+    """Up to `max_batches` batches of one unshuffled pass from the start (None: the whole pass): a fixed eval set.
+    Any other iterable of batches (a list) gives its first `max_batches`."""
+    if not hasattr(loader, "rewind"):
+        return list(loader)[:max_batches]
     loader.rewind()
     loader.repeat = False
     batches = []

@@ -94,12 +94,20 @@ class Trainer:
         sampler: Callable[[Any], list[dict[str, str]]] | None = None,
         callbacks: list | None = None,
         batches_per_epoch: int | None = None,
+        optimizer: Any = None,
     ):
-        """`callbacks`: objects with any of `on_log(record)` (each train line logged), `on_eval(metrics)`
-        and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three methods).
+        """`optimizer`: a functional optimizer (`init(params)`, `update(grads, state, params)`: PyTorchAdam,
+        FunctionalMuon, JaxAdam, JaxMuon, an optax transformation) that `train_step` updates with in place of the
+        backend's own; its state is then `train_step`'s `optimizer_state` and the result's
+        `model_state.optimizer_state`. `callbacks`: objects with any of `on_log(record)` (each train line logged),
+        `on_eval(metrics)` and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three
+        methods).
         `batches_per_epoch` (the global micro-batches of one pass over the data, when known) puts the epoch reached
         in every train line and the summary."""
         self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
+        self.optimizer = optimizer
+        if optimizer is not None:
+            backend.use_optimizer(optimizer)
         config = self.config
         self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
         count = None if config.eval_batches == "all" else config.eval_batches
@@ -143,7 +151,7 @@ class Trainer:
             self.backend.load_model_state(model_state, optimizer_state)
         self.backend.forward_backward(self.strategy.prepare_batch(batch), loss_fn=self.strategy.compute_loss)
         gradients = self.backend.all_reduce_gradients(self.backend.gradient_info())
-        self.backend.apply_gradients(self.backend.model, gradients, self.backend.optimizer)
+        self.backend.apply_gradients(self.backend.model, gradients, self.optimizer or self.backend.optimizer)
         diagnostics = {
             "step_s": time.perf_counter() - start,
             **self.backend.memory_stats(),
@@ -154,18 +162,35 @@ class Trainer:
 
     def train_epoch(self, dataloader, model_state: ModelState | None = None) -> ModelState:
         """One pass over `dataloader` (a tierlm loader: one epoch, however it is set to repeat; or any
-        iterable of batches), a `train_step` per batch, each logged; returns the final state."""
+        iterable of batches), a `train_step` per batch, each logged; evaluated (when the trainer has an eval set)
+        every `config.eval_steps` steps and at the end, and checkpointed every `config.save_steps` steps and at the
+        end (with `save_steps` > 0; a tierlm loader's position goes in, so a resume continues mid-epoch). Returns
+        the final state."""
         repeat = getattr(dataloader, "repeat", None)  # a tierlm loader set to repeat; any iterable of batches
         if repeat is not None:
             dataloader.repeat = False
+        if hasattr(dataloader, "state_dict"):
+            self.train_loader = dataloader  # what a checkpoint records of the data
+        every = {"eval": self.config.eval_steps, "save": self.config.save_steps}
         try:
             for batch in dataloader:
                 result = self.train_step(batch, model_state)
                 model_state = result.model_state
+                self.state.step = model_state.step
+                self.state.trained_tokens += int(result.metrics.get("num_tokens", 0))
                 self.logger.log({"type": "train", "step": model_state.step, **result.metrics, **result.diagnostics})
+                if self.evaluates and every["eval"] and self.state.step % every["eval"] == 0:
+                    self.evaluate()
+                if every["save"] and self.state.step % every["save"] == 0:
+                    self.save()
         finally:
             if repeat is not None:
                 dataloader.repeat = repeat
+        if self.evaluates and self.last_eval_step != self.state.step:
+            self.evaluate()
+        if every["save"] and not (self.backend.checkpoint_dir / f"step_{self.state.step}").exists():
+            self.save()
+        cadence.wait_for_saves(self)
         return model_state if model_state is not None else self.backend.model_state()
 
     def evaluate(self) -> dict[str, float]:
@@ -217,11 +242,13 @@ class Trainer:
         return self.last_eval.get("val_loss") if self.last_eval_step == self.state.step else None
 
     def trainer_state(self) -> dict:
-        return {"loop": asdict(self.state), "loader": self.train_loader.state_dict()}
+        loader = {"loader": self.train_loader.state_dict()} if hasattr(self.train_loader, "state_dict") else {}
+        return {"loop": asdict(self.state), **loader}
 
     def load_trainer_state(self, state: dict) -> None:
         self.state = LoopState(**state["loop"])
-        self.train_loader.load_state_dict(state["loader"])
+        if "loader" in state:
+            self.train_loader.load_state_dict(state["loader"])
 
     def companions(self) -> list:
         return []

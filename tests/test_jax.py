@@ -416,3 +416,29 @@ def test_tierlm_rl_with_the_jax_backend_takes_the_pytorch_steps(tiny_runs, tmp_p
         for key in ("loss", "kl", "grad_norm", "pass@1", "pass@k"):
             assert abs(a.get(key, 0.0) - b.get(key, 0.0)) < 1e-4, (key, a, b)
         assert a.get("logprob_abs_diff", 0.0) < 1e-4  # the sampler holds the weights JAX trained
+
+
+def test_the_fused_head_and_loss_equals_the_logits_loss(tmp_path):
+    """`linear_cross_entropy` (the head inside the loss, chunks of rows that do not divide the batch, each chunk's
+    gradients taken as its logits are) == the cross-entropy of the whole logits, value and gradients; the JAX
+    backend's token losses train through it."""
+    import jax
+
+    from tierlm.primitives.jax_losses import cross_entropy_sum, linear_cross_entropy
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    hidden, weight = jax.random.normal(keys[0], (3, 50, 16)), jax.random.normal(keys[1], (37, 16)) * 0.3
+    labels = jax.random.randint(keys[2], (3, 50), 0, 37).at[0, :5].set(-100)
+    mask = (jax.random.uniform(keys[3], (3, 50)) > 0.3).astype(jnp.int32)
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, labels, mask, chunk_rows=64)[0]
+
+    def whole(h, w):
+        return cross_entropy_sum(h @ w.T, labels, mask)[0]
+
+    assert abs(float(jax.jit(fused)(hidden, weight)) - float(whole(hidden, weight))) < 1e-3  # a sum of ~100 tokens
+    for a, b in zip(jax.grad(fused, (0, 1))(hidden, weight), jax.grad(whole, (0, 1))(hidden, weight)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    _, backend = _backends(_model(), tmp_path)
+    assert backend._fuses(PretrainStrategy().compute_loss) and not backend._fuses(DPOStrategy(0.1).compute_loss)

@@ -29,6 +29,7 @@ from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.errors import ConfigError
 from tierlm.models import family_of
+from tierlm.primitives.losses import get_labels, reads_label_cross_entropy_only
 from tierlm.primitives.optim import inner_optimizers
 
 HYPERPARAMETERS = ("lr", "momentum", "weight_decay")
@@ -69,6 +70,7 @@ class JaxTrainingBackend(TrainingBackend):
 
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.forward_fn = jax_forward or family_of(model).jax_forward(model)
+        self.hidden_fn = None if jax_forward else family_of(model).jax_forward(model, head=False)  # the fused loss
         if self.forward_fn is None:
             raise ConfigError(
                 f"the JAX backend has no twin of the {family_of(model).name} family; use infra.backend=pytorch"
@@ -147,12 +149,25 @@ class JaxTrainingBackend(TrainingBackend):
             )
         return (id(getattr(loss_fn, "__self__", None)), getattr(loss_fn, "__name__", "")), jax_twin(loss_fn)
 
+    def _fuses(self, loss_fn: Callable | None) -> bool:
+        """Train the token cross-entropy with the head fused into it (no (B, T, V) logits)?"""
+        loss_fn = loss_fn or self.loss_fn
+        return self.hidden_fn is not None and (loss_fn is None or reads_label_cross_entropy_only(loss_fn))
+
     def _compiled(self, kind: str, loss_fn: Callable | None) -> Callable:
         import jax
 
         key, twin = self._loss(loss_fn)
+        forward, fused = self.forward_fn, kind == "grad" and self._fuses(loss_fn)
+        if fused:  # the model's hidden states and head weight go into the loss, not its logits
+            from tierlm.primitives.jax_losses import linear_cross_entropy
+
+            key, forward = ("fused", key), self.hidden_fn
+
+            def twin(hidden_and_head, batch):  # the labels as the strategy's loss reads them
+                return linear_cross_entropy(*hidden_and_head, get_labels(batch), batch.get("loss_mask"))
+
         if (kind, key) not in self._jitted:
-            forward = self.forward_fn
             if kind == "grad":
 
                 def loss(params, batch):

@@ -173,9 +173,10 @@ class ModelFamily:
         """A folder's weights (CPU), named as `model.state_dict()` names them."""
         raise NotImplementedError
 
-    def jax_forward(self, model: nn.Module):
+    def jax_forward(self, model: nn.Module, head: bool = True):
         """`(params, batch) -> logits` in JAX for this model's parameters by name (`tierlm.jax`), or None
-        when the family has no JAX twin (the JAX backend refuses it)."""
+        when the family has no JAX twin (the JAX backend refuses it). `head=False`: `(params, batch) -> (final
+        hidden states, the head's weight)`, for the loss that fuses the head."""
         return None
 
     def exportable(self, model: nn.Module) -> str | None:

@@ -10,6 +10,7 @@ object (`CrossEntropyStrategy.compute_loss` -> `jax_compute_loss`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
@@ -44,6 +45,73 @@ def cross_entropy_sum(
     return (per_token_cross_entropy(logits, labels) * weights).sum(), weights.sum()
 
 
+def linear_cross_entropy(
+    hidden: jax.Array, weight: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None, chunk_rows: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """`cross_entropy_sum(hidden @ weight.T, labels, loss_mask)` without the (B, T, V) logits: the LM head fused into
+    the loss, `chunk_rows` rows at a time (0: as many as keep a chunk's logits near 2^25 elements), each chunk's
+    gradients by `hidden` and `weight` computed as its logits are (a custom VJP: no chunk is recomputed), as
+    `tierlm.primitives.losses.linear_cross_entropy` does for PyTorch.
+
+    >>> h, w = jnp.ones((1, 2, 3)), jnp.zeros((4, 3))   # zero logits: ln 4 a token
+    >>> total, count = linear_cross_entropy(h, w, jnp.array([[1, -100]]))
+    >>> round(float(total), 4), float(count)
+    (1.3863, 1.0)
+    """
+    weights = token_weights(labels, loss_mask)
+    rows = chunk_rows or max(64, (1 << 25) // weight.shape[0])
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    total = _fused_loss(flat, weight, labels.reshape(-1), weights.reshape(-1), min(rows, flat.shape[0]))
+    return total, weights.sum()
+
+
+def _chunked(hidden, weight, labels, weights, rows: int, with_grad: bool):
+    """(summed loss, d loss / d hidden, d loss / d weight) over chunks of `rows` rows (gradients None without
+    `with_grad`)."""
+    n, width = hidden.shape
+    pad = -n % rows
+    if pad:
+        hidden = jnp.concatenate([hidden, jnp.zeros((pad, width), hidden.dtype)])
+        labels = jnp.concatenate([labels, jnp.zeros(pad, labels.dtype)])
+        weights = jnp.concatenate([weights, jnp.zeros(pad, weights.dtype)])
+    chunks = (hidden.reshape(-1, rows, width), labels.reshape(-1, rows), weights.reshape(-1, rows))
+
+    def one(grad_weight, chunk):
+        h, y, w = chunk
+        logits = (h @ weight.T).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, jnp.maximum(y, 0)[:, None], axis=-1)[:, 0]
+        loss = ((lse - picked) * w).sum()
+        if not with_grad:
+            return grad_weight, (loss, None)
+        d = (jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(jnp.maximum(y, 0), logits.shape[-1])) * w[:, None]
+        return grad_weight + d.T @ h.astype(jnp.float32), (loss, (d @ weight.astype(jnp.float32)).astype(h.dtype))
+
+    start = jnp.zeros(weight.shape, jnp.float32) if with_grad else None
+    grad_weight, (losses, grad_hidden) = jax.lax.scan(one, start, chunks)
+    if not with_grad:
+        return losses.sum(), None, None
+    return losses.sum(), grad_hidden.reshape(-1, width)[:n], grad_weight.astype(weight.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_loss(hidden, weight, labels, weights, rows):
+    return _chunked(hidden, weight, labels, weights, rows, with_grad=False)[0]
+
+
+def _fused_forward(hidden, weight, labels, weights, rows):
+    total, grad_hidden, grad_weight = _chunked(hidden, weight, labels, weights, rows, with_grad=True)
+    return total, (grad_hidden, grad_weight)
+
+
+def _fused_backward(rows, saved, g):
+    grad_hidden, grad_weight = saved
+    return g * grad_hidden, g * grad_weight, None, None
+
+
+_fused_loss.defvjp(_fused_forward, _fused_backward)
+
+
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float):
     """Per-pair (loss, chosen reward, rejected reward), as `tierlm.strategies.dpo.dpo_loss`."""
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
@@ -59,6 +127,7 @@ def jax_twin(fn: Callable | None) -> Callable | None:
     if twin is None:
         raise NotImplementedError(
             f"{type(owner).__name__ if owner is not None else name} has no JAX twin of {name} "
-            f"(a method jax_{name.lstrip('_')}); the JAX backend trains pretraining, SFT, DPO and the policy-gradient losses"
+            f"(a method jax_{name.lstrip('_')}); the JAX backend trains pretraining, SFT, DPO and the policy-gradient "
+            "losses"
         )
     return twin

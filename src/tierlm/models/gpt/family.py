@@ -95,11 +95,11 @@ class GPTFamily(NativeCausalLM):
             return {}
         return {"embed": "vocab_embedding", "norm": "sequence_norm", "lm_head": "vocab_head"}
 
-    def jax_forward(self, model):
+    def jax_forward(self, model, head=True):
         from tierlm.models.gpt.jax import forward
 
         config = model.config
-        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
+        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"), head)
 
     # -- the transformers twin: Qwen3 ------------------------------------------------------
     def hf_config(self, config):

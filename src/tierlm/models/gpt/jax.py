@@ -65,9 +65,10 @@ def attention_mask(position_ids: jax.Array, window: int | None) -> jax.Array:
 
 
 def forward(
-    params: Params, config: GPTConfig, input_ids: jax.Array, position_ids: jax.Array | None = None
-) -> jax.Array:
-    """Logits (B, T, V) of token ids (B, T)."""
+    params: Params, config: GPTConfig, input_ids: jax.Array, position_ids: jax.Array | None = None, head: bool = True
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Logits (B, T, V) of token ids (B, T); `head=False`: (the final hidden states (B, T, D), the head's weight
+    (V, D)), for a loss that fuses the head (`tierlm.primitives.jax_losses.linear_cross_entropy`)."""
     c = config
     B, T = input_ids.shape
     H, Hkv, D = c.n_head, c.num_kv_heads, c.head_dim
@@ -98,5 +99,5 @@ def forward(
         gated = jax.nn.silu(h @ params[p + "mlp.gate_proj.weight"].T) * (h @ params[p + "mlp.up_proj.weight"].T)
         x = x + gated @ params[p + "mlp.down_proj.weight"].T
     x = rms_norm(x, params["norm.weight"], c.norm_eps)
-    head = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
-    return x @ head.T
+    weight = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
+    return x @ weight.T if head else (x, weight)

@@ -243,7 +243,7 @@ class GPT2Family(NativeCausalLM):
             architectures=["GPT2LMHeadModel"],
         )
 
-    def jax_forward(self, model):
+    def jax_forward(self, model, head=True):
         from tierlm.models.gpt2.jax import forward, unsupported
 
         config = model.config
@@ -252,7 +252,7 @@ class GPT2Family(NativeCausalLM):
                 f"the JAX backend computes plain GPT-2; this model uses {', '.join(unsupported(config))}: "
                 "use infra.backend=pytorch"
             )
-        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"))
+        return lambda params, batch: forward(params, config, batch["input_ids"], batch.get("position_ids"), head)
 
     def import_transformers(
         self, folder, device="cpu", dtype=torch.float32, vocab_size=None, model_config=None

@@ -35,9 +35,10 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, eps: flo
 
 
 def forward(
-    params: Params, config: GPT2Config, input_ids: jax.Array, position_ids: jax.Array | None = None
-) -> jax.Array:
-    """Logits (B, T, V) of token ids (B, T); `position_ids` restart at each packed document."""
+    params: Params, config: GPT2Config, input_ids: jax.Array, position_ids: jax.Array | None = None, head: bool = True
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Logits (B, T, V) of token ids (B, T); `position_ids` restart at each packed document. `head=False`: (the
+    final hidden states, the tied head's weight), for a loss that fuses the head."""
     c = config
     B, T = input_ids.shape
     H, C = c.n_head, c.n_embd
@@ -63,4 +64,5 @@ def forward(
         y = (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
         x = x + linear(y, p + "attn.c_proj")
         x = x + linear(jax.nn.gelu(linear(norm(x, p + "ln_2"), p + "mlp.c_fc"), approximate=True), p + "mlp.c_proj")
-    return norm(x, "ln_f") @ params["wte.weight"].T
+    x = norm(x, "ln_f")
+    return x @ params["wte.weight"].T if head else (x, params["wte.weight"])

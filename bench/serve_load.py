@@ -2,15 +2,18 @@
 generated one at a time (`--max-batch 1`) and together (continuous batching), side by side.
 
     .venv/bin/python bench/serve_load.py --checkpoint runs/tiny_sft [--clients 1,8,32] [--requests 4]
-                                         [--max-tokens 64] [--batch 32] [--random-weights]
+                                         [--max-tokens 64] [--batch 32] [--random-weights] [--client raw|httpx]
 
 Each client sends `--requests` streamed chat completions one after another (a short arithmetic question,
 temperature 0.7, `--max-tokens`); a server is started per setting (`tierlm serve` in its own process, loopback only)
 and stopped after. Printed per setting: requests that failed (any non-200 or an error event), completion tokens per
 second over the whole load (the server's own `tierlm_generated_tokens_total`, before and after), and each
 request's latency (send to the last event) at p50 and p95, then the batched server's tokens/s over the
-one-at-a-time server's. `--random-weights` serves the checkpoint's model with random weights: a trained tiny model
-answers in a few tokens, and requests that short measure HTTP more than generation.
+one-at-a-time server's. The clients are bare asyncio sockets (`--client raw`, the default: one connection per
+request, read to its end) or httpx (`--client httpx`); on a machine of 2 cores the load generator's CPU is CPU the
+server does not get, and httpx's per-line parsing took more of it. `--random-weights` serves the checkpoint's model
+with random weights: a trained tiny model answers in a few tokens, and requests that short measure HTTP more than
+generation.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -83,7 +85,39 @@ async def client(url: str, requests: int, max_tokens: int, seed: int, latencies:
             latencies.append(time.perf_counter() - start)
 
 
-def measure(checkpoint: str, batch: int, clients: int, requests: int, max_tokens: int) -> dict:
+async def raw_client(url: str, requests: int, max_tokens: int, seed: int, latencies: list, failures: list) -> None:
+    """`client` over a bare asyncio socket (HTTP/1.1, one connection per request, the reply read to its end): a
+    fraction of httpx's CPU per streamed line, which on a small machine is CPU the server does not get."""
+    host, port = url.removeprefix("http://").split(":")
+    for r in range(requests):
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": f"What is {seed + r} + {7 * r + 3}?"}],
+                "temperature": 0.7,
+                "max_tokens": max_tokens,
+                "stream": True,
+                "seed": seed * 1000 + r,
+            }
+        ).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        start = time.perf_counter()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + body)
+        reply = await reader.read()  # to the end: the server closes the connection after the last event
+        writer.close()
+        status = reply.split(b" ", 2)[1] if reply.startswith(b"HTTP/1.1 ") else b"?"
+        if status != b"200":
+            failures.append(status.decode())
+            continue
+        if b'"error"' in reply or b"data: [DONE]" not in reply:
+            failures.append("an error event, or no [DONE]")
+        latencies.append(time.perf_counter() - start)
+
+
+def measure(checkpoint: str, batch: int, clients: int, requests: int, max_tokens: int, raw: bool = True) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "tierlm", "serve", "--checkpoint", checkpoint, "--port", str(port)]
@@ -104,7 +138,8 @@ def measure(checkpoint: str, batch: int, clients: int, requests: int, max_tokens
         failures: list = []
 
         async def load() -> None:
-            await asyncio.gather(*(client(url, requests, max_tokens, c, latencies, failures) for c in range(clients)))
+            send = raw_client if raw else client
+            await asyncio.gather(*(send(url, requests, max_tokens, c, latencies, failures) for c in range(clients)))
 
         asyncio.run(load())
         seconds = time.perf_counter() - start
@@ -130,6 +165,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="--max-batch of the batched server")
     parser.add_argument(
+        "--client", default="raw", choices=["raw", "httpx"], help="the load generator: bare sockets, or httpx"
+    )
+    parser.add_argument(
         "--random-weights", action="store_true", help="serve the checkpoint's model with random weights (long replies)"
     )
     args = parser.parse_args()
@@ -139,12 +177,13 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="tierlm-serve-load-")) / "model"
         args.checkpoint = random_weights(args.checkpoint, folder)
         print(f"serving {args.checkpoint}: the checkpoint's model with random weights")
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     print(f"{'clients':>8} {'server':>14} {'requests':>9} {'failed':>7} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7}")
     for clients in map(int, args.clients.split(",")):
         results = {}
         for name, batch in (("one at a time", 1), (f"batched ({args.batch})", args.batch)):
-            r = results[name] = measure(args.checkpoint, batch, clients, args.requests, args.max_tokens)
+            r = results[name] = measure(
+                args.checkpoint, batch, clients, args.requests, args.max_tokens, args.client == "raw"
+            )
             print(
                 f"{clients:>8} {name:>14} {r['requests']:>9} {r['failed']:>7} {r['tokens_per_s']:>9.1f} "
                 f"{r['p50']:>7.2f} {r['p95']:>7.2f}",

@@ -48,6 +48,8 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
         rows = [rows[i] for i in order]
         if not rows:
             continue
+        used = batch.full_mask[: batch.rows, : batch.length].any(dim=0)  # the rows' kept starts == their masks'
+        assert batch._unused() == (int(used.float().argmax()) if used.any() else batch.length)
         logits = batch.step(torch.tensor([got[name][-1] for name in rows]))
         for i, name in enumerate(rows):
             got[name].append(int(logits[i].argmax()))

@@ -97,14 +97,35 @@ class Gate:
         return sum(n for t, n in list(self.tokens) if now - t <= 60) / 60.0
 
 
+class Outbox:
+    """Pieces handed from generating threads to the event loop's queues with one wake-up for all that arrive
+    together (a batched step hands one piece per reply: one `call_soon_threadsafe` each would wake the loop as many
+    times)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.scheduled = loop, deque(), False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        self.items.append((queue, item))
+        if not self.scheduled:  # read after the append: a flush that cleared the flag has not drained yet
+            self.scheduled = True
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        self.scheduled = False
+        while self.items:
+            queue, item = self.items.popleft()
+            queue.put_nowait(item)
+
+
 class Job:
     """One request's generation, run on a thread of its own: its deadline, whether its client went away, and the
     pieces of text (then the reply, or the error) it hands the response."""
 
-    def __init__(self, timeout_s: float, loop: asyncio.AbstractEventLoop):
+    def __init__(self, timeout_s: float, outbox: Outbox):
         self.start, self.deadline = time.monotonic(), time.monotonic() + timeout_s
         self.cancelled, self.first_token_at = False, None
-        self.loop, self.pieces = loop, asyncio.Queue()
+        self.outbox, self.pieces = outbox, asyncio.Queue()
 
     def stop_reason(self) -> str | None:
         if self.cancelled:
@@ -114,7 +135,7 @@ class Job:
     def put(self, kind: str, value) -> None:
         if kind == "text" and self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.loop.call_soon_threadsafe(self.pieces.put_nowait, (kind, value))
+        self.outbox.put(self.pieces, (kind, value))
 
 
 def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_key: str | None = None):
@@ -173,6 +194,8 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
     def models() -> dict:
         return {"object": "list", "data": [{"id": bot.name, "object": "model", "created": 0, "owned_by": "tierlm"}]}
 
+    outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, request: Request):
         retry = gate.admit()
@@ -180,7 +203,10 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
             gate.requests.labels("rejected").inc()
             message = f"{max_queue} requests are waiting already: retry in {retry} s"
             return error(429, message, "rate_limit_exceeded", {"Retry-After": str(retry)})
-        job = Job(timeout_s, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if loop not in outboxes:  # one per event loop (one in a server; a test client may run several)
+            outboxes[loop] = Outbox(loop)
+        job = Job(timeout_s, outboxes[loop])
         messages = [m.model_dump() for m in body.messages]
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         settings = dict(temperature=body.temperature, max_new_tokens=body.max_tokens, seed=body.seed)
@@ -335,11 +361,19 @@ def serve(
         raise ConfigError("tierlm serve needs fastapi and uvicorn: pip install 'tierlm[serve]'") from None
     check_port(port)
     check_serving(host, max_queue, timeout_s, api_key)
+    import os
     import sys
+
+    import torch
 
     # The model's thread and the event loop's take turns at the GIL, each token a handoff: Python's default 5 ms slice
     # would make every handoff wait up to that long.
     sys.setswitchinterval(0.0005)
+    if str(getattr(bot.engine, "device", "cpu")).startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
+        # Leave a core to the event loop: the model's OpenMP threads spin while they wait for work, and on a small
+        # machine they took the cores the HTTP side needed (2 cores, 8 clients: 1.5x one at a time with 2 threads,
+        # 2.7x with 1; docs/benchmarks.md). OMP_NUM_THREADS set by the caller wins.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
     print(
         f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 , health /health, "
         f"metrics /metrics (Ctrl-C stops)",

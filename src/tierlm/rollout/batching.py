@@ -24,7 +24,7 @@ from tierlm.models import unwrap_model
 from tierlm.models.gpt.model import GPT, apply_rotary
 from tierlm.models.kv_cache import KVCache
 from tierlm.rollout.engine import Completion
-from tierlm.rollout.sampling import sample_next_token
+from tierlm.rollout.sampling import sample_rows
 
 
 class BatchedDecoder:
@@ -46,6 +46,7 @@ class BatchedDecoder:
         self.full = [(layer.k, layer.v) for layer in self.cache.layers]  # every row's place
         self.full_mask = torch.zeros(max_rows, self.capacity, dtype=torch.bool, device=parameter.device)
         self.rows = 0
+        self.starts: list[int] = []  # where each row's keys begin on the timeline (its mask's first True)
         self._views()
 
     @property
@@ -74,6 +75,7 @@ class BatchedDecoder:
             v[row, :, start : self.length] = mine.v[0, :, :size]
         self.full_mask[row] = False
         self.full_mask[row, start : self.length] = True
+        self.starts.append(start)
         self.rows += 1
         self._views()
         return logits
@@ -98,8 +100,9 @@ class BatchedDecoder:
                 for k, v in self.full:
                     k[row], v[row] = k[last], v[last]
                 self.full_mask[row] = self.full_mask[last]
-                order[row] = order[last]
+                order[row], self.starts[row] = order[last], self.starts[last]
             order.pop()
+            self.starts.pop()
             self.rows -= 1
         self._views()
         if self.rows == 0:
@@ -132,12 +135,13 @@ class BatchedDecoder:
         moved = self.full_mask[:n, lo:length].clone()
         self.full_mask[:n] = False
         self.full_mask[:n, lo + offset : length + offset] = moved
+        self.starts = [start + offset for start in self.starts]
         self._set_length(length + offset)
 
     def _unused(self) -> int:
-        """Positions at the start of the timeline that no row uses."""
-        used = self.full_mask[: self.rows, : self.length].any(dim=0)
-        return int(used.float().argmax()) if bool(used.any()) else self.length
+        """Positions at the start of the timeline that no row uses (kept per row: no look at the mask, no host
+        sync, every step)."""
+        return min(self.starts) if self.starts else self.length
 
     def _compact(self) -> None:
         """Move everyone left by the positions no row uses (at the start of the timeline)."""
@@ -240,7 +244,8 @@ class BatchScheduler:
                 logits = None
                 continue
             assert logits is not None and logits.shape[0] == len(self.rows), "one row of logits per request"
-            tokens = [self._next(request, logits[i]) for i, request in enumerate(self.rows)]
+            sampled = self._sample(logits)
+            tokens = [self._next(request, sampled[i]) for i, request in enumerate(self.rows)]
             ended = [i for i, request in enumerate(self.rows) if request.reason is not None]
             if ended:
                 order = self.decoder.leave(ended)  # the rows left, in the decoder's new order
@@ -256,8 +261,21 @@ class BatchScheduler:
             request.done.set()
         return reason is not None
 
-    def _next(self, request: Request, logits: torch.Tensor) -> int:
-        """The row's next token (sampled, or a forced tool result), recorded; sets `reason` when the row ends."""
+    def _sample(self, logits: torch.Tensor) -> list[int | None]:
+        """Each row's sampled token, the batch's in one call (None where a tool's result is forced); each row draws
+        what it would alone, from its own generator when it has one."""
+        rows, out = self.rows, [None] * len(self.rows)
+        drawn = [i for i, r in enumerate(rows) if not r.forced]
+        if drawn:
+            tokens = sample_rows(
+                logits[drawn], [rows[i].temperature for i in drawn], [rows[i].generator for i in drawn]
+            )
+            for i, token in zip(drawn, tokens):
+                out[i] = token
+        return out
+
+    def _next(self, request: Request, sampled: int | None) -> int:
+        """The row's next token (`sampled`, or a forced tool result), recorded; sets `reason` when the row ends."""
         engine, completion = self.engine, request.completion
         if request.forced:
             token = request.forced.pop(0)
@@ -265,7 +283,7 @@ class BatchScheduler:
             completion.logprobs.append(0.0)
             completion.mask.append(0)
         else:
-            token = int(sample_next_token(logits[None], request.temperature, generator=request.generator)[0])
+            token = sampled
             completion.tokens.append(token)
             completion.logprobs.append(0.0)
             completion.mask.append(1)

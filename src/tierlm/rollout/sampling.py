@@ -39,6 +39,32 @@ def sample_next_token(
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
+def sample_rows(
+    logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]
+) -> list[int]:
+    """`sample_next_token` of each row of `logits` (B, V) at its own temperature with its own generator (None: the
+    global one), in one pass over the batch: each row's token is the one `sample_next_token(logits[i:i+1], ...)`
+    draws (its uniform number from its generator, in row order).
+
+    >>> logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    >>> seeds = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    >>> alone = [int(sample_next_token(logits[i:i+1], t, generator=torch.Generator().manual_seed(s)))
+    ...          for i, (t, s) in enumerate([(0.7, 1), (0.0, 2), (1.3, 3)])]
+    >>> sample_rows(logits, [0.7, 0.0, 1.3], seeds) == alone
+    True
+    """
+    temperature = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
+    greedy = temperature == 0
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature)
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+    draws = [
+        torch.rand((1,), generator=g, device=cdf.device, dtype=cdf.dtype) if t else torch.zeros(1, device=cdf.device)
+        for t, g in zip(temperatures, generators)
+    ]  # a greedy row draws nothing, as alone
+    picks = torch.searchsorted(cdf, torch.stack(draws) * cdf[:, -1:]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    return torch.where(greedy[:, 0], scaled.argmax(dim=-1), picks).tolist()
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,

@@ -227,7 +227,8 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
 
 
 @pytest.mark.parametrize(
-    "sizes,strategy", [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo"), ("1x2", "ppo"), ("1x2", "dpo")]
+    "sizes,strategy",
+    [("2x1", "pretrain"), ("1x2", "pretrain"), ("2x1", "ppo"), ("2x1", "dpo"), ("1x2", "ppo"), ("1x2", "dpo")],
 )
 def test_seed_megatron_backend_example_trains_as_one_process(sizes, strategy, tmp_path):
     """The trainer document's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
@@ -383,7 +384,14 @@ def test_dpo_under_pipeline_stages_matches_one_process(tmp_path):
     pre, sft = tmp_path / "pre", tmp_path / "sft"  # two blocks, one per stage
     for args in (
         ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY, "model.depth=2", f"infra.output_dir={pre}"],
-        ["sft", "--config", "configs/tiny_sft.yaml", *CHAT, f"model.model_name_or_path={pre}", f"infra.output_dir={sft}"],
+        [
+            "sft",
+            "--config",
+            "configs/tiny_sft.yaml",
+            *CHAT,
+            f"model.model_name_or_path={pre}",
+            f"infra.output_dir={sft}",
+        ],
     ):
         assert (result := run_main(*args)).returncode == 0, result.stderr[-3000:]
     dpo = [
@@ -408,7 +416,11 @@ def test_dpo_under_pipeline_stages_matches_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (result := run_main(*dpo, f"infra.output_dir={tmp_path / 'one'}")).returncode == 0, result.stderr[-3000:]
     pp, one = (
-        [r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines()) if r["type"] != "sample"]
+        [
+            r
+            for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] != "sample"
+        ]
         for run in ("pp", "one")
     )
     assert [(r["type"], r["step"]) for r in pp] == [(r["type"], r["step"]) for r in one]

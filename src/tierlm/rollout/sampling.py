@@ -39,9 +39,7 @@ def sample_next_token(
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
-def sample_rows(
-    logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]
-) -> list[int]:
+def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]) -> list[int]:
     """`sample_next_token` of each row of `logits` (B, V) at its own temperature with its own generator (None: the
     global one), in one pass over the batch: each row's token is the one `sample_next_token(logits[i:i+1], ...)`
     draws (its uniform number from its generator, in row order).

@@ -23,7 +23,7 @@ import torch
 from tierlm.models import unwrap_model
 from tierlm.models.gpt.model import GPT, apply_rotary
 from tierlm.models.kv_cache import KVCache
-from tierlm.rollout.engine import Completion
+from tierlm.rollout.engine import Completion, ToolCalls
 from tierlm.rollout.sampling import sample_rows
 
 
@@ -169,8 +169,7 @@ class Request:
     completion: Completion = field(default_factory=Completion)
     reason: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    forced: list[int] = field(default_factory=list)
-    call_open: int | None = None
+    calls: ToolCalls = field(default_factory=ToolCalls)
     error: str | None = None
     """Why the model failed on the batch it was in (reason "error")."""
 
@@ -265,7 +264,7 @@ class BatchScheduler:
         """Each row's sampled token, the batch's in one call (None where a tool's result is forced); each row draws
         what it would alone, from its own generator when it has one."""
         rows, out = self.rows, [None] * len(self.rows)
-        drawn = [i for i, r in enumerate(rows) if not r.forced]
+        drawn = [i for i, r in enumerate(rows) if not r.calls.forced]
         if drawn:
             tokens = sample_rows(
                 logits[drawn], [rows[i].temperature for i in drawn], [rows[i].generator for i in drawn]
@@ -276,25 +275,10 @@ class BatchScheduler:
 
     def _next(self, request: Request, sampled: int | None) -> int:
         """The row's next token (`sampled`, or a forced tool result), recorded; sets `reason` when the row ends."""
-        engine, completion = self.engine, request.completion
-        if request.forced:
-            token = request.forced.pop(0)
-            completion.tokens.append(token)
-            completion.logprobs.append(0.0)
-            completion.mask.append(0)
-        else:
-            token = sampled
-            completion.tokens.append(token)
-            completion.logprobs.append(0.0)
-            completion.mask.append(1)
-            if token in engine.stop_ids:
-                completion.finished, request.reason = True, "stop"
-            elif engine.tools and token == engine.call_start:
-                request.call_open = len(completion.tokens)
-            elif engine.tools and token == engine.call_end and request.call_open is not None:
-                request.forced = engine._tool_result(completion.tokens[request.call_open : -1])
-                request.call_open = None
-                completion.tool_calls += 1
+        completion = request.completion
+        token = self.engine.take_token(completion, sampled, 0.0, request.calls)
+        if completion.finished:
+            request.reason = "stop"
         if request.on_token is not None:
             request.on_token(completion)
         full = len(request.prompt_ids) + len(completion.tokens) >= self.decoder.capacity

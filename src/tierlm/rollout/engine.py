@@ -30,6 +30,14 @@ from tierlm.rollout.tools import (
 
 
 @dataclass
+class ToolCalls:
+    """A row's tool calls in flight: where its open call began, and the result tokens still to force."""
+
+    open_at: int | None = None
+    forced: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Completion:
     """One sampled continuation of a prompt."""
 
@@ -144,6 +152,30 @@ class Engine:
         result = call_tool(self.tools, self.tokenizer.decode(call_tokens, skip_special_tokens=True))
         return [self.result_start, *self.tokenizer.encode(result), self.result_end]
 
+    def take_token(self, completion: Completion, sampled: int, logprob: float, calls: ToolCalls) -> int:
+        """Append a row's next token to `completion` and return it: the next forced token of a tool's result when
+        one is queued in `calls`, else `sampled` (with its log-prob) — which may end the row (a stop token), open a
+        tool call, or close one (the call's result queued). The one place this bookkeeping lives: the engine's own
+        loop and the server's continuous batch (`tierlm.rollout.batching`) both step rows through it."""
+        if calls.forced:
+            token = calls.forced.pop(0)
+            completion.tokens.append(token)
+            completion.logprobs.append(0.0)
+            completion.mask.append(0)
+            return token
+        completion.tokens.append(sampled)
+        completion.logprobs.append(logprob)
+        completion.mask.append(1)
+        if sampled in self.stop_ids:
+            completion.finished = True
+        elif self.tools and sampled == self.call_start:
+            calls.open_at = len(completion.tokens)
+        elif self.tools and sampled == self.call_end and calls.open_at is not None:
+            calls.forced = self._tool_result(completion.tokens[calls.open_at : -1])
+            calls.open_at = None
+            completion.tool_calls += 1
+        return sampled
+
     # -- generation ------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
@@ -178,8 +210,7 @@ class Engine:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, cache = self._prefill(ids, num_samples, max_len)
         out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
-        forced: list[list[int]] = [[] for _ in range(num_samples)]
-        call_open: list[int | None] = [None] * num_samples  # where a row's open tool call began
+        calls = [ToolCalls() for _ in range(num_samples)]
         steps = max_len - len(prompt_ids)
         for i in range(steps):
             sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
@@ -190,26 +221,7 @@ class Engine:
             for row, completion in enumerate(out):
                 if completion.finished:
                     continue
-                if forced[row]:
-                    step[row] = forced[row].pop(0)
-                    completion.tokens.append(step[row])
-                    completion.logprobs.append(0.0)
-                    completion.mask.append(0)
-                    if on_token is not None:
-                        on_token(row, completion)
-                    continue
-                token = step[row]
-                completion.tokens.append(token)
-                completion.logprobs.append(logprob_list[row])
-                completion.mask.append(1)
-                if token in self.stop_ids:
-                    completion.finished = True
-                elif self.tools and token == self.call_start:
-                    call_open[row] = len(completion.tokens)
-                elif self.tools and token == self.call_end and call_open[row] is not None:
-                    forced[row] = self._tool_result(completion.tokens[call_open[row] : -1])
-                    call_open[row] = None
-                    completion.tool_calls += 1
+                step[row] = self.take_token(completion, step[row], logprob_list[row], calls[row])
                 if on_token is not None:
                     on_token(row, completion)
             if i == steps - 1 or all(c.finished for c in out):

@@ -2,7 +2,7 @@
 both models scored by one protocol: every held-out character once.
 
     git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT      # never committed here
-    .venv/bin/python bench/nanogpt_shakespeare.py --nanogpt /tmp/nanoGPT [--steps 2000] [--out /tmp/nanogpt-bench]
+    .venv/bin/python bench/nanogpt_shakespeare.py --nanogpt /tmp/nanoGPT [--steps 2000] [--seeds 1337,1,2] [--out DIR]
 
 nanoGPT runs its README's CPU command (`config/train_shakespeare_char.py --device=cpu --compile=False
 --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128
@@ -40,11 +40,15 @@ from tierlm.models import forward_logits, load_pretrained_model  # noqa: E402
 BLOCK = 64
 
 
-def run_nanogpt(nanogpt: Path, out: Path, steps: int) -> tuple[float, float, Path]:
-    """(nanoGPT's own last val loss, its wall seconds, its checkpoint)."""
+def run_nanogpt(nanogpt: Path, out: Path, steps: int, seed: int = 1337) -> tuple[float, float, Path]:
+    """(nanoGPT's own last val loss, its wall seconds, its checkpoint). `seed` replaces train.py's 1337 in the copy
+    (nanoGPT has no option for it)."""
     work = out / "nanoGPT"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(nanogpt, work, ignore=shutil.ignore_patterns(".git"))
+    train = (work / "train.py").read_text()
+    assert "torch.manual_seed(1337 + seed_offset)" in train, "nanoGPT's train.py seeds elsewhere: update the bench"
+    (work / "train.py").write_text(train.replace("torch.manual_seed(1337 ", f"torch.manual_seed({seed} "))
     data = work / "data" / "shakespeare_char"
     shutil.copy(builtin_corpus("builtin:tinyshakespeare"), data / "input.txt")
     subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
@@ -64,14 +68,14 @@ def run_nanogpt(nanogpt: Path, out: Path, steps: int) -> tuple[float, float, Pat
     return val, seconds, out / "out-nanogpt" / "ckpt.pt"
 
 
-def run_tierlm(out: Path, steps: int) -> tuple[float, float, Path]:
+def run_tierlm(out: Path, steps: int, seed: int = 1337) -> tuple[float, float, Path]:
     """(tierlm's own final val loss, its wall seconds, its model folder)."""
     run = out / "tierlm"
     shutil.rmtree(run, ignore_errors=True)
     overrides = [f"training.num_train_steps={steps}", f"training.warmup_steps={min(100, steps // 2)}"]
     overrides += ["training.learning_rate=1e-3", "training.min_lr_ratio=0.1"]
     overrides += ["training.eval_steps=0", "training.save_steps=0", "model.bias=false", f"infra.output_dir={run}"]
-    overrides += ["infra.progress_bar=false"]
+    overrides += ["infra.progress_bar=false", f"training.seed={seed}"]
     command = [sys.executable, "-m", "tierlm", "pretrain", "--config", "gpt2-shakespeare-char", *overrides]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"})
@@ -116,29 +120,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanogpt", type=Path, required=True, help="a checkout of karpathy/nanoGPT")
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seeds", default="1337", help="each library trained once per seed (nanoGPT's is 1337)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/nanogpt-bench"))
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    nano_val, nano_s, checkpoint = run_nanogpt(args.nanogpt.resolve(), args.out, args.steps)
-    ours_val, ours_s, folder = run_tierlm(args.out, args.steps)
-
     text = builtin_corpus("builtin:tinyshakespeare").read_text(encoding="utf-8")
     held_out = text[int(len(text) * 0.9) :]
-    meta = pickle.loads((args.out / "nanoGPT" / "data" / "shakespeare_char" / "meta.pkl").read_bytes())
-    nano_ids = np.array([meta["stoi"][c] for c in held_out])
-    tokenizer = load_tokenizer(folder)
-    ours_ids = np.array(tokenizer.encode(held_out))
-    assert len(ours_ids) == len(nano_ids), "both tokenizers read one token per character"
-    model = load_pretrained_model(folder).eval()
-    ours_same = windows_loss(lambda x: forward_logits(model, {"input_ids": x}), ours_ids)
-    nano_same = windows_loss(nanogpt_scorer(args.out / "nanoGPT", checkpoint), nano_ids)
+    rows = []
+    for seed in map(int, args.seeds.split(",")):
+        out = args.out / f"seed{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        nano_val, nano_s, checkpoint = run_nanogpt(args.nanogpt.resolve(), out, args.steps, seed)
+        ours_val, ours_s, folder = run_tierlm(out, args.steps, seed)
+        meta = pickle.loads((out / "nanoGPT" / "data" / "shakespeare_char" / "meta.pkl").read_bytes())
+        nano_ids = np.array([meta["stoi"][c] for c in held_out])
+        ours_ids = np.array(load_tokenizer(folder).encode(held_out))
+        assert len(ours_ids) == len(nano_ids), "both tokenizers read one token per character"
+        model = load_pretrained_model(folder).eval()
+        ours_same = windows_loss(lambda x: forward_logits(model, {"input_ids": x}), ours_ids)
+        nano_same = windows_loss(nanogpt_scorer(out / "nanoGPT", checkpoint), nano_ids)
+        rows.append((seed, nano_val, ours_val, nano_same, ours_same, nano_s, ours_s))
 
     print(f"\n{args.steps} steps of 12 x 64 characters, {torch.get_num_threads()} threads")
-    print(f"{'':34}{'nanoGPT':>10}{'tierlm':>10}{'ratio':>8}")
-    print(f"{'own val loss, as each reports it':34}{nano_val:>10.4f}{ours_val:>10.4f}")
-    print(f"{'every held-out character once':34}{nano_same:>10.4f}{ours_same:>10.4f}{ours_same / nano_same:>8.3f}")
-    print(f"{'wall time (s)':34}{nano_s:>10.1f}{ours_s:>10.1f}{ours_s / nano_s:>8.3f}")
+    header = f"{'seed':>6}{'own val: nanoGPT':>18}{'tierlm':>8}{'same windows: nanoGPT':>23}{'tierlm':>8}{'ratio':>7}"
+    print(header + f"{'wall s: nanoGPT':>17}{'tierlm':>8}{'ratio':>7}")
+    for seed, nano_val, ours_val, nano_same, ours_same, nano_s, ours_s in rows:
+        print(f"{seed:>6}{nano_val:>18.4f}{ours_val:>8.4f}{nano_same:>23.4f}{ours_same:>8.4f}", end="")
+        print(f"{ours_same / nano_same:>7.3f}{nano_s:>17.1f}{ours_s:>8.1f}{ours_s / nano_s:>7.3f}")
+    if len(rows) > 1:
+        nano, ours = np.array([r[3] for r in rows]), np.array([r[4] for r in rows])
+        print(
+            f"same windows over {len(rows)} seeds: nanoGPT {nano.mean():.4f} +- {nano.std(ddof=1):.4f}, "
+            f"tierlm {ours.mean():.4f} +- {ours.std(ddof=1):.4f} (mean +- sample std)"
+        )
 
 
 if __name__ == "__main__":

@@ -288,7 +288,7 @@ class TrainingConfig(Section):
     max_consecutive_nonfinite: int = Field(5, gt=0)
     """Steps whose loss or gradient norm is NaN/Inf are skipped; this many in a row stops the run."""
     eval_steps: int = Field(100, ge=0)
-    """Evaluate every N steps, and before the first step and at the end (0: only at the end)."""
+    """Evaluate every N steps, and before the first step and at the end (0: only before the first and at the end)."""
     eval_batches: int | Literal["all"] = 8
     """Batches per evaluation (a fixed set, the same every time); all: one whole pass over the validation data (with
     data.stream, every held-out token scored once: the figure nanoGPT's and llm.c's readers compare)."""

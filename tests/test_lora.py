@@ -284,7 +284,8 @@ def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
 
 def test_lora_under_tensor_and_pipeline_parallel_matches_one_process_and_exports(tmp_path):
     """LoRA SFT at tensor parallel 2 (each adapted layer's base and the adapter half that shares its split: B for
-    q/k/v/gate/up, A for o/down) and on 2 pipeline stages trains as one process and exports its merged model."""
+    q/k/v/gate/up, A for o/down), with the sequence split too (the norms stay frozen: PyTorch's SequenceParallel
+    re-registers them trainable), and on 2 pipeline stages trains as one process and exports its merged model."""
     from conftest import TINY
 
     pre = tmp_path / "pre"  # two blocks of two heads: one block per stage, one head per rank
@@ -305,6 +306,7 @@ def test_lora_under_tensor_and_pipeline_parallel_matches_one_process_and_exports
     reference = load_file(tmp_path / "one" / "model" / "model.safetensors")
     layouts = {
         "tp": ["infra.tensor_parallel_size=2"],
+        "sp": ["infra.tensor_parallel_size=2", "infra.sequence_parallel=true"],  # B of o/down: its tokens' share
         "pp": ["infra.pipeline_parallel_size=2"],
     }
     for name, layout in layouts.items():
@@ -348,7 +350,7 @@ def test_lora_tensor_parallel_plan_splits_each_adapter_with_its_layer_and_refuse
     assert plan["attn.q_norm"] == "grad_allreduce" and "attn.q_proj" not in plan
     with pytest.raises(ConfigError, match="model.lora.dropout=0"):
         tensor_parallel_plan(block(0.1)[1], family_of(model).tensor_parallel_plan(model, 2))
-    with pytest.raises(ConfigError, match="drop infra.sequence_parallel"):
-        tensor_parallel_plan(first, family_of(model).tensor_parallel_plan(model, 2), sequence_parallel=True)
+    split_tokens = tensor_parallel_plan(first, family_of(model).tensor_parallel_plan(model, 2), sequence_parallel=True)
+    assert split_tokens["attn.o_proj.lora_B.default"] == "grad_allreduce"  # each rank holds its tokens' share
     with pytest.raises(ConfigError, match="splits as colwise_qkv"):
         tensor_parallel_plan(first, {"attn.q_proj": "colwise_qkv"})

@@ -119,12 +119,11 @@ def tensor_parallel_plan(block: nn.Module, plan: dict[str, str], sequence_parall
 
     - column-wise (output split): B splits by columns with it; A stays whole (its input is the whole activation,
       and B's split input sums A's gradient over the group in backward, as it does for any column-wise input);
-    - row-wise (input split): A splits by rows with it (its output summed over the group); B stays whole.
+    - row-wise (input split): A splits by rows with it (its output summed over the group); B stays whole (its
+      gradient summed over the group when the sequence is split too: each rank then holds its share of the tokens).
 
-    A `ConfigError` for an adapted layer split any other way (GPT-2's fused q/k/v), for adapter dropout, which would
-    drop different inputs on each rank of a group, and with the sequence split (not built)."""
-    if sequence_parallel:  # tried: B of o / down with its gradient summed trains off one process's steps
-        raise ConfigError("model.lora does not train with infra.sequence_parallel: drop infra.sequence_parallel")
+    A `ConfigError` for an adapted layer split any other way (GPT-2's fused q/k/v) and for adapter dropout, which
+    would drop different inputs on each rank of a group."""
     out = {}
     for path, kind in plan.items():
         layer = block.get_submodule(path)
@@ -141,6 +140,8 @@ def tensor_parallel_plan(block: nn.Module, plan: dict[str, str], sequence_parall
             out.update({f"{path}.base_layer": "colwise", b: "colwise"})
         elif kind == "rowwise":
             out.update({f"{path}.base_layer": "rowwise", a: "rowwise"})
+            if sequence_parallel:  # B then sees this rank's share of the tokens: its gradient is a share too
+                out[b] = "grad_allreduce"
         else:
             raise ConfigError(
                 f"model.lora on {path}, which tensor parallelism splits as {kind}: leave it out of "

@@ -12,6 +12,7 @@ over the other dimension is FSDP2 on the `dp` sub-mesh (torchtitan composes the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -233,7 +234,8 @@ def apply_tensor_parallel(
     }
     summed = []
     for _, block in block_items(blocks):
-        parallelize_module(block, tp_mesh, wanted)
+        with frozen_kept(block):
+            parallelize_module(block, tp_mesh, wanted)
         summed += [
             p for path, kind in plan.items() if kind == "grad_allreduce" for p in block.get_submodule(path).parameters()
         ]
@@ -249,15 +251,27 @@ def apply_vocab_parallel(tp_mesh, model: nn.Module, plan: dict[str, str], sequen
 
     styles = _parallel_styles(sequence_parallel)
     held = dict(model.named_modules())
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            path: styles[kind]
-            for path, kind in plan.items()
-            if path in held and (sequence_parallel or kind not in SEQUENCE_STYLES)
-        },
-    )
+    with frozen_kept(model):
+        parallelize_module(
+            model,
+            tp_mesh,
+            {
+                path: styles[kind]
+                for path, kind in plan.items()
+                if path in held and (sequence_parallel or kind not in SEQUENCE_STYLES)
+            },
+        )
+
+
+@contextlib.contextmanager
+def frozen_kept(module: nn.Module):
+    """Parameters frozen before (LoRA's base weights) frozen after: PyTorch's `SequenceParallel` style re-registers
+    a norm's weight as a new `nn.Parameter`, which trains by default."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    yield
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def sum_gradients(params: list[nn.Parameter], group) -> None:

@@ -169,18 +169,14 @@ CHAT = [
 RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "rl.eval_k=2", "rl.max_new_tokens=4"]
 
 
-@pytest.fixture(scope="session")
-def tiny_runs(tmp_path_factory):
-    """A tiny pretrain run and an SFT run from it, shared (read-only) by the cases."""
+def _pretrain_and_sft(root: Path, *pretrain: str) -> Path:
+    """`root`/pre (tiny_pretrain with TINY and `pretrain`) and `root`/sft (tiny_sft from it)."""
     from tierlm.config import TierlmConfig
     from tierlm.stages import run_stage
 
-    root = tmp_path_factory.mktemp("runs")
     pre, sft = root / "pre", root / "sft"
     run_stage(
-        TierlmConfig.load(
-            REPO / "configs/tiny_pretrain.yaml", [*TINY, "training.num_train_steps=3", f"infra.output_dir={pre}"]
-        ),
+        TierlmConfig.load(REPO / "configs/tiny_pretrain.yaml", [*TINY, *pretrain, f"infra.output_dir={pre}"]),
         "pretrain",
     )
     run_stage(
@@ -190,3 +186,16 @@ def tiny_runs(tmp_path_factory):
         "sft",
     )
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory):
+    """A tiny pretrain run and an SFT run from it, shared (read-only) by the cases."""
+    return _pretrain_and_sft(tmp_path_factory.mktemp("runs"), "training.num_train_steps=3")
+
+
+@pytest.fixture(scope="session")
+def two_block_runs(tmp_path_factory):
+    """The same at depth 2 (two blocks of two heads: one block per pipeline stage, one head per tensor-parallel
+    rank), shared (read-only) by the model-parallel cases."""
+    return _pretrain_and_sft(tmp_path_factory.mktemp("two_block_runs"), "model.depth=2")

@@ -282,15 +282,11 @@ def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-def test_lora_under_tensor_and_pipeline_parallel_matches_one_process_and_exports(tmp_path):
+def test_lora_under_tensor_and_pipeline_parallel_matches_one_process_and_exports(two_block_runs, tmp_path):
     """LoRA SFT at tensor parallel 2 (each adapted layer's base and the adapter half that shares its split: B for
     q/k/v/gate/up, A for o/down), with the sequence split too (the norms stay frozen: PyTorch's SequenceParallel
     re-registers them trainable), and on 2 pipeline stages trains as one process and exports its merged model."""
-    from conftest import TINY
-
-    pre = tmp_path / "pre"  # two blocks of two heads: one block per stage, one head per rank
-    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY, "model.depth=2", f"infra.output_dir={pre}"]
-    assert (result := run_main(*args)).returncode == 0, result.stderr[-3000:]
+    pre = two_block_runs / "pre"  # two blocks of two heads: one block per stage, one head per rank
     common = [
         "sft",
         "--config",

@@ -375,25 +375,13 @@ def test_transformers_stages_chain_to_the_models_own_logits(model_type):
     assert [len(family.blocks(stage)) for stage in stages] == [1, 1, 1]
 
 
-def test_dpo_under_pipeline_stages_matches_one_process(tmp_path):
+def test_dpo_under_pipeline_stages_matches_one_process(two_block_runs, tmp_path):
     """`torchrun -m tierlm dpo` on 2 pipeline stages (each micro-batch of 8 pairs cut into 2 pieces of whole pairs, the
     loss run on the last stage one piece at a time, a frozen reference on every rank) takes one process's steps:
     losses, gradient norms and evaluations."""
-    from tests.conftest import CHAT, TINY, run_main, torchrun
+    from tests.conftest import run_main, torchrun
 
-    pre, sft = tmp_path / "pre", tmp_path / "sft"  # two blocks, one per stage
-    for args in (
-        ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY, "model.depth=2", f"infra.output_dir={pre}"],
-        [
-            "sft",
-            "--config",
-            "configs/tiny_sft.yaml",
-            *CHAT,
-            f"model.model_name_or_path={pre}",
-            f"infra.output_dir={sft}",
-        ],
-    ):
-        assert (result := run_main(*args)).returncode == 0, result.stderr[-3000:]
+    sft = two_block_runs / "sft"  # two blocks, one per stage
     dpo = [
         "dpo",
         "--config",

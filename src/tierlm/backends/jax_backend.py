@@ -31,6 +31,7 @@ from tierlm.errors import ConfigError
 from tierlm.models import family_of
 from tierlm.primitives.losses import get_labels, reads_label_cross_entropy_only
 from tierlm.primitives.optim import inner_optimizers
+from tierlm.primitives.optim.functional import require_functional
 
 HYPERPARAMETERS = ("lr", "momentum", "weight_decay")
 """What a PyTorch parameter group's schedule may change between steps, handed to the jitted step."""
@@ -83,7 +84,7 @@ class JaxTrainingBackend(TrainingBackend):
         self.owners = [(inner, g) for inner in inner_optimizers(optimizer) for g in inner.param_groups]
         self.groups = [[names[id(p)] for p in g["params"]] for _, g in self.owners]
         self.adams = [functional_twin(inner, g) for inner, g in self.owners]  # each group's optax / JAX optimizer
-        self._own = (self.owners, self.groups)
+        self._own = (self.owners, self.groups, self.adams)  # what `use_optimizer(None)` goes back to
         self.params = params_from_torch(model)
         self.opt_states = [adam.init(self._group(self.params, i)) for i, adam in enumerate(self.adams)]
         self.devices = jax.local_devices()
@@ -288,14 +289,9 @@ class JaxTrainingBackend(TrainingBackend):
         """Update every parameter with `optimizer` (JAX's functional form: JaxAdam, JaxMuon, an optax transformation)
         from now on; `model_state().optimizer_state` is then its state. The backend's own optimizer: None."""
         if optimizer is None or optimizer is self.optimizer:
-            self.owners, self.groups = self._own
-            self.adams = [functional_twin(inner, g) for inner, g in self.owners]
+            self.owners, self.groups, self.adams = self._own
         else:
-            if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-                raise ConfigError(
-                    f"{type(optimizer).__name__} is neither the backend's optimizer nor a functional one "
-                    "(init(params), update(grads, state, params))"
-                )
+            require_functional(optimizer)
             self.owners, self.groups, self.adams = None, [list(self.params)], [optimizer]
         self.opt_states = [adam.init(self._group(self.params, i)) for i, adam in enumerate(self.adams)]
         self._jitted.pop("step", None)

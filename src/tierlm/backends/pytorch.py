@@ -27,6 +27,7 @@ from tierlm.primitives.losses import (
 )
 from tierlm.primitives.model_parallel import by_mesh
 from tierlm.primitives.optim import optimizer_metrics
+from tierlm.primitives.optim.functional import require_functional
 from tierlm.primitives.parallel import full_tensor, parameter_and_optimizer_bytes
 
 
@@ -351,11 +352,7 @@ class PyTorchTrainingBackend(TrainingBackend):
         if optimizer is None or optimizer is self.optimizer:
             self.functional, self.functional_state = None, None
             return
-        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-            raise ConfigError(
-                f"{type(optimizer).__name__} is neither the backend's optimizer nor a functional one (init(params), "
-                "update(grads, state, params))"
-            )
+        require_functional(optimizer)
         if any(hasattr(p, "device_mesh") for p in self.model.parameters()):
             raise ConfigError("a functional optimizer updates whole tensors: use the backend's optimizer under FSDP")
         if optimizer is not self.functional:

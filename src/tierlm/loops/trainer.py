@@ -171,7 +171,6 @@ class Trainer:
             dataloader.repeat = False
         if hasattr(dataloader, "state_dict"):
             self.train_loader = dataloader  # what a checkpoint records of the data
-        every = {"eval": self.config.eval_steps, "save": self.config.save_steps}
         try:
             for batch in dataloader:
                 result = self.train_step(batch, model_state)
@@ -179,16 +178,16 @@ class Trainer:
                 self.state.step = model_state.step
                 self.state.trained_tokens += int(result.metrics.get("num_tokens", 0))
                 self.logger.log({"type": "train", "step": model_state.step, **result.metrics, **result.diagnostics})
-                if self.evaluates and every["eval"] and self.state.step % every["eval"] == 0:
+                if self.evaluates and cadence.due(self.config.eval_steps, self.state.step):
                     self.evaluate()
-                if every["save"] and self.state.step % every["save"] == 0:
+                if cadence.due(self.config.save_steps, self.state.step):
                     self.save()
         finally:
             if repeat is not None:
                 dataloader.repeat = repeat
         if self.evaluates and self.last_eval_step != self.state.step:
             self.evaluate()
-        if every["save"] and not (self.backend.checkpoint_dir / f"step_{self.state.step}").exists():
+        if self.config.save_steps and not (self.backend.checkpoint_dir / f"step_{self.state.step}").exists():
             self.save()
         cadence.wait_for_saves(self)
         return model_state if model_state is not None else self.backend.model_state()

@@ -32,11 +32,16 @@ def sample_next_token(
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    # Inverse-CDF sampling: one uniform number per row and a binary search over the cumulative
-    # probabilities (torch.multinomial and Gumbel noise draw a random number per vocabulary entry).
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    uniform = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device, dtype=torch.float32)
+    return inverse_cdf(logits, uniform)
+
+
+def inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token each row's uniform number in [0, 1) (..., 1) picks from softmax(logits): one number per row and a
+    binary search over the cumulative probabilities (torch.multinomial and Gumbel noise draw a random number per
+    vocabulary entry)."""
+    cdf = logits.float().softmax(dim=-1).cumsum(dim=-1)
+    return torch.searchsorted(cdf, uniform * cdf[..., -1:]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
 def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]) -> list[int]:
@@ -54,13 +59,11 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: lis
     temperature = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
     greedy = temperature == 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)
-    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-    draws = [
-        torch.rand((1,), generator=g, device=cdf.device, dtype=cdf.dtype) if t else torch.zeros(1, device=cdf.device)
+    uniform = [
+        torch.rand((1,), generator=g, device=logits.device) if t else torch.zeros(1, device=logits.device)
         for t, g in zip(temperatures, generators)
     ]  # a greedy row draws nothing, as alone
-    picks = torch.searchsorted(cdf, torch.stack(draws) * cdf[:, -1:]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-    return torch.where(greedy[:, 0], scaled.argmax(dim=-1), picks).tolist()
+    return torch.where(greedy[:, 0], scaled.argmax(dim=-1), inverse_cdf(scaled, torch.stack(uniform))).tolist()
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from tierlm.errors import ConfigError
 from tierlm.primitives.optim.muon import newton_schulz_orthogonalize
 
 Tree = TypeVar("Tree")
@@ -40,6 +41,18 @@ class Optimizer(Protocol):
     def update(self, grads: Any, opt_state: OptimizerState, params: Any) -> tuple[Any, OptimizerState]:
         """(updates to add to the parameters, the new state)."""
         ...
+
+
+def require_functional(optimizer: Any) -> None:
+    """Refuse, in one line, an optimizer that is neither a backend's own nor of the functional protocol.
+
+    >>> require_functional(PyTorchAdam())
+    """
+    if not all(callable(getattr(optimizer, method, None)) for method in ("init", "update")):
+        raise ConfigError(
+            f"{type(optimizer).__name__} is neither the backend's optimizer nor a functional one (init(params), "
+            "update(grads, state, params))"
+        )
 
 
 def tree_map(fn: Callable, tree, *rest):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -67,7 +68,8 @@ class JaxAdam:
     def torch_state(self, opt_state: Any) -> dict[str, dict]:
         """{parameter: torch.optim.AdamW's state of it} (none before the first step)."""
         count, mu, nu = self.moments(opt_state)
-        return {n: {"step": float(count), "exp_avg": mu[n], "exp_avg_sq": nu[n]} for n in mu} if count else {}
+        step = np.float32(count)  # a float32 scalar, as torch.optim.AdamW keeps it
+        return {n: {"step": step, "exp_avg": mu[n], "exp_avg_sq": nu[n]} for n in mu} if count else {}
 
     def from_torch_state(self, opt_state: Any, states: dict[str, dict]) -> Any:
         """`opt_state` with the moments of torch.optim.AdamW's `states` ({parameter: its state}), when it has any."""

@@ -3,6 +3,7 @@ generated one at a time (`--max-batch 1`) and together (continuous batching), si
 
     .venv/bin/python bench/serve_load.py --checkpoint runs/tiny_sft [--clients 1,8,32] [--requests 4]
                                          [--max-tokens 64] [--batch 32] [--random-weights] [--client raw|httpx]
+                                         [--device-type cpu|cuda] [--decode-step]
 
 Each client sends `--requests` streamed chat completions one after another (a short arithmetic question,
 temperature 0.7, `--max-tokens`); a server is started per setting (`tierlm serve` in its own process, loopback only)
@@ -13,7 +14,8 @@ one-at-a-time server's. The clients are bare asyncio sockets (`--client raw`, th
 request, read to its end) or httpx (`--client httpx`); on a machine of 2 cores the load generator's CPU is CPU the
 server does not get, and httpx's per-line parsing took more of it. `--random-weights` serves the checkpoint's model
 with random weights: a trained tiny model answers in a few tokens, and requests that short measure HTTP more than
-generation.
+generation. `--decode-step` times the batched decode step alone (no HTTP) at 1, 8 and 32 rows instead: the capacity the
+server's model thread has.
 """
 
 from __future__ import annotations
@@ -48,6 +50,32 @@ def random_weights(checkpoint: str, folder: Path) -> str:
     save_model_folder(build_gpt(load_pretrained_model(location).config), folder)
     load_tokenizer(location).save(folder)
     return str(folder)
+
+
+def decode_step(checkpoint: str, device: str) -> None:
+    """The continuous-batching decode step alone at 1, 8 and 32 rows (random weights, a 7-token prompt per row, each
+    step's tokens read back on the host as the server reads them): milliseconds per step, 50 steps after 5."""
+    import torch
+
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.models import build_gpt, load_pretrained_model
+    from tierlm.rollout.batching import BatchedDecoder
+
+    torch.manual_seed(0)
+    model = build_gpt(load_pretrained_model(verified_model_location(checkpoint)).config).to(device).eval()
+    for rows in (1, 8, 32):
+        decoder = BatchedDecoder(model, 32)
+        for row in range(rows):
+            decoder.join([1, 5, 9, 13 + row, 40, 41, 42])
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        for _ in range(5):
+            decoder.step(tokens)
+        start, steps = time.perf_counter(), 50
+        for _ in range(steps):
+            tokens = decoder.step(tokens).argmax(-1)
+            tokens.tolist()
+        milliseconds = 1000 * (time.perf_counter() - start) / steps
+        print(f"{device}, {torch.get_num_threads()} threads, {rows:>2} rows: {milliseconds:.2f} ms a step")
 
 
 def free_port() -> int:
@@ -117,11 +145,13 @@ async def raw_client(url: str, requests: int, max_tokens: int, seed: int, latenc
         latencies.append(time.perf_counter() - start)
 
 
-def measure(checkpoint: str, batch: int, clients: int, requests: int, max_tokens: int, raw: bool = True) -> dict:
+def measure(
+    checkpoint: str, batch: int, clients: int, requests: int, max_tokens: int, raw: bool = True, device: str = "cpu"
+) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "tierlm", "serve", "--checkpoint", checkpoint, "--port", str(port)]
-    command += ["--max-batch", str(batch), "--max-queue", "64", "--timeout", "600", "--device-type", "cpu"]
+    command += ["--max-batch", str(batch), "--max-queue", "64", "--timeout", "600", "--device-type", device]
     server = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -167,10 +197,14 @@ def main() -> None:
     parser.add_argument(
         "--client", default="raw", choices=["raw", "httpx"], help="the load generator: bare sockets, or httpx"
     )
+    parser.add_argument("--device-type", default="cpu", choices=["cpu", "cuda"], help="where the server generates")
     parser.add_argument(
         "--random-weights", action="store_true", help="serve the checkpoint's model with random weights (long replies)"
     )
+    parser.add_argument("--decode-step", action="store_true", help="time the batched decode step alone, then stop")
     args = parser.parse_args()
+    if args.decode_step:
+        return decode_step(args.checkpoint, args.device_type)
     if args.random_weights:
         import tempfile
 
@@ -182,7 +216,7 @@ def main() -> None:
         results = {}
         for name, batch in (("one at a time", 1), (f"batched ({args.batch})", args.batch)):
             r = results[name] = measure(
-                args.checkpoint, batch, clients, args.requests, args.max_tokens, args.client == "raw"
+                args.checkpoint, batch, clients, args.requests, args.max_tokens, args.client == "raw", args.device_type
             )
             print(
                 f"{clients:>8} {name:>14} {r['requests']:>9} {r['failed']:>7} {r['tokens_per_s']:>9.1f} "

@@ -346,6 +346,42 @@ def check_serving(host: str, max_queue: int, timeout_s: float, api_key: str | No
         )
 
 
+def fastest_threads(model, cores: int, repeats: int = 5, rows: int = 8) -> tuple[int, dict[int, float]]:
+    """Set and return the intra-op thread count, of 1, 2, 4, ... up to `cores - 1`, whose forward of `rows` one-token
+    rows is fastest (best of `repeats`; the fewest threads within 5% of the fastest), with each count's milliseconds
+    (none when there is one count to take).
+
+    Below `cores - 1`: a core is left to the event loop, since the model's OpenMP threads spin while they wait for
+    work and took the cores the HTTP side needed (2 cores, 8 clients: 1.5x one at a time with 2 threads, 2.7x with
+    1). Measured, not a fixed rule: on 16 cores the tiny model's 8-row step took 1.72 ms on 4 threads and 2.90 on
+    15 (waking threads costs more than a width-128 layer gains), while a larger model wants more.
+    OMP_NUM_THREADS set by the caller wins (this is not called)."""
+    import torch
+
+    top = max(1, cores - 1)
+    counts = sorted({top} | {1 << i for i in range(top.bit_length())})
+    if len(counts) == 1:
+        torch.set_num_threads(top)
+        return top, {}
+    parameter = next(model.parameters())
+    tokens = torch.zeros(rows, 1, dtype=torch.long, device=parameter.device)
+    times = {}
+    with torch.no_grad():
+        for count in counts:
+            torch.set_num_threads(count)
+            model(tokens)  # the first call at a count wakes its threads
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                model(tokens)
+                best = min(best, time.perf_counter() - start)
+            times[count] = 1000 * best
+    fastest = min(times.values())
+    choice = min(count for count, ms in times.items() if ms <= 1.05 * fastest)
+    torch.set_num_threads(choice)
+    return choice, times
+
+
 def serve(
     bot: Chatbot,
     host: str = "127.0.0.1",
@@ -364,18 +400,19 @@ def serve(
     import os
     import sys
 
-    import torch
-
     # The model's thread and the event loop's take turns at the GIL, each token a handoff. A short slice bounds the
     # wait of a handoff but makes the model thread queue for the GIL between its many small ops: bench/serve_load.py
     # on 2 cores, 8 clients batched: 2,941 tokens/s at 0.5 ms, 3,009 at 1 ms, 3,212-3,327 at 2 ms, 3,333 at Python's
     # 5 ms; one at a time and single-client latency no worse at 2 ms.
     sys.setswitchinterval(0.002)
-    if str(getattr(bot.engine, "device", "cpu")).startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
-        # Leave a core to the event loop: the model's OpenMP threads spin while they wait for work, and on a small
-        # machine they took the cores the HTTP side needed (2 cores, 8 clients: 1.5x one at a time with 2 threads,
-        # 2.7x with 1; docs/benchmarks.md). OMP_NUM_THREADS set by the caller wins.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    from tierlm.rollout.engine import Engine  # tierlm's engine (vLLM's generates in vLLM's own process)
+
+    engine = bot.engine
+    if isinstance(engine, Engine) and engine.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        threads, times = fastest_threads(engine.model, os.cpu_count() or 1)
+        if len(times) > 1:
+            tried = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in times.items())
+            print(f"tierlm: {threads} intra-op threads, the fastest of (threads: 8 rows' next token) {tried}")
     print(
         f"serving {bot.name}: chat page http://{host}:{port}/ , API http://{host}:{port}/v1 , health /health, "
         f"metrics /metrics (Ctrl-C stops)",

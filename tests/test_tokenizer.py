@@ -68,6 +68,21 @@ def test_char_tokenizer_and_token_bytes():
     assert nbytes[tok.encode("é")[0]] == 2 and nbytes[tok.bos_id] == 0
 
 
+def test_a_whole_file_encodes_to_the_tokenizers_own_ids(tiny_tokenizer, tmp_path):
+    from tierlm.data.sources import builtin_corpus
+
+    shakespeare = builtin_corpus("builtin:tinyshakespeare").read_text()
+    tok = train_char_tokenizer([shakespeare[:50_000]])  # the rest holds characters this one never saw
+    tok.save(tmp_path / "chars")
+    odd = "héllo ✓ 𝄞 wörld\r\n\t" + "".join(map(chr, range(0, 300, 7)))
+    for tokenizer in (tok, load_tokenizer(tmp_path / "chars")):  # as trained, and as saved and loaded again
+        assert tokenizer._char_table() is not None
+        for text in (shakespeare, odd, "", "a<|bos|>b<|user_start|>"):  # added tokens' strings take encode's path
+            assert tokenizer.encode_stream(text).tolist() == tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+    assert tiny_tokenizer._char_table() is None  # byte-level BPE: encode's path
+    assert tiny_tokenizer.encode_stream("What is 12 + 7?").tolist() == tiny_tokenizer.encode("What is 12 + 7?")
+
+
 def test_bpe_token_bytes(tiny_tokenizer):
     nbytes = tiny_tokenizer.token_bytes()
     text = "What is 12 + 7?"

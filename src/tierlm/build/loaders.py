@@ -342,7 +342,7 @@ def source_stream(name: str, config: TierlmConfig, tokenizer: Tokenizer) -> np.n
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text near byte {e.start}") from None
-        return np.asarray(tokenizer.encode(text), dtype=np.int32)
+        return tokenizer.encode_stream(text)
     documents = Documents(
         open_examples(name, source_options(config, "text", "train", tokenizer)), text_documents(tokenizer)
     )

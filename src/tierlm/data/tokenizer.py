@@ -141,6 +141,7 @@ class Tokenizer:
         self.hf = hf
         self._token_bytes: torch.Tensor | None = None
         self._stop_ids: list[int] | None = None
+        self._chars: np.ndarray | None | bool = False  # the character table, once looked for (None: not per character)
 
     # -- basics ----------------------------------------------------------------------------
     @property
@@ -182,6 +183,38 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def encode_stream(self, text: str) -> np.ndarray:
+        """`encode(text)` as an int32 array, for a whole file. A character-level tokenizer (`train_char_tokenizer`'s,
+        also once saved and loaded) maps each character through a table: tinyshakespeare's 1.1M characters in 0.01 s
+        against the Rust tokenizer's 0.9 s, the same ids (unknown characters to <|unk|>; a text holding an added
+        token's string, which the tokenizer would match whole, takes `encode`). Any other tokenizer: `encode`.
+
+        >>> tok = train_char_tokenizer(["hello world"])
+        >>> tok.encode_stream("hold 'em").tolist() == tok.encode("hold 'em")
+        True
+        """
+        table = self._char_table()
+        if table is None or any(added in text for added in self.hf.added_tokens_encoder):
+            return np.asarray(self.encode(text), dtype=np.int32)
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        return table[np.minimum(points, len(table) - 1)]
+
+    def _char_table(self) -> np.ndarray | None:
+        """Code point -> id (int32; past the last character seen, <|unk|>) when the tokenizer is one word per character
+        (no normaliser, every character split alone, a word-level vocabulary), else None."""
+        if self._chars is False:
+            import json
+
+            spec = json.loads(self.hf.backend_tokenizer.to_str())
+            model, split = spec["model"], spec.get("pre_tokenizer") or {}
+            self._chars = None
+            per_character = split.get("pattern") == {"Regex": "[\\s\\S]"} and split.get("behavior") == "Isolated"
+            if model["type"] == "WordLevel" and spec.get("normalizer") is None and per_character:
+                chars = {ord(t): i for t, i in model["vocab"].items() if len(t) == 1}
+                self._chars = np.full(max(chars, default=0) + 2, model["vocab"][model["unk_token"]], dtype=np.int32)
+                self._chars[list(chars)] = list(chars.values())
+        return self._chars
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.hf(list(texts), add_special_tokens=False)["input_ids"] if texts else []

@@ -219,7 +219,7 @@ def model_parallel_backend(
         fused_cross_entropy=tr.fused_cross_entropy,
         flash_attention=config.model.use_flash_attention,
         schedule=infra.pipeline_schedule,
-        microbatches=infra.pipeline_microbatches,
+        microbatches=infra.pipeline_pieces,
         stages_per_rank=infra.stages_per_rank,
         vocab_parallel=infra.vocab_parallel,
         sequence_parallel=infra.sequence_parallel,

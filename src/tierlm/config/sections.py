@@ -536,6 +536,11 @@ class InfraConfig(Section):
         """Is the model itself split over ranks (tensor, pipeline or context parallel)?"""
         return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size) > 1
 
+    @property
+    def pipeline_pieces(self) -> int:
+        """The micro-batches a pipelined step's rows split into: infra.pipeline_microbatches, else one per stage."""
+        return self.pipeline_microbatches or self.pipeline_parallel_size * self.stages_per_rank
+
 
 class AblationConfig(Section):
     """What `tierlm ablate --config <this>` runs when the command names no variants (a preset's ablation)."""

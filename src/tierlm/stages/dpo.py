@@ -47,7 +47,7 @@ class DPO(Stage):
         KTO's KL estimate is the whole batch's."""
         infra, pairs = config.infra, config.training.per_device_train_batch_size
         if infra.pipeline_parallel_size > 1:
-            pieces = infra.pipeline_microbatches or infra.pipeline_parallel_size * infra.stages_per_rank
+            pieces = infra.pipeline_pieces
             if config.dpo.loss_type == "kto":
                 raise ConfigError(
                     "dpo.loss_type=kto estimates its KL from the whole batch, which pipeline stages see one "

@@ -97,6 +97,22 @@ def test_the_openai_client_talks_to_the_server(bot, server):
         client.chat.completions.create(model=bot.name, messages=[{"role": "robot", "content": "hi"}])
 
 
+def test_the_chat_page_names_the_model_as_text(bot):
+    import copy
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from tierlm.commands.serve import create_app
+
+    odd = copy.copy(bot)
+    odd.name = "run<script>alert(1)</script>"  # a run directory may be called anything
+    page = TestClient(create_app(odd, api_key="k")).get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<title>tierlm chat: run&lt;script&gt;alert(1)&lt;/script&gt;</title>" in page.text
+    assert "<script>alert" not in page.text and "const key = true ?" in page.text  # the key asked for
+
+
 def _chromium() -> str | None:
     for name in (os.environ.get("TIERLM_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
         if name and shutil.which(name):

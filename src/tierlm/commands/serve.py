@@ -19,12 +19,14 @@ stops its generation at the next token. With `api_key`, the /v1 endpoints want `
 # No `from __future__ import annotations` here: FastAPI reads the endpoint's request model from its
 # annotation, which must be the class itself (it is defined inside create_app).
 import asyncio
+import html
 import json
 import math
 import threading
 import time
 import uuid
 from collections import deque
+from importlib import resources
 
 from tierlm.commands.chat import Busy, Chatbot
 from tierlm.errors import ConfigError, DataError
@@ -177,9 +179,12 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
     async def openai_error(request: Request, exc: HTTPException) -> JSONResponse:  # OpenAI's error body
         return error(exc.status_code, str(exc.detail), "invalid_request_error", exc.headers)
 
+    chat_page = (resources.files("tierlm.commands") / "chat_page.html").read_text(encoding="utf-8")
+    chat_page = chat_page.replace("{{MODEL}}", html.escape(bot.name)).replace("{{KEY}}", "true" if api_key else "false")
+
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:
-        return CHAT_PAGE.replace("{{MODEL}}", bot.name).replace("{{KEY}}", "true" if api_key else "false")
+        return chat_page
 
     @app.get("/health")
     def health() -> dict:
@@ -419,83 +424,3 @@ def serve(
         flush=True,
     )
     uvicorn.run(create_app(bot, max_queue, timeout_s, api_key), host=host, port=port, log_level="warning")
-
-
-CHAT_PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>tierlm chat: {{MODEL}}</title>
-<style>
-  body { font-family: system-ui, sans-serif; margin: 0; display: flex; flex-direction: column; height: 100vh; background: #f6f6f4; }
-  header { padding: 0.6em 1em; background: #222; color: #eee; display: flex; gap: 1em; align-items: center; }
-  header span { flex: 1; }
-  #log { flex: 1; overflow-y: auto; padding: 1em; }
-  .message { max-width: 46em; margin: 0.4em 0; padding: 0.6em 0.9em; border-radius: 0.6em; white-space: pre-wrap; }
-  .user { background: #dde8ff; margin-left: auto; }
-  .assistant { background: #fff; border: 1px solid #ddd; }
-  form { display: flex; gap: 0.5em; padding: 0.8em; background: #eee; }
-  textarea { flex: 1; font: inherit; padding: 0.5em; resize: none; }
-  button { font: inherit; padding: 0 1.2em; }
-</style>
-</head>
-<body>
-<header><span>tierlm chat: <b>{{MODEL}}</b></span>
-  <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7" style="width:4em"></label>
-  <button id="reset" type="button">new chat</button></header>
-<div id="log"></div>
-<form id="form"><textarea id="input" rows="2" placeholder="Ask something (Enter sends, Shift+Enter: new line)"></textarea>
-  <button id="send" type="submit">Send</button></form>
-<script>
-const log = document.getElementById("log"), input = document.getElementById("input"), form = document.getElementById("form");
-let history = [];
-const key = {{KEY}} ? window.prompt("API key for this server") : null;
-function bubble(role, text) {
-  const div = document.createElement("div");
-  div.className = "message " + role;
-  div.textContent = text;
-  log.appendChild(div);
-  log.scrollTop = log.scrollHeight;
-  return div;
-}
-document.getElementById("reset").onclick = () => { history = []; log.innerHTML = ""; input.focus(); };
-input.addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); form.requestSubmit(); } });
-form.onsubmit = async (e) => {
-  e.preventDefault();
-  const text = input.value.trim();
-  if (!text) return;
-  input.value = "";
-  bubble("user", text);
-  history.push({role: "user", content: text});
-  const answer = bubble("assistant", "");
-  answer.dataset.done = "false";
-  const headers = {"Content-Type": "application/json"};
-  if (key) headers["Authorization"] = "Bearer " + key;
-  const response = await fetch("/v1/chat/completions", {method: "POST", headers: headers,
-    body: JSON.stringify({messages: history, stream: true, temperature: parseFloat(document.getElementById("temperature").value)})});
-  const reader = response.body.getReader(), decoder = new TextDecoder();
-  let buffer = "";
-  while (true) {
-    const {value, done} = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, {stream: true});
-    let cut;
-    while ((cut = buffer.indexOf("\\n\\n")) >= 0) {
-      const line = buffer.slice(0, cut).trim();
-      buffer = buffer.slice(cut + 2);
-      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-      const event = JSON.parse(line.slice(6));
-      if (event.error) { answer.textContent += " (" + event.error.message + ")"; continue; }
-      answer.textContent += event.choices[0].delta.content || "";
-      log.scrollTop = log.scrollHeight;
-    }
-  }
-  answer.dataset.done = "true";
-  history.push({role: "assistant", content: answer.textContent});
-};
-input.focus();
-</script>
-</body>
-</html>
-"""

@@ -244,40 +244,7 @@ class RLTrainer:
         advantages = self.strategy.advantages(rewards, rl.group_size, self._sum_over_ranks)
         batch = rollout_batch(rollouts, advantages, self.tokenizer.pad_id)
         micro = self._micro(batch)
-        # Trainer-side log-probs of the sampled tokens: the old log-probs for clipping, and the parity check.
-        for mb in micro:
-            mb["old_logprobs"] = self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-            if self.reference is not None:
-                mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-            if self.teacher is not None:  # on-policy distillation: each token's advantage is -(reverse KL) there
-                teacher = self.teacher.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-                mb["advantages"] = (teacher - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
-        trained = batch["labels"] != IGNORE_INDEX
-        if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
-            self._critic_targets(micro, rewards, trained)
-        old = torch.cat([mb["old_logprobs"] for mb in micro])
-        parity = ((old - batch["sampler_logprobs"]).abs() * trained).sum() / trained.sum().clamp(min=1)
-        off_policy = {}
-        if self.off_policy is not None:  # truncated importance weights p_policy / p_sampler of the stale samples
-            for mb in micro:
-                mb["importance"] = (mb["old_logprobs"] - mb["sampler_logprobs"]).exp().clamp(max=self.rl.importance_cap)
-            weights = torch.cat([mb["importance"] for mb in micro])[trained]
-            off_policy = {
-                "staleness": step - version,
-                "importance_mean": float(weights.mean()) if weights.numel() else 1.0,
-                "importance_capped": float((weights >= self.rl.importance_cap).float().mean())
-                if weights.numel()
-                else 0.0,
-            }
-        distill = {}
-        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0), before the update
-            log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
-            k3 = log_ratio.exp() - log_ratio - 1.0
-            distill["teacher_kl"] = float((k3 * trained).sum() / trained.sum().clamp(min=1))
-        kl = None
-        if self.reference is not None:  # KL(policy || reference) on the sampled tokens, before this step's update
-            ref = torch.cat([mb["ref_logprobs"] for mb in micro])
-            kl = float((kl_penalty(old, ref) * trained).sum() / trained.sum().clamp(min=1))
+        parity, scoring = self._score(micro, batch, rewards, step - version)
         t2 = time.perf_counter()
         self.strategy.take_stats()  # from here: this step's loss statistics
         for _ in range(self.rl.ppo_epochs):
@@ -290,9 +257,87 @@ class RLTrainer:
             update = self.backend.optim_step().wait()
             value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
         t3 = time.perf_counter()
-        sampling = self._sampling.pop(step, {"dropped_groups": 0.0, "extra_draws": 0.0} if rl.dynamic_sampling else {})
-        totals = self._sum_over_ranks(
-            {  # statistics of the whole step, over every rank's rollouts
+        totals = self._step_totals(step, groups, rewards, shaping)
+        n, tokens = totals["rows"], totals["tokens"]
+        self.state.rollout_tokens += int(tokens)
+        reward_mean = totals["reward"] / n
+        return {
+            "loss": update["loss"],
+            "lr": update["lr"],
+            "grad_norm": update["grad_norm"],
+            "skipped": update["skipped"],
+            "reward_mean": reward_mean,
+            "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
+            "groups_with_signal": totals["signal"] / totals["groups"],
+            "logprob_abs_diff": parity,
+            "completion_len": tokens / n,
+            "finished_frac": totals["finished"] / n,
+            "tool_calls": totals["tool_calls"],
+            "time_generation_s": t1 - t0,  # off-policy: the wait for the background sampler
+            "time_weight_sync_s": sync,  # the sampler's copy of the weights (FSDP, off-policy)
+            "time_scoring_s": t2 - t1,  # scoring: rewards + log-probs
+            "time_training_s": t3 - t2,
+            "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
+            "weight_version": version,  # the policy's updates behind this step's rollouts
+            **loss_figures(totals, rl),
+            **scoring,
+            **reward_model_figures(totals),
+            **({"value_loss": value_update["loss"]} if value_update is not None else {}),
+        }
+
+    def _score(
+        self,
+        micro: list[dict[str, torch.Tensor]],
+        batch: dict[str, torch.Tensor],
+        rewards: torch.Tensor,
+        staleness: int,
+    ) -> tuple[float, dict[str, float]]:
+        """What the update needs beside the rollouts, written into each micro-batch: the trainer's log-probs of the
+        sampled tokens (the old log-probs for clipping), the reference's, a teacher's (on-policy distillation: each
+        token's advantage is -(reverse KL) there), the critic's advantages, the off-policy importance weights.
+        Returns the mean |trainer - sampler| log-prob of the trained tokens (the parity check) and the figures of
+        what scoring found, before this step's update."""
+        for mb in micro:
+            mb["old_logprobs"] = self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+            if self.reference is not None:
+                mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+            if self.teacher is not None:
+                teacher = self.teacher.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+                mb["advantages"] = (teacher - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
+        trained = batch["labels"] != IGNORE_INDEX
+
+        def mean(per_token: torch.Tensor) -> float:  # over the trained tokens
+            return float((per_token * trained).sum() / trained.sum().clamp(min=1))
+
+        if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
+            self._critic_targets(micro, rewards, trained)
+        old = torch.cat([mb["old_logprobs"] for mb in micro])
+        figures = {}
+        if self.off_policy is not None:  # truncated importance weights p_policy / p_sampler of the stale samples
+            for mb in micro:
+                mb["importance"] = (mb["old_logprobs"] - mb["sampler_logprobs"]).exp().clamp(max=self.rl.importance_cap)
+            weights = torch.cat([mb["importance"] for mb in micro])[trained]
+            figures["staleness"] = staleness
+            figures["importance_mean"] = float(weights.mean()) if weights.numel() else 1.0
+            capped = (weights >= self.rl.importance_cap).float()
+            figures["importance_capped"] = float(capped.mean()) if weights.numel() else 0.0
+        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
+            log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
+            figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
+        if self.reference is not None:  # KL(policy || reference) on the sampled tokens
+            figures["kl"] = mean(kl_penalty(old, torch.cat([mb["ref_logprobs"] for mb in micro])))
+        return mean((old - batch["sampler_logprobs"]).abs()), figures
+
+    def _step_totals(
+        self, step: int, groups: list[list[Rollout]], rewards: torch.Tensor, shaping: list[float]
+    ) -> dict[str, float]:
+        """The statistics of the whole step, summed over every rank's rollouts: the loss's, the sampling's, the
+        rewards' and the completions'."""
+        rollouts = [r for g in groups for r in g]
+        nothing_dropped = {"dropped_groups": 0.0, "extra_draws": 0.0} if self.rl.dynamic_sampling else {}
+        sampling = self._sampling.pop(step, nothing_dropped)
+        return self._sum_over_ranks(
+            {
                 **{f"loss_{k}": v for k, v in self.strategy.take_stats().items()},
                 **sampling,
                 "overlong": float(sum(p < 0 for p in shaping)),
@@ -307,34 +352,6 @@ class RLTrainer:
                 **(reward_model_sums(groups) if self.reward_model is not None else {}),
             }
         )
-        n, tokens = totals["rows"], totals["tokens"]
-        self.state.rollout_tokens += int(tokens)
-        reward_mean = totals["reward"] / n
-        return {
-            "loss": update["loss"],
-            "lr": update["lr"],
-            "grad_norm": update["grad_norm"],
-            "skipped": update["skipped"],
-            "reward_mean": reward_mean,
-            "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
-            "groups_with_signal": totals["signal"] / totals["groups"],
-            "logprob_abs_diff": float(parity),
-            "completion_len": tokens / n,
-            "finished_frac": totals["finished"] / n,
-            "tool_calls": totals["tool_calls"],
-            "time_generation_s": t1 - t0,  # off-policy: the wait for the background sampler
-            "time_weight_sync_s": sync,  # the sampler's copy of the weights (FSDP, off-policy)
-            "time_scoring_s": t2 - t1,
-            "time_training_s": t3 - t2,  # scoring: rewards + log-probs
-            "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
-            "weight_version": version,  # the policy's updates behind this step's rollouts
-            **loss_figures(totals, rl),
-            **off_policy,
-            **distill,
-            **({"kl": kl} if kl is not None else {}),
-            **reward_model_figures(totals),
-            **({"value_loss": value_update["loss"]} if value_update is not None else {}),
-        }
 
     def _critic_targets(
         self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor

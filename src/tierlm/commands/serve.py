@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import deque
 from importlib import resources
+from typing import Any
 
 from tierlm.commands.chat import Busy, Chatbot
 from tierlm.errors import ConfigError, DataError
@@ -139,6 +140,113 @@ class Job:
             self.first_token_at = time.monotonic()
         self.outbox.put(self.pieces, (kind, value))
 
+    def generate(self, bot: Chatbot, gate: Gate, messages: list[dict], settings: dict) -> None:
+        """The reply (on this job's own thread): its text piece by piece, then the reply or what went wrong; the
+        gate is told how it ended."""
+        outcome, tokens = "error", 0
+        try:
+            reply = bot.reply(
+                messages,
+                on_text=lambda text: self.put("text", text),
+                should_stop=self.stop_reason,
+                wait_s=self.deadline - time.monotonic(),
+                **settings,
+            )
+            outcome, tokens = reply.finish_reason, reply.completion_tokens
+            self.put("done", reply)
+        except Busy as e:
+            outcome = "timeout"
+            self.put("busy", str(e))
+        except DataError as e:
+            outcome = "invalid"
+            self.put("error", str(e))
+        except Exception as e:  # the model failed: the client gets a 500, the server goes on
+            self.put("failed", f"{type(e).__name__}: {e}")
+        finally:
+            if self.first_token_at is not None:
+                gate.first_token.observe(self.first_token_at - self.start)
+            gate.leave(time.monotonic() - self.start, outcome, tokens)
+
+    async def events(self, chunk: "Chunks"):
+        """The streamed reply as server-sent events: the role, the text (the pieces that came meanwhile in one event,
+        not one per token), the finish reason or an error, then [DONE]."""
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            pending = None
+            while True:
+                kind, value = pending or await self.pieces.get()
+                pending = None
+                if kind == "text":
+                    text = [value]
+                    while not self.pieces.empty():
+                        pending = self.pieces.get_nowait()
+                        if pending[0] != "text":
+                            break
+                        text.append(pending[1])
+                        pending = None
+                    yield chunk({"content": "".join(text)})
+                    continue
+                if kind == "done":
+                    yield chunk({}, value.finish_reason)
+                else:
+                    kind = "server_error" if kind != "error" else "invalid_request_error"
+                    yield f"data: {json.dumps({'error': {'message': value, 'type': kind}})}\n\n"
+                break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): stop generating at the next token
+            self.cancelled = True
+
+    async def outcome(self, request) -> tuple[str, Any]:
+        """How a plain (not streamed) request ended: its last piece, waited for; a client that disconnects meanwhile
+        stops the generation."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self.pieces.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancelled = True
+                continue
+            if kind != "text":
+                return kind, value
+
+
+class Chunks:
+    """One reply's OpenAI bodies: `chunk(delta, finish_reason)` a streamed chat.completion.chunk event, and
+    `completion(reply)` the whole chat.completion."""
+
+    def __init__(self, model: str):
+        self.ident, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model
+
+    def __call__(self, delta: dict, finish_reason: str | None = None) -> str:
+        data = {
+            "id": self.ident,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        }
+        return f"data: {json.dumps(data)}\n\n"
+
+    def completion(self, reply) -> dict:
+        return {
+            "id": self.ident,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": reply.text},
+                    "finish_reason": reply.finish_reason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": reply.prompt_tokens,
+                "completion_tokens": reply.completion_tokens,
+                "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+            },
+        }
+
 
 def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_key: str | None = None):
     """The FastAPI app answering for `bot`."""
@@ -212,117 +320,22 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         if loop not in outboxes:  # one per event loop (one in a server; a test client may run several)
             outboxes[loop] = Outbox(loop)
         job = Job(timeout_s, outboxes[loop])
-        messages = [m.model_dump() for m in body.messages]
-        ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         settings = dict(temperature=body.temperature, max_new_tokens=body.max_tokens, seed=body.seed)
-
-        def generate() -> None:
-            outcome, tokens = "error", 0
-            try:
-                reply = bot.reply(
-                    messages,
-                    on_text=lambda text: job.put("text", text),
-                    should_stop=job.stop_reason,
-                    wait_s=job.deadline - time.monotonic(),
-                    **settings,
-                )
-                outcome, tokens = reply.finish_reason, reply.completion_tokens
-                job.put("done", reply)
-            except Busy as e:
-                outcome = "timeout"
-                job.put("busy", str(e))
-            except DataError as e:
-                outcome = "invalid"
-                job.put("error", str(e))
-            except Exception as e:  # the model failed: the client gets a 500, the server goes on
-                job.put("failed", f"{type(e).__name__}: {e}")
-            finally:
-                if job.first_token_at is not None:
-                    gate.first_token.observe(job.first_token_at - job.start)
-                gate.leave(time.monotonic() - job.start, outcome, tokens)
-
-        threading.Thread(target=generate, daemon=True, name="tierlm-generate").start()
-
-        def chunk(delta: dict, finish_reason: str | None = None) -> str:
-            data = {
-                "id": ident,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": bot.name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-            }
-            return f"data: {json.dumps(data)}\n\n"
-
+        messages = [m.model_dump() for m in body.messages]
+        generating = threading.Thread(target=job.generate, args=(bot, gate, messages, settings), daemon=True)
+        generating.name = "tierlm-generate"
+        generating.start()
+        chunk = Chunks(bot.name)
         if body.stream:
-
-            async def events():
-                try:
-                    yield chunk({"role": "assistant", "content": ""})
-                    pending = None
-                    while True:
-                        kind, value = pending or await job.pieces.get()
-                        pending = None
-                        if kind == "text":  # with the pieces that came meanwhile: one event, not one per token
-                            text = [value]
-                            while not job.pieces.empty():
-                                pending = job.pieces.get_nowait()
-                                if pending[0] != "text":
-                                    break
-                                text.append(pending[1])
-                                pending = None
-                            yield chunk({"content": "".join(text)})
-                            continue
-                        if kind == "done":
-                            yield chunk({}, value.finish_reason)
-                        else:
-                            failure = {
-                                "error": {
-                                    "message": value,
-                                    "type": "server_error" if kind != "error" else "invalid_request_error",
-                                }
-                            }
-                            yield f"data: {json.dumps(failure)}\n\n"
-                        break
-                    yield "data: [DONE]\n\n"
-                finally:  # the client went away (or the stream ended): stop generating at the next token
-                    job.cancelled = True
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        while True:  # a plain request: wait for the reply, stopping the generation if the client disconnects
-            try:
-                kind, value = await asyncio.wait_for(job.pieces.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled = True
-                continue
-            if kind == "text":
-                continue
-            break
+            return StreamingResponse(job.events(chunk), media_type="text/event-stream")
+        kind, value = await job.outcome(request)
         if kind == "error":
             return error(400, value, "invalid_request_error")
         if kind == "busy" or (kind == "done" and value.finish_reason == "timeout" and not value.completion_tokens):
             return error(504, f"no reply within the server's {timeout_s:g} s timeout", "timeout")
         if kind == "failed":
             return error(500, value, "server_error")
-        return {
-            "id": ident,
-            "object": "chat.completion",
-            "created": created,
-            "model": bot.name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": value.text},
-                    "finish_reason": value.finish_reason,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": value.prompt_tokens,
-                "completion_tokens": value.completion_tokens,
-                "total_tokens": value.prompt_tokens + value.completion_tokens,
-            },
-        }
+        return chunk.completion(value)
 
     return app
 

@@ -35,20 +35,27 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
-def random_weights(checkpoint: str, folder: Path) -> str:
-    """The checkpoint's model with random weights (same architecture, tokenizer and chat template): its replies seldom
-    end early, so every request generates its whole max_tokens (throughput, not quality)."""
+def random_model(checkpoint: str):
+    """The checkpoint's model architecture with random weights (seed 0)."""
     import torch
 
     from tierlm.checkpoint.folders import verified_model_location
-    from tierlm.data import load_tokenizer
     from tierlm.models import build_gpt, load_pretrained_model
+
+    config = load_pretrained_model(verified_model_location(checkpoint)).config
+    torch.manual_seed(0)
+    return build_gpt(config)
+
+
+def random_weights(checkpoint: str, folder: Path) -> str:
+    """The checkpoint's model with random weights (same architecture, tokenizer and chat template): its replies seldom
+    end early, so every request generates its whole max_tokens (throughput, not quality)."""
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.data import load_tokenizer
     from tierlm.models.io import save_model_folder
 
-    location = verified_model_location(checkpoint)
-    torch.manual_seed(0)
-    save_model_folder(build_gpt(load_pretrained_model(location).config), folder)
-    load_tokenizer(location).save(folder)
+    save_model_folder(random_model(checkpoint), folder)
+    load_tokenizer(verified_model_location(checkpoint)).save(folder)
     return str(folder)
 
 
@@ -57,12 +64,9 @@ def decode_step(checkpoint: str, device: str) -> None:
     step's tokens read back on the host as the server reads them): milliseconds per step, 50 steps after 5."""
     import torch
 
-    from tierlm.checkpoint.folders import verified_model_location
-    from tierlm.models import build_gpt, load_pretrained_model
     from tierlm.rollout.batching import BatchedDecoder
 
-    torch.manual_seed(0)
-    model = build_gpt(load_pretrained_model(verified_model_location(checkpoint)).config).to(device).eval()
+    model = random_model(checkpoint).to(device).eval()
     for rows in (1, 8, 32):
         decoder = BatchedDecoder(model, 32)
         for row in range(rows):

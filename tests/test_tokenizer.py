@@ -76,10 +76,10 @@ def test_a_whole_file_encodes_to_the_tokenizers_own_ids(tiny_tokenizer, tmp_path
     tok.save(tmp_path / "chars")
     odd = "héllo ✓ 𝄞 wörld\r\n\t" + "".join(map(chr, range(0, 300, 7)))
     for tokenizer in (tok, load_tokenizer(tmp_path / "chars")):  # as trained, and as saved and loaded again
-        assert tokenizer._char_table() is not None
+        assert tokenizer.char_table is not None
         for text in (shakespeare, odd, "", "a<|bos|>b<|user_start|>"):  # added tokens' strings take encode's path
             assert tokenizer.encode_stream(text).tolist() == tokenizer.hf(text, add_special_tokens=False)["input_ids"]
-    assert tiny_tokenizer._char_table() is None  # byte-level BPE: encode's path
+    assert tiny_tokenizer.char_table is None  # byte-level BPE: encode's path
     assert tiny_tokenizer.encode_stream("What is 12 + 7?").tolist() == tiny_tokenizer.encode("What is 12 + 7?")
 
 

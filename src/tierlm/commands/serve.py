@@ -189,8 +189,8 @@ class Job:
                 if kind == "done":
                     yield chunk({}, value.finish_reason)
                 else:
-                    kind = "server_error" if kind != "error" else "invalid_request_error"
-                    yield f"data: {json.dumps({'error': {'message': value, 'type': kind}})}\n\n"
+                    failure = "server_error" if kind != "error" else "invalid_request_error"
+                    yield f"data: {json.dumps({'error': {'message': value, 'type': failure}})}\n\n"
                 break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or the stream ended): stop generating at the next token

@@ -7,6 +7,8 @@ that template; the loss mask marks assistant content and its end-of-turn token.
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -141,7 +143,6 @@ class Tokenizer:
         self.hf = hf
         self._token_bytes: torch.Tensor | None = None
         self._stop_ids: list[int] | None = None
-        self._chars: np.ndarray | None | bool = False  # the character table, once looked for (None: not per character)
 
     # -- basics ----------------------------------------------------------------------------
     @property
@@ -194,27 +195,25 @@ class Tokenizer:
         >>> tok.encode_stream("hold 'em").tolist() == tok.encode("hold 'em")
         True
         """
-        table = self._char_table()
+        table = self.char_table
         if table is None or any(added in text for added in self.hf.added_tokens_encoder):
             return np.asarray(self.encode(text), dtype=np.int32)
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         return table[np.minimum(points, len(table) - 1)]
 
-    def _char_table(self) -> np.ndarray | None:
+    @functools.cached_property
+    def char_table(self) -> np.ndarray | None:
         """Code point -> id (int32; past the last character seen, <|unk|>) when the tokenizer is one word per character
         (no normaliser, every character split alone, a word-level vocabulary), else None."""
-        if self._chars is False:
-            import json
-
-            spec = json.loads(self.hf.backend_tokenizer.to_str())
-            model, split = spec["model"], spec.get("pre_tokenizer") or {}
-            self._chars = None
-            per_character = split.get("pattern") == {"Regex": "[\\s\\S]"} and split.get("behavior") == "Isolated"
-            if model["type"] == "WordLevel" and spec.get("normalizer") is None and per_character:
-                chars = {ord(t): i for t, i in model["vocab"].items() if len(t) == 1}
-                self._chars = np.full(max(chars, default=0) + 2, model["vocab"][model["unk_token"]], dtype=np.int32)
-                self._chars[list(chars)] = list(chars.values())
-        return self._chars
+        spec = json.loads(self.hf.backend_tokenizer.to_str())
+        model, split = spec["model"], spec.get("pre_tokenizer") or {}
+        per_character = split.get("pattern") == {"Regex": "[\\s\\S]"} and split.get("behavior") == "Isolated"
+        if model["type"] != "WordLevel" or spec.get("normalizer") is not None or not per_character:
+            return None
+        chars = {ord(t): i for t, i in model["vocab"].items() if len(t) == 1}
+        table = np.full(max(chars, default=0) + 2, model["vocab"][model["unk_token"]], dtype=np.int32)
+        table[list(chars)] = list(chars.values())
+        return table
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.hf(list(texts), add_special_tokens=False)["input_ids"] if texts else []

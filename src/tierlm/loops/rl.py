@@ -257,7 +257,7 @@ class RLTrainer:
             update = self.backend.optim_step().wait()
             value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
         t3 = time.perf_counter()
-        totals = self._step_totals(step, groups, rewards, shaping)
+        totals = self._step_totals(step, groups, rollouts, rewards, shaping)
         n, tokens = totals["rows"], totals["tokens"]
         self.state.rollout_tokens += int(tokens)
         reward_mean = totals["reward"] / n
@@ -329,11 +329,15 @@ class RLTrainer:
         return mean((old - batch["sampler_logprobs"]).abs()), figures
 
     def _step_totals(
-        self, step: int, groups: list[list[Rollout]], rewards: torch.Tensor, shaping: list[float]
+        self,
+        step: int,
+        groups: list[list[Rollout]],
+        rollouts: list[Rollout],
+        rewards: torch.Tensor,
+        shaping: list[float],
     ) -> dict[str, float]:
-        """The statistics of the whole step, summed over every rank's rollouts: the loss's, the sampling's, the
-        rewards' and the completions'."""
-        rollouts = [r for g in groups for r in g]
+        """The statistics of the whole step (`rollouts`: the groups' rows, one after another), summed over every
+        rank's: the loss's, the sampling's, the rewards' and the completions'."""
         nothing_dropped = {"dropped_groups": 0.0, "extra_draws": 0.0} if self.rl.dynamic_sampling else {}
         sampling = self._sampling.pop(step, nothing_dropped)
         return self._sum_over_ranks(

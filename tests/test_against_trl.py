@@ -18,7 +18,7 @@ from tierlm.config import DPOConfig  # noqa: E402
 from tierlm.models import forward_logits, save_model_folder  # noqa: E402
 from tierlm.models.reward import add_score_head  # noqa: E402
 from tierlm.primitives.losses import IGNORE_INDEX  # noqa: E402
-from tierlm.stages.dpo import preference_strategy  # noqa: E402
+from tierlm.strategies.dpo import preference_strategy  # noqa: E402
 from tierlm.strategies.reward import RewardStrategy  # noqa: E402
 
 PAIRS = [
@@ -154,6 +154,7 @@ def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, their
 
     from tierlm.config import RLConfig
     from tierlm.strategies.rl import policy_gradient_strategy
+    from tierlm.strategies.rl_losses import resolve_rl
 
     hf = tiny_tokenizer.hf
     policy = _model(hf, 0)
@@ -203,6 +204,6 @@ def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, their
         theirs = trainer._compute_loss(trainer.model, inputs)
         batch["old_logprobs"] = torch.zeros(B, P + C - 1)
         batch["old_logprobs"][:, P - 1 :] = old * completion_mask
-        strategy = policy_gradient_strategy(RLConfig(loss=loss, max_new_tokens=C, **ours_kwargs))
+        strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss=loss, max_new_tokens=C, **ours_kwargs)))
         total, count = strategy.compute_loss(forward_logits(policy, batch), batch)
     assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)

@@ -90,3 +90,31 @@ def test_cli_errors_are_one_line_exit_2(args, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("tierlm: error: "), result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists(), "a failed start must not write a run directory"
+
+
+def test_a_stage_receives_its_config_resolved_once_and_frozen(tiny_runs, tmp_path):
+    """`run_stage` resolves the config in one place (`resolve_config`: the stage's section against its table, its
+    parallelism) and the stage's `run` receives it frozen: the RL loss's defaults filled in, no field assignable."""
+    from tierlm.stages import RL, run_stage
+
+    seen = {}
+
+    class Looking(RL):
+        def run(self, run, callbacks=None):
+            seen["config"] = run.config
+            with pytest.raises(TypeError, match="frozen"):
+                run.config.rl.kl_coef = 1.0
+            with pytest.raises(TypeError, match="frozen"):
+                run.config.training = run.config.training.model_copy()
+            return {}
+
+    config = TierlmConfig.load(
+        "tiny_rl", [f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.loss=dapo", f"infra.output_dir={tmp_path}"]
+    )
+    assert config.rl.clip_high is None and not config.is_frozen
+    run_stage(config, Looking())
+    resolved = seen["config"]
+    assert resolved.is_frozen and resolved.rl.is_frozen
+    assert (resolved.rl.clip_low, resolved.rl.clip_high, resolved.rl.dynamic_sampling) == (0.2, 0.28, True)
+    assert resolved.infra.distributed_type == "none"  # RL's parallelism: auto without torchrun
+    assert config.rl.clip_high is None  # the caller's config is left as it was

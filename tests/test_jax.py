@@ -341,8 +341,10 @@ def test_the_policy_gradient_losses_have_jax_twins(loss):
     with stale old log-probs, a KL reference and off-policy importance weights."""
     import jax
 
+    from tierlm.config import RLConfig
     from tierlm.primitives.jax_losses import jax_twin
-    from tierlm.strategies.rl import PolicyGradientStrategy
+    from tierlm.strategies.rl import policy_gradient_strategy
+    from tierlm.strategies.rl_losses import resolve_rl
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 7, generator=g)
@@ -356,7 +358,9 @@ def test_the_policy_gradient_losses_have_jax_twins(loss):
         "ref_logprobs": near + 0.1 * torch.randn(3, 5, generator=g),
         "importance": torch.rand(3, 5, generator=g) + 0.5,
     }
-    strategy = PolicyGradientStrategy(0.2, kl_coef=0.05, temperature=0.8, loss=loss, max_new_tokens=5)
+    teacher = {"teacher": "t"} if loss == "distill" else {}
+    rl = resolve_rl(RLConfig(loss=loss, kl_coef=0.05, temperature=0.8, max_new_tokens=5, **teacher))
+    strategy = policy_gradient_strategy(rl)
     leaf = logits.clone().requires_grad_(True)
     total, count = strategy.compute_loss(leaf, batch)
     total.backward()

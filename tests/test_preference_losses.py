@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tierlm.config import DPOConfig, TierlmConfig
+from tierlm.errors import ConfigError
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.stages.dpo import preference_strategy
+from tierlm.strategies.dpo import preference_strategy, resolve_dpo
 
 N, T, V = 3, 7, 11  # pairs, positions, vocabulary
 
@@ -122,8 +123,8 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
     ],
 )
 def test_preference_settings_that_contradict_are_refused(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        DPOConfig(**overrides)
+    with pytest.raises((ValueError, ConfigError), match=message):
+        resolve_dpo(DPOConfig(**overrides))
 
 
 def test_kto_equals_its_formula_with_the_kl_rows_giving_no_gradient():

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tierlm.config import RLConfig
+from tierlm.errors import ConfigError
 from tierlm.strategies.rl import batch_advantages, group_advantages, leave_one_out_advantages, policy_gradient_strategy
-from tierlm.strategies.rl_losses import LOSSES
+from tierlm.strategies.rl_losses import RL_LOSSES, resolve_rl
 
 G, B, T, L = 4, 8, 6, 6  # group size, rows (2 groups), positions, max_new_tokens
 
@@ -125,14 +126,14 @@ def ref_advantages(loss: str, rewards: torch.Tensor) -> list[float]:
 def test_each_loss_equals_its_papers_formula(loss):
     overrides, reference = CASES[loss]
     rl = RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides)
-    strategy = policy_gradient_strategy(rl)
+    strategy = policy_gradient_strategy(resolve_rl(rl))
     lp0, old, mask, rewards = _batch()
     advantages = strategy.advantages(rewards, G)
     torch.testing.assert_close(advantages, torch.tensor(ref_advantages(loss, rewards)), atol=1e-6, rtol=1e-6)
 
     ours_lp = lp0.clone().requires_grad_(True)
     batch = {"advantages": advantages, "old_logprobs": old}
-    total, count, _ = LOSSES[loss](ours_lp, batch, mask, strategy.settings)
+    total, count, _ = RL_LOSSES[loss].fn(ours_lp, batch, mask, strategy.settings)
     (total / count).backward()
     ref_lp = lp0.clone().requires_grad_(True)
     expected = reference(ref_lp, old, mask, advantages.tolist())
@@ -145,10 +146,10 @@ def test_each_loss_equals_its_papers_formula(loss):
 
 def test_reinforce_is_the_token_mean_of_advantage_times_log_prob():
     lp0, _, mask, rewards = _batch()
-    strategy = policy_gradient_strategy(RLConfig(loss="reinforce", group_size=G))
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="reinforce", group_size=G)))
     adv = strategy.advantages(rewards, G)
     lp = lp0.clone().requires_grad_(True)
-    total, count, _ = LOSSES["reinforce"](lp, {"advantages": adv}, mask, strategy.settings)
+    total, count, _ = RL_LOSSES["reinforce"].fn(lp, {"advantages": adv}, mask, strategy.settings)
     (total / count).backward()
     ref = lp0.clone().requires_grad_(True)
     ref_reinforce(ref, mask, adv.tolist()).backward()
@@ -160,12 +161,12 @@ def test_micro_batches_normalise_as_the_whole_batch(loss):
     """Summed losses over summed normalisers of two micro-batches = the whole batch's loss: sequence means,
     token means and Dr. GRPO's constant all survive gradient accumulation (and ranks) unchanged."""
     overrides, _ = CASES[loss]
-    strategy = policy_gradient_strategy(RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides))
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides)))
     lp, old, mask, rewards = _batch(1)
     adv = strategy.advantages(rewards, G)
-    whole, whole_n, _ = LOSSES[loss](lp, {"advantages": adv, "old_logprobs": old}, mask, strategy.settings)
+    whole, whole_n, _ = RL_LOSSES[loss].fn(lp, {"advantages": adv, "old_logprobs": old}, mask, strategy.settings)
     parts = [
-        LOSSES[loss](lp[s], {"advantages": adv[s], "old_logprobs": old[s]}, mask[s], strategy.settings)
+        RL_LOSSES[loss].fn(lp[s], {"advantages": adv[s], "old_logprobs": old[s]}, mask[s], strategy.settings)
         for s in (slice(0, 3), slice(3, B))
     ]
     split = sum(p[0] for p in parts) / sum(p[1] for p in parts)
@@ -177,8 +178,8 @@ def test_clip_statistics_count_the_tokens_the_clip_silences():
     gradient and is counted on its side."""
     lp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.25]])).requires_grad_(True)  # ratios against old = 0
     batch = {"advantages": torch.tensor([[1.0, -1.0, 1.0, 1.0]]), "old_logprobs": torch.zeros(1, 4)}
-    strategy = policy_gradient_strategy(RLConfig(loss="dapo"))
-    total, count, stats = LOSSES["dapo"](lp, batch, torch.ones(1, 4), strategy.settings)
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="dapo")))
+    total, count, stats = RL_LOSSES["dapo"].fn(lp, batch, torch.ones(1, 4), strategy.settings)
     total.backward()
     assert lp.grad[0, :2].abs().sum() == 0 and (lp.grad[0, 2:] != 0).all()  # 1.25 < 1.28: not clipped
     assert (stats["clip_high_sum"], stats["clip_low_sum"], stats["clip_n_sum"]) == (1, 1, 4)
@@ -204,7 +205,10 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
         ({"loss": "cispo", "clip_low": 0.1}, "caps its importance weights from above only"),
         ({"loss": "reinforce", "clip_high": 0.2}, "clips nothing"),
         ({"loss": "dr_grpo", "normalize_std": True}, "without the std division"),
-        ({"loss": "rloo", "normalize_std": False}, "has its own baseline"),
+        ({"loss": "rloo", "normalize_std": True}, "has its own baseline"),
+        ({"loss": "grpo", "critic": True}, "rl.critic trains PPO's value model"),
+        ({"loss": "distill", "teacher": "t", "reward_model": "rm"}, "not rewards"),
+        ({"loss": "no_such_loss"}, "rl.loss=no_such_loss is not one of reinforce, grpo"),
         ({"loss": "grpo", "algorithm": "ppo"}, "disagree"),
         ({"overlong_buffer": 32, "max_new_tokens": 32}, "must be below rl.max_new_tokens"),
         ({"loss": "distill"}, "rl.loss=distill learns from rl.teacher"),
@@ -212,8 +216,9 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
     ],
 )
 def test_loss_settings_that_contradict_are_refused(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        RLConfig(**overrides)
+    """Field by field in the section (ValueError), against the loss's row when the run is resolved (ConfigError)."""
+    with pytest.raises((ValueError, ConfigError), match=message):
+        resolve_rl(RLConfig(**overrides))
 
 
 @pytest.mark.slow
@@ -255,9 +260,9 @@ def test_distill_is_reinforce_on_the_teachers_per_token_log_ratio():
     lp0, _, mask, _ = _batch(2)
     teacher = lp0 + 0.5 * torch.randn(B, T, generator=torch.Generator().manual_seed(3))
     adv = (teacher - lp0) * mask
-    strategy = policy_gradient_strategy(RLConfig(loss="distill", teacher="t"))
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="distill", teacher="t")))
     lp = lp0.clone().requires_grad_(True)
-    total, count, _ = LOSSES["distill"](lp, {"advantages": adv}, mask, strategy.settings)
+    total, count, _ = RL_LOSSES["distill"].fn(lp, {"advantages": adv}, mask, strategy.settings)
     (total / count).backward()
     ref = lp0.clone().requires_grad_(True)
     ts = _seq_list(mask)
@@ -281,3 +286,37 @@ def test_distillation_runs_and_logs_the_students_kl_to_its_teacher(tiny_runs, tm
     assert main([*args, f"infra.output_dir={out}"]) == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert len(train) == 3 and all(r["teacher_kl"] > 0 for r in train), train
+
+
+@pytest.mark.slow
+def test_a_new_loss_is_one_function_and_one_row(tiny_runs, tmp_path, monkeypatch, capsys):
+    """The README's promise, kept: a loss nobody wrote before (the token-level REINFORCE surrogate squared, a toy)
+    added as one function and one row of `RL_LOSSES` trains a step of `tierlm rl`, its setting refused by the same
+    row's rules (a clip on a loss that fixes none), and the JAX backend refuses it (no twin) in one line."""
+    import json
+
+    from tierlm.commands.cli import main
+    from tierlm.strategies.rl_losses import RLLoss, normalise
+
+    calls = []
+
+    def toy(logprobs, batch, mask, s):
+        calls.append(logprobs.shape)
+        per_tok = -(batch["advantages"].float()[:, None] * logprobs) ** 2
+        return (*normalise(per_tok, mask, s.normalise), {})
+
+    row = RLLoss("a toy", fn=toy, jax=None, clip=(None, None), fixed={"clip_low": None}, why="toy clips nothing")
+    monkeypatch.setitem(RL_LOSSES, "toy", row)
+    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.loss=toy"]
+    args += ["rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=4", "rl.eval_problems=2", "rl.eval_k=1"]
+    args += ["training.num_train_steps=1", "training.eval_steps=0", "training.logging_steps=1"]
+    args += ["infra.device_type=cpu", "data.num_synthetic_examples=40", "data.num_synthetic_eval_examples=4"]
+    assert main([*args, f"infra.output_dir={tmp_path / 'run'}"]) == 0
+    train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
+    assert [r["step"] for r in train if r["type"] == "train"] == [1] and calls
+    capsys.readouterr()
+    assert main([*args, "rl.clip_low=0.1", f"infra.output_dir={tmp_path / 'refused'}"]) == 2
+    assert capsys.readouterr().err.strip().endswith("toy clips nothing")
+    assert main([*args, "infra.backend=jax", f"infra.output_dir={tmp_path / 'jax'}"]) == 2
+    assert "rl.loss=toy has no JAX twin" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "jax").exists()

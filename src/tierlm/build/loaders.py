@@ -34,6 +34,7 @@ from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, ope
 from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.errors import ConfigError, DataError
+from tierlm.strategies.dpo import PREFERENCE_LOSSES
 from tierlm.tasks import synthetic_name
 
 
@@ -419,7 +420,7 @@ def build_pair_loaders(
         raise ConfigError(
             "DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming"
         )
-    kto = config.dpo.loss_type == "kto"
+    kto = not PREFERENCE_LOSSES[config.dpo.loss_type].paired  # unpaired judged replies
     trains, vals = open_splits(config, "unpaired" if kto else "preference", tokenizer)
     train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
     what = "replies" if kto else "pairs"

@@ -55,6 +55,11 @@ class Stage:
     """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
     reference or sampler beside the partitioned weights)."""
 
+    def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
+        """The config with this stage's own section checked against its variant table and its defaults filled in
+        (RL: the loss's row; DPO: the preference loss's); one line (a ConfigError) for what contradicts it."""
+        return config
+
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
         """The config as this stage runs under torchrun (`launched`); refuse, in one line, what it cannot shard."""
         return config
@@ -85,3 +90,15 @@ class Stage:
     def run(self, run: Any, callbacks: list | None = None) -> dict:
         """Train: build the model, data, strategy, backend and loop from a prepared run; return the summary."""
         raise NotImplementedError(f"{type(self).__name__} declares no run")
+
+
+def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> TierlmConfig:
+    """The one place a run's config is resolved before anything is built (`tierlm.run.prepare_run`, `tierlm plan`):
+    the stage's section against its variant table and the parallelism it runs under torchrun (`launched`), frozen:
+    what the stage receives, nothing downstream changes in place (the scaling plan derives a new one).
+
+    >>> resolved = resolve_config(TierlmConfig(), Stage(), launched=False)
+    >>> resolved.is_frozen, resolved.training.is_frozen
+    (True, True)
+    """
+    return stage.parallelism(stage.resolve_section(config), launched).frozen()

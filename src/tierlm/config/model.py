@@ -5,11 +5,38 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    _frozen: bool = PrivateAttr(False)
+
+    def frozen(self):
+        """This section as a run receives it once resolved (`tierlm.build.stage.resolve_config`): a copy, its
+        sections too, that no assignment changes; derive another with `model_copy(update=...)`.
+
+        >>> class Seeds(Section):
+        ...     seed: int = 0
+        >>> seeds = Seeds().frozen()
+        >>> seeds.seed = 1
+        Traceback (most recent call last):
+        TypeError: Seeds is a resolved run's config, frozen: derive another with model_copy(update=...)
+        """
+        copy = self.model_copy(update={k: v.frozen() for k, v in self if isinstance(v, Section)})
+        copy.__pydantic_private__ = {**(copy.__pydantic_private__ or {}), "_frozen": True}
+        return copy
+
+    @property
+    def is_frozen(self) -> bool:
+        return bool((self.__pydantic_private__ or {}).get("_frozen"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.is_frozen and not name.startswith("_"):
+            raise TypeError(
+                f"{type(self).__name__} is a resolved run's config, frozen: derive another with model_copy(update=...)"
+            )
+        super().__setattr__(name, value)
 
 
 class RAConfig(Section):

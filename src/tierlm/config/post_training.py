@@ -11,18 +11,11 @@ from tierlm.config.model import Section
 
 
 class RLConfig(Section):
-    loss: (
-        Literal["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "distill"]
-        | None
-    ) = None
-    """The policy-gradient loss (`tierlm.strategies.rl_losses`; None: rl.algorithm, else reinforce). reinforce:
-    nanochat's on-policy REINFORCE with a group-mean baseline; grpo: advantages divided by the group std, clipped
-    ratio, each sequence's token mean; dapo: decoupled clip (rl.clip_low / rl.clip_high), token-level mean, dynamic
-    sampling; dr_grpo: no std division, no length normalisation; gspo: one clipped ratio per sequence; cispo:
-    clipped, detached importance weights on every token; rloo: leave-one-out baselines; reinforce_pp: advantages
-    normalised over the whole batch; ppo: clipped ratio over stored old log-probs for ppo_epochs (a critic
-    optional); distill: on-policy distillation from rl.teacher (each token's advantage is the teacher's log-prob
-    minus the student's)."""
+    loss: str | None = None
+    """The policy-gradient loss, a row of `tierlm.strategies.rl_losses.RL_LOSSES` (None: rl.algorithm, else
+    reinforce): reinforce, grpo, dapo, dr_grpo, gspo, cispo, rloo, reinforce_pp, ppo (a critic optional), distill
+    (on-policy distillation from rl.teacher). The docs' RL losses page has each one's formula and defaults; a run
+    resolves the loss's defaults (clip bounds, std division, dynamic sampling) once, before anything is written."""
     teacher: str | None = None
     """rl.loss=distill: the teacher (a tierlm or transformers model folder, run directory or hub id) sharing the
     student's tokenizer; it scores every sampled token."""
@@ -142,30 +135,13 @@ class RLConfig(Section):
                 f"rl.algorithm={self.algorithm} and rl.loss={self.loss} disagree: rl.algorithm is rl.loss's older "
                 "name, give one"
             )
-        loss = self.loss or self.algorithm or "reinforce"
-        object.__setattr__(self, "loss", loss)  # resolved once (validate_assignment would re-enter this validator)
-        object.__setattr__(self, "algorithm", None)
-        if self.critic and loss != "ppo":
-            raise ValueError(
-                f"rl.critic trains PPO's value model: set rl.loss=ppo (or drop rl.critic; {loss} uses group baselines)"
-            )
-        if (loss == "distill") != (self.teacher is not None):
-            raise ValueError(
-                "rl.loss=distill learns from rl.teacher's log-probs: give both (rl.loss=distill rl.teacher=FOLDER)"
-            )
-        if loss in ("reinforce", "distill") and (self.clip_low is not None or self.clip_high is not None):
-            raise ValueError(f"rl.loss={loss} clips nothing: drop rl.clip_low / rl.clip_high, or pick a clipped loss")
-        if loss == "cispo" and self.clip_low is not None:
-            raise ValueError("rl.loss=cispo caps its importance weights from above only: drop rl.clip_low")
+        object.__setattr__(self, "loss", self.loss or self.algorithm or "reinforce")  # (validate_assignment would
+        object.__setattr__(self, "algorithm", None)  # re-enter this validator); the loss's own rules: resolve_rl
         if self.clip_low is not None and self.clip_high is not None and self.clip_low > self.clip_high:
             raise ValueError(
                 f"rl.clip_low ({self.clip_low}) > rl.clip_high ({self.clip_high}): the decoupled clip widens the "
                 "upper side (DAPO: 0.2 / 0.28)"
             )
-        if loss == "dr_grpo" and self.normalize_std:
-            raise ValueError("rl.loss=dr_grpo is GRPO without the std division: drop rl.normalize_std")
-        if loss in ("rloo", "reinforce_pp") and self.normalize_std is not None:
-            raise ValueError(f"rl.loss={loss} has its own baseline: drop rl.normalize_std")
         if self.overlong_buffer >= self.max_new_tokens:
             raise ValueError(
                 f"rl.overlong_buffer ({self.overlong_buffer}) must be below rl.max_new_tokens ({self.max_new_tokens})"
@@ -175,10 +151,6 @@ class RLConfig(Section):
                 "rl.reward_model_weight / rl.task_reward_weight weigh a reward model's score against the task's "
                 "reward: give rl.reward_model=FOLDER, or drop them"
             )
-        if loss == "distill" and self.reward_model is not None:
-            raise ValueError("rl.loss=distill learns from the teacher's log-probs, not rewards: drop rl.reward_model")
-        if self.dynamic_sampling is None:
-            object.__setattr__(self, "dynamic_sampling", loss == "dapo")
         return self
 
 
@@ -188,10 +160,11 @@ class DPOConfig(Section):
     reference: Literal["frozen", "precomputed"] = "frozen"
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
     ref_rejected_logp."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "kto"] = "sigmoid"
-    """sigmoid: DPO; ipo: IPO's squared loss on per-token averaged log-probs; hinge: SLiC's; robust: DPO under
-    label noise (dpo.label_smoothing); simpo and orpo: reference-free (no reference model is loaded); kto: KTO on
-    unpaired replies ({prompt, completion, label} rows, TRL's format) instead of pairs."""
+    loss_type: str = "sigmoid"
+    """The preference loss, a row of `tierlm.strategies.dpo.PREFERENCE_LOSSES`: sigmoid (DPO), ipo (IPO's squared
+    loss on per-token averaged log-probs), hinge (SLiC's), robust (DPO under label noise, dpo.label_smoothing),
+    simpo and orpo (reference-free: no reference model is loaded), kto (KTO on unpaired replies: {prompt,
+    completion, label} rows, TRL's format, instead of pairs)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """robust: the assumed share of pairs whose preference is flipped."""
     simpo_gamma: float | None = Field(None, ge=0)
@@ -201,28 +174,6 @@ class DPOConfig(Section):
     """kto: the weight of desirable replies' losses (KTO's lambda_D; raise it when they are outnumbered)."""
     undesirable_weight: float = Field(1.0, gt=0)
     """kto: the weight of undesirable replies' losses (lambda_U)."""
-
-    @model_validator(mode="after")
-    def _check_loss(self) -> "DPOConfig":
-        kind = self.loss_type
-        if kind != "kto" and (self.desirable_weight != 1.0 or self.undesirable_weight != 1.0):
-            raise ValueError(
-                f"dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={kind} does not read them"
-            )
-        if kind == "kto" and self.reference == "precomputed":
-            raise ValueError(
-                "dpo.loss_type=kto computes its reference log-probs (and the KL rows'): drop dpo.reference"
-            )
-        if (kind == "robust") != (self.label_smoothing > 0):
-            raise ValueError(
-                "dpo.label_smoothing is robust DPO's assumed flip rate: set dpo.loss_type=robust with "
-                "0 < dpo.label_smoothing < 0.5, or neither"
-            )
-        if self.simpo_gamma is not None and kind != "simpo":
-            raise ValueError(f"dpo.simpo_gamma is SimPO's margin; dpo.loss_type={kind} does not read it")
-        if kind in ("simpo", "orpo") and self.reference == "precomputed":
-            raise ValueError(f"dpo.loss_type={kind} uses no reference: drop dpo.reference=precomputed")
-        return self
 
 
 class RewardModelConfig(Section):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tierlm.build.model import describe_model, new_model  # noqa: F401  (new_model: with the planner's names, as before)
 from tierlm.build.optimizer import model_width, optimizer_settings, role_learning_rates  # noqa: F401
-from tierlm.build.stage import Stage
+from tierlm.build.stage import Stage, resolve_config
 from tierlm.build.tokenizer import existing_tokenizer, pretrained_location, train_tokenizer
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
@@ -38,6 +38,7 @@ def plan_run(config: TierlmConfig, stage: Stage, world_size: int = 1, vocab_size
     """(resolved config, plan, model on the meta device) of a run, without running it (`tierlm plan`):
     the tokenizer is the one the run would use (trained here when the run would train one), unless
     `vocab_size` sizes a model from scratch directly."""
+    config = resolve_config(config, stage, launched=world_size > 1)
     pretrained = pretrained_location(config)
     if vocab_size is None or pretrained is not None:
         vocab_size = (existing_tokenizer(config, pretrained) or train_tokenizer(config, stage.example_kind)).vocab_size

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from tierlm.build.backend import check_deepspeed, distributed_kind
-from tierlm.build.stage import Stage
+from tierlm.build.stage import Stage, resolve_config
 from tierlm.build.tokenizer import existing_tokenizer, is_seq2seq, pretrained_location, run_tokenizer, train_tokenizer  # noqa: F401
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_best_checkpoint
 from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace_folder
@@ -295,7 +295,8 @@ class Run:
                     "reads a stream or UL2 examples: set training.num_train_steps"
                 )
             batches = train_loader.batches_per_pass()
-        self.config, self.plan = resolve(self.config, self.stage, model, self.data_parallel_size, batches)
+        config, self.plan = resolve(self.config, self.stage, model, self.data_parallel_size, batches)
+        self.config = config.frozen()
         self.note(self.plan.table())  # stdout, with the run summary: stderr stays for problems and progress
         return self.config
 
@@ -368,7 +369,7 @@ class Run:
     def set_batch_size(self, rows: int) -> None:
         from tierlm.plan.batch import with_batch_size
 
-        self.config = with_batch_size(self.config, rows)
+        self.config = with_batch_size(self.config, rows).frozen()
 
     def begin(self, trainer) -> Path | None:
         """Everything is checked: say the plan, create the run directory, record the run, resume, start logging."""
@@ -468,8 +469,10 @@ class Run:
 
 
 def prepare_run(config: TierlmConfig, stage: Stage) -> Run:
-    """Check the run directory and the starting model, join torchrun's group, seed, pick the device,
-    get the tokenizer. Writes nothing (but a new tokenizer shared across ranks)."""
+    """Resolve the config (once: `resolve_config`), check the run directory and the starting model, join
+    torchrun's group, seed, pick the device, get the tokenizer. Writes nothing (but a new tokenizer shared across
+    ranks)."""
+    config = resolve_config(config, stage, launched_distributed())
     latest = check_run_directory(config, stage.name)
     pretrained = pretrained_location(config)
     if stage.starts_from_trained and pretrained is None:
@@ -486,11 +489,10 @@ def prepare_run(config: TierlmConfig, stage: Stage) -> Run:
         torch.set_num_threads(infra.num_threads)
     if infra.distributed_type == "deepspeed":
         check_deepspeed(config, stage)
-    parallel = stage.parallelism(config, launched_distributed())
-    ctx = distributed_context(parallel)
+    ctx = distributed_context(config)
     seed_everything(config.training.seed)  # the same on every rank: identical initial weights
     device = ctx.device if ctx is not None else resolve_device(infra.device_type, infra.gpu_rank)
-    run = Run(config, stage, ctx, device, pretrained, latest, kind=distributed_kind(parallel, ctx))
+    run = Run(config, stage, ctx, device, pretrained, latest, kind=distributed_kind(config, ctx))
     run.tokenizer = run_tokenizer(config, stage.example_kind, pretrained, ctx, latest)
     if stage.needs_chat_template and not run.tokenizer.has_chat_template:
         raise DataError(f"{pretrained} has no chat template: {stage.name} needs a chat model (run tierlm sft first)")

@@ -16,19 +16,12 @@ from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
-from tierlm.strategies.dpo import REFERENCE_FREE, DPOStrategy, KTOStrategy
+from tierlm.strategies.dpo import PREFERENCE_LOSSES, preference_strategy, resolve_dpo
 from tierlm.tasks import synthetic_name
 
 
 def uses_frozen_reference(config: TierlmConfig) -> bool:
-    return config.dpo.reference == "frozen" and config.dpo.loss_type not in REFERENCE_FREE
-
-
-def preference_strategy(dpo, reference=None) -> DPOStrategy | KTOStrategy:
-    if dpo.loss_type == "kto":
-        return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
-    gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else 0.5
-    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma)
+    return config.dpo.reference == "frozen" and PREFERENCE_LOSSES[config.dpo.loss_type].reference
 
 
 class DPO(Stage):
@@ -42,16 +35,28 @@ class DPO(Stage):
     token_rows = False
     rows_per_example = 2  # a pair's chosen and rejected rows
 
+    def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
+        """dpo.* checked against its loss's row (`resolve_dpo`); the JAX backend trains the losses with a twin."""
+        dpo = resolve_dpo(config.dpo)
+        if config.infra.backend == "jax" and not PREFERENCE_LOSSES[dpo.loss_type].jax:
+            twins = [name for name, row in PREFERENCE_LOSSES.items() if row.jax]
+            raise ConfigError(
+                f"the JAX backend trains dpo.loss_type={' / '.join(twins)}; dpo.loss_type={dpo.loss_type} needs "
+                "infra.backend=pytorch"
+            )
+        return config.model_copy(update={"dpo": dpo})
+
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
         """Pipeline stages run the loss one micro-batch of whole pairs at a time: the pairs must split evenly, and
         KTO's KL estimate is the whole batch's."""
         infra, pairs = config.infra, config.training.per_device_train_batch_size
         if infra.pipeline_parallel_size > 1:
             pieces = infra.pipeline_pieces
-            if config.dpo.loss_type == "kto":
+            if not PREFERENCE_LOSSES[config.dpo.loss_type].paired:
                 raise ConfigError(
-                    "dpo.loss_type=kto estimates its KL from the whole batch, which pipeline stages see one "
-                    "micro-batch at a time: drop infra.pipeline_parallel_size (tensor parallelism or FSDP2 run it)"
+                    f"dpo.loss_type={config.dpo.loss_type} estimates its KL from the whole batch, which pipeline "
+                    "stages see one micro-batch at a time: drop infra.pipeline_parallel_size (tensor parallelism or "
+                    "FSDP2 run it)"
                 )
             if isinstance(pairs, int) and pairs % pieces:
                 raise ConfigError(
@@ -65,9 +70,10 @@ class DPO(Stage):
 
     def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
         batch, _ = super().trace_batch(config, rows, tokens)
-        if config.dpo.loss_type not in REFERENCE_FREE:
+        row = PREFERENCE_LOSSES[config.dpo.loss_type]
+        if row.reference:
             batch["ref_logps"] = torch.zeros(rows)
-        if config.dpo.loss_type == "kto":  # half the rows are the KL estimate's
+        if not row.paired:  # half the rows are the KL estimate's
             batch["kto_label"] = torch.ones(rows // 2)
         return batch, preference_strategy(config.dpo).compute_loss
 
@@ -89,11 +95,6 @@ class DPO(Stage):
         )  # pairs stay whole
         config = run.resolve(model, train_loader)
         jax = config.infra.backend == "jax"
-        if jax and config.dpo.loss_type != "sigmoid":
-            raise ConfigError(
-                f"the JAX backend trains DPO's sigmoid loss; dpo.loss_type={config.dpo.loss_type} needs "
-                "infra.backend=pytorch"
-            )
         frozen = uses_frozen_reference(config)  # never for simpo / orpo: they compare the policy with itself
         strategy = preference_strategy(config.dpo, frozen_reference(model, run.device) if frozen and not jax else None)
 

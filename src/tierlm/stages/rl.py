@@ -21,6 +21,7 @@ from tierlm.loops.rl import PromptPasses, RLTrainer, check_parity, optimizer_sch
 from tierlm.models import model_max_seq_len
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, ValueStrategy, policy_gradient_strategy
+from tierlm.strategies.rl_losses import RL_LOSSES, resolve_rl
 
 
 class RL(Stage):
@@ -34,6 +35,13 @@ class RL(Stage):
     packing = None
     token_rows = False
     micro_batch_key = "rl.micro_batch_size"
+
+    def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
+        """rl.* with its loss's defaults (`resolve_rl`); a loss without a JAX twin refused on the JAX backend."""
+        rl = resolve_rl(config.rl)
+        if config.infra.backend == "jax" and RL_LOSSES[rl.loss].jax is None:
+            raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
+        return config.model_copy(update={"rl": rl})
 
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
         """Under torchrun each rank samples its share of the prompts and trains on them: DDP (auto), or FSDP2
@@ -96,7 +104,7 @@ class RL(Stage):
         reference = frozen_reference(model, run.device) if rl.kl_coef > 0 else None
         teacher = load_teacher(rl.teacher, tokenizer, run.device) if rl.teacher else None
         schedule = optimizer_schedule(config, world)  # the LR schedule counts optimizer steps
-        parallel = self.parallelism(config, run.ctx is not None).model_copy(update={"training": schedule})
+        parallel = config.model_copy(update={"training": schedule})
         critic = None
         if rl.critic:  # a copy of the policy, made before the policy is wrapped
             folder = run.output_dir / "critic_checkpoints"

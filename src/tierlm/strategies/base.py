@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from tierlm.errors import ConfigError
 from tierlm.primitives.losses import (
     IGNORE_INDEX,
     cross_entropy_sum,
@@ -17,6 +19,58 @@ from tierlm.primitives.losses import (
 )
 
 Batch = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """What a row of a variant table (`RL_LOSSES`, `PREFERENCE_LOSSES`) says about its section's other settings;
+    `check_variant` reads it, so no validator anywhere asks a variant's name."""
+
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """Settings the variant fixes: set to anything else, refused."""
+    needs: tuple[str, ...] = ()
+    """Settings it cannot run without: left at their defaults, refused."""
+    reads: tuple[str, ...] = ()
+    """Opt-in settings only some variants read: set for a variant that does not read them, refused with the line of
+    one that does."""
+    why: str | dict[str, str] = ""
+    """The one line that refuses a setting (or one line per setting); `{name}` is the chosen variant's name."""
+
+    def line(self, setting: str, name: str) -> str:
+        why = self.why.get(setting, "") if isinstance(self.why, dict) else self.why
+        return why.format(name=name)
+
+
+def check_variant(section, key: str, table: Mapping[str, Variant], prefix: str) -> Variant:
+    """The row of `table` that `section.<key>` names, after refusing in one line (a ConfigError) every setting of
+    `section` that contradicts it.
+
+    >>> from pydantic import BaseModel
+    >>> class Section(BaseModel):
+    ...     kind: str = "a"
+    ...     width: int = 0
+    >>> table = {"a": Variant(), "b": Variant(reads=("width",), why="width is b's: set kind=b")}
+    >>> check_variant(Section(kind="b", width=3), "kind", table, "s") is table["b"]
+    True
+    >>> check_variant(Section(width=3), "kind", table, "s")
+    Traceback (most recent call last):
+    tierlm.errors.ConfigError: width is b's: set kind=b
+    """
+    name = getattr(section, key)
+    if name not in table:
+        raise ConfigError(f"{prefix}.{key}={name} is not one of {', '.join(table)}: pick one of them")
+    row, defaults = table[name], type(section).model_fields
+    for setting, value in row.fixed.items():
+        if getattr(section, setting) not in (defaults[setting].default, value):
+            raise ConfigError(row.line(setting, name))
+    for setting in row.needs:
+        if getattr(section, setting) == defaults[setting].default:
+            raise ConfigError(row.line(setting, name))
+    for other in table.values():
+        for setting in set(other.reads) - set(row.reads):
+            if getattr(section, setting) != defaults[setting].default:
+                raise ConfigError(other.line(setting, name))
+    return row
 
 
 @runtime_checkable

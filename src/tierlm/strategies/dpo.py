@@ -25,12 +25,15 @@ model that `prepare_batch` runs.
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
+from tierlm.errors import ConfigError
 from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs
+from tierlm.strategies.base import Variant, check_variant
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -59,10 +62,141 @@ def dpo_loss(
     return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
 
 
-REFERENCE_FREE = ("simpo", "orpo")
-"""Preference losses that compare the policy with itself: no reference model is loaded for them."""
-AVERAGED = ("ipo", "simpo", "orpo")
-"""Losses on log-probs averaged over each response's tokens (the others sum them)."""
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """What a preference loss reads from the dpo section."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # robust: the assumed flip rate
+    simpo_gamma: float = 0.5  # simpo: the target margin
+
+
+def _rewards(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings):
+    """(h, chosen rewards, rejected rewards): h = (pi_c - ref_c) - (pi_r - ref_r); rewards beta (pi - ref)."""
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    return h, s.beta * (chosen - ref_chosen), s.beta * (rejected - ref_rejected)
+
+
+def sigmoid(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """DPO (Rafailov et al., 2023): -log sigmoid(beta h)."""
+    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, s.beta)
+
+
+def robust(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """Robust DPO (Chowdhury et al., 2024) under a flip rate e: (-(1 - e) log sig(beta h) + e log sig(-beta h)) /
+    (1 - 2e)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    e = s.label_smoothing
+    return (-(1 - e) * F.logsigmoid(s.beta * h) + e * F.logsigmoid(-s.beta * h)) / (1 - 2 * e), rc, rr
+
+
+def hinge(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """SLiC's hinge (Zhao et al., 2023): max(0, 1 - beta h)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return torch.relu(1 - s.beta * h), rc, rr
+
+
+def ipo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """IPO (Azar et al., 2023): (h - 1 / (2 beta))^2 on log-probs averaged over each response's tokens."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return (h - 1 / (2 * s.beta)) ** 2, rc, rr
+
+
+def simpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """SimPO (Meng et al., 2024), reference-free: -log sigmoid(beta (a_c - a_r) - gamma)."""
+    rewards = s.beta * chosen.detach(), s.beta * rejected.detach()
+    return -F.logsigmoid(s.beta * (chosen - rejected) - s.simpo_gamma), *rewards
+
+
+def orpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """ORPO (Hong et al., 2024), reference-free: NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r))."""
+    assert chosen_nll is not None, "ORPO adds the chosen responses' NLL"
+    log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+    return chosen_nll - s.beta * F.logsigmoid(log_odds), s.beta * chosen.detach(), s.beta * rejected.detach()
+
+
+@dataclass(frozen=True)
+class PreferenceLoss(Variant):
+    """One `dpo.loss_type`: its per-pair function and what makes it itself, read by `resolve_dpo`, the strategy
+    factory (`preference_strategy`), the DPO stage and its loaders. Adding one is a function and a row of
+    `PREFERENCE_LOSSES`."""
+
+    about: str
+    fn: Callable | None = None
+    """(chosen, rejected, ref chosen, ref rejected log-probs (N,), PreferenceSettings, chosen NLL) -> per pair
+    (loss, chosen reward, rejected reward); None: KTO's own strategy (`KTOStrategy`)."""
+    reference: bool = True
+    """It compares with a reference model (frozen, or the data's precomputed log-probs); False: none is loaded."""
+    averaged: bool = False
+    """Its log-probs are averaged over each response's tokens (the others sum them)."""
+    paired: bool = True
+    """It reads chosen / rejected pairs; False: unpaired judged replies (KTO's), with a KL estimate's rows."""
+    jax: bool = False
+    """The JAX backend trains it (`tierlm.primitives.jax_losses.dpo_loss`)."""
+
+
+PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
+    "sigmoid": PreferenceLoss("DPO (Rafailov et al., 2023)", sigmoid, jax=True),
+    "ipo": PreferenceLoss("IPO (Azar et al., 2023), on per-token averaged log-probs", ipo, averaged=True),
+    "hinge": PreferenceLoss("SLiC's hinge (Zhao et al., 2023)", hinge),
+    "robust": PreferenceLoss(
+        "robust DPO under label noise (Chowdhury et al., 2024)",
+        robust,
+        needs=("label_smoothing",),
+        reads=("label_smoothing",),
+        why="dpo.label_smoothing is robust DPO's assumed flip rate: set dpo.loss_type=robust with 0 < "
+        "dpo.label_smoothing < 0.5, or neither",
+    ),
+    "simpo": PreferenceLoss(
+        "SimPO (Meng et al., 2024), reference-free",
+        simpo,
+        reference=False,
+        averaged=True,
+        reads=("simpo_gamma",),
+        why="dpo.simpo_gamma is SimPO's margin; dpo.loss_type={name} does not read it",
+    ),
+    "orpo": PreferenceLoss("ORPO (Hong et al., 2024), reference-free", orpo, reference=False, averaged=True),
+    "kto": PreferenceLoss(
+        "KTO (Ethayarajh et al., 2024) on unpaired judged replies",
+        paired=False,
+        fixed={"reference": "frozen"},
+        reads=("desirable_weight", "undesirable_weight"),
+        why={
+            "reference": "dpo.loss_type=kto computes its reference log-probs (and the KL rows'): drop dpo.reference",
+            "desirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
+            "read them",
+            "undesirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
+            "read them",
+        },
+    ),
+}
+"""dpo.loss_type -> what it is: the one place a preference loss is named."""
+
+
+def resolve_dpo(dpo):
+    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it). Done once, when
+    a run's config is resolved.
+
+    >>> from tierlm.config import DPOConfig
+    >>> resolve_dpo(DPOConfig(loss_type="simpo", simpo_gamma=1.0)).simpo_gamma
+    1.0
+    >>> resolve_dpo(DPOConfig(loss_type="simpo", reference="precomputed"))
+    Traceback (most recent call last):
+    tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
+    """
+    row = check_variant(dpo, "loss_type", PREFERENCE_LOSSES, "dpo")
+    if not row.reference and dpo.reference == "precomputed":
+        raise ConfigError(f"dpo.loss_type={dpo.loss_type} uses no reference: drop dpo.reference=precomputed")
+    return dpo
+
+
+def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
+    """The strategy of a `dpo` section: its loss's row (pairs, or KTO's unpaired replies) and settings; `reference`
+    is the frozen reference model (None: precomputed log-probs, or a reference-free loss)."""
+    if not PREFERENCE_LOSSES[dpo.loss_type].paired:
+        return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
+    gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
+    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma)
 
 
 def preference_loss(
@@ -85,26 +219,8 @@ def preference_loss(
     >>> loss.item()   # max(0, 1 - 0.25 * 2)
     0.5
     """
-    if loss_type in REFERENCE_FREE:
-        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
-        if loss_type == "simpo":
-            return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma), chosen_rewards, rejected_rewards
-        log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
-        assert chosen_nll is not None, "ORPO adds the chosen responses' NLL"
-        return chosen_nll - beta * F.logsigmoid(log_odds), chosen_rewards, rejected_rewards
-    if loss_type == "sigmoid":
-        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
-    chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)
-    if loss_type == "robust":
-        e = label_smoothing
-        losses = (-(1 - e) * F.logsigmoid(beta * h) + e * F.logsigmoid(-beta * h)) / (1 - 2 * e)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        assert loss_type == "ipo", f"unknown preference loss {loss_type!r}"
-        losses = (h - 1 / (2 * beta)) ** 2
-    return losses, chosen_rewards, rejected_rewards
+    settings = PreferenceSettings(beta, label_smoothing, simpo_gamma)
+    return PREFERENCE_LOSSES[loss_type].fn(chosen, rejected, ref_chosen, ref_rejected, settings, chosen_nll)
 
 
 class DPOStrategy:
@@ -122,12 +238,12 @@ class DPOStrategy:
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
         when batches carry precomputed `ref_logps`, or for a reference-free loss."""
         assert beta > 0, f"beta must be > 0, got {beta}"
-        self.beta, self.reference, self.loss_type = beta, reference, loss_type
-        self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
+        self.reference, self.loss_type, self.row = reference, loss_type, PREFERENCE_LOSSES[loss_type]
+        self.beta, self.settings = beta, PreferenceSettings(beta, label_smoothing, simpo_gamma)
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         out = dict(batch)
-        if self.loss_type in REFERENCE_FREE:
+        if not self.row.reference:
             return out
         if "ref_logps" not in out:
             assert self.reference is not None, "DPO needs a reference model or precomputed ref_logps in the batch"
@@ -136,26 +252,17 @@ class DPOStrategy:
 
     def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         logps = sequence_logprobs(logits, batch["labels"])
-        if self.loss_type in AVERAGED:
+        if self.row.averaged:
             logps = logps / (batch["labels"] != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
         return {"logps": logps}
 
     def _pairs(self, logits: torch.Tensor, batch: Batch):
         policy = self._logps(logits, batch)["logps"]
         n = policy.shape[0] // 2
-        ref = batch["ref_logps"].to(policy.device) if self.loss_type not in REFERENCE_FREE else None
-        nll = -policy[:n] if self.loss_type == "orpo" else None  # the chosen rows' mean token NLL
-        losses = preference_loss(
-            self.loss_type,
-            policy[:n],
-            policy[n:],
-            None if ref is None else ref[:n],
-            None if ref is None else ref[n:],
-            self.beta,
-            self.label_smoothing,
-            self.simpo_gamma,
-            nll,
-        )
+        ref = batch["ref_logps"].to(policy.device) if self.row.reference else None
+        ref_chosen, ref_rejected = (None, None) if ref is None else (ref[:n], ref[n:])
+        nll = -policy[:n]  # the chosen rows' mean token NLL (ORPO's: its log-probs are averaged)
+        losses = self.row.fn(policy[:n], policy[n:], ref_chosen, ref_rejected, self.settings, nll)
         return policy[:n], policy[n:], *losses
 
     @splits_by_rows(2)  # N chosen rows, then their N rejected rows

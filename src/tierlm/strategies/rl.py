@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 
 from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs  # noqa: F401  (token_logprobs: also this module's name)
-from tierlm.strategies.rl_losses import LOSSES, LossSettings, ppo
+from tierlm.strategies.rl_losses import RL_LOSSES, LossSettings, loss_settings, token_loss
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -98,7 +98,7 @@ def policy_gradient_loss(
     importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(summed loss, trained tokens, statistics) of PPO's clipped surrogate with a symmetric `clip_range`, the
-    token-level loss of `rl_losses.ppo`. `advantages`: one per row (B,) or one per token (B, T) (a critic's GAE).
+    token-level loss of `rl.loss=ppo`. `advantages`: one per row (B,) or one per token (B, T) (a critic's GAE).
 
     Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = p / p_old, plus
     `kl_coef` * KL. Without `old_logprobs` the ratio is 1 with the gradient of log p: REINFORCE.
@@ -108,7 +108,7 @@ def policy_gradient_loss(
     """
     batch = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
     batch = {k: v for k, v in {**batch, "importance": importance}.items() if v is not None}
-    total, count, stats = ppo(logprobs, batch, mask, LossSettings(clip_range, clip_range, kl_coef))
+    total, count, stats = token_loss(logprobs, batch, mask, LossSettings(clip_range, clip_range, kl_coef))
     if clip_range is not None:
         stats["clipped_sum"] = stats["clip_low_sum"] + stats["clip_high_sum"]
     return total, count, stats
@@ -176,35 +176,28 @@ class ValueStrategy:
 
 
 class PolicyGradientStrategy:
-    """What the RL loop optimises, as a strategy: `compute_loss` for updates (the `loss` of
-    `tierlm.strategies.rl_losses`), `compute_metrics` for the trainer-side log-probs of a rollout batch (old
-    log-probs and the parity check), `advantages` from the rewards (`baseline`: "group" means, optionally divided
-    by the group's std; "leave_one_out"; "batch", normalised over the whole step). `take_stats()` hands the loop
-    the statistics of the loss calls since the last one (clip fractions, GSPO's sequence ratios)."""
+    """What the RL loop optimises, as a strategy: `compute_loss` for updates (the function of the `rl.loss` row of
+    `tierlm.strategies.rl_losses.RL_LOSSES`), `compute_metrics` for the trainer-side log-probs of a rollout batch
+    (old log-probs and the parity check), `advantages` from the rewards (the row's baseline: the group's mean,
+    divided by its std with `normalize_std`; leave-one-out; the whole step's), and `token_advantages` (GAE with
+    `gamma` and `lam`) when a critic trains beside the policy. `take_stats()` hands the loop the statistics of the
+    loss calls since the last one (clip fractions, GSPO's sequence ratios)."""
 
     def __init__(
         self,
-        clip_range: float | None = None,
-        kl_coef: float = 0.0,
+        loss: str = "ppo",
+        settings: LossSettings | None = None,
         normalize_std: bool = False,
         temperature: float = 1.0,
-        loss: str = "ppo",
-        clip_high: float | None = None,
-        baseline: str = "group",
-        max_new_tokens: int = 32,
+        gamma: float = 1.0,
+        lam: float = 0.95,
     ):
-        assert clip_range is None or clip_range > 0, f"clip_range must be > 0, got {clip_range}"
-        assert kl_coef >= 0, f"kl_coef must be >= 0, got {kl_coef}"
-        assert loss in LOSSES and baseline in ("group", "leave_one_out", "batch"), (loss, baseline)
-        self.clip_range, self.kl_coef, self.normalize_std, self.temperature = (
-            clip_range,
-            kl_coef,
-            normalize_std,
-            temperature,
-        )
-        self.loss, self.baseline = loss, baseline
-        high = clip_range if clip_high is None else clip_high
-        self.settings = LossSettings(clip_range, high, kl_coef, max_new_tokens)
+        self.loss, self.spec = loss, RL_LOSSES[loss]
+        self.settings = settings if settings is not None else LossSettings(normalise=self.spec.normalise)
+        assert self.settings.kl_coef >= 0, f"kl_coef must be >= 0, got {self.settings.kl_coef}"
+        assert 0 < gamma <= 1 and 0 <= lam <= 1, f"gamma must be in (0, 1] and lam in [0, 1], got {gamma}, {lam}"
+        self.normalize_std, self.temperature, self.baseline = normalize_std, temperature, self.spec.baseline
+        self.gamma, self.lam = gamma, lam
         self._stats: list[dict[str, torch.Tensor]] = []
 
     def advantages(self, rewards: torch.Tensor, group_size: int, total=None) -> torch.Tensor:
@@ -214,85 +207,6 @@ class PolicyGradientStrategy:
         if self.baseline == "batch":
             return batch_advantages(rewards, total)
         return group_advantages(rewards, group_size, self.normalize_std)
-
-    def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return dict(batch)
-
-    @splits_by_rows(1)  # every loss of `rl_losses` sums over rows (its normaliser too)
-    def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = batch["labels"]
-        logprobs = token_logprobs(logits, labels, self.temperature)
-        total, count, stats = LOSSES[self.loss](logprobs, batch, labels != IGNORE_INDEX, self.settings)
-        self._stats.append({k: v.detach() for k, v in stats.items()})
-        return total, count
-
-    # -- the JAX backend's twins (tierlm.primitives.jax_losses.jax_twin), tested equal to the methods above --------
-    def jax_compute_loss(self, logits, batch):
-        from tierlm.primitives.jax_losses import IGNORE_INDEX as IGNORE
-        from tierlm.primitives.jax_losses import token_logprobs as jax_token_logprobs
-        from tierlm.strategies.rl_losses_jax import LOSSES as JAX_LOSSES
-
-        labels = batch["labels"]
-        logprobs = jax_token_logprobs(logits, labels, self.temperature)
-        return JAX_LOSSES[self.loss](logprobs, batch, (labels != IGNORE).astype(logprobs.dtype), self.settings)
-
-    def jax_compute_metrics(self, logits, batch):
-        from tierlm.primitives.jax_losses import token_logprobs as jax_token_logprobs
-
-        return {"logprobs": jax_token_logprobs(logits, batch["labels"], self.temperature)}
-
-    def take_stats(self) -> dict[str, float]:
-        """The summed statistics of the loss calls since the last take (this rank's)."""
-        sums: dict[str, float] = {}
-        for stats in self._stats:
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        self._stats = []
-        return sums
-
-    def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"logprobs": token_logprobs(logits, batch["labels"], self.temperature)}
-
-
-class ReinforceStrategy(PolicyGradientStrategy):
-    """nanochat's simplified GRPO: on-policy, advantage = reward - group mean, no clipping (and by default no KL)."""
-
-    def __init__(self, temperature: float = 1.0, kl_coef: float = 0.0):
-        super().__init__(None, kl_coef, normalize_std=False, temperature=temperature, loss="reinforce")
-
-
-class GRPOStrategy(PolicyGradientStrategy):
-    """GRPO: group-relative advantages divided by the group's std, the clipped ratio, each sequence's token mean,
-    optional KL."""
-
-    def __init__(
-        self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0
-    ):
-        super().__init__(clip_range, kl_coef, normalize_std, temperature, loss="grpo")
-
-
-class PPOStrategy(PolicyGradientStrategy):
-    """PPO: clipping over stored old log-probs for several inner epochs, KL to a frozen reference.
-
-    Critic-free by default (the baseline is the group mean, as in GRPO). With `critic=True` the RL loop
-    trains a value model beside the policy (`tierlm.loops.critic`): per-token advantages by GAE (`gamma`,
-    `lam`), whitened over the batch, and the clipped value loss (`value_clip_range`).
-    """
-
-    def __init__(
-        self,
-        kl_coef: float = 0.1,
-        clip_range: float = 0.2,
-        normalize_std: bool = False,
-        temperature: float = 1.0,
-        critic: bool = False,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        value_clip_range: float | None = 0.2,
-    ):
-        super().__init__(clip_range, kl_coef, normalize_std, temperature, loss="ppo")
-        assert 0 < gamma <= 1 and 0 <= lam <= 1, f"gamma must be in (0, 1] and lam in [0, 1], got {gamma}, {lam}"
-        self.critic, self.gamma, self.lam, self.value_clip_range = critic, gamma, lam, value_clip_range
 
     def token_advantages(
         self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, total=None
@@ -316,52 +230,96 @@ class PPOStrategy(PolicyGradientStrategy):
             advantages = torch.where(trained, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
         return advantages, returns
 
+    def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return dict(batch)
 
-CLIP_DEFAULTS = {
-    "reinforce": (None, None),
-    "distill": (None, None),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
-    "cispo": (None, 4.0),
-}
-"""(clip_low, clip_high) where a loss sets its own (others: rl.clip_range both ways; REINFORCE and distillation clip
-nothing)."""
-STD_BY_DEFAULT = ("grpo", "dapo", "gspo", "cispo")  # advantages divided by the group's std unless rl.normalize_std
-BASELINES = {"rloo": "leave_one_out", "reinforce_pp": "batch"}  # the others: the group's mean
+    @splits_by_rows(1)  # every loss of `rl_losses` sums over rows (its normaliser too)
+    def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = batch["labels"]
+        logprobs = token_logprobs(logits, labels, self.temperature)
+        total, count, stats = self.spec.fn(logprobs, batch, labels != IGNORE_INDEX, self.settings)
+        self._stats.append({k: v.detach() for k, v in stats.items()})
+        return total, count
+
+    # -- the JAX backend's twins (tierlm.primitives.jax_losses.jax_twin), tested equal to the methods above --------
+    def jax_compute_loss(self, logits, batch):
+        from tierlm.primitives.jax_losses import IGNORE_INDEX as IGNORE
+        from tierlm.primitives.jax_losses import token_logprobs as jax_token_logprobs
+        from tierlm.strategies import rl_losses_jax
+
+        assert self.spec.jax is not None, f"rl.loss={self.loss} has no JAX twin (refused when the run is resolved)"
+        labels = batch["labels"]
+        logprobs = jax_token_logprobs(logits, labels, self.temperature)
+        twin = getattr(rl_losses_jax, self.spec.jax)
+        return twin(logprobs, batch, (labels != IGNORE).astype(logprobs.dtype), self.settings)
+
+    def jax_compute_metrics(self, logits, batch):
+        from tierlm.primitives.jax_losses import token_logprobs as jax_token_logprobs
+
+        return {"logprobs": jax_token_logprobs(logits, batch["labels"], self.temperature)}
+
+    def take_stats(self) -> dict[str, float]:
+        """The summed statistics of the loss calls since the last take (this rank's)."""
+        sums: dict[str, float] = {}
+        for stats in self._stats:
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self._stats = []
+        return sums
+
+    def compute_metrics(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"logprobs": token_logprobs(logits, batch["labels"], self.temperature)}
+
+
+class ReinforceStrategy(PolicyGradientStrategy):
+    """nanochat's simplified GRPO: on-policy, advantage = reward - group mean, no clipping (and by default no KL)."""
+
+    def __init__(self, temperature: float = 1.0, kl_coef: float = 0.0):
+        super().__init__("reinforce", LossSettings(None, None, kl_coef), temperature=temperature)
+
+
+class GRPOStrategy(PolicyGradientStrategy):
+    """GRPO: group-relative advantages divided by the group's std, the clipped ratio, each sequence's token mean,
+    optional KL."""
+
+    def __init__(
+        self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0
+    ):
+        settings = LossSettings(clip_range, clip_range, kl_coef, normalise="sequences")
+        super().__init__("grpo", settings, normalize_std, temperature)
+
+
+class PPOStrategy(PolicyGradientStrategy):
+    """PPO: clipping over stored old log-probs for several inner epochs, KL to a frozen reference.
+
+    Critic-free by default (the baseline is the group mean, as in GRPO). With a critic the RL loop trains a value
+    model beside the policy (`tierlm.loops.critic`): per-token advantages by GAE (`gamma`, `lam`), whitened over
+    the batch (`token_advantages`).
+    """
+
+    def __init__(
+        self,
+        kl_coef: float = 0.1,
+        clip_range: float = 0.2,
+        normalize_std: bool = False,
+        temperature: float = 1.0,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+    ):
+        super().__init__("ppo", LossSettings(clip_range, clip_range, kl_coef), normalize_std, temperature, gamma, lam)
 
 
 def policy_gradient_strategy(rl) -> PolicyGradientStrategy:
-    """The strategy of the `rl` config section: `rl.loss` with its clip bounds (rl.clip_low / rl.clip_high, else the
-    loss's defaults), its baseline and std division (rl.normalize_std, else the loss's default).
+    """The strategy of a resolved `rl` section (`tierlm.strategies.rl_losses.resolve_rl`): its loss's row, the clip
+    bounds, std division and GAE settings the resolution filled in.
 
     >>> from tierlm.config import RLConfig
-    >>> s = policy_gradient_strategy(RLConfig(loss="dapo"))
-    >>> type(policy_gradient_strategy(RLConfig(loss="grpo"))).__name__, s.loss, s.settings
-    ('GRPOStrategy', 'dapo', LossSettings(clip_low=0.2, clip_high=0.28, kl_coef=0.0, max_new_tokens=32))
+    >>> from tierlm.strategies.rl_losses import resolve_rl
+    >>> s = policy_gradient_strategy(resolve_rl(RLConfig(loss="dapo")))
+    >>> s.loss, s.baseline, s.normalize_std, s.settings.clip_low, s.settings.clip_high
+    ('dapo', 'group', True, 0.2, 0.28)
     """
-    loss = rl.loss
-    normalize = rl.normalize_std if rl.normalize_std is not None else loss in STD_BY_DEFAULT
-    if loss == "reinforce":
-        strategy = ReinforceStrategy(rl.temperature, rl.kl_coef)
-    elif loss == "grpo":
-        strategy = GRPOStrategy(rl.clip_range, rl.kl_coef, normalize, rl.temperature)
-    elif loss == "ppo":
-        strategy = PPOStrategy(
-            rl.kl_coef,
-            rl.clip_range,
-            normalize,
-            rl.temperature,
-            rl.critic,
-            rl.gae_gamma,
-            rl.gae_lambda,
-            rl.value_clip_range,
-        )
-    else:
-        strategy = PolicyGradientStrategy(
-            rl.clip_range, rl.kl_coef, normalize, rl.temperature, loss, baseline=BASELINES.get(loss, "group")
-        )
-    low, high = CLIP_DEFAULTS.get(loss, (rl.clip_range, rl.clip_range))
-    low = rl.clip_low if rl.clip_low is not None else low
-    high = rl.clip_high if rl.clip_high is not None else high
-    strategy.settings = LossSettings(low, high, rl.kl_coef, rl.max_new_tokens)  # the one place the bounds resolve
-    return strategy
+    assert rl.normalize_std is not None, "the rl section is resolved first (tierlm.strategies.rl_losses.resolve_rl)"
+    return PolicyGradientStrategy(
+        rl.loss, loss_settings(rl), rl.normalize_std, rl.temperature, rl.gae_gamma, rl.gae_lambda
+    )

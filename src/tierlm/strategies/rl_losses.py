@@ -21,18 +21,21 @@ from typing import Callable, Mapping
 
 import torch
 
+from tierlm.strategies.base import Variant, check_variant
+
 Batch = Mapping[str, torch.Tensor]
 Result = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """What a loss reads from the rl section (clip bounds resolved: see `tierlm.strategies.rl.CLIP_DEFAULTS`)."""
+    """What a loss reads from the rl section (clip bounds resolved: see `resolve_rl`)."""
 
     clip_low: float | None = 0.2  # the ratio's lower bound is 1 - clip_low (None: not clipped)
     clip_high: float | None = 0.2  # its upper bound 1 + clip_high (None: not clipped)
     kl_coef: float = 0.0
     max_new_tokens: int = 32  # Dr. GRPO's constant normaliser per row
+    normalise: str = "tokens"  # what the loss averages over: tokens, sequences or constant
 
 
 # -- the shared parts ---------------------------------------------------------------------------
@@ -94,65 +97,19 @@ def normalise(per_tok: torch.Tensor, mask: torch.Tensor, how: str, max_new_token
     return masked.sum(), rows.sum() * max_new_tokens
 
 
-def _token_loss(logprobs, batch, mask, settings, how, low, high) -> Result:
-    """The clipped token-level surrogate (+ KL), weighted by off-policy importance, normalised `how`."""
+# -- the losses ---------------------------------------------------------------------------------
+def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
+    """The clipped token-level surrogate (+ KL), weighted by off-policy importance, normalised as `s.normalise` says:
+    REINFORCE, GRPO, DAPO, Dr. GRPO, RLOO, REINFORCE++, PPO and on-policy distillation differ only in their rows
+    (clip bounds, normaliser, baseline)."""
     ratio = ratio_to_old(logprobs, batch)
     adv = per_token(batch["advantages"], logprobs)
-    loss = clipped_surrogate(ratio, adv, low, high)
+    loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high)
     if batch.get("importance") is not None:
         loss = loss * batch["importance"]
-    kl, stats = kl_term(logprobs, batch, mask, settings.kl_coef)
-    total, count = normalise(loss + kl, mask, how, settings.max_new_tokens)
-    return total, count, {**stats, **clip_statistics(ratio.detach(), adv, mask, low, high)}
-
-
-# -- the losses ---------------------------------------------------------------------------------
-def reinforce(logprobs, batch, mask, s: LossSettings) -> Result:
-    """REINFORCE with a group-mean baseline, nanochat's simplified GRPO: -A log p per token, the step's token mean."""
-    return _token_loss(logprobs, batch, mask, s, "tokens", None, None)
-
-
-def grpo(logprobs, batch, mask, s: LossSettings) -> Result:
-    """GRPO (Shao et al., 2024, DeepSeekMath): the clipped surrogate with eps = rl.clip_range, averaged over each
-    sequence's tokens, then over the sequences; advantages are the group-normalised rewards."""
-    return _token_loss(logprobs, batch, mask, s, "sequences", s.clip_low, s.clip_high)
-
-
-def dapo(logprobs, batch, mask, s: LossSettings) -> Result:
-    """DAPO (Yu et al., 2025): decoupled clip 1 - rl.clip_low .. 1 + rl.clip_high (0.2 / 0.28), the token-level mean
-    over the whole step; dynamic sampling and overlong shaping happen in the RL loop."""
-    return _token_loss(logprobs, batch, mask, s, "tokens", s.clip_low, s.clip_high)
-
-
-def dr_grpo(logprobs, batch, mask, s: LossSettings) -> Result:
-    """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-like training"): GRPO without the per-group std division
-    (in the advantages) and without per-sequence length normalisation: the sum over tokens / (rows x max tokens)."""
-    return _token_loss(logprobs, batch, mask, s, "constant", s.clip_low, s.clip_high)
-
-
-def ppo(logprobs, batch, mask, s: LossSettings) -> Result:
-    """PPO's clipped surrogate (Schulman et al., 2017) over stored old log-probs, the token-level mean; with a critic
-    the advantages are per-token GAE."""
-    return _token_loss(logprobs, batch, mask, s, "tokens", s.clip_low, s.clip_high)
-
-
-def rloo(logprobs, batch, mask, s: LossSettings) -> Result:
-    """RLOO (Ahmadian et al., 2024): REINFORCE with each sample's baseline the mean reward of the other samples of its
-    prompt (leave-one-out advantages), clipped like PPO, the token-level mean."""
-    return _token_loss(logprobs, batch, mask, s, "tokens", s.clip_low, s.clip_high)
-
-
-def reinforce_pp(logprobs, batch, mask, s: LossSettings) -> Result:
-    """REINFORCE++ (Hu, 2025): no group baseline; the rewards normalised over the whole batch (every rank's) are the
-    advantages, with PPO's clip and the token-level mean."""
-    return _token_loss(logprobs, batch, mask, s, "tokens", s.clip_low, s.clip_high)
-
-
-def distill(logprobs, batch, mask, s: LossSettings) -> Result:
-    """On-policy distillation (Agarwal et al., 2024, GKD; Lu & Thinking Machines, 2025): the student samples, the
-    teacher scores every sampled token, and each token's advantage is log p_teacher - log p_student (the negative
-    per-token reverse KL, set by the RL loop); REINFORCE over them, the token-level mean. No verifier is needed."""
-    return _token_loss(logprobs, batch, mask, s, "tokens", None, None)
+    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
+    return total, count, {**stats, **clip_statistics(ratio.detach(), adv, mask, s.clip_low, s.clip_high)}
 
 
 def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
@@ -165,7 +122,7 @@ def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     if batch.get("importance") is not None:
         loss = loss * batch["importance"]
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
-    total, count = normalise(loss + kl, mask, "tokens")
+    total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, {**stats, **clip_statistics(ratio, adv, mask, None, s.clip_high)}
 
 
@@ -192,16 +149,138 @@ def gspo(logprobs, batch, mask, s: LossSettings) -> Result:
     return (loss * rows).sum(), rows.sum(), stats
 
 
-LOSSES: dict[str, Callable[..., Result]] = {
-    "reinforce": reinforce,
-    "grpo": grpo,
-    "dapo": dapo,
-    "dr_grpo": dr_grpo,
-    "gspo": gspo,
-    "cispo": cispo,
-    "rloo": rloo,
-    "reinforce_pp": reinforce_pp,
-    "ppo": ppo,
-    "distill": distill,
+# -- the table ----------------------------------------------------------------------------------
+UNSET = object()
+"""RLLoss.clip: the loss reads rl.clip_range both ways (its clip bounds are not its own)."""
+
+
+@dataclass(frozen=True)
+class RLLoss(Variant):
+    """One `rl.loss`: its function and everything that makes it itself, read by the settings' resolution
+    (`resolve_rl`), the strategy factory (`tierlm.strategies.rl.policy_gradient_strategy`) and the JAX backend.
+    Adding a loss is one function (or none: `token_loss` with other settings) and one row of `RL_LOSSES`; which
+    other rl.* settings it fixes, needs or reads are the row's `Variant` fields."""
+
+    about: str
+    """One line: the paper and what it changes."""
+    fn: Callable[..., Result] = token_loss
+    """(trainer log-probs (B, T), rollout batch, trained-token mask, LossSettings) -> (sum, normaliser, stats)."""
+    jax: str | None = "token_loss"
+    """Its twin's name in `tierlm.strategies.rl_losses_jax` (a name, so JAX is imported only by the JAX backend;
+    None: the JAX backend refuses the loss)."""
+    normalise: str = "tokens"
+    """What the loss averages over: tokens, sequences or constant (see the module's docstring)."""
+    clip: tuple[float | None, float | None] | object = UNSET
+    """(clip_low, clip_high) when rl.clip_low / rl.clip_high are not given (UNSET: rl.clip_range both ways;
+    (None, None): nothing clipped)."""
+    divides_by_std: bool = False
+    """rl.normalize_std's default: the group-mean advantages divided by the group's std."""
+    baseline: str = "group"
+    """What a reward is compared with: "group" (its prompt's samples' mean), "leave_one_out" (the others' mean),
+    "batch" (the whole step's rewards, normalised)."""
+    dynamic_sampling: bool = False
+    """rl.dynamic_sampling's default: drop signal-free groups and draw more prompts."""
+
+
+NO_CLIP = (None, None)
+NO_STD = {"normalize_std": False}
+
+RL_LOSSES: dict[str, RLLoss] = {
+    "reinforce": RLLoss(
+        "nanochat's on-policy REINFORCE with a group-mean baseline: -A log p, the step's token mean",
+        clip=NO_CLIP,
+        fixed={"clip_low": None, "clip_high": None},
+        why="rl.loss=reinforce clips nothing: drop rl.clip_low / rl.clip_high, or pick a clipped loss",
+    ),
+    "grpo": RLLoss(
+        "GRPO (Shao et al., 2024): group-normalised advantages, clipped ratio, each sequence's token mean",
+        normalise="sequences",
+        divides_by_std=True,
+    ),
+    "dapo": RLLoss(
+        "DAPO (Yu et al., 2025): decoupled clip 0.2 / 0.28, token-level mean, dynamic sampling",
+        clip=(0.2, 0.28),
+        divides_by_std=True,
+        dynamic_sampling=True,
+    ),
+    "dr_grpo": RLLoss(
+        "Dr. GRPO (Liu et al., 2025): no std division, no length normalisation (sum / rows x rl.max_new_tokens)",
+        normalise="constant",
+        fixed=NO_STD,
+        why="rl.loss=dr_grpo is GRPO without the std division: drop rl.normalize_std",
+    ),
+    "gspo": RLLoss(
+        "GSPO (Zheng et al., 2025): one clipped ratio per sequence (3e-4 / 4e-4), the sequences' mean",
+        fn=gspo,
+        jax="gspo",
+        normalise="sequences",
+        clip=(3e-4, 4e-4),
+        divides_by_std=True,
+    ),
+    "cispo": RLLoss(
+        "CISPO (MiniMax-M1, 2025): clipped, detached importance weights on every token's -A log p",
+        fn=cispo,
+        jax="cispo",
+        clip=(None, 4.0),
+        divides_by_std=True,
+        fixed={"clip_low": None},
+        why="rl.loss=cispo caps its importance weights from above only: drop rl.clip_low",
+    ),
+    "rloo": RLLoss(
+        "RLOO (Ahmadian et al., 2024): leave-one-out baselines, PPO's clip, token-level mean",
+        baseline="leave_one_out",
+        fixed=NO_STD,
+        why="rl.loss=rloo has its own baseline (leave-one-out): drop rl.normalize_std",
+    ),
+    "reinforce_pp": RLLoss(
+        "REINFORCE++ (Hu, 2025): rewards normalised over the whole batch, PPO's clip, token-level mean",
+        baseline="batch",
+        fixed=NO_STD,
+        why="rl.loss=reinforce_pp has its own baseline (the whole batch's): drop rl.normalize_std",
+    ),
+    "ppo": RLLoss(
+        "PPO (Schulman et al., 2017): clipped ratio over stored old log-probs for rl.ppo_epochs, a critic optional",
+        reads=("critic",),
+        why="rl.critic trains PPO's value model: set rl.loss=ppo (or drop rl.critic; other losses use baselines)",
+    ),
+    "distill": RLLoss(
+        "on-policy distillation (Agarwal et al., 2024): each token's advantage is log p_teacher - log p_student",
+        clip=NO_CLIP,
+        fixed={"clip_low": None, "clip_high": None, "reward_model": None},
+        needs=("teacher",),
+        reads=("teacher",),
+        why="rl.loss=distill learns from rl.teacher's log-probs, not rewards, and clips nothing: give "
+        "rl.loss=distill rl.teacher=FOLDER, without rl.clip_low / rl.clip_high / rl.reward_model",
+    ),
 }
-"""rl.loss -> its function: the one place a policy-gradient loss is named."""
+"""rl.loss -> what it is: the one place a policy-gradient loss is named."""
+
+
+def resolve_rl(rl):
+    """The `rl` section with its loss's defaults filled in (clip bounds, std division, dynamic sampling), refusing
+    in one line (a ConfigError) what the loss fixes, needs or does not read. Done once, when a run's config is
+    resolved; the strategy factory and the RL loop read the filled fields.
+
+    >>> from tierlm.config import RLConfig
+    >>> rl = resolve_rl(RLConfig(loss="dapo"))
+    >>> rl.clip_low, rl.clip_high, rl.normalize_std, rl.dynamic_sampling
+    (0.2, 0.28, True, True)
+    >>> resolve_rl(RLConfig(loss="cispo", clip_low=0.1))
+    Traceback (most recent call last):
+    tierlm.errors.ConfigError: rl.loss=cispo caps its importance weights from above only: drop rl.clip_low
+    """
+    spec = check_variant(rl, "loss", RL_LOSSES, "rl")
+    low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
+    return rl.model_copy(
+        update={
+            "clip_low": rl.clip_low if rl.clip_low is not None else low,
+            "clip_high": rl.clip_high if rl.clip_high is not None else high,
+            "normalize_std": rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std,
+            "dynamic_sampling": rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling,
+        }
+    )
+
+
+def loss_settings(rl) -> LossSettings:
+    """What the loss of a resolved `rl` section reads from it."""
+    return LossSettings(rl.clip_low, rl.clip_high, rl.kl_coef, rl.max_new_tokens, RL_LOSSES[rl.loss].normalise)

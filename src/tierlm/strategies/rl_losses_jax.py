@@ -1,12 +1,10 @@
 """`tierlm.strategies.rl_losses` in `jax.numpy`, for the JAX backend: the same losses over the same inputs (the
 trainer's log-probs of the sampled tokens, the rollout batch, the trained-token mask), returning (summed loss,
-normaliser) — tested equal to the PyTorch functions. The loss statistics (clip fractions, GSPO's ratios) are the
-PyTorch backend's only.
+normaliser) — tested equal to the PyTorch functions. A row of `RL_LOSSES` names its twin here (`RLLoss.jax`).
+The loss statistics (clip fractions, GSPO's ratios) are the PyTorch backend's only.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +49,12 @@ def normalise(per_tok: jax.Array, mask: jax.Array, how: str, max_new_tokens: int
     return masked.sum(), rows.sum() * max_new_tokens
 
 
-def _token_loss(logprobs, batch, mask, s: LossSettings, how: str, low, high) -> Result:
-    loss = clipped_surrogate(ratio_to_old(logprobs, batch), per_token(batch["advantages"], logprobs), low, high)
+def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
+    advantages = per_token(batch["advantages"], logprobs)
+    loss = clipped_surrogate(ratio_to_old(logprobs, batch), advantages, s.clip_low, s.clip_high)
     if batch.get("importance") is not None:
         loss = loss * batch["importance"]
-    return normalise(loss + kl_term(logprobs, batch, s.kl_coef), mask, how, s.max_new_tokens)
+    return normalise(loss + kl_term(logprobs, batch, s.kl_coef), mask, s.normalise, s.max_new_tokens)
 
 
 def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
@@ -64,7 +63,7 @@ def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = -weight * per_token(batch["advantages"], logprobs) * logprobs
     if batch.get("importance") is not None:
         loss = loss * batch["importance"]
-    return normalise(loss + kl_term(logprobs, batch, s.kl_coef), mask, "tokens")
+    return normalise(loss + kl_term(logprobs, batch, s.kl_coef), mask, s.normalise, s.max_new_tokens)
 
 
 def gspo(logprobs, batch, mask, s: LossSettings) -> Result:
@@ -80,26 +79,3 @@ def gspo(logprobs, batch, mask, s: LossSettings) -> Result:
         loss = loss + (kl * mask).sum(axis=1) / lengths
     rows = (mask.sum(axis=1) > 0).astype(jnp.float32)
     return (loss * rows).sum(), rows.sum()
-
-
-def _token(how: str, clipped: bool) -> Callable[..., Result]:
-    def loss(logprobs, batch, mask, s: LossSettings) -> Result:
-        low, high = (s.clip_low, s.clip_high) if clipped else (None, None)
-        return _token_loss(logprobs, batch, mask, s, how, low, high)
-
-    return loss
-
-
-LOSSES: dict[str, Callable[..., Result]] = {
-    "reinforce": _token("tokens", False),
-    "grpo": _token("sequences", True),
-    "dapo": _token("tokens", True),
-    "dr_grpo": _token("constant", True),
-    "gspo": gspo,
-    "cispo": cispo,
-    "rloo": _token("tokens", True),
-    "reinforce_pp": _token("tokens", True),
-    "ppo": _token("tokens", True),
-    "distill": _token("tokens", False),
-}
-"""rl.loss -> its JAX twin (the keys are `tierlm.strategies.rl_losses.LOSSES`'s)."""

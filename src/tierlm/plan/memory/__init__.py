@@ -311,8 +311,8 @@ def estimate_run_memory(
     tr, d = config.training, config.data
     stage = stage or Stage()
     vocab_size = vocab_size or config.tokenizer.vocab_size
-    if distributed is None:  # as a torchrun job of this config would run
-        kind = stage.parallelism(config, True).infra.distributed_type
+    if distributed is None:  # as a torchrun job of this (resolved: `resolve_config`) config would run
+        kind = config.infra.distributed_type
         distributed = "none" if world_size == 1 else kind if kind in ("ddp", "deepspeed") else "fsdp"
     assert isinstance(tr.per_device_train_batch_size, int), (
         "resolve training.per_device_train_batch_size=auto before estimating"

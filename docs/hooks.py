@@ -1,0 +1,76 @@
+"""MkDocs hook: the pages' generated parts, written from the code itself so they cannot drift — the configuration
+reference (the typed sections), the RL and preference loss tables (their rows), the stages and the commands.
+
+A page asks for one with a marker line, e.g. `<!-- tierlm:config-reference -->`.
+"""
+
+from __future__ import annotations
+
+
+def _config_reference() -> str:
+    from tierlm.config.reference import markdown
+
+    return markdown()
+
+
+def _clip(row) -> str:
+    from tierlm.strategies.rl_losses import UNSET
+
+    if row.clip is UNSET:
+        return "rl.clip_range both ways"
+    low, high = row.clip
+    return "none" if low is None and high is None else f"{low if low is not None else '-'} / {high}"
+
+
+def _rl_losses() -> str:
+    from tierlm.strategies.rl_losses import RL_LOSSES
+
+    lines = [
+        "| `rl.loss` | what it is | averages over | clip (low / high) | std | baseline | dynamic sampling | JAX |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in RL_LOSSES.items():
+        lines.append(
+            f"| `{name}` | {row.about} | {row.normalise} | {_clip(row)} | {'yes' if row.divides_by_std else 'no'} | "
+            f"{row.baseline} | {'on' if row.dynamic_sampling else 'off'} | {'yes' if row.jax else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def _preference_losses() -> str:
+    from tierlm.strategies.dpo import PREFERENCE_LOSSES
+
+    lines = ["| `dpo.loss_type` | what it is | reference model | log-probs | data | JAX |", "|---|---|---|---|---|---|"]
+    for name, row in PREFERENCE_LOSSES.items():
+        lines.append(
+            f"| `{name}` | {row.about} | {'yes' if row.reference else 'none'} | "
+            f"{'averaged' if row.averaged else 'summed'} | {'pairs' if row.paired else 'unpaired replies'} | "
+            f"{'yes' if row.jax else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def _stages() -> str:
+    from tierlm.stages import STAGES
+
+    lines = ["| stage | command | what it does | starts from |", "|---|---|---|---|"]
+    for name, stage in STAGES.items():
+        start = "a trained chat model" if stage.starts_from_trained else "scratch or any model"
+        lines.append(f"| `{name}` | `tierlm {name}` | {stage.about} | {start} |")
+    return "\n".join(lines)
+
+
+GENERATED = {
+    "config-reference": _config_reference,
+    "rl-losses": _rl_losses,
+    "preference-losses": _preference_losses,
+    "stages": _stages,
+}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    for name, write in GENERATED.items():
+        marker = f"<!-- tierlm:{name} -->"
+        if marker in markdown:
+            markdown = markdown.replace(marker, write())
+    return markdown

@@ -302,7 +302,7 @@ def test_a_new_loss_is_one_function_and_one_row(tiny_runs, tmp_path, monkeypatch
 
     def toy(logprobs, batch, mask, s):
         calls.append(logprobs.shape)
-        per_tok = -(batch["advantages"].float()[:, None] * logprobs) ** 2
+        per_tok = -((batch["advantages"].float()[:, None] * logprobs) ** 2)
         return (*normalise(per_tok, mask, s.normalise), {})
 
     row = RLLoss("a toy", fn=toy, jax=None, clip=(None, None), fixed={"clip_low": None}, why="toy clips nothing")

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tierlm.build.loaders import open_splits  # noqa: E402
+from tierlm.builders.loaders import open_splits  # noqa: E402
 from tierlm.config import TierlmConfig  # noqa: E402
 from tierlm.data import load_tokenizer  # noqa: E402
 from tierlm.data.packing import Documents, text_documents  # noqa: E402

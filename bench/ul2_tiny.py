@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tierlm.build.loaders import open_splits  # noqa: E402
-from tierlm.build.model import build_model
-from tierlm.build.tokenizer import pretrained_location  # noqa: E402
+from tierlm.builders.loaders import open_splits  # noqa: E402
+from tierlm.builders.model import build_model
+from tierlm.builders.tokenizer import pretrained_location  # noqa: E402
 from tierlm.config import TierlmConfig  # noqa: E402
 from tierlm.data import load_tokenizer  # noqa: E402
 from tierlm.data.packing import Documents, text_documents  # noqa: E402

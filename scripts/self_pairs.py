@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tierlm.build.engine import build_engine
-from tierlm.build.tasks import open_task
+from tierlm.builders.engine import build_engine
+from tierlm.builders.tasks import open_task
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer

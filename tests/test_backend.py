@@ -224,7 +224,7 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
 
 
 def test_fused_cross_entropy_setting_reaches_the_backend(tiny_gpt_config, tmp_path):
-    from tierlm.build.backend import build_backend
+    from tierlm.builders.backend import build_backend
     from tierlm.config import TierlmConfig
 
     for value in (True, False):

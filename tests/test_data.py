@@ -396,7 +396,7 @@ def test_stream_mode_reads_a_text_file_as_consecutive_windows():
     once per epoch, the held-out tail after it."""
     from collections import Counter
 
-    from tierlm.build.loaders import build_loaders
+    from tierlm.builders.loaders import build_loaders
     from tierlm.config import TierlmConfig
     from tierlm.data import train_char_tokenizer
     from tierlm.data.sources import builtin_corpus
@@ -418,7 +418,7 @@ def test_stream_mode_reads_a_folder_of_llmc_shards_holding_out_its_val_shard(tmp
     """llm.c's FineWeb layout (`*_train_*.bin` shards and one `*_val_*.bin`): the train shards are one stream (a
     window runs across a shard boundary), the val shard is held out whole and scored once; a shard made with
     another tokenizer is one line."""
-    from tierlm.build.loaders import build_loaders
+    from tierlm.builders.loaders import build_loaders
     from tierlm.config import TierlmConfig
     from tierlm.data.packing import eval_batches, eval_protocol
 

@@ -133,7 +133,7 @@ def test_incremental_decoding_equals_the_full_forward():
 
 
 def test_saved_and_loaded_as_a_tierlm_folder(tmp_path):
-    from tierlm.build.model import new_model
+    from tierlm.builders.model import new_model
     from tierlm.config import TierlmConfig
     from tierlm.models import family_for_folder, load_pretrained_model, save_model_folder
 
@@ -276,8 +276,8 @@ def test_ul2_starts_from_a_decoder_only_qwen3_folder_and_reads_a_stream(tmp_path
 
     from conftest import run_main
     from test_streaming import parquet_shards
-    from tierlm.build.model import build_model
-    from tierlm.build.tokenizer import run_tokenizer
+    from tierlm.builders.model import build_model
+    from tierlm.builders.tokenizer import run_tokenizer
     from tierlm.config import TierlmConfig
     from tierlm.models import family_for_folder
 

@@ -274,7 +274,7 @@ def test_sft_on_a_jsonl_file_and_a_mixture(tmp_path):
 
 
 def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
-    from tierlm.build.loaders import open_splits
+    from tierlm.builders.loaders import open_splits
 
     data = _conversation_file(tmp_path / "my.jsonl", count=48)
     held_out = _conversation_file(tmp_path / "val.jsonl", count=10)

@@ -55,7 +55,7 @@ def test_pretraining_by_epochs_stops_after_the_passes_and_resumes_mid_epoch_exac
     run = tmp_path / "run"
     assert main([*args, f"infra.output_dir={run}"]) == 0
     config = TierlmConfig.load("tiny_pretrain", [*TINY, "training.per_device_train_batch_size=8"])
-    from tierlm.build.loaders import build_loaders
+    from tierlm.builders.loaders import build_loaders
     from tierlm.data import load_tokenizer
     from tierlm.stages import STAGES
 
@@ -72,7 +72,7 @@ def test_pretraining_by_epochs_stops_after_the_passes_and_resumes_mid_epoch_exac
 
 def test_preference_pairs_by_epoch(tiny_runs, tmp_path):
     """DPO for one epoch: as many steps as whole global batches of the training pairs (the plain count)."""
-    from tierlm.build.loaders import build_pair_loaders
+    from tierlm.builders.loaders import build_pair_loaders
     from tierlm.data import load_tokenizer
 
     overrides = [*CHAT, f"model.model_name_or_path={tiny_runs / 'sft'}", "training.logging_steps=1"]

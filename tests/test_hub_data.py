@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import TINY, run_main
-from tierlm.build.loaders import open_splits
+from tierlm.builders.loaders import open_splits
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, DataError
 

@@ -127,7 +127,7 @@ DEEPSPEED_ENV = {
 
 
 def test_deepspeed_settings_are_taken_and_what_tierlm_cannot_do_refused(tiny_runs, tmp_path, capsys):
-    from tierlm.build.backend import read_deepspeed_config
+    from tierlm.builders.backend import read_deepspeed_config
     from tierlm.commands.cli import main
 
     infra = accelerate_overrides(TierlmConfig.load("tiny_pretrain"), DEEPSPEED_ENV).infra

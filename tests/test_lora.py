@@ -39,7 +39,7 @@ def _ids():
 
 
 def test_only_adapters_train_with_the_expected_count(tiny_runs):
-    from tierlm.build.model import build_model
+    from tierlm.builders.model import build_model
 
     config = TierlmConfig.load(
         REPO / "configs/tiny_sft.yaml", [*CHAT, *LORA, f"model.model_name_or_path={tiny_runs / 'pre'}"]

@@ -241,7 +241,7 @@ def test_estimate_parts_follow_the_options():
 
 
 def test_estimate_of_dpo_and_rl(tmp_path):
-    from tierlm.build.model import new_model
+    from tierlm.builders.model import new_model
 
     model = new_model(small(), 512, "cpu")
     param_bytes = sum(p.numel() * 4 for p in model.parameters())

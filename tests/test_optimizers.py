@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tierlm.build.model import new_model
+from tierlm.builders.model import new_model
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.plan.scaling import optimal_batch_tokens, parameter_counts, resolve

@@ -152,7 +152,7 @@ def test_rm_run_resumes_bit_exact_and_its_model_rewards_rl(tiny_runs, tmp_path):
     assert main([*args, f"infra.output_dir={out}"]) == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert len(train) == 2 and all("rm_score_mean" in r for r in train)
-    from tierlm.build.model import load_reward_model
+    from tierlm.builders.model import load_reward_model
 
     with pytest.raises(ConfigError, match="is not a reward model"):  # the policy's own folder: a causal LM
         load_reward_model(RLConfig(reward_model=str(tiny_runs / "sft")), None, torch.device("cpu"))

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tierlm.backends import PyTorchTrainingBackend
-from tierlm.build.tasks import open_task
+from tierlm.builders.tasks import open_task
 from tierlm.errors import DataError
 from tierlm.loops.rl import Rollout, pass_at_k, rollout_batch
 from tierlm.models import build_gpt, forward_logits
@@ -358,7 +358,7 @@ def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_pa
     import copy
 
     from tierlm.backends import FrozenReference
-    from tierlm.build.tasks import open_task
+    from tierlm.builders.tasks import open_task
     from tierlm.config import RLConfig, TrainingConfig
     from tierlm.loops.rl import RLTrainer
     from tierlm.models import GPTConfig
@@ -553,7 +553,7 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
 def test_vllm_refuses_a_model_without_a_transformers_twin(tmp_path, tiny_tokenizer):
     """The GPT-2 research variants (here RA) have no transformers class, so vLLM cannot load them: one clear
     refusal before vLLM is even imported, nothing written."""
-    from tierlm.build.engine import build_engine
+    from tierlm.builders.engine import build_engine
     from tierlm.config import RLConfig
     from tierlm.errors import ConfigError
     from tierlm.models.gpt2 import GPT2Config

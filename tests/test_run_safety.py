@@ -231,7 +231,7 @@ def test_a_run_from_before_run_json_still_refuses_another_stage(tiny_runs, tmp_p
 
 
 def test_resume_takes_the_tokenizer_from_the_checkpoint(tiny_runs, tmp_path):
-    from tierlm.build.tokenizer import train_tokenizer
+    from tierlm.builders.tokenizer import train_tokenizer
     from tierlm.config import TierlmConfig
 
     run = tmp_path / "pre"

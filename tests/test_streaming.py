@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY, kill_at_checkpoint, run_main
-from tierlm.build.loaders import build_loaders
+from tierlm.builders.loaders import build_loaders
 from tierlm.config import TierlmConfig
 from tierlm.data import RankSlice
 from tierlm.stages import STAGES

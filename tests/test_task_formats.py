@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from test_hub_data import gsm8k_rows, parquet_folder
-from tierlm.build.tasks import open_tasks, user_reward
+from tierlm.builders.tasks import open_tasks, user_reward
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, DataError
 from tierlm.tasks.formats import choice_example, detect_format
@@ -131,7 +131,7 @@ def test_rl_trains_on_a_code_task_scored_in_the_sandbox(tiny_runs, tmp_path):
 def test_task_layouts_read_as_sft_conversations_with_gsm8k_annotations_as_masked_tool_results(tmp_path, tiny_tokenizer):
     """SFT on a GSM8K folder trains the worked answer with each <<a*b=c>> annotation as a calculator call (trained)
     and its result (masked), as nanochat does; ARC rows train the option's letter."""
-    from tierlm.build.loaders import open_splits
+    from tierlm.builders.loaders import open_splits
     from tierlm.special_tokens import TOOL_CALL_START, TOOL_RESULT_START
 
     gsm8k = parquet_folder(tmp_path / "gsm8k", {"train": gsm8k_rows(8, "t")})
@@ -157,7 +157,7 @@ def test_nanochats_sft_mixture_reads_each_layout_with_its_own_split_and_config(t
     component read with its own split / config and weighted."""
     from omegaconf import OmegaConf
 
-    from tierlm.build.loaders import open_splits
+    from tierlm.builders.loaders import open_splits
 
     smoltalk = tmp_path / "smoltalk.jsonl"
     smoltalk.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("verifiers.v1")
 
 from conftest import RL  # noqa: E402
-from tierlm.build.tasks import open_task, open_tasks  # noqa: E402
+from tierlm.builders.tasks import open_task, open_tasks  # noqa: E402
 from tierlm.commands.cli import main  # noqa: E402
 from tierlm.config import TierlmConfig  # noqa: E402
 from tierlm.errors import ConfigError  # noqa: E402
@@ -18,7 +18,7 @@ from tierlm.rollout.tools import call_tool  # noqa: E402
 TASKSET = '''
 import verifiers.v1 as vf
 
-from tierlm.build.tasks import open_task
+from tierlm.builders.tasks import open_task
 from tierlm.tasks.answers import extract_final_number
 
 

@@ -187,8 +187,8 @@ class AblationCoordinator:
         """Refuse, before anything runs, a variant that would fail to start or would not compare: its config
         invalid, an override it would not read, a model it cannot build (described on the meta device), data
         that does not open, or a different token budget."""
-        from tierlm.build.model import describe_model
-        from tierlm.build.tokenizer import pretrained_location
+        from tierlm.builders.model import describe_model
+        from tierlm.builders.tokenizer import pretrained_location
         from tierlm.stages import STAGES
 
         stage, opened = STAGES[self.stage], set()
@@ -288,7 +288,7 @@ class AblationCoordinator:
 
 def open_data(config: TierlmConfig, stage) -> None:
     """Open the data a run of `stage` reads (a refusal names what is wrong); a stream is read as it goes."""
-    from tierlm.build.loaders import open_splits
+    from tierlm.builders.loaders import open_splits
 
     if not (config.data.stream or config.data.streaming):
         open_splits(config, stage.example_kind, None)

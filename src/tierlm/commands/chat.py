@@ -54,7 +54,7 @@ class Chatbot:
         `tierlm.rollout.batching`; the native GPT on tierlm's engine), else one at a time."""
         import tempfile
 
-        from tierlm.build.engine import build_engine
+        from tierlm.builders.engine import build_engine
         from tierlm.checkpoint.folders import verified_model_location
         from tierlm.config import RLConfig
         from tierlm.data import load_tokenizer

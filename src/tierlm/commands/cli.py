@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from tierlm.build.tokenizer import pretrained_location
+    from tierlm.builders.tokenizer import pretrained_location
     from tierlm.config import TierlmConfig
     from tierlm.plan import plan_run
     from tierlm.plan.scaling import measure_tokens_per_sec

@@ -35,7 +35,7 @@ READERS = {
 
 
 def stage_sections(stage) -> tuple[str, ...]:
-    """The sections a stage (`tierlm.build.stage.Stage`) reads: the shared ones and its own."""
+    """The sections a stage (`tierlm.builders.stage.Stage`) reads: the shared ones and its own."""
     return SHARED + ((stage.section,) if stage.section else ())
 
 
@@ -80,9 +80,9 @@ def check_starting_model(command: str, config: TierlmConfig, overrides: Iterable
         return
     from pathlib import Path
 
-    from tierlm.build.tokenizer import pretrained_location
+    from tierlm.builders.tokenizer import pretrained_location
     from tierlm.models import family_for_folder, family_named, is_native_folder
-    from tierlm.models.registry import check_causal_lm
+    from tierlm.models.transformers.family import check_causal_lm
 
     start, location = config.model.model_name_or_path, pretrained_location(config)
     native = isinstance(location, Path) and is_native_folder(location)

@@ -70,7 +70,7 @@ def stage_configs(
 
 
 def _train_tokenizer(config: TierlmConfig, folder: Path) -> None:
-    from tierlm.build.tokenizer import train_tokenizer
+    from tierlm.builders.tokenizer import train_tokenizer
     from tierlm.checkpoint.folders import publish_tokenizer
 
     if not (folder / "tokenizer.json").is_file():  # else trained by an earlier run of the speedrun

@@ -13,7 +13,7 @@ class Section(BaseModel):
     _frozen: bool = PrivateAttr(False)
 
     def frozen(self):
-        """This section as a run receives it once resolved (`tierlm.build.stage.resolve_config`): a copy, its
+        """This section as a run receives it once resolved (`tierlm.builders.stage.resolve_config`): a copy, its
         sections too, that no assignment changes; derive another with `model_copy(update=...)`.
 
         >>> class Seeds(Section):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib
 import logging
 from typing import Any, Callable
 
@@ -189,21 +188,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} PiB"
-
-
-# Names that moved to the planner, beside the other estimates; still importable from here, where the earlier
-# layout had them (looked up when asked, so this module depends on the planner only for these old names).
-_MOVED = {
-    "estimate_model_memory": "tierlm.plan.memory.bounds",
-    "check_fits": "tierlm.plan.memory.bounds",
-    "auto_find_batch_size": "tierlm.plan.batch",
-    "CPU_FRAMEWORK_BYTES": "tierlm.plan.memory",
-    "CPU_RETENTION": "tierlm.plan.memory",
-    "CPU_RETENTION_RECOMPUTE": "tierlm.plan.memory",
-}
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_MOVED[name]), name)

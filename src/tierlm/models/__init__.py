@@ -28,7 +28,6 @@ from tierlm.models.lora import adapter_apart, load_adapter_folder
 from tierlm.models.qwen3_encdec import family as _qwen3_encdec  # noqa: F401
 from tierlm.models.registry import (
     FAMILIES,
-    PLAIN_HEAD_MODEL_TYPES,
     ModelFamily,
     family_for_folder,
     family_named,
@@ -36,6 +35,7 @@ from tierlm.models.registry import (
     register_family,
 )
 from tierlm.models.reward import is_reward_model_folder
+from tierlm.models.transformers.family import PLAIN_HEAD_MODEL_TYPES  # (it registers the fallback family)
 
 
 def load_pretrained_model(

@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
-from tierlm.build.model import describe_model, new_model  # noqa: F401  (new_model: with the planner's names, as before)
-from tierlm.build.optimizer import model_width, optimizer_settings, role_learning_rates  # noqa: F401
-from tierlm.build.stage import Stage, resolve_config
-from tierlm.build.tokenizer import existing_tokenizer, pretrained_location, train_tokenizer
+from tierlm.builders.model import describe_model
+from tierlm.builders.stage import Stage, resolve_config
+from tierlm.builders.tokenizer import existing_tokenizer, pretrained_location, train_tokenizer
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import format_bytes

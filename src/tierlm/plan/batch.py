@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from tierlm.build.stage import Stage
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import available_memory_bytes, clear_memory, format_bytes, tracked_peak

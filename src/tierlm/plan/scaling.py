@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tierlm.build.model import new_model
-from tierlm.build.optimizer import model_width, role_learning_rates
-from tierlm.build.stage import Stage
+from tierlm.builders.model import new_model
+from tierlm.builders.optimizer import model_width, role_learning_rates
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_named, family_of, unwrap_model

@@ -1,6 +1,6 @@
 """The training stages, one file each, and `STAGES`: the only place a stage's name maps to its code.
 
-A stage is a `tierlm.build.stage.Stage`: what it declares (the kind of example it reads, how rows are
+A stage is a `tierlm.builders.stage.Stage`: what it declares (the kind of example it reads, how rows are
 packed, what it starts from, what its micro-batch and memory hold) and its `run`, which builds the
 model, data, strategy, backend and loop on the run skeleton (`tierlm.run`). Adding a stage is one file
 here and one line in `STAGES`; the CLI, `tierlm.train`, the planner and the run skeleton pick it up.
@@ -11,7 +11,7 @@ here and one line in `STAGES`; the CLI, `tierlm.train`, the planner and the run 
 
 from __future__ import annotations
 
-from tierlm.build.stage import Stage
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.primitives.parallel import shutdown_distributed
 from tierlm.run import prepare_run

@@ -5,9 +5,9 @@ tierlm pretrain --config configs/tiny_pretrain.yaml
 
 from __future__ import annotations
 
-from tierlm.build.loaders import build_loaders
-from tierlm.build.model import build_model, loads_on_rank0_only
-from tierlm.build.stage import Stage
+from tierlm.builders.loaders import build_loaders
+from tierlm.builders.model import build_model, loads_on_rank0_only
+from tierlm.builders.stage import Stage
 from tierlm.data import RankSlice
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer

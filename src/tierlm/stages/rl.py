@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.backends.pytorch import frozen_reference
-from tierlm.build.backend import build_backend
-from tierlm.build.engine import build_engine, engine_name
-from tierlm.build.model import build_model, load_reward_model, load_teacher, model_context
-from tierlm.build.stage import Stage
-from tierlm.build.tasks import check_prompt_lengths, longest_rollout, open_tasks
+from tierlm.builders.backend import build_backend
+from tierlm.builders.companions import beside_policy
+from tierlm.builders.engine import build_engine, engine_name
+from tierlm.builders.model import build_model, model_context
+from tierlm.builders.stage import Stage
+from tierlm.builders.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.loops.critic import Critic, value_model
 from tierlm.loops.rl import PromptPasses, RLTrainer, check_parity, optimizer_schedule
 from tierlm.models import model_max_seq_len
 from tierlm.run import Run, extras_writer
-from tierlm.strategies.rl import GRPOStrategy, ValueStrategy, policy_gradient_strategy
-from tierlm.strategies.rl_losses import RL_LOSSES, resolve_rl
+from tierlm.strategies.rl import GRPOStrategy, policy_gradient_strategy
+from tierlm.strategies.rl_losses import resolve_rl
 
 
 class RL(Stage):
@@ -37,11 +36,8 @@ class RL(Stage):
     micro_batch_key = "rl.micro_batch_size"
 
     def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
-        """rl.* with its loss's defaults (`resolve_rl`); a loss without a JAX twin refused on the JAX backend."""
-        rl = resolve_rl(config.rl)
-        if config.infra.backend == "jax" and RL_LOSSES[rl.loss].jax is None:
-            raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
-        return config.model_copy(update={"rl": rl})
+        """rl.* with its loss's defaults (`resolve_rl`: a loss without a JAX twin refused on the JAX backend)."""
+        return config.model_copy(update={"rl": resolve_rl(config.rl, jax=config.infra.backend == "jax")})
 
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:
         """Under torchrun each rank samples its share of the prompts and trains on them: DDP (auto), or FSDP2
@@ -101,24 +97,16 @@ class RL(Stage):
         if context is None:  # a hub id: its context is known once it is downloaded
             check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
         config = run.resolve(model, PromptPasses(len(train_task), rl.prompts_per_step))
-        reference = frozen_reference(model, run.device) if rl.kl_coef > 0 else None
-        teacher = load_teacher(rl.teacher, tokenizer, run.device) if rl.teacher else None
         schedule = optimizer_schedule(config, world)  # the LR schedule counts optimizer steps
         parallel = config.model_copy(update={"training": schedule})
-        critic = None
-        if rl.critic:  # a copy of the policy, made before the policy is wrapped
-            folder = run.output_dir / "critic_checkpoints"
-            value_backend = build_backend(parallel, value_model(model), folder, run.device, run.ctx)
-            critic = Critic(value_backend, ValueStrategy(rl.value_clip_range))
+        beside = beside_policy(parallel, model, tokenizer, run.device, run.ctx, run.output_dir / "critic_checkpoints")
         sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
         engine = build_engine(rl, model, tokenizer, run.scratch_dir("sampler"), sharded, run.world_size, train_task)
         run.note(f"rollouts: {engine_name(rl)}")
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
         strategy = policy_gradient_strategy(rl)
-        trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training)
-        extras = extras_writer(config, tokenizer, self.name)
-        trainer.reference, trainer.teacher, trainer.critic, trainer.write_extra = reference, teacher, critic, extras
-        trainer.reward_model = load_reward_model(rl, tokenizer, run.device)  # rl.reward_model's, or None
+        beside["write_extra"] = extras_writer(config, tokenizer, self.name)
+        trainer = RLTrainer(backend, strategy, engine, tokenizer, train_task, eval_task, rl, config.training, **beside)
         try:
             if run.preflight:  # tierlm rl --check-parity: step 0's rollouts through the sampler and the trainer
                 return check_parity(trainer.parity(), rl)

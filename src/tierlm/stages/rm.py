@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.build.loaders import build_pair_loaders
-from tierlm.build.model import build_model
-from tierlm.build.stage import Stage
+from tierlm.builders.loaders import build_pair_loaders
+from tierlm.builders.model import build_model
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models.reward import add_score_head

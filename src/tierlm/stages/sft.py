@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.build.stage import Stage
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.run import Run
 from tierlm.stages.pretrain import train_on_rows

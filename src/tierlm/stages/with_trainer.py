@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from tierlm.build.backend import SHARDED_KINDS, build_backend
-from tierlm.build.stage import Stage
+from tierlm.builders.backend import SHARDED_KINDS, build_backend
+from tierlm.builders.stage import Stage
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, Tokenizer

@@ -21,6 +21,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from tierlm.errors import ConfigError
 from tierlm.strategies.base import Variant, check_variant
 
 Batch = Mapping[str, torch.Tensor]
@@ -256,10 +257,11 @@ RL_LOSSES: dict[str, RLLoss] = {
 """rl.loss -> what it is: the one place a policy-gradient loss is named."""
 
 
-def resolve_rl(rl):
+def resolve_rl(rl, jax: bool = False):
     """The `rl` section with its loss's defaults filled in (clip bounds, std division, dynamic sampling), refusing
-    in one line (a ConfigError) what the loss fixes, needs or does not read. Done once, when a run's config is
-    resolved; the strategy factory and the RL loop read the filled fields.
+    in one line (a ConfigError) what the loss fixes, needs or does not read (and, for the JAX backend, a loss
+    without a JAX twin). Done once, when a run's config is resolved; the strategy factory and the RL loop read the
+    filled fields.
 
     >>> from tierlm.config import RLConfig
     >>> rl = resolve_rl(RLConfig(loss="dapo"))
@@ -270,6 +272,8 @@ def resolve_rl(rl):
     tierlm.errors.ConfigError: rl.loss=cispo caps its importance weights from above only: drop rl.clip_low
     """
     spec = check_variant(rl, "loss", RL_LOSSES, "rl")
+    if jax and spec.jax is None:
+        raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
     return rl.model_copy(
         update={

@@ -1,6 +1,6 @@
 """The rewards of the task formats (`tierlm.tasks.formats`), by name: `number`, `math` (math-verify), `choice` and
 `code` (the tests run in the sandbox). `rl.reward: module:function` adds the user's own
-(`tierlm.build.tasks.user_reward`)."""
+(`tierlm.builders.tasks.user_reward`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """The native GPT (RoPE, RMSNorm, QK-norm, GQA via SDPA, SwiGLU): the model (`model`), its family adapter
 (`family`), its transformers Qwen3 twin (`hf_export`) and its JAX twin (`jax`)."""
 
-from tierlm.models.gpt import model
 from tierlm.models.gpt.model import GPT, GPTConfig, build_gpt
 
 __all__ = ["GPT", "GPTConfig", "build_gpt"]
-
-
-def __getattr__(name: str):
-    """Every name of `tierlm.models.gpt.model`, as when this package was one module."""
-    return getattr(model, name)

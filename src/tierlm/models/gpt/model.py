@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from tierlm.models.kv_cache import KVCache, LayerCache  # noqa: F401  (with the model's names, as before)
+from tierlm.models.kv_cache import KVCache, LayerCache
 from tierlm.primitives.losses import linear_cross_entropy
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.build.model import new_model
+from tierlm.builders.model import new_model
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.metrics.memory import available_memory_bytes, format_bytes

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.build.loaders import data_components, named_split, source_options
+from tierlm.builders.loaders import data_components, named_split, source_options
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer, load_tokenizer, open_examples, train_bpe_tokenizer, train_char_tokenizer

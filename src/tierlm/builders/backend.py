@@ -11,8 +11,8 @@ import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
 from tierlm.backends.pytorch import PyTorchTrainingBackend
-from tierlm.build.optimizer import model_width, optimizer_settings
-from tierlm.build.stage import Stage
+from tierlm.builders.optimizer import model_width, optimizer_settings
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.primitives import create_warmup_scheduler

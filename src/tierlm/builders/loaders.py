@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierlm.build.stage import Stage
+from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.data import (
     Documents,

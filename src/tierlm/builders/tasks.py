@@ -9,7 +9,7 @@ import inspect
 import os
 import sys
 
-from tierlm.build.loaders import open_splits
+from tierlm.builders.loaders import open_splits
 from tierlm.config import RLConfig, TierlmConfig
 from tierlm.data import SourceOptions, open_examples
 from tierlm.errors import ConfigError, DataError

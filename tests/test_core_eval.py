@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.errors import ConfigError
-from tierlm.loops.core_eval import evaluate_core, prompts_of, read_bundle
+from tierlm.loops.evaluation import evaluate_core, prompts_of, read_bundle
 
 MC = [{"query": f"What is {a} + {b}?", "choices": [f" {a + b}", f" {a + b + 3}", f" {a * b}"], "gold": 0}
       for a, b in [(2, 3), (10, 4), (7, 7), (1, 8), (6, 2)]]  # fmt: skip

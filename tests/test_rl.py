@@ -12,7 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tierlm.backends import PyTorchTrainingBackend
 from tierlm.builders.tasks import open_task
 from tierlm.errors import DataError
-from tierlm.loops.rl import Rollout, pass_at_k, rollout_batch
+from tierlm.loops.evaluation import pass_at_k
+from tierlm.loops.rl import Rollout, rollout_batch
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout import generate
@@ -253,8 +254,8 @@ def test_pass_at_k_against_enumeration():
 
 
 def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_tokenizer):
-    from tierlm.config import RLConfig, TrainingConfig
-    from tierlm.loops.rl import RLTrainer
+    from tierlm.config import RLConfig
+    from tierlm.loops.sampling import RolloutSampler
     from tierlm.tasks import ArithmeticChain
 
     tok = tiny_tokenizer
@@ -265,10 +266,8 @@ def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_
     reply1, reply2 = f"{messages[0]['content'][8:-1]} = {first}", f"{second}"
     turn1, turn2 = tok.encode(reply1) + [end], tok.encode(reply2) + [end]
     engine = ScriptedEngine(turn1 + turn2, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok)
-    trainer = RLTrainer(
-        None, ReinforceStrategy(), engine, tok, None, None, RLConfig(max_new_tokens=16), TrainingConfig()
-    )
-    rollout = trainer.run_episode(ArithmeticChain("val", 4, seed=0), 2, 1.0, torch.Generator().manual_seed(0))
+    sampler = RolloutSampler(engine, tok, RLConfig(max_new_tokens=16))
+    rollout = sampler.episode(ArithmeticChain("val", 4, seed=0), 2, 1.0, torch.Generator().manual_seed(0))
     assert rollout.reward == 1.0  # both turns right
     c = rollout.completion
     bridge = len(c.tokens) - len(turn1) - len(turn2)
@@ -288,9 +287,9 @@ def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_
 def test_episode_budgets_end_episodes_and_rounds_batch_episodes_of_different_lengths(tiny_tokenizer):
     """rl.max_turns ends an episode after its turns (the chain's second question never asked); several episodes
     sampled together in rounds give each the rollout it gets alone."""
-    from tierlm.config import RLConfig, TrainingConfig
+    from tierlm.config import RLConfig
     from tierlm.loops.episodes import run_episodes
-    from tierlm.loops.rl import RLTrainer
+    from tierlm.loops.sampling import RolloutSampler
     from tierlm.tasks import ArithmeticChain
 
     tok = tiny_tokenizer
@@ -300,10 +299,8 @@ def test_episode_budgets_end_episodes_and_rounds_batch_episodes_of_different_len
     end = tok.hf.get_vocab()["<|assistant_end|>"]
     turn1 = tok.encode(f"{messages[0]['content'][8:-1]} = {peek.expected[0]}") + [end]
     engine = ScriptedEngine(turn1 * 4, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok)
-    trainer = RLTrainer(
-        None, ReinforceStrategy(), engine, tok, None, None, RLConfig(max_new_tokens=16, max_turns=1), TrainingConfig()
-    )
-    rollout = trainer.run_episode(chain, 2, 1.0, torch.Generator().manual_seed(0))
+    sampler = RolloutSampler(engine, tok, RLConfig(max_new_tokens=16, max_turns=1))
+    rollout = sampler.episode(chain, 2, 1.0, torch.Generator().manual_seed(0))
     assert rollout.reward == 0.5 and rollout.completion.tokens == turn1  # one turn, right: half the episode's reward
     alone = [
         run_episodes(ScriptedEngine(turn1 * 4, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok), tok,

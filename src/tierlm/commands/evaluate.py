@@ -14,7 +14,8 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.errors import ConfigError
-from tierlm.loops.rl import RLTrainer
+from tierlm.loops.evaluation import evaluate_core, evaluate_pass_at_k
+from tierlm.loops.sampling import RolloutSampler
 from tierlm.models import load_pretrained_model
 from tierlm.primitives import resolve_device
 from tierlm.tasks.formats import chance_level
@@ -32,8 +33,7 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # rl.engine=vllm: its model folder
         engine = build_engine(config.rl, model, tokenizer, Path(folder), task=eval_task)
         try:
-            trainer = RLTrainer(None, None, engine, tokenizer, None, eval_task, config.rl, config.training)
-            return trainer.evaluate()
+            return evaluate_pass_at_k(RolloutSampler(engine, tokenizer, config.rl, config.training.seed), eval_task)
         finally:
             engine.close()
 
@@ -41,8 +41,6 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
 def run_core(checkpoint: str, bundle: str, limit: float | None, device_type: str = "auto") -> str:
     """CORE of a model on a local eval bundle: the table of tasks; a run directory also gets a `core` line in its
     metrics.jsonl (at its last step), core.json and a table in report.md."""
-    from tierlm.loops.core_eval import evaluate_core
-
     if limit is not None and limit != int(limit):
         raise ConfigError(f"--limit with --core counts items per task: give a whole number, not {limit}")
     location = verified_model_location(checkpoint)
@@ -92,8 +90,8 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
         with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:
             engine = build_engine(config.rl, model, tokenizer, Path(folder))
             try:
-                trainer = RLTrainer(None, None, engine, tokenizer, None, eval_task, config.rl, config.training)
-                accuracy = trainer.evaluate()["pass@1"]
+                sampler = RolloutSampler(engine, tokenizer, config.rl, config.training.seed)
+                accuracy = evaluate_pass_at_k(sampler, eval_task)["pass@1"]
             finally:
                 engine.close()
         results[name] = {"accuracy": accuracy, "centered": (accuracy - chance) / (1 - chance), "items": n}

@@ -18,31 +18,21 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tierlm.config import RLConfig, TierlmConfig, TrainingConfig
+from tierlm.config import RLConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import ConfigError
 from tierlm.loops import cadence
-from tierlm.loops.episodes import episode_generators, run_episodes
+from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
-from tierlm.loops.rewards import reward_model_figures, reward_model_sums, score
+from tierlm.loops.rewards import reward_model_figures, reward_model_sums
+from tierlm.loops.sampling import RolloutSampler
 from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rollout.engine import Rollout, SamplingEngine, answer_text
+from tierlm.rollout.engine import Rollout, SamplingEngine
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty, overlong_penalty
-from tierlm.tasks import Environment, Task, is_environment
-
-
-def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k).
-
-    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 4)
-    (0.25, 1.0, 0.0)
-    """
-    if num_samples - num_correct < k:
-        return 1.0
-    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+from tierlm.tasks import Environment, Task
 
 
 def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
@@ -97,6 +87,10 @@ class RLTrainer:
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
+    sampler: RolloutSampler = field(init=False)  # how prompts are sampled (tierlm.loops.sampling), from the above
+
+    def __post_init__(self) -> None:
+        self.sampler = RolloutSampler(self.engine, self.tokenizer, self.rl, self.config.seed)
 
     @property
     def rank(self) -> int:
@@ -110,14 +104,6 @@ class RLTrainer:
         return self.backend.all_reduce_sums(values) if self.world_size > 1 else values
 
     # -- rollouts --------------------------------------------------------------------------
-    def _prompt(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.render_for_completion(messages)
-
-    def _generator(self, *key: int) -> torch.Generator:
-        """The sampling randomness of one prompt, keyed by what is sampled (the step and the prompt's place in the
-        step's global batch; an eval problem), never by rank: N ranks draw exactly what one process draws."""
-        return torch.Generator(device=self.engine.device).manual_seed(hash((self.config.seed, *key)) % 2**62)
-
     def sync_sampler(self) -> None:
         """Bring the engine's weights to the policy's (`state.step` updates): a copy where the backend shards them
         (FSDP: collective, every rank gathers the whole model) or the engine holds its own (vLLM); else the engine
@@ -134,49 +120,16 @@ class RLTrainer:
             state = {name: tensor.detach().clone() for name, tensor in live.items()}
         return state
 
-    def collect(self, examples: list, generators: list[torch.Generator]) -> list[list[Rollout]]:
-        """`rl.group_size` samples of each example (with its own generator), scored by the task's reward."""
-        prompts = [self._prompt(example.messages) for example in examples]
-        rl = self.rl
-        batches = self.engine.generate_many(
-            [(prompt, rl.group_size, generator) for prompt, generator in zip(prompts, generators)],
-            rl.max_new_tokens,
-            rl.temperature,
-            rl.top_k,
-            rl.top_p,
-        )
-        texts = [[answer_text(self.tokenizer, c.tokens) for c in completions] for completions in batches]
-        items = [(e.prompt, text, e.reference) for e, group in zip(examples, texts) for text in group]
-        rewards = iter(score(self.train_task, items))  # at once: code runs in the sandbox's pool
-        return [
-            [Rollout(prompt, c, next(rewards), text) for c, text in zip(completions, group)]
-            for prompt, completions, group in zip(prompts, batches, texts)
-        ]
-
-    def run_episode(self, env: Environment, index: int, temperature: float, generator: torch.Generator) -> Rollout:
-        """One multi-turn episode (`tierlm.loops.episodes`)."""
-        return run_episodes(self.engine, self.tokenizer, self.rl, [(env, index, generator)], temperature)[0]
-
-    def _episode_groups(self, env: Environment, indices, generators, size: int, temperature: float):
-        """`size` episodes of each index, every one with its own stream drawn from its index's generator, all
-        sampled together in rounds; grouped by index."""
-        starts = [(env, i, g) for i, parent in zip(indices, generators) for g in episode_generators(parent, size)]
-        rollouts = run_episodes(self.engine, self.tokenizer, self.rl, starts, temperature)
-        return [rollouts[j : j + size] for j in range(0, len(rollouts), size)]
-
     def sample_step(self, step: int) -> list[list[Rollout]]:
         """This rank's share of a step's prompts, each group whole on one rank (the backend sums gradients and
         tokens over ranks), each prompt sampled with the generator of its place in the global batch."""
         indices = self._indices(step)
         positions = range(self.rank, len(indices), self.world_size)
-        groups = self._groups([indices[p] for p in positions], [self._generator(step, p) for p in positions])
+        groups = self._groups([indices[p] for p in positions], [self.sampler.generator(step, p) for p in positions])
         return self._with_signal(step, groups) if self.rl.dynamic_sampling else groups
 
     def _groups(self, indices: list[int], generators: list[torch.Generator]) -> list[list[Rollout]]:
-        if not is_environment(self.train_task):
-            groups = self.collect([self.train_task.example(i) for i in indices], generators)
-        else:
-            groups = self._episode_groups(self.train_task, indices, generators, self.rl.group_size, self.rl.temperature)
+        groups = self.sampler.groups(self.train_task, indices, generators, self.rl.group_size, self.rl.temperature)
         return self._with_reward_model(groups) if self.reward_model is not None else groups
 
     def _with_reward_model(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
@@ -201,7 +154,7 @@ class RLTrainer:
                 break
             rng = np.random.default_rng([self.config.seed, step, self.rank, round_, 1])
             indices = [int(i) for i in rng.integers(len(self.train_task), size=need)]
-            generators = [self._generator(step, -2, self.rank, round_, j) for j in range(need)]
+            generators = [self.sampler.generator(step, -2, self.rank, round_, j) for j in range(need)]
             kept += [g for g in self._groups(indices, generators) if signal(g)]
             draws += need
         kept += [g for g in groups if not signal(g)]  # padding, if the draws fell short
@@ -399,50 +352,11 @@ class RLTrainer:
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """pass@1 and pass@k over the first `rl.eval_problems` held-out problems (or episodes), k samples each."""
-        k, n = self.rl.eval_k, min(self.rl.eval_problems, len(self.eval_task))
+        """pass@1 and pass@k over the held-out problems (`tierlm.loops.evaluation.evaluate_pass_at_k`), logged."""
         if self.off_policy is not None:
             self.off_policy.drain()  # the engine is the background sampler's until it is idle
         self.sync_sampler()
-        indices = range(self.rank, n, self.world_size)  # ranks share the problems
-        generators = [self._generator(-1, index) for index in indices]  # each problem's, the same at every eval
-        if is_environment(self.eval_task):
-            groups = self._episode_groups(self.eval_task, indices, generators, k, self.rl.eval_temperature)
-            results = [([e.completion for e in group], [e.reward for e in group]) for group in groups]
-        else:
-            examples = [self.eval_task.example(index) for index in indices]
-            batches = self.engine.generate_many(
-                [(self._prompt(e.messages), k, g) for e, g in zip(examples, generators)],
-                self.rl.max_new_tokens,
-                self.rl.eval_temperature,
-                self.rl.top_k,
-                self.rl.top_p,
-            )
-            results = [
-                (
-                    cs,
-                    score(self.eval_task, [(e.prompt, answer_text(self.tokenizer, c.tokens), e.reference) for c in cs]),
-                )
-                for e, cs in zip(examples, batches)
-            ]
-        p1, pk, rewards, tool_rows = [], [], [], 0
-        for completions, scores in results:
-            correct = sum(s >= 1.0 - 1e-6 for s in scores)  # full marks (every turn right, for episodes)
-            tool_rows += sum(c.tool_calls > 0 for c in completions)
-            p1.append(pass_at_k(k, correct, 1))
-            pk.append(pass_at_k(k, correct, k))
-            rewards.extend(scores)
-        sums = self._sum_over_ranks(
-            {"p1": float(sum(p1)), "pk": float(sum(pk)), "reward": float(sum(rewards)), "tool": float(tool_rows)}
-        )
-        result = {
-            "pass@1": sums["p1"] / n,
-            "pass@k": sums["pk"] / n,
-            "k": k,
-            "eval_problems": n,
-            "eval_reward_mean": sums["reward"] / (n * k),
-            "eval_tool_use": sums["tool"] / (n * k),
-        }
+        result = evaluate_pass_at_k(self.sampler, self.eval_task, self.rank, self.world_size, self._sum_over_ranks)
         if self.state.step == 0:
             self.state.initial_pass_at_1 = result["pass@1"]
         if self.state.best_pass_at_1 is None or result["pass@1"] > self.state.best_pass_at_1:
@@ -539,18 +453,6 @@ class RLTrainer:
         }
 
 
-@dataclass
-class PromptPasses:
-    """RL's passes over its task, for training.num_train_epochs: each step draws rl.prompts_per_step prompts of the
-    epoch's permutation (`RLTrainer._indices`)."""
-
-    prompts: int
-    prompts_per_step: int
-
-    def batches_per_pass(self) -> int:
-        return self.prompts // self.prompts_per_step
-
-
 def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:
     """What makes the loss visible in the train lines: the share of tokens (GSPO: sequences) whose gradient each
     side of the clip removed, GSPO's mean sequence ratio, dynamic sampling's dropped groups and extra draws, DAPO's
@@ -579,17 +481,3 @@ def check_parity(parity: dict[str, float], rl: RLConfig) -> dict[str, Any]:
             "trainer's dtype (float32 / bf16 on both sides) or check that the sampler loads the trainer's weights"
         )
     return {"parity": parity}
-
-
-def optimizer_schedule(config: TierlmConfig, world_size: int) -> TrainingConfig:
-    """The training section as the optimizer sees it: each RL step makes rl.ppo_epochs optimizer steps (the LR
-    schedule counts optimizer steps), each over this rank's rollouts in micro-batches (DDP synchronises on the last)."""
-    tr, rl = config.training, config.rl
-    rows = rl.prompts_per_step // world_size * rl.group_size
-    return tr.model_copy(
-        update={
-            "num_train_steps": tr.num_train_steps * rl.ppo_epochs,
-            "warmup_steps": tr.warmup_steps * rl.ppo_epochs,
-            "gradient_accumulation_steps": -(-rows // rl.micro_batch_size),
-        }
-    )

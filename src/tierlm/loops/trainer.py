@@ -23,7 +23,6 @@ import gc
 import math
 import sys
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -38,6 +37,7 @@ from tierlm.data.packing import eval_batches
 from tierlm.errors import TrainingDiverged
 from tierlm.loops import cadence
 from tierlm.loops.cadence import resume_backend  # noqa: F401  (also this module's name)
+from tierlm.loops.evaluation import validation_totals
 from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.memory import memory_record
@@ -193,21 +193,12 @@ class Trainer:
         return model_state if model_state is not None else self.backend.model_state()
 
     def evaluate(self) -> dict[str, float]:
-        """Metrics over the fixed eval set. Ranks share its batches and sum their totals, so the
-        result does not depend on the world size; every rank runs the same number of forwards
-        (a rank short of batches repeats one with weight 0), as FSDP's collectives require."""
-        totals: dict[str, float] = defaultdict(float)
-        mine = self.eval_set[self.data_rank :: self.data_world_size]
-        rounds = -(-len(self.eval_set) // self.data_world_size)
+        """Metrics over the fixed eval set (`tierlm.loops.evaluation.validation_totals`: the same whatever the world
+        size), logged with the samples of training.sample_prompts."""
         with disable_fp8(self.backend.model):  # FP8 trains; evaluation sees the unquantised model (as nanochat does)
-            for i in range(rounds):
-                batch, weight = (mine[i], 1.0) if i < len(mine) else (self.eval_set[0], 0.0)
-                out = self.backend.forward(self.strategy.prepare_batch(batch), self.strategy.compute_metrics).wait()
-                for key, value in out.items():
-                    totals[key] += weight * value
+            shares = self.data_rank, self.data_world_size
+            totals = validation_totals(self.backend, self.strategy, self.eval_set, *shares)
             samples = self.sampler(self.backend.eval_model) if self.sampler is not None and self.is_main else []
-        if self.world_size > 1:
-            totals = self.backend.all_reduce_sums(dict(totals))
         self.last_eval, self.last_eval_step = self.strategy.summarize(totals), self.state.step
         val_loss = self.last_eval["val_loss"]
         if self.state.best_val_loss is None or val_loss < self.state.best_val_loss:

@@ -355,3 +355,30 @@ def measure_tokens_per_sec(
         if step:
             elapsed += time.perf_counter() - start
     return rows * T * steps / elapsed
+
+
+# -- RL: its steps as the optimizer counts them ----------------------------------------------
+@dataclass
+class PromptPasses:
+    """RL's passes over its task, for training.num_train_epochs: each step draws rl.prompts_per_step prompts of the
+    epoch's permutation (`RLTrainer._indices`)."""
+
+    prompts: int
+    prompts_per_step: int
+
+    def batches_per_pass(self) -> int:
+        return self.prompts // self.prompts_per_step
+
+
+def optimizer_schedule(config: TierlmConfig, world_size: int):
+    """The training section as the optimizer sees it: each RL step makes rl.ppo_epochs optimizer steps (the LR
+    schedule counts optimizer steps), each over this rank's rollouts in micro-batches (DDP synchronises on the last)."""
+    tr, rl = config.training, config.rl
+    rows = rl.prompts_per_step // world_size * rl.group_size
+    return tr.model_copy(
+        update={
+            "num_train_steps": tr.num_train_steps * rl.ppo_epochs,
+            "warmup_steps": tr.warmup_steps * rl.ppo_epochs,
+            "gradient_accumulation_steps": -(-rows // rl.micro_batch_size),
+        }
+    )

@@ -16,8 +16,9 @@ from tierlm.builders.stage import Stage
 from tierlm.builders.tasks import check_prompt_lengths, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.loops.rl import PromptPasses, RLTrainer, check_parity, optimizer_schedule
+from tierlm.loops.rl import RLTrainer, check_parity
 from tierlm.models import model_max_seq_len
+from tierlm.plan.scaling import PromptPasses, optimizer_schedule
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, policy_gradient_strategy
 from tierlm.strategies.rl_losses import resolve_rl

@@ -1,4 +1,18 @@
-"""CORE (DCLM, Li et al., 2024; the base-model score nanochat reports): in-context tasks scored by the model's
+"""One home for evaluation: what the trainers, `tierlm eval` and the speedrun measure on held-out data.
+
+- **Validation loss and bits per byte** (`validation_totals`): a strategy's summable metrics over the fixed eval
+  batches, shared by the ranks; the `Trainer` evaluates with it (pretraining, SFT, DPO, reward models).
+- **pass@1 / pass@k** (`evaluate_pass_at_k`): k samples of each held-out problem or episode, scored by the task's
+  reward; the RL loop and `tierlm eval --checkpoint` evaluate with it.
+- **CORE** (`evaluate_core`): DCLM's in-context tasks scored by log-likelihood, as nanochat reports for base models;
+  `tierlm eval --core`.
+
+lm-evaluation-harness's tasks (`tierlm eval --harness`) run through its own evaluator, tierlm's model wrapped as its
+`TemplateLM` (`tierlm.commands.harness`).
+
+## CORE
+
+CORE (DCLM, Li et al., 2024; the base-model score nanochat reports): in-context tasks scored by the model's
 log-likelihood, each accuracy centred on its random baseline, CORE their mean.
 
 It reads an eval bundle folder in DCLM's / nanochat's layout: `core.yaml` (`icl_tasks`: label, dataset_uri,
@@ -18,18 +32,84 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 import yaml
 
 from tierlm.errors import ConfigError, DataError
+from tierlm.loops.sampling import RolloutSampler
 from tierlm.models import forward_logits, model_max_seq_len
+from tierlm.tasks import Environment, Task
 
 
+# -- validation loss ----------------------------------------------------------------------------
+def validation_totals(backend, strategy, eval_set: list, data_rank: int = 0, data_world: int = 1) -> dict:
+    """The summed `strategy.compute_metrics` of `eval_set`'s batches, over every rank (the result does not depend on
+    the world size): ranks share the batches, and every rank runs the same number of forwards (a rank short of
+    batches repeats one with weight 0), as FSDP's collectives require. `strategy.summarize` turns it into figures."""
+    totals: dict[str, float] = defaultdict(float)
+    mine = eval_set[data_rank::data_world]
+    for i in range(-(-len(eval_set) // data_world)):
+        batch, weight = (mine[i], 1.0) if i < len(mine) else (eval_set[0], 0.0)
+        out = backend.forward(strategy.prepare_batch(batch), strategy.compute_metrics).wait()
+        for key, value in out.items():
+            totals[key] += weight * value
+    return backend.all_reduce_sums(dict(totals)) if backend.world_size > 1 else dict(totals)
+
+
+# -- pass@k -------------------------------------------------------------------------------------
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k).
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 4)
+    (0.25, 1.0, 0.0)
+    """
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def evaluate_pass_at_k(
+    sampler: RolloutSampler,
+    task: Task | Environment,
+    rank: int = 0,
+    world_size: int = 1,
+    sum_over_ranks: Callable[[dict], dict] | None = None,
+) -> dict[str, float]:
+    """pass@1 and pass@k over the first `rl.eval_problems` held-out problems (or episodes), `rl.eval_k` samples each
+    at `rl.eval_temperature`; the ranks share the problems (`sum_over_ranks` adds their sums). A sample is right
+    with full marks (every turn right, for episodes). Each problem's randomness is its own, the same at every
+    evaluation."""
+    rl = sampler.rl
+    k, n = rl.eval_k, min(rl.eval_problems, len(task))
+    indices = list(range(rank, n, world_size))
+    generators = [sampler.generator(-1, index) for index in indices]
+    p1 = pk = reward = tool = 0.0
+    for group in sampler.groups(task, indices, generators, k, rl.eval_temperature):
+        correct = sum(r.reward >= 1.0 - 1e-6 for r in group)
+        tool += sum(r.completion.tool_calls > 0 for r in group)
+        p1, pk = p1 + pass_at_k(k, correct, 1), pk + pass_at_k(k, correct, k)
+        reward += sum(r.reward for r in group)
+    sums = {"p1": p1, "pk": pk, "reward": reward, "tool": tool}
+    sums = sum_over_ranks(sums) if sum_over_ranks is not None else sums
+    return {
+        "pass@1": sums["p1"] / n,
+        "pass@k": sums["pk"] / n,
+        "k": k,
+        "eval_problems": n,
+        "eval_reward_mean": sums["reward"] / (n * k),
+        "eval_tool_use": sums["tool"] / (n * k),
+    }
+
+
+# -- CORE ---------------------------------------------------------------------------------------
 def _shots(examples: list[str]) -> str:
     """Few-shot examples as nanochat's templates lay them out: each followed by a blank line."""
     return "".join(f"{example}\n\n" for example in examples)

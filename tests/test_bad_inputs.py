@@ -1386,7 +1386,7 @@ CASES = [
     Case(
         "ablate-bad-seeds",
         ["ablate", "--config", "tiny_pretrain", *ABL, "--variants", "V0", "--seeds", "0,x"],
-        "--seeds must be",
+        "--seeds: must be comma-separated whole numbers",
     ),
     Case("ablate-no-config", ["ablate", "--variants", "V0"], "needs --config"),
     Case("ablate-report-not-an-ablation", ["ablate", "--report", "."], "holds no ablation"),

@@ -51,6 +51,8 @@ class Stage:
     """Rows one batch item takes in a micro-batch (DPO: its chosen and rejected rows)."""
     micro_batch_key = "training.per_device_train_batch_size"
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
+    preflight: tuple[str, str] | None = None
+    """Its pre-flight check, if it has one: (the flag of `tierlm NAME` that runs it instead of training, its help)."""
     deepspeed = False
     """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
     reference or sampler beside the partitioned weights)."""

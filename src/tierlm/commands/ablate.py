@@ -24,6 +24,7 @@ plots (val loss against tokens; gate statistics over steps for RA variants).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -35,10 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierlm.commands.options import Command, add_config_args, int_list
 from tierlm.commands.overrides import check_stage_overrides, override_key
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, TierlmError
 from tierlm.metrics.report import model_figures, read_metrics
+from tierlm.stages import STAGES
 
 SPEC_FILE = "ablation.json"
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96.
@@ -189,7 +192,6 @@ class AblationCoordinator:
         that does not open, or a different token budget."""
         from tierlm.builders.model import describe_model
         from tierlm.builders.tokenizer import pretrained_location
-        from tierlm.stages import STAGES
 
         stage, opened = STAGES[self.stage], set()
         for variant in self.variants:
@@ -441,3 +443,54 @@ def _plots(out: Path, spec: dict, results: dict[str, dict[str, dict]]) -> list[P
         plot_series(out / "plots" / "ra_gates.png", "Unified RA: mean reciprocal gate w_rec", "step", gates, "w_rec"),
     ]
     return [p for p in plots if p is not None]
+
+
+# -- the command ----------------------------------------------------------------------------
+def arguments(ablate: argparse.ArgumentParser) -> None:
+    add_config_args(ablate, required=False)
+    ablate.add_argument(
+        "--variants", default=None, help="comma-separated V-steps, e.g. V0,V1,V3 (the first is the baseline)"
+    )
+    ablate.add_argument(
+        "--variant", action="append", default=[], help="name:section.key=value[,section.key=value] (repeatable)"
+    )
+    ablate.add_argument(
+        "--seeds", type=int_list, default=None, help="comma-separated seeds, one replicate each (default: the config's)"
+    )
+    ablate.add_argument("--out", default=None, help="ablation folder (default runs/ablate_<config name>)")
+    ablate.add_argument(
+        "--stage", choices=[name for name, stage in STAGES.items() if stage.token_rows], default="pretrain"
+    )
+    ablate.add_argument(
+        "--report", default=None, metavar="DIR", help="only rebuild results.json, summary.md and plots of DIR"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.report:
+        write_results(Path(args.report))
+        print(f"summary: {Path(args.report) / 'summary.md'}")
+        return
+    if not args.config:
+        raise TierlmError("tierlm ablate needs --config (a YAML file or a preset), or --report DIR")
+    base = TierlmConfig.load(args.config, args.overrides)
+    given = {override_key(o) for o in args.overrides}
+    for key, flag, value in (
+        ("ablation.variants", "--variants", args.variants or args.variant),
+        ("ablation.seeds", "--seeds", args.seeds),
+    ):
+        if key in given and value:
+            raise ConfigError(f"{key} and its flag ({flag}) both given: keep one")
+    specs = [v for v in (args.variants or "").split(",") if v.strip()] + args.variant or base.ablation.variants
+    seeds = args.seeds or base.ablation.seeds
+    coordinator = AblationCoordinator(
+        args.config, [parse_variant(v) for v in specs], seeds, list(args.overrides), args.out, args.stage
+    )
+    results = coordinator.run()
+    print(f"summary: {coordinator.out / 'summary.md'}")
+    coordinator.failures(results)  # an ablation with failed runs exits 1, the first failure its last line
+
+
+COMMAND = Command(
+    "ablate", "run variants x seeds of one config at equal tokens; results, summary.md, plots", arguments, run
+)

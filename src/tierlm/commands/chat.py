@@ -8,6 +8,7 @@ so each callback hands on only what was added.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, temperature
 from tierlm.errors import DataError
 
 
@@ -244,3 +246,23 @@ def terminal_chat(
             continue
         out("\n" if reply.finish_reason == "stop" else " [...]\n")
         messages.append(bot.history_entry(reply))
+
+
+# -- the command ----------------------------------------------------------------------------
+def arguments(chat: argparse.ArgumentParser) -> None:
+    chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    chat.add_argument("--temperature", type=temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
+    chat.add_argument("--max-new-tokens", type=positive_int, default=128)
+    chat.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
+
+
+def run(args: argparse.Namespace) -> None:
+    terminal_chat(Chatbot(args.checkpoint, args.device_type), args.temperature, args.max_new_tokens)
+
+
+COMMAND = Command(
+    "chat",
+    "a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)",
+    arguments,
+    run,
+)

@@ -3,6 +3,7 @@ tasks an RL config names, sampled by the generation engine (no training); `--cor
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -11,6 +12,17 @@ import torch
 from tierlm.builders.engine import build_engine
 from tierlm.builders.tasks import open_tasks
 from tierlm.checkpoint.folders import verified_model_location
+from tierlm.commands.options import (
+    DEVICE_TYPES,
+    Command,
+    add_config_args,
+    named_sources,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    task_list,
+)
+from tierlm.commands.overrides import EVAL_KEYS, check_overrides, override_key
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.errors import ConfigError
@@ -98,3 +110,117 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
     result = {"tasks": results, "core": sum(r["centered"] for r in results.values()) / max(len(results), 1)}
     record_core(location, ",".join(f"{k}={v}" for k, v in tasks.items()), result, kind="chat_core")
     return _core_table(result, "ChatCORE")
+
+
+# -- the command ----------------------------------------------------------------------------
+def arguments(evaluate: argparse.ArgumentParser) -> None:
+    evaluate.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    evaluate.add_argument(
+        "--harness",
+        type=task_list,
+        default=None,
+        metavar="TASKS",
+        help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) instead of pass@k",
+    )
+    evaluate.add_argument(
+        "--core",
+        default=None,
+        metavar="BUNDLE",
+        help="CORE (DCLM / nanochat) of a base model from a local eval bundle folder (core.yaml, eval_data/, "
+        "eval_meta_data.csv) instead of pass@k",
+    )
+    evaluate.add_argument(
+        "--chat-core",
+        type=named_sources,
+        default=None,
+        metavar="NAME=SOURCE,...",
+        help="ChatCORE-style accuracy of a chat model: greedy pass@1 on each named task source (a folder or hub id "
+        "in a GSM8K / MATH / ARC / MMLU / HumanEval / MBPP layout, or synthetic:<name>), centred on chance",
+    )
+    evaluate.add_argument(
+        "--limit", type=positive_float, default=None, help="harness: examples per task (a fraction if < 1); core: items"
+    )
+    evaluate.add_argument("--num-fewshot", type=non_negative_int, default=None, help="harness: few-shot examples")
+    evaluate.add_argument("--batch-size", type=positive_int, default=8, help="harness: sequences per forward pass")
+    evaluate.add_argument("--include-path", default=None, help="harness: a folder of your own task YAML files")
+    evaluate.add_argument(
+        "--chat-template", action="store_true", help="harness: render prompts with the model's chat template"
+    )
+    evaluate.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
+    add_config_args(evaluate, required=False)
+
+
+def run(args: argparse.Namespace) -> None:
+    """pass@k of the rl section's held-out problems, or --chat-core / --core / --harness: one of them."""
+    if args.chat_core is not None:
+        if args.core is not None or args.harness is not None or args.config or args.overrides:
+            raise ConfigError("--chat-core names its tasks: drop --core, --harness, --config and overrides")
+        print(run_chat_core(args.checkpoint, args.chat_core, args.limit, args.device_type))
+    elif args.core is not None:
+        if args.harness is not None or args.config or args.overrides:
+            raise ConfigError(
+                "--core evaluates the checkpoint on the bundle's tasks: drop --harness, --config, overrides"
+            )
+        print(run_core(args.checkpoint, args.core, args.limit, args.device_type))
+    elif args.harness is not None:
+        print(harness_table(args))
+    else:
+        print(pass_at_k_line(args))
+
+
+def harness_table(args: argparse.Namespace) -> str:
+    from tierlm.commands.harness import run_harness
+
+    if args.config or args.overrides:
+        raise ConfigError(
+            "--harness evaluates the checkpoint as it is: drop --config and the overrides (they set pass@k evals)"
+        )
+    _, table = run_harness(
+        args.checkpoint,
+        args.harness,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        include_path=args.include_path,
+        chat_template=args.chat_template,
+        device_type=args.device_type,
+    )
+    return table
+
+
+def pass_at_k_line(args: argparse.Namespace) -> str:
+    harness_only = [
+        flag
+        for flag, value in (
+            ("--limit", args.limit),
+            ("--num-fewshot", args.num_fewshot),
+            ("--include-path", args.include_path),
+            ("--chat-template", args.chat_template or None),
+        )
+        if value is not None
+    ]
+    if harness_only:
+        raise ConfigError(f"{', '.join(harness_only)} set the evaluation harness: add --harness TASKS")
+    overrides = list(args.overrides)
+    if args.device_type != "auto":  # --device-type is infra.device_type
+        if "infra.device_type" in map(override_key, overrides):
+            raise ConfigError("give the device once: --device-type or infra.device_type")
+        overrides.append(f"infra.device_type={args.device_type}")
+    config = TierlmConfig.load(args.config, overrides)
+    placed = {"model.model_name_or_path": "the model is --checkpoint"}
+    check_overrides("eval", args.overrides, ("rl", "data"), EVAL_KEYS, placed=placed)
+    result = run_eval(config, args.checkpoint)
+    tools = " with the calculator" if "calculator" in config.rl.tools else ""
+    return (
+        f"pass@1 {result['pass@1']:.3f}, pass@{result['k']} {result['pass@k']:.3f} over {result['eval_problems']} "
+        f"held-out problems{tools} (tool use {result['eval_tool_use']:.3f})"
+    )
+
+
+COMMAND = Command(
+    "eval",
+    "pass@1 / pass@k of a chat model on held-out problems (the rl section's settings), or lm-evaluation-harness "
+    "tasks (--harness)",
+    arguments,
+    run,
+)

@@ -9,12 +9,16 @@ signal on: tierlm saves a checkpoint and stops, and the requeued job resumes fro
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
+import sys
 from pathlib import Path
 
+from tierlm.commands.options import Command, add_config_args, non_negative_int, positive_int
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
+from tierlm.stages import STAGES
 
 TIME_LIMIT = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 
@@ -188,3 +192,72 @@ def train(
         env={{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": threads}},
     )
 '''
+
+
+# -- the command ----------------------------------------------------------------------------
+def arguments(launch: argparse.ArgumentParser) -> None:
+    scheduler = launch.add_mutually_exclusive_group(required=True)
+    scheduler.add_argument("--slurm", action="store_true", help="an sbatch script")
+    scheduler.add_argument(
+        "--torchx", action="store_true", help="a TorchX component (Kubernetes and the other schedulers TorchX supports)"
+    )
+    launch.add_argument("stage", choices=sorted(STAGES), help="the stage to run")
+    add_config_args(launch, required=False)
+    launch.add_argument("--nodes", type=positive_int, required=True, help="machines")
+    launch.add_argument("--gpus-per-node", type=non_negative_int, default=0, help="ranks a machine (0: one CPU rank)")
+    launch.add_argument("--time", default=None, help="Slurm: the job's time limit: MINUTES, HH:MM:SS or D-HH:MM:SS")
+    launch.add_argument("--partition", default=None)
+    launch.add_argument("--account", default=None)
+    launch.add_argument("--cpus-per-task", type=positive_int, default=None, help="CPU cores per node")
+    launch.add_argument("--max-restarts", type=non_negative_int, default=3, help="torchrun restarts after a rank dies")
+    launch.add_argument("--port", type=int, default=29500, help="the rendezvous port on the first node")
+    launch.add_argument("--python", default="python", help="the Python on the nodes (a venv's, on shared storage)")
+    launch.add_argument("--out", default=None, help="write the script here (default: print it)")
+
+
+def warn(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+def run(args: argparse.Namespace) -> None:
+    config = TierlmConfig.load(args.config, args.overrides)  # a bad config is refused here, not on the cluster
+    shape = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task)
+    shape.update(max_restarts=args.max_restarts, port=args.port)
+    if args.torchx:
+        if args.time or args.partition or args.account:
+            raise ConfigError("--time, --partition and --account are Slurm's: the TorchX scheduler takes its own")
+        script = torchx_component(args.stage, args.config, args.overrides, config, **shape)
+    else:
+        if args.time is None:
+            raise ConfigError("tierlm launch --slurm needs --time (the job's limit: MINUTES, HH:MM:SS or D-HH:MM:SS)")
+        script = slurm_script(
+            args.stage,
+            args.config,
+            args.overrides,
+            config,
+            time_limit=args.time,
+            partition=args.partition,
+            account=args.account,
+            python=args.python,
+            **shape,
+        )
+    if not config.training.save_steps:
+        warn(
+            "tierlm: warning: training.save_steps=0 saves only at the end: a restarted or requeued job starts over; "
+            "set training.save_steps"
+        )
+    if args.out is None:
+        print(script, end="")
+        return
+    out = Path(args.out)
+    if out.exists():
+        raise ConfigError(f"--out {out} exists; choose another file (nothing is overwritten)")
+    out.write_text(script)
+    out.chmod(0o755)
+    how = f"torchx run -s <scheduler> {out}:train" if args.torchx else f"sbatch {out}"
+    print(f"wrote {out}: submit it with `{how}`")
+
+
+COMMAND = Command(
+    "launch", "write a cluster launch file for a run (a Slurm script, or a TorchX component)", arguments, run
+)

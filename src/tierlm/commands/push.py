@@ -8,12 +8,14 @@ files and the card and sends nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
+from tierlm.commands.options import Command
 from tierlm.errors import ConfigError, DataError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -129,3 +131,18 @@ def push(run: str | Path, repo: str, private: bool = False, dry_run: bool = Fals
                 f"could not push to {repo}: {str(e).splitlines()[0]} (log in with `hf auth login`, or try --dry-run)"
             ) from None
         return f"pushed {len(files)} files to {getattr(commit, 'repo_url', repo)}"
+
+
+# -- the command ----------------------------------------------------------------------------
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="a run directory, checkpoint or model folder")
+    parser.add_argument("--repo", required=True, help="ORG/NAME on the Hub")
+    parser.add_argument("--private", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="print the files and the model card; send nothing")
+
+
+def run(args: argparse.Namespace) -> None:
+    print(push(args.run, args.repo, private=args.private, dry_run=args.dry_run))
+
+
+COMMAND = Command("push", "upload a run's model to the Hugging Face Hub with a model card from the run", arguments, run)

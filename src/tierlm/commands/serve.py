@@ -18,10 +18,12 @@ stops its generation at the next token. With `api_key`, the /v1 endpoints want `
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoint's request model from its
 # annotation, which must be the class itself (it is defined inside create_app).
+import argparse
 import asyncio
 import html
 import json
 import math
+import os
 import threading
 import time
 import uuid
@@ -30,6 +32,7 @@ from importlib import resources
 from typing import Any
 
 from tierlm.commands.chat import Busy, Chatbot
+from tierlm.commands.options import DEVICE_TYPES, Command, positive_int
 from tierlm.errors import ConfigError, DataError
 
 
@@ -437,3 +440,48 @@ def serve(
         flush=True,
     )
     uvicorn.run(create_app(bot, max_queue, timeout_s, api_key), host=host, port=port, log_level="warning")
+
+
+# -- the command ----------------------------------------------------------------------------
+def arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
+    serve.add_argument(
+        "--engine",
+        default="native",
+        choices=["native", "vllm"],
+        help="what generates: tierlm's engine (streams token by token), or vLLM (as rl.engine=vllm: in this process "
+        "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
+    )
+    serve.add_argument("--vllm-url", default=None, help="--engine vllm: a vLLM server (scripts/vllm_server.sh)")
+    serve.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=8,
+        help="replies generated together (continuous batching on tierlm's engine, native GPT; 1: one at a time)",
+    )
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait; one more is answered 429")
+    serve.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take, waiting included")
+    serve.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (default: $TIERLM_API_KEY, or none)"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TIERLM_API_KEY")
+    check_port(args.port)  # before the model loads
+    check_serving(args.host, args.max_queue, args.timeout, api_key)
+    bot = Chatbot(
+        args.checkpoint, args.device_type, engine=args.engine, vllm_url=args.vllm_url, batch_rows=args.max_batch
+    )
+    try:
+        serve(bot, args.host, args.port, args.max_queue, args.timeout, api_key)
+    finally:
+        bot.close()
+
+
+COMMAND = Command(
+    "serve", "an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model", arguments, run
+)

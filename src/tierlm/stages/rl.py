@@ -35,6 +35,8 @@ class RL(Stage):
     packing = None
     token_rows = False
     micro_batch_key = "rl.micro_batch_size"
+    preflight = ("--check-parity", "sample step 0's rollouts, score them with the trainer, and refuse when their "
+                 "log-probs differ by more than rl.parity_tolerance; trains and writes nothing")  # fmt: skip
 
     def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
         """rl.* with its loss's defaults (`resolve_rl`: a loss without a JAX twin refused on the JAX backend)."""

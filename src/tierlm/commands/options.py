@@ -1,0 +1,113 @@
+"""What every command of the `tierlm` command line is built from: `Command` (one row of `tierlm.commands.cli.COMMANDS`:
+a command module declares its arguments and its `run`), the parser whose usage mistakes are the one line every
+tierlm error is (exit 2), and the argument types the commands share."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `tierlm NAME` command: its one-line help, the options it declares on its parser, and what runs it."""
+
+    name: str
+    about: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported as the one line every tierlm error is (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"tierlm: error: {message} (see `{self.prog} --help`)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    value = number(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated whole numbers.
+
+    >>> int_list("0,1, 2")
+    [0, 1, 2]
+    """
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, got {text!r}") from None
+
+
+def named_sources(value: str) -> dict[str, str]:
+    """NAME=SOURCE pairs, comma-separated."""
+    pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+    if not pairs or any(not name.strip() or not eq or not source.strip() for name, eq, source in pairs):
+        raise argparse.ArgumentTypeError(f"give NAME=SOURCE pairs separated by commas, got {value!r}")
+    return {name.strip(): source.strip() for name, _, source in pairs}
+
+
+def task_list(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise argparse.ArgumentTypeError("give task names separated by commas, e.g. hellaswag,arc_easy")
+    return tasks
+
+
+def temperature(text: str) -> float:
+    value = number(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument(
+        "--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4"
+    )
+
+
+DEVICE_TYPES = ["auto", "cpu", "cuda", "mps"]

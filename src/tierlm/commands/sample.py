@@ -1,0 +1,65 @@
+"""`tierlm sample`: generate from a trained model (a chat model's prompt rendered as a user turn, with the calculator
+where its tokenizer has the tool tokens; a base model continues the text; an encoder-decoder reads it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, probability, temperature
+from tierlm.errors import TierlmError
+from tierlm.stages import STAGES
+
+
+def arguments(sample: argparse.ArgumentParser) -> None:
+    sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
+    sample.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
+    sample.add_argument("--max-new-tokens", type=positive_int, default=64)
+    sample.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy")
+    sample.add_argument("--top-k", type=positive_int, default=None)
+    sample.add_argument("--top-p", type=probability, default=None)
+    sample.add_argument("--seed", type=int, default=0)
+    mode = sample.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="continue the prompt as plain text")
+    sample.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.checkpoint.verify import MODEL_META_FILE
+    from tierlm.data import load_tokenizer
+    from tierlm.models import family_of, load_pretrained_model
+    from tierlm.primitives import resolve_device
+    from tierlm.rollout.engine import Engine, encoder_prompt_tokens, prompt_tokens, readable_text
+    from tierlm.rollout.tools import Calculator
+    from tierlm.special_tokens import TOOL_CALL_START
+
+    location = verified_model_location(args.checkpoint)
+    tokenizer = load_tokenizer(location)
+    model = load_pretrained_model(location, device=resolve_device(args.device_type))
+    meta_file = Path(location) / MODEL_META_FILE
+    try:
+        stage = json.loads(meta_file.read_text()).get("stage") if meta_file.is_file() else None
+    except (OSError, ValueError, AttributeError) as e:
+        raise TierlmError(f"{meta_file} is not readable JSON ({e}); restore it or delete it") from None
+    chat = (
+        args.chat if args.chat is not None else (stage in STAGES and STAGES[stage].chat and tokenizer.has_chat_template)
+    )
+    if family_of(model).seq2seq:  # the prompt goes to the encoder
+        chat, prompt_ids = False, encoder_prompt_tokens(tokenizer, args.prompt)
+    else:
+        prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
+    tools = [Calculator()] if chat and TOOL_CALL_START in tokenizer.hf.get_vocab() else []
+    engine = Engine(model, tokenizer.stop_ids, tokenizer, tools)
+    generator = torch.Generator(device=engine.device).manual_seed(args.seed)
+    completion = engine.generate(
+        prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator
+    )[0]
+    print(readable_text(tokenizer, completion.tokens))
+
+
+COMMAND = Command("sample", "generate from a trained model", arguments, run)

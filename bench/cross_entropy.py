@@ -29,6 +29,7 @@ ROWS, SEQ, TRAINED = 2, 512, 0.64
 
 def step_rate(args, fused: bool) -> dict:
     from tierlm.backends import PyTorchTrainingBackend, create_adamw_optimizer
+    from tierlm.backends.options import BackendOptions
     from tierlm.models import GPTConfig, build_gpt
     from tierlm.strategies import CrossEntropyStrategy
 
@@ -37,7 +38,13 @@ def step_rate(args, fused: bool) -> dict:
         GPTConfig(depth=2, aspect_ratio=256, head_dim=64, n_kv_head=4, vocab_size=args.vocab, max_seq_len=SEQ)
     )
     backend = PyTorchTrainingBackend(
-        model, create_adamw_optimizer(model, 1e-4), None, tempfile.mkdtemp(), "cpu", fused_cross_entropy=fused
+        model,
+        create_adamw_optimizer(model, 1e-4),
+        None,
+        tempfile.mkdtemp(),
+        "cpu",
+        None,
+        BackendOptions(fused_cross_entropy=fused),
     )
     strategy = CrossEntropyStrategy()
     g = torch.Generator().manual_seed(0)

@@ -19,6 +19,7 @@ import time
 import torch
 
 from tierlm.backends import PyTorchTrainingBackend
+from tierlm.backends.options import BackendOptions
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.models import GPTConfig, build_gpt
 from tierlm.primitives import create_adamw_optimizer
@@ -45,8 +46,10 @@ def measure(
         None,
         "/tmp/tierlm_gpu_mfu",
         device,
-        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        fused_cross_entropy=fused_cross_entropy,
+        None,
+        BackendOptions(
+            compute_dtype=torch.bfloat16 if device.type == "cuda" else None, fused_cross_entropy=fused_cross_entropy
+        ),
     )
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
     step_batch = {"input_ids": data[:, :-1], "labels": data[:, 1:]}

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from tierlm.backends import PyTorchTrainingBackend, create_adamw_optimizer
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
+from tierlm.backends.options import BackendOptions
 from tierlm.models import GPTConfig, build_gpt
 from tierlm.models.gpt2.model import GPT2Config
 from tierlm.primitives.optim import RoleSettings, build_optimizer
@@ -93,14 +95,16 @@ def build(
     def scheduler_fn(o):
         return TrainingSchedule(o, lambda s: 1.0 / (1 + s), num_training_steps=10, momentum_warmup_steps=5)
 
-    common = dict(
-        loss_fn=None, checkpoint_dir=checkpoint_dir, device="cpu", scheduler_fn=scheduler_fn, max_grad_norm=0.5
-    )
+    options = BackendOptions(max_grad_norm=0.5)
+    checkpointed = replace(options, activation_checkpointing=activation_checkpointing)  # tensor / pipeline, FSDP2
+    common = dict(loss_fn=None, checkpoint_dir=checkpoint_dir, device="cpu", scheduler_fn=scheduler_fn)
     if mode == "single":
         optimizer = optimizer_fn(model)
-        return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, "cpu", scheduler_fn(optimizer), 0.5)
+        return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, "cpu", scheduler_fn(optimizer), options)
     if mode == "ddp":
-        return DDPTrainingBackend(model, optimizer_fn, gradient_accumulation_steps=ACCUM, **common)
+        return DDPTrainingBackend(
+            model, optimizer_fn, options=replace(options, gradient_accumulation_steps=ACCUM), **common
+        )
     if mode in (
         "tp",
         "tp_sp",
@@ -120,24 +124,15 @@ def build(
             else {"tensor": 2}
         )
         dims = ParallelDims.from_sizes(torch.distributed.get_world_size(), **sizes)
-        return ModelParallelTrainingBackend(
-            model,
-            optimizer_fn,
-            dims=dims,
-            activation_checkpointing=activation_checkpointing,
-            schedule="GPipe" if mode == "pp_gpipe" else "1F1B",
-            sequence_parallel=mode == "tp_sp",
-            **common,
-        )
+        schedule = "GPipe" if mode == "pp_gpipe" else "1F1B"
+        split = replace(checkpointed, pipeline_schedule=schedule, sequence_parallel=mode == "tp_sp")
+        return ModelParallelTrainingBackend(model, optimizer_fn, dims=dims, options=split, **common)
     if mode.startswith("zero"):  # DeepSpeed's engine: zero3 / zero3_offload (optimizer state on the CPU) / zero2
         from tierlm.backends.zero import DeepSpeedTrainingBackend
 
-        return DeepSpeedTrainingBackend(
-            model, optimizer_fn, zero_stage=int(mode[4]), offload_optimizer=mode.endswith("offload"), **common
-        )
-    return FSDPTrainingBackend(
-        model, optimizer_fn, activation_checkpointing=activation_checkpointing, async_save=async_save, **common
-    )
+        zero = replace(options, zero_stage=int(mode[4]), offload_optimizer=mode.endswith("offload"))
+        return DeepSpeedTrainingBackend(model, optimizer_fn, options=zero, **common)
+    return FSDPTrainingBackend(model, optimizer_fn, options=replace(checkpointed, async_save=async_save), **common)
 
 
 def run(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tierlm.backends import PyTorchTrainingBackend, TrainFuture, TrainingBackend, create_cross_entropy_loss
+from tierlm.backends.options import BackendOptions
 from tierlm.models import build_gpt
 from tierlm.primitives import cross_entropy_sum
 
@@ -17,7 +18,10 @@ def _backend(config, tmp_path, optimizer_cls=torch.optim.SGD, **kwargs):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     optimizer = optimizer_cls(model.parameters(), lr=1.0)
-    return PyTorchTrainingBackend(model, optimizer, create_cross_entropy_loss(), tmp_path / "ckpt", "cpu", **kwargs)
+    options = BackendOptions(**kwargs)
+    return PyTorchTrainingBackend(
+        model, optimizer, create_cross_entropy_loss(), tmp_path / "ckpt", "cpu", None, options
+    )
 
 
 def _micro_batches(vocab, lengths=(7, 12, 3, 9), valid=(7, 2, 3, 5), seq=12):
@@ -93,7 +97,7 @@ def test_protocol_and_futures(tiny_gpt_config, tmp_path):
 
 
 def test_bf16_autocast_on_cpu(tiny_gpt_config, tmp_path):
-    backend = _backend(tiny_gpt_config, tmp_path, autocast_dtype=torch.bfloat16, optimizer_cls=torch.optim.AdamW)
+    backend = _backend(tiny_gpt_config, tmp_path, compute_dtype=torch.bfloat16, optimizer_cls=torch.optim.AdamW)
     loss = backend.forward_backward(_micro_batches(tiny_gpt_config.vocab_size)[0]).wait()["loss"]
     assert torch.isfinite(torch.tensor(loss))
     assert next(backend.model.parameters()).dtype == torch.float32  # autocast leaves parameters alone
@@ -142,7 +146,7 @@ def test_fused_cross_entropy_equals_logits_then_loss(tiny_gpt_config, tmp_path, 
     batch = _micro_batches(tiny_gpt_config.vocab_size)[1]
     batch["loss_mask"] = (torch.rand(batch["labels"].shape) > 0.3).float()
     batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
-    kwargs = dict(autocast_dtype=torch.bfloat16 if bf16 else None)  # SGD, lr 1: the update is the gradient
+    kwargs = dict(compute_dtype=torch.bfloat16 if bf16 else None)  # SGD, lr 1: the update is the gradient
     runs = {}
     for fused in (True, False):
         backend = _backend(tiny_gpt_config, tmp_path / str(fused), fused_cross_entropy=fused, **kwargs)
@@ -201,7 +205,7 @@ def test_fused_cross_entropy_for_transformers_models(tmp_path, architecture):
             None,
             tmp_path / str(fused),
             "cpu",
-            fused_cross_entropy=fused,
+            options=BackendOptions(fused_cross_entropy=fused),
         )
         calls = []
         model.lm_head.register_forward_hook(lambda *_: calls.append(1))

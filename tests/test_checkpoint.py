@@ -15,6 +15,7 @@ import torch
 from conftest import kill_at_checkpoint, run_main
 from tierlm import checkpoint
 from tierlm.backends import PyTorchTrainingBackend
+from tierlm.backends.options import BackendOptions
 from tierlm.errors import CheckpointError, TrainingDiverged
 from tierlm.models import GPTConfig, build_gpt
 
@@ -141,7 +142,13 @@ def test_sigkill_while_writing_never_leaves_a_bad_latest(tmp_path):
 def _backend(tmp_path, **kwargs):
     model = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=40, max_seq_len=16))
     return PyTorchTrainingBackend(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), None, tmp_path / "ckpt", "cpu", **kwargs
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        None,
+        tmp_path / "ckpt",
+        "cpu",
+        None,
+        BackendOptions(**kwargs),
     )
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 from tierlm.backends.jax_backend import JaxTrainingBackend  # noqa: E402
+from tierlm.backends.options import BackendOptions  # noqa: E402
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend  # noqa: E402
 from tierlm.models import GPTConfig, build_gpt  # noqa: E402
 from tierlm.primitives.optim import RoleSettings, build_adamw  # noqa: E402
@@ -179,9 +180,9 @@ def _backends(model: torch.nn.Module, tmp_path, steps: int = 20, optimizer: str 
         scheduler = create_warmup_scheduler(optimizer_, 3, steps, "cosine", 0.1)
         folder = tmp_path / kind
         out.append(
-            PyTorchTrainingBackend(m, optimizer_, None, folder, "cpu", scheduler, 1.0)
+            PyTorchTrainingBackend(m, optimizer_, None, folder, "cpu", scheduler, BackendOptions(max_grad_norm=1.0))
             if kind == "pytorch"
-            else JaxTrainingBackend(m, optimizer_, folder, scheduler, 1.0)
+            else JaxTrainingBackend(m, optimizer_, folder, scheduler, BackendOptions(max_grad_norm=1.0))
         )
     return out
 

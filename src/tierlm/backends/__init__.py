@@ -16,6 +16,7 @@ from tierlm.backends.factory import (
     create_fsdp_backend,
     create_pytorch_backend,
 )
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.protocol import TrainFuture, TrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, loss_sum_and_count
 from tierlm.backends.state import GradientInfo, ModelState
@@ -31,6 +32,7 @@ from tierlm.primitives import (
 )
 
 __all__ = [
+    "BackendOptions",
     # tier 2
     "JaxBackend",
     "MegatronBackend",

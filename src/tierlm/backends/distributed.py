@@ -12,6 +12,7 @@ seals the folder. They load at any world size, or in one process (see `tierlm.ch
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierlm import checkpoint
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
@@ -42,15 +44,37 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
     """What DDP and FSDP2 share: reductions across ranks and sharded checkpoints."""
 
     def __init__(
-        self, model: nn.Module, optimizer_fn: OptimizerFactory, scheduler_fn: SchedulerFactory | None, **kwargs
+        self,
+        model: nn.Module,
+        optimizer_fn: OptimizerFactory,
+        loss_fn: Callable | None,
+        checkpoint_dir: str | Path,
+        device: torch.device | str,
+        scheduler_fn: SchedulerFactory | None = None,
+        options: BackendOptions | None = None,
     ):
+        """The model wrapped by the subclass (`_wrap`: DDP, FSDP2's shards, DeepSpeed's placement), then the optimizer
+        over what the wrapping left (FSDP2's parameters are DTensor shards), then the subclass's `_after_init`."""
         assert dist.is_initialized(), (
             "join the process group first (tierlm.primitives.parallel.init_distributed, under torchrun)"
         )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._pending_save, self._checkpoint_group = None, None
-        optimizer = optimizer_fn(model)  # after wrapping: FSDP2's parameters are DTensor shards
-        super().__init__(model, optimizer, scheduler=scheduler_fn(optimizer) if scheduler_fn else None, **kwargs)
+        device = torch.device(device)
+        model, inner = self._wrap(model, device, options or BackendOptions())
+        optimizer = optimizer_fn(model)
+        scheduler = scheduler_fn(optimizer) if scheduler_fn else None
+        super().__init__(model, optimizer, loss_fn, checkpoint_dir, device, scheduler, inner)
+        self._after_init()
+
+    def _wrap(
+        self, model: nn.Module, device: torch.device, options: BackendOptions
+    ) -> tuple[nn.Module, BackendOptions]:
+        """(the model as this backend trains it, the options the single-process part keeps): as it is, here."""
+        return model, options
+
+    def _after_init(self) -> None:
+        """What a backend does once the optimizer and schedule exist (DeepSpeed: its engine)."""
 
     def reduce_step_totals(self, totals: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(totals)
@@ -129,52 +153,12 @@ class DDPTrainingBackend(DistributedTrainingBackend):
     synchronises (the others run under `no_sync`), so a step costs one all-reduce.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer_fn: OptimizerFactory,
-        loss_fn: Callable | None,
-        checkpoint_dir: str | Path,
-        device: torch.device | str,
-        scheduler_fn: SchedulerFactory | None = None,
-        max_grad_norm: float = 1.0,
-        autocast_dtype: torch.dtype | None = None,
-        gradient_accumulation_steps: int = 1,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        fused_cross_entropy: bool = True,
-        fp8: bool = False,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        flash_attention: bool = True,
-        async_save: bool = False,
-    ):
-        assert gradient_accumulation_steps >= 1, (
-            f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
-        )
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        device = torch.device(device)
-        model = parallelize(
-            model,
-            device,
-            fp8=fp8,
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            data_parallel=lambda m, block_list: apply_ddp(m, device),
-        )
-        super().__init__(
-            model,
-            optimizer_fn,
-            scheduler_fn,
-            loss_fn=loss_fn,
-            checkpoint_dir=checkpoint_dir,
-            device=device,
-            max_grad_norm=max_grad_norm,
-            autocast_dtype=autocast_dtype,
-            fused_cross_entropy=fused_cross_entropy,
-            grad_scaler=grad_scaler,
-            flash_attention=flash_attention,
-            async_save=async_save,
-        )
+    def _wrap(self, model: nn.Module, device: torch.device, o: BackendOptions) -> tuple[nn.Module, BackendOptions]:
+        self.gradient_accumulation_steps = steps = o.gradient_accumulation_steps
+        assert steps >= 1, f"gradient_accumulation_steps must be >= 1, got {steps}"
+        ddp = lambda m, block_list: apply_ddp(m, device)  # noqa: E731
+        transforms = dict(fp8=o.fp8, activation_checkpointing=o.activation_checkpointing, compile=o.compile)
+        return parallelize(model, device, data_parallel=ddp, **transforms), o
 
     @property
     def eval_model(self) -> nn.Module:
@@ -203,64 +187,27 @@ class DDPTrainingBackend(DistributedTrainingBackend):
 class FSDPTrainingBackend(DistributedTrainingBackend):
     """FSDP2: parameters, gradients and optimizer state sharded across ranks (`fully_shard` per block, then the root).
 
-    `param_dtype=torch.bfloat16` computes in bf16 while the fp32 shards and optimizer state stay
+    `options.compute_dtype=torch.bfloat16` computes in bf16 while the fp32 shards and optimizer state stay
     fp32 and gradients are reduced in `reduce_dtype`. Activation checkpointing, per-block
     `torch.compile` and CPU offload are applied here, outside the model code.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer_fn: OptimizerFactory,
-        loss_fn: Callable | None,
-        checkpoint_dir: str | Path,
-        device: torch.device | str,
-        scheduler_fn: SchedulerFactory | None = None,
-        max_grad_norm: float = 1.0,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = torch.float32,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        cpu_offload: bool = False,
-        fused_cross_entropy: bool = True,
-        fp8: bool = False,
-        sharding: str = "FULL_SHARD",
-        flash_attention: bool = True,
-        async_save: bool = False,
-        broadcast_weights: bool = False,
-    ):
-        """`broadcast_weights`: `model` holds its weights on rank 0 only (on the meta device elsewhere); the shards
+    def _wrap(self, model: nn.Module, device: torch.device, o: BackendOptions) -> tuple[nn.Module, BackendOptions]:
+        """`o.broadcast_weights`: `model` holds its weights on rank 0 only (on the meta device elsewhere); the shards
         are filled from rank 0's full copy after sharding (the weights read once per job, not once per rank)."""
-        device = torch.device(device)
         world = dist.get_world_size()
-        full = model.state_dict() if broadcast_weights and dist.get_rank() == 0 else {}
+        full = model.state_dict() if o.broadcast_weights and dist.get_rank() == 0 else {}
 
         def shard(m: nn.Module, block_list) -> None:
-            apply_fsdp(m, world, device.type, param_dtype, reduce_dtype, cpu_offload, block_list(), sharding=sharding)
+            dtypes = o.compute_dtype, o.reduce_dtype
+            apply_fsdp(m, world, device.type, *dtypes, o.cpu_offload, block_list(), sharding=o.sharding)
 
-        model = parallelize(
-            model,
-            device,
-            fp8=fp8,
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            data_parallel=shard,
-        )
-        if broadcast_weights:
+        transforms = dict(fp8=o.fp8, activation_checkpointing=o.activation_checkpointing, compile=o.compile)
+        model = parallelize(model, device, data_parallel=shard, **transforms)
+        if o.broadcast_weights:
             broadcast_full_state(model, full, device)
-        self.cpu_offload = cpu_offload
-        super().__init__(
-            model,
-            optimizer_fn,
-            scheduler_fn,
-            loss_fn=loss_fn,
-            checkpoint_dir=checkpoint_dir,
-            device=device,
-            max_grad_norm=max_grad_norm,
-            fused_cross_entropy=fused_cross_entropy,
-            flash_attention=flash_attention,
-            async_save=async_save,
-        )
+        self.cpu_offload = o.cpu_offload
+        return model, replace(o, compute_dtype=None)  # FSDP2's mixed precision computes in its param dtype
 
     def _place(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard placed the shards (on the CPU, with offload)

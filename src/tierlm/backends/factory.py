@@ -6,6 +6,7 @@ defaults do not fit.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +14,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.models import load_pretrained_model
 from tierlm.primitives.dtype_device import parse_dtype, resolve_device
@@ -57,13 +59,9 @@ def create_pytorch_backend(
     device = resolve_device(device_type, gpu_rank)
     model = load_pretrained_model(model_name, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
+    options = BackendOptions(max_grad_norm=max_grad_norm)
     return PyTorchTrainingBackend(
-        model=model,
-        optimizer=optimizer,
-        loss_fn=loss_fn or create_cross_entropy_loss(),
-        checkpoint_dir=checkpoint_dir,
-        device=device,
-        max_grad_norm=max_grad_norm,
+        model, optimizer, loss_fn or create_cross_entropy_loss(), checkpoint_dir, device, None, options
     )
 
 
@@ -144,69 +142,44 @@ def _adamw(learning_rate: float, betas: tuple[float, float], weight_decay: float
     return lambda model: create_adamw_optimizer(model, lr=learning_rate, betas=betas, weight_decay=weight_decay)
 
 
-def create_fsdp_backend(
+def create_data_parallel_backend(
     model_name: str,
     checkpoint_dir: Path,
+    kind: str = "fsdp",
     device_type: str = "auto",
     learning_rate: float = 1e-4,
     adam_betas: tuple[float, float] = (0.9, 0.95),
     weight_decay: float = 0.0,
     loss_fn: Callable | None = None,
-    max_grad_norm: float = 1.0,
     bf16: bool = True,
-    activation_checkpointing: bool = False,
-    compile: bool = False,
-    cpu_offload: bool = False,
+    options: BackendOptions | None = None,
     trust_remote_code: bool = False,
-) -> FSDPTrainingBackend:
-    """`create_pytorch_backend` for a torchrun job: joins the process group, loads the model on
-    every rank, shards it with FSDP2 (bf16 compute, fp32 master weights and reduction) and
-    builds AdamW over the shards. Run the script with `torchrun --nproc_per_node=N script.py`.
+) -> FSDPTrainingBackend | DDPTrainingBackend:
+    """`create_pytorch_backend` for a torchrun job: joins the process group, loads the model on every rank and trains
+    it as `kind` says — "fsdp": sharded by FSDP2 (bf16 compute, fp32 master weights and reduction), AdamW over the
+    shards; "ddp": replicated by DistributedDataParallel with bf16 autocast (call `forward_backward`
+    `options.gradient_accumulation_steps` times per `optim_step`). `options` (`BackendOptions`): clipping,
+    activation checkpointing, compile, CPU offload, ...; `bf16` sets its compute dtype. Run the script with
+    `torchrun --nproc_per_node=N script.py`.
 
         backend = create_fsdp_backend("Qwen/Qwen3-0.6B", Path("ckpt"))
         backend.forward_backward(batch); backend.optim_step()   # batch: this rank's rows
     """
+    backend_class = {"fsdp": FSDPTrainingBackend, "ddp": DDPTrainingBackend}[kind]
     model, device = _model_on_this_rank(model_name, device_type, trust_remote_code)
-    return FSDPTrainingBackend(
-        model,
-        _adamw(learning_rate, adam_betas, weight_decay),
-        loss_fn or create_cross_entropy_loss(),
-        checkpoint_dir,
-        device,
-        max_grad_norm=max_grad_norm,
-        param_dtype=torch.bfloat16 if bf16 else None,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-        cpu_offload=cpu_offload,
-    )
+    options = replace(options or BackendOptions(), compute_dtype=torch.bfloat16 if bf16 else None)
+    optimizer_fn, loss_fn = _adamw(learning_rate, adam_betas, weight_decay), loss_fn or create_cross_entropy_loss()
+    return backend_class(model, optimizer_fn, loss_fn, checkpoint_dir, device, None, options)
 
 
-def create_ddp_backend(
-    model_name: str,
-    checkpoint_dir: Path,
-    device_type: str = "auto",
-    learning_rate: float = 1e-4,
-    adam_betas: tuple[float, float] = (0.9, 0.95),
-    weight_decay: float = 0.0,
-    loss_fn: Callable | None = None,
-    max_grad_norm: float = 1.0,
-    bf16: bool = True,
-    gradient_accumulation_steps: int = 1,
-    trust_remote_code: bool = False,
-) -> DDPTrainingBackend:
-    """`create_fsdp_backend`, replicated instead of sharded: DistributedDataParallel with bf16
-    autocast; call `forward_backward` `gradient_accumulation_steps` times per `optim_step`."""
-    model, device = _model_on_this_rank(model_name, device_type, trust_remote_code)
-    return DDPTrainingBackend(
-        model,
-        _adamw(learning_rate, adam_betas, weight_decay),
-        loss_fn or create_cross_entropy_loss(),
-        checkpoint_dir,
-        device,
-        max_grad_norm=max_grad_norm,
-        autocast_dtype=torch.bfloat16 if bf16 else None,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-    )
+def create_fsdp_backend(model_name: str, checkpoint_dir: Path, **settings) -> FSDPTrainingBackend:
+    """`create_data_parallel_backend(..., kind="fsdp")`."""
+    return create_data_parallel_backend(model_name, checkpoint_dir, "fsdp", **settings)
+
+
+def create_ddp_backend(model_name: str, checkpoint_dir: Path, **settings) -> DDPTrainingBackend:
+    """`create_data_parallel_backend(..., kind="ddp")`."""
+    return create_data_parallel_backend(model_name, checkpoint_dir, "ddp", **settings)
 
 
 def _new_model(model_config, seed: int) -> torch.nn.Module:
@@ -240,7 +213,7 @@ def JaxBackend(
 
     model = _new_model(model_config, seed)
     optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
-    return JaxTrainingBackend(model, optimizer, checkpoint_dir, max_grad_norm=max_grad_norm)
+    return JaxTrainingBackend(model, optimizer, checkpoint_dir, options=BackendOptions(max_grad_norm=max_grad_norm))
 
 
 def PyTorchBackend(
@@ -257,7 +230,8 @@ def PyTorchBackend(
     device = resolve_device(device_type)
     model = _new_model(model_config, seed).to(device)
     optimizer = create_adamw_optimizer(model, lr=learning_rate, betas=adam_betas, weight_decay=weight_decay)
-    return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, device, max_grad_norm=max_grad_norm)
+    options = BackendOptions(max_grad_norm=max_grad_norm)
+    return PyTorchTrainingBackend(model, optimizer, None, checkpoint_dir, device, None, options)
 
 
 def MegatronBackend(
@@ -302,15 +276,11 @@ def MegatronBackend(
         )
     ctx = init_distributed(device_type)
     dims = ParallelDims.from_sizes(ctx.world_size, tensor=tensor_parallel_size, pipeline=pipeline_parallel_size)
-    return ModelParallelTrainingBackend(
-        _new_model(model_config, seed),
-        _adamw(learning_rate, adam_betas, weight_decay),
-        None,
-        checkpoint_dir,
-        ctx.device,
-        dims,
+    options = BackendOptions(
         max_grad_norm=max_grad_norm,
-        param_dtype=torch.bfloat16 if bf16 else None,
-        schedule=pipeline_schedule,
-        microbatches=pipeline_microbatches,
+        compute_dtype=torch.bfloat16 if bf16 else None,
+        pipeline_schedule=pipeline_schedule,
+        pipeline_microbatches=pipeline_microbatches,
     )
+    model, optimizer_fn = _new_model(model_config, seed), _adamw(learning_rate, adam_betas, weight_decay)
+    return ModelParallelTrainingBackend(model, optimizer_fn, None, checkpoint_dir, ctx.device, dims, None, options)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tierlm import checkpoint
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.errors import ConfigError
@@ -61,14 +62,17 @@ class JaxTrainingBackend(TrainingBackend):
         optimizer: torch.optim.Optimizer,
         checkpoint_dir: str | Path,
         scheduler: Any | None = None,
-        max_grad_norm: float = 1.0,
+        options: BackendOptions | None = None,
         loss_fn: Callable | None = None,
         jax_forward: Callable | None = None,
     ):
+        """`options`: gradient clipping (`max_grad_norm`); the JAX backend computes in fp32 and the builder refuses
+        the options it does not take."""
         import jax
 
         from tierlm.models.gpt.jax import params_from_torch
 
+        max_grad_norm = (options or BackendOptions()).max_grad_norm
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.forward_fn = jax_forward or family_of(model).jax_forward(model)
         self.hidden_fn = None if jax_forward else family_of(model).jax_forward(model, head=False)  # the fused loss

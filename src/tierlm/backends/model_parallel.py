@@ -11,6 +11,7 @@ ones, so they load at any layout and in one process.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import loss_sum_and_count
@@ -63,28 +65,71 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         device: torch.device | str,
         dims: ParallelDims,
         scheduler_fn: SchedulerFactory | None = None,
-        max_grad_norm: float = 1.0,
-        param_dtype: torch.dtype | None = None,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        fused_cross_entropy: bool = True,
-        flash_attention: bool = True,
-        schedule: str = "1F1B",
-        microbatches: int | None = None,
-        stages_per_rank: int = 1,
-        vocab_parallel: bool = True,
-        sequence_parallel: bool = False,
+        options: BackendOptions | None = None,
     ):
+        """`options`: the compute dtype (FSDP2's param dtype with data-parallel ranks, else autocast's), the
+        pipeline's schedule, pieces and stages per rank, the vocabulary and sequence splits, checkpointing, compile,
+        clipping."""
+        o = options or BackendOptions()
         assert dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
         device, family = torch.device(device), family_of(model)
+        plan, outer = self._plans(model, family, dims, o)
+        self.vocab_parallel = "vocab_head" in outer.values()
+        self.dims, self.mesh = dims, dims.build_mesh(device.type)
+        self.whole_model = model
+        model = move_to(model, device)
+        parts, held = self._stage_modules(model, family, o.stages_per_rank) if dims.pp > 1 else ([model], model)
+        self.tp_summed: list[nn.Parameter] = []
+
+        def split(part: nn.Module, blocks: nn.ModuleList) -> None:
+            self.tp_summed.extend(apply_tensor_parallel(self.mesh["tp"], blocks, plan, o.sequence_parallel))
+            apply_vocab_parallel(self.mesh["tp"], part, outer, o.sequence_parallel)
+
+        def shard(part: nn.Module, block_list) -> None:
+            dtype, blocks = o.compute_dtype, block_list()
+            apply_fsdp(part, dims.dp, device.type, dtype, torch.float32, blocks=blocks, mesh=self.mesh["dp"])
+
+        for part in parts:  # each stage's part in the one order: tensor parallel, checkpointing, compile, FSDP2
+            parallelize(
+                part,
+                device,
+                tensor_parallel=split if dims.tp > 1 else None,
+                activation_checkpointing=o.activation_checkpointing,
+                compile=o.compile,
+                data_parallel=shard if dims.dp > 1 else None,
+                blocks=family.blocks(part),
+            )
+        self.dp_group = self.mesh["dp"].get_group() if dims.dp > 1 else None
+        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
+        self.stage_shared, self.uncounted = [], set()
+        self._rows: PackedRows | None = None  # a step's rows while a loss other than the cross-entropy runs them
+        self._inferring = False  # while the pipeline schedule infers its shapes
+        if dims.pp > 1:
+            self.parts, self.schedule_name = parts, o.pipeline_schedule
+            self.microbatches = o.pipeline_microbatches or dims.pp * o.stages_per_rank
+            self.has_first, self.has_last, self._shape = (
+                0 in self.stage_ids,
+                self.num_stages - 1 in self.stage_ids,
+                None,
+            )
+            self._embedding_group(held)
+        # without FSDP's mixed precision (no data-parallel ranks), autocast computes in the compute dtype
+        inner = replace(o, compute_dtype=o.compute_dtype if dims.dp == 1 else None, loss_scaling=False)
+        super().__init__(held, optimizer_fn, loss_fn, checkpoint_dir, device, scheduler_fn, inner)
+        self._step_parameter_by_parameter()
+        self._split_orthogonalisations()
+
+    @staticmethod
+    def _plans(model: nn.Module, family, dims: ParallelDims, o: BackendOptions) -> tuple[dict, dict]:
+        """(the blocks' tensor-parallel plan, the embedding / head plan), refusing in one line what cannot split."""
         plan = (
             family.tensor_parallel_plan(model, dims.tp) if dims.tp > 1 else {}
         )  # a ConfigError, before anything moves
         if plan and has_lora(model):
-            plan = lora.tensor_parallel_plan(next(family.blocks(model).children()), plan, sequence_parallel)
-        outer = family.tensor_parallel_model_plan(model, sequence_parallel) if dims.tp > 1 and vocab_parallel else {}
-        self.vocab_parallel = "vocab_head" in outer.values()
-        if sequence_parallel and dims.pp > 1:
+            plan = lora.tensor_parallel_plan(next(family.blocks(model).children()), plan, o.sequence_parallel)
+        vocab = dims.tp > 1 and o.vocab_parallel
+        outer = family.tensor_parallel_model_plan(model, o.sequence_parallel) if vocab else {}
+        if o.sequence_parallel and dims.pp > 1:
             raise ConfigError(
                 "sequence parallelism runs without pipeline stages (the stages send whole sequences): "
                 "drop infra.sequence_parallel or infra.pipeline_parallel_size"
@@ -95,62 +140,7 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
                 "FSDP2 cannot shard again: give the other ranks pipeline stages (infra.pipeline_parallel_size) or "
                 "drop infra.tensor_parallel_size"
             )
-        self.dims, self.mesh = dims, dims.build_mesh(device.type)
-        self.whole_model = model
-        model = move_to(model, device)
-        parts, held = self._stage_modules(model, family, stages_per_rank) if dims.pp > 1 else ([model], model)
-        self.tp_summed: list[nn.Parameter] = []
-
-        def split(part: nn.Module, blocks: nn.ModuleList) -> None:
-            self.tp_summed.extend(apply_tensor_parallel(self.mesh["tp"], blocks, plan, sequence_parallel))
-            apply_vocab_parallel(self.mesh["tp"], part, outer, sequence_parallel)
-
-        def shard(part: nn.Module, block_list) -> None:
-            apply_fsdp(
-                part, dims.dp, device.type, param_dtype, torch.float32, blocks=block_list(), mesh=self.mesh["dp"]
-            )
-
-        for part in parts:  # each stage's part in the one order: tensor parallel, checkpointing, compile, FSDP2
-            parallelize(
-                part,
-                device,
-                tensor_parallel=split if dims.tp > 1 else None,
-                activation_checkpointing=activation_checkpointing,
-                compile=compile,
-                data_parallel=shard if dims.dp > 1 else None,
-                blocks=family.blocks(part),
-            )
-        self.dp_group = self.mesh["dp"].get_group() if dims.dp > 1 else None
-        self.pp_group = self.mesh["pp"].get_group() if dims.pp > 1 else None
-        self.stage_shared, self.uncounted = [], set()
-        self._rows: PackedRows | None = None  # a step's rows while a loss other than the cross-entropy runs them
-        self._inferring = False  # while the pipeline schedule infers its shapes
-        if dims.pp > 1:
-            self.parts, self.schedule_name, self.microbatches = (
-                parts,
-                schedule,
-                microbatches or dims.pp * stages_per_rank,
-            )
-            self.has_first, self.has_last, self._shape = (
-                0 in self.stage_ids,
-                self.num_stages - 1 in self.stage_ids,
-                None,
-            )
-            self._embedding_group(held)
-        super().__init__(  # without FSDP's mixed precision, autocast computes in param_dtype
-            held,
-            optimizer_fn,
-            scheduler_fn,
-            loss_fn=loss_fn,
-            checkpoint_dir=checkpoint_dir,
-            device=device,
-            max_grad_norm=max_grad_norm,
-            fused_cross_entropy=fused_cross_entropy,
-            flash_attention=flash_attention,
-            autocast_dtype=param_dtype if dims.dp == 1 else None,
-        )
-        self._step_parameter_by_parameter()
-        self._split_orthogonalisations()
+        return plan, outer
 
     def _split_orthogonalisations(self) -> None:
         """Muon orthogonalises each matrix once, on one of the ranks holding it: under pipeline parallelism the ranks

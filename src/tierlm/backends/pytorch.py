@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tierlm import checkpoint
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
 from tierlm.errors import ConfigError
@@ -133,31 +134,24 @@ class PyTorchTrainingBackend(TrainingBackend):
         checkpoint_dir: str | Path,
         device: torch.device | str,
         scheduler: Any | None = None,
-        max_grad_norm: float = 1.0,
-        autocast_dtype: torch.dtype | None = None,
-        async_save: bool = False,
-        fused_cross_entropy: bool = True,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        flash_attention: bool = True,
+        options: BackendOptions | None = None,
     ):
-        """`flash_attention=False` keeps scaled-dot-product attention off its flash kernel (the
-        memory-efficient kernel or the plain math one, which materialises the scores).
-        `grad_scaler`: fp16 training's loss scaling (`torch.amp.GradScaler`): losses are scaled
-        before backward, gradients unscaled before clipping, and a step whose scaled gradients
-        overflowed is skipped while the scale shrinks (reported as `loss_scale`, not as a failure)."""
-        assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
-        self.device = torch.device(device)
+        """`options` (`tierlm.backends.options.BackendOptions`): gradient clipping, the compute dtype (autocast) and
+        fp16 loss scaling, the fused head + loss, the attention kernels, async saves."""
+        options = options or BackendOptions()
+        assert options.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0: no clipping), got {options.max_grad_norm}"
+        self.device, self.options = torch.device(device), options
         self.model = self._place(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn or create_cross_entropy_loss()
         self.checkpoint_dir = Path(checkpoint_dir)  # created by the first save, not before
         self.scheduler = scheduler
-        self.max_grad_norm = max_grad_norm
-        self.autocast_dtype = autocast_dtype
-        self.async_save = async_save
-        self.fused_cross_entropy = fused_cross_entropy
-        self.grad_scaler = grad_scaler
-        self.flash_attention = flash_attention
+        self.max_grad_norm = options.max_grad_norm
+        self.autocast_dtype = options.compute_dtype
+        self.async_save = options.async_save
+        self.fused_cross_entropy = options.fused_cross_entropy
+        self.grad_scaler = torch.amp.GradScaler(self.device.type) if options.loss_scaling else None
+        self.flash_attention = options.flash_attention
         self._model_fuses: dict[int, bool] = {}
         self.functional, self.functional_state = None, None  # a functional optimizer in use (`use_optimizer`)
         self.step = 0

@@ -16,13 +16,15 @@ model folder.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
+from tierlm.backends.distributed import DistributedTrainingBackend
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.protocol import TrainFuture
 from tierlm.checkpoint.zero import load_deepspeed_checkpoint, save_deepspeed_checkpoint
 from tierlm.errors import ConfigError
@@ -77,40 +79,16 @@ def deepspeed_config(
 class DeepSpeedTrainingBackend(DistributedTrainingBackend):
     """ZeRO stage 1-3 through DeepSpeed's engine; the same protocol and arithmetic as the DDP and FSDP2 backends."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer_fn: OptimizerFactory,
-        loss_fn: Callable | None,
-        checkpoint_dir: str | Path,
-        device: torch.device | str,
-        scheduler_fn: SchedulerFactory | None = None,
-        max_grad_norm: float = 1.0,
-        zero_stage: int = 3,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        bf16: bool = False,
-        micro_batch_size: int = 1,
-        config_overrides: dict[str, Any] | None = None,
-        fused_cross_entropy: bool = True,
-        flash_attention: bool = True,
-    ):
+    def _wrap(self, model: nn.Module, device: torch.device, o: BackendOptions) -> tuple[nn.Module, BackendOptions]:
+        """The model placed, DeepSpeed's config written from `o` (ZeRO's stage and offloads, bf16, the micro-batch, a
+        DeepSpeed JSON's overrides, clipping); the engine does the mixed precision, loss scaling and saving."""
+        ds = o.zero_stage, o.offload_optimizer, o.offload_params, o.bf16, o.max_grad_norm, o.micro_batch_size
+        self.ds_config, self.zero_stage = deepspeed_config(*ds, o.deepspeed_overrides), o.zero_stage
+        return model.to(device), replace(o, compute_dtype=None, loss_scaling=False, async_save=False)
+
+    def _after_init(self) -> None:
         import deepspeed
 
-        self.ds_config = deepspeed_config(
-            zero_stage, offload_optimizer, offload_params, bf16, max_grad_norm, micro_batch_size, config_overrides
-        )
-        super().__init__(
-            model.to(device),
-            optimizer_fn,
-            scheduler_fn,
-            loss_fn=loss_fn,
-            checkpoint_dir=checkpoint_dir,
-            device=device,
-            max_grad_norm=max_grad_norm,
-            fused_cross_entropy=fused_cross_entropy,
-            flash_attention=flash_attention,
-        )
         client_optimizer = self.optimizer
         if getattr(client_optimizer, "optimizers", None) is not None:
             raise ConfigError(
@@ -122,9 +100,9 @@ class DeepSpeedTrainingBackend(DistributedTrainingBackend):
             # group (~40 s of g++ on a fresh machine); training reduces through torch.distributed (gloo) either way.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.engine, self.ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=client_optimizer, config=self.ds_config, dist_init_required=False
+            model=self.model, optimizer=client_optimizer, config=self.ds_config, dist_init_required=False
         )
-        if zero_stage == 3:
+        if self.zero_stage == 3:
             _register_fused_head(self.engine.module)
         self.model = self.engine  # the engine forwards to the module, with ZeRO-3's gathering hooks around it
         self.optimizer = client_optimizer  # its param_groups carry the LRs the scheduler sets and DeepSpeed steps with

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
+from tierlm.backends.options import BackendOptions
 from tierlm.backends.pytorch import PyTorchTrainingBackend
 from tierlm.builders.optimizer import model_width, optimizer_settings
 from tierlm.builders.stage import Stage
@@ -37,151 +40,90 @@ SHARDED_KINDS = ("fsdp", "deepspeed", "model_parallel")
 """The kinds whose ranks each hold part of the weights (no rank can sample or probe alone)."""
 
 
-def build_backend(
-    config: TierlmConfig,
-    model: torch.nn.Module,
-    checkpoint_dir: Path,
-    device: torch.device,
-    ctx: DistributedContext | None,
-    broadcast_weights: bool = False,
-) -> PyTorchTrainingBackend:
-    """The tier-0 backend the config asks for: one process, DDP or FSDP2 (with AC / compile / offload);
-    `broadcast_weights`: under FSDP2, rank 0 alone holds `model`'s weights (`loads_on_rank0_only`)."""
+def backend_options(config: TierlmConfig, broadcast_weights: bool = False) -> BackendOptions:
+    """What every backend's constructor takes beside the model, optimizer and schedule, from the config, once."""
     tr, infra = config.training, config.infra
-
-    kind = distributed_kind(config, ctx)
-    settings = optimizer_settings(config, model_width(model), distributed=kind != "none")  # the plan's values
-
-    def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:  # after wrapping: FSDP2's parameters are the shards
-        return build_optimizer(tr.optimizer, m, settings)
-
-    def scheduler_fn(optimizer: torch.optim.Optimizer):
-        return create_warmup_scheduler(
-            optimizer,
-            tr.warmup_steps,
-            tr.num_train_steps,
-            tr.lr_scheduler_type,
-            tr.min_lr_ratio,
-            tr.warmdown_ratio,
-            warmup_start_factor=tr.warmup_start_factor,
-            momentum_warmup_steps=tr.muon_momentum_warmup_steps,
-        )
-
-    if infra.backend == "jax":
-        return jax_backend(config, model, checkpoint_dir, kind, optimizer_fn, scheduler_fn)
-    bf16 = torch.bfloat16 if tr.bf16 else None
-    scaler = None
-    if tr.fp16:
-        if device.type != "cuda":
-            raise ConfigError(
-                "training.fp16 (fp16 autocast with loss scaling) needs a CUDA GPU; on CPU use training.bf16=true or "
-                "neither"
-            )
-        if kind == "fsdp":
-            raise ConfigError("training.fp16 is for one process or DDP; with FSDP use training.bf16=true")
-        bf16, scaler = torch.float16, torch.amp.GradScaler(device.type)
-    if kind == "model_parallel":
-        return model_parallel_backend(config, model, checkpoint_dir, device, ctx, optimizer_fn, scheduler_fn, bf16)
-    if kind == "deepspeed":
-        from tierlm.backends.zero import DeepSpeedTrainingBackend
-
-        return DeepSpeedTrainingBackend(
-            model,
-            optimizer_fn,
-            None,
-            checkpoint_dir,
-            device,
-            scheduler_fn,
-            tr.max_grad_norm,
-            zero_stage=infra.deepspeed_zero_stage,
-            offload_optimizer=infra.deepspeed_offload_optimizer,
-            offload_params=infra.deepspeed_offload_params,
-            bf16=tr.bf16,
-            micro_batch_size=tr.per_device_train_batch_size,
-            config_overrides=read_deepspeed_config(infra.deepspeed_config) if infra.deepspeed_config else None,
-            fused_cross_entropy=tr.fused_cross_entropy,
-            flash_attention=config.model.use_flash_attention,
-        )
-    if kind == "fsdp":
-        return FSDPTrainingBackend(
-            model,
-            optimizer_fn,
-            None,
-            checkpoint_dir,
-            device,
-            scheduler_fn,
-            tr.max_grad_norm,
-            param_dtype=bf16,
-            activation_checkpointing=infra.activation_checkpointing,
-            compile=infra.compile,
-            cpu_offload=infra.cpu_offload,
-            fused_cross_entropy=tr.fused_cross_entropy,
-            fp8=tr.fp8,
-            sharding=infra.fsdp_sharding_strategy,
-            flash_attention=config.model.use_flash_attention,
-            async_save=tr.async_save,
-            broadcast_weights=broadcast_weights,
-        )
-    if infra.cpu_offload:
-        raise ConfigError(
-            "infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off"
-        )
-    if kind == "ddp":
-        return DDPTrainingBackend(
-            model,
-            optimizer_fn,
-            None,
-            checkpoint_dir,
-            device,
-            scheduler_fn,
-            tr.max_grad_norm,
-            bf16,
-            tr.gradient_accumulation_steps,
-            infra.activation_checkpointing,
-            infra.compile,
-            tr.fused_cross_entropy,
-            fp8=tr.fp8,
-            grad_scaler=scaler,
-            flash_attention=config.model.use_flash_attention,
-            async_save=tr.async_save,
-        )
-    model = prepare_model(model, device, infra.activation_checkpointing, infra.compile, tr.fp8)
-    optimizer = optimizer_fn(model)
-    return PyTorchTrainingBackend(
-        model,
-        optimizer,
-        None,
-        checkpoint_dir,
-        device,
-        scheduler_fn(optimizer),
-        tr.max_grad_norm,
-        bf16,
-        async_save=tr.async_save,
+    deepspeed_json = infra.deepspeed_config if infra.distributed_type == "deepspeed" else None
+    overrides = read_deepspeed_config(deepspeed_json) if deepspeed_json else None
+    return BackendOptions(
+        max_grad_norm=tr.max_grad_norm,
+        compute_dtype=torch.float16 if tr.fp16 else torch.bfloat16 if tr.bf16 else None,
+        loss_scaling=tr.fp16,
         fused_cross_entropy=tr.fused_cross_entropy,
-        grad_scaler=scaler,
         flash_attention=config.model.use_flash_attention,
+        activation_checkpointing=infra.activation_checkpointing,
+        compile=infra.compile,
+        fp8=tr.fp8,
+        async_save=tr.async_save,
+        gradient_accumulation_steps=tr.gradient_accumulation_steps,
+        cpu_offload=infra.cpu_offload,
+        sharding=infra.fsdp_sharding_strategy,
+        broadcast_weights=broadcast_weights,
+        zero_stage=infra.deepspeed_zero_stage,
+        offload_optimizer=infra.deepspeed_offload_optimizer,
+        offload_params=infra.deepspeed_offload_params,
+        micro_batch_size=tr.per_device_train_batch_size,
+        deepspeed_overrides=overrides,
+        pipeline_schedule=infra.pipeline_schedule,
+        pipeline_microbatches=infra.pipeline_pieces,
+        stages_per_rank=infra.stages_per_rank,
+        vocab_parallel=infra.vocab_parallel,
+        sequence_parallel=infra.sequence_parallel,
     )
 
 
-def model_parallel_backend(
-    config: TierlmConfig,
-    model: torch.nn.Module,
-    checkpoint_dir: Path,
-    device: torch.device,
-    ctx: DistributedContext,
-    optimizer_fn,
-    scheduler_fn,
-    bf16: torch.dtype | None,
-):
+@dataclass(frozen=True)
+class Build:
+    """What every backend builder of `BACKENDS` is handed beside the model."""
+
+    config: TierlmConfig
+    optimizer_fn: Callable  # model -> optimizer, after wrapping: FSDP2's parameters are the shards
+    scheduler_fn: Callable  # optimizer -> LR schedule
+    checkpoint_dir: Path
+    device: torch.device
+    ctx: DistributedContext | None
+    options: BackendOptions
+
+
+NOT_FSDP = "infra.cpu_offload is an FSDP option; set infra.distributed_type=fsdp (under torchrun) or turn it off"
+
+
+def one_process(model: torch.nn.Module, b: Build):
+    if b.options.cpu_offload:
+        raise ConfigError(NOT_FSDP)
+    o = b.options
+    model = prepare_model(model, b.device, o.activation_checkpointing, o.compile, o.fp8)
+    optimizer = b.optimizer_fn(model)
+    return PyTorchTrainingBackend(model, optimizer, None, b.checkpoint_dir, b.device, b.scheduler_fn(optimizer), o)
+
+
+def ddp(model: torch.nn.Module, b: Build):
+    if b.options.cpu_offload:
+        raise ConfigError(NOT_FSDP)
+    return DDPTrainingBackend(model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, b.options)
+
+
+def fsdp(model: torch.nn.Module, b: Build):
+    if b.options.loss_scaling:
+        raise ConfigError("training.fp16 is for one process or DDP; with FSDP use training.bf16=true")
+    return FSDPTrainingBackend(model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, b.options)
+
+
+def deepspeed(model: torch.nn.Module, b: Build):
+    from tierlm.backends.zero import DeepSpeedTrainingBackend
+
+    return DeepSpeedTrainingBackend(model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, b.options)
+
+
+def model_parallel(model: torch.nn.Module, b: Build):
     """Pipeline stages x tensor parallel (the family's plans) x FSDP2 over the data-parallel rest; what it does not
-    do is
-    refused in one line each."""
+    do is refused in one line each."""
     from tierlm.backends.model_parallel import ModelParallelTrainingBackend
     from tierlm.primitives.model_parallel import ParallelDims
 
-    tr, infra = config.training, config.infra
+    tr, infra = b.config.training, b.config.infra
     dims = ParallelDims.from_sizes(
-        ctx.world_size, infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size
+        b.ctx.world_size, infra.tensor_parallel_size, infra.pipeline_parallel_size, infra.context_parallel_size
     )
     interleaved = infra.pipeline_schedule == "interleaved_1F1B"
     refusals = {
@@ -204,30 +146,72 @@ def model_parallel_backend(
             raise ConfigError(
                 f"model parallelism does not do {what}: drop it, or train data-parallel (tensor / pipeline sizes 1)"
             )
+    o = b.options
     return ModelParallelTrainingBackend(
-        model,
-        optimizer_fn,
-        None,
-        checkpoint_dir,
-        device,
-        dims,
-        scheduler_fn,
-        tr.max_grad_norm,
-        param_dtype=bf16,
-        activation_checkpointing=infra.activation_checkpointing,
-        compile=infra.compile,
-        fused_cross_entropy=tr.fused_cross_entropy,
-        flash_attention=config.model.use_flash_attention,
-        schedule=infra.pipeline_schedule,
-        microbatches=infra.pipeline_pieces,
-        stages_per_rank=infra.stages_per_rank,
-        vocab_parallel=infra.vocab_parallel,
-        sequence_parallel=infra.sequence_parallel,
+        model, b.optimizer_fn, None, b.checkpoint_dir, b.device, dims, b.scheduler_fn, o
     )
 
 
+BACKENDS: dict[str, Callable[[torch.nn.Module, Build], PyTorchTrainingBackend]] = {
+    "none": one_process,
+    "ddp": ddp,
+    "fsdp": fsdp,
+    "deepspeed": deepspeed,
+    "model_parallel": model_parallel,
+}
+"""`distributed_kind` -> the builder of its tier-0 backend (infra.backend=jax: `jax_backend`): the one place a
+backend is chosen."""
+
+
+def build_backend(
+    config: TierlmConfig,
+    model: torch.nn.Module,
+    checkpoint_dir: Path,
+    device: torch.device,
+    ctx: DistributedContext | None,
+    broadcast_weights: bool = False,
+) -> PyTorchTrainingBackend:
+    """The tier-0 backend the config asks for (`BACKENDS`), with the optimizer, LR schedule and options
+    (`backend_options`) of the config; `broadcast_weights`: under FSDP2, rank 0 alone holds `model`'s weights
+    (`loads_on_rank0_only`)."""
+    tr = config.training
+    kind = distributed_kind(config, ctx)
+    settings = optimizer_settings(config, model_width(model), distributed=kind != "none")  # the plan's values
+
+    def optimizer_fn(m: torch.nn.Module) -> torch.optim.Optimizer:  # after wrapping: FSDP2's parameters are the shards
+        return build_optimizer(tr.optimizer, m, settings)
+
+    def scheduler_fn(optimizer: torch.optim.Optimizer):
+        return create_warmup_scheduler(
+            optimizer,
+            tr.warmup_steps,
+            tr.num_train_steps,
+            tr.lr_scheduler_type,
+            tr.min_lr_ratio,
+            tr.warmdown_ratio,
+            warmup_start_factor=tr.warmup_start_factor,
+            momentum_warmup_steps=tr.muon_momentum_warmup_steps,
+        )
+
+    options = backend_options(config, broadcast_weights)
+    if config.infra.backend == "jax":
+        return jax_backend(config, model, checkpoint_dir, kind, optimizer_fn, scheduler_fn, options)
+    if tr.fp16 and device.type != "cuda":
+        raise ConfigError(
+            "training.fp16 (fp16 autocast with loss scaling) needs a CUDA GPU; on CPU use training.bf16=true or neither"
+        )
+    build = Build(config, optimizer_fn, scheduler_fn, checkpoint_dir, device, ctx, options)
+    return BACKENDS[kind](model, build)
+
+
 def jax_backend(
-    config: TierlmConfig, model: torch.nn.Module, checkpoint_dir: Path, kind: str, optimizer_fn, scheduler_fn
+    config: TierlmConfig,
+    model: torch.nn.Module,
+    checkpoint_dir: Path,
+    kind: str,
+    optimizer_fn,
+    scheduler_fn,
+    options: BackendOptions,
 ):
     """infra.backend=jax: what it does not do is refused in one line each."""
     from tierlm.backends.jax_backend import JaxTrainingBackend
@@ -252,7 +236,7 @@ def jax_backend(
         if asked:
             raise ConfigError(f"infra.backend=jax does not do {what}: drop it or use infra.backend=pytorch")
     optimizer = optimizer_fn(model)
-    return JaxTrainingBackend(model, optimizer, checkpoint_dir, scheduler_fn(optimizer), tr.max_grad_norm)
+    return JaxTrainingBackend(model, optimizer, checkpoint_dir, scheduler_fn(optimizer), options)
 
 
 def check_deepspeed(config: TierlmConfig, stage: Stage) -> None:

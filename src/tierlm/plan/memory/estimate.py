@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import unittest.mock
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend,
 from tierlm.backends.model_parallel import ModelParallelTrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
 from tierlm.backends.zero import DeepSpeedTrainingBackend
+from tierlm.builders.backend import backend_options
 from tierlm.builders.model import describe_model, new_model
 from tierlm.builders.optimizer import model_width, optimizer_settings
 from tierlm.builders.stage import Stage
@@ -194,18 +195,10 @@ def trace_step(
         model = _fake_model(config, vocab_size, pretrained)
         model = prepare_model(model, cpu, infra.activation_checkpointing, compile=False)
         optimizer = build_optimizer(tr.optimizer, model, optimizer_settings(config, model_width(model)))
-        backend = PyTorchTrainingBackend(
-            model,
-            optimizer,
-            None,
-            Path(os.devnull),
-            cpu,
-            None,
-            tr.max_grad_norm,
-            torch.bfloat16 if tr.bf16 else None,
-            fused_cross_entropy=tr.fused_cross_entropy,
-            flash_attention=config.model.use_flash_attention,
-        )
+        # the run's own options (`backend_options`), its step traced in one process: bf16 autocast or fp32
+        dtype = torch.bfloat16 if tr.bf16 else None
+        options = replace(backend_options(config), compute_dtype=dtype, loss_scaling=False, async_save=False)
+        backend = PyTorchTrainingBackend(model, optimizer, None, Path(os.devnull), cpu, None, options)
         batch, loss_fn = _trace_batch(config, stage, rows, tokens, family_of(model).seq2seq)
         reference = None
         if stage.reference_model(config) == "in step":

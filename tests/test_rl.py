@@ -550,7 +550,7 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
 def test_vllm_refuses_a_model_without_a_transformers_twin(tmp_path, tiny_tokenizer):
     """The GPT-2 research variants (here RA) have no transformers class, so vLLM cannot load them: one clear
     refusal before vLLM is even imported, nothing written."""
-    from tierlm.builders.engine import build_engine
+    from tierlm.builders.engine import EngineSettings, build_engine
     from tierlm.config import RLConfig
     from tierlm.errors import ConfigError
     from tierlm.models.gpt2 import GPT2Config
@@ -559,7 +559,7 @@ def test_vllm_refuses_a_model_without_a_transformers_twin(tmp_path, tiny_tokeniz
     config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32, ra_r=4)
     model = family_named("gpt2").build_from_config(config)
     with pytest.raises(ConfigError, match="rl.engine=vllm loads the policy as a transformers model, but .*native"):
-        build_engine(RLConfig(engine="vllm"), model, tiny_tokenizer, tmp_path / "sampler")
+        build_engine(EngineSettings.of(RLConfig(engine="vllm")), model, tiny_tokenizer, tmp_path / "sampler")
     assert not (tmp_path / "sampler").exists()
 
 

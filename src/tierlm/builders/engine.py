@@ -1,43 +1,60 @@
-"""The rollout engine a config asks for (rl.engine): tierlm's own, or vLLM in this process or behind a server."""
+"""The sampling engines, one row each of `ENGINES`: tierlm's own KV-cache engine, or vLLM in this process or behind
+a server. `EngineSettings` is what builds one — from the rl section for RL runs and `tierlm eval`, from the flags of
+`tierlm chat` and `tierlm serve` — so no command makes a config section it does not run to get an engine."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from torch import nn
 
 from tierlm.config import RLConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_of, unwrap_model
-from tierlm.rollout.engine import Engine
+from tierlm.rollout.engine import Engine, SamplingEngine
 from tierlm.rollout.tools import Calculator, PythonTool
 
+TOOLS = {"calculator": Calculator, "python": PythonTool}
+"""rl.tools' names -> the tools."""
 
-def build_engine(
-    rl: RLConfig,
-    model: nn.Module,
-    tokenizer,
-    folder: Path | None,
-    sharded: bool = False,
-    world_size: int = 1,
-    task=None,
-):
-    """An engine sampling `model` with the run's tools (rl.tools, and those its `task` declares): tierlm's own on
-    the policy's live weights, or on a whole copy of its own (loaded with the policy's weights at each sync) when the
-    policy will be `sharded` (FSDP) or sampling runs ahead of training (off-policy); or vLLM, which holds weights of
-    its own (a model folder under `folder`, which tierlm's engine does not need)."""
-    tools = [{"calculator": Calculator, "python": PythonTool}[name]() for name in rl.tools]
-    tools += list(getattr(task, "tools", {}).values())
-    if rl.engine == "native":
-        own_copy = sharded or rl.max_off_policy_steps > 0
-        return Engine(copy.deepcopy(model) if own_copy else model, tokenizer.stop_ids, tokenizer, tools)
-    if world_size > 1 and rl.vllm_url is None:
+
+@dataclass(frozen=True)
+class EngineSettings:
+    kind: str = "native"
+    """A row of `ENGINES`."""
+    vllm_url: str | None = None
+    """vllm: the base URL of a vLLM server (None: vLLM in this process)."""
+    gpu_memory_utilization: float = 0.3
+    """vllm in this process on a GPU: the share of GPU memory it may take."""
+    tools: tuple[str, ...] = ()
+    """Tools the model may call (`TOOLS`' names)."""
+    off_policy: bool = False
+    """Sampling runs ahead of training (rl.max_off_policy_steps > 0): the engine samples weights of its own."""
+
+    @classmethod
+    def of(cls, rl: RLConfig) -> EngineSettings:
+        """The engine the rl section asks for."""
+        return cls(rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utilization, tuple(rl.tools), rl.max_off_policy_steps > 0)
+
+
+def native(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):
+    """tierlm's engine on the policy's live weights, or on a whole copy of its own (loaded with the policy's weights
+    at each sync) when the policy will be `sharded` (FSDP) or sampling runs ahead of training (off-policy)."""
+    own_copy = sharded or settings.off_policy
+    return Engine(copy.deepcopy(model) if own_copy else model, tokenizer.stop_ids, tokenizer, tools)
+
+
+def vllm(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):
+    """vLLM, which holds weights of its own: a model folder under `folder` it loads, in this process or the server's."""
+    if world_size > 1 and settings.vllm_url is None:
         raise ConfigError(
             "under torchrun rl.engine=vllm samples through one vLLM server: set rl.vllm_url (vLLM in each trainer "
             "process is not supported), or keep rl.engine=native"
         )
-    if world_size > 1 and rl.max_off_policy_steps:
+    if world_size > 1 and settings.off_policy:
         raise ConfigError(
             "rl.max_off_policy_steps with a vLLM server runs in one trainer process (ranks would push weights the "
             "others still sample with): drop torchrun or set rl.max_off_policy_steps=0"
@@ -45,16 +62,43 @@ def build_engine(
     from tierlm.rollout.vllm import VLLMEngine
 
     assert folder is not None, "vLLM loads the policy from a model folder: give build_engine one"
-
     inner = unwrap_model(model)
     max_len = family_of(inner).max_seq_len(inner) or 2048
-    return VLLMEngine(
-        inner, tokenizer.stop_ids, tokenizer, tools, folder, max_len, rl.vllm_url, rl.vllm_gpu_memory_utilization
-    )
+    url, share = settings.vllm_url, settings.gpu_memory_utilization
+    return VLLMEngine(inner, tokenizer.stop_ids, tokenizer, tools, folder, max_len, url, share)
 
 
-def engine_name(rl: RLConfig) -> str:
-    """What samples a run's rollouts, in words."""
-    if rl.engine == "native":
-        return "tierlm's engine"
-    return f"the vLLM server at {rl.vllm_url}" if rl.vllm_url else "vLLM in this process"
+@dataclass(frozen=True)
+class EngineKind:
+    build: Callable[..., SamplingEngine]
+    describe: Callable[[EngineSettings], str]
+    """The engine in words, for the run's notes."""
+    needs_folder: bool = False
+    """It loads the policy from a model folder (the caller gives it a scratch folder)."""
+    batches_replies: bool = False
+    """`tierlm serve` batches concurrent replies on it (continuous batching) and streams token by token."""
+
+
+ENGINES: dict[str, EngineKind] = {
+    "native": EngineKind(native, lambda s: "tierlm's engine", batches_replies=True),
+    "vllm": EngineKind(
+        vllm,
+        lambda s: f"the vLLM server at {s.vllm_url}" if s.vllm_url else "vLLM in this process",
+        needs_folder=True,
+    ),
+}
+"""rl.engine (`tierlm chat / serve --engine`) -> the engine: the one place an engine is named."""
+
+
+def build_engine(
+    settings: EngineSettings,
+    model: nn.Module,
+    tokenizer,
+    folder: Path | None = None,
+    sharded: bool = False,
+    world_size: int = 1,
+    task=None,
+) -> SamplingEngine:
+    """The engine `settings` asks for, sampling `model` with its tools (and those the `task` declares)."""
+    tools = [TOOLS[name]() for name in settings.tools] + list(getattr(task, "tools", {}).values())
+    return ENGINES[settings.kind].build(settings, model, tokenizer, tools, folder, sharded, world_size)

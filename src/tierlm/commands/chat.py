@@ -56,9 +56,8 @@ class Chatbot:
         `tierlm.rollout.batching`; the native GPT on tierlm's engine), else one at a time."""
         import tempfile
 
-        from tierlm.builders.engine import build_engine
+        from tierlm.builders.engine import ENGINES, EngineSettings, build_engine
         from tierlm.checkpoint.folders import verified_model_location
-        from tierlm.config import RLConfig
         from tierlm.data import load_tokenizer
         from tierlm.errors import ConfigError
         from tierlm.models import load_pretrained_model
@@ -77,9 +76,9 @@ class Chatbot:
         with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
         if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
             raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
-        choice = RLConfig(engine=engine, vllm_url=vllm_url, tools=["calculator"] if with_tools else [])
+        choice, kind = EngineSettings(engine, vllm_url, tools=("calculator",) if with_tools else ()), ENGINES[engine]
         # --engine vllm: the model folder vLLM loads (tierlm's engine samples the loaded model itself)
-        self.folder = tempfile.TemporaryDirectory(prefix="tierlm-sampler-") if engine == "vllm" else None
+        self.folder = tempfile.TemporaryDirectory(prefix="tierlm-sampler-") if kind.needs_folder else None
         try:
             self.engine = build_engine(choice, model, self.tokenizer, Path(self.folder.name) if self.folder else None)
         except BaseException:
@@ -87,7 +86,7 @@ class Chatbot:
             raise
         self.lock = threading.Lock()
         self.scheduler = None
-        if batch_rows > 1 and engine == "native":
+        if batch_rows > 1 and kind.batches_replies:
             from tierlm.rollout.batching import BatchScheduler
 
             if BatchScheduler.supports(self.engine):

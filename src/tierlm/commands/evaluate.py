@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.builders.engine import build_engine
+from tierlm.builders.engine import EngineSettings, build_engine
 from tierlm.builders.tasks import open_tasks
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.commands.options import (
@@ -43,7 +43,7 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
     eval_task = open_tasks(config)[1]
     with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # rl.engine=vllm: its model folder
-        engine = build_engine(config.rl, model, tokenizer, Path(folder), task=eval_task)
+        engine = build_engine(EngineSettings.of(config.rl), model, tokenizer, Path(folder), task=eval_task)
         try:
             return evaluate_pass_at_k(RolloutSampler(engine, tokenizer, config.rl, config.training.seed), eval_task)
         finally:
@@ -100,7 +100,7 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
         config.rl.eval_problems = n
         chance = sum(chance_level(eval_task.example(i)) for i in range(n)) / max(n, 1)
         with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:
-            engine = build_engine(config.rl, model, tokenizer, Path(folder))
+            engine = build_engine(EngineSettings.of(config.rl), model, tokenizer, Path(folder))
             try:
                 sampler = RolloutSampler(engine, tokenizer, config.rl, config.training.seed)
                 accuracy = evaluate_pass_at_k(sampler, eval_task)["pass@1"]

@@ -31,6 +31,7 @@ from collections import deque
 from importlib import resources
 from typing import Any
 
+from tierlm.builders.engine import ENGINES
 from tierlm.commands.chat import Busy, Chatbot
 from tierlm.commands.options import DEVICE_TYPES, Command, positive_int
 from tierlm.errors import ConfigError, DataError
@@ -451,7 +452,7 @@ def arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--engine",
         default="native",
-        choices=["native", "vllm"],
+        choices=list(ENGINES),
         help="what generates: tierlm's engine (streams token by token), or vLLM (as rl.engine=vllm: in this process "
         "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
     )

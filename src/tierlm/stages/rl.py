@@ -10,7 +10,7 @@ import torch
 
 from tierlm.builders.backend import build_backend
 from tierlm.builders.companions import beside_policy
-from tierlm.builders.engine import build_engine, engine_name
+from tierlm.builders.engine import ENGINES, EngineSettings, build_engine
 from tierlm.builders.model import build_model, model_context
 from tierlm.builders.stage import Stage
 from tierlm.builders.tasks import check_prompt_lengths, longest_rollout, open_tasks
@@ -104,8 +104,9 @@ class RL(Stage):
         parallel = config.model_copy(update={"training": schedule})
         beside = beside_policy(parallel, model, tokenizer, run.device, run.ctx, run.output_dir / "critic_checkpoints")
         sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
-        engine = build_engine(rl, model, tokenizer, run.scratch_dir("sampler"), sharded, run.world_size, train_task)
-        run.note(f"rollouts: {engine_name(rl)}")
+        sampling = EngineSettings.of(rl)
+        engine = build_engine(sampling, model, tokenizer, run.scratch_dir("sampler"), sharded, world, train_task)
+        run.note(f"rollouts: {ENGINES[sampling.kind].describe(sampling)}")
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)
         strategy = policy_gradient_strategy(rl)
         beside["write_extra"] = extras_writer(config, tokenizer, self.name)

@@ -42,6 +42,7 @@ from tierlm.primitives.model_parallel import (
     clip_grad_norm,
     sum_gradients,
 )
+from tierlm.primitives.models import tied_names
 from tierlm.primitives.optim import inner_optimizers
 from tierlm.primitives.parallel import apply_fsdp
 
@@ -499,17 +500,3 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """The pipeline's loss of one micro-batch (the schedule's `loss_fn(output, target)`): `cross_entropy_sum`'s
     total."""
     return cross_entropy_sum(logits, labels)[0]
-
-
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter `model` holds under several (an embedding tied to the head), first name first.
-
-    >>> head = nn.Linear(4, 10, bias=False); model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": head})
-    >>> head.weight = model["embed"].weight
-    >>> tied_names(model)
-    [['embed.weight', 'head.weight']]
-    """
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]

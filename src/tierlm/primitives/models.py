@@ -68,3 +68,17 @@ def create_hf_model_from_config(
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"unknown transformers model_type {model_type!r}: {e}") from e
     return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter `model` holds under several (an embedding tied to the head), first name first.
+
+    >>> head = nn.Linear(4, 10, bias=False); model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": head})
+    >>> head.weight = model["embed"].weight
+    >>> tied_names(model)
+    [['embed.weight', 'head.weight']]
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]

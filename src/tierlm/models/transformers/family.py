@@ -15,6 +15,7 @@ from tierlm.models.registry import FAMILIES, WEIGHTS_FILE, ModelFamily, register
 from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.losses import get_labels, linear_cross_entropy
 from tierlm.primitives.model_parallel import megatron_plan
+from tierlm.primitives.models import tied_names
 
 # -- transformers models ---------------------------------------------------------------------
 # Model types whose logits are exactly `lm_head(last hidden state)`: no soft-capping, scaling or
@@ -163,21 +164,10 @@ class TransformersFamily(ModelFamily):
         from safetensors.torch import load_file
 
         state = load_file(Path(folder) / WEIGHTS_FILE, device="cpu")
-        for name, tied in _tied_names(model).items():
+        for name, tied in {n: group[0] for group in tied_names(model) for n in group[1:]}.items():
             if name not in state and tied in state:
                 state[name] = state[tied]
         return state
-
-
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """{name: name it shares storage with} for parameters `state_dict()` lists twice."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tied_to = first.setdefault(id(param), name)
-        if tied_to != name:
-            tied[name] = tied_to
-    return tied
 
 
 TRANSFORMERS = register_family(TransformersFamily(), fallback=True)

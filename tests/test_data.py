@@ -420,7 +420,7 @@ def test_stream_mode_reads_a_folder_of_llmc_shards_holding_out_its_val_shard(tmp
     another tokenizer is one line."""
     from tierlm.builders.loaders import build_loaders
     from tierlm.config import TierlmConfig
-    from tierlm.data.packing import eval_batches, eval_protocol
+    from tierlm.data.windows import eval_batches, eval_protocol
 
     def shard(name: str, tokens: np.ndarray) -> None:
         header = np.zeros(256, dtype=np.int32)

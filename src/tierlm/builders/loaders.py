@@ -28,11 +28,11 @@ from tierlm.data import (
     text_documents,
 )
 from tierlm.data.hub import available_splits, default_eval_split
-from tierlm.data.packing import ConcatTokens
 from tierlm.data.preferences import PairLoader, UnpairedLoader
 from tierlm.data.sources import TEXT_SUFFIXES, TOKEN_SUFFIXES, convert_rows, open_stream
 from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
+from tierlm.data.windows import ConcatTokens
 from tierlm.errors import ConfigError, DataError
 from tierlm.strategies.dpo import PREFERENCE_LOSSES
 from tierlm.tasks import synthetic_name

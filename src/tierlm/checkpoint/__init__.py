@@ -3,6 +3,13 @@
 from tierlm.checkpoint.core import (
     CHECKPOINTS_DIRNAME,
     Snapshot,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    take_snapshot,
+    write_snapshot,
+)
+from tierlm.checkpoint.folders import average_checkpoints, export_checkpoint, verified_model_folder
+from tierlm.checkpoint.load import (
     checkpoint_to_load,
     clean_stale_temporaries,
     find_best_checkpoint,
@@ -14,12 +21,7 @@ from tierlm.checkpoint.core import (
     resolve_model_folder,
     resolve_model_location,
     resume_candidates,
-    save_checkpoint,
-    save_sharded_checkpoint,
-    take_snapshot,
-    write_snapshot,
 )
-from tierlm.checkpoint.folders import average_checkpoints, export_checkpoint, verified_model_folder
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest, verify_checkpoint
 
 __all__ = [

@@ -15,12 +15,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from tierlm.checkpoint.core import (
-    CHECKPOINTS_DIRNAME,
-    DEEPSPEED_DIRNAME,
-    STATE_DIRNAME,
-    _fsync_dir,
-    _fsync_tree,
+from tierlm.checkpoint.core import CHECKPOINTS_DIRNAME, DEEPSPEED_DIRNAME, STATE_DIRNAME, _fsync_dir, _fsync_tree
+from tierlm.checkpoint.load import (
     find_latest_checkpoint,
     is_sharded_checkpoint,
     load_sharded_state,

@@ -19,10 +19,10 @@ from tierlm.checkpoint.core import (
     DEEPSPEED_DIRNAME,
     PendingSave,
     begin_collective_checkpoint,
-    checkpoint_to_load,
     restore_rng_state,
     train_state,
 )
+from tierlm.checkpoint.load import checkpoint_to_load
 from tierlm.checkpoint.verify import verify_checkpoint
 from tierlm.errors import CheckpointError, first_line
 

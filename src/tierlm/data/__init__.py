@@ -5,11 +5,7 @@ from tierlm.data.packing import (
     Documents,
     Mixture,
     PackedLoader,
-    Prefetcher,
-    RankSlice,
-    StreamWindows,
     chat_documents,
-    eval_batches,
     text_documents,
 )
 from tierlm.data.sources import Examples, Fields, ListExamples, SourceOptions, holdout_split, open_examples
@@ -19,6 +15,7 @@ from tierlm.data.tokenizer import (
     train_bpe_tokenizer,
     train_char_tokenizer,
 )
+from tierlm.data.windows import Prefetcher, RankSlice, StreamWindows, eval_batches
 from tierlm.tasks.arithmetic import ArithmeticTask, Problem
 
 __all__ = [

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 
 from tierlm.backends.protocol import TrainingBackend
 from tierlm.checkpoint import find_best_checkpoint, prune_checkpoints, resume_candidates
-from tierlm.checkpoint.core import checkpoint_metric
+from tierlm.checkpoint.load import checkpoint_metric
 from tierlm.config import TrainingConfig
 from tierlm.errors import CheckpointError
 from tierlm.loops.monitor import RunMonitor, injected_fault

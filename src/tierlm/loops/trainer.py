@@ -33,7 +33,7 @@ from tierlm.backends.protocol import TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.checkpoint import find_latest_checkpoint
 from tierlm.config import TrainingConfig
-from tierlm.data.packing import eval_batches
+from tierlm.data.windows import eval_batches
 from tierlm.errors import TrainingDiverged
 from tierlm.loops import cadence
 from tierlm.loops.cadence import resume_backend  # noqa: F401  (also this module's name)

@@ -39,7 +39,8 @@ from tierlm.builders.backend import check_deepspeed, distributed_kind
 from tierlm.builders.stage import Stage, resolve_config
 from tierlm.builders.tokenizer import is_seq2seq, pretrained_location, run_tokenizer
 from tierlm.checkpoint import CHECKPOINTS_DIRNAME, find_best_checkpoint
-from tierlm.checkpoint.core import _fsync_tree, clean_stale_temporaries, replace_folder
+from tierlm.checkpoint.core import _fsync_tree, replace_folder
+from tierlm.checkpoint.load import clean_stale_temporaries
 from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer

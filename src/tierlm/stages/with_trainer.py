@@ -18,7 +18,8 @@ from tierlm.builders.stage import Stage
 from tierlm.checkpoint import average_checkpoints, list_checkpoints
 from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, Tokenizer
-from tierlm.data.packing import PackedLoader, eval_protocol
+from tierlm.data.packing import PackedLoader
+from tierlm.data.windows import eval_protocol
 from tierlm.loops.trainer import Trainer
 from tierlm.metrics import flops_per_token, peak_flops
 from tierlm.metrics.memory import clear_memory

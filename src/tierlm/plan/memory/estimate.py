@@ -319,18 +319,10 @@ def estimate_run_memory(
     described = _describe(config, vocab_size, pretrained)
     param_bytes = sum(p.numel() * p.element_size() for p in described.parameters())
 
-    params, grads, states = peak.get("Parameter", 0), peak.get("Gradient", 0), peak.get("Optstate", 0)
     activations = peak.get("Activation", 0) + peak.get("Temp", 0) + peak.get("Other", 0)
     parts = dict.fromkeys(PARTS, 0.0)
-    parts.update(
-        {
-            "parameters": params,
-            "buffers": peak.get("Buffer", 0),
-            "gradients": grads,
-            "optimizer state": states,
-            "activations": activations,
-        }
-    )
+    parts.update(parameters=peak.get("Parameter", 0), buffers=peak.get("Buffer", 0), gradients=peak.get("Gradient", 0))
+    parts.update({"optimizer state": peak.get("Optstate", 0), "activations": activations})
     infra = config.infra
     layout = dict(
         compute_bytes=2 if tr.bf16 else 4,
@@ -342,31 +334,15 @@ def estimate_run_memory(
         zero_stage=infra.deepspeed_zero_stage,
     )
     parts = BACKENDS[distributed].memory_per_rank(parts, unwrap_model(described), world_size, **layout)  # as it shards
-    reference = stage.reference_model(config)
-    if config.model.lora.r:  # the reference is the base with the adapters off: no second copy
-        pass
-    elif reference == "in step":  # traced: its weights are among the parameters
-        parts["reference model"] = param_bytes
-        parts["parameters"] -= param_bytes
-    elif reference == "beside":  # its forward takes turns with the policy's old-log-probs pass (traced)
-        parts["reference model"] = param_bytes
-    if generation is not None:  # generation and training take turns: the cache adds what exceeds the step's activations
-        parts["generation KV cache"] = max(0.0, peak.get("Generation", 0) - activations)
-        if distributed == "fsdp":  # the sharded policy's sampler is a whole copy of it
-            parts["sampler weights"] = param_bytes
+    _beside_the_step(
+        parts, config, stage, param_bytes, peak.get("Generation", 0) - activations, generation, distributed
+    )
     if num_documents is None:
         num_documents = d.num_synthetic_examples if synthetic_name(d.dataset_name) is not None else 0
     parts["data loader"] = BYTES_PER_DOCUMENT * num_documents
     if device_type == "cpu":
         parts["framework"] = CPU_FRAMEWORK_BYTES
-        if config.infra.activation_checkpointing:  # the recomputed blocks cycle the un-checkpointed volume
-            plain = config.model_copy(
-                update={"infra": config.infra.model_copy(update={"activation_checkpointing": False})}
-            )
-            volume = trace_step(plain, stage, vocab_size, rows, row_tokens, pretrained).get("Activation", 0)
-            parts["allocator retention"] = CPU_RETENTION_RECOMPUTE * volume
-        else:
-            parts["allocator retention"] = CPU_RETENTION * peak.get("Activation", 0)
+        parts["allocator retention"] = _cpu_retention(config, stage, vocab_size, rows, row_tokens, pretrained, peak)
     return MemoryEstimate(parts, world_size, device_type, (rows, row_tokens), _fixes(config, stage))
 
 
@@ -397,6 +373,32 @@ def _fixes(config: TierlmConfig, stage: Stage) -> dict[str, str]:
         "framework": "use a machine with more memory",
     }
     return {**fixes, **stage.memory_fixes(config)}
+
+
+def _beside_the_step(parts, config, stage, param_bytes: float, cache_excess: float, generation, distributed: str):
+    """What a stage holds beside its traced step: a frozen reference, a generation cache, a sampler's copy."""
+    reference = stage.reference_model(config)
+    if config.model.lora.r:  # the reference is the base with the adapters off: no second copy
+        pass
+    elif reference == "in step":  # traced: its weights are among the parameters
+        parts["reference model"] = param_bytes
+        parts["parameters"] -= param_bytes
+    elif reference == "beside":  # its forward takes turns with the policy's old-log-probs pass (traced)
+        parts["reference model"] = param_bytes
+    if generation is not None:  # generation and training take turns: the cache adds what exceeds the step's activations
+        parts["generation KV cache"] = max(0.0, cache_excess)
+        if distributed == "fsdp":  # the sharded policy's sampler is a whole copy of it
+            parts["sampler weights"] = param_bytes
+
+
+def _cpu_retention(config, stage, vocab_size, rows, row_tokens, pretrained, peak) -> float:
+    """What CPU allocators keep of a step's activations; with activation checkpointing, the recomputed blocks cycle
+    the un-checkpointed volume."""
+    if not config.infra.activation_checkpointing:
+        return CPU_RETENTION * peak.get("Activation", 0)
+    plain = config.model_copy(update={"infra": config.infra.model_copy(update={"activation_checkpointing": False})})
+    volume = trace_step(plain, stage, vocab_size, rows, row_tokens, pretrained).get("Activation", 0)
+    return CPU_RETENTION_RECOMPUTE * volume
 
 
 def memory_budget(device: torch.device, max_memory_gb: float | None = None, ranks: int = 1) -> float | None:

@@ -113,3 +113,34 @@ def test_tierlm_train_from_python_calls_the_callbacks(tmp_path):
     kinds = [e[0] for e in events]
     assert kinds.count("log") == 2 and kinds.count("save") == 2 and kinds.count("eval") == 3  # evals at steps 0, 2, 4
     assert ("save", "step_4") in events
+
+
+@pytest.mark.parametrize("second", ["right", "low again"])
+def test_no_mfu_over_100_percent_when_the_peak_was_measured_low(tmp_path, monkeypatch, second):
+    """The CPU peak measured while something else ran is low, and every step beats it: the trainer measures it again
+    at the first such step; measured low again, the MFU becomes unknown (no figure, one warning) — never over 100%."""
+    import json
+
+    from conftest import TINY, run_main
+    from tierlm.metrics import flops
+
+    flops._measured_cpu_flops.cache_clear()
+    real, calls = flops.measure_cpu_flops, []
+
+    def slowed():
+        calls.append(1)
+        return 1e6 if len(calls) == 1 or second == "low again" else real()
+
+    monkeypatch.setattr(flops, "measure_cpu_flops", slowed)
+    out = tmp_path / "run"
+    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *TINY, "training.num_train_steps=3"]
+    result = run_main(*args, "training.logging_steps=1", f"infra.output_dir={out}")
+    flops._measured_cpu_flops.cache_clear()
+    assert result.returncode == 0, result.stderr
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert len(calls) == 2 and len(train) == 3
+    assert all(r.get("mfu", 0.0) <= 1.0 for r in train)
+    if second == "right":
+        assert all(0 < r["mfu"] <= 1.0 for r in train)
+    else:
+        assert not any("mfu" in r for r in train) and "MFU is not printed from here on" in result.stderr

@@ -40,6 +40,7 @@ from tierlm.loops.cadence import resume_backend  # noqa: F401  (also this module
 from tierlm.loops.evaluation import validation_totals
 from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
+from tierlm.metrics.flops import PeakFlops
 from tierlm.metrics.memory import memory_record
 from tierlm.models import family_of, unwrap_model
 from tierlm.primitives.fp8 import disable_fp8
@@ -88,7 +89,7 @@ class Trainer:
         eval_loader=None,
         logger: MetricsLogger | None = None,
         flops_per_token: float | None = None,
-        peak_flops: float | None = None,
+        peak_flops: PeakFlops | None = None,
         write_extra: Callable[[Path], None] | None = None,
         progress_bar: bool = True,
         sampler: Callable[[Any], list[dict[str, str]]] | None = None,
@@ -357,8 +358,10 @@ class Trainer:
     def _rates(self, input_tokens: float, trained_tokens: float, seconds: float) -> dict[str, float]:
         """Tokens/s (input and trained) and MFU over `seconds` of training steps."""
         rates = {"tokens_per_sec": input_tokens / seconds, "trained_tokens_per_sec": trained_tokens / seconds}
-        if self.flops_per_token and self.peak_flops:
-            rates["mfu"] = self.flops_per_token * rates["tokens_per_sec"] / self.peak_flops
+        if self.flops_per_token and self.peak_flops is not None:
+            mfu = self.peak_flops.utilisation(self.flops_per_token * rates["tokens_per_sec"])
+            if mfu is not None:  # never over 100%: a step beating the peak re-measures it, or makes it unknown
+                rates["mfu"] = mfu
         return rates
 
     def _train_record(self, metrics: dict[str, float], step_s: float) -> dict[str, Any]:

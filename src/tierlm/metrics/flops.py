@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import torch
@@ -33,19 +34,25 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return family_of(model).flops_per_token(unwrap_model(model), seq_len)
 
 
-@functools.lru_cache(maxsize=None)
-def _measured_cpu_flops() -> float:
-    """Best fp32 matmul throughput of this CPU over a few short trials, measured once (~0.1 s)."""
-    n, repeats = 512, 8
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm up
+def measure_cpu_flops(n: int = 512, repeats: int = 8, trials: int = 5) -> float:
+    """Best matmul throughput of this CPU at this thread count over a few short trials (~0.2 s): fp32, or bf16 where
+    this CPU multiplies it faster (AMX), since a run may train in either."""
     best = 0.0
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start))
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm up
+        for _ in range(trials):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start))
     return best
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_cpu_flops(threads: int) -> float:
+    """`measure_cpu_flops`, once per process and thread count."""
+    return measure_cpu_flops()
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
@@ -56,5 +63,40 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> fl
         name = torch.cuda.get_device_name(device)
         return next((flops for key, flops in GPU_PEAK_FLOPS.items() if key in name), None)
     if device.type == "cpu":
-        return _measured_cpu_flops()
+        return _measured_cpu_flops(torch.get_num_threads())
     return None
+
+
+class PeakFlops:
+    """The peak a utilisation figure divides by, which no step may beat: a step faster than it means the peak was
+    measured low (on a CPU, something else ran during the measurement), so it is measured again, once, at that
+    moment; a step still faster makes the peak unknown (no MFU printed, and a warning) rather than a figure over
+    100%.
+
+    >>> peak = PeakFlops(torch.device("cpu"), measure=lambda: 1e9)
+    >>> peak.utilisation(5e8)
+    0.5
+    >>> peak.utilisation(2e9) is None, peak.value   # beaten twice: unknown from here on
+    (True, None)
+    """
+
+    def __init__(self, device: torch.device, override_tflops: float | None = None, measure=None):
+        self.device, self.override = device, override_tflops
+        self.measure = measure or (lambda: peak_flops(device, override_tflops))
+        self.value, self.remeasured = self.measure(), False
+
+    def utilisation(self, achieved: float) -> float | None:
+        """`achieved` FLOP/s as a share of the peak (None: unknown)."""
+        if self.value and achieved > self.value and not self.remeasured:
+            self.remeasured = True
+            if self.device.type == "cpu" and not self.override:
+                _measured_cpu_flops.cache_clear()
+                self.value = self.measure()
+        if self.value and achieved > self.value:
+            print(
+                f"tierlm: warning: a step ran at {achieved / 1e12:.3g} TFLOP/s, above the peak this device was "
+                f"measured (or set: infra.peak_tflops) at, {self.value / 1e12:.3g}: MFU is not printed from here on",
+                file=sys.stderr,
+            )
+            self.value = None
+        return achieved / self.value if self.value else None

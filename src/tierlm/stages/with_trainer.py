@@ -21,7 +21,8 @@ from tierlm.data import Prefetcher, Tokenizer
 from tierlm.data.packing import PackedLoader
 from tierlm.data.windows import eval_protocol
 from tierlm.loops.trainer import Trainer
-from tierlm.metrics import flops_per_token, peak_flops
+from tierlm.metrics import flops_per_token
+from tierlm.metrics.flops import PeakFlops
 from tierlm.metrics.memory import clear_memory
 from tierlm.metrics.report import model_figures
 from tierlm.models import forward_cross_entropy
@@ -55,7 +56,7 @@ def train_with_trainer(
         eval_loader=eval_loader,
         config=config.training,
         flops_per_token=flops_per_token(model, config.data.max_seq_length),
-        peak_flops=peak_flops(run.device, config.infra.peak_tflops),
+        peak_flops=PeakFlops(run.device, config.infra.peak_tflops),
         write_extra=extras_writer(config, tokenizer, run.stage.name),
         progress_bar=config.infra.progress_bar,
         sampler=None if run.seq2seq else eval_sampler(config, tokenizer, run.stage, run.kind),

@@ -127,9 +127,9 @@ def test_no_mfu_over_100_percent_when_the_peak_was_measured_low(tmp_path, monkey
     flops._measured_cpu_flops.cache_clear()
     real, calls = flops.measure_cpu_flops, []
 
-    def slowed():
+    def slowed(dtype):
         calls.append(1)
-        return 1e6 if len(calls) == 1 or second == "low again" else real()
+        return 1e6 if len(calls) == 1 or second == "low again" else real(dtype)
 
     monkeypatch.setattr(flops, "measure_cpu_flops", slowed)
     out = tmp_path / "run"

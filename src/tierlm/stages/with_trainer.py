@@ -56,7 +56,9 @@ def train_with_trainer(
         eval_loader=eval_loader,
         config=config.training,
         flops_per_token=flops_per_token(model, config.data.max_seq_length),
-        peak_flops=PeakFlops(run.device, config.infra.peak_tflops),
+        peak_flops=PeakFlops(
+            run.device, config.infra.peak_tflops, torch.bfloat16 if config.training.bf16 else torch.float32
+        ),
         write_extra=extras_writer(config, tokenizer, run.stage.name),
         progress_bar=config.infra.progress_bar,
         sampler=None if run.seq2seq else eval_sampler(config, tokenizer, run.stage, run.kind),

@@ -226,3 +226,56 @@ def test_accelerate_launch_with_the_shipped_deepspeed_config(tmp_path):
     exported, final = (load_native_model(p).state_dict() for p in (tmp_path / "exported", tmp_path / "ds" / "model"))
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     assert main(["sample", "--checkpoint", str(step_4), "--prompt", "hi"]) == 2
+
+
+def accelerate_environment(config_file, num_processes: int = 2) -> dict[str, str]:
+    """The environment `accelerate launch --config_file FILE` gives each process, by Accelerate's own launcher code
+    (its argument checks and its DeepSpeed / multi-GPU environment), without starting any."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    parser = launch_command_parser()
+    args = parser.parse_args(["--config_file", str(config_file), "--num_processes", str(num_processes), "x.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:  # as `launch_command` does before DeepSpeed's launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config if defaults else [])
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+def test_the_training_storys_deepspeed_config_as_written(tmp_path):
+    """The FSDP2 story's own DeepSpeed Accelerate config, byte for byte (tests/fixtures/story): its
+    `gradient_accumulation_steps: auto` means what the tierlm config says (it was refused: "auto" is not a number),
+    its ZeRO stage, optimizer offload, clipping and bf16 are taken, and a tiny run's config resolves with them."""
+    env = accelerate_environment(REPO / "tests" / "fixtures" / "story" / "accelerate_deepspeed.yaml")
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "auto"  # what Accelerate exports for it
+    base = TierlmConfig.load("tiny_pretrain", ["training.gradient_accumulation_steps=2"])
+    config = accelerate_overrides(base, env)
+    assert config.training.gradient_accumulation_steps == 2  # the tierlm config's, as "auto" asks
+    assert config.infra.distributed_type == "deepspeed" and config.infra.deepspeed_zero_stage == 3
+    assert config.infra.deepspeed_offload_optimizer and not config.infra.deepspeed_offload_params
+    assert config.training.max_grad_norm == 1.0 and config.training.bf16
+
+
+def test_wandb_project_from_the_environment_when_the_config_sets_none(tmp_path, monkeypatch):
+    """`WANDB_PROJECT` (exported by scripts/launch_training.sh) names the W&B project unless infra.wandb_project
+    does: the run's wandb.init gets it (W&B's own argument beats its environment, so tierlm must not pass its
+    default over it)."""
+    wandb = pytest.importorskip("wandb")
+    from conftest import run_main
+
+    projects = []
+    real = wandb.init
+
+    def recording(**kwargs):
+        projects.append(kwargs["project"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", recording)
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-launch-script")
+    args = ["pretrain", "--config", "tiny_pretrain", *TINY, "training.report_to=[wandb]"]
+    assert run_main(*args, f"infra.output_dir={tmp_path / 'a'}").returncode == 0
+    assert run_main(*args, "infra.wandb_project=mine", f"infra.output_dir={tmp_path / 'b'}").returncode == 0
+    assert projects == ["from-the-launch-script", "mine"]

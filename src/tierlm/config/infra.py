@@ -89,8 +89,9 @@ class InfraConfig(Section):
     max_memory_gb: float | None = Field(None, gt=0)
     """Memory each rank may use, in GB (1e9 bytes), for the pre-flight check and the automatic batch
     size (default: what the device has: free GPU memory, or RAM and the cgroup limit shared by the ranks)."""
-    wandb_project: str = "tierlm"
-    """W&B project, when training.report_to includes wandb."""
+    wandb_project: str | None = None
+    """W&B project (and MLflow experiment), when training.report_to includes them (None: $WANDB_PROJECT, as W&B
+    itself reads it, else tierlm)."""
     wandb_run_name: str | None = None
     """W&B run name (default: W&B picks one)."""
     wandb_entity: str | None = None

@@ -104,7 +104,7 @@ def deepspeed_settings(env: Mapping[str, str]) -> dict[tuple[str, str], object]:
         ("ACCELERATE_GRADIENT_CLIPPING", "max_grad_norm", float),
         ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", int),
     ):
-        if env.get(variable) not in (None, "", "none"):
+        if env.get(variable) not in (None, "", "none", "auto"):  # auto: what the tierlm config says
             try:
                 out[("training", field)] = kind(env[variable])
             except ValueError:

@@ -109,20 +109,27 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
     return init_distributed(infra.device_type, infra.dist_timeout_s)
 
 
+def tracking_project(config: TierlmConfig, env=os.environ) -> str:
+    """The W&B project (and MLflow experiment) of a run: infra.wandb_project, else the environment's WANDB_PROJECT
+    (what W&B itself reads, and `scripts/launch_training.sh` exports), else tierlm.
+
+    >>> tracking_project(TierlmConfig(), {"WANDB_PROJECT": "story"}), tracking_project(TierlmConfig(), {})
+    ('story', 'tierlm')
+    """
+    return config.infra.wandb_project or env.get("WANDB_PROJECT") or "tierlm"
+
+
 def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None) -> MetricsLogger:
+    project = tracking_project(config)
     sinks = [JSONLSink(output_dir / "metrics.jsonl", resume_from_step=resume_step)]
     if "tensorboard" in config.training.report_to:
         sinks.append(TensorBoardSink(config.training.logging_dir or output_dir / "tensorboard", resume_step))
     if "mlflow" in config.training.report_to:
-        sinks.append(
-            MLflowSink(
-                output_dir, config.infra.wandb_project, config.infra.wandb_run_name, config.model_dump(mode="json")
-            )
-        )
+        sinks.append(MLflowSink(output_dir, project, config.infra.wandb_run_name, config.model_dump(mode="json")))
     if "wandb" in config.training.report_to:
         sinks.append(
             WandbSink(
-                config.infra.wandb_project,
+                project,
                 config.infra.wandb_run_name,
                 config.model_dump(mode="json"),
                 output_dir,

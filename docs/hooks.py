@@ -22,42 +22,47 @@ def _clip(row) -> str:
     return "none" if low is None and high is None else f"{low if low is not None else '-'} / {high}"
 
 
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def _rl_losses() -> str:
     from tierlm.strategies.rl_losses import RL_LOSSES
 
-    lines = [
-        "| `rl.loss` | what it is | averages over | clip (low / high) | std | baseline | dynamic sampling | JAX |",
-        "|---|---|---|---|---|---|---|---|",
+    def yes(flag) -> str:
+        return "yes" if flag else "no"
+
+    rows = [
+        [f"`{name}`", row.about, row.normalise, _clip(row), yes(row.divides_by_std), row.baseline]
+        + ["on" if row.dynamic_sampling else "off", yes(row.jax)]
+        for name, row in RL_LOSSES.items()
     ]
-    for name, row in RL_LOSSES.items():
-        lines.append(
-            f"| `{name}` | {row.about} | {row.normalise} | {_clip(row)} | {'yes' if row.divides_by_std else 'no'} | "
-            f"{row.baseline} | {'on' if row.dynamic_sampling else 'off'} | {'yes' if row.jax else 'no'} |"
-        )
-    return "\n".join(lines)
+    header = ["`rl.loss`", "what it is", "averages over", "clip (low / high)", "std", "baseline"]
+    return _table([*header, "dynamic sampling", "JAX"], rows)
 
 
 def _preference_losses() -> str:
     from tierlm.strategies.dpo import PREFERENCE_LOSSES
 
-    lines = ["| `dpo.loss_type` | what it is | reference model | log-probs | data | JAX |", "|---|---|---|---|---|---|"]
-    for name, row in PREFERENCE_LOSSES.items():
-        lines.append(
-            f"| `{name}` | {row.about} | {'yes' if row.reference else 'none'} | "
-            f"{'averaged' if row.averaged else 'summed'} | {'pairs' if row.paired else 'unpaired replies'} | "
-            f"{'yes' if row.jax else 'no'} |"
-        )
-    return "\n".join(lines)
+    rows = [
+        [f"`{name}`", row.about, "yes" if row.reference else "none", "averaged" if row.averaged else "summed"]
+        + ["pairs" if row.paired else "unpaired replies", "yes" if row.jax else "no"]
+        for name, row in PREFERENCE_LOSSES.items()
+    ]
+    return _table(["`dpo.loss_type`", "what it is", "reference model", "log-probs", "data", "JAX"], rows)
 
 
 def _stages() -> str:
     from tierlm.stages import STAGES
 
-    lines = ["| stage | command | what it does | starts from |", "|---|---|---|---|"]
-    for name, stage in STAGES.items():
-        start = "a trained chat model" if stage.starts_from_trained else "scratch or any model"
-        lines.append(f"| `{name}` | `tierlm {name}` | {stage.about} | {start} |")
-    return "\n".join(lines)
+    rows = [
+        [f"`{name}`", f"`tierlm {name}`", stage.about]
+        + ["a trained chat model" if stage.starts_from_trained else "scratch or any model"]
+        for name, stage in STAGES.items()
+    ]
+    return _table(["stage", "command", "what it does", "starts from"], rows)
 
 
 GENERATED = {

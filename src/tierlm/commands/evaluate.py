@@ -41,7 +41,12 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
         raise ConfigError(f"{checkpoint} has no chat template: pass@k evaluates chat models")
     torch.manual_seed(config.training.seed)
     model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
-    eval_task = open_tasks(config)[1]
+    return held_out_pass_at_k(config, model, tokenizer, open_tasks(config)[1])
+
+
+def held_out_pass_at_k(config: TierlmConfig, model, tokenizer, eval_task) -> dict:
+    """pass@k of `model` on `eval_task` (`tierlm.loops.evaluation.evaluate_pass_at_k`), sampled by the engine the rl
+    section names (with the task's tools), which is closed after."""
     with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # rl.engine=vllm: its model folder
         engine = build_engine(EngineSettings.of(config.rl), model, tokenizer, Path(folder), task=eval_task)
         try:
@@ -99,13 +104,7 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
         n = len(eval_task) if limit is None else min(int(limit), len(eval_task))
         config.rl.eval_problems = n
         chance = sum(chance_level(eval_task.example(i)) for i in range(n)) / max(n, 1)
-        with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:
-            engine = build_engine(EngineSettings.of(config.rl), model, tokenizer, Path(folder))
-            try:
-                sampler = RolloutSampler(engine, tokenizer, config.rl, config.training.seed)
-                accuracy = evaluate_pass_at_k(sampler, eval_task)["pass@1"]
-            finally:
-                engine.close()
+        accuracy = held_out_pass_at_k(config, model, tokenizer, eval_task)["pass@1"]
         results[name] = {"accuracy": accuracy, "centered": (accuracy - chance) / (1 - chance), "items": n}
     result = {"tasks": results, "core": sum(r["centered"] for r in results.values()) / max(len(results), 1)}
     record_core(location, ",".join(f"{k}={v}" for k, v in tasks.items()), result, kind="chat_core")

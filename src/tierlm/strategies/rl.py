@@ -11,6 +11,7 @@ Dr. GRPO's constant, as the loss says).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping
 
 import torch
@@ -193,7 +194,8 @@ class PolicyGradientStrategy:
         lam: float = 0.95,
     ):
         self.loss, self.spec = loss, RL_LOSSES[loss]
-        self.settings = settings if settings is not None else LossSettings(normalise=self.spec.normalise)
+        # what the loss averages over is its row's, whatever the settings say (`RLLoss.normalise`)
+        self.settings = replace(settings or LossSettings(), normalise=self.spec.normalise)
         assert self.settings.kl_coef >= 0, f"kl_coef must be >= 0, got {self.settings.kl_coef}"
         assert 0 < gamma <= 1 and 0 <= lam <= 1, f"gamma must be in (0, 1] and lam in [0, 1], got {gamma}, {lam}"
         self.normalize_std, self.temperature, self.baseline = normalize_std, temperature, self.spec.baseline
@@ -285,8 +287,7 @@ class GRPOStrategy(PolicyGradientStrategy):
     def __init__(
         self, clip_range: float = 0.2, kl_coef: float = 0.0, normalize_std: bool = True, temperature: float = 1.0
     ):
-        settings = LossSettings(clip_range, clip_range, kl_coef, normalise="sequences")
-        super().__init__("grpo", settings, normalize_std, temperature)
+        super().__init__("grpo", LossSettings(clip_range, clip_range, kl_coef), normalize_std, temperature)
 
 
 class PPOStrategy(PolicyGradientStrategy):

@@ -286,5 +286,5 @@ def resolve_rl(rl, jax: bool = False):
 
 
 def loss_settings(rl) -> LossSettings:
-    """What the loss of a resolved `rl` section reads from it."""
-    return LossSettings(rl.clip_low, rl.clip_high, rl.kl_coef, rl.max_new_tokens, RL_LOSSES[rl.loss].normalise)
+    """What the loss of a resolved `rl` section reads from it (its normaliser is its row's: the strategy sets it)."""
+    return LossSettings(rl.clip_low, rl.clip_high, rl.kl_coef, rl.max_new_tokens)

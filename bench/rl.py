@@ -82,7 +82,7 @@ def with_server(args, extra: list[str]) -> dict:
             except OSError:
                 assert server.poll() is None, "the vLLM server stopped"
                 time.sleep(1)
-        return rl_step(args, 1, ["rl.engine=vllm", f"rl.vllm_url={url}", *extra])
+        return rl_step(args, 1, ["engine.kind=vllm", f"engine.vllm_url={url}", *extra])
     finally:
         server.send_signal(signal.SIGTERM)  # the script execs vLLM's server, which stops its engine process
         server.wait()
@@ -136,7 +136,7 @@ CONTENDERS = {
     "1 process one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
     "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
     "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
-    "1 process vLLM in process": lambda a: rl_step(a, 1, ["rl.engine=vllm"], vllm_python()),
+    "1 process vLLM in process": lambda a: rl_step(a, 1, ["engine.kind=vllm"], vllm_python()),
     "1 process vLLM server": lambda a: with_server(a, []),
 }
 

@@ -55,10 +55,11 @@ def _preference_losses() -> str:
 
 
 def _stages() -> str:
+    from tierlm.commands.cli import COMMANDS
     from tierlm.stages import STAGES
 
     rows = [
-        [f"`{name}`", f"`tierlm {name}`", stage.about]
+        [f"`{name}`", f"`tierlm {name}`", COMMANDS[name].about]
         + ["a trained chat model" if stage.starts_from_trained else "scratch or any model"]
         for name, stage in STAGES.items()
     ]

@@ -3,9 +3,9 @@
 # transformers<5.20, so it cannot share tierlm's .venv (transformers 5.24). The main set-up is untouched.
 #
 #   bash scripts/setup_vllm.sh
-#   .venv-vllm/bin/tierlm rl --config configs/tiny_rl.yaml rl.engine=vllm     # vLLM in the trainer's process
+#   .venv-vllm/bin/tierlm rl --config configs/tiny_rl.yaml engine.kind=vllm     # vLLM in the trainer's process
 #   bash scripts/vllm_server.sh runs/tiny_sft/model 8000                       # or a vLLM server, and from .venv:
-#   tierlm rl --config configs/tiny_rl.yaml rl.engine=vllm rl.vllm_url=http://127.0.0.1:8000
+#   tierlm rl --config configs/tiny_rl.yaml engine.kind=vllm engine.vllm_url=http://127.0.0.1:8000
 #
 # tierlm itself is installed here too (editable, under the same pins), so the trainer can hold vLLM in its process.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A vLLM server that takes the trainer's weights, for `tierlm rl ... rl.engine=vllm rl.vllm_url=http://HOST:PORT`
+# A vLLM server that takes the trainer's weights, for `tierlm rl ... engine.kind=vllm engine.vllm_url=http://HOST:PORT`
 # (and `tierlm eval`). Runs from vLLM's own environment (scripts/setup_vllm.sh).
 #
 #   bash scripts/vllm_server.sh MODEL_FOLDER [PORT] [more vLLM server options]

@@ -125,8 +125,8 @@ def build(
         )
         dims = ParallelDims.from_sizes(torch.distributed.get_world_size(), **sizes)
         schedule = "GPipe" if mode == "pp_gpipe" else "1F1B"
-        split = replace(checkpointed, pipeline_schedule=schedule, sequence_parallel=mode == "tp_sp")
-        return ModelParallelTrainingBackend(model, optimizer_fn, dims=dims, options=split, **common)
+        split = replace(checkpointed, pipeline_schedule=schedule, sequence_parallel=mode == "tp_sp", dims=dims)
+        return ModelParallelTrainingBackend(model, optimizer_fn, options=split, **common)
     if mode.startswith("zero"):  # DeepSpeed's engine: zero3 / zero3_offload (optimizer state on the CPU) / zero2
         from tierlm.backends.zero import DeepSpeedTrainingBackend
 

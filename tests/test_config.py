@@ -118,3 +118,19 @@ def test_a_stage_receives_its_config_resolved_once_and_frozen(tiny_runs, tmp_pat
     assert (resolved.rl.clip_low, resolved.rl.clip_high, resolved.rl.dynamic_sampling) == (0.2, 0.28, True)
     assert resolved.infra.distributed_type == "none"  # RL's parallelism: auto without torchrun
     assert config.rl.clip_high is None  # the caller's config is left as it was
+
+
+def test_the_engine_fields_earlier_names_still_load(tmp_path):
+    """The engine section's fields were rl.engine, rl.vllm_url and rl.vllm_gpu_memory_utilization: a config file
+    or an override with those names (a run folder's config.yaml from before) loads as the engine section; one
+    that sets both names to different values is refused in one line."""
+    old = TierlmConfig.load(None, ["rl.engine=vllm", "rl.vllm_url=http://h:8000", "rl.vllm_gpu_memory_utilization=0.5"])
+    assert (old.engine.kind, old.engine.vllm_url, old.engine.gpu_memory_utilization) == ("vllm", "http://h:8000", 0.5)
+    path = tmp_path / "old.yaml"
+    path.write_text("rl:\n  engine: vllm\n  group_size: 4\n")
+    from_file = TierlmConfig.load(path)
+    assert from_file.engine.kind == "vllm" and from_file.rl.group_size == 4
+    assert from_file.engine == TierlmConfig.load(None, ["engine.kind=vllm"]).engine
+    path.write_text("rl:\n  engine: vllm\nengine:\n  kind: native\n")
+    with pytest.raises(ConfigError, match="rl.engine=vllm is tierlm's engine.kind, which the config also sets"):
+        TierlmConfig.load(path)

@@ -141,3 +141,23 @@ def test_no_folder_is_named_build_so_every_doctest_is_collected(pytestconfig):
         if path.is_dir() and path.name != "__pycache__" and any(fnmatch.fnmatch(path.name, p) for p in patterns)
     ]
     assert "build" in patterns and not skipped, skipped
+
+
+def test_the_command_line_answers_help_without_importing_torch():
+    """`tierlm --help`, `tierlm COMMAND --help` and `tierlm config ...` import no torch (it takes seconds): the
+    command table names each command's module, imported only for the command that runs; and the table's stage
+    commands are `tierlm.stages.STAGES`, named without importing them."""
+    from tierlm.commands.cli import COMMANDS, STAGE_COMMANDS
+    from tierlm.stages import STAGES
+
+    assert STAGE_COMMANDS == tuple(STAGES)
+    modules = sorted({listing.command.partition(":")[0] for listing in COMMANDS.values()})
+    probe = (
+        "import sys, importlib\n"
+        "from tierlm.commands.cli import COMMANDS, build_parser\n"
+        f"for module in {modules!r}: importlib.import_module(module)\n"
+        "build_parser()\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

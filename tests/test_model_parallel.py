@@ -286,14 +286,16 @@ def test_gpt2_pipeline_stages_share_the_tied_embedding(single_gpt2, tmp_path):
 
 def test_gpt2_refusals_name_the_layout_that_works():
     from tierlm.backends.model_parallel import ModelParallelTrainingBackend
+    from tierlm.backends.options import BackendOptions
     from tierlm.errors import ConfigError
     from tierlm.models.gpt2.family import GPT2_FAMILY
     from tierlm.models.gpt2.model import GPT2Config
     from tierlm.primitives.model_parallel import ParallelDims
 
     model = GPT2_FAMILY.build_from_config(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, block_size=16))
+    options = BackendOptions(dims=ParallelDims.from_sizes(4, tensor=2))
     with pytest.raises(ConfigError, match="pipeline stages"):  # before any process group is needed
-        ModelParallelTrainingBackend(model, None, None, "unused", "cpu", ParallelDims.from_sizes(4, tensor=2))
+        ModelParallelTrainingBackend(model, None, None, "unused", "cpu", options=options)
     with pytest.raises(ConfigError, match="3 attention heads do not split over 2"):
         GPT2_FAMILY.tensor_parallel_plan(
             GPT2_FAMILY.build_from_config(GPT2Config(n_layer=1, n_head=3, n_embd=48, vocab_size=50, block_size=16)), 2

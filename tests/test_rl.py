@@ -13,11 +13,11 @@ from tierlm.backends import PyTorchTrainingBackend
 from tierlm.builders.tasks import open_task
 from tierlm.errors import DataError
 from tierlm.loops.evaluation import pass_at_k
-from tierlm.loops.rl import Rollout, rollout_batch
+from tierlm.loops.policy_update import rollout_batch
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout import generate
-from tierlm.rollout.engine import Engine, answer_text
+from tierlm.rollout.engine import Engine, Rollout, answer_text
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.dpo import DPOStrategy, dpo_loss
 from tierlm.strategies.rl import ReinforceStrategy, group_advantages, kl_penalty, policy_gradient_loss, token_logprobs
@@ -551,15 +551,17 @@ def test_vllm_refuses_a_model_without_a_transformers_twin(tmp_path, tiny_tokeniz
     """The GPT-2 research variants (here RA) have no transformers class, so vLLM cannot load them: one clear
     refusal before vLLM is even imported, nothing written."""
     from tierlm.builders.engine import EngineSettings, build_engine
-    from tierlm.config import RLConfig
+    from tierlm.config import EngineConfig
     from tierlm.errors import ConfigError
     from tierlm.models.gpt2 import GPT2Config
     from tierlm.models.registry import family_named
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32, ra_r=4)
     model = family_named("gpt2").build_from_config(config)
-    with pytest.raises(ConfigError, match="rl.engine=vllm loads the policy as a transformers model, but .*native"):
-        build_engine(EngineSettings.of(RLConfig(engine="vllm")), model, tiny_tokenizer, tmp_path / "sampler")
+    with pytest.raises(ConfigError, match="engine.kind=vllm loads the policy as a transformers model, but .*native"):
+        build_engine(
+            EngineSettings.from_section(EngineConfig(kind="vllm")), model, tiny_tokenizer, tmp_path / "sampler"
+        )
     assert not (tmp_path / "sampler").exists()
 
 

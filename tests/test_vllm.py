@@ -2,8 +2,8 @@
 `bash scripts/setup_vllm.sh`; vLLM pins transformers < 5.20, so it cannot share .venv). Where that environment
 is absent every test here skips, saying so; nothing stands in for vLLM.
 
-- in this process: `tierlm rl` started from .venv-vllm with rl.engine=vllm;
-- a server: scripts/vllm_server.sh on the SFT model, and `tierlm rl` from this Python with rl.vllm_url.
+- in this process: `tierlm rl` started from .venv-vllm with engine.kind=vllm;
+- a server: scripts/vllm_server.sh on the SFT model, and `tierlm rl` from this Python with engine.vllm_url.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def server(tiny_runs):
 
 def _rl(python, tiny_runs, out: Path, *extra):
     args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS]
-    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", "rl.engine=vllm", *extra]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", "engine.kind=vllm", *extra]
     done = subprocess.run([str(python), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
@@ -102,7 +102,7 @@ def test_rl_samples_with_vllm_in_process_and_through_a_server_alike(tiny_runs, s
     """The same seeds draw the same rollouts in both ways (vLLM seeds each request from the step's generator), so
     the two runs train alike; every line carries its weight version and the trainer/sampler log-prob gap."""
     local = _rl(VLLM_PY, tiny_runs, tmp_path / "local")
-    remote = _rl(sys.executable, tiny_runs, tmp_path / "remote", f"rl.vllm_url={server}")
+    remote = _rl(sys.executable, tiny_runs, tmp_path / "remote", f"engine.vllm_url={server}")
     assert [r["step"] for r in local] == [1, 2, 3]
     for a, b in zip(local, remote):
         assert a["weight_version"] == b["weight_version"] == a["step"] - 1  # on-policy: the weights before the step
@@ -116,10 +116,10 @@ def test_rl_under_torchrun_samples_through_one_server_as_one_process_does(tiny_r
     other waits for the server to report them. The same rollouts as one process, so the same losses."""
     from conftest import torchrun
 
-    one = _rl(sys.executable, tiny_runs, tmp_path / "one", f"rl.vllm_url={server}")
+    one = _rl(sys.executable, tiny_runs, tmp_path / "one", f"engine.vllm_url={server}")
     out = tmp_path / "two"
-    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS, "rl.engine=vllm"]
-    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", f"rl.vllm_url={server}"]
+    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS, "engine.kind=vllm"]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", f"engine.vllm_url={server}"]
     done = torchrun(*args, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     two = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
@@ -142,9 +142,9 @@ def test_a_server_serving_another_model_is_refused(tiny_runs, server, tmp_path):
 
 def test_check_parity_through_the_server_and_its_refusal(tiny_runs, server, tmp_path):
     """The pre-flight reports vLLM's float32 gap (about 1e-7 here) and refuses, in one line, a tolerance below it."""
-    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, "--check-parity", "rl.engine=vllm"]
+    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, "--check-parity", "engine.kind=vllm"]
     args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={tmp_path / 'never'}"]
-    args += [f"rl.vllm_url={server}"]
+    args += [f"engine.vllm_url={server}"]
     ok = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "parity ok" in ok.stdout, ok.stderr[-2000:]
     refused = subprocess.run(
@@ -177,10 +177,10 @@ def test_eval_samples_with_vllm_in_process_and_through_the_server_alike(tiny_run
     """`tierlm eval` (pass@k) on the same engine interface: vLLM in its process and the server give one answer (a
     wiring check: this 2-step model scores 0; the same draws through both are tested by the RL runs above)."""
     args = ["-m", "tierlm", "eval", "--checkpoint", str(tiny_runs / "sft"), "--config", "configs/tiny_rl.yaml"]
-    args += ["rl.eval_problems=8", "rl.eval_k=2", "rl.max_new_tokens=8", "rl.engine=vllm"]
+    args += ["rl.eval_problems=8", "rl.eval_k=2", "rl.max_new_tokens=8", "engine.kind=vllm"]
     local = subprocess.run([str(VLLM_PY), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     remote = subprocess.run(
-        [sys.executable, *args, f"rl.vllm_url={server}"], cwd=REPO, env=ENV, capture_output=True, text=True
+        [sys.executable, *args, f"engine.vllm_url={server}"], cwd=REPO, env=ENV, capture_output=True, text=True
     )
     assert local.returncode == 0 and remote.returncode == 0, local.stderr[-2000:] + remote.stderr[-2000:]
     line = local.stdout.strip().splitlines()[-1]  # vLLM in the process logs to stdout too
@@ -196,7 +196,7 @@ def test_off_policy_rl_through_the_server_resumes_bit_exact(tiny_runs, server, t
 
     from conftest import resume_from_checkpoint
 
-    args = ["rl", "--config", "configs/tiny_rl.yaml", *RL, "rl.engine=vllm", f"rl.vllm_url={server}"]
+    args = ["rl", "--config", "configs/tiny_rl.yaml", *RL, "engine.kind=vllm", f"engine.vllm_url={server}"]
     args += [f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.max_off_policy_steps=1", "rl.group_size=4"]
     args += ["training.num_train_steps=5", "training.save_steps=2", "training.logging_steps=1"]
     out = tmp_path / "run"

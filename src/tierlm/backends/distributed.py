@@ -54,18 +54,24 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
         options: BackendOptions | None = None,
     ):
         """The model wrapped by the subclass (`_wrap`: DDP, FSDP2's shards, DeepSpeed's placement), then the optimizer
-        over what the wrapping left (FSDP2's parameters are DTensor shards), then the subclass's `_after_init`."""
+        over what the wrapping left (FSDP2's parameters are DTensor shards), then the subclass's `_after_init`. A
+        subclass's `_refuse` says first, in one line, what it cannot do with these options."""
+        options = options or BackendOptions()
+        self._refuse(model, options)
         assert dist.is_initialized(), (
             "join the process group first (tierlm.primitives.parallel.init_distributed, under torchrun)"
         )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._pending_save, self._checkpoint_group = None, None
         device = torch.device(device)
-        model, inner = self._wrap(model, device, options or BackendOptions())
+        model, inner = self._wrap(model, device, options)
         optimizer = optimizer_fn(model)
         scheduler = scheduler_fn(optimizer) if scheduler_fn else None
         super().__init__(model, optimizer, loss_fn, checkpoint_dir, device, scheduler, inner)
         self._after_init()
+
+    def _refuse(self, model: nn.Module, options: BackendOptions) -> None:
+        """A `ConfigError` for what this backend cannot do with `options`, before any process group is needed."""
 
     def _wrap(
         self, model: nn.Module, device: torch.device, options: BackendOptions

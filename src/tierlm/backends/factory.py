@@ -281,6 +281,7 @@ def MegatronBackend(
         compute_dtype=torch.bfloat16 if bf16 else None,
         pipeline_schedule=pipeline_schedule,
         pipeline_microbatches=pipeline_microbatches,
+        dims=dims,
     )
     model, optimizer_fn = _new_model(model_config, seed), _adamw(learning_rate, adam_betas, weight_decay)
-    return ModelParallelTrainingBackend(model, optimizer_fn, None, checkpoint_dir, ctx.device, dims, None, options)
+    return ModelParallelTrainingBackend(model, optimizer_fn, None, checkpoint_dir, ctx.device, None, options)

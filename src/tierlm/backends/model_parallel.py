@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tierlm.backends.distributed import DistributedTrainingBackend, OptimizerFactory, SchedulerFactory
+from tierlm.backends.distributed import DistributedTrainingBackend
 from tierlm.backends.options import BackendOptions
 from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
@@ -57,23 +57,21 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
     step's micro-batch is split into `microbatches` pieces that flow through the stages by `schedule`.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer_fn: OptimizerFactory,
-        loss_fn: Callable | None,
-        checkpoint_dir: str | Path,
-        device: torch.device | str,
-        dims: ParallelDims,
-        scheduler_fn: SchedulerFactory | None = None,
-        options: BackendOptions | None = None,
-    ):
-        """`options`: the compute dtype (FSDP2's param dtype with data-parallel ranks, else autocast's), the
-        pipeline's schedule, pieces and stages per rank, the vocabulary and sequence splits, checkpointing, compile,
-        clipping."""
-        o = options or BackendOptions()
-        assert dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
-        device, family = torch.device(device), family_of(model)
+    def _refuse(self, model: nn.Module, options: BackendOptions) -> None:
+        """What cannot split, in one line, before any process group is needed (`_plans`)."""
+        assert options.dims is not None, "the model-parallel backend splits by options.dims"
+        assert options.dims.cp == 1, "context parallelism is refused before this backend (it needs SDPA's CUDA kernels)"
+        self._plans(model, family_of(model), options.dims, options)
+
+    def _wrap(
+        self, model: nn.Module, device: torch.device, options: BackendOptions
+    ) -> tuple[nn.Module, BackendOptions]:
+        """This rank's stages of `model`, split by `options.dims` (tensor parallel, checkpointing, compile, FSDP2 over
+        the data-parallel ranks), and what the single-process part keeps of `options`: the compute dtype (FSDP2's
+        param dtype with data-parallel ranks, else autocast's), the pipeline's schedule, pieces and stages per rank,
+        the vocabulary and sequence splits, checkpointing, compile, clipping."""
+        o, dims = options, options.dims
+        family = family_of(model)
         plan, outer = self._plans(model, family, dims, o)
         self.vocab_parallel = "vocab_head" in outer.values()
         self.dims, self.mesh = dims, dims.build_mesh(device.type)
@@ -108,15 +106,13 @@ class ModelParallelTrainingBackend(DistributedTrainingBackend):
         if dims.pp > 1:
             self.parts, self.schedule_name = parts, o.pipeline_schedule
             self.microbatches = o.pipeline_microbatches or dims.pp * o.stages_per_rank
-            self.has_first, self.has_last, self._shape = (
-                0 in self.stage_ids,
-                self.num_stages - 1 in self.stage_ids,
-                None,
-            )
+            self.has_first, self.has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+            self._shape = None
             self._embedding_group(held)
         # without FSDP's mixed precision (no data-parallel ranks), autocast computes in the compute dtype
-        inner = replace(o, compute_dtype=o.compute_dtype if dims.dp == 1 else None, loss_scaling=False)
-        super().__init__(held, optimizer_fn, loss_fn, checkpoint_dir, device, scheduler_fn, inner)
+        return held, replace(o, compute_dtype=o.compute_dtype if dims.dp == 1 else None, loss_scaling=False)
+
+    def _after_init(self) -> None:
         self._step_parameter_by_parameter()
         self._split_orthogonalisations()
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from tierlm.primitives.model_parallel import ParallelDims
+
 
 @dataclass(frozen=True)
 class BackendOptions:
@@ -68,6 +70,8 @@ class BackendOptions:
     """Tensor parallelism: the embedding and the head split by vocabulary."""
     sequence_parallel: bool = False
     """Tensor parallelism: norms and residuals split by sequence."""
+    dims: ParallelDims | None = None
+    """Tensor / pipeline parallelism: how the ranks split (pipeline x data x context x tensor)."""
 
     @property
     def bf16(self) -> bool:

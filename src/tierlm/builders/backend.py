@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -146,9 +146,9 @@ def model_parallel(model: torch.nn.Module, b: Build):
             raise ConfigError(
                 f"model parallelism does not do {what}: drop it, or train data-parallel (tensor / pipeline sizes 1)"
             )
-    o = b.options
+    options = replace(b.options, dims=dims)
     return ModelParallelTrainingBackend(
-        model, b.optimizer_fn, None, b.checkpoint_dir, b.device, dims, b.scheduler_fn, o
+        model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, options
     )
 
 

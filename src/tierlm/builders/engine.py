@@ -1,6 +1,7 @@
 """The sampling engines, one row each of `ENGINES`: tierlm's own KV-cache engine, or vLLM in this process or behind
-a server. `EngineSettings` is what builds one — from the rl section for RL runs and `tierlm eval`, from the flags of
-`tierlm chat` and `tierlm serve` — so no command makes a config section it does not run to get an engine."""
+a server. `EngineSettings` is what builds one: the config's engine section (which RL runs and `tierlm eval` read from
+the config, and `tierlm chat` and `tierlm serve` fill from their flags) with the tools the model may call and whether
+sampling runs ahead of training."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Callable
 
 from torch import nn
 
-from tierlm.config import RLConfig
+from tierlm.config import EngineConfig, TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_of, unwrap_model
 from tierlm.rollout.engine import Engine, SamplingEngine
@@ -35,9 +36,21 @@ class EngineSettings:
     """Sampling runs ahead of training (rl.max_off_policy_steps > 0): the engine samples weights of its own."""
 
     @classmethod
-    def of(cls, rl: RLConfig) -> EngineSettings:
-        """The engine the rl section asks for."""
-        return cls(rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utilization, tuple(rl.tools), rl.max_off_policy_steps > 0)
+    def of(cls, config: TierlmConfig) -> EngineSettings:
+        """The engine a run's config asks for: its engine section, with the rl section's tools and off-policy steps."""
+        rl = config.rl
+        return cls.from_section(config.engine, tuple(rl.tools), rl.max_off_policy_steps > 0)
+
+    @classmethod
+    def from_section(
+        cls, engine: EngineConfig, tools: tuple[str, ...] = (), off_policy: bool = False
+    ) -> EngineSettings:
+        """`engine` (a validated engine section: `tierlm chat` and `tierlm serve` make one from their flags).
+
+        >>> EngineSettings.from_section(EngineConfig(kind="vllm", vllm_url="http://127.0.0.1:8000")).vllm_url
+        'http://127.0.0.1:8000'
+        """
+        return cls(engine.kind, engine.vllm_url, engine.gpu_memory_utilization, tools, off_policy)
 
 
 def native(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):
@@ -51,8 +64,8 @@ def vllm(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, s
     """vLLM, which holds weights of its own: a model folder under `folder` it loads, in this process or the server's."""
     if world_size > 1 and settings.vllm_url is None:
         raise ConfigError(
-            "under torchrun rl.engine=vllm samples through one vLLM server: set rl.vllm_url (vLLM in each trainer "
-            "process is not supported), or keep rl.engine=native"
+            "under torchrun engine.kind=vllm samples through one vLLM server: set engine.vllm_url (vLLM in each "
+            "trainer process is not supported), or keep engine.kind=native"
         )
     if world_size > 1 and settings.off_policy:
         raise ConfigError(
@@ -87,7 +100,7 @@ ENGINES: dict[str, EngineKind] = {
         needs_folder=True,
     ),
 }
-"""rl.engine (`tierlm chat / serve --engine`) -> the engine: the one place an engine is named."""
+"""engine.kind (`tierlm chat / serve --engine`) -> the engine: the one place an engine is named."""
 
 
 def build_engine(

@@ -135,13 +135,16 @@ def load_4bit_model(config: TierlmConfig, pretrained, device: torch.device) -> t
         raise ConfigError("model.load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     from peft import prepare_model_for_kbit_training
 
+    from tierlm.primitives.hub import hub_access
+
     compute = torch.bfloat16 if config.training.bf16 else torch.float16
-    model = AutoModelForCausalLM.from_pretrained(
-        str(pretrained),
-        quantization_config=qlora_quantization_config(compute),
-        device_map={"": device.index or 0},
-        trust_remote_code=config.model.trust_remote_code,
-    )
+    with hub_access(pretrained, "model"):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(pretrained),
+            quantization_config=qlora_quantization_config(compute),
+            device_map={"": device.index or 0},
+            trust_remote_code=config.model.trust_remote_code,
+        )
     return prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=False
     )  # tierlm's own checkpointing applies

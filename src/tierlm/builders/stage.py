@@ -22,10 +22,12 @@ from tierlm.config import TierlmConfig
 
 class Stage:
     name = "stage"
-    about = ""
-    """One line for `tierlm --help`."""
+    """Its name in `tierlm.stages.STAGES`, and its command (`tierlm NAME`; its help line:
+    `tierlm.commands.cli.COMMANDS`)."""
     section: str | None = None
     """The config section only it reads (`rl`, `dpo`), beside the shared model, tokenizer, data, training and infra."""
+    also_reads: tuple[str, ...] = ()
+    """Other sections it reads (RL: `engine`, what samples its rollouts)."""
     example_kind = "text"
     """What a data row becomes (`tierlm.data.rows`): text, chat, preference or task."""
     chat = False
@@ -51,8 +53,6 @@ class Stage:
     """Rows one batch item takes in a micro-batch (DPO: its chosen and rejected rows)."""
     micro_batch_key = "training.per_device_train_batch_size"
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
-    preflight: tuple[str, str] | None = None
-    """Its pre-flight check, if it has one: (the flag of `tierlm NAME` that runs it instead of training, its help)."""
     deepspeed = False
     """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
     reference or sampler beside the partitioned weights)."""

@@ -36,12 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierlm.commands.cli import STAGE_COMMANDS
 from tierlm.commands.options import Command, add_config_args, int_list
 from tierlm.commands.overrides import check_stage_overrides, override_key
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError, TierlmError
-from tierlm.metrics.report import model_figures, read_metrics
-from tierlm.stages import STAGES
 
 SPEC_FILE = "ablation.json"
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96.
@@ -192,8 +191,14 @@ class AblationCoordinator:
         that does not open, or a different token budget."""
         from tierlm.builders.model import describe_model
         from tierlm.builders.tokenizer import pretrained_location
+        from tierlm.stages import STAGES
 
         stage, opened = STAGES[self.stage], set()
+        if not stage.token_rows:
+            raise ConfigError(
+                f"tierlm ablate compares runs at equal tokens, which {self.stage}'s batches do not count: use "
+                f"--stage pretrain or sft"
+            )
         for variant in self.variants:
             bad = [key for key in map(override_key, variant.overrides) if key in BUDGET_KEYS]
             if bad:
@@ -299,6 +304,8 @@ def open_data(config: TierlmConfig, stage) -> None:
 # -- results ------------------------------------------------------------------------------------
 def run_result(run_dir: Path) -> dict[str, Any]:
     """The figures of one run from its directory (metrics.jsonl, the model folder, its status)."""
+    from tierlm.metrics.report import model_figures, read_metrics
+
     records = read_metrics(run_dir)
     status = (
         json.loads((run_dir / "ablation_status.json").read_text())
@@ -420,7 +427,7 @@ def summary_markdown(spec: dict, results: dict[str, dict[str, dict]], plots: lis
 
 
 def _plots(out: Path, spec: dict, results: dict[str, dict[str, dict]]) -> list[Path]:
-    from tierlm.metrics.report import plot_series, val_loss_curve
+    from tierlm.metrics.report import plot_series, read_metrics, val_loss_curve
 
     curves, gates = {}, {}
     for v in spec["variants"]:
@@ -459,7 +466,7 @@ def arguments(ablate: argparse.ArgumentParser) -> None:
     )
     ablate.add_argument("--out", default=None, help="ablation folder (default runs/ablate_<config name>)")
     ablate.add_argument(
-        "--stage", choices=[name for name, stage in STAGES.items() if stage.token_rows], default="pretrain"
+        "--stage", choices=STAGE_COMMANDS, default="pretrain", help="a stage whose batches are rows of tokens"
     )
     ablate.add_argument(
         "--report", default=None, metavar="DIR", help="only rebuild results.json, summary.md and plots of DIR"
@@ -491,6 +498,4 @@ def run(args: argparse.Namespace) -> None:
     coordinator.failures(results)  # an ablation with failed runs exits 1, the first failure its last line
 
 
-COMMAND = Command(
-    "ablate", "run variants x seeds of one config at equal tokens; results, summary.md, plots", arguments, run
-)
+COMMAND = Command(arguments, run)

@@ -13,9 +13,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import Any, Callable
 
 from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, temperature
 from tierlm.errors import DataError
@@ -58,6 +56,7 @@ class Chatbot:
 
         from tierlm.builders.engine import ENGINES, EngineSettings, build_engine
         from tierlm.checkpoint.folders import verified_model_location
+        from tierlm.config import EngineConfig
         from tierlm.data import load_tokenizer
         from tierlm.errors import ConfigError
         from tierlm.models import load_pretrained_model
@@ -76,7 +75,9 @@ class Chatbot:
         with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
         if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
             raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
-        choice, kind = EngineSettings(engine, vllm_url, tools=("calculator",) if with_tools else ()), ENGINES[engine]
+        section = EngineConfig(kind=engine, vllm_url=vllm_url)  # the engine section, from the flags
+        choice = EngineSettings.from_section(section, tools=("calculator",) if with_tools else ())
+        kind = ENGINES[choice.kind]
         # --engine vllm: the model folder vLLM loads (tierlm's engine samples the loaded model itself)
         self.folder = tempfile.TemporaryDirectory(prefix="tierlm-sampler-") if kind.needs_folder else None
         try:
@@ -123,15 +124,7 @@ class Chatbot:
         before raising `Busy`."""
         from tierlm.rollout.engine import readable_text
 
-        if not messages or any(
-            not isinstance(m, dict)
-            or m.get("role") not in ("system", "user", "assistant", "tool")
-            or not isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise DataError("messages must be a non-empty list of {role: system|user|assistant|tool, content: text}")
-        if temperature < 0:
-            raise DataError(f"temperature must be >= 0, got {temperature}")
+        check_messages(messages, temperature)
         prompt = self.tokenizer.render_for_completion(messages)
         room = self.engine.max_len() - len(prompt)
         if room < 1:
@@ -146,49 +139,78 @@ class Chatbot:
                 on_text(text[len(shown[0]) :])
                 shown[0] = text
 
+        import torch
+
+        generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
+        budget = min(max_new_tokens, room)
+        if self.scheduler is not None:  # joins the replies in flight; waits for a free row within its should_stop
+            completion, reason = self._batched(prompt, budget, temperature, generator, emit, should_stop)
+        else:
+            completion, reason = self._alone(prompt, budget, temperature, generator, emit, should_stop, wait_s)
+        text = readable_text(self.tokenizer, completion.tokens)
+        emit(text)
+        return Reply(text, reason, len(prompt), len(completion.tokens))
+
+    def _alone(self, prompt, max_new_tokens, temperature, generator, emit, should_stop, wait_s) -> tuple[Any, str]:
+        """(the completion, its finish reason) from the engine, one reply at a time (`wait_s` for the lock)."""
+        from tierlm.rollout.engine import readable_text
+
         def stream(row: int, completion) -> None:
             emit(readable_text(self.tokenizer, completion.tokens))
             reason = should_stop() if should_stop is not None else None
             if reason is not None:
                 raise _Stopped(reason, completion)
 
-        generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
-        if self.scheduler is not None:  # joins the replies in flight; waits for a free row within its should_stop
-            from tierlm.rollout.batching import Request
-
-            request = Request(
-                prompt,
-                min(max_new_tokens, room),
-                temperature,
-                generator,
-                on_token=lambda completion: emit(readable_text(self.tokenizer, completion.tokens)),
-                should_stop=should_stop,
-            )
-            self.scheduler.submit(request).done.wait()
-            if request.reason == "error":
-                raise RuntimeError(f"the model failed: {request.error}")
-            if request.reason == "timeout" and not request.completion.tokens:
-                raise Busy("the model stayed busy until the request's time ran out")
-            text = readable_text(self.tokenizer, request.completion.tokens)
-            emit(text)
-            return Reply(text, request.reason, len(prompt), len(request.completion.tokens))
         if not self.lock.acquire(timeout=-1 if wait_s is None else max(wait_s, 0.0)):
             raise Busy(f"the model stayed busy for {wait_s:.0f} s")
         try:
             completion = self.engine.generate(
-                prompt, 1, min(max_new_tokens, room), temperature, generator=generator, on_token=stream
+                prompt, 1, max_new_tokens, temperature, generator=generator, on_token=stream
             )[0]
-            reason = "stop" if completion.finished else "length"
+            return completion, "stop" if completion.finished else "length"
         except _Stopped as stopped:
-            completion, reason = stopped.completion, stopped.reason
+            return stopped.completion, stopped.reason
         finally:
             self.lock.release()
-        text = readable_text(self.tokenizer, completion.tokens)
-        emit(text)
-        return Reply(text, reason, len(prompt), len(completion.tokens))
+
+    def _batched(self, prompt, max_new_tokens, temperature, generator, emit, should_stop) -> tuple[Any, str]:
+        """(the completion, its finish reason) from the batching scheduler, streaming through `emit`."""
+        from tierlm.rollout.batching import Request
+        from tierlm.rollout.engine import readable_text
+
+        def on_token(completion) -> None:
+            emit(readable_text(self.tokenizer, completion.tokens))
+
+        request = Request(prompt, max_new_tokens, temperature, generator, on_token=on_token, should_stop=should_stop)
+        self.scheduler.submit(request).done.wait()
+        if request.reason == "error":
+            raise RuntimeError(f"the model failed: {request.error}")
+        if request.reason == "timeout" and not request.completion.tokens:
+            raise Busy("the model stayed busy until the request's time ran out")
+        return request.completion, request.reason
 
     def history_entry(self, reply: Reply) -> dict:
         return {"role": "assistant", "content": reply.text}
+
+
+def check_messages(messages: list[dict], temperature: float) -> None:
+    """A `DataError` naming what is wrong with a conversation or a temperature.
+
+    >>> check_messages([{"role": "user", "content": "hi"}], 0.7)
+    >>> check_messages([{"role": "robot", "content": "hi"}], 0.7)
+    Traceback (most recent call last):
+    ...
+    tierlm.errors.DataError: messages must be a non-empty list of {role: system|user|assistant|tool, content: text}
+    """
+    if not messages or any(
+        not isinstance(m, dict)
+        or m.get("role") not in ("system", "user", "assistant", "tool")
+        or not isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise DataError("messages must be a non-empty list of {role: system|user|assistant|tool, content: text}")
+    if temperature < 0:
+        raise DataError(f"temperature must be >= 0, got {temperature}")
 
 
 HELP = "commands: /reset (new conversation), /temperature T, /quit"
@@ -259,9 +281,4 @@ def run(args: argparse.Namespace) -> None:
     terminal_chat(Chatbot(args.checkpoint, args.device_type), args.temperature, args.max_new_tokens)
 
 
-COMMAND = Command(
-    "chat",
-    "a multi-turn chat with a trained chat model in the terminal (streamed, with the calculator)",
-    arguments,
-    run,
-)
+COMMAND = Command(arguments, run)

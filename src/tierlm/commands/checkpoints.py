@@ -44,5 +44,5 @@ def average(args: argparse.Namespace) -> None:
     print(f"averaged {len(args.checkpoints)} checkpoints into {average_checkpoints(args.checkpoints, args.out)}")
 
 
-EXPORT = Command("export", "write a checkpoint as a transformers model folder", export_arguments, export)
-AVERAGE = Command("average", "average the weights of several checkpoints", average_arguments, average)
+EXPORT = Command(export_arguments, export)
+AVERAGE = Command(average_arguments, average)

@@ -27,4 +27,4 @@ def run(args: argparse.Namespace) -> None:
     print(TierlmConfig.load(args.config, args.overrides).to_yaml(), end="")
 
 
-COMMAND = Command("config", "config tools", arguments, run)
+COMMAND = Command(arguments, run)

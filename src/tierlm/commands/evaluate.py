@@ -7,11 +7,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
-
-from tierlm.builders.engine import EngineSettings, build_engine
-from tierlm.builders.tasks import open_tasks
-from tierlm.checkpoint.folders import verified_model_location
 from tierlm.commands.options import (
     DEVICE_TYPES,
     Command,
@@ -24,17 +19,19 @@ from tierlm.commands.options import (
 )
 from tierlm.commands.overrides import EVAL_KEYS, check_overrides, override_key
 from tierlm.config import TierlmConfig
-from tierlm.data import load_tokenizer
 from tierlm.errors import ConfigError
-from tierlm.loops.evaluation import evaluate_core, evaluate_pass_at_k
-from tierlm.loops.sampling import RolloutSampler
-from tierlm.models import load_pretrained_model
-from tierlm.primitives import resolve_device
-from tierlm.tasks.formats import chance_level
 
 
 def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
     """pass@1 / pass@k of a chat model on the held-out problems the RL config names (no training)."""
+    import torch
+
+    from tierlm.builders.tasks import open_tasks
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+    from tierlm.primitives import resolve_device
+
     location = verified_model_location(checkpoint)
     tokenizer = load_tokenizer(location, config.model.trust_remote_code)
     if not tokenizer.has_chat_template:
@@ -45,10 +42,14 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
 
 
 def held_out_pass_at_k(config: TierlmConfig, model, tokenizer, eval_task) -> dict:
-    """pass@k of `model` on `eval_task` (`tierlm.loops.evaluation.evaluate_pass_at_k`), sampled by the engine the rl
-    section names (with the task's tools), which is closed after."""
-    with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # rl.engine=vllm: its model folder
-        engine = build_engine(EngineSettings.of(config.rl), model, tokenizer, Path(folder), task=eval_task)
+    """pass@k of `model` on `eval_task` (`tierlm.loops.evaluation.evaluate_pass_at_k`), sampled by the engine the
+    config's engine section names (with the task's tools), which is closed after."""
+    from tierlm.builders.engine import EngineSettings, build_engine
+    from tierlm.loops.evaluation import evaluate_pass_at_k
+    from tierlm.loops.sampling import RolloutSampler
+
+    with tempfile.TemporaryDirectory(prefix="tierlm-sampler-") as folder:  # engine.kind=vllm: its model folder
+        engine = build_engine(EngineSettings.of(config), model, tokenizer, Path(folder), task=eval_task)
         try:
             return evaluate_pass_at_k(RolloutSampler(engine, tokenizer, config.rl, config.training.seed), eval_task)
         finally:
@@ -58,6 +59,12 @@ def held_out_pass_at_k(config: TierlmConfig, model, tokenizer, eval_task) -> dic
 def run_core(checkpoint: str, bundle: str, limit: float | None, device_type: str = "auto") -> str:
     """CORE of a model on a local eval bundle: the table of tasks; a run directory also gets a `core` line in its
     metrics.jsonl (at its last step), core.json and a table in report.md."""
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.data import load_tokenizer
+    from tierlm.loops.evaluation import evaluate_core
+    from tierlm.models import load_pretrained_model
+    from tierlm.primitives import resolve_device
+
     if limit is not None and limit != int(limit):
         raise ConfigError(f"--limit with --core counts items per task: give a whole number, not {limit}")
     location = verified_model_location(checkpoint)
@@ -89,6 +96,13 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
     """ChatCORE-style accuracy of a chat model (nanochat's chat evaluation): greedy pass@1 on the held-out examples
     of each named task source (any layout of `tierlm.tasks.formats`, or `synthetic:<name>`), centred on its chance
     level (1 / options for multiple choice, 0 otherwise), and their mean. A run directory records it as CORE's."""
+    from tierlm.builders.tasks import open_tasks
+    from tierlm.checkpoint.folders import verified_model_location
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+    from tierlm.primitives import resolve_device
+    from tierlm.tasks.formats import chance_level
+
     if limit is not None and limit != int(limit):
         raise ConfigError(f"--limit with --chat-core counts problems per task: give a whole number, not {limit}")
     location = verified_model_location(checkpoint)
@@ -207,7 +221,7 @@ def pass_at_k_line(args: argparse.Namespace) -> str:
         overrides.append(f"infra.device_type={args.device_type}")
     config = TierlmConfig.load(args.config, overrides)
     placed = {"model.model_name_or_path": "the model is --checkpoint"}
-    check_overrides("eval", args.overrides, ("rl", "data"), EVAL_KEYS, placed=placed)
+    check_overrides("eval", args.overrides, ("rl", "engine", "data"), EVAL_KEYS, placed=placed)
     result = run_eval(config, args.checkpoint)
     tools = " with the calculator" if "calculator" in config.rl.tools else ""
     return (
@@ -216,10 +230,4 @@ def pass_at_k_line(args: argparse.Namespace) -> str:
     )
 
 
-COMMAND = Command(
-    "eval",
-    "pass@1 / pass@k of a chat model on held-out problems (the rl section's settings), or lm-evaluation-harness "
-    "tasks (--harness)",
-    arguments,
-    run,
-)
+COMMAND = Command(arguments, run)

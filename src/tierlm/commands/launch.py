@@ -15,10 +15,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from tierlm.commands.cli import STAGE_COMMANDS
 from tierlm.commands.options import Command, add_config_args, non_negative_int, positive_int
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.stages import STAGES
 
 TIME_LIMIT = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 
@@ -35,6 +35,41 @@ def check_shape(scheduler: str, nodes: int, gpus_per_node: int, max_restarts: in
 def tierlm_arguments(stage: str, config_name: str | None, overrides: list[str], output_dir: Path) -> list[str]:
     """`tierlm`'s arguments on every node: the stage, the config, the overrides, the run directory (absolute)."""
     return [stage, *(["--config", config_name] if config_name else []), *overrides, f"infra.output_dir={output_dir}"]
+
+
+SLURM_SCRIPT = """#!/bin/bash
+# tierlm {stage} on {nodes} node(s) x {ranks} rank(s), by `tierlm launch --slurm`; submit with sbatch
+{sbatch}
+set -euo pipefail
+
+mkdir -p {output_dir}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export OMP_NUM_THREADS={threads}
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a fresh store per restart (a shared one can hang it)
+
+# Near the time limit or when preempted: requeue, and let tierlm save a checkpoint and stop.
+# shellcheck disable=SC2329  # called by the trap
+requeue() {{
+  scontrol requeue "$SLURM_JOB_ID" || true
+  [ -n "${{srun_pid:-}}" ] && kill -TERM "$srun_pid" 2>/dev/null || true
+}}
+trap requeue USR1 TERM
+
+srun --kill-on-bad-exit=0 {python} -m torch.distributed.run \\
+  --nnodes {nodes} --nproc_per_node {ranks} \\
+  --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID" \\
+  --max-restarts {max_restarts} \\
+  {command} &
+srun_pid=$!
+status=0
+wait "$srun_pid" || status=$?
+while kill -0 "$srun_pid" 2>/dev/null; do  # a signal cut the wait short: tierlm is saving
+  status=0
+  wait "$srun_pid" || status=$?
+done
+exit "$status"
+"""
+"""The batch script `slurm_script` fills in (`str.format`: a brace of the shell's is doubled)."""
 
 
 def slurm_script(
@@ -81,43 +116,67 @@ def slurm_script(
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--account={account}"] if account else []
     command = ["-m", "tierlm", *tierlm_arguments(stage, config_name, overrides, output_dir)]
-    threads = f"$(( ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} ))"
-    return "\n".join(
-        [
-            "#!/bin/bash",
-            f"# tierlm {stage} on {nodes} node(s) x {ranks} rank(s), by `tierlm launch --slurm`; submit with sbatch",
-            *(f"#SBATCH {line}" for line in sbatch),
-            "set -euo pipefail",
-            "",
-            f"mkdir -p {shlex.quote(str(output_dir))}",
-            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f"export OMP_NUM_THREADS={threads}",
-            "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a fresh store per restart (a shared one can hang it)",
-            "",
-            "# Near the time limit or when preempted: requeue, and let tierlm save a checkpoint and stop.",
-            "# shellcheck disable=SC2329  # called by the trap",
-            "requeue() {",
-            '  scontrol requeue "$SLURM_JOB_ID" || true',
-            '  [ -n "${srun_pid:-}" ] && kill -TERM "$srun_pid" 2>/dev/null || true',
-            "}",
-            "trap requeue USR1 TERM",
-            "",
-            f"srun --kill-on-bad-exit=0 {shlex.quote(python)} -m torch.distributed.run \\",
-            f"  --nnodes {nodes} --nproc_per_node {ranks} \\",
-            f'  --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID" \\',
-            f"  --max-restarts {max_restarts} \\",
-            f"  {' '.join(shlex.quote(part) for part in command)} &",
-            "srun_pid=$!",
-            "status=0",
-            'wait "$srun_pid" || status=$?',
-            'while kill -0 "$srun_pid" 2>/dev/null; do  # a signal cut the wait short: tierlm is saving',
-            "  status=0",
-            '  wait "$srun_pid" || status=$?',
-            "done",
-            'exit "$status"',
-            "",
-        ]
+    return SLURM_SCRIPT.format(
+        stage=stage,
+        nodes=nodes,
+        ranks=ranks,
+        sbatch="\n".join(f"#SBATCH {line}" for line in sbatch),
+        output_dir=shlex.quote(str(output_dir)),
+        threads=f"$(( ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} ))",
+        python=shlex.quote(python),
+        port=port,
+        max_restarts=max_restarts,
+        command=" ".join(shlex.quote(part) for part in command),
     )
+
+
+TORCHX_COMPONENT = '''\
+"""tierlm {stage} on {nodes} node(s) x {ranks} rank(s), a TorchX component by `tierlm launch --torchx`.
+
+    torchx run -s kubernetes {{this file}}:train --image <an image with tierlm installed>
+    torchx run -s local_cwd {{this file}}:train      # here, as processes (torchrun and tierlm on PATH)
+"""
+
+import torchx.specs as specs
+from torchx.components.dist import ddp
+
+
+def train(
+    image: str = {image},
+    nodes: int = {nodes},
+    gpus_per_node: int = {gpus_per_node},
+    cpus: int = {cpus},
+    mem_mb: int = {mem_mb},
+    max_retries: int = {max_restarts},
+    rdzv_port: int = {port},
+) -> specs.AppDef:
+    """tierlm {stage}; each retry resumes from the run's newest checkpoint.
+
+    Args:
+        image: the container image (with tierlm and its dependencies)
+        nodes: machines
+        gpus_per_node: ranks per machine (0: one CPU rank)
+        cpus: CPU cores per machine
+        mem_mb: memory per machine, in MB
+        max_retries: times the scheduler starts the job again after a failure
+        rdzv_port: the rendezvous port on the first machine
+    """
+    threads = str(max(cpus // max(gpus_per_node, 1), 1))  # BLAS threads per rank
+    return ddp(
+        *{arguments},
+        m="tierlm",
+        image=image,
+        name="tierlm-{stage}",
+        cpu=cpus,
+        gpu=gpus_per_node,
+        memMB=mem_mb,
+        j=f"{{nodes}}x{{max(gpus_per_node, 1)}}",
+        max_retries=max_retries,
+        rdzv_port=rdzv_port,
+        env={{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": threads}},
+    )
+'''
+"""The component file `torchx_component` fills in (`str.format`: a brace of its own is doubled)."""
 
 
 def torchx_component(
@@ -147,51 +206,18 @@ def torchx_component(
     arguments = tierlm_arguments(stage, config_name, overrides, Path(config.infra.output_dir).absolute())
     ranks = gpus_per_node or 1
     cpus = cpus_per_task or 2 * ranks
-    return f'''"""tierlm {stage} on {nodes} node(s) x {ranks} rank(s), a TorchX component by `tierlm launch --torchx`.
-
-    torchx run -s kubernetes {{this file}}:train --image <an image with tierlm installed>
-    torchx run -s local_cwd {{this file}}:train      # here, as processes (torchrun and tierlm on PATH)
-"""
-
-import torchx.specs as specs
-from torchx.components.dist import ddp
-
-
-def train(
-    image: str = {image!r},
-    nodes: int = {nodes},
-    gpus_per_node: int = {gpus_per_node},
-    cpus: int = {cpus},
-    mem_mb: int = {max(4096, 8192 * ranks)},
-    max_retries: int = {max_restarts},
-    rdzv_port: int = {port},
-) -> specs.AppDef:
-    """tierlm {stage}; each retry resumes from the run's newest checkpoint.
-
-    Args:
-        image: the container image (with tierlm and its dependencies)
-        nodes: machines
-        gpus_per_node: ranks per machine (0: one CPU rank)
-        cpus: CPU cores per machine
-        mem_mb: memory per machine, in MB
-        max_retries: times the scheduler starts the job again after a failure
-        rdzv_port: the rendezvous port on the first machine
-    """
-    threads = str(max(cpus // max(gpus_per_node, 1), 1))  # BLAS threads per rank
-    return ddp(
-        *{arguments!r},
-        m="tierlm",
-        image=image,
-        name="tierlm-{stage}",
-        cpu=cpus,
-        gpu=gpus_per_node,
-        memMB=mem_mb,
-        j=f"{{nodes}}x{{max(gpus_per_node, 1)}}",
-        max_retries=max_retries,
-        rdzv_port=rdzv_port,
-        env={{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": threads}},
+    return TORCHX_COMPONENT.format(
+        stage=stage,
+        nodes=nodes,
+        ranks=ranks,
+        image=repr(image),
+        gpus_per_node=gpus_per_node,
+        cpus=cpus,
+        mem_mb=max(4096, 8192 * ranks),
+        max_restarts=max_restarts,
+        port=port,
+        arguments=repr(arguments),
     )
-'''
 
 
 # -- the command ----------------------------------------------------------------------------
@@ -201,7 +227,7 @@ def arguments(launch: argparse.ArgumentParser) -> None:
     scheduler.add_argument(
         "--torchx", action="store_true", help="a TorchX component (Kubernetes and the other schedulers TorchX supports)"
     )
-    launch.add_argument("stage", choices=sorted(STAGES), help="the stage to run")
+    launch.add_argument("stage", choices=sorted(STAGE_COMMANDS), help="the stage to run")
     add_config_args(launch, required=False)
     launch.add_argument("--nodes", type=positive_int, required=True, help="machines")
     launch.add_argument("--gpus-per-node", type=non_negative_int, default=0, help="ranks a machine (0: one CPU rank)")
@@ -258,6 +284,4 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {out}: submit it with `{how}`")
 
 
-COMMAND = Command(
-    "launch", "write a cluster launch file for a run (a Slurm script, or a TorchX component)", arguments, run
-)
+COMMAND = Command(arguments, run)

@@ -1,6 +1,7 @@
-"""What every command of the `tierlm` command line is built from: `Command` (one row of `tierlm.commands.cli.COMMANDS`:
-a command module declares its arguments and its `run`), the parser whose usage mistakes are the one line every
-tierlm error is (exit 2), and the argument types the commands share."""
+"""What every command of the `tierlm` command line is built from: `Listing` (one row of `tierlm.commands.cli.COMMANDS`:
+the command's help line and where its code is), `Command` (what a command module declares: its arguments and its
+`run`), the parser whose usage mistakes are the one line every tierlm error is (exit 2), and the argument types the
+commands share. Nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -11,12 +12,32 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class Command:
-    """One `tierlm NAME` command: its one-line help, the options it declares on its parser, and what runs it."""
+    """What a command module declares: the options it adds to its parser, and what runs it."""
 
-    name: str
-    about: str
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], None]
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One row of `tierlm.commands.cli.COMMANDS`: a command's one-line help and where its `Command` is
+    ("module:NAME"), imported only when that command runs or shows its own help (so `tierlm --help` imports no
+    torch). NAME is a `Command`, or a function of the command's name that makes one (the stages' commands)."""
+
+    about: str
+    command: str
+
+    def load(self, name: str) -> Command:
+        """The command `tierlm NAME` runs.
+
+        >>> Listing("config tools", "tierlm.commands.config:COMMAND").load("config").run.__name__
+        'run'
+        """
+        import importlib
+
+        module, _, attribute = self.command.partition(":")
+        found = getattr(importlib.import_module(module), attribute)
+        return found if isinstance(found, Command) else found(name)
 
 
 class Parser(argparse.ArgumentParser):
@@ -24,6 +45,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"tierlm: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _engine_kinds() -> tuple[str, ...]:
+    from typing import get_args
+
+    from tierlm.config import EngineConfig
+
+    return get_args(EngineConfig.model_fields["kind"].annotation)
+
+
+ENGINE_KINDS = _engine_kinds()
+"""What --engine takes: the engine section's kinds (`tierlm.builders.engine.ENGINES` builds each)."""
 
 
 def positive_int(text: str) -> int:

@@ -25,9 +25,10 @@ from tierlm.errors import ConfigError
 SHARED = ("model", "tokenizer", "data", "training", "infra")
 """The sections every stage reads."""
 EVAL_KEYS = ("training.seed", "infra.device_type", "infra.gpu_rank", "model.trust_remote_code")
-"""What `tierlm eval` reads besides the tasks (data.*) and how it samples them (rl.*)."""
+"""What `tierlm eval` reads besides the tasks (data.*) and how it samples them (rl.*, engine.*)."""
 READERS = {
     "rl": "tierlm rl and tierlm eval",
+    "engine": "tierlm rl and tierlm eval (tierlm chat and serve: --engine)",
     "dpo": "tierlm dpo",
     "rm": "tierlm rm",
     "ablation": "tierlm ablate",
@@ -36,7 +37,7 @@ READERS = {
 
 def stage_sections(stage) -> tuple[str, ...]:
     """The sections a stage (`tierlm.builders.stage.Stage`) reads: the shared ones and its own."""
-    return SHARED + ((stage.section,) if stage.section else ())
+    return SHARED + ((stage.section,) if stage.section else ()) + tuple(stage.also_reads)
 
 
 def override_key(override: str) -> str:

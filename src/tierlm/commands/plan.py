@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from tierlm.commands.cli import STAGE_COMMANDS
 from tierlm.commands.options import Command, add_config_args, positive_float, positive_int
 from tierlm.commands.overrides import check_stage_overrides
-from tierlm.stages import STAGES
 
 
 def arguments(plan: argparse.ArgumentParser) -> None:
-    plan.add_argument("--stage", choices=list(STAGES), default="pretrain")
+    plan.add_argument("--stage", choices=STAGE_COMMANDS, default="pretrain")
     add_config_args(plan, required=False)
     plan.add_argument(
         "--world-size", type=positive_int, default=None, help="ranks the run will have (default: $WORLD_SIZE or 1)"
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.plan import plan_run
     from tierlm.plan.scaling import measure_tokens_per_sec
+    from tierlm.stages import STAGES
 
     config = TierlmConfig.load(args.config, args.overrides)
     check_stage_overrides("plan", STAGES[args.stage], config, args.overrides)
@@ -74,6 +75,4 @@ def run(args: argparse.Namespace) -> None:
         )
 
 
-COMMAND = Command(
-    "plan", "print what a run would do (model, tokens, batch, optimizer groups, time) without training", arguments, run
-)
+COMMAND = Command(arguments, run)

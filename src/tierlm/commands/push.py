@@ -21,6 +21,26 @@ from tierlm.errors import ConfigError, DataError
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
+def usage(repo: str, transformers_ready: bool, native: bool) -> list[str]:
+    """The card's lines of Python that load the model from the Hub.
+
+    >>> usage("me/tiny", True, False)[1]
+    'model = AutoModelForCausalLM.from_pretrained("me/tiny")'
+    """
+    if transformers_ready:
+        return [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    return [
+        "from huggingface_hub import snapshot_download",
+        "from tierlm.models import load_pretrained_model",
+        f'model = load_pretrained_model(snapshot_download("{repo}"))'
+        + ("  # a tierlm model family (no transformers class represents it)" if native else ""),
+    ]
+
+
 def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
     """The card: front matter the Hub reads, then what the run was and how it did."""
     from tierlm.metrics.report import read_metrics
@@ -32,7 +52,6 @@ def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
     last_train = next((r for r in reversed(records) if r.get("type") == "train"), {})
     fingerprint = run.get("fingerprint", {})
     transformers_ready = (model_dir / "config.json").is_file()
-    native = is_native_folder(model_dir)
     lines = [
         "---",
         f"library_name: {'transformers' if transformers_ready else 'tierlm'}",
@@ -74,21 +93,7 @@ def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
     plots = sorted((run_dir / "plots").glob("*.png")) if (run_dir / "plots").is_dir() else []
     if plots:
         lines += ["## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
-    lines += ["## Use", "", "```python"]
-    if transformers_ready:
-        lines += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        ]
-    else:
-        lines += [
-            "from huggingface_hub import snapshot_download",
-            "from tierlm.models import load_pretrained_model",
-            f'model = load_pretrained_model(snapshot_download("{repo}"))'
-            + ("  # a tierlm model family (no transformers class represents it)" if native else ""),
-        ]
-    lines += ["```", ""]
+    lines += ["## Use", "", "```python", *usage(repo, transformers_ready, is_native_folder(model_dir)), "```", ""]
     if (run_dir / "config.yaml").is_file():
         lines += ["## Config", "", "```yaml", (run_dir / "config.yaml").read_text().rstrip(), "```", ""]
     return "\n".join(lines)
@@ -122,6 +127,9 @@ def push(run: str | Path, repo: str, private: bool = False, dry_run: bool = Fals
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
+        from tierlm.primitives.hub import require_hub
+
+        require_hub("tierlm push")  # one line on a machine without the Hub (--dry-run still shows the plan)
         api = HfApi(token=token)
         try:
             api.create_repo(repo, private=private, exist_ok=True)
@@ -145,4 +153,4 @@ def run(args: argparse.Namespace) -> None:
     print(push(args.run, args.repo, private=args.private, dry_run=args.dry_run))
 
 
-COMMAND = Command("push", "upload a run's model to the Hugging Face Hub with a model card from the run", arguments, run)
+COMMAND = Command(arguments, run)

@@ -25,4 +25,4 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {overlay_report([Path(d) for d in args.run_dirs], Path(args.out))}")
 
 
-COMMAND = Command("report", "rebuild a run's report.md and plots, or overlay several runs' curves", arguments, run)
+COMMAND = Command(arguments, run)

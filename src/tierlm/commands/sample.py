@@ -9,7 +9,6 @@ from pathlib import Path
 
 from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, probability, temperature
 from tierlm.errors import TierlmError
-from tierlm.stages import STAGES
 
 
 def arguments(sample: argparse.ArgumentParser) -> None:
@@ -37,6 +36,7 @@ def run(args: argparse.Namespace) -> None:
     from tierlm.rollout.engine import Engine, encoder_prompt_tokens, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
     from tierlm.special_tokens import TOOL_CALL_START
+    from tierlm.stages import STAGES
 
     location = verified_model_location(args.checkpoint)
     tokenizer = load_tokenizer(location)
@@ -62,4 +62,4 @@ def run(args: argparse.Namespace) -> None:
     print(readable_text(tokenizer, completion.tokens))
 
 
-COMMAND = Command("sample", "generate from a trained model", arguments, run)
+COMMAND = Command(arguments, run)

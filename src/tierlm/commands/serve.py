@@ -31,9 +31,8 @@ from collections import deque
 from importlib import resources
 from typing import Any
 
-from tierlm.builders.engine import ENGINES
 from tierlm.commands.chat import Busy, Chatbot
-from tierlm.commands.options import DEVICE_TYPES, Command, positive_int
+from tierlm.commands.options import DEVICE_TYPES, ENGINE_KINDS, Command, positive_int
 from tierlm.errors import ConfigError, DataError
 
 
@@ -252,17 +251,9 @@ class Chunks:
         }
 
 
-def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_key: str | None = None):
-    """The FastAPI app answering for `bot`."""
-    try:
-        from fastapi import Depends, FastAPI, HTTPException, Request
-        from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        from pydantic import BaseModel, Field
-    except ImportError:
-        raise ConfigError(
-            "tierlm serve needs fastapi, uvicorn and prometheus_client: pip install 'tierlm[serve]'"
-        ) from None
+def chat_request_model():
+    """The body of a chat completion request (pydantic: a field out of range is a 422 naming it)."""
+    from pydantic import BaseModel, Field
 
     class Message(BaseModel):
         role: str
@@ -276,6 +267,35 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         stream: bool = False
         seed: int | None = None
 
+    return ChatRequest
+
+
+def page_html(model: str, keyed: bool) -> str:
+    """The chat page served at /, naming `model` (`keyed`: it asks for the API key)."""
+    page = (resources.files("tierlm.commands") / "chat_page.html").read_text(encoding="utf-8")
+    return page.replace("{{MODEL}}", html.escape(model)).replace("{{KEY}}", "true" if keyed else "false")
+
+
+def error(status: int, message: str, kind: str, headers: dict | None = None):
+    """A JSON response with OpenAI's error body."""
+    from fastapi.responses import JSONResponse
+
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_key: str | None = None):
+    """The FastAPI app answering for `bot`."""
+    try:
+        from fastapi import Depends, FastAPI, HTTPException, Request
+        from fastapi.responses import HTMLResponse, Response, StreamingResponse
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    except ImportError:
+        raise ConfigError(
+            "tierlm serve needs fastapi, uvicorn and prometheus_client: pip install 'tierlm[serve]'"
+        ) from None
+
+    ChatRequest = chat_request_model()
     gate = Gate(max_queue, bot.batch_rows)
     app = FastAPI(title="tierlm", version="0.1.0")
 
@@ -283,16 +303,11 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise HTTPException(status_code=401, detail="a valid API key is needed: Authorization: Bearer <key>")
 
-    def error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-        body = {"error": {"message": message, "type": kind, "code": status}}
-        return JSONResponse(body, status_code=status, headers=headers)
-
     @app.exception_handler(HTTPException)
-    async def openai_error(request: Request, exc: HTTPException) -> JSONResponse:  # OpenAI's error body
+    async def openai_error(request: Request, exc: HTTPException):  # OpenAI's error body
         return error(exc.status_code, str(exc.detail), "invalid_request_error", exc.headers)
 
-    chat_page = (resources.files("tierlm.commands") / "chat_page.html").read_text(encoding="utf-8")
-    chat_page = chat_page.replace("{{MODEL}}", html.escape(bot.name)).replace("{{KEY}}", "true" if api_key else "false")
+    chat_page = page_html(bot.name, api_key is not None)
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:
@@ -452,8 +467,8 @@ def arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--engine",
         default="native",
-        choices=list(ENGINES),
-        help="what generates: tierlm's engine (streams token by token), or vLLM (as rl.engine=vllm: in this process "
+        choices=ENGINE_KINDS,
+        help="what generates: tierlm's engine (streams token by token), or vLLM (as engine.kind=vllm: in this process "
         "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
     )
     serve.add_argument("--vllm-url", default=None, help="--engine vllm: a vLLM server (scripts/vllm_server.sh)")
@@ -483,6 +498,4 @@ def run(args: argparse.Namespace) -> None:
         bot.close()
 
 
-COMMAND = Command(
-    "serve", "an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model", arguments, run
-)
+COMMAND = Command(arguments, run)

@@ -220,4 +220,4 @@ def run(args: argparse.Namespace) -> None:
     print(f"report card: {report}")
 
 
-COMMAND = Command("speedrun", "tokenizer -> pretrain (sized from --depth) -> SFT -> RL -> report card", arguments, run)
+COMMAND = Command(arguments, run)

@@ -41,4 +41,4 @@ def run(args: argparse.Namespace) -> None:
     print(f"{args.kind} tokenizer with {tokenizer.vocab_size} tokens saved to {out}")
 
 
-COMMAND = Command("tokenizer", "tokenizer tools", arguments, run)
+COMMAND = Command(arguments, run)

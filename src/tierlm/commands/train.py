@@ -1,5 +1,6 @@
-"""`tierlm pretrain | sft | dpo | rm | rl`: one command per row of `tierlm.stages.STAGES`, each training its stage
-from a config file or preset and `section.key=value` overrides, and printing what the run ended with."""
+"""`tierlm pretrain | sft | dpo | rm | rl`: one command per row of `tierlm.stages.STAGES` (`stage_command`), each
+training its stage from a config file or preset and `section.key=value` overrides, and printing what the run ended
+with."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ import argparse
 import os
 from functools import partial
 
-from tierlm.builders.stage import Stage
 from tierlm.commands.options import Command, add_config_args
 from tierlm.commands.overrides import check_stage_overrides
-from tierlm.stages import STAGES, run_stage
+
+PREFLIGHTS = {
+    "rl": (
+        "--check-parity",
+        "sample step 0's rollouts, score them with the trainer, and refuse when their log-probs differ by more than "
+        "rl.parity_tolerance; trains and writes nothing",
+    )
+}
+"""A stage -> the flag that runs its pre-flight check instead of training (`run_stage(..., preflight=True)`), and
+its help."""
 
 
-def arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
+def arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     add_config_args(parser, required=False)
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint (training.resume=auto)"
@@ -26,14 +35,15 @@ def arguments(parser: argparse.ArgumentParser, stage: Stage) -> None:
         "(training.resume_from_checkpoint)",
     )
     parser.set_defaults(preflight=False)
-    if stage.preflight is not None:
-        flag, about = stage.preflight
+    if stage in PREFLIGHTS:
+        flag, about = PREFLIGHTS[stage]
         parser.add_argument(flag, dest="preflight", action="store_true", help=about)
 
 
 def run(args: argparse.Namespace) -> None:
     from tierlm.config import TierlmConfig
     from tierlm.config.launchers import accelerate_overrides
+    from tierlm.stages import STAGES, run_stage
 
     overrides = list(args.overrides) + (["training.resume=auto"] if args.resume else [])
     if args.resume_from:
@@ -74,4 +84,6 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-COMMANDS = [Command(stage.name, stage.about, partial(arguments, stage=stage), run) for stage in STAGES.values()]
+def stage_command(name: str) -> Command:
+    """`tierlm NAME` for the stage NAME of `tierlm.stages.STAGES`."""
+    return Command(partial(arguments, stage=name), run)

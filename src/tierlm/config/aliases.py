@@ -1,6 +1,7 @@
 """Field names other configs use, read as tierlm's: the FSDP2 training story's (its `TrainingConfig` / `InfraConfig`
-dataclasses), so a YAML written for that story loads as it is, and `rl.environment` (prime-rl's name for the
-environment an RL run trains on: tierlm's data.dataset_name).
+dataclasses), so a YAML written for that story loads as it is, `rl.environment` (prime-rl's name for the
+environment an RL run trains on: tierlm's data.dataset_name), and the engine's fields' names from before the engine
+section (rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utilization), so older configs and run folders load.
 
 Each name moves to the tierlm field that means the same; one that the config also sets under tierlm's own name, to
 another value, is refused in one line.
@@ -18,6 +19,9 @@ MOVED = {
     ("infra", "fsdp_activation_checkpointing"): ("infra", "activation_checkpointing"),
     ("infra", "fsdp_cpu_offload"): ("infra", "cpu_offload"),
     ("rl", "environment"): ("data", "dataset_name"),
+    ("rl", "engine"): ("engine", "kind"),  # the engine's fields' names before the engine section
+    ("rl", "vllm_url"): ("engine", "vllm_url"),
+    ("rl", "vllm_gpu_memory_utilization"): ("engine", "gpu_memory_utilization"),
 }
 """(section, the other name) -> (section, tierlm's name)."""
 

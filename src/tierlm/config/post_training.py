@@ -1,5 +1,5 @@
-"""The post-training stages' own sections: `rl` (policy-gradient losses, rollouts, engines, rewards), `dpo`
-(preference losses) and `rm` (reward models)."""
+"""The post-training stages' own sections: `engine` (what generates), `rl` (policy-gradient losses, rollouts,
+rewards), `dpo` (preference losses) and `rm` (reward models)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,32 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from tierlm.config.model import Section
+
+
+class EngineConfig(Section):
+    """What generates text: RL's rollouts and pass@k, `tierlm eval`; `tierlm chat` and `tierlm serve` fill it from
+    their --engine / --vllm-url flags. (rl.engine, rl.vllm_url and rl.vllm_gpu_memory_utilization, its fields'
+    earlier names, still load.)"""
+
+    kind: Literal["native", "vllm"] = "native"
+    """tierlm's own KV-cache engine, or vLLM (in this process, or the server at engine.vllm_url); in RL the
+    trainer's weights are pushed into it after every optimizer step."""
+    vllm_url: str | None = None
+    """engine.kind=vllm: the base URL of a vLLM server (scripts/vllm_server.sh) that reads the weights the trainer
+    writes to RUN/sampler (shared storage); None: vLLM runs in the trainer's process."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """engine.kind=vllm in this process on a GPU: the share of GPU memory vLLM may take (weights and KV cache; in RL
+    it sleeps, giving the KV cache back, while the trainer trains)."""
+
+    @model_validator(mode="after")
+    def _check_url(self) -> "EngineConfig":
+        if self.vllm_url is not None and self.kind != "vllm":
+            raise ValueError(
+                "engine.vllm_url names a vLLM server for engine.kind=vllm: set engine.kind=vllm or drop the URL"
+            )
+        if self.vllm_url is not None and not self.vllm_url.startswith(("http://", "https://")):
+            raise ValueError(f"engine.vllm_url must be an http:// or https:// URL, got {self.vllm_url!r}")
+        return self
 
 
 class RLConfig(Section):
@@ -88,15 +114,6 @@ class RLConfig(Section):
     importance_cap: float = Field(2.0, gt=0)
     """Off-policy steps: each trained token's loss is weighted by min(p_policy / p_sampler, importance_cap), the
     truncated importance ratio against the sampler's own log-probs."""
-    engine: Literal["native", "vllm"] = "native"
-    """What samples rollouts and pass@k: tierlm's own KV-cache engine, or vLLM (in this process, or the server at
-    rl.vllm_url), the trainer's weights pushed into it after every optimizer step."""
-    vllm_url: str | None = None
-    """rl.engine=vllm: the base URL of a vLLM server (scripts/vllm_server.sh) that reads the weights the trainer
-    writes to RUN/sampler (shared storage); None: vLLM runs in the trainer's process."""
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
-    """rl.engine=vllm in this process on a GPU: the share of GPU memory vLLM may take (weights and KV cache; it
-    sleeps, giving the KV cache back, while the trainer trains)."""
     parity_tolerance: float = Field(0.05, gt=0)
     """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
     (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near
@@ -119,14 +136,6 @@ class RLConfig(Section):
     """Samples per held-out problem: pass@1 is their mean accuracy, pass@k whether any is right."""
     eval_temperature: float = Field(1.0, ge=0)
     """Sampling temperature for pass@k (0: greedy, then pass@1 == pass@k)."""
-
-    @model_validator(mode="after")
-    def _check_engine(self) -> "RLConfig":
-        if self.vllm_url is not None and self.engine != "vllm":
-            raise ValueError("rl.vllm_url names a vLLM server for rl.engine=vllm: set rl.engine=vllm or drop the URL")
-        if self.vllm_url is not None and not self.vllm_url.startswith(("http://", "https://")):
-            raise ValueError(f"rl.vllm_url must be an http:// or https:// URL, got {self.vllm_url!r}")
-        return self
 
     @model_validator(mode="after")
     def _check_loss(self) -> "RLConfig":

@@ -30,7 +30,7 @@ from tierlm.config.model import (
     Section,
     TokenizerConfig,
 )
-from tierlm.config.post_training import DPOConfig, RewardModelConfig, RLConfig
+from tierlm.config.post_training import DPOConfig, EngineConfig, RewardModelConfig, RLConfig
 from tierlm.errors import ConfigError
 
 
@@ -408,6 +408,7 @@ class TierlmConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig)

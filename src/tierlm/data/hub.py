@@ -7,6 +7,7 @@ memory-mapped `datasets.Dataset`, which `tierlm.data.sources.ArrowExamples` read
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierlm.errors import DataError, first_line
+from tierlm.primitives.hub import HubUnreachable, hub_access
 from tierlm.tasks import synthetic_name
 
 PARQUET_SUFFIXES = (".parquet",)
@@ -88,7 +90,9 @@ def _load_dataset_once(
             return datasets.load_dataset("json", data_files=spec, split="train", streaming=True)
         extra = {"data_files": json.loads(data_files)} if data_files is not None else {}
         if streaming:  # a stream is read where it lies: no download, no cache, nothing to force
-            return datasets.load_dataset(spec, dataset_config, revision=revision, streaming=True, **extra)
+            builder = spec in datasets.packaged_modules._PACKAGED_DATASETS_MODULES
+            with contextlib.nullcontext() if builder else hub_access(spec, "dataset", repo_type="dataset"):
+                return datasets.load_dataset(spec, dataset_config, revision=revision, streaming=True, **extra)
         extra["num_proc"] = num_proc
         # A local folder is re-read by each process (and when its files change) and not checked against
         # recorded split sizes: datasets' cache keys it by the folder's name, and served (or "verified"
@@ -100,7 +104,11 @@ def _load_dataset_once(
             key = hashlib.sha1(str(Path(spec).resolve()).encode()).hexdigest()[:16]
             cache = Path(datasets.config.HF_DATASETS_CACHE) / "tierlm_local" / key
             fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks", "cache_dir": str(cache)}
-        return datasets.load_dataset(spec, dataset_config, revision=revision, **fresh, **extra)
+        builder = spec in datasets.packaged_modules._PACKAGED_DATASETS_MODULES  # json, csv, parquet: local files
+        with contextlib.nullcontext() if builder else hub_access(spec, "dataset", repo_type="dataset"):
+            return datasets.load_dataset(spec, dataset_config, revision=revision, **fresh, **extra)
+    except HubUnreachable as e:
+        raise DataError(str(e)) from None
     except Exception as e:  # datasets raises many types; all mean "cannot open this"
         raise DataError(
             f"cannot open dataset {spec!r}{f' (config {dataset_config!r})' if dataset_config else ''}: {first_line(e)}"

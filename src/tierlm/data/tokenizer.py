@@ -125,8 +125,13 @@ def load_tokenizer(name_or_path: str | Path, trust_remote_code: bool = False) ->
     """Any transformers tokenizer by hub id or folder (including ones tierlm saved)."""
     from transformers import AutoTokenizer
 
+    from tierlm.primitives.hub import HubUnreachable, hub_access
+
     try:
-        hf = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+        with hub_access(name_or_path, "tokenizer"):  # a Hub id on a machine without the Hub: one line, no retries
+            hf = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+    except HubUnreachable:
+        raise
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first_line(e)}") from e
     if not getattr(hf, "is_fast", False):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -30,6 +31,24 @@ from tierlm.config import TrainingConfig
 from tierlm.errors import CheckpointError
 from tierlm.loops.monitor import RunMonitor, injected_fault
 from tierlm.loops.signals import GracefulStop, RunInterrupted
+from tierlm.metrics import MetricsLogger
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What a run watches its loop with, handed to the loop's `train(watch)` once the run has begun (after the
+    resume, so the logger knows the step it continues from).
+
+    >>> Watch().stop is None, Watch().logger.sinks
+    (True, [])
+    """
+
+    logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
+    """Where each train / eval / sample record goes (metrics.jsonl, TensorBoard, W&B, MLflow, the report)."""
+    stop: GracefulStop | None = None
+    """The caught stop signals: one ends the loop after a saved step."""
+    monitor: RunMonitor | None = None
+    """Told each phase as it begins (the hang watchdog, the progress file; `tierlm.loops.monitor`)."""
 
 
 class Loop(Protocol):
@@ -39,11 +58,10 @@ class Loop(Protocol):
     config: TrainingConfig
     state: Any
     """The loop's counters, with at least `step` and `elapsed_s` (saved with every checkpoint)."""
-    stop: GracefulStop | None
+    watch: Watch
+    """The logger, the stop signals and the monitor of the run (`Watch`)."""
     write_extra: Callable[[Path], None] | None
     """What a checkpoint carries besides weights (tokenizer, config; `tierlm.run.extras_writer`)."""
-    monitor: RunMonitor | None
-    """Told each phase as it begins (the hang watchdog, the progress file; `tierlm.loops.monitor`), when set."""
     evaluates: bool
     """Whether it has anything to evaluate."""
 
@@ -89,7 +107,7 @@ def due(every: int, step: int) -> bool:
 
 def run_loop(loop: Loop) -> None:
     """Train `loop` from its state's step to training.num_train_steps."""
-    cfg, state, monitor = loop.config, loop.state, loop.monitor
+    cfg, state, monitor = loop.config, loop.state, loop.watch.monitor
 
     def enter(what: str) -> None:
         if monitor is not None:
@@ -164,10 +182,10 @@ def wait_for_saves(loop: Loop) -> None:
 
 def stop_if_signalled(loop: Loop, saved: bool) -> None:
     """After a step: when a stop signal arrived on any rank, save unless just saved, then raise `RunInterrupted`."""
-    if loop.stop is None:
+    stop, backend = loop.watch.stop, loop.backend
+    if stop is None:
         return
-    backend = loop.backend
-    signum = loop.stop.agreed_signal(backend.all_reduce_sums if backend.world_size > 1 else None)
+    signum = stop.agreed_signal(backend.all_reduce_sums if backend.world_size > 1 else None)
     if signum:
         path = backend.checkpoint_dir / f"step_{loop.state.step}" if saved else save(loop)
         backend.wait_for_save()

@@ -22,36 +22,18 @@ from tierlm.config import RLConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.errors import ConfigError
 from tierlm.loops import cadence
+from tierlm.loops.cadence import Watch
 from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
+from tierlm.loops.policy_update import PolicyUpdate, loss_figures, rollout_batch
 from tierlm.loops.rewards import reward_model_figures, reward_model_sums
 from tierlm.loops.sampling import RolloutSampler
-from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout, SamplingEngine
-from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty, overlong_penalty
+from tierlm.strategies.rl import PolicyGradientStrategy, overlong_penalty
 from tierlm.tasks import Environment, Task
-
-
-def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
-    """Rows of prompt + completion: labels only on tokens the model sampled (prompt, tool results and
-    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels."""
-    width = max(len(r.prompt_ids) + len(r.completion.tokens) for r in rollouts) - 1
-    n = len(rollouts)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
-    sampler = torch.zeros(n, width)
-    for row, r in enumerate(rollouts):
-        ids = r.prompt_ids + r.completion.tokens
-        input_ids[row, : len(ids) - 1] = torch.tensor(ids[:-1])
-        start = len(r.prompt_ids) - 1  # position whose next token is the first completion token
-        for j, (token, trained, logp) in enumerate(zip(r.completion.tokens, r.completion.mask, r.completion.logprobs)):
-            if trained:
-                labels[row, start + j] = token
-                sampler[row, start + j] = logp
-    return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
 
 
 @dataclass
@@ -75,22 +57,23 @@ class RLTrainer:
     eval_task: Task | Environment
     rl: RLConfig
     config: TrainingConfig
-    logger: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     reference: Any = None
     teacher: Any = None  # rl.loss=distill: a frozen model scoring the sampled tokens (its `forward`)
     reward_model: Any = None  # rl.reward_model: scores each prompt + completion (`score(sequences)`)
     critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
     state: RLState = field(default_factory=RLState)
-    stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
-    monitor: Any = None  # set by the run: the hang watchdog and the progress file (`tierlm.loops.monitor`)
+    watch: Watch = field(default_factory=Watch)  # the run's logger, stop signals and monitor, from `train(watch)`
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
     sampler: RolloutSampler = field(init=False)  # how prompts are sampled (tierlm.loops.sampling), from the above
+    update: PolicyUpdate = field(init=False)  # how the policy learns from them (tierlm.loops.policy_update)
 
     def __post_init__(self) -> None:
         self.sampler = RolloutSampler(self.engine, self.tokenizer, self.rl, self.config.seed)
+        companions = dict(reference=self.reference, teacher=self.teacher, critic=self.critic)
+        self.update = PolicyUpdate(self.backend, self.strategy, self.rl, self._sum_over_ranks, **companions)
 
     @property
     def rank(self) -> int:
@@ -173,10 +156,6 @@ class RLTrainer:
             out.append(int(orders[epoch][pos]))
         return out
 
-    def _micro(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        size = self.rl.micro_batch_size
-        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
-
     # -- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         t0, step = time.perf_counter(), self.state.step
@@ -196,29 +175,18 @@ class RLTrainer:
         rewards = torch.tensor([r.reward + p for r, p in zip(rollouts, shaping)])
         advantages = self.strategy.advantages(rewards, rl.group_size, self._sum_over_ranks)
         batch = rollout_batch(rollouts, advantages, self.tokenizer.pad_id)
-        micro = self._micro(batch)
-        parity, scoring = self._score(micro, batch, rewards, step - version)
+        micro = self.update.micro_batches(batch)
+        importance = self.off_policy is not None  # the stale samples' truncated importance weights
+        parity, scoring = self.update.score(micro, batch, rewards, step - version, importance)
         t2 = time.perf_counter()
-        self.strategy.take_stats()  # from here: this step's loss statistics
-        for _ in range(self.rl.ppo_epochs):
-            for mb in micro:
-                self.backend.forward_backward(
-                    {k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss
-                )
-                if self.critic is not None:
-                    self.critic.accumulate(mb)
-            update = self.backend.optim_step().wait()
-            value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
+        update = self.update.apply(micro)
         t3 = time.perf_counter()
         totals = self._step_totals(step, groups, rollouts, rewards, shaping)
         n, tokens = totals["rows"], totals["tokens"]
         self.state.rollout_tokens += int(tokens)
         reward_mean = totals["reward"] / n
         return {
-            "loss": update["loss"],
-            "lr": update["lr"],
-            "grad_norm": update["grad_norm"],
-            "skipped": update["skipped"],
+            **update,
             "reward_mean": reward_mean,
             "reward_std": math.sqrt(max(totals["reward_sq"] / n - reward_mean**2, 0.0) * n / max(n - 1, 1)),
             "groups_with_signal": totals["signal"] / totals["groups"],
@@ -235,51 +203,7 @@ class RLTrainer:
             **loss_figures(totals, rl),
             **scoring,
             **reward_model_figures(totals),
-            **({"value_loss": value_update["loss"]} if value_update is not None else {}),
         }
-
-    def _score(
-        self,
-        micro: list[dict[str, torch.Tensor]],
-        batch: dict[str, torch.Tensor],
-        rewards: torch.Tensor,
-        staleness: int,
-    ) -> tuple[float, dict[str, float]]:
-        """What the update needs beside the rollouts, written into each micro-batch: the trainer's log-probs of the
-        sampled tokens (the old log-probs for clipping), the reference's, a teacher's (on-policy distillation: each
-        token's advantage is -(reverse KL) there), the critic's advantages, the off-policy importance weights.
-        Returns the mean |trainer - sampler| log-prob of the trained tokens (the parity check) and the figures of
-        what scoring found, before this step's update."""
-        for mb in micro:
-            mb["old_logprobs"] = self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-            if self.reference is not None:
-                mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-            if self.teacher is not None:
-                teacher = self.teacher.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-                mb["advantages"] = (teacher - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
-        trained = batch["labels"] != IGNORE_INDEX
-
-        def mean(per_token: torch.Tensor) -> float:  # over the trained tokens
-            return float((per_token * trained).sum() / trained.sum().clamp(min=1))
-
-        if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
-            self._critic_targets(micro, rewards, trained)
-        old = torch.cat([mb["old_logprobs"] for mb in micro])
-        figures = {}
-        if self.off_policy is not None:  # truncated importance weights p_policy / p_sampler of the stale samples
-            for mb in micro:
-                mb["importance"] = (mb["old_logprobs"] - mb["sampler_logprobs"]).exp().clamp(max=self.rl.importance_cap)
-            weights = torch.cat([mb["importance"] for mb in micro])[trained]
-            figures["staleness"] = staleness
-            figures["importance_mean"] = float(weights.mean()) if weights.numel() else 1.0
-            capped = (weights >= self.rl.importance_cap).float()
-            figures["importance_capped"] = float(capped.mean()) if weights.numel() else 0.0
-        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
-            log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
-            figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
-        if self.reference is not None:  # KL(policy || reference) on the sampled tokens
-            figures["kl"] = mean(kl_penalty(old, torch.cat([mb["ref_logprobs"] for mb in micro])))
-        return mean((old - batch["sampler_logprobs"]).abs()), figures
 
     def _step_totals(
         self,
@@ -310,21 +234,6 @@ class RLTrainer:
             }
         )
 
-    def _critic_targets(
-        self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor
-    ) -> None:
-        """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,
-        whitened over the whole step's trained tokens (every rank's)."""
-        for mb in micro:
-            mb["old_values"] = self.critic.values(mb)
-        values = torch.cat([mb["old_values"] for mb in micro])
-        advantages, returns = self.strategy.token_advantages(rewards, values, trained, self._sum_over_ranks)
-        start = 0
-        for mb in micro:
-            rows = mb["input_ids"].shape[0]
-            mb["advantages"], mb["returns"] = advantages[start : start + rows], returns[start : start + rows]
-            start += rows
-
     # -- the sampler against the trainer ---------------------------------------------------
     def parity(self) -> dict[str, float]:
         """Step 0's rollouts, sampled by the engine and scored by the trainer: how far apart their log-probs are
@@ -332,9 +241,7 @@ class RLTrainer:
         self.sync_sampler()
         rollouts = [r for g in self.sample_step(0) for r in g]
         batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id)
-        trainer = torch.cat(
-            [self.backend.forward(mb, self.strategy.compute_metrics).wait()["logprobs"] for mb in self._micro(batch)]
-        )
+        trainer = torch.cat([self.update.logprobs(mb) for mb in self.update.micro_batches(batch)])
         gap = (trainer - batch["sampler_logprobs"])[batch["labels"] != IGNORE_INDEX]
         cap = math.log(self.rl.importance_cap)
         sums = self._sum_over_ranks(
@@ -411,16 +318,7 @@ class RLTrainer:
             }
         )
         if self.rank == 0:
-            print(
-                f"step {state.step}/{self.config.num_train_steps} | reward {metrics['reward_mean']:.3f} | loss "
-                f"{metrics['loss']:.4f} | "
-                + (f"rm acc {metrics['rm_accuracy']:.2f} | " if "rm_accuracy" in metrics else "")
-                + f"|dlogp| {metrics['logprob_abs_diff']:.2e} | weights v{metrics['weight_version']} | "
-                f"gen {metrics['time_generation_s']:.1f}s "
-                f"train {metrics['time_training_s']:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(progress_line(state.step, self.config.num_train_steps, metrics), file=sys.stderr, flush=True)
 
     def log_eval(self, metrics: dict[str, float]) -> None:
         if self.rank == 0:
@@ -430,8 +328,14 @@ class RLTrainer:
                 flush=True,
             )
 
-    def train(self) -> dict[str, Any]:
-        """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`; the run summary."""
+    @property
+    def logger(self) -> MetricsLogger:
+        return self.watch.logger
+
+    def train(self, watch: Watch | None = None) -> dict[str, Any]:
+        """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`, watched by `watch` (the
+        run's logger, stop signals and monitor); the run summary."""
+        self.watch = watch or self.watch
         if self.rl.max_off_policy_steps:
             self.off_policy = OffPolicyRollouts(
                 self.rl.max_off_policy_steps, self.engine, self.sample_step, self.snapshot, self.config.num_train_steps
@@ -453,21 +357,21 @@ class RLTrainer:
         }
 
 
-def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:
-    """What makes the loss visible in the train lines: the share of tokens (GSPO: sequences) whose gradient each
-    side of the clip removed, GSPO's mean sequence ratio, dynamic sampling's dropped groups and extra draws, DAPO's
-    overlong-shaped completions."""
-    out = {}
-    if totals.get("loss_clip_n_sum"):
-        n = totals["loss_clip_n_sum"]
-        out.update(clip_low_frac=totals["loss_clip_low_sum"] / n, clip_high_frac=totals["loss_clip_high_sum"] / n)
-    if totals.get("loss_rows_sum"):
-        out["seq_ratio_mean"] = totals["loss_seq_ratio_sum"] / totals["loss_rows_sum"]
-    if rl.dynamic_sampling:
-        out.update(dropped_groups=totals.get("dropped_groups", 0.0), extra_draws=totals.get("extra_draws", 0.0))
-    if rl.overlong_buffer:
-        out["overlong_frac"] = totals["overlong"] / totals["rows"]
-    return out
+def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """A logged step's line on stderr.
+
+    >>> figures = dict(reward_mean=0.5, loss=0.1, logprob_abs_diff=1e-3, weight_version=3, time_generation_s=1.25,
+    ...                time_training_s=0.5)
+    >>> progress_line(4, 10, figures)
+    'step 4/10 | reward 0.500 | loss 0.1000 | |dlogp| 1.00e-03 | weights v3 | gen 1.2s train 0.5s'
+    """
+    m = metrics
+    reward_model = f"rm acc {m['rm_accuracy']:.2f} | " if "rm_accuracy" in m else ""
+    return (
+        f"step {step}/{total} | reward {m['reward_mean']:.3f} | loss {m['loss']:.4f} | {reward_model}"
+        f"|dlogp| {m['logprob_abs_diff']:.2e} | weights v{m['weight_version']} | gen {m['time_generation_s']:.1f}s "
+        f"train {m['time_training_s']:.1f}s"
+    )
 
 
 def check_parity(parity: dict[str, float], rl: RLConfig) -> dict[str, Any]:

@@ -36,9 +36,8 @@ from tierlm.config import TrainingConfig
 from tierlm.data.windows import eval_batches
 from tierlm.errors import TrainingDiverged
 from tierlm.loops import cadence
-from tierlm.loops.cadence import resume_backend  # noqa: F401  (also this module's name)
+from tierlm.loops.cadence import Watch, resume_backend  # noqa: F401  (also this module's name)
 from tierlm.loops.evaluation import validation_totals
-from tierlm.loops.signals import GracefulStop
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.flops import PeakFlops
 from tierlm.metrics.memory import memory_record
@@ -110,7 +109,7 @@ class Trainer:
         if optimizer is not None:
             backend.use_optimizer(optimizer)
         config = self.config
-        self.train_loader, self.logger = train_loader, logger or MetricsLogger([])
+        self.train_loader, self.watch = train_loader, Watch(logger or MetricsLogger([]))
         count = None if config.eval_batches == "all" else config.eval_batches
         self.eval_set = eval_batches(eval_loader, count) if eval_loader is not None else []
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -119,8 +118,6 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.batches_per_epoch = batches_per_epoch
         self.state = LoopState()
-        self.stop: GracefulStop | None = None  # set by the run: a signal then ends the loop after a saved step
-        self.monitor = None  # set by the run: the hang watchdog and the progress file (`tierlm.loops.monitor`)
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
         # Data-parallel backends say where this process sits; rank 0 reports and prunes. Evaluation shards its
@@ -321,8 +318,14 @@ class Trainer:
         elif self.state.step % GC_COLLECT_STEPS == 0:
             gc.collect()
 
-    def train(self) -> dict[str, Any]:
-        """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`; the run summary."""
+    @property
+    def logger(self) -> MetricsLogger:
+        return self.watch.logger
+
+    def train(self, watch: Watch | None = None) -> dict[str, Any]:
+        """Train to training.num_train_steps on the one cadence of `tierlm.loops.cadence`, watched by `watch` (the
+        run's logger, stop signals and monitor; by default the constructor's logger alone); the run summary."""
+        self.watch = watch or self.watch
         cfg, state = self.config, self.state
         shown = (
             sys.stderr.isatty() or "ipykernel" in sys.modules

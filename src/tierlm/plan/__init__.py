@@ -31,6 +31,7 @@ from tierlm.plan.scaling import (  # noqa: F401  (the scaling names, importable 
     trained_row_tokens,
 )
 from tierlm.primitives import resolve_device
+from tierlm.primitives.hub import HubUnreachable
 
 
 def plan_run(config: TierlmConfig, stage: Stage, world_size: int = 1, vocab_size: int | None = None):
@@ -39,8 +40,20 @@ def plan_run(config: TierlmConfig, stage: Stage, world_size: int = 1, vocab_size
     `vocab_size` sizes a model from scratch directly."""
     config = resolve_config(config, stage, launched=world_size > 1)
     pretrained = pretrained_location(config)
+    unknown = []  # what cannot be known here (a Hub tokenizer on a machine without the Hub), said in the plan
     if vocab_size is None or pretrained is not None:
-        vocab_size = (existing_tokenizer(config, pretrained) or train_tokenizer(config, stage.example_kind)).vocab_size
+        try:
+            tokenizer = existing_tokenizer(config, pretrained) or train_tokenizer(config, stage.example_kind)
+            vocab_size = tokenizer.vocab_size
+        except HubUnreachable:
+            if pretrained is not None:  # the model itself comes from the Hub: nothing to size
+                raise
+            vocab_size = config.tokenizer.vocab_size
+            unknown.append(
+                f"the tokenizer {config.model.tokenizer_name_or_path!r} is not in the local cache and the Hub cannot "
+                f"be reached: the model is sized for a vocabulary of {vocab_size:,} (tokenizer.vocab_size; "
+                "--vocab-size N for the tokenizer's own)"
+            )
     model = describe_model(config, vocab_size, pretrained)
     if model is None:
         raise ConfigError(
@@ -57,6 +70,7 @@ def plan_run(config: TierlmConfig, stage: Stage, world_size: int = 1, vocab_size
         auto_rows = f"training.per_device_train_batch_size=auto: {rows} rows ({why})"
     resolved, plan = resolve(config, stage, model, world_size)
     plan.memory = estimate_run_memory(resolved, world_size, stage, vocab_size, pretrained, device_type=device.type)
+    plan.notes += unknown
     if auto_rows:
         plan.notes.append(auto_rows)
     if budget is not None and plan.memory.total > budget:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tierlm.errors import ModelLoadError, first_line
+from tierlm.primitives.hub import HubUnreachable, hub_access
 
 
 def load_hf_model(
@@ -40,7 +41,10 @@ def load_hf_model(
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
-        return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
+        with hub_access(model_name, "model"):  # a Hub id on a machine without the Hub: one line, no retries
+            return AutoModelForCausalLM.from_pretrained(model_name, **kwargs)
+    except HubUnreachable:
+        raise
     except (
         OSError,
         ValueError,

@@ -2,11 +2,11 @@
 
 Two ways to reach vLLM, one engine (`VLLMEngine`, the interface of `tierlm.rollout.engine.Engine`):
 
-- *in this process* (`rl.vllm_url` unset): `vllm.LLM` beside the trainer; new weights go in through vLLM's
+- *in this process* (`engine.vllm_url` unset): `vllm.LLM` beside the trainer; new weights go in through vLLM's
   in-place `reload_weights` worker call (it redoes the CPU backend's weight repacking, where a bare
   `model.load_weights` fails), and on a GPU the engine sleeps during training to give back its KV cache.
   vLLM pins its own torch and transformers: tierlm runs from vLLM's environment (`scripts/setup_vllm.sh`).
-- *a vLLM server* (`rl.vllm_url=http://host:port`, started by `scripts/vllm_server.sh`): prompts go to its
+- *a vLLM server* (`engine.vllm_url=http://host:port`, started by `scripts/vllm_server.sh`): prompts go to its
   OpenAI completions API as token ids; weights are handed over as a safetensors folder the server reloads
   (`/collective_rpc reload_weights`, as prime-rl does where there is no NCCL), then the server's weight
   version is set and read back, so a rollout never comes from weights other than the ones it is stamped with.
@@ -46,7 +46,7 @@ from tierlm.rollout.tools import (
 
 INSTALL_HINT = (
     "install it with `bash scripts/setup_vllm.sh` and start tierlm from that environment (.venv-vllm/bin/tierlm), "
-    "or serve the model with `bash scripts/vllm_server.sh MODEL_FOLDER` and set rl.vllm_url"
+    "or serve the model with `bash scripts/vllm_server.sh MODEL_FOLDER` and set engine.vllm_url"
 )
 # What decides whether a server's model takes this policy's weights (config.json keys).
 SHAPE_KEYS = (
@@ -96,7 +96,7 @@ class VLLMEngine:
         problem = family_of(self.model).exportable(self.model)
         if problem:
             raise ConfigError(
-                f"rl.engine=vllm loads the policy as a transformers model, but {problem}: use rl.engine=native"
+                f"engine.kind=vllm loads the policy as a transformers model, but {problem}: use engine.kind=native"
             )
         self.stop_ids, self.tokenizer, self.tools = list(stop_ids), tokenizer, {t.name: t for t in tools}
         self.device = torch.device("cpu")  # the callers' generators only seed vLLM's own
@@ -248,7 +248,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"rl.engine=vllm needs vLLM in this Python ({first_line(e)}): {INSTALL_HINT}") from None
+        raise ConfigError(f"engine.kind=vllm needs vLLM in this Python ({first_line(e)}): {INSTALL_HINT}") from None
     return vllm
 
 
@@ -373,7 +373,7 @@ class _Server:
             reason = getattr(e, "reason", e)
             raise ConfigError(
                 f"no vLLM server answers at {self.url + path} ({reason}): start one with "
-                "`bash scripts/vllm_server.sh MODEL_FOLDER` or correct rl.vllm_url"
+                "`bash scripts/vllm_server.sh MODEL_FOLDER` or correct engine.vllm_url"
             ) from None
         return json.loads(text) if text else {}
 

@@ -45,6 +45,7 @@ from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
 from tierlm.config import TierlmConfig
 from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError, DataError
+from tierlm.loops.cadence import Watch
 from tierlm.loops.monitor import RunMonitor, gather_hosts
 from tierlm.loops.signals import GracefulStop, RunInterrupted
 from tierlm.metrics import JSONLSink, MetricsLogger, MLflowSink, TensorBoardSink, WandbSink
@@ -371,7 +372,7 @@ class Run:
         self.config = with_batch_size(self.config, rows).frozen()
 
     def begin(self, trainer) -> Path | None:
-        """Everything is checked: say the plan, create the run directory, record the run, resume, start logging."""
+        """Everything is checked: say the plan, create the run directory, record the run, resume."""
         if self.is_main:
             if self.notes:
                 print("\n".join(self.notes), flush=True)
@@ -399,16 +400,16 @@ class Run:
                     f"{_move_aside(metrics).name}",
                     file=sys.stderr,
                 )
-            trainer.logger = build_logger(self.config, self.output_dir, trainer.state.step if self.resumed else None)
-        trainer.stop = self.stop
         return self.resumed
 
     def train(self, trainer) -> dict[str, Any]:
-        """The stage's loop, with the stop signals caught (they end it after a saved step), watched for hangs and
-        reporting its progress (`tierlm.loops.monitor`)."""
+        """The stage's loop (after `begin`), logging from the step it resumed at, with the stop signals caught (they
+        end it after a saved step), watched for hangs and reporting its progress (`tierlm.loops.monitor`)."""
         rank = self.ctx.rank if self.ctx is not None else 0
         hosts = gather_hosts(rank, self.ctx is not None)
-        trainer.monitor = RunMonitor(
+        resumed_at = trainer.state.step if self.resumed else None
+        logger = build_logger(self.config, self.output_dir, resumed_at) if self.is_main else MetricsLogger([])
+        monitor = RunMonitor(
             self.output_dir,
             rank,
             self.is_main,
@@ -421,15 +422,15 @@ class Run:
         status = "failed"
         try:
             with self.stop:
-                summary = trainer.train()
+                summary = trainer.train(Watch(logger, self.stop, monitor))
             status = "finished"
             return summary
         except RunInterrupted:
             status = "interrupted"
             raise
         finally:
-            trainer.monitor.close(status)
-            trainer.logger.close()
+            monitor.close(status)
+            logger.close()
 
     def finish(self, model: torch.nn.Module, summary: dict[str, Any], backend=None) -> dict[str, Any]:
         """Write the final model folder atomically (gathered to rank 0 under FSDP, tensor and pipeline

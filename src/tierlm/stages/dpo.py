@@ -26,7 +26,6 @@ def uses_frozen_reference(config: TierlmConfig) -> bool:
 
 class DPO(Stage):
     name = "dpo"
-    about = "preference-optimise a chat model on chosen/rejected pairs"
     section = "dpo"
     example_kind = "preference"
     chat = True

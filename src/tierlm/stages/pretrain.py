@@ -17,7 +17,6 @@ from tierlm.strategies import PretrainStrategy, Seq2SeqStrategy
 class Pretrain(Stage):
     deepspeed = True
     name = "pretrain"
-    about = "pretrain on text (next-token prediction)"
     example_kind = "text"
     encoder_decoder = True
     packing = "crop"

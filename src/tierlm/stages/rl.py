@@ -26,7 +26,6 @@ from tierlm.strategies.rl_losses import resolve_rl
 
 class RL(Stage):
     name = "rl"
-    about = "reinforcement learning on rewarded tasks (REINFORCE / GRPO / PPO), with pass@k evals"
     section = "rl"
     example_kind = "task"
     chat = True
@@ -34,9 +33,8 @@ class RL(Stage):
     needs_chat_template = True
     packing = None
     token_rows = False
+    also_reads = ("engine",)
     micro_batch_key = "rl.micro_batch_size"
-    preflight = ("--check-parity", "sample step 0's rollouts, score them with the trainer, and refuse when their "
-                 "log-probs differ by more than rl.parity_tolerance; trains and writes nothing")  # fmt: skip
 
     def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
         """rl.* with its loss's defaults (`resolve_rl`: a loss without a JAX twin refused on the JAX backend)."""
@@ -104,7 +102,7 @@ class RL(Stage):
         parallel = config.model_copy(update={"training": schedule})
         beside = beside_policy(parallel, model, tokenizer, run.device, run.ctx, run.output_dir / "critic_checkpoints")
         sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
-        sampling = EngineSettings.of(rl)
+        sampling = EngineSettings.of(config)
         engine = build_engine(sampling, model, tokenizer, run.scratch_dir("sampler"), sharded, world, train_task)
         run.note(f"rollouts: {ENGINES[sampling.kind].describe(sampling)}")
         backend = build_backend(parallel, model, run.checkpoint_dir, run.device, run.ctx)

@@ -22,7 +22,6 @@ from tierlm.strategies.reward import RewardStrategy
 
 class RewardModel(Stage):
     name = "rm"
-    about = "train a reward model (a scalar head) on chosen/rejected pairs"
     section = "rm"
     example_kind = "preference"
     chat = True

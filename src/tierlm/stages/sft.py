@@ -21,7 +21,6 @@ from tierlm.strategies import SFTStrategy
 class SFT(Stage):
     deepspeed = True
     name = "sft"
-    about = "fine-tune on conversations (assistant tokens only)"
     example_kind = "chat"
     chat = True
     packing = "pad"

@@ -320,9 +320,12 @@ def _source_model(path_or_model):
         return path_or_model
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        str(path_or_model) if isinstance(path_or_model, Path) else path_or_model, dtype=torch.float32
-    )
+    from tierlm.primitives.hub import hub_access
+
+    with hub_access(path_or_model, "model"):
+        return AutoModelForCausalLM.from_pretrained(
+            str(path_or_model) if isinstance(path_or_model, Path) else path_or_model, dtype=torch.float32
+        )
 
 
 @torch.no_grad()

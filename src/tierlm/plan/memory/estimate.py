@@ -22,6 +22,7 @@ import os
 import unittest.mock
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -170,6 +171,17 @@ def _label_logprobs(logits: torch.Tensor, batch) -> dict[str, torch.Tensor]:
     return {"logprobs": token_logprobs(logits, batch["labels"])}
 
 
+def _in_step_reference(config: TierlmConfig, model: nn.Module, vocab_size: int, pretrained):
+    """The frozen reference a step computes inside itself (DPO's): the policy with its LoRA adapters off, or a
+    model of its own."""
+    cpu = torch.device("cpu")
+    if config.model.lora.r:
+        return frozen_reference(model, cpu)
+    reference = FrozenReference(_fake_model(config, vocab_size, pretrained), cpu)
+    reference.model.requires_grad_(True)  # MemTracker hooks every parameter it sees; forward() runs under no_grad
+    return reference
+
+
 def trace_step(
     config: TierlmConfig,
     stage: Stage,
@@ -200,15 +212,8 @@ def trace_step(
         options = replace(backend_options(config), compute_dtype=dtype, loss_scaling=False, async_save=False)
         backend = PyTorchTrainingBackend(model, optimizer, None, Path(os.devnull), cpu, None, options)
         batch, loss_fn = _trace_batch(config, stage, rows, tokens, family_of(model).seq2seq)
-        reference = None
-        if stage.reference_model(config) == "in step":
-            if config.model.lora.r:  # the policy with its adapters off
-                reference = frozen_reference(model, cpu)
-            else:
-                reference = FrozenReference(_fake_model(config, vocab_size, pretrained), cpu)
-                reference.model.requires_grad_(
-                    True
-                )  # MemTracker hooks every parameter it sees; forward() runs under no_grad
+        in_step = stage.reference_model(config) == "in step"
+        reference = _in_step_reference(config, model, vocab_size, pretrained) if in_step else None
 
         def scoring() -> None:  # the log-probs of the policy before its update (RL's old log-probs), without gradients
             backend.forward(batch, _label_logprobs)
@@ -323,16 +328,7 @@ def estimate_run_memory(
     parts = dict.fromkeys(PARTS, 0.0)
     parts.update(parameters=peak.get("Parameter", 0), buffers=peak.get("Buffer", 0), gradients=peak.get("Gradient", 0))
     parts.update({"optimizer state": peak.get("Optstate", 0), "activations": activations})
-    infra = config.infra
-    layout = dict(
-        compute_bytes=2 if tr.bf16 else 4,
-        sharding=infra.fsdp_sharding_strategy,
-        tensor=infra.tensor_parallel_size,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        pipeline=infra.pipeline_parallel_size,
-        context=infra.context_parallel_size,
-        zero_stage=infra.deepspeed_zero_stage,
-    )
+    layout = _layout(config, world_size)
     parts = BACKENDS[distributed].memory_per_rank(parts, unwrap_model(described), world_size, **layout)  # as it shards
     _beside_the_step(
         parts, config, stage, param_bytes, peak.get("Generation", 0) - activations, generation, distributed
@@ -344,6 +340,20 @@ def estimate_run_memory(
         parts["framework"] = CPU_FRAMEWORK_BYTES
         parts["allocator retention"] = _cpu_retention(config, stage, vocab_size, rows, row_tokens, pretrained, peak)
     return MemoryEstimate(parts, world_size, device_type, (rows, row_tokens), _fixes(config, stage))
+
+
+def _layout(config: TierlmConfig, world_size: int) -> dict[str, Any]:
+    """How the run splits its model over the ranks, as the backends' `memory_per_rank` reads it."""
+    infra = config.infra
+    return dict(
+        compute_bytes=2 if config.training.bf16 else 4,
+        sharding=infra.fsdp_sharding_strategy,
+        tensor=infra.tensor_parallel_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        pipeline=infra.pipeline_parallel_size,
+        context=infra.context_parallel_size,
+        zero_stage=infra.deepspeed_zero_stage,
+    )
 
 
 def _fixes(config: TierlmConfig, stage: Stage) -> dict[str, str]:

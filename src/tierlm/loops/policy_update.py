@@ -1,0 +1,156 @@
+"""The update half of an RL step: a step's rollouts become rows (`rollout_batch`), are scored by the trainer, the
+reference, a teacher and the critic (`PolicyUpdate.score`), and train the policy for rl.ppo_epochs
+(`PolicyUpdate.apply`). The sampling half is `tierlm.loops.sampling`; the loop that joins them, evaluates and
+reports is `tierlm.loops.rl.RLTrainer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tierlm.config import RLConfig
+from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.rollout.engine import Rollout
+from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
+
+Sums = Callable[[dict[str, float]], dict[str, float]]
+
+
+def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of prompt + completion: labels only on tokens the model sampled (prompt, tool results and
+    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels."""
+    width = max(len(r.prompt_ids) + len(r.completion.tokens) for r in rollouts) - 1
+    n = len(rollouts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+    sampler = torch.zeros(n, width)
+    for row, r in enumerate(rollouts):
+        ids = r.prompt_ids + r.completion.tokens
+        input_ids[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+        start = len(r.prompt_ids) - 1  # position whose next token is the first completion token
+        for j, (token, trained, logp) in enumerate(zip(r.completion.tokens, r.completion.mask, r.completion.logprobs)):
+            if trained:
+                labels[row, start + j] = token
+                sampler[row, start + j] = logp
+    return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """How the policy (`backend`, through the tier-0 protocol) learns from a step's rollouts under `strategy` (the
+    loss of rl.loss), beside the models that score them: `reference` (rl.kl_coef > 0), `teacher` (on-policy
+    distillation), `critic` (PPO's value model, trained beside the policy). `sum_over_ranks` adds a dict of
+    figures over the data-parallel ranks (one process: as it is)."""
+
+    backend: Any
+    strategy: PolicyGradientStrategy
+    rl: RLConfig
+    sum_over_ranks: Sums
+    reference: Any = None
+    teacher: Any = None
+    critic: Any = None
+
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """`batch` cut into rl.micro_batch_size rows."""
+        size = self.rl.micro_batch_size
+        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
+
+    def logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The policy's log-probs of `micro_batch`'s labels now."""
+        return self.backend.forward(micro_batch, self.strategy.compute_metrics).wait()["logprobs"]
+
+    def score(
+        self,
+        micro: list[dict[str, torch.Tensor]],
+        batch: dict[str, torch.Tensor],
+        rewards: torch.Tensor,
+        staleness: int,
+        importance: bool = False,
+    ) -> tuple[float, dict[str, float]]:
+        """What the update needs beside the rollouts, written into each micro-batch: the trainer's log-probs of the
+        sampled tokens (the old log-probs for clipping), the reference's, a teacher's (on-policy distillation: each
+        token's advantage is -(reverse KL) there), the critic's advantages, the off-policy importance weights
+        (`importance`: the rollouts are `staleness` updates old). Returns the mean |trainer - sampler| log-prob of
+        the trained tokens (the parity check) and the figures of what scoring found, before this step's update."""
+        for mb in micro:
+            mb["old_logprobs"] = self.logprobs(mb)
+            if self.reference is not None:
+                mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+            if self.teacher is not None:
+                teacher = self.teacher.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
+                mb["advantages"] = (teacher - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
+        trained = batch["labels"] != IGNORE_INDEX
+
+        def mean(per_token: torch.Tensor) -> float:  # over the trained tokens
+            return float((per_token * trained).sum() / trained.sum().clamp(min=1))
+
+        if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
+            self._critic_targets(micro, rewards, trained)
+        old = torch.cat([mb["old_logprobs"] for mb in micro])
+        figures = {}
+        if importance:  # truncated importance weights p_policy / p_sampler of the stale samples
+            for mb in micro:
+                mb["importance"] = (mb["old_logprobs"] - mb["sampler_logprobs"]).exp().clamp(max=self.rl.importance_cap)
+            weights = torch.cat([mb["importance"] for mb in micro])[trained]
+            figures["staleness"] = staleness
+            figures["importance_mean"] = float(weights.mean()) if weights.numel() else 1.0
+            capped = (weights >= self.rl.importance_cap).float()
+            figures["importance_capped"] = float(capped.mean()) if weights.numel() else 0.0
+        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
+            log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
+            figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
+        if self.reference is not None:  # KL(policy || reference) on the sampled tokens
+            figures["kl"] = mean(kl_penalty(old, torch.cat([mb["ref_logprobs"] for mb in micro])))
+        return mean((old - batch["sampler_logprobs"]).abs()), figures
+
+    def _critic_targets(
+        self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor
+    ) -> None:
+        """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,
+        whitened over the whole step's trained tokens (every rank's)."""
+        for mb in micro:
+            mb["old_values"] = self.critic.values(mb)
+        values = torch.cat([mb["old_values"] for mb in micro])
+        advantages, returns = self.strategy.token_advantages(rewards, values, trained, self.sum_over_ranks)
+        start = 0
+        for mb in micro:
+            rows = mb["input_ids"].shape[0]
+            mb["advantages"], mb["returns"] = advantages[start : start + rows], returns[start : start + rows]
+            start += rows
+
+    def apply(self, micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """rl.ppo_epochs optimizer steps over the scored `micro` batches (the critic's beside them); the last
+        step's loss, lr, grad_norm and skipped (and value_loss with a critic). The strategy's loss statistics
+        from here on are this step's."""
+        self.strategy.take_stats()
+        for _ in range(self.rl.ppo_epochs):
+            for mb in micro:
+                self.backend.forward_backward(
+                    {k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss
+                )
+                if self.critic is not None:
+                    self.critic.accumulate(mb)
+            update = self.backend.optim_step().wait()
+            value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
+        figures = {key: update[key] for key in ("loss", "lr", "grad_norm", "skipped")}
+        return {**figures, **({"value_loss": value_update["loss"]} if value_update is not None else {})}
+
+
+def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:
+    """What makes the loss visible in the train lines: the share of tokens (GSPO: sequences) whose gradient each
+    side of the clip removed, GSPO's mean sequence ratio, dynamic sampling's dropped groups and extra draws, DAPO's
+    overlong-shaped completions."""
+    out = {}
+    if totals.get("loss_clip_n_sum"):
+        n = totals["loss_clip_n_sum"]
+        out.update(clip_low_frac=totals["loss_clip_low_sum"] / n, clip_high_frac=totals["loss_clip_high_sum"] / n)
+    if totals.get("loss_rows_sum"):
+        out["seq_ratio_mean"] = totals["loss_seq_ratio_sum"] / totals["loss_rows_sum"]
+    if rl.dynamic_sampling:
+        out.update(dropped_groups=totals.get("dropped_groups", 0.0), extra_draws=totals.get("extra_draws", 0.0))
+    if rl.overlong_buffer:
+        out["overlong_frac"] = totals["overlong"] / totals["rows"]
+    return out

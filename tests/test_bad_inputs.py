@@ -953,6 +953,18 @@ CASES = [
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path=null"],
         "starts from a trained",
     ),
+    Case(  # the user's reward is tried on a held-out example before anything is printed or written
+        "rl-user-reward-returns-text",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.reward=text_reward:reward"],
+        r"rl.reward text_reward:reward returned 'ten' \(str\); it must return a float",
+        write("text_reward.py", "def reward(prompt, completion, reference):\n    return 'ten'\n"),
+    ),
+    Case(
+        "rl-user-reward-raises",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.reward=raising_reward:reward"],
+        r"rl.reward raising_reward:reward raised ZeroDivisionError: division by zero when tried on a held-out example",
+        write("raising_reward.py", "def reward(prompt, completion, reference):\n    return 1 / 0\n"),
+    ),
     Case(
         "rl-missing-question",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.dataset_name=q.jsonl"],

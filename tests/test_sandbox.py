@@ -17,7 +17,7 @@ from tierlm.tasks.sandbox import SANDBOX_UID, Limits, Sandbox, isolation
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox confines Linux processes")
 
-LIMITS = Limits(cpu_seconds=1, wall_seconds=3, memory_mb=512, processes=16, file_bytes=1 << 20)
+LIMITS = Limits(cpu_seconds=1, wall_seconds=3, memory_mb=512, processes=16, file_bytes=1 << 20, disk_bytes=8 << 20)
 WORKERS = 2
 
 
@@ -43,9 +43,10 @@ def _sandbox_processes() -> list[int]:
 
 
 def test_this_machine_grants_the_isolation_the_suite_checks():
-    """CI's machines grant all three; the docs name which mechanism covers what."""
+    """CI's machines grant them all (it runs as root); the docs name which mechanism covers what."""
     granted = isolation()
-    assert granted["landlock"] >= 4 and granted["network_namespace"], granted
+    assert granted["landlock"] >= 4 and granted["network_namespace"] and granted["unix_sockets"], granted
+    assert granted["disk_limit"] == granted["separate_user"], granted
 
 
 def test_a_plain_program_runs_and_its_output_comes_back(sandbox):
@@ -64,6 +65,18 @@ def test_hostile_programs_are_contained_and_scored_as_failures(sandbox, tmp_path
     accepted = []
     threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
     outside = Path("/tmp") / f"tierlm-sandbox-escape-{os.getpid()}"
+    # A pathname Unix socket anyone may connect to (as the system D-Bus is on most machines), and an abstract one
+    unix_path, unix_heard = str(tmp_path / "bus"), []
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(unix_path)
+    os.chmod(unix_path, 0o777)
+    os.chmod(tmp_path, 0o755)
+    unix.listen()
+    threading.Thread(target=lambda: unix_heard.append(unix.accept()), daemon=True).start()
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(f"\0tierlm-sandbox-{os.getpid()}")
+    abstract.listen()
+    threading.Thread(target=lambda: unix_heard.append(abstract.accept()), daemon=True).start()
     programs = {
         "infinite loop": "while True:\n    pass\n",
         "sleeps forever": "import time\ntime.sleep(10_000)\n",
@@ -76,6 +89,15 @@ def test_hostile_programs_are_contained_and_scored_as_failures(sandbox, tmp_path
             f"print(open('/proc/{os.getpid()}/environ').read())\n"
         ),
         "opens a socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n",
+        "connects to a host's Unix socket": (
+            f"import socket\nsocket.socket(socket.AF_UNIX).connect({unix_path!r})\nprint('connected')\n"
+        ),
+        "connects to an abstract Unix socket": (
+            f"import socket\nsocket.socket(socket.AF_UNIX).connect('\\0tierlm-sandbox-{os.getpid()}')\n"
+        ),
+        "fills the disk with small files": (
+            "chunk = b'x' * 2**19\nfor i in range(10_000):\n    open(f'f{i}', 'wb').write(chunk)\n"
+        ),
         "prints 1 GB": "import sys\nchunk = 'x' * 2**20\nfor _ in range(1024):\n    sys.stdout.write(chunk)\n",
         "kills its parent": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\n",
         "daemonises and lingers": (
@@ -92,8 +114,12 @@ def test_hostile_programs_are_contained_and_scored_as_failures(sandbox, tmp_path
     assert "File too large" in flood.stderr and len(flood.stdout) <= LIMITS.file_bytes, flood.stderr[-300:]
     assert results["infinite loop"].status in ("killed", "timeout") and results["sleeps forever"].status == "timeout"
     assert all(r.wall_s < LIMITS.wall_seconds + 5 for r in results.values())
-    assert not outside.exists() and not accepted
-    listener.close()
+    assert not outside.exists() and not accepted and not unix_heard
+    unix_refused = results["connects to a host's Unix socket"].stderr
+    assert "PermissionError" in unix_refused and "connected" not in results["connects to a host's Unix socket"].stdout
+    if isolation()["disk_limit"]:  # each file under the per-file limit, all of them past the disk limit
+        assert "No space left on device" in results["fills the disk with small files"].stderr
+    listener.close(), unix.close(), abstract.close()
     if isolation()["separate_user"]:
         assert _sandbox_processes() == []  # the fork bomb's and the daemon's processes are gone
     os.kill(os.getpid(), 0)  # still here

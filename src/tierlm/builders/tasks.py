@@ -12,7 +12,7 @@ import sys
 from tierlm.builders.loaders import open_splits
 from tierlm.config import RLConfig, TierlmConfig
 from tierlm.data import SourceOptions, open_examples
-from tierlm.errors import ConfigError, DataError
+from tierlm.errors import ConfigError, DataError, first_line
 from tierlm.tasks import Environment, ExamplesTask, Task, is_environment, synthetic_name, synthetic_task
 from tierlm.tasks.rewards import format_reward
 from tierlm.tasks.verifiers import open_environment, verifiers_name
@@ -60,7 +60,23 @@ def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environ
     trains, vals = open_splits(config, "task", None)
     train, val = trains[0][0], vals[0]
     reward = task_reward(config.rl, train.fetch([0])[0].format if len(train) else "number")
+    if ":" in config.rl.reward and len(val):  # the user's function, tried before anything is printed or written
+        try_reward(reward, val.fetch([0])[0], config.rl.reward)
     return ExamplesTask(train, reward), ExamplesTask(val, reward)
+
+
+def try_reward(reward, example, spec: str) -> None:
+    """Call the user's reward once on a held-out example (its reference as the completion): what it raises or
+    returns wrongly is one line now, not at the first step of a run already under way."""
+    try:
+        reward(example.prompt, str(example.reference), example.reference)
+    except DataError:
+        raise
+    except Exception as e:  # the user's code: whatever it raises is theirs to fix
+        raise ConfigError(
+            f"rl.reward {spec} raised {type(e).__name__}: {first_line(e)} when tried on a held-out example "
+            f"(prompt {example.prompt[:60]!r})"
+        ) from None
 
 
 def task_reward(rl: RLConfig, task_format: str):

@@ -194,11 +194,8 @@ class AblationCoordinator:
         from tierlm.stages import STAGES
 
         stage, opened = STAGES[self.stage], set()
-        if not stage.token_rows:
-            raise ConfigError(
-                f"tierlm ablate compares runs at equal tokens, which {self.stage}'s batches do not count: use "
-                f"--stage pretrain or sft"
-            )
+        if not stage.token_rows:  # its batches count no tokens to hold equal
+            raise ConfigError(f"tierlm ablate compares runs at equal tokens: --stage pretrain or sft, not {self.stage}")
         for variant in self.variants:
             bad = [key for key in map(override_key, variant.overrides) if key in BUDGET_KEYS]
             if bad:

@@ -11,30 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from tierlm.commands.generation import Reply, Sampling
 from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, temperature
 from tierlm.errors import DataError
-
-
-@dataclass
-class Reply:
-    text: str
-    finish_reason: str  # "stop" (the end-of-turn token), "length" (max_new_tokens ran out), or why it was stopped
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Busy(Exception):
-    """The model stayed busy with other replies for longer than this one could wait."""
-
-
-class _Stopped(Exception):
-    def __init__(self, reason: str, completion):
-        super().__init__(reason)
-        self.reason, self.completion = reason, completion
 
 
 class Chatbot:
@@ -49,9 +31,11 @@ class Chatbot:
         engine: str = "native",
         vllm_url: str | None = None,
         batch_rows: int = 1,
+        chat_only: bool = True,
     ):
         """`batch_rows` > 1: replies asked for at once are generated together, up to that many (continuous batching,
-        `tierlm.rollout.batching`; the native GPT on tierlm's engine), else one at a time."""
+        `tierlm.rollout.batching`; the native GPT on tierlm's engine), else one at a time. `chat_only` False: a model
+        without a chat template (a base model) is served too, for plain completions (`complete`)."""
         import tempfile
 
         from tierlm.builders.engine import ENGINES, EngineSettings, build_engine
@@ -66,7 +50,8 @@ class Chatbot:
         location = verified_model_location(str(checkpoint))
         self.name = Path(str(checkpoint)).name or str(checkpoint)
         self.tokenizer = load_tokenizer(location)
-        if not self.tokenizer.has_chat_template:
+        self.chat = self.tokenizer.has_chat_template
+        if chat_only and not self.chat:
             raise DataError(
                 f"{checkpoint} has no chat template: chat with a model after `tierlm sft` (a base model: `tierlm "
                 f"sample --raw`)"
@@ -122,72 +107,62 @@ class Chatbot:
         `should_stop()`, asked after every token, names a reason to stop early ("cancelled", "timeout"): the reply so
         far comes back with that finish reason. `wait_s`: how long to wait for the model (busy with other replies)
         before raising `Busy`."""
+        sampling = Sampling(max_new_tokens, temperature, seed=seed)
+        stream = (lambda index, piece: on_text(piece)) if on_text is not None else None
+        return self.chat_choices(messages, sampling, stream, should_stop, wait_s)[0]
+
+    def chat_choices(self, messages: list[dict], sampling: Sampling, on_text=None, should_stop=None, wait_s=None):
+        """The assistant's next turn after `messages`, `sampling.n` times (`Reply` each; `on_text(index, piece)`
+        streams them): the conversation rendered by the model's chat template, the turns as people read them."""
         from tierlm.rollout.engine import readable_text
 
-        check_messages(messages, temperature)
+        if not self.chat:
+            raise DataError(f"{self.name} has no chat template: send its prompts to /v1/completions")
+        check_messages(messages, sampling.temperature)
         prompt = self.tokenizer.render_for_completion(messages)
+        return self.complete(
+            prompt, sampling, lambda ids: readable_text(self.tokenizer, ids), on_text, should_stop, wait_s
+        )
+
+    def complete(self, prompt: list[int], sampling: Sampling, decode=None, on_text=None, should_stop=None, wait_s=None):
+        """`sampling.n` choices continuing the tokens `prompt` (`Reply` each, in order): streamed through
+        `on_text(index, piece)`, cut at `sampling.stop`, scored when `sampling.top_logprobs` is set. `decode` turns a
+        choice's tokens into its text (default: the tokenizer's, special tokens dropped)."""
+        from dataclasses import replace
+
+        from tierlm.commands import generation
+
+        decode = decode or (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        if sampling.temperature < 0:
+            raise DataError(f"temperature must be >= 0, got {sampling.temperature}")
         room = self.engine.max_len() - len(prompt)
-        if room < 1:
+        if room < 1 or not prompt:
             raise DataError(
-                f"the conversation is {len(prompt)} tokens, the model's context is {self.engine.max_len()}: start a "
-                f"new one"
+                f"the prompt is {len(prompt)} tokens, the model's context is {self.engine.max_len()}: shorten it"
             )
-        shown = [""]
+        if sampling.top_logprobs is not None and not hasattr(self.engine, "model"):
+            raise DataError("log-probs are scored by tierlm's engine: serve with --engine native to ask for them")
+        s = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+        choices = [generation.Choice(i, decode, s.stop, on_text) for i in range(s.n)]
+        if s.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated
+            from tierlm.rollout.engine import Completion
 
-        def emit(text: str) -> None:  # hand on what was added to the text shown so far
-            if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
-                on_text(text[len(shown[0]) :])
-                shown[0] = text
-
-        import torch
-
-        generator = torch.Generator(device=self.engine.device).manual_seed(seed) if seed is not None else None
-        budget = min(max_new_tokens, room)
-        if self.scheduler is not None:  # joins the replies in flight; waits for a free row within its should_stop
-            completion, reason = self._batched(prompt, budget, temperature, generator, emit, should_stop)
+            ended = [(Completion(), "length") for _ in choices]
+        elif self.scheduler is not None and (s.top_p is None or s.top_p >= 1):  # joins the replies in flight
+            ended = generation.batched(self.scheduler, prompt, s, choices, should_stop)
         else:
-            completion, reason = self._alone(prompt, budget, temperature, generator, emit, should_stop, wait_s)
-        text = readable_text(self.tokenizer, completion.tokens)
-        emit(text)
-        return Reply(text, reason, len(prompt), len(completion.tokens))
-
-    def _alone(self, prompt, max_new_tokens, temperature, generator, emit, should_stop, wait_s) -> tuple[Any, str]:
-        """(the completion, its finish reason) from the engine, one reply at a time (`wait_s` for the lock)."""
-        from tierlm.rollout.engine import readable_text
-
-        def stream(row: int, completion) -> None:
-            emit(readable_text(self.tokenizer, completion.tokens))
-            reason = should_stop() if should_stop is not None else None
-            if reason is not None:
-                raise _Stopped(reason, completion)
-
-        if not self.lock.acquire(timeout=-1 if wait_s is None else max(wait_s, 0.0)):
-            raise Busy(f"the model stayed busy for {wait_s:.0f} s")
-        try:
-            completion = self.engine.generate(
-                prompt, 1, max_new_tokens, temperature, generator=generator, on_token=stream
-            )[0]
-            return completion, "stop" if completion.finished else "length"
-        except _Stopped as stopped:
-            return stopped.completion, stopped.reason
-        finally:
-            self.lock.release()
-
-    def _batched(self, prompt, max_new_tokens, temperature, generator, emit, should_stop) -> tuple[Any, str]:
-        """(the completion, its finish reason) from the batching scheduler, streaming through `emit`."""
-        from tierlm.rollout.batching import Request
-        from tierlm.rollout.engine import readable_text
-
-        def on_token(completion) -> None:
-            emit(readable_text(self.tokenizer, completion.tokens))
-
-        request = Request(prompt, max_new_tokens, temperature, generator, on_token=on_token, should_stop=should_stop)
-        self.scheduler.submit(request).done.wait()
-        if request.reason == "error":
-            raise RuntimeError(f"the model failed: {request.error}")
-        if request.reason == "timeout" and not request.completion.tokens:
-            raise Busy("the model stayed busy until the request's time ran out")
-        return request.completion, request.reason
+            ended = generation.alone(self.engine, self.lock, prompt, s, choices, should_stop, wait_s)
+        replies = []
+        for choice, (completion, reason) in zip(choices, ended):
+            choice.update(completion.tokens, final=True)
+            tokens = choice.kept(completion.tokens)
+            scored = None
+            if s.top_logprobs is not None:
+                start = 0 if s.echo else len(prompt)
+                scored = generation.score(self.engine.model, self.tokenizer, prompt + tokens, start, s.top_logprobs)
+            finish = "stop" if choice.stopped else reason
+            replies.append(Reply(choice.text, finish, len(prompt), len(tokens), tokens, scored, s.n))
+        return replies
 
     def history_entry(self, reply: Reply) -> dict:
         return {"role": "assistant", "content": reply.text}

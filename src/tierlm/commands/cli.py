@@ -68,7 +68,7 @@ COMMANDS: dict[str, Listing] = {
         "tierlm.commands.chat:COMMAND",
     ),
     "serve": Listing(
-        "an OpenAI-compatible /v1/chat/completions and a chat page for a trained chat model",
+        "the OpenAI API (/v1/completions, /v1/chat/completions) and a chat page for a trained model",
         "tierlm.commands.serve:COMMAND",
     ),
     "sample": Listing("generate from a trained model", "tierlm.commands.sample:COMMAND"),

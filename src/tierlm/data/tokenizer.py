@@ -56,8 +56,17 @@ TRAIN_ON = ("all_assistant", "last_assistant", "everything")
 
 
 def _wrap(tokenizer_object) -> "Tokenizer":
+    """A trained tokenizer as transformers holds it: tierlm's special tokens, the chat template, and `<|bos|>` (the
+    document separator tierlm pretrains after) added when special tokens are asked for, as Llama's adds <s> — so
+    `AutoTokenizer(folder)(text)` and clients that rely on it (lm-evaluation-harness's API models, vLLM) see a text as
+    the model was trained to. tierlm itself encodes without special tokens and places the separator itself."""
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
+    bos = tokenizer_object.token_to_id(BOS)
+    tokenizer_object.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
+    )
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer_object,
         bos_token=BOS,

@@ -8,8 +8,12 @@ Every execution gets
 - no network: a network namespace of its own (no interface but a down loopback);
 - Landlock (Linux >= 5.13): reads only of the system's and the interpreter's folders, writes only in its working
   folder, no TCP connect / bind (ABI >= 4), no signals to processes outside the sandbox (ABI >= 6);
+- no Unix sockets: a seccomp filter fails socket(AF_UNIX) with EACCES, so no socket of the host is reachable —
+  not the system D-Bus, not a container runtime's (Landlock scopes abstract sockets only; a pathname socket is
+  reached through the file system, which the network namespace does not cover);
 - as root: a user id of its own per pool slot, so the process limit applies and, afterwards, every process left
-  under that id (a daemonised grandchild too) is killed.
+  under that id (a daemonised grandchild too) is killed; and its working folder a tmpfs of `Limits.disk_bytes` in a
+  mount namespace of its own, so many files under the per-file limit cannot fill the disk together.
 
 `isolation()` says which of these this machine grants; `Sandbox(require=...)` refuses to run without the ones it
 names. The program's interpreter is `sys.executable` unless the sandbox user cannot reach it (a root-owned
@@ -48,6 +52,9 @@ class Limits:
     file_bytes: int = 1 << 20
     """The largest file it may write, stdout and stderr included (past it the program is killed)."""
     open_files: int = 64
+    disk_bytes: int = 64 << 20
+    """What all its files together may hold (its working folder is a tmpfs of this size: as root, see
+    `isolation()["disk_limit"]`); past it a write fails with ENOSPC."""
 
 
 @dataclass
@@ -81,6 +88,19 @@ if spec["network_namespace"]:
     flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
     if libc.unshare(flags) != 0:
         sys.exit("sandbox: unshare(network) failed: " + os.strerror(ctypes.get_errno()))
+if spec["disk_limit"]:  # the working folder becomes a tmpfs of disk_bytes, in a mount namespace of its own
+    work, uid = spec["workdir"], spec["uid"]
+    files = {name: open(os.path.join(work, name), "rb").read() for name in os.listdir(work)}
+    MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
+    options = "size=%d,mode=0700,uid=%d,gid=%d" % (lim["disk_bytes"], uid or 0, uid or 0)
+    if (libc.unshare(0x00020000) != 0 or libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0
+            or libc.mount(b"tmpfs", work.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()) != 0):
+        sys.exit("sandbox: the working folder's tmpfs failed: " + os.strerror(ctypes.get_errno()))
+    for name, data in files.items():
+        with open(os.path.join(work, name), "wb") as f:
+            f.write(data)
+        if uid is not None:
+            os.chown(os.path.join(work, name), uid, uid)
 if spec["uid"] is not None:
     resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"],) * 2)
     os.setgroups([]); os.setgid(spec["uid"]); os.setuid(spec["uid"])
@@ -113,9 +133,33 @@ if spec["landlock"]:
         os.close(fd)
     if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, ruleset, 0) != 0:  # no_new_privs, restrict_self
         sys.exit("sandbox: landlock_restrict_self failed: " + os.strerror(ctypes.get_errno()))
+if spec["seccomp"]:  # socket(AF_UNIX) fails (EACCES): no host socket (D-Bus, a container runtime's) is reachable
+    arch, nr = spec["seccomp"]
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Filter))]
+    LD, JEQ, RET, ALLOW, EACCES = 0x20, 0x15, 0x06, 0x7FFF0000, 0x00050000 | 13
+    code = [(LD, 0, 0, 4), (JEQ, 0, 4, arch), (LD, 0, 0, 0), (JEQ, 0, 2, nr), (LD, 0, 0, 16), (JEQ, 1, 0, 1),
+            (RET, 0, 0, ALLOW), (RET, 0, 0, EACCES)]  # arch? socket()? its domain AF_UNIX (1)? then EACCES
+    filters = (Filter * len(code))(*[Filter(*c) for c in code])
+    program = Program(len(code), filters)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:  # SECCOMP_MODE_FILTER
+        sys.exit("sandbox: seccomp failed: " + os.strerror(ctypes.get_errno()))
 os.chdir(spec["workdir"])
 os.execve(spec["python"], [spec["python"], "-I", "-B", spec["program"]], spec["env"])
 """
+
+
+SECCOMP_SOCKET = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+"""Machine -> (its seccomp audit architecture, the number of the socket() system call)."""
+
+
+def _seccomp_socket() -> tuple[int, int] | None:
+    """What the launcher's seccomp filter needs on this machine (None: a platform it does not know)."""
+    import platform
+
+    return SECCOMP_SOCKET.get(platform.machine()) if sys.platform.startswith("linux") else None
 
 
 def _landlock_abi() -> int:
@@ -136,11 +180,15 @@ def _spec(
     landlock: int = 0,
     network_namespace: bool = False,
     env: dict | None = None,
+    seccomp: tuple[int, int] | None = None,
+    disk_limit: bool = False,
 ) -> dict:
     """What the launcher reads: the limits, the confinement to apply, the program to exec and its environment."""
     return {
         "limits": asdict(limits),
         "network_namespace": network_namespace,
+        "seccomp": seccomp,
+        "disk_limit": disk_limit,
         "uid": uid,
         "landlock": landlock,
         "readable": list(_readable(python)) if landlock else [],
@@ -170,14 +218,18 @@ _ISOLATION: dict[str, object] | None = None
 
 def isolation() -> dict[str, object]:
     """The mechanisms this machine grants a sandboxed program: `landlock` (its ABI version, 0: none),
-    `network_namespace`, `separate_user` (running as root: a user id per slot, so the process limit holds)."""
+    `network_namespace`, `unix_sockets` (a seccomp filter refusing socket(AF_UNIX): no pathname or abstract Unix
+    socket of the host reachable), `separate_user` (running as root: a user id per slot, so the process limit
+    holds), `disk_limit` (as root: the working folder a tmpfs of `Limits.disk_bytes`, all files together)."""
     global _ISOLATION
     if _ISOLATION is None:
-        abi = _landlock_abi()
+        abi, root = _landlock_abi(), hasattr(os, "geteuid") and os.geteuid() == 0
         _ISOLATION = {
             "landlock": abi if abi and _probe(landlock=abi) else 0,
             "network_namespace": sys.platform.startswith("linux") and _probe(network_namespace=True),
-            "separate_user": hasattr(os, "geteuid") and os.geteuid() == 0,
+            "unix_sockets": bool(_seccomp_socket()) and _probe(seccomp=_seccomp_socket()),
+            "separate_user": root,
+            "disk_limit": root and _probe(disk_limit=True),
         }
     return dict(_ISOLATION)
 
@@ -265,9 +317,9 @@ class Sandbox:
             except RuntimeError as e:
                 return Execution("refused", None, "", str(e), 0.0)
             env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-            spec = _spec(
-                work, python, self.limits, uid, self.isolation["landlock"], self.isolation["network_namespace"], env
-            )
+            grants = self.isolation
+            spec = _spec(work, python, self.limits, uid, grants["landlock"], grants["network_namespace"], env,
+                         _seccomp_socket() if grants["unix_sockets"] else None, grants["disk_limit"])  # fmt: skip
             with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
                 proc = subprocess.Popen(
                     _launcher(spec),

@@ -1,0 +1,209 @@
+"""`tierlm serve` speaks the OpenAI API that real clients send (`tierlm.commands.openai_api`): the `openai` SDK's
+completions and chat completions with n, stop, seed, logprobs / top_logprobs and echo, each honoured — checked
+against the model itself (transformers' own model of the exported folder for the log-probs) — or refused with a 400
+naming the field; and lm-evaluation-harness's own API models against the server agree with `tierlm eval --harness`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from tierlm.commands.chat import Chatbot  # noqa: E402
+from tierlm.commands.generation import Sampling  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def sft(tiny_runs):
+    bot = Chatbot(tiny_runs / "sft", "cpu", chat_only=False)
+    yield bot
+    bot.close()
+
+
+def client_of(bot: Chatbot):
+    """The `openai` SDK talking to the app in this process (FastAPI's test client is an httpx client)."""
+    from fastapi.testclient import TestClient
+
+    from tierlm.commands.serve import create_app
+
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(create_app(bot)))
+
+
+@pytest.fixture(scope="module")
+def client(sft):
+    return client_of(sft)
+
+
+def test_n_seed_and_stop_in_both_endpoints(sft, client):
+    greedy = client.chat.completions.create(model=sft.name, messages=QUESTION, temperature=0, max_tokens=24)
+    text = greedy.choices[0].message.content
+    assert text == sft.reply(QUESTION, temperature=0.0, max_new_tokens=24).text and len(text) > 8
+    stop = text[5:8]  # a stop string the greedy reply contains (the fixture's model is barely trained)
+    stopped = client.chat.completions.create(model=sft.name, messages=QUESTION, temperature=0, max_tokens=24, stop=stop)
+    assert stopped.choices[0].message.content == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=sft.name, messages=QUESTION, temperature=0, max_tokens=24, stop=["#@!", stop], stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[: text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    sampled = dict(model=sft.name, messages=QUESTION, temperature=1.0, max_tokens=16, n=3, seed=7)
+    first, again = client.chat.completions.create(**sampled), client.chat.completions.create(**sampled)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    other = client.chat.completions.create(**{**sampled, "seed": 8})
+    assert [c.message.content for c in other.choices] != [c.message.content for c in first.choices]
+
+    prompt = "What is 12 + 7? 12 + 7"
+    plain = client.completions.create(model=sft.name, prompt=prompt, temperature=0, max_tokens=6)
+    ids = [sft.tokenizer.document_separator_id, *sft.tokenizer.encode(prompt)]
+    want = sft.complete(ids, Sampling(6, 0.0))[0]
+    assert plain.choices[0].text == want.text and plain.usage.completion_tokens == want.completion_tokens
+    by_ids = client.completions.create(model=sft.name, prompt=[ids, ids], temperature=0, max_tokens=6, n=2)
+    assert [c.text for c in by_ids.choices] == [want.text] * 4 and [c.index for c in by_ids.choices] == [0, 1, 2, 3]
+    streamed = client.completions.create(model=sft.name, prompt=prompt, temperature=0, max_tokens=6, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+
+
+def test_logprobs_are_the_models_own(sft, client, tiny_runs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_runs / "sft" / "model").eval()
+    response = client.chat.completions.create(
+        model=sft.name, messages=QUESTION, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    prompt = sft.tokenizer.render_for_completion(QUESTION)
+    reply = sft.chat_choices(QUESTION, Sampling(12, 0.0, top_logprobs=0))[0]
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + reply.tokens])).logits[0].log_softmax(-1)
+    expected = [float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(reply.tokens)]
+    assert [t.logprob for t in content] == pytest.approx(expected, abs=1e-4)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
+
+    echoed = client.completions.create(
+        model=sft.name, prompt="What is 2 + 3?", temperature=0, max_tokens=3, logprobs=1, echo=True
+    )
+    choice = echoed.choices[0]
+    assert choice.text.startswith("What is 2 + 3?") and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 99}, "n"),
+    ],
+)
+def test_a_field_the_server_does_not_honour_is_a_400_naming_it(sft, client, extra, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=sft.name, messages=QUESTION, max_tokens=4, **extra)
+    assert refused.value.status_code == 400 and refused.value.body["message"].startswith(field)
+
+
+def test_a_base_model_serves_completions_and_refuses_chat(tiny_runs, tmp_path):
+    """A model folder whose tokenizer has no chat template (a base model's, as the Hub has many)."""
+    import json
+
+    from tierlm.checkpoint.verify import MODEL_META_FILE, file_manifest
+
+    folder = shutil.copytree(tiny_runs / "pre" / "model", tmp_path / "base")
+    (folder / "chat_template.jinja").unlink()
+    meta = json.loads((folder / MODEL_META_FILE).read_text())
+    meta["manifest"] = file_manifest(folder, exclude=(MODEL_META_FILE,))  # the folder as saved without a template
+    (folder / MODEL_META_FILE).write_text(json.dumps(meta))
+    bot = Chatbot(folder, "cpu", chat_only=False)
+    try:
+        client = client_of(bot)
+        with pytest.raises(openai.BadRequestError, match="suffix is not supported"):
+            client.completions.create(model=bot.name, prompt="What is 2 + 3?", max_tokens=4, suffix="x")
+        done = client.completions.create(model=bot.name, prompt="What is 2 + 3?", max_tokens=4, temperature=0)
+        assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError, match="no chat template: send its prompts to /v1/completions"):
+            client.chat.completions.create(model=bot.name, messages=QUESTION, max_tokens=4)
+    finally:
+        bot.close()
+
+
+def responses(results: dict, task: str) -> list:
+    """The harness's filtered response to each document of `task`, in document order."""
+    samples = sorted(results["samples"][task], key=lambda sample: sample["doc_id"])
+    return [sample["filtered_resps"] for sample in samples]
+
+
+def test_lm_eval_api_models_against_the_server_agree_with_the_harness(sft, tiny_runs, tmp_path):
+    """lm-evaluation-harness's own `local-completions` (multiple choice by log-likelihood, generation) and
+    `local-chat-completions` (generation) run against `tierlm serve` on local arithmetic tasks, and score and
+    answer as `tierlm eval --harness` (the harness on `TierlmLM`) does on the same model."""
+    pytest.importorskip("lm_eval")
+    uvicorn = pytest.importorskip("uvicorn")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from test_harness import write_tasks
+    from tierlm.commands.harness import TierlmLM
+    from tierlm.commands.serve import create_app
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_runs / "sft" / "model", folder)
+    manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")))
+    tasks = ["tierlm_sums_mc", "tierlm_sums_gen"]
+    lm = TierlmLM(sft.engine.model, sft.tokenizer)
+    direct = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True)
+    direct_chat = simple_evaluate(
+        model=lm, tasks=tasks[1:], task_manager=manager, log_samples=True, apply_chat_template=True
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(sft), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/v1"
+        common = f"model={sft.name},num_concurrent=1,max_retries=1"
+        served = simple_evaluate(
+            model="local-completions",
+            model_args=f"base_url={url}/completions,{common},tokenizer={folder},add_bos_token=True",
+            tasks=tasks,
+            task_manager=manager,
+            log_samples=True,
+        )
+        chat = simple_evaluate(
+            model="local-chat-completions",
+            model_args=f"base_url={url}/chat/completions,{common}",
+            tasks=tasks[1:],
+            task_manager=manager,
+            log_samples=True,
+            apply_chat_template=True,
+        )
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert served["results"]["tierlm_sums_mc"]["acc,none"] == direct["results"]["tierlm_sums_mc"]["acc,none"]
+    scores = [[score for score, _ in doc] for doc in responses(served, "tierlm_sums_mc")]  # each choice's
+    assert scores == [
+        [pytest.approx(score, abs=1e-4) for score, _ in doc] for doc in responses(direct, "tierlm_sums_mc")
+    ]
+    assert responses(served, "tierlm_sums_gen") == responses(direct, "tierlm_sums_gen")
+    assert responses(chat, "tierlm_sums_gen") == responses(direct_chat, "tierlm_sums_gen")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch a tierlm training run with Accelerate, on one machine or many, the way the FSDP2 training story does.
+# Launch a tierlm training run with Accelerate, on one machine or many, the way Accelerate-style FSDP2 training scripts do.
 #
 #   bash scripts/launch_training.sh [section.key=value ...]
 #

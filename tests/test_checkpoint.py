@@ -344,3 +344,36 @@ def test_async_save_writes_the_same_files_as_sync(tmp_path):
             assert strip(a / name) == strip(b / name)
         else:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_garbage_collection_is_frozen_after_the_first_step_and_given_back_after(tmp_path, monkeypatch):
+    """The loop collects once after the first step and freezes what survives (no GC pass over the model's objects
+    again), then collects every GC_COLLECT_STEPS steps; after the run the collector is on again and nothing stays
+    frozen (a process group held by a cycle must be collectable before exit)."""
+    import gc
+
+    from tierlm.config import TrainingConfig
+    from tierlm.loops import trainer as trainer_module
+    from tierlm.strategies import PretrainStrategy
+
+    class Loader:
+        def next_batch(self):
+            return {"tokens": torch.randint(0, 40, (2, 9))}
+
+    calls, enabled_during = [], []
+    real_collect = gc.collect
+    monkeypatch.setattr(trainer_module, "GC_COLLECT_STEPS", 3)
+    monkeypatch.setattr(trainer_module.gc, "collect", lambda *a: calls.append("collect") or real_collect(*a))
+    trainer = trainer_module.Trainer(
+        _backend(tmp_path),
+        PretrainStrategy(),
+        train_loader=Loader(),
+        config=TrainingConfig(num_train_steps=7, save_steps=0, eval_steps=0, logging_steps=1),
+        progress_bar=False,
+    )
+    original = trainer.after_step
+    trainer.after_step = lambda metrics, log: (original(metrics, log), enabled_during.append(gc.isenabled()))[0]
+    frozen_before = gc.get_freeze_count()
+    trainer.train()
+    assert calls == ["collect"] * 3  # after step 1, then at steps 3 and 6
+    assert enabled_during == [False] * 7 and gc.isenabled() and gc.get_freeze_count() == frozen_before == 0

@@ -134,3 +134,17 @@ def test_the_engine_fields_earlier_names_still_load(tmp_path):
     path.write_text("rl:\n  engine: vllm\nengine:\n  kind: native\n")
     with pytest.raises(ConfigError, match="rl.engine=vllm is tierlm's engine.kind, which the config also sets"):
         TierlmConfig.load(path)
+
+
+def test_warmup_ratio_becomes_warmup_steps_once_the_steps_are_known():
+    """training.warmup_ratio is transformers' (ceil(ratio x steps)), resolved against the run's steps however they are
+    set — a step count or a token horizon; with warmup_steps too it is refused in one line."""
+    from tierlm.builders.stage import Stage
+    from tierlm.plan.scaling import resolve
+
+    base = ["model.depth=1", "model.aspect_ratio=32", "training.warmup_steps=0", "training.warmup_ratio=0.1"]
+    config = TierlmConfig.load("tiny_pretrain", [*base, "training.num_train_steps=25"])
+    resolved, _ = resolve(config, Stage(), None)
+    assert (resolved.training.warmup_steps, resolved.training.warmup_ratio) == (3, None)  # ceil(2.5)
+    with pytest.raises(ConfigError, match=r"training.warmup_ratio and training.warmup_steps \(5\) each set"):
+        TierlmConfig.load("tiny_pretrain", ["training.warmup_ratio=0.1", "training.warmup_steps=5"])

@@ -85,6 +85,35 @@ def test_preference_pairs_by_epoch(tiny_runs, tmp_path):
     assert lines(run)[-1]["epoch"] == pytest.approx((pairs // 4) * 4 / pairs)
 
 
+def test_sft_for_one_epoch_as_nanochat_trains_it(tiny_runs, tmp_path):
+    """SFT by epochs with the nanochat_sft preset's schedule (one epoch, the LR held for the first 80%, then down to
+    0): as many steps as whole batches of one pass over the conversations, the LR of each step as written out."""
+    from tierlm.builders.loaders import build_loaders
+    from tierlm.data import load_tokenizer
+    from tierlm.stages import STAGES
+
+    preset = TierlmConfig.load("nanochat_sft").training
+    schedule = [f"training.{k}={getattr(preset, k)}" for k in ("lr_scheduler_type", "warmdown_ratio", "min_lr_ratio")]
+    assert (preset.num_train_epochs, preset.num_train_steps, preset.warmdown_ratio) == (1, None, 0.2)
+    overrides = [*CHAT, f"model.model_name_or_path={tiny_runs / 'sft'}", "training.logging_steps=1", *schedule]
+    overrides += ["training.num_train_steps=null", "training.num_train_epochs=1", "data.num_synthetic_examples=150"]
+    overrides += ["training.warmup_steps=0", "training.learning_rate=1e-3", "training.eval_steps=0"]
+    run = tmp_path / "sft"
+    assert main(["sft", "--config", "tiny_sft", *overrides, f"infra.output_dir={run}"]) == 0
+    config = TierlmConfig.load(REPO / "configs/tiny_sft.yaml", overrides)
+    loader, _ = build_loaders(config, STAGES["sft"], load_tokenizer(tiny_runs / "sft" / "model"), 1, False)
+    steps = loader.batches_per_pass() // config.training.gradient_accumulation_steps
+    train = lines(run)
+    assert steps >= 15 and [r["step"] for r in train] == list(range(1, steps + 1))
+    assert train[-1]["epoch"] == pytest.approx(
+        steps * config.training.gradient_accumulation_steps / loader.batches_per_pass()
+    )
+    held = round(0.8 * steps)  # warmdown: the peak for 80% of the steps, then linearly towards 0 at the end
+    expected = [1e-3 if i < held else 1e-3 * (steps - i) / (steps - held) for i in range(steps)]
+    assert expected[-1] < 1e-3 / 2
+    assert [r["lr"] for r in train] == pytest.approx(expected, rel=1e-6)
+
+
 def test_rl_by_epoch_passes_over_its_prompts(tiny_runs, tmp_path):
     """RL for one epoch over 8 prompts at 2 a step: 4 steps, the last at epoch 1."""
     run = tmp_path / "rl"

@@ -144,3 +144,32 @@ def test_no_mfu_over_100_percent_when_the_peak_was_measured_low(tmp_path, monkey
         assert all(0 < r["mfu"] <= 1.0 for r in train)
     else:
         assert not any("mfu" in r for r in train) and "MFU is not printed from here on" in result.stderr
+
+
+def test_the_in_loop_sample_lines_are_the_models_greedy_answers(tiny_runs):
+    """Each evaluation logs a `sample` line per training.sample_prompts prompt; the last ones are what transformers'
+    own greedy decoding of the final model folder writes (the SFT run: the prompts as user turns)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tierlm.config import TierlmConfig
+    from tierlm.data import load_tokenizer
+    from tierlm.rollout.engine import readable_text
+
+    run = tiny_runs / "sft"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    config = TierlmConfig.load(run / "config.yaml")
+    prompts = config.training.sample_prompts
+    evals = [r["step"] for r in records if r["type"] == "eval"]
+    samples = [r for r in records if r["type"] == "sample"]
+    assert prompts and evals and [(s["step"], s["prompt"]) for s in samples] == [(e, p) for e in evals for p in prompts]
+    tokenizer = load_tokenizer(run / "model")
+    model = AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    for sample in samples[-len(prompts) :]:
+        ids = tokenizer.render_for_completion([{"role": "user", "content": sample["prompt"]}])
+        budget = config.training.sample_max_new_tokens
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=budget, do_sample=False, eos_token_id=tokenizer.stop_ids
+            )
+        assert sample["completion"] == readable_text(tokenizer, out[0, len(ids) :].tolist())

@@ -1,5 +1,5 @@
-"""Field names other configs use, read as tierlm's: the FSDP2 training story's (its `TrainingConfig` / `InfraConfig`
-dataclasses), so a YAML written for that story loads as it is, `rl.environment` (prime-rl's name for the
+"""Field names other configs use, read as tierlm's: Accelerate-style FSDP2 training scripts' (their `TrainingConfig` /
+`InfraConfig` dataclasses), so a YAML written for such a script loads as it is, `rl.environment` (prime-rl's name for the
 environment an RL run trains on: tierlm's data.dataset_name), and the engine's fields' names from before the engine
 section (rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utilization), so older configs and run folders load.
 
@@ -39,7 +39,7 @@ def _put(raw: dict[str, Any], source: str, target: tuple[str, str], value: Any) 
 
 
 def alias_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """`section.key=value` overrides with the story's names renamed to tierlm's.
+    """`section.key=value` overrides with the other names renamed to tierlm's.
 
     >>> alias_overrides(["infra.fsdp_cpu_offload=true", "training.seed=1"])
     ['infra.cpu_offload=true', 'training.seed=1']
@@ -53,7 +53,7 @@ def alias_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
 
 
 def translate_aliases(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` (a config as read) with the story's names moved to tierlm's (`training.eval_samples` is a field of its
+    """`raw` (a config as read) with the other names moved to tierlm's (`training.eval_samples` is a field of its
     own, turned into eval batches by `TrainingConfig`).
 
     >>> translate_aliases({"infra": {"logging_dir": "./logs", "fsdp_activation_checkpointing": True}})

@@ -44,7 +44,7 @@ def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like section.key=value")
-    named = alias_overrides(overrides)  # an override in the story's names wins over the file's
+    named = alias_overrides(overrides)  # an override in the other names wins over the file's
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(named))
         raw = OmegaConf.to_container(merged, resolve=True)

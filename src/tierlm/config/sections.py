@@ -253,6 +253,9 @@ class TrainingConfig(Section):
     the last partial step dropped; each train line logs the epoch reached."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps (from training.warmup_start_factor x to 1x of the learning rate)."""
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    """The warm-up as a share of the run's optimizer steps instead (transformers' warmup_ratio: ceil(ratio x steps)),
+    resolved once the steps are known (by epochs or a token horizon too) into training.warmup_steps."""
     warmup_start_factor: float = Field(0.1, ge=0, le=1)
     """The warm-up's first learning rate, as a share of training.learning_rate (0: from zero, as transformers'
     get_linear_schedule_with_warmup)."""
@@ -294,7 +297,7 @@ class TrainingConfig(Section):
     """Batches per evaluation (a fixed set, the same every time); all: one whole pass over the validation data (with
     data.stream, every held-out token scored once: the figure nanoGPT's and llm.c's readers compare)."""
     eval_samples: int | None = Field(None, gt=0)
-    """Examples per evaluation instead (the FSDP2 training story's name): eval_batches becomes the whole batches of
+    """Examples per evaluation instead (the name Accelerate-style FSDP2 training scripts use): eval_batches becomes the whole batches of
     per_device_eval_batch_size that hold them."""
     sample_prompts: list[str] = Field(default_factory=lambda: ["The capital of France is", "What is 12 + 7?"])
     """At each evaluation, greedy completions of these prompts (user turns for chat stages) are
@@ -369,6 +372,11 @@ class TrainingConfig(Section):
             raise ValueError(
                 "training.total_batch_size=auto predicts the batch from the token horizon: "
                 "set training.target_param_data_ratio (10.5 in nanochat) or give a number of tokens"
+            )
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError(
+                f"training.warmup_ratio and training.warmup_steps ({self.warmup_steps}) each set the warm-up: keep one "
+                "(training.warmup_steps=0 with the ratio)"
             )
         if self.num_train_epochs is not None:
             if self.target_param_data_ratio is not None:

@@ -291,6 +291,9 @@ def resolve(
         per_step = 1 if stage.micro_batch_key == "rl.micro_batch_size" else plan.accumulation  # RL: prompts a step
         plan.num_train_steps = updates["num_train_steps"] = _epoch_steps(tr, batches_per_epoch, per_step)
         plan.epochs, plan.batches_per_epoch = tr.num_train_epochs, batches_per_epoch
+    if tr.warmup_ratio is not None:  # now that the steps are known
+        steps = updates.get("num_train_steps", tr.num_train_steps)
+        updates.update(warmup_steps=min(math.ceil(tr.warmup_ratio * steps), steps - 1), warmup_ratio=None)
     lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width).items()}
     for role, lr in lrs.items():
         if not lr < 1:

@@ -1,5 +1,9 @@
+import contextlib
 import os
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +203,25 @@ def two_block_runs(tmp_path_factory):
     """The same at depth 2 (two blocks of two heads: one block per pipeline stage, one head per tensor-parallel
     rank), shared (read-only) by the model-parallel cases."""
     return _pretrain_and_sft(tmp_path_factory.mktemp("two_block_runs"), "model.depth=2")
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """An ASGI app (`tierlm serve`'s) served by uvicorn on a free local port, on a thread: its base URL."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    try:
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -7,15 +7,13 @@ naming the field; and lm-evaluation-harness's own API models against the server 
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from conftest import live_server  # noqa: E402
 from tierlm.commands.chat import Chatbot  # noqa: E402
 from tierlm.commands.generation import Sampling  # noqa: E402
 
@@ -154,7 +152,7 @@ def test_lm_eval_api_models_against_the_server_agree_with_the_harness(sft, tiny_
     `local-chat-completions` (generation) run against `tierlm serve` on local arithmetic tasks, and score and
     answer as `tierlm eval --harness` (the harness on `TierlmLM`) does on the same model."""
     pytest.importorskip("lm_eval")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -171,16 +169,8 @@ def test_lm_eval_api_models_against_the_server_agree_with_the_harness(sft, tiny_
     direct_chat = simple_evaluate(
         model=lm, tasks=tasks[1:], task_manager=manager, log_samples=True, apply_chat_template=True
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(sft), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}/v1"
+    with live_server(create_app(sft)) as base:
+        url = f"{base}/v1"
         common = f"model={sft.name},num_concurrent=1,max_retries=1"
         served = simple_evaluate(
             model="local-completions",
@@ -197,9 +187,6 @@ def test_lm_eval_api_models_against_the_server_agree_with_the_harness(sft, tiny_
             log_samples=True,
             apply_chat_template=True,
         )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
     assert served["results"]["tierlm_sums_mc"]["acc,none"] == direct["results"]["tierlm_sums_mc"]["acc,none"]
     scores = [[score for score, _ in doc] for doc in responses(served, "tierlm_sums_mc")]  # each choice's
     assert scores == [

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import live_server
 from tierlm.commands.chat import Chatbot, terminal_chat
 
 QUESTION = "What is 2 + 3?"
@@ -56,23 +57,11 @@ def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
 @pytest.fixture(scope="module")
 def server(bot):
     pytest.importorskip("fastapi")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from tierlm.commands.serve import create_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(create_app(bot), host="127.0.0.1", port=port, log_level="warning")
-    instance = uvicorn.Server(config)
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not instance.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    instance.should_exit = True
-    thread.join(timeout=10)
+    with live_server(create_app(bot)) as url:
+        yield url
 
 
 def test_the_openai_client_talks_to_the_server(bot, server):
@@ -255,7 +244,7 @@ def test_concurrent_requests_are_generated_together_and_answer_as_alone(bot, tin
     """A bot with batch rows: four clients at once through the server get, greedy, what each gets one at a time
     (continuous batching: each request joins the running batch between decode steps)."""
     httpx = pytest.importorskip("httpx")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     from tierlm.commands.serve import create_app
 
     questions = [QUESTION, "What is 10 + 7?", "What is 3 + 3?", "What is 41 + 1?"]
@@ -264,32 +253,23 @@ def test_concurrent_requests_are_generated_together_and_answer_as_alone(bot, tin
     assert batched.scheduler is not None and batched.batch_rows == 4
     widest, step = [0], batched.scheduler.decoder.step
     batched.scheduler.decoder.step = lambda tokens: (widest.append(len(tokens)), step(tokens))[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    instance = uvicorn.Server(uvicorn.Config(create_app(batched), port=port, log_level="warning"))
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
+    answers: dict[int, str] = {}
     try:
-        while not instance.started:
-            time.sleep(0.05)
-        answers: dict[int, str] = {}
+        with live_server(create_app(batched)) as url:
 
-        def ask(i: int) -> None:
-            body = {"messages": [{"role": "user", "content": questions[i]}], "temperature": 0, "max_tokens": 24}
-            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
-            answers[i] = response.json()["choices"][0]["message"]["content"]
+            def ask(i: int) -> None:
+                body = {"messages": [{"role": "user", "content": questions[i]}], "temperature": 0, "max_tokens": 24}
+                response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+                answers[i] = response.json()["choices"][0]["message"]["content"]
 
-        clients = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join(timeout=60)
+            clients = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+            for c in clients:
+                c.start()
+            for c in clients:
+                c.join(timeout=60)
         assert [answers[i] for i in range(4)] == alone
         assert max(widest) > 1  # decode steps served several requests at once
     finally:
-        instance.should_exit = True
-        thread.join(timeout=10)
         batched.close()
 
 

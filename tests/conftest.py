@@ -78,7 +78,8 @@ def torchrun(*args, nproc: int = 2, timeout: int = 300, wait: bool = True, **pop
     `wait=False`: start it in its own process group (for os.killpg) and return the process."""
     import subprocess
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # a worktree's src first
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     command = [
         sys.executable,
         "-m",

@@ -1498,7 +1498,7 @@ CASES = [
     Case(
         "eval-training-key",
         ["eval", "--checkpoint", "{sft}", "--config", cfg(RL_CFG), "training.learning_rate=0.1"],
-        r"training.learning_rate has no effect on `tierlm eval`, which reads rl.\*, data.\*, training.seed",
+        r"training.learning_rate has no effect on `tierlm eval`, which reads rl.\*, engine.\*, data.\*, training.seed",
     ),
     Case(
         "eval-model-override",

@@ -367,16 +367,29 @@ def test_fsdp_sharding_strategies_match_one_process(tmp_path):
         assert estimate["FSDP gathered blocks"] > 0
 
 
-def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(tiny_runs, tmp_path):
-    """Continuing a trained model under FSDP2 with infra.cpu_ram_efficient_loading: rank 1 builds it on the meta
-    device and takes its shards from rank 0's copy by broadcast; the steps are one process's (1e-4)."""
-    common = [
-        "pretrain",
-        "--config",
-        "configs/tiny_pretrain.yaml",
-        *TINY,
-        f"model.model_name_or_path={tiny_runs / 'pre' / 'model'}",
-    ]
+def transformers_folder(tiny_runs, folder):
+    """A transformers Qwen3 model folder (no tierlm files) with the tiny runs' tokenizer: what a Hub download holds."""
+    from tierlm.data import load_tokenizer
+    from tierlm.primitives.models import create_hf_model_from_config
+
+    tokenizer = load_tokenizer(tiny_runs / "pre" / "model")
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
+    model = create_hf_model_from_config("qwen3", vocab_size=tokenizer.vocab_size, num_key_value_heads=1, **shape)
+    model.save_pretrained(folder)
+    tokenizer.save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("source", ["tierlm", "transformers"])
+def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(source, tiny_runs, tmp_path):
+    """Continuing a trained model under FSDP2 with infra.cpu_ram_efficient_loading (Accelerate's
+    fsdp_cpu_ram_efficient_loading): rank 1 builds it on the meta device and takes its shards — and the buffers no
+    state dict carries (rotary tables) — from rank 0's copy by broadcast; the steps are one process's (1e-4). From a
+    tierlm model folder and from a transformers one (a Qwen3 folder as the Hub serves it)."""
+    folder = tiny_runs / "pre" / "model" if source == "tierlm" else transformers_folder(tiny_runs, tmp_path / "qwen3")
+    shared = [a for a in TINY if not a.startswith("model.")]  # the folder's shape is its own
+    common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *shared, f"model.model_name_or_path={folder}"]
     common += ["training.num_train_steps=4", "training.logging_steps=1", "training.eval_steps=2"]
     two = tmp_path / "two"
     result = torchrun(

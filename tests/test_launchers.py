@@ -279,3 +279,37 @@ def test_wandb_project_from_the_environment_when_the_config_sets_none(tmp_path, 
     assert run_main(*args, f"infra.output_dir={tmp_path / 'a'}").returncode == 0
     assert run_main(*args, "infra.wandb_project=mine", f"infra.output_dir={tmp_path / 'b'}").returncode == 0
     assert projects == ["from-the-launch-script", "mine"]
+
+
+def test_the_training_storys_fsdp_config_as_written_and_each_setting_honoured_or_refused(tmp_path):
+    """The FSDP2 Accelerate config of an Accelerate-style training script, byte for byte (tests/fixtures/story):
+    FSDP2, FULL_SHARD, activation checkpointing, CPU-RAM-efficient loading (from a transformers folder too:
+    test_distributed) and bf16 are taken; its wrap policy, prefetch, state-dict type, original parameters and module
+    sync are what tierlm does; each of those at a value tierlm does not honour is refused in one line."""
+    story = (REPO / "tests" / "fixtures" / "story" / "accelerate_fsdp2.yaml").read_text()
+    config = accelerate_overrides(TierlmConfig.load("tiny_pretrain"), accelerate_environment_of(story, tmp_path))
+    infra = config.infra
+    assert infra.distributed_type == "fsdp" and infra.fsdp_sharding_strategy == "FULL_SHARD"
+    assert infra.activation_checkpointing and infra.cpu_ram_efficient_loading and not infra.cpu_offload
+    assert config.training.bf16
+    for line, other in [
+        ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP", "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+        ("fsdp_backward_prefetch: BACKWARD_PRE", "fsdp_backward_prefetch: BACKWARD_POST"),
+        ("fsdp_state_dict_type: SHARDED_STATE_DICT", "fsdp_state_dict_type: FULL_STATE_DICT"),
+        ("fsdp_use_orig_params: true", "fsdp_use_orig_params: false"),
+    ]:
+        assert line in story
+        env = accelerate_environment_of(story.replace(line, other), tmp_path)
+        key, value = other.split(": ")
+        with pytest.raises(ConfigError, match=f"the Accelerate config's {key}: {value} is not what tierlm does"):
+            accelerate_overrides(TierlmConfig.load("tiny_pretrain"), env)
+    unsynced = story.replace("sync_module_states: true", "sync_module_states: false")  # (Accelerate wants it with
+    unsynced = unsynced.replace("cpu_ram_efficient_loading: true", "cpu_ram_efficient_loading: false")  # this)
+    config = accelerate_overrides(TierlmConfig.load("tiny_pretrain"), accelerate_environment_of(unsynced, tmp_path))
+    assert config.infra.distributed_type == "fsdp" and not config.infra.cpu_ram_efficient_loading
+
+
+def accelerate_environment_of(text: str, folder) -> dict[str, str]:
+    path = folder / "accelerate.yaml"
+    path.write_text(text)
+    return accelerate_environment(path)

@@ -139,15 +139,34 @@ class DistributedTrainingBackend(PyTorchTrainingBackend):
             pending.finish()
 
 
-def broadcast_full_state(model: nn.Module, full: dict[str, torch.Tensor], device: torch.device) -> None:
+def unsaved_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, name, value) of every buffer no state dict carries (rotary tables: non-persistent), in module order
+    (the same on every rank; the module objects survive the wrapping, their tensors do not survive `to_empty`)."""
+    return [
+        (module, name, module._buffers[name].detach().clone())
+        for module in model.modules()
+        for name in sorted(module._non_persistent_buffers_set)
+        if module._buffers.get(name) is not None
+    ]
+
+
+def broadcast_full_state(
+    model: nn.Module, full: dict[str, torch.Tensor], device: torch.device, unsaved: list | None = None
+) -> None:
     """Fill a sharded `model` whose ranks other than 0 were built on the meta device: every rank's storage is
     allocated (`to_empty`), rank 0's `full` state (empty elsewhere) is broadcast into the shards
-    (`set_model_state_dict(broadcast_from_rank0=True)`), and the buffers no state dict carries (rotary tables)
-    are computed again by the model's family."""
+    (`set_model_state_dict(broadcast_from_rank0=True)`), and the buffers no state dict carries (rotary tables:
+    `unsaved`, taken before the wrapping) are broadcast from rank 0 too — any family's, a transformers model's
+    included."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
     family_of(model).after_materialize(unwrap_model(model))
+    for module, name, value in unsaved or []:
+        buffer = module._buffers[name]
+        if dist.get_rank() == 0:
+            buffer.copy_(value)
+        dist.broadcast(buffer, src=0)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
 
@@ -203,6 +222,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         are filled from rank 0's full copy after sharding (the weights read once per job, not once per rank)."""
         world = dist.get_world_size()
         full = model.state_dict() if o.broadcast_weights and dist.get_rank() == 0 else {}
+        unsaved = unsaved_buffers(model) if o.broadcast_weights else []
 
         def shard(m: nn.Module, block_list) -> None:
             dtypes = o.compute_dtype, o.reduce_dtype
@@ -211,7 +231,7 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
         transforms = dict(fp8=o.fp8, activation_checkpointing=o.activation_checkpointing, compile=o.compile)
         model = parallelize(model, device, data_parallel=shard, **transforms)
         if o.broadcast_weights:
-            broadcast_full_state(model, full, device)
+            broadcast_full_state(model, full, device, unsaved)
         self.cpu_offload = o.cpu_offload
         return model, replace(o, compute_dtype=None)  # FSDP2's mixed precision computes in its param dtype
 

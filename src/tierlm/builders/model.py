@@ -55,14 +55,17 @@ def model_context(config: TierlmConfig, vocab_size: int, pretrained: Path | str 
 
 
 def loads_on_rank0_only(config: TierlmConfig, pretrained, kind: str) -> bool:
-    """infra.cpu_ram_efficient_loading as this run honours it: under FSDP2, from a tierlm model folder (whose
-    family recomputes what `to_empty` leaves blank); elsewhere every rank reads the weights it needs anyway."""
+    """infra.cpu_ram_efficient_loading as this run honours it: under FSDP2, from a local model folder (tierlm's or
+    transformers'; Accelerate's fsdp_cpu_ram_efficient_loading): rank 0 reads the weights, the other ranks build the
+    model on the meta device and take their shards (and the buffers no state dict carries) by broadcast; elsewhere
+    every rank reads the weights it needs anyway."""
     if not config.infra.cpu_ram_efficient_loading or pretrained is None or kind != "fsdp":
         return False
-    if not (isinstance(pretrained, Path) and is_native_folder(pretrained)) or config.model.lora.r:
+    if not isinstance(pretrained, Path) or config.model.lora.r or config.model.load_in_4bit:
         raise ConfigError(
-            "infra.cpu_ram_efficient_loading builds the other ranks' model on the meta device from a tierlm model "
-            f"folder without LoRA; {pretrained} is not one (or model.lora is set): drop the setting"
+            "infra.cpu_ram_efficient_loading builds the other ranks' model on the meta device from a local model "
+            f"folder, without LoRA or 4-bit weights; {pretrained} is not one (a hub id: `hf download` it first, and "
+            "give the folder), or drop the setting"
         )
     return True
 

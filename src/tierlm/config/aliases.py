@@ -1,7 +1,8 @@
-"""Field names other configs use, read as tierlm's: Accelerate-style FSDP2 training scripts' (their `TrainingConfig` /
-`InfraConfig` dataclasses), so a YAML written for such a script loads as it is, `rl.environment` (prime-rl's name for the
-environment an RL run trains on: tierlm's data.dataset_name), and the engine's fields' names from before the engine
-section (rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utilization), so older configs and run folders load.
+"""Field names other configs use, read as tierlm's: Accelerate-style FSDP2 training scripts' (their
+`TrainingConfig` / `InfraConfig` dataclasses), so a YAML written for such a script loads as it is, `rl.environment`
+(prime-rl's name for the environment an RL run trains on: tierlm's data.dataset_name), and the engine's fields' names
+from before the engine section (rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utilization), so older configs and run
+folders load.
 
 Each name moves to the tierlm field that means the same; one that the config also sets under tierlm's own name, to
 another value, is refused in one line.

@@ -77,8 +77,8 @@ class InfraConfig(Section):
     keeps them gathered until the backward (no second all-gather); HYBRID_SHARD shards within each
     machine and replicates across machines (2-D mesh)."""
     num_gpus: int | None = Field(None, gt=0)
-    """The ranks the run is launched with (the name Accelerate-style FSDP2 training scripts use), checked against what the launcher started
-    (None: whatever it started)."""
+    """The ranks the run is launched with (the name Accelerate-style FSDP2 training scripts use), checked against
+    what the launcher started (None: whatever it started)."""
     dist_timeout_s: float = Field(600.0, gt=0)
     """How long a collective waits for a silent rank before the job fails (instead of hanging)."""
     hang_timeout: float | None = Field(300.0, gt=0)

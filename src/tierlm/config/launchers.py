@@ -3,7 +3,8 @@
 Accelerate starts the processes as torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ... in each one's
 environment, which tierlm's distributed setup reads) and passes its config file's settings as
 environment variables. `accelerate_overrides` turns those into tierlm's config: FSDP (version 2 only:
-tierlm shards with FSDP2) with its sharding strategy, parameter offload and activation checkpointing,
+tierlm shards with FSDP2) with its sharding strategy (or reshard_after_forward), parameter offload, CPU-RAM-efficient
+loading and activation checkpointing, its other settings checked against what tierlm does (`FSDP_AS_TIERLM_DOES`),
 DeepSpeed with its ZeRO stage, offloads, config file and gradient clipping, and the mixed precision. A
 setting the tierlm config also sets explicitly, to another value, is a conflict, refused in one line;
 otherwise Accelerate's value is taken.
@@ -24,6 +25,31 @@ SHARDING = {
     "SHARD_GRAD_OP": "SHARD_GRAD_OP",
     "HYBRID_SHARD": "HYBRID_SHARD",
 }
+
+FSDP_AS_TIERLM_DOES = {
+    "FSDP_AUTO_WRAP_POLICY": (("TRANSFORMER_BASED_WRAP",), "tierlm shards each of the model's blocks on its own"),
+    "FSDP_BACKWARD_PREFETCH": (("BACKWARD_PRE",), "FSDP2 prefetches the next block's parameters before its backward"),
+    "FSDP_FORWARD_PREFETCH": (("false",), "FSDP2 all-gathers each block as the forward reaches it"),
+    "FSDP_STATE_DICT_TYPE": (("SHARDED_STATE_DICT",), "checkpoints are DCP's sharded ones (the final model is whole)"),
+    "FSDP_USE_ORIG_PARAMS": (("true",), "FSDP2 always trains the original parameters (DTensor shards)"),
+    "FSDP_SYNC_MODULE_STATES": (("true", "false"), "every rank starts from the same weights either way"),
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (("false",), "checkpointed activations stay on the device"),
+    "ACCELERATE_DOWNCAST_BF16": (("no", "false"), "downcast_bf16 is for TPUs"),
+}
+"""Accelerate's other FSDP settings (the variables `accelerate launch` exports from an fsdp_config) -> (the values
+tierlm honours, what it does): another value is refused in one line, never silently dropped. (The wrapped layer
+classes, fsdp_transformer_layer_cls_to_wrap, need no value: the model's family names its blocks.)"""
+
+
+def _check_fsdp_settings(env: Mapping[str, str]) -> None:
+    for name, (honoured, does) in FSDP_AS_TIERLM_DOES.items():
+        value = env.get(name)
+        if value is not None and value.strip().lower() not in {h.lower() for h in honoured}:
+            key = name.removeprefix("ACCELERATE_").removeprefix("FSDP_").lower()
+            raise ConfigError(
+                f"the Accelerate config's {'fsdp_' if name.startswith('FSDP_') else ''}{key}: {value} is not what "
+                f"tierlm does ({does}): set it to {honoured[0]} or drop it"
+            )
 
 
 def _true(value: str | None) -> bool:
@@ -59,6 +85,9 @@ def accelerate_settings(env: Mapping[str, str]) -> dict[tuple[str, str], object]
                 f"the Accelerate config's fsdp_sharding_strategy {strategy!r} is not one tierlm's FSDP2 has: "
                 "FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD"
             )
+        _check_fsdp_settings(env)
+        if strategy == "FULL_SHARD" and env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "false":
+            strategy = "SHARD_GRAD_OP"  # FSDP2's name for it: the gathered parameters kept after the forward
         out[("infra", "distributed_type")] = "fsdp"
         out[("infra", "fsdp_sharding_strategy")] = SHARDING[strategy]
         out[("infra", "cpu_offload")] = _true(env.get("FSDP_OFFLOAD_PARAMS"))

@@ -297,8 +297,8 @@ class TrainingConfig(Section):
     """Batches per evaluation (a fixed set, the same every time); all: one whole pass over the validation data (with
     data.stream, every held-out token scored once: the figure nanoGPT's and llm.c's readers compare)."""
     eval_samples: int | None = Field(None, gt=0)
-    """Examples per evaluation instead (the name Accelerate-style FSDP2 training scripts use): eval_batches becomes the whole batches of
-    per_device_eval_batch_size that hold them."""
+    """Examples per evaluation instead (the name Accelerate-style FSDP2 training scripts use): eval_batches becomes
+    the whole batches of per_device_eval_batch_size that hold them."""
     sample_prompts: list[str] = Field(default_factory=lambda: ["The capital of France is", "What is 12 + 7?"])
     """At each evaluation, greedy completions of these prompts (user turns for chat stages) are
     written to metrics.jsonl as "sample" lines (not under FSDP, whose shards generate together)."""

@@ -101,8 +101,8 @@ def auto_find_batch_size(
     batch of n; `loss_of(outputs)` reads the
     loss (default: `outputs.loss`, a tensor, or the first element of a tuple).
 
-    On CUDA a size that runs out of memory is halved and retried (as Accelerate's `find_executable_batch_size` does). On CPU running
-    out of memory kills the process instead of raising, so the size is predicted first: the peak
+    On CUDA a size that runs out of memory is halved and retried (as Accelerate's `find_executable_batch_size`
+    does). On CPU running out of memory kills the process instead of raising, so the size is predicted first: the peak
     tensor memory of one step at the smallest size and at twice it (PyTorch's MemTracker) gives
     a per-sample cost, glibc's retained heap is added (`CPU_RETENTION`), and the largest halving
     of `start_batch_size` that fits `available` bytes (default: free RAM) less `margin` is run once

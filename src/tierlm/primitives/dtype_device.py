@@ -85,7 +85,8 @@ def resolve_device(device_type: str = "auto", gpu_rank: int = 0) -> torch.device
 
 def move_to(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """`module.to(device)`, skipped when every parameter and buffer is already there (a no-op
-    walk, and one that FakeTensorMode, used by the memory planner, cannot take).
+    walk, and one that FakeTensorMode, used by the memory planner, cannot take) or the module is on the meta
+    device (infra.cpu_ram_efficient_loading's other ranks: materialised after sharding).
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> move_to(layer, "cpu") is layer
@@ -94,5 +95,7 @@ def move_to(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Mod
     device = torch.device(device)
     tensors = [*module.parameters(), *module.buffers()]
     if all(t.device == device or (t.device.type == device.type and device.index is None) for t in tensors):
+        return module
+    if any(t.is_meta for t in tensors):  # shapes only: FSDP2 allocates its shards with `to_empty` after sharding
         return module
     return module.to(device)

@@ -155,6 +155,11 @@ class TransformersFamily(ModelFamily):
         check_causal_lm(config.model_type, f"{folder} holds a model whose model_type")
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
+    def after_materialize(self, model: nn.Module) -> None:
+        """After `to_empty`: the tied weights tied again (the rotary tables, which no state dict carries, come from
+        rank 0 by broadcast: `tierlm.backends.distributed.broadcast_full_state`)."""
+        model.tie_weights()
+
     def load(self, folder, device="cpu", dtype=torch.float32, trust_remote_code=False):
         from tierlm.primitives.models import load_hf_model
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv (if needed), check lint and formatting (ruff), build the documentation site strictly (a broken link
 # or reference fails), then run the whole test suite: unit tests, doctests, the import contracts of the tiers and
-# CPU end-to-end runs; the 25 slowest tests are listed last.
+# CPU end-to-end runs — on two pytest-xdist workers (a file's tests on one worker, one thread each), then the tests
+# marked `serial` alone (timed around signals, kills and hangs, or DeepSpeed's shutdown); the slowest are listed.
 #
-#   bash scripts/test.sh [pytest args]
+#   bash scripts/test.sh [pytest args]     # with arguments: just those, in one process
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
@@ -12,4 +13,8 @@ bash scripts/setup.sh dev
 SITE=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$SITE"
 rm -rf "$SITE"
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q --durations=25 "$@"
+fi
+.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20
+exec .venv/bin/python -m pytest -q -m serial --durations=10

@@ -17,6 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 # (the CLI's subprocesses inherit it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Under pytest-xdist (scripts/test.sh runs two workers on two cores) each worker and every process it starts computes
+# on one thread: two workers with a thread per core each would take the cores from each other many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

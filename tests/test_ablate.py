@@ -103,6 +103,7 @@ def test_ablation_runs_isolates_failures_and_reports(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path):
     variants = ["--variant", "a:training.learning_rate=3e-3", "--variant", "b:training.learning_rate=1e-3"]
     straight = tmp_path / "straight"

@@ -59,6 +59,7 @@ PRUNE = [
 @pytest.mark.slow
 # Plain AdamW's state is a subset of AdamWPrune's (AdamW with more state): it covers it. AdamWSPAM's state round trip
 # is tested in process (tests/test_optimizers.py), which saves the suite a third killed run.
+@pytest.mark.serial
 @pytest.mark.parametrize("optimizer", [MUON, PRUNE], ids=["muon+adamw", "adamw_prune"])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, optimizer):
     """2N steps straight == N steps, SIGKILL of the real process, resume for N more (CPU, fp32); with
@@ -117,6 +118,7 @@ while True:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigkill_while_writing_never_leaves_a_bad_latest(tmp_path):
     """Kill a process that saves checkpoints back to back, at random moments, many times: `latest` always loads."""
     import random

@@ -119,6 +119,7 @@ def test_full_checkpoint_resumes_at_two_ranks(single, tmp_path):
     assert_same_steps(resumed["steps"], single["steps"][5:])
 
 
+@pytest.mark.serial
 def test_deepspeed_zero3_matches_one_process_resumes_and_exports(single, tmp_path):
     """DeepSpeed's own engine, ZeRO-3 with the optimizer state offloaded to CPU (torch's AdamW there), 2 ranks:
     the same 10 steps as one process (losses, clipped grad norms, LRs: 1e-5); its checkpoint (DeepSpeed's
@@ -227,6 +228,7 @@ def _start_training_job(out: Path, *overrides: str) -> subprocess.Popen:
     return job
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find a rank's process")
 def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
     """SIGKILL rank 1 of a 2-rank DDP CLI run mid-training: torchrun stops the job, non-zero, < 60 s, naming rank 1."""
@@ -574,6 +576,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
                 assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find a rank's process")
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Only rank 1 is signalled: the ranks agree at the next step boundary, write one complete sharded

@@ -179,6 +179,7 @@ def test_deepspeed_settings_are_taken_and_what_tierlm_cannot_do_refused(tiny_run
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_accelerate_launch_with_the_shipped_deepspeed_config(tmp_path):
     """configs/accelerate_deepspeed.yaml on 2 CPU processes: DeepSpeed's ZeRO-3 with the optimizer offloaded takes the
     same steps as one process on the same global batch (1e-5); its checkpoint exports to the weights its final model

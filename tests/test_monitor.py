@@ -33,6 +33,8 @@ PRETRAIN = [
     "infra.distributed_type=ddp",
 ]
 
+pytestmark = pytest.mark.serial  # hangs and lost machines, timed: alone, after the parallel part
+
 
 def test_a_stalled_phase_writes_every_threads_stack_and_exits_naming_it(tmp_path):
     script = f"""

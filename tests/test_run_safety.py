@@ -387,6 +387,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_signals_at_random_moments_save_and_resume_bit_for_bit(tmp_path):
     reference = tmp_path / "reference"
     proc = _start(reference)

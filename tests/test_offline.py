@@ -112,3 +112,12 @@ def test_push_says_in_one_line_that_it_needs_the_hub(tmp_path, tiny_runs):
         "tierlm: error: tierlm push needs the Hugging Face Hub and the Hub (http://127.0.0.1:9) cannot be reached "
         "from here: run it where the Hub answers"
     ], done.stderr
+
+
+def test_a_harness_task_without_the_hub_is_one_line(tmp_path, tiny_runs):
+    """An lm-evaluation-harness task whose dataset is on the Hub: its datasets come from the local cache only."""
+    pytest.importorskip("lm_eval")
+    done, seconds = tierlm(tmp_path, "eval", "--checkpoint", str(tiny_runs / "sft"), "--harness", "arc_easy")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "a task's dataset cannot be read" in lines[0], done.stderr
+    assert seconds < 45, f"{seconds:.1f} s"

@@ -246,9 +246,11 @@ def run_harness(
     from tierlm.metrics.report import run_of
     from tierlm.models import load_pretrained_model
     from tierlm.primitives import resolve_device
+    from tierlm.primitives.hub import hub_reachable
 
     location = verified_model_location(str(checkpoint))
     manager = check_tasks(tasks, include_path)
+    hub_reachable()  # without the Hub, the tasks' datasets come from the local cache only (no minute of retries)
     tokenizer = load_tokenizer(location)
     if chat_template and not tokenizer.has_chat_template:
         raise ConfigError(f"{checkpoint} has no chat template: --chat-template needs a model after `tierlm sft`")

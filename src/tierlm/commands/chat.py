@@ -118,7 +118,7 @@ class Chatbot:
 
         if not self.chat:
             raise DataError(f"{self.name} has no chat template: send its prompts to /v1/completions")
-        check_messages(messages, sampling.temperature)
+        check_messages(messages)
         prompt = self.tokenizer.render_for_completion(messages)
         return self.complete(
             prompt, sampling, lambda ids: readable_text(self.tokenizer, ids), on_text, should_stop, wait_s
@@ -161,18 +161,18 @@ class Chatbot:
                 start = 0 if s.echo else len(prompt)
                 scored = generation.score(self.engine.model, self.tokenizer, prompt + tokens, start, s.top_logprobs)
             finish = "stop" if choice.stopped else reason
-            replies.append(Reply(choice.text, finish, len(prompt), len(tokens), tokens, scored, s.n))
+            replies.append(Reply(choice.text, finish, len(prompt), len(tokens), tokens, scored))
         return replies
 
     def history_entry(self, reply: Reply) -> dict:
         return {"role": "assistant", "content": reply.text}
 
 
-def check_messages(messages: list[dict], temperature: float) -> None:
-    """A `DataError` naming what is wrong with a conversation or a temperature.
+def check_messages(messages: list[dict]) -> None:
+    """A `DataError` naming what is wrong with a conversation (the temperature is checked by `Chatbot.complete`).
 
-    >>> check_messages([{"role": "user", "content": "hi"}], 0.7)
-    >>> check_messages([{"role": "robot", "content": "hi"}], 0.7)
+    >>> check_messages([{"role": "user", "content": "hi"}])
+    >>> check_messages([{"role": "robot", "content": "hi"}])
     Traceback (most recent call last):
     ...
     tierlm.errors.DataError: messages must be a non-empty list of {role: system|user|assistant|tool, content: text}
@@ -184,8 +184,6 @@ def check_messages(messages: list[dict], temperature: float) -> None:
         for m in messages
     ):
         raise DataError("messages must be a non-empty list of {role: system|user|assistant|tool, content: text}")
-    if temperature < 0:
-        raise DataError(f"temperature must be >= 0, got {temperature}")
 
 
 HELP = "commands: /reset (new conversation), /temperature T, /quit"

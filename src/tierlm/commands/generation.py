@@ -51,8 +51,6 @@ class Reply:
     tokens: list[int] = field(default_factory=list)
     """The choice's tokens (up to its stop string's)."""
     scored: Scored | None = None
-    of_n: int = 1
-    """How many choices its prompt had (usage counts each prompt once)."""
 
 
 class Busy(Exception):
@@ -177,15 +175,15 @@ def score(model, tokenizer, ids: list[int], start: int, k: int | None) -> Scored
 
     device = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
+    first = max(start, 1)  # the first token of all has nothing before it to be scored by
     with torch.no_grad():
-        logp = forward_logits(model, {"input_ids": x})[0, :-1].float().log_softmax(-1)  # position i scores i + 1
-    chosen = [None, *logp.gather(1, x[0, 1:, None]).squeeze(1).tolist()]
-    text = [tokenizer.decode([i]) for i in ids]
+        logits = forward_logits(model, {"input_ids": x})[0, first - 1 : -1]  # position i scores token i + 1
+    logp = logits.float().log_softmax(-1)
+    unscored = [None] * (first - start)
+    chosen = [*unscored, *logp.gather(1, x[0, first:, None]).squeeze(1).tolist()]
     top = None
-    if k:
+    if k is not None:
         values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
         rows = [{tokenizer.decode([i]): v for i, v in zip(ix, vs)} for ix, vs in zip(indices.tolist(), values.tolist())]
-        top = ([{}] + rows)[start:]
-    elif k == 0:
-        top = [{} for _ in ids[start:]]
-    return Scored(text[start:], chosen[start:], top)
+        top = [{} for _ in unscored] + rows
+    return Scored([tokenizer.decode([i]) for i in ids[start:]], chosen, top)

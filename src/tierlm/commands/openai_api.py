@@ -218,11 +218,11 @@ class Bodies:
     """One request's OpenAI bodies, for the completions (`kind` "completions") or the chat endpoint: the whole
     response, or its server-sent chunks."""
 
-    def __init__(self, kind: str, model: str, logprobs: bool):
+    def __init__(self, kind: str, model: str, sampling: Sampling):
         prefix, self.kind = ("cmpl" if kind == "completions" else "chatcmpl"), kind
         self.ident, self.created, self.model = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model
         self.object = "text_completion" if kind == "completions" else "chat.completion"
-        self.logprobs = logprobs
+        self.logprobs, self.n = sampling.top_logprobs is not None, sampling.n
 
     def _choice(self, index: int, choice) -> dict:
         body: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason}
@@ -235,7 +235,7 @@ class Bodies:
         return body
 
     def whole(self, choices: list) -> dict:
-        prompt_tokens = sum(c.prompt_tokens for c in choices[:: max(1, choices[0].of_n)]) if choices else 0
+        prompt_tokens = sum(c.prompt_tokens for c in choices[:: self.n])  # each prompt once, not once per choice
         completion_tokens = sum(c.completion_tokens for c in choices)
         return {
             "id": self.ident,

@@ -114,7 +114,7 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         def produce(on_text, should_stop, wait_s):
             return bot.chat_choices(messages, sampling, on_text, should_stop, wait_s)
 
-        bodies = Bodies("chat", bot.name, sampling.top_logprobs is not None)
+        bodies = Bodies("chat", bot.name, sampling)
         return await answer(request, bodies, produce, sampling.n, body.stream)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -128,7 +128,7 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         def produce(on_text, should_stop, wait_s):
             return completions_of(bot, prompts, sampling, on_text, should_stop, wait_s)
 
-        bodies = Bodies("completions", bot.name, sampling.top_logprobs is not None)
+        bodies = Bodies("completions", bot.name, sampling)
         return await answer(request, bodies, produce, sampling.n * len(prompts), body.stream)
 
     return app

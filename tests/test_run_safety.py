@@ -3,6 +3,7 @@ final folders appear whole, signals save and resume exactly, exported models sto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -450,3 +451,51 @@ def test_the_preflight_only_describes_the_model(tmp_path):
         needs["the model's buffers (rotary tables for 100,000,000 positions)"][0]
         == 2 * 4 * config.model.head_dim * 100_000_000
     )
+
+
+@pytest.mark.serial
+def test_a_signal_repeated_while_the_run_stops_never_cuts_the_stop_short(tmp_path):
+    """torchrun's agent sends SIGTERM to the ranks still stopping once one rank has exited; Slurm and `kill`
+    may repeat theirs. Signals that arrive after the stop was agreed (while saving, reporting, exiting) are the
+    same stop: the run still writes its checkpoint, says where, and exits 143."""
+    run = tmp_path / "run"
+    proc = _start(run)
+    for line in proc.stderr:
+        if line.startswith("step 3/"):
+            break
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.005)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, rest
+    assert "tierlm: stopped by SIGTERM after step" in rest, rest
+    from tierlm.checkpoint import find_latest_checkpoint, verify_checkpoint
+
+    latest = find_latest_checkpoint(run / "checkpoints")
+    assert latest is not None and verify_checkpoint(latest) is None
+    assert json.loads((run / "progress.json").read_text())["status"] == "interrupted"
+
+
+def test_a_stop_keeps_its_handlers_only_in_a_process_that_ends_with_the_run():
+    """The CLI (`held_until_exit`) keeps the handlers of a stop under way; a library caller (a notebook) gets its
+    own handlers back when the loop ends, stop or not."""
+    from tierlm.loops.signals import GracefulStop, held_until_exit
+
+    mine = signal.getsignal(signal.SIGUSR1)
+    for held in (False, True):
+        stop = GracefulStop()
+        with contextlib.ExitStack() as scope:
+            if held:
+                scope.enter_context(held_until_exit())
+            with stop:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                assert stop.agreed_signal() == signal.SIGUSR1
+            after = signal.getsignal(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, mine)
+        assert (after == stop._handle) if held else (after is mine)
+    with GracefulStop():  # no signal: the caller's handlers come back, in the CLI too
+        pass
+    with held_until_exit(), GracefulStop():
+        pass
+    assert signal.getsignal(signal.SIGUSR1) is mine

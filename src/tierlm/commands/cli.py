@@ -21,7 +21,7 @@ import sys
 
 from tierlm.commands.options import Listing, Parser
 from tierlm.errors import TierlmError
-from tierlm.loops.signals import RunInterrupted
+from tierlm.loops.signals import RunInterrupted, held_until_exit, ignore_repeats
 
 STAGE = "tierlm.commands.train:stage_command"
 """Where a stage's command is made (`tierlm.commands.train`): one per row of `tierlm.stages.STAGES`."""
@@ -125,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        COMMANDS[args.command].load(args.command).run(args)
+        with held_until_exit():
+            COMMANDS[args.command].load(args.command).run(args)
     except TierlmError as e:
         _say(f"tierlm: error: {_rank_prefix()}{e}")
         return getattr(e, "exit_code", 2)  # 2: bad input; 1: runs that failed (an ablation's)
     except RunInterrupted as stop:
         _say(f"tierlm: {_rank_prefix()}{stop}")
+        ignore_repeats()
         return stop.exit_code
     except KeyboardInterrupt:
         print("tierlm: interrupted; the latest checkpoint is intact", file=sys.stderr)

@@ -5,14 +5,20 @@ checkpoint and exit with 128 + the signal's number, so the same command resumes 
 Under torchrun the loops ask every rank once per step (`agreed_signal`), so all ranks stop after
 the same step even when the signal reached them at different moments. A second Ctrl-C interrupts
 at once (the previous checkpoint stays whole).
+
+In the CLI (`held_until_exit`) a stop under way keeps its handlers for the rest of the process: when one
+rank exits, torchrun's agent sends SIGTERM to the others, which may still be closing their logs and
+engines; that signal must not kill them before they say where they stopped. Called as a library (a
+notebook), the handlers that were there before come back when the loop ends.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -30,6 +36,28 @@ class RunInterrupted(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+_held = False
+
+
+@contextmanager
+def held_until_exit() -> Iterator[None]:
+    """For a process that ends with its run (the CLI): a stop signal's handlers stay once the stop is under way."""
+    global _held
+    before, _held = _held, True
+    try:
+        yield
+    finally:
+        _held = before
+
+
+def ignore_repeats() -> None:
+    """The stop has been reported: until the process has exited, SIGTERM and SIGUSR1 change nothing. (Python
+    puts the default handlers back while it shuts down, and torch's shutdown takes a moment.)"""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class GracefulStop:
@@ -53,6 +81,8 @@ class GracefulStop:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.signum and _held:  # stopping on a signal in a process that ends with its run: a repeat (torchrun's
+            return  # agent, Slurm, `kill`) is the same stop and must not cut short the closing, the report, the exit
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

@@ -114,3 +114,48 @@ def test_chat_core_centres_each_tasks_greedy_accuracy_on_its_chance_level(tiny_r
     with pytest.raises(SystemExit) as bad:  # argparse's refusal: exit 2
         main(["eval", "--checkpoint", str(run), "--chat-core", "arith"])
     assert bad.value.code == 2
+
+
+def test_ranks_sharing_the_items_add_up_to_the_single_process_core(tiny_runs, tmp_path):
+    """Each rank scores every world-th item, as many forwards on each (FSDP's collectives), and the summed counts give
+    the single-process figures: here two ranks in one process, their sums added by hand."""
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+
+    tasks = read_bundle(write_bundle(tmp_path / "bundle"))
+    model = load_pretrained_model(tiny_runs / "pre" / "model").train()
+    tokenizer = load_tokenizer(tiny_runs / "pre" / "model")
+    alone = evaluate_core(model, tokenizer, tasks, max_per_task=4)
+    assert model.training  # left as it was
+    shares, forwards = [], []
+    for rank in (0, 1):
+        seen = []
+        handle = model.register_forward_hook(lambda *a: seen.append(1))
+        evaluate_core(
+            model, tokenizer, tasks, 4, "cpu", rank, 2, sum_over_ranks=lambda counts: shares.append(counts) or counts
+        )
+        handle.remove()
+        forwards.append(len(seen))
+    total = {label: shares[0][label] + shares[1][label] for label in shares[0]}
+    assert forwards[0] == forwards[1]  # 3 tasks of 4, 3, 3 items: 2 forwards each on both ranks
+    for task in tasks:
+        assert total[task.label] / alone["tasks"][task.label]["items"] == alone["tasks"][task.label]["accuracy"]
+
+
+def test_core_during_training_is_refused_in_one_line_where_it_cannot_run(tiny_runs, tmp_path, capsys):
+    from conftest import RL, TINY
+    from tierlm.commands.cli import main
+
+    bundle = write_bundle(tmp_path / "bundle")
+    cases = [
+        (["rl", "--config", "tiny_rl", *RL, f"model.model_name_or_path={tiny_runs / 'sft'}"], "rl does not"),
+        (["pretrain", "--config", "ul2-tiny", "model.depth=1"], "decoder-only"),
+        (["pretrain", "--config", "tiny_pretrain", *TINY], "not a CORE eval bundle"),
+    ]
+    for i, (args, says) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        where = tmp_path if "not a CORE" in says else bundle
+        assert main([*args, f"training.core_bundle={where}", f"infra.output_dir={out}"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert says in line and line.startswith("tierlm: error: training.core_bundle") or "not a CORE" in line, line
+        assert not out.exists()

@@ -193,6 +193,10 @@ def test_ul2_pretraining_saves_and_resumes_exactly(tmp_path):
         (r["step"], r["loss"]) for r in lines(straight, "train")
     ][-3:]
     assert lines(straight, "eval")[-1]["val_loss"] == lines(resumed, "eval")[-1]["val_loss"]
+    # tokens_seen counts the decoder's rows (4 x 32 a step: the plan's and the FLOPs' tokens), not the encoder's 64
+    assert [r["tokens_seen"] for r in lines(straight, "train")] == [4 * 32 * s for s in range(1, 7)]
+    epochs = [r["epoch"] for r in lines(straight, "train")]
+    assert 0 < epochs[0] <= epochs[-1] and epochs == [r["epoch"] for r in lines(resumed, "train")]
     a, b = load_file(straight / "model" / "model.safetensors"), load_file(resumed / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     from tierlm.data import load_tokenizer

@@ -355,9 +355,15 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
         "infra.progress_bar=false",
         "infra.device_type=cpu",
     ]
-    result = run_main("speedrun", "--depth", "1", "--out", out, *small)
+    from test_core_eval import write_bundle
+
+    core = ["--core", write_bundle(tmp_path / "bundle"), "training.core_steps=2"]  # CORE during pretraining
+    result = run_main("speedrun", "--depth", "1", "--out", out, *small, *core)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"report card: {out / 'report.md'}" in result.stdout
+    cores = [r for r in map(json.loads, (out / "pretrain" / "metrics.jsonl").read_text().splitlines())
+             if r["type"] == "core"]  # fmt: skip
+    assert [r["step"] for r in cores] == [2, 4] and set(cores[-1]["tasks"]) == {"sums", "which_op", "complete"}
     report = (out / "report.md").read_text()
     for section in (
         "# tierlm speedrun: depth 1",
@@ -369,9 +375,11 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
         "![pretrain_loss](plots/pretrain_loss.png)",
         "![sft_loss](plots/sft_loss.png)",
         "![rl_reward](plots/rl_reward.png)",
+        "![pretrain_core](plots/pretrain_core.png)",
+        f"| pretrain CORE (the end of pretraining) | {cores[-1]['core']:.4f} |",
     ):
         assert section in report, section
-    for png in ("pretrain_loss", "sft_loss", "rl_reward"):
+    for png in ("pretrain_loss", "sft_loss", "rl_reward", "pretrain_core"):
         assert (out / "plots" / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out / "speedrun.json").read_text())
     assert list(record["stages"]) == ["tokenizer", "pretrain", "sft", "rl"] and all(

@@ -70,6 +70,36 @@ def test_pretraining_by_epochs_stops_after_the_passes_and_resumes_mid_epoch_exac
     assert steps // 2 > 10 and (run / "model" / "model.safetensors").read_bytes() == weights
 
 
+def test_a_step_limited_run_keeps_the_epoch_in_its_state_and_lines(tmp_path):
+    """Without num_train_epochs the epoch is the loader's: documents read over the pass, past 1 on the second
+    pass, in every train line, the summary and the checkpoint's trainer state (so a resume goes on counting)."""
+    args = [
+        "pretrain",
+        "--config",
+        "tiny_pretrain",
+        *TINY,
+        "training.per_device_train_batch_size=8",
+        "training.logging_steps=1",
+        "training.save_steps=10",
+    ]
+    config = TierlmConfig.load("tiny_pretrain", [*TINY, "training.per_device_train_batch_size=8"])
+    from tierlm.builders.loaders import build_loaders
+    from tierlm.data import load_tokenizer
+    from tierlm.stages import STAGES
+
+    probe = tmp_path / "probe"
+    assert main([*args, f"infra.output_dir={probe}"]) == 0  # 2 steps: a tokenizer to count a pass with
+    loader, _ = build_loaders(config, STAGES["pretrain"], load_tokenizer(probe / "model"), 1, False)
+    steps = loader.batches_per_pass() * 3 // 2
+    run = tmp_path / "run"
+    assert main([*args, f"training.num_train_steps={steps}", f"infra.output_dir={run}"]) == 0
+    epochs = [r["epoch"] for r in lines(run)]
+    assert len(epochs) == steps and epochs == sorted(epochs) and 0 < epochs[0] < 1 < epochs[-1] < 2
+    state = json.loads((run / "checkpoints" / "step_10" / "trainer_state.json").read_text())
+    assert state["loop"]["epoch"] == lines(run)[9]["epoch"]
+    assert json.loads((run / "model" / "training_meta.json").read_text())["epoch"] == epochs[-1]
+
+
 def test_preference_pairs_by_epoch(tiny_runs, tmp_path):
     """DPO for one epoch: as many steps as whole global batches of the training pairs (the plain count)."""
     from tierlm.builders.loaders import build_pair_loaders

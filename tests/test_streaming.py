@@ -64,6 +64,7 @@ def test_resume_from_the_loader_state_is_exact(tmp_path, tiny_tokenizer, split_l
     straight, _ = build_loaders(config, STAGES["pretrain"], tiny_tokenizer)
     expected = _batches(straight, 60)
     assert straight.epoch >= 2, "the test must cross the end of the stream"
+    assert straight.stats()["epoch"] == straight.epoch  # a stream's passes: whole ones (its length is unknown)
     for cut in (1, 17, 41):
         first, _ = build_loaders(config, STAGES["pretrain"], tiny_tokenizer)
         _batches(first, cut)
@@ -158,6 +159,11 @@ def test_streamed_pretraining_killed_and_resumed_is_bit_identical(tmp_path):
         ]
 
     assert losses(killed) == losses(straight) and len(losses(straight)) == 24
+
+    def epochs(run):
+        return [r["epoch"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "epoch" in r]
+
+    assert epochs(killed) == epochs(straight) and len(epochs(straight)) == 24  # logged, and resumed with the data
     from safetensors.torch import load_file
 
     a, b = load_file(straight / "model" / "model.safetensors"), load_file(killed / "model" / "model.safetensors")

@@ -53,6 +53,8 @@ class Stage:
     """Rows one batch item takes in a micro-batch (DPO: its chosen and rejected rows)."""
     micro_batch_key = "training.per_device_train_batch_size"
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
+    measures_core = True
+    """training.core_bundle can measure CORE during its training (the `Trainer`'s loop, a model that writes text)."""
     deepspeed = False
     """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
     reference or sampler beside the partitioned weights)."""
@@ -103,4 +105,24 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
     >>> resolved.is_frozen, resolved.training.is_frozen
     (True, True)
     """
+    if config.training.core_bundle is not None:
+        _check_core(config, stage)
     return stage.parallelism(stage.resolve_section(config), launched).frozen()
+
+
+def _check_core(config: TierlmConfig, stage: Stage) -> None:
+    """training.core_bundle where CORE can be measured: one line (a ConfigError) otherwise."""
+    from tierlm.errors import ConfigError
+    from tierlm.loops.evaluation import bundle_files
+
+    if not stage.measures_core or not stage.generates:
+        raise ConfigError(
+            f"training.core_bundle measures a language model during token-row training; {stage.name} does not: "
+            "drop it (tierlm eval --core scores a saved model)"
+        )
+    if config.model.architecture == "qwen3_encdec" or config.infra.model_parallel:
+        raise ConfigError(
+            "training.core_bundle scores a decoder-only model, whole on each rank (no tensor, pipeline or context "
+            "parallelism): drop it, or score the saved model with tierlm eval --core"
+        )
+    bundle_files(config.training.core_bundle)

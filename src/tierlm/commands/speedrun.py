@@ -28,11 +28,12 @@ SAMPLE_QUESTIONS = ("What is 23 + 45?", "What is 316 + 258?", "What is 91 - 37?"
 
 
 def stage_configs(
-    depth: int, out: Path, overrides: list[str], pretrain_data: str | None = None
+    depth: int, out: Path, overrides: list[str], pretrain_data: str | None = None, core: str | None = None
 ) -> dict[str, TierlmConfig]:
     """The pretrain, SFT and RL configs: the tiny presets, with the pretraining horizon, batch and
     learning rates derived from `depth` (Muon + AdamW, no warmup, a linear warmdown over the second
-    half: nanochat) and each stage starting from the one before."""
+    half: nanochat) and each stage starting from the one before; with `core` (a CORE eval bundle), CORE measured
+    during pretraining at each evaluation and at the end."""
     if depth < 1:
         raise ConfigError(f"--depth must be >= 1, got {depth}")
     chained = "the speedrun places its runs under --out and chains them itself: drop it"
@@ -42,6 +43,8 @@ def stage_configs(
     check_overrides("speedrun", overrides, SHARED + ("rl",), placed=placed)
     tokenizer = out / "tokenizer"
     data = [f"data.dataset_name={pretrain_data}"] if pretrain_data else []
+    if core:
+        data += [f"training.core_bundle={core}", "training.core_steps=20"]
     pretrain = TierlmConfig.load(
         "tiny_pretrain",
         [
@@ -79,7 +82,9 @@ def _train_tokenizer(config: TierlmConfig, folder: Path) -> None:
         publish_tokenizer(train_tokenizer(config, "text"), folder)
 
 
-def run_speedrun(depth: int, out: Path, overrides: list[str] = (), pretrain_data: str | None = None) -> Path:
+def run_speedrun(
+    depth: int, out: Path, overrides: list[str] = (), pretrain_data: str | None = None, core: str | None = None
+) -> Path:
     """Run (or continue) the whole pipeline into `out`; returns the report card's path."""
     from tierlm.stages import run_stage
 
@@ -89,7 +94,7 @@ def run_speedrun(depth: int, out: Path, overrides: list[str] = (), pretrain_data
             "tierlm speedrun runs in one process; under torchrun, run its stages (tierlm pretrain / sft / rl) "
             "with the overrides in tierlm.commands.speedrun.stage_configs"
         )
-    configs = stage_configs(depth, out, list(overrides), pretrain_data)
+    configs = stage_configs(depth, out, list(overrides), pretrain_data, core)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder for the speedrun")
     record_file = out / "speedrun.json"
@@ -180,6 +185,7 @@ def write_report_card(out: Path, configs: dict[str, TierlmConfig], record: dict[
         f"{rl.get('pass@1', float('nan')):.3f} "
         f"({rl.get('eval_problems', '?')} problems) |",
         f"| RL held-out pass@{rl.get('k', '?')} | {rl.get('pass@k', float('nan')):.3f} |",
+        *([f"| pretrain CORE (the end of pretraining) | {pre['core']:.4f} |"] if "core" in pre else []),
         "",
         "## Sample conversations (the RL model, greedy, with the calculator)",
         "",
@@ -210,13 +216,20 @@ def arguments(speedrun: argparse.ArgumentParser) -> None:
         "--pretrain-data", default=None, help="pretraining data instead of the embedded arithmetic text"
     )
     speedrun.add_argument(
+        "--core",
+        default=None,
+        metavar="BUNDLE",
+        help="a CORE eval bundle folder (nanochat's layout): CORE during pretraining, on the report card",
+    )
+    speedrun.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="applied to every stage, e.g. infra.device_type=cuda"
     )
 
 
 def run(args: argparse.Namespace) -> None:
     depth = args.depth or DEFAULT_DEPTH
-    report = run_speedrun(depth, Path(args.out or f"runs/speedrun_d{depth}"), args.overrides, args.pretrain_data)
+    out = Path(args.out or f"runs/speedrun_d{depth}")
+    report = run_speedrun(depth, out, args.overrides, args.pretrain_data, args.core)
     print(f"report card: {report}")
 
 

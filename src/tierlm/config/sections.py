@@ -304,6 +304,14 @@ class TrainingConfig(Section):
     written to metrics.jsonl as "sample" lines (not under FSDP, whose shards generate together)."""
     sample_max_new_tokens: int = Field(16, gt=0)
     """Tokens generated for each sample prompt."""
+    core_bundle: str | None = None
+    """A local CORE eval bundle (nanochat's eval_bundle layout: core.yaml, eval_data/, eval_meta_data.csv): CORE is
+    then measured during training, every core_steps and at the end ("core" lines, the report's CORE curve and table),
+    as nanochat's base training does. Read once when the run starts; the ranks share the items."""
+    core_steps: int = Field(0, ge=0)
+    """With core_bundle: CORE every N steps and at the end (0: at the end only)."""
+    core_max_per_task: int | None = Field(500, gt=0)
+    """With core_bundle: the first N items of each task (nanochat's in-training figure: 500; null: every item)."""
     logging_steps: int = Field(10, gt=0)
     """Write a train line to metrics.jsonl every N steps."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)

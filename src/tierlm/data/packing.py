@@ -239,10 +239,17 @@ class PackedLoader(BatchIterable):
             except StopIteration:
                 return whole
 
+    def passes_read(self) -> float:
+        """The passes over this rank's documents so far: whole epochs plus the share of this one packed into
+        batches (read, less what waits in the buffer; at most one epoch's worth waits). What `epoch` in the logs
+        and the trainer state says."""
+        shard = max(1, len(range(self.rank, len(self.documents), self.world_size)))
+        return self.epoch + (self.cursor - len(self.buffer)) / shard
+
     def stats(self) -> dict[str, float]:
-        """Data metrics for the logs: cropped share (pretraining), padding share, long conversations."""
+        """Data metrics for the logs: cropped share (pretraining), padding share, long conversations, passes."""
         c = self.counts
-        out = {"data_truncated": c["truncated"], "data_dropped": c["dropped"]}
+        out = {"data_truncated": c["truncated"], "data_dropped": c["dropped"], "epoch": self.passes_read()}
         if self.mode == "crop":
             out["data_cropped_frac"] = c["tokens_cropped"] / max(1, c["tokens_in"])
         else:

@@ -119,8 +119,12 @@ class PairLoader(BatchIterable):
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
+    def passes_read(self) -> float:
+        """Whole passes over the examples plus the share of this one handed out."""
+        return self.epoch + self.cursor / max(1, len(self.rows))
+
     def stats(self) -> dict[str, float]:
-        return {"pairs_dropped": float(self.dropped)}
+        return {"pairs_dropped": float(self.dropped), "epoch": self.passes_read()}
 
 
 class UnpairedLoader(PairLoader):
@@ -155,4 +159,4 @@ class UnpairedLoader(PairLoader):
         return batch
 
     def stats(self) -> dict[str, float]:
-        return {"examples_dropped": float(self.dropped)}
+        return {"examples_dropped": float(self.dropped), "epoch": self.passes_read()}

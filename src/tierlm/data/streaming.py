@@ -50,6 +50,10 @@ class StreamBlocks:
         assert block_size > 0, f"block_size must be > 0, got {block_size}"
         self.dataset, self.to_documents, self.block_size, self.name = dataset, to_documents, block_size, name
 
+    def passes_read(self) -> float:
+        """Whole passes over the stream so far (its length is not known until it ends)."""
+        return float(self.epoch)
+
     def _rewind_stream(self) -> None:
         self.block = -1  # the block being drawn from
         self.after: dict | None = None  # stream state after the current block (None: start of an epoch)

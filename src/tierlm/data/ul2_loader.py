@@ -68,8 +68,12 @@ class UL2Loader(BatchIterable):
             int(state[k]) for k in ("epoch", "cursor", "offset", "index")
         )
 
+    def passes_read(self) -> float:
+        """Whole passes over the documents plus the share of this one cut into examples."""
+        return self.epoch + self.cursor / max(1, len(self.documents))
+
     def stats(self) -> dict[str, float]:
-        return {"ul2_examples": float(self.index)}
+        return {"ul2_examples": float(self.index), "epoch": self.passes_read()}
 
     # -- reading -----------------------------------------------------------------------------
     def _order(self) -> np.ndarray:

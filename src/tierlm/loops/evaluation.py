@@ -125,13 +125,20 @@ class CoreTask:
     items: list[dict]
 
 
-def read_bundle(folder: str | Path) -> list[CoreTask]:
-    """The tasks of an eval bundle folder (one-line refusals for a missing or malformed part)."""
+def bundle_files(folder: str | Path) -> dict[str, Path]:
+    """core.yaml and eval_meta_data.csv of a bundle folder that has its eval_data/ too (else one line)."""
     folder = Path(folder)
     files = {name: folder / name for name in ("core.yaml", "eval_meta_data.csv")}
     for name, path in {**files, "eval_data/": folder / "eval_data"}.items():
         if not path.exists():
             raise ConfigError(f"{folder} is not a CORE eval bundle: no {name} (the layout of nanochat's eval_bundle)")
+    return files
+
+
+def read_bundle(folder: str | Path) -> list[CoreTask]:
+    """The tasks of an eval bundle folder (one-line refusals for a missing or malformed part)."""
+    folder = Path(folder)
+    files = bundle_files(folder)
     with files["eval_meta_data.csv"].open(encoding="utf-8") as f:
         baselines = {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
     tasks = []
@@ -211,14 +218,72 @@ def score_item(model, tokenizer, task: CoreTask, index: int, device) -> bool:
     return means.index(min(means)) == task.items[index]["gold"]
 
 
-def evaluate_core(model, tokenizer, bundle: str | Path, max_per_task: int | None = None, device="cpu") -> dict:
-    """{"tasks": {label: {"accuracy", "centered", "items"}}, "core": the mean centred accuracy}."""
+def evaluate_core(
+    model,
+    tokenizer,
+    bundle: str | Path | list[CoreTask],
+    max_per_task: int | None = None,
+    device="cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    sum_over_ranks: Callable[[dict], dict] | None = None,
+) -> dict:
+    """{"tasks": {label: {"accuracy", "centered", "items"}}, "core": the mean centred accuracy}. `bundle`: its folder
+    or its tasks (`read_bundle`). The ranks share the items (`sum_over_ranks` adds their counts), each running the
+    same number of forwards (a rank short of items scores item 0 again and drops it), as FSDP's collectives
+    require; the model is left in the mode it was in."""
+    tasks = read_bundle(bundle) if isinstance(bundle, (str, Path)) else bundle
+    training, counts = model.training, {}
     model.eval()
-    results = {}
-    for task in read_bundle(bundle):
+    for task in tasks:
         n = len(task.items) if max_per_task is None else min(max_per_task, len(task.items))
-        accuracy = sum(score_item(model, tokenizer, task, i, device) for i in range(n)) / max(n, 1)
-        centered = (accuracy - task.baseline) / (1 - task.baseline)
-        results[task.label] = {"accuracy": accuracy, "centered": centered, "items": n}
-    core = sum(r["centered"] for r in results.values()) / max(len(results), 1)
-    return {"tasks": results, "core": core}
+        mine = range(rank, n, world_size)
+        scored = [score_item(model, tokenizer, task, mine[i] if i < len(mine) else 0, device)
+                  for i in range(-(-n // world_size))]  # fmt: skip
+        counts[task.label] = float(sum(scored[: len(mine)]))
+    model.train(training)
+    counts = sum_over_ranks(counts) if sum_over_ranks is not None and world_size > 1 else counts
+    results = {}
+    for task in tasks:
+        n = len(task.items) if max_per_task is None else min(max_per_task, len(task.items))
+        accuracy = counts[task.label] / max(n, 1)
+        results[task.label] = {
+            "accuracy": accuracy,
+            "centered": (accuracy - task.baseline) / (1 - task.baseline),
+            "items": n,
+        }
+    return {"tasks": results, "core": sum(r["centered"] for r in results.values()) / max(len(results), 1)}
+
+
+@dataclass
+class CoreSchedule:
+    """CORE measured during training (training.core_bundle), as nanochat's base training measures it: the bundle
+    read once, CORE every `every` steps (0: none between) and at step `last`.
+
+    >>> schedule = CoreSchedule(tasks=[], tokenizer=None, max_per_task=500, every=20, last=50)
+    >>> [step for step in range(1, 51) if schedule.due(step)]
+    [20, 40, 50]
+    """
+
+    tasks: list[CoreTask]
+    tokenizer: object
+    max_per_task: int | None
+    every: int
+    last: int
+
+    @classmethod
+    def of(cls, training, tokenizer) -> "CoreSchedule | None":
+        """From the training config (None without a bundle); a bundle that cannot be read is a one-line refusal."""
+        if training.core_bundle is None:
+            return None
+        tasks = read_bundle(training.core_bundle)
+        return cls(tasks, tokenizer, training.core_max_per_task, training.core_steps, training.num_train_steps)
+
+    def due(self, step: int) -> bool:
+        return step == self.last or (self.every > 0 and step % self.every == 0)
+
+    def measure(self, backend, data_rank: int, data_world: int) -> dict:
+        """CORE of the backend's model, the items shared by the data-parallel ranks."""
+        sums = backend.all_reduce_sums if backend.world_size > 1 else None
+        model, device = backend.eval_model, backend.device
+        return evaluate_core(model, self.tokenizer, self.tasks, self.max_per_task, device, data_rank, data_world, sums)

@@ -37,7 +37,7 @@ from tierlm.data.windows import eval_batches
 from tierlm.errors import TrainingDiverged
 from tierlm.loops import cadence
 from tierlm.loops.cadence import Watch, resume_backend  # noqa: F401  (also this module's name)
-from tierlm.loops.evaluation import validation_totals
+from tierlm.loops.evaluation import CoreSchedule, validation_totals
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.flops import PeakFlops
 from tierlm.metrics.memory import memory_record
@@ -71,6 +71,7 @@ class LoopState:
     consecutive_skips: int = 0
     loss_ema: float = 0.0  # exponential moving average of the training loss, not yet debiased
     loss_ema_steps: int = 0  # the finite losses it has seen
+    epoch: float | None = None  # passes over the training data (None: a loader that does not say)
 
 
 EMA_BETA = 0.9  # the progress line's smoothed loss (nanochat's)
@@ -95,6 +96,7 @@ class Trainer:
         callbacks: list | None = None,
         batches_per_epoch: int | None = None,
         optimizer: Any = None,
+        core: CoreSchedule | None = None,
     ):
         """`optimizer`: a functional optimizer (`init(params)`, `update(grads, state, params)`: PyTorchAdam,
         FunctionalMuon, JaxAdam, JaxMuon, an optax transformation) that `train_step` updates with in place of the
@@ -103,7 +105,7 @@ class Trainer:
         `on_eval(metrics)` and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three
         methods).
         `batches_per_epoch` (the global micro-batches of one pass over the data, when known) puts the epoch reached
-        in every train line and the summary."""
+        in every train line and the summary. `core`: CORE measured at its steps ("core" lines; the summary's `core`)."""
         self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
         self.optimizer = optimizer
         if optimizer is not None:
@@ -117,9 +119,11 @@ class Trainer:
         self.sampler = sampler  # model -> [{"prompt", "completion"}], run by rank 0 at each evaluation
         self.callbacks = list(callbacks or [])
         self.batches_per_epoch = batches_per_epoch
+        self.core = core
         self.state = LoopState()
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
+        self.last_core: float | None = None
         # Data-parallel backends say where this process sits; rank 0 reports and prunes. Evaluation shards its
         # batches over the data-parallel ranks (a model-parallel group shares its rows).
         self.is_main, self.world_size = backend.is_main, backend.world_size
@@ -130,11 +134,13 @@ class Trainer:
 
     # -- one step, one eval, one save ------------------------------------------------------
     def step(self, micro_batches: Iterable[dict]) -> dict[str, float]:
-        """Accumulate gradients over `micro_batches`, then one optimizer step. Returns its metrics."""
+        """Accumulate gradients over `micro_batches`, then one optimizer step. Returns its metrics, with
+        `input_tokens`: the rows' tokens (tokens_seen, tokens/s); an encoder-decoder's are its decoder's, the
+        tokens its plan, its FLOPs per token and its target counts are counted in (the encoder's are read)."""
         input_tokens = 0
         for batch in micro_batches:
             prepared = self.strategy.prepare_batch(batch)
-            input_tokens += prepared["input_ids"].numel()
+            input_tokens += prepared.get("decoder_input_ids", prepared["input_ids"]).numel()
             self.backend.forward_backward(prepared, loss_fn=self.strategy.compute_loss)
         return {**self.backend.optim_step().wait(), "input_tokens": input_tokens}
 
@@ -244,6 +250,18 @@ class Trainer:
     def on_save(self, path: Path) -> None:
         self._callback("on_save", path)
 
+    def measure_core(self) -> dict:
+        """CORE now (`tierlm.loops.evaluation.CoreSchedule`), logged as a "core" line and on the progress output."""
+        assert self.core is not None
+        with disable_fp8(self.backend.model):
+            result = self.core.measure(self.backend, self.data_rank, self.data_world_size)
+        self.last_core = result["core"]
+        step = self.state.step
+        self.logger.log({"type": "core", "step": step, "tokens_seen": self.state.tokens_seen, **result})
+        if self.is_main:
+            self.bar.write(f"step {step}: CORE {result['core']:.4f}")
+        return result
+
     def log_eval(self, metrics: dict[str, float]) -> None:
         if self.is_main:
             self.bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -299,6 +317,8 @@ class Trainer:
             self.window[1] + metrics["num_tokens"],
             self.window[2] + metrics["step_s"],
         ]
+        if self.core is not None and self.core.due(state.step):
+            self.measure_core()
         if log:
             record.update(self._rates(*self.window), **self._slow_stats())  # rates over every step since the last line
             self.window = [0, 0.0, 0.0]
@@ -355,6 +375,7 @@ class Trainer:
             "elapsed_s": state.elapsed_s,
             **self._epoch(),
             **self.last_eval,
+            **({"core": self.last_core} if self.last_core is not None else {}),
         }
 
     # -- reporting -------------------------------------------------------------------------
@@ -391,14 +412,19 @@ class Trainer:
         return record
 
     def _epoch(self) -> dict[str, float]:
-        """The passes over the training data made so far, when one pass's batches are known."""
-        if not self.batches_per_epoch:
-            return {}
-        return {"epoch": self.state.step * self.config.gradient_accumulation_steps / self.batches_per_epoch}
+        """The passes over the training data made so far, kept in the state: counted in batches when one pass's
+        are known (training.num_train_epochs), else as the loader reports them (documents read; a stream's whole
+        passes), so step-limited and streamed runs log it too."""
+        if self.batches_per_epoch:
+            self.state.epoch = self.state.step * self.config.gradient_accumulation_steps / self.batches_per_epoch
+        elif hasattr(self.train_loader, "stats"):  # tierlm's loaders; a Prefetcher's are the batches handed out's
+            self.state.epoch = self.train_loader.stats().get("epoch", self.state.epoch)
+        return {} if self.state.epoch is None else {"epoch": self.state.epoch}
 
     def _slow_stats(self) -> dict[str, float]:
         """Data and memory figures, read only for logged steps."""
-        stats = self.train_loader.stats() if hasattr(self.train_loader, "stats") else {}
+        stats = dict(self.train_loader.stats()) if hasattr(self.train_loader, "stats") else {}
+        stats.pop("epoch", None)  # the line's epoch is the state's (`_epoch`)
         model_bytes = self.backend.memory_stats()
         return {**stats, **model_bytes, **memory_record(self.backend.device), **self._model_figures()}
 

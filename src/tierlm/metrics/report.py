@@ -36,6 +36,7 @@ PANELS = [
         [("tokens/s", "train", "tokens_per_sec"), ("trained tokens/s", "train", "trained_tokens_per_sec")],
     ),
     ("mfu", "model FLOPs utilisation", "step", [("MFU", "train", "mfu")]),
+    ("core", "CORE (mean centred accuracy, in-context tasks)", "step", [("CORE", "core", "core")]),
     (
         "memory",
         "memory (MB)",
@@ -233,6 +234,9 @@ def stage_curves(run_dir: Path, out_dir: Path, name: str) -> list[Path]:
                 "cross-entropy (nats/token)",
             )
         )
+    if any(r.get("type") == "core" for r in records):  # training.core_bundle: the CORE curve
+        series = {"CORE": _xy(records, "core", "step", "core")}
+        written.append(plot_series(out_dir / f"{name}_core.png", f"{name}: CORE", "step", series, "centred accuracy"))
     return [p for p in written if p is not None]
 
 

@@ -25,6 +25,7 @@ from tierlm.strategies.rl_losses import resolve_rl
 
 
 class RL(Stage):
+    measures_core = False  # its loop measures pass@k on held-out problems
     name = "rl"
     section = "rl"
     example_kind = "task"

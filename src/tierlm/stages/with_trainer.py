@@ -20,6 +20,7 @@ from tierlm.config import TierlmConfig
 from tierlm.data import Prefetcher, Tokenizer
 from tierlm.data.packing import PackedLoader
 from tierlm.data.windows import eval_protocol
+from tierlm.loops.evaluation import CoreSchedule
 from tierlm.loops.trainer import Trainer
 from tierlm.metrics import flops_per_token
 from tierlm.metrics.flops import PeakFlops
@@ -27,6 +28,7 @@ from tierlm.metrics.memory import clear_memory
 from tierlm.metrics.report import model_figures
 from tierlm.models import forward_cross_entropy
 from tierlm.plan.batch import auto_find_batch_size, throughput_knee
+from tierlm.plan.scaling import trained_row_tokens
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
 from tierlm.run import Run, extras_writer
@@ -55,7 +57,7 @@ def train_with_trainer(
         train_loader=train_loader,
         eval_loader=eval_loader,
         config=config.training,
-        flops_per_token=flops_per_token(model, config.data.max_seq_length),
+        flops_per_token=flops_per_token(model, trained_row_tokens(config, model)),  # per token of tokens_seen
         peak_flops=PeakFlops(
             run.device, config.infra.peak_tflops, torch.bfloat16 if config.training.bf16 else torch.float32
         ),
@@ -64,6 +66,7 @@ def train_with_trainer(
         sampler=None if run.seq2seq else eval_sampler(config, tokenizer, run.stage, run.kind),
         callbacks=callbacks,
         batches_per_epoch=run.plan.batches_per_epoch if run.plan is not None else None,
+        core=CoreSchedule.of(config.training, tokenizer),
     )
     protocol = eval_protocol(eval_loader, trainer.eval_set) if isinstance(eval_loader, PackedLoader) else None
     if protocol is not None:

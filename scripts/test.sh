@@ -2,7 +2,9 @@
 # Set up .venv (if needed), check lint and formatting (ruff), build the documentation site strictly (a broken link
 # or reference fails), then run the whole test suite: unit tests, doctests, the import contracts of the tiers and
 # CPU end-to-end runs — on two pytest-xdist workers (a file's tests on one worker, one thread each), then the tests
-# marked `serial` alone (timed around signals, kills and hangs, or DeepSpeed's shutdown); the slowest are listed.
+# marked `serial` alone (timed around signals, kills and hangs, or DeepSpeed's shutdown); the slowest are listed, and
+# the coverage of tierlm in the test processes is printed with the modules under half covered
+# (scripts/coverage_summary.py).
 #
 #   bash scripts/test.sh [pytest args]     # with arguments: just those, in one process
 set -euo pipefail
@@ -16,5 +18,9 @@ rm -rf "$SITE"
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
-.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20
-exec .venv/bin/python -m pytest -q -m serial --durations=10
+rm -rf .coverage-data
+.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20 --cov --cov-report=
+status=0
+.venv/bin/python -m pytest -q -m serial --durations=10 --cov --cov-append --cov-report= || status=$?
+.venv/bin/python scripts/coverage_summary.py
+exit $status

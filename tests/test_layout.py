@@ -162,3 +162,26 @@ def test_the_command_line_answers_help_without_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_warning_raised_from_tierlms_code_fails_the_test():
+    """pyproject's filterwarnings: a warning attributed to a tierlm module (its own, or a library's warning about the
+    tierlm line that called it) is an error in the suite; a library's warning about its own code is not."""
+    import warnings
+
+    with pytest.raises(UserWarning, match="from tierlm"):
+        warnings.warn_explicit("from tierlm", UserWarning, "src/tierlm/loops/trainer.py", 1, module="tierlm.loops")
+    with pytest.raises(FutureWarning):
+        warnings.warn_explicit("deprecated", FutureWarning, "src/tierlm/models/gpt/model.py", 1, module="tierlm")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn_explicit("from a library", UserWarning, "site-packages/other.py", 1, module="other")
+    assert [str(w.message) for w in seen] == ["from a library"]
+
+
+def test_the_test_command_measures_and_prints_coverage():
+    """scripts/test.sh runs both parts of the suite under coverage.py (pytest-cov) and prints the total with the
+    modules under half covered (scripts/coverage_summary.py), whatever the suite's outcome."""
+    script = (REPO / "scripts" / "test.sh").read_text()
+    runs = [line for line in script.splitlines() if "-m pytest" in line and "-n 2" in line or "-m serial" in line]
+    assert len(runs) == 2 and all("--cov" in line for line in runs), runs
+    assert "--cov-append" in runs[1] and "scripts/coverage_summary.py" in script.split(runs[1], 1)[1]

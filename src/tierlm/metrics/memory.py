@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -170,9 +171,9 @@ def available_memory_bytes(device: torch.device) -> int | None:
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
     ):
         try:
-            limit = open(limit_file).read().strip()
+            limit = Path(limit_file).read_text().strip()
             if limit != "max" and int(limit) < 1 << 60:
-                limits.append(int(limit) - int(open(usage_file).read().strip()))
+                limits.append(int(limit) - int(Path(usage_file).read_text().strip()))
             break
         except (OSError, ValueError):
             continue

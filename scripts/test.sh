@@ -19,8 +19,8 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
 rm -rf .coverage-data
-.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20 --cov --cov-report=
-status=0
-.venv/bin/python -m pytest -q -m serial --durations=10 --cov --cov-append --cov-report= || status=$?
+status=0  # both parts run and the coverage is printed whatever the first part's outcome; any failure fails the script
+.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=20 --cov --cov-report= || status=$?
+.venv/bin/python -m pytest -q -m serial --durations=10 --cov --cov-append --cov-report= || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 .venv/bin/python scripts/coverage_summary.py
 exit $status

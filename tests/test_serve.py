@@ -273,11 +273,16 @@ def test_concurrent_requests_are_generated_together_and_answer_as_alone(bot, tin
         batched.close()
 
 
-def test_the_server_takes_the_thread_count_its_model_steps_fastest_on(tiny_gpt_config):
+def test_the_server_takes_the_thread_count_its_model_steps_fastest_on(tiny_gpt_config, monkeypatch):
+    import types
+
     import torch
 
+    from tierlm.commands import serve
     from tierlm.commands.serve import fastest_threads
     from tierlm.models import build_gpt
+
+    clock = [0.0]  # the timings on a clock of their own: the machine's load cannot reorder them
 
     class Timed(torch.nn.Module):  # a forward taking the given milliseconds at the thread count it runs on
         def __init__(self, milliseconds):
@@ -286,10 +291,11 @@ def test_the_server_takes_the_thread_count_its_model_steps_fastest_on(tiny_gpt_c
 
         def forward(self, tokens):
             assert tokens.shape == (8, 1)
-            time.sleep(self.milliseconds[torch.get_num_threads()] / 1000)
+            clock[0] += self.milliseconds[torch.get_num_threads()] / 1000
 
     before = torch.get_num_threads()
     try:
+        monkeypatch.setattr(serve, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
         more_is_slower = {1: 10, 2: 20, 4: 30, 8: 40, 15: 50}
         assert fastest_threads(Timed(more_is_slower), cores=16, repeats=2)[0] == 1
         assert list(fastest_threads(Timed(more_is_slower), cores=16, repeats=2)[1]) == [1, 2, 4, 8, 15]
@@ -299,6 +305,7 @@ def test_the_server_takes_the_thread_count_its_model_steps_fastest_on(tiny_gpt_c
         # the fewest threads within 5% of the fastest: 4 (20 ms) against 8 (19.5 ms)
         assert fastest_threads(Timed({1: 40, 2: 30, 4: 20, 8: 19.5, 15: 30}), cores=16, repeats=2)[0] == 4
         assert fastest_threads(Timed({}), cores=2) == (1, {})  # one core left to the model: nothing to measure
+        monkeypatch.undo()
         threads, times = fastest_threads(build_gpt(tiny_gpt_config).eval(), cores=4, repeats=2)  # the real forward
         assert list(times) == [1, 2, 3] and all(ms > 0 for ms in times.values()) and threads in times
     finally:

@@ -9,10 +9,22 @@ documents included (the masks read `position_ids`).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import nn
 
 from tierlm.primitives.model_parallel import received_positions
+
+
+@functools.cache
+def _cache_argument() -> str:
+    """What transformers' mask builders call the KV cache: `cache` (recent releases), `past_key_values` before (now
+    deprecated there)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 class TransformersStage(nn.Module):
@@ -52,9 +64,8 @@ class TransformersStage(nn.Module):
         position_ids = received_positions(position_ids, self.config.max_position_embeddings)
         if self.first:
             x = self.model.embed_tokens(x)
-        masks = dict(
-            config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
-        )
+        masks = dict(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=position_ids)
+        masks[_cache_argument()] = None  # no cache: one whole forward per micro-batch
         wanted = {self.layer_types[int(i)] for i in self.model.layers}
         mask = {
             kind: (create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)(**masks)

@@ -114,13 +114,14 @@ def _check_core(config: TierlmConfig, stage: Stage) -> None:
     """training.core_bundle where CORE can be measured: one line (a ConfigError) otherwise."""
     from tierlm.errors import ConfigError
     from tierlm.loops.evaluation import bundle_files
+    from tierlm.models.registry import family_named
 
     if not stage.measures_core or not stage.generates:
         raise ConfigError(
             f"training.core_bundle measures a language model during token-row training; {stage.name} does not: "
             "drop it (tierlm eval --core scores a saved model)"
         )
-    if config.model.architecture == "qwen3_encdec" or config.infra.model_parallel:
+    if family_named(config.model.architecture).seq2seq or config.infra.model_parallel:
         raise ConfigError(
             "training.core_bundle scores a decoder-only model, whole on each rank (no tensor, pipeline or context "
             "parallelism): drop it, or score the saved model with tierlm eval --core"

@@ -233,10 +233,13 @@ def evaluate_core(
     same number of forwards (a rank short of items scores item 0 again and drops it), as FSDP's collectives
     require; the model is left in the mode it was in."""
     tasks = read_bundle(bundle) if isinstance(bundle, (str, Path)) else bundle
+    sizes = {
+        task.label: len(task.items) if max_per_task is None else min(max_per_task, len(task.items)) for task in tasks
+    }
     training, counts = model.training, {}
     model.eval()
     for task in tasks:
-        n = len(task.items) if max_per_task is None else min(max_per_task, len(task.items))
+        n = sizes[task.label]
         mine = range(rank, n, world_size)
         scored = [score_item(model, tokenizer, task, mine[i] if i < len(mine) else 0, device)
                   for i in range(-(-n // world_size))]  # fmt: skip
@@ -245,7 +248,7 @@ def evaluate_core(
     counts = sum_over_ranks(counts) if sum_over_ranks is not None and world_size > 1 else counts
     results = {}
     for task in tasks:
-        n = len(task.items) if max_per_task is None else min(max_per_task, len(task.items))
+        n = sizes[task.label]
         accuracy = counts[task.label] / max(n, 1)
         results[task.label] = {
             "accuracy": accuracy,

@@ -22,13 +22,11 @@ from tierlm.data.packing import PackedLoader
 from tierlm.data.windows import eval_protocol
 from tierlm.loops.evaluation import CoreSchedule
 from tierlm.loops.trainer import Trainer
-from tierlm.metrics import flops_per_token
 from tierlm.metrics.flops import PeakFlops
 from tierlm.metrics.memory import clear_memory
 from tierlm.metrics.report import model_figures
 from tierlm.models import forward_cross_entropy
 from tierlm.plan.batch import auto_find_batch_size, throughput_knee
-from tierlm.plan.scaling import trained_row_tokens
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
 from tierlm.run import Run, extras_writer
@@ -57,7 +55,7 @@ def train_with_trainer(
         train_loader=train_loader,
         eval_loader=eval_loader,
         config=config.training,
-        flops_per_token=flops_per_token(model, trained_row_tokens(config, model)),  # per token of tokens_seen
+        flops_per_token=run.plan.flops_per_token if run.plan is not None else None,  # the plan's: per token seen
         peak_flops=PeakFlops(
             run.device, config.infra.peak_tflops, torch.bfloat16 if config.training.bf16 else torch.float32
         ),

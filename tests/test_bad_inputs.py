@@ -1424,6 +1424,28 @@ CASES = [
         "did you mean training.learning_rate",
     ),
     Case("speedrun-depth-zero", ["speedrun", "--depth", "0"], "must be > 0"),
+    Case("speedrun-core-not-a-bundle", ["speedrun", "--core", "nowhere", *SPEED], "is not a CORE eval bundle"),
+    Case(
+        "core-bundle-not-a-bundle",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "training.core_bundle=b"],
+        "is not a CORE eval bundle: no eval_meta_data.csv",
+        write("b/core.yaml", "icl_tasks: []\n"),
+    ),
+    Case(
+        "core-bundle-in-rl",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "training.core_bundle=b"],
+        "training.core_bundle measures a language model during token-row training; rl does not",
+    ),
+    Case(
+        "core-bundle-tensor-parallel",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "training.core_bundle=b", "infra.tensor_parallel_size=2"],
+        "training.core_bundle scores a decoder-only model",
+    ),
+    Case(
+        "core-steps-negative",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "training.core_steps=-1"],
+        "core_steps",
+    ),
     Case("speedrun-out-is-a-file", ["speedrun", "--out", "f", *SPEED], "is a file", write("f", "x")),
     Case("plan-bad-stage", ["plan", "--stage", "finetune"], "invalid choice"),
     Case("plan-bad-speed", ["plan", "--config", "tiny_pretrain", *TINY, "--tokens-per-sec", "-3"], "must be > 0"),

@@ -43,7 +43,10 @@ def stage_configs(
     check_overrides("speedrun", overrides, SHARED + ("rl",), placed=placed)
     tokenizer = out / "tokenizer"
     data = [f"data.dataset_name={pretrain_data}"] if pretrain_data else []
-    if core:
+    if core:  # checked before the tokenizer is written, not when pretraining begins
+        from tierlm.loops.evaluation import bundle_files
+
+        bundle_files(core)
         data += [f"training.core_bundle={core}", "training.core_steps=20"]
     pretrain = TierlmConfig.load(
         "tiny_pretrain",

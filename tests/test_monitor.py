@@ -62,6 +62,27 @@ stuck_in_a_collective()
     assert progress["status"] == "hung" and progress["phase"] == "step 3"
 
 
+def test_a_collective_broken_while_the_watchdog_leaves_keeps_the_run_hung(tmp_path):
+    """The watchdog fired and waits to leave; meanwhile a peer's exit breaks this rank's collective, and the loop ends
+    as failed. The progress file still says hung: the hang is the cause (under load this raced, and "failed" won)."""
+    script = f"""
+import time
+from pathlib import Path
+from tierlm.loops.monitor import RunMonitor
+folder = Path({str(tmp_path)!r})
+monitor = RunMonitor(folder, 0, True, "pretrain", 10, 0.5)
+monitor.first_step = False
+monitor.phase("step 3")
+while not (folder / "hang-rank0.txt").exists():
+    time.sleep(0.01)
+monitor.close("failed")  # what the loop does when its collective raises
+time.sleep(60)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=60)
+    assert result.returncode == HANG_EXIT, result.stderr[-2000:]
+    assert json.loads((tmp_path / PROGRESS_FILE).read_text())["status"] == "hung"
+
+
 def test_progress_file_of_a_finished_run(tiny_runs):
     progress = json.loads((tiny_runs / "pre" / PROGRESS_FILE).read_text())
     assert progress["status"] == "finished" and progress["step"] == progress["total_steps"] == 3

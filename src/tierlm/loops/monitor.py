@@ -77,7 +77,7 @@ class RunMonitor:
         self.hang_timeout, self.hosts, self.checkpoint_dir = hang_timeout, hosts or [host_record(rank)], checkpoint_dir
         self.what, self.since, self.first_step = "start", time.monotonic(), True
         self.step, self.tokens, self.elapsed = 0, None, 0.0
-        self._written, self._done = 0.0, threading.Event()
+        self._written, self._done, self._hung = 0.0, threading.Event(), False
         self._main = threading.get_ident()
         self._thread = None
         if hang_timeout is not None:
@@ -94,9 +94,11 @@ class RunMonitor:
         self._write("running", force=not what.startswith("step"))
 
     def close(self, status: str) -> None:
-        """The loop ended: finished, interrupted or failed."""
+        """The loop ended: finished, interrupted or failed. After the watchdog fired the status stays "hung": the loop
+        fails then only because the watchdog is taking the ranks out (a peer's exit breaks this rank's collective
+        while this watchdog waits to leave), and the hang is what a supervisor must see."""
         self._done.set()
-        self._write(status, force=True)
+        self._write("hung" if self._hung else status, force=True)
 
     # -- the watchdog -----------------------------------------------------------------------
     @property
@@ -137,6 +139,7 @@ class RunMonitor:
         # Each its own write: the ranks share the log, and one write of a line is not cut by another rank's output.
         os.write(2, stacks.encode())
         os.write(2, f"\n{line}\n".encode())
+        self._hung = True
         self._write("hung", force=True)
         # The other ranks' watchdogs fire within one check of this one (their phases began together): wait two checks
         # before leaving, or this rank's exit would end theirs (a collective's error) before they wrote their stacks.

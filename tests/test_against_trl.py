@@ -4,6 +4,7 @@ as tierlm's loaders lay them out, go through tierlm's strategies on the same wei
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -142,19 +143,46 @@ GRPO_CASES = [
     ("cispo", {"loss_type": "cispo", "epsilon_high": 5.0}, {}),
     ("gspo", {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.01, "epsilon_high": 0.02},
      {"clip_low": 0.01, "clip_high": 0.02}),
+    ("bnpo", {"loss_type": "bnpo", "epsilon": 0.2}, {}),
+    ("sapo", {"loss_type": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}, {}),
+    ("luspo", {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.01, "epsilon_high": 0.02},
+     {"clip_low": 0.01, "clip_high": 0.02}),
+    ("vespo", {"loss_type": "vespo"}, {}),
+    ("sapo", {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+     {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0}),
+    ("vespo", {"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0},
+     {"vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0}),
 ]  # fmt: skip
+CORRECTIONS = [  # (rl.importance, floor, cap, rl.off_policy_mask): TRL's vLLM importance modes and its sequence mask
+    ("token_truncate", None, 1.2, None),
+    ("token_mask", 0.8, 1.25, None),  # IcePop's band, narrowed so that it masks here
+    ("sequence_truncate", 0.5, 3.0, None),
+    ("sequence_mask", None, 2.0, None),
+    (None, None, None, 0.05),  # DeepSeek-V3.2's off-policy sequence mask
+]
 
 
-@pytest.mark.parametrize("loss, theirs_kwargs, ours_kwargs", GRPO_CASES, ids=[c[0] for c in GRPO_CASES])
-def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs):
-    """GRPO, DAPO, Dr. GRPO, CISPO and GSPO (TRL's GRPO loss at the sequence level) on one batch of completions of
-    different lengths, with stored old log-probs far enough from the policy's that the clips bite: tierlm's loss is
-    TRL's `GRPOTrainer._compute_loss`."""
+def trl_importance(old, sampler, mask, mode, floor, cap):
+    """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions), written out."""
+    diff = torch.nan_to_num((old - sampler) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=floor, max=cap)
+    low, high = floor if floor is not None else -math.inf, cap if cap is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs, correction=None):
+    """tierlm's loss and TRL's `GRPOTrainer._compute_loss` on one batch of completions of different lengths, with
+    stored old log-probs far enough from the policy's that the clips bite (and a sampler's further off, for the
+    corrections): (ours, theirs)."""
     from trl import GRPOConfig, GRPOTrainer
 
     from tierlm.config import RLConfig
     from tierlm.strategies.rl import policy_gradient_strategy
-    from tierlm.strategies.rl_losses import resolve_rl
+    from tierlm.strategies.rl_losses import importance_weights, resolve_rl
 
     hf = tiny_tokenizer.hf
     policy = _model(hf, 0)
@@ -187,10 +215,18 @@ def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, their
     labels = torch.full((B, P + C - 1), IGNORE_INDEX)
     labels[:, P - 1 :] = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
     batch = {"input_ids": ids[:, :-1], "labels": labels, "advantages": advantages}
+
+    def full(completion_values):  # (B, C) completion values at their places in the (B, P + C - 1) rows
+        values = torch.zeros(B, P + C - 1)
+        values[:, P - 1 :] = completion_values * completion_mask
+        return values
+
     with torch.no_grad():
         current = torch.log_softmax(forward_logits(policy, batch).float(), -1)
         current = current.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, P - 1 :]
         old = current + 0.3 * torch.randn(B, C, generator=g)  # ratios of about e^(+-0.3): some clipped
+        sampler = old + 0.2 * torch.randn(B, C, generator=g)  # the sampler's own arithmetic, further off
+        sampler[3] += 0.1  # the last (negative) row: its mean KL(sampler || policy) past rl.off_policy_mask's 0.05
         inputs = {
             "prompt_ids": prompt_ids,
             "prompt_mask": torch.ones_like(prompt_ids),
@@ -200,10 +236,44 @@ def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, their
             "old_per_token_logps": old,
             "num_items_in_batch": completion_mask.sum(),
         }
+        batch["old_logprobs"], batch["sampler_logprobs"] = full(old), full(sampler)
+        mode, floor, cap, mask_kl = correction or (None, None, None, None)
+        if mode is not None:  # TRL's vLLM correction: its ratio written out, ours made as the RL loop makes it
+            trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+            inputs["importance_sampling_ratio"] = trl_importance(old, sampler, completion_mask, mode, floor, cap)
+            batch["importance"] = importance_weights(
+                batch["old_logprobs"], batch["sampler_logprobs"], labels != IGNORE_INDEX, mode, floor, cap
+            )
+            picked = batch["importance"].expand(B, P + C - 1)[:, P - 1 :]
+            theirs_ratio = inputs["importance_sampling_ratio"].expand(B, C)
+            assert torch.allclose(picked * completion_mask, theirs_ratio * completion_mask)
+        if mask_kl is not None:
+            trainer.off_policy_mask_threshold = mask_kl
+            inputs["sampling_per_token_logps"] = sampler
+            kept = GRPOTrainer.get_off_policy_mask(advantages[:, None], current, sampler, completion_mask, mask_kl)
+            assert kept.flatten().tolist().count(0.0) == 1  # one negative sequence dropped, one kept
+            ours_kwargs = {**ours_kwargs, "off_policy_mask": mask_kl}
         trainer.model.eval()  # no gradient-accumulation scaling
         theirs = trainer._compute_loss(trainer.model, inputs)
-        batch["old_logprobs"] = torch.zeros(B, P + C - 1)
-        batch["old_logprobs"][:, P - 1 :] = old * completion_mask
         strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss=loss, max_new_tokens=C, **ours_kwargs)))
         total, count = strategy.compute_loss(forward_logits(policy, batch), batch)
-    assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+    return float(total / count), float(theirs)
+
+
+@pytest.mark.parametrize("loss, theirs_kwargs, ours_kwargs", GRPO_CASES, ids=[c[0] for c in GRPO_CASES])
+def test_rl_losses_equal_trls_grpo_trainer(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs):
+    """GRPO, DAPO, Dr. GRPO, CISPO, GSPO (TRL's GRPO loss at the sequence level), BNPO, SAPO, LUSPO and VESPO (with
+    their own shape settings too): tierlm's loss is TRL's `GRPOTrainer._compute_loss`."""
+    ours, theirs = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS, ids=[c[0] or "off_policy_mask" for c in CORRECTIONS])
+@pytest.mark.parametrize("loss", ["dapo", "gspo", "vespo"])
+def test_off_policy_corrections_equal_trls(tiny_tokenizer, tmp_path, loss, correction):
+    """rl.importance's four modes (token / sequence, truncated / masked: TIS, IcePop, MIS) and rl.off_policy_mask
+    under a token-level, a sequence-level and VESPO's loss (which folds the ratio into its weight): TRL's loss with its
+    vLLM importance-sampling correction and its off-policy sequence mask."""
+    theirs_kwargs, ours_kwargs = next((t, o) for name, t, o in GRPO_CASES if name == loss)
+    ours, theirs = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs, correction)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)

@@ -89,6 +89,39 @@ def ref_reinforce(lp, mask, adv):
     return -sum(adv[i] * lp[i, t] for i in range(B) for t in ts[i]) / sum(len(x) for x in ts)
 
 
+def ref_sapo(lp, old, mask, adv, tau_pos, tau_neg):
+    """SAPO: -(1/G) sum_i (1/|o_i|) sum_t f(r) A with the soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, tau by A's
+    sign (tau_pos for A > 0)."""
+    total = 0.0
+    for i, ts in enumerate(_seq_list(mask)):
+        tau = tau_pos if adv[i] > 0 else tau_neg
+        seq = sum(torch.sigmoid(tau * (torch.exp(lp[i, t] - old[i, t]) - 1)) * 4 / tau * adv[i] for t in ts)
+        total = total + seq / len(ts)
+    return -total / B
+
+
+def ref_luspo(lp, old, mask, adv, eps_low, eps_high):
+    """LUSPO: GSPO's per-sequence term times |o_i|: -(1/G) sum_i |o_i| min(s_i A_i, clip(s_i) A_i)."""
+    total = 0.0
+    for i, ts in enumerate(_seq_list(mask)):
+        s = torch.exp(sum(lp[i, t] - old[i, t] for t in ts) / len(ts))
+        total = total + len(ts) * torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[i])
+    return -total / B
+
+
+def ref_vespo(lp, old, mask, adv, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
+    """VESPO: w_i = prod_t pi / pi_old over the sequence, phi(w) = e^lam w^k e^(-lam w) (no gradient), k and lam by
+    A's sign; -(1 / sum_i |o_i|) sum_i sum_t phi(w_i) A_i log pi."""
+    total, tokens = 0.0, 0
+    for i, ts in enumerate(_seq_list(mask)):
+        w = math.exp(sum(float(lp[i, t] - old[i, t]) for t in ts))
+        k, lam = (k_pos, lam_pos) if adv[i] >= 0 else (k_neg, lam_neg)
+        phi = math.exp(lam) * w**k * math.exp(-lam * w)
+        total = total + sum(phi * adv[i] * lp[i, t] for t in ts)
+        tokens += len(ts)
+    return -total / tokens
+
+
 CASES = {  # rl.loss -> (its config, the reference given (lp, old, mask, advantages))
     "grpo": ({}, lambda lp, old, m, a: ref_grpo(lp, old, m, a, 0.2, 0.2)),
     "dapo": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.28)),
@@ -98,6 +131,14 @@ CASES = {  # rl.loss -> (its config, the reference given (lp, old, mask, advanta
     "rloo": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.2)),
     "reinforce_pp": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.2)),
     "ppo": ({"clip_range": 0.1}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.1, 0.1)),
+    "bnpo": ({}, lambda lp, old, m, a: ref_token_mean(lp, old, m, a, 0.2, 0.2)),
+    "sapo": ({}, lambda lp, old, m, a: ref_sapo(lp, old, m, a, 1.0, 1.05)),
+    "luspo": ({"clip_low": 0.02, "clip_high": 0.03}, lambda lp, old, m, a: ref_luspo(lp, old, m, a, 0.02, 0.03)),
+    "vespo": ({}, ref_vespo),
+    "vespo_shaped": (
+        {"loss": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 0.5, "vespo_lambda_neg": 4.0},
+        lambda lp, old, m, a: ref_vespo(lp, old, m, a, 1.0, 1.5, 0.5, 4.0),
+    ),
 }
 
 
@@ -110,7 +151,7 @@ def ref_advantages(loss: str, rewards: torch.Tensor) -> list[float]:
         group = r[i // G * G : i // G * G + G]
         mean = sum(group) / G
         std = math.sqrt(sum((y - mean) ** 2 for y in group) / G)
-        if loss in ("grpo", "dapo", "gspo", "cispo"):
+        if loss in ("grpo", "dapo", "gspo", "cispo", "bnpo", "sapo", "luspo", "vespo", "vespo_shaped"):
             out.append((x - mean) / (std + 1e-6))
         elif loss == "rloo":
             out.append(x - (sum(group) - x) / (G - 1))
@@ -125,7 +166,7 @@ def ref_advantages(loss: str, rewards: torch.Tensor) -> list[float]:
 @pytest.mark.parametrize("loss", list(CASES))
 def test_each_loss_equals_its_papers_formula(loss):
     overrides, reference = CASES[loss]
-    rl = RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides)
+    rl = RLConfig(**{"loss": loss, "group_size": G, "max_new_tokens": L, **overrides})
     strategy = policy_gradient_strategy(resolve_rl(rl))
     lp0, old, mask, rewards = _batch()
     advantages = strategy.advantages(rewards, G)
@@ -133,7 +174,7 @@ def test_each_loss_equals_its_papers_formula(loss):
 
     ours_lp = lp0.clone().requires_grad_(True)
     batch = {"advantages": advantages, "old_logprobs": old}
-    total, count, _ = RL_LOSSES[loss].fn(ours_lp, batch, mask, strategy.settings)
+    total, count, _ = RL_LOSSES[rl.loss].fn(ours_lp, batch, mask, strategy.settings)
     (total / count).backward()
     ref_lp = lp0.clone().requires_grad_(True)
     expected = reference(ref_lp, old, mask, advantages.tolist())
@@ -161,12 +202,13 @@ def test_micro_batches_normalise_as_the_whole_batch(loss):
     """Summed losses over summed normalisers of two micro-batches = the whole batch's loss: sequence means,
     token means and Dr. GRPO's constant all survive gradient accumulation (and ranks) unchanged."""
     overrides, _ = CASES[loss]
-    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss=loss, group_size=G, max_new_tokens=L, **overrides)))
+    rl = RLConfig(**{"loss": loss, "group_size": G, "max_new_tokens": L, **overrides})
+    strategy = policy_gradient_strategy(resolve_rl(rl))
     lp, old, mask, rewards = _batch(1)
     adv = strategy.advantages(rewards, G)
-    whole, whole_n, _ = RL_LOSSES[loss].fn(lp, {"advantages": adv, "old_logprobs": old}, mask, strategy.settings)
+    whole, whole_n, _ = RL_LOSSES[rl.loss].fn(lp, {"advantages": adv, "old_logprobs": old}, mask, strategy.settings)
     parts = [
-        RL_LOSSES[loss].fn(lp[s], {"advantages": adv[s], "old_logprobs": old[s]}, mask[s], strategy.settings)
+        RL_LOSSES[rl.loss].fn(lp[s], {"advantages": adv[s], "old_logprobs": old[s]}, mask[s], strategy.settings)
         for s in (slice(0, 3), slice(3, B))
     ]
     split = sum(p[0] for p in parts) / sum(p[1] for p in parts)
@@ -213,12 +255,61 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
         ({"overlong_buffer": 32, "max_new_tokens": 32}, "must be below rl.max_new_tokens"),
         ({"loss": "distill"}, "rl.loss=distill learns from rl.teacher"),
         ({"teacher": "runs/tiny_rl"}, "rl.loss=distill learns from rl.teacher"),
+        ({"loss": "sapo", "clip_high": 0.3}, "rl.loss=sapo gates the ratio softly"),
+        ({"loss": "grpo", "sapo_temperature_neg": 2.0}, "SAPO's gate temperatures: set rl.loss=sapo"),
+        ({"loss": "vespo", "clip_low": 0.1}, "rl.loss=vespo weights sequences smoothly"),
+        ({"loss": "dapo", "vespo_k_pos": 1.0}, "shape VESPO's sequence weights: set rl.loss=vespo"),
+        ({"importance": "token_iceberg"}, "importance"),
+        ({"importance_floor": 0}, "importance_floor"),
+        ({"off_policy_mask": -0.5}, "off_policy_mask"),
     ],
 )
 def test_loss_settings_that_contradict_are_refused(overrides, message):
     """Field by field in the section (ValueError), against the loss's row when the run is resolved (ConfigError)."""
     with pytest.raises((ValueError, ConfigError), match=message):
         resolve_rl(RLConfig(**overrides))
+
+
+def test_the_importance_correction_resolves_from_the_run_and_jax_refuses_the_sequence_mask():
+    assert resolve_rl(RLConfig()).importance == "none"  # on-policy: no correction unless asked
+    assert resolve_rl(RLConfig(max_off_policy_steps=2)).importance == "token_truncate"  # what it always was
+    assert resolve_rl(RLConfig(max_off_policy_steps=2, importance="sequence_mask")).importance == "sequence_mask"
+    with pytest.raises(ConfigError, match="rl.off_policy_mask is applied by the PyTorch losses"):
+        resolve_rl(RLConfig(loss="grpo", off_policy_mask=0.5), jax=True)
+    with pytest.raises(ConfigError, match="rl.loss=sapo has no JAX twin"):
+        resolve_rl(RLConfig(loss="sapo"), jax=True)
+
+
+@pytest.mark.parametrize(
+    "extra, shown",
+    [
+        (["rl.loss=vespo", "rl.max_off_policy_steps=1", "rl.importance=sequence_mask", "rl.off_policy_mask=0.5"],
+         ["vespo_weight_mean", "importance_masked", "importance_mean", "staleness"]),
+        (["rl.loss=sapo", "rl.importance=token_truncate", "rl.importance_floor=0.5"],
+         ["importance_capped", "importance_mean"]),
+        (["rl.loss=luspo", "rl.importance=token_mask", "rl.importance_floor=0.5", "rl.importance_cap=5"],
+         ["seq_ratio_mean", "importance_masked"]),
+    ],
+    ids=["vespo-async-sequence_mask-opsm", "sapo-on_policy-tis", "luspo-icepop"],
+)  # fmt: skip
+def test_new_losses_and_corrections_train_and_show_their_figures(extra, shown, tiny_runs, tmp_path):
+    """A few RL steps of each new loss under an importance correction (on-policy too: a sampler's arithmetic may
+    differ from the trainer's) and DeepSeek-V3.2's sequence mask: the run ends, its lines carry the figures, and the
+    report plots them."""
+    import json
+
+    from tierlm.commands.cli import main
+
+    args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", *extra]
+    args += ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_new_tokens=8", "rl.eval_problems=4", "rl.eval_k=2"]
+    args += ["training.num_train_steps=3", "training.eval_steps=0", "training.logging_steps=1"]
+    args += ["infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]
+    out = tmp_path / "run"
+    assert main([*args, f"infra.output_dir={out}"]) == 0
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert len(train) == 3 and all(key in r for r in train for key in shown), train[-1]
+    assert all(math.isfinite(r["loss"]) for r in train)
+    assert (out / "plots" / "importance.png").exists()
 
 
 @pytest.mark.slow

@@ -111,9 +111,31 @@ class RLConfig(Section):
     """Asynchronous RL: the rollouts of step n are sampled with the weights of step n - k while earlier steps train
     (0: on-policy, generation and training take turns). Pending rollouts are saved with every checkpoint, so a
     resumed run continues exactly."""
-    importance_cap: float = Field(2.0, gt=0)
-    """Off-policy steps: each trained token's loss is weighted by min(p_policy / p_sampler, importance_cap), the
-    truncated importance ratio against the sampler's own log-probs."""
+    importance: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
+    """How samples drawn by another policy than the trainer's (older weights, a sampler whose arithmetic differs) are
+    corrected, with r = p_trainer / p_sampler of each sampled token: token_truncate weights each token's loss by
+    r truncated into [rl.importance_floor, rl.importance_cap] (TIS); token_mask by r inside that band and 0 outside
+    it (IcePop); sequence_truncate / sequence_mask do the same with the product of the row's ratios (one weight per
+    sequence); none: no correction. None: token_truncate when rl.max_off_policy_steps > 0, else none."""
+    importance_floor: float | None = Field(None, gt=0)
+    """rl.importance: the band's lower end (None: no lower end; IcePop uses 0.5)."""
+    importance_cap: float | None = Field(2.0, gt=0)
+    """rl.importance: the band's upper end (None: no upper end; IcePop uses 5, TRL's vLLM correction 3)."""
+    off_policy_mask: float | None = Field(None, gt=0)
+    """DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage whose mean KL(sampler || policy)
+    per token exceeds this trains nothing (None: off; e.g. 0.5)."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """rl.loss=sapo: the gate's temperature for tokens with a positive advantage."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """rl.loss=sapo: the gate's temperature for the others (higher: their gradient fades faster)."""
+    vespo_k_pos: float = Field(2.0, ge=0)
+    """rl.loss=vespo: the weight's shape k for sequences with a non-negative advantage."""
+    vespo_lambda_pos: float = Field(3.0, gt=0)
+    """rl.loss=vespo: its rate lambda for them."""
+    vespo_k_neg: float = Field(3.0, ge=0)
+    """rl.loss=vespo: k for sequences with a negative advantage."""
+    vespo_lambda_neg: float = Field(2.0, gt=0)
+    """rl.loss=vespo: lambda for them."""
     parity_tolerance: float = Field(0.05, gt=0)
     """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
     (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near

@@ -6,6 +6,7 @@ reports is `tierlm.loops.rl.RLTrainer`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ from tierlm.config import RLConfig
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
+from tierlm.strategies.rl_losses import importance_weights
 
 Sums = Callable[[dict[str, float]], dict[str, float]]
 
@@ -68,13 +70,13 @@ class PolicyUpdate:
         batch: dict[str, torch.Tensor],
         rewards: torch.Tensor,
         staleness: int,
-        importance: bool = False,
     ) -> tuple[float, dict[str, float]]:
         """What the update needs beside the rollouts, written into each micro-batch: the trainer's log-probs of the
         sampled tokens (the old log-probs for clipping), the reference's, a teacher's (on-policy distillation: each
-        token's advantage is -(reverse KL) there), the critic's advantages, the off-policy importance weights
-        (`importance`: the rollouts are `staleness` updates old). Returns the mean |trainer - sampler| log-prob of
-        the trained tokens (the parity check) and the figures of what scoring found, before this step's update."""
+        token's advantage is -(reverse KL) there), the critic's advantages, the importance weights of
+        rl.importance (the rollouts are `staleness` updates old, or from a sampler whose arithmetic differs).
+        Returns the mean |trainer - sampler| log-prob of the trained tokens (the parity check) and the figures of
+        what scoring found, before this step's update."""
         for mb in micro:
             mb["old_logprobs"] = self.logprobs(mb)
             if self.reference is not None:
@@ -91,14 +93,23 @@ class PolicyUpdate:
             self._critic_targets(micro, rewards, trained)
         old = torch.cat([mb["old_logprobs"] for mb in micro])
         figures = {}
-        if importance:  # truncated importance weights p_policy / p_sampler of the stale samples
+        if self.rl.importance != "none":  # rl.importance's weights of the samples: stale, or from another sampler
+            rl = self.rl
             for mb in micro:
-                mb["importance"] = (mb["old_logprobs"] - mb["sampler_logprobs"]).exp().clamp(max=self.rl.importance_cap)
-            weights = torch.cat([mb["importance"] for mb in micro])[trained]
+                trained_mb = mb["labels"] != IGNORE_INDEX
+                mb["importance"] = importance_weights(
+                    mb["old_logprobs"], mb["sampler_logprobs"], trained_mb, rl.importance, rl.importance_floor,
+                    rl.importance_cap,
+                )  # fmt: skip
+            weights = torch.cat([mb["importance"].expand_as(mb["old_logprobs"]) for mb in micro])[trained]
             figures["staleness"] = staleness
             figures["importance_mean"] = float(weights.mean()) if weights.numel() else 1.0
-            capped = (weights >= self.rl.importance_cap).float()
-            figures["importance_capped"] = float(capped.mean()) if weights.numel() else 0.0
+            low, high = rl.importance_floor or 0.0, rl.importance_cap or math.inf
+            if rl.importance.endswith("mask"):  # the share of trained tokens the band silences
+                figures["importance_masked"] = float((weights == 0).float().mean()) if weights.numel() else 0.0
+            else:  # the share held at an end of the band
+                held = (weights >= high) | (weights <= low)
+                figures["importance_capped"] = float(held.float().mean()) if weights.numel() else 0.0
         if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
             log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
             figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
@@ -141,14 +152,16 @@ class PolicyUpdate:
 
 def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:
     """What makes the loss visible in the train lines: the share of tokens (GSPO: sequences) whose gradient each
-    side of the clip removed, GSPO's mean sequence ratio, dynamic sampling's dropped groups and extra draws, DAPO's
-    overlong-shaped completions."""
+    side of the clip removed, GSPO's mean sequence ratio, VESPO's mean sequence weight, dynamic sampling's dropped
+    groups and extra draws, DAPO's overlong-shaped completions."""
     out = {}
     if totals.get("loss_clip_n_sum"):
         n = totals["loss_clip_n_sum"]
         out.update(clip_low_frac=totals["loss_clip_low_sum"] / n, clip_high_frac=totals["loss_clip_high_sum"] / n)
-    if totals.get("loss_rows_sum"):
+    if totals.get("loss_rows_sum") and "loss_seq_ratio_sum" in totals:
         out["seq_ratio_mean"] = totals["loss_seq_ratio_sum"] / totals["loss_rows_sum"]
+    if totals.get("loss_rows_sum") and "loss_vespo_phi_sum" in totals:
+        out["vespo_weight_mean"] = totals["loss_vespo_phi_sum"] / totals["loss_rows_sum"]
     if rl.dynamic_sampling:
         out.update(dropped_groups=totals.get("dropped_groups", 0.0), extra_draws=totals.get("extra_draws", 0.0))
     if rl.overlong_buffer:

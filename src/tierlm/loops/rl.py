@@ -176,8 +176,7 @@ class RLTrainer:
         advantages = self.strategy.advantages(rewards, rl.group_size, self._sum_over_ranks)
         batch = rollout_batch(rollouts, advantages, self.tokenizer.pad_id)
         micro = self.update.micro_batches(batch)
-        importance = self.off_policy is not None  # the stale samples' truncated importance weights
-        parity, scoring = self.update.score(micro, batch, rewards, step - version, importance)
+        parity, scoring = self.update.score(micro, batch, rewards, step - version)
         t2 = time.perf_counter()
         update = self.update.apply(micro)
         t3 = time.perf_counter()
@@ -243,7 +242,7 @@ class RLTrainer:
         batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id)
         trainer = torch.cat([self.update.logprobs(mb) for mb in self.update.micro_batches(batch)])
         gap = (trainer - batch["sampler_logprobs"])[batch["labels"] != IGNORE_INDEX]
-        cap = math.log(self.rl.importance_cap)
+        cap = math.log(self.rl.importance_cap) if self.rl.importance_cap is not None else math.inf
         sums = self._sum_over_ranks(
             {"tokens": gap.numel(), "abs": float(gap.abs().sum()), "beyond": float((gap.abs() > cap).sum())}
         )

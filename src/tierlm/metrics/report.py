@@ -71,7 +71,18 @@ PANELS = [
         "step",
         [("lower clip", "train", "clip_low_frac"), ("upper clip", "train", "clip_high_frac")],
     ),
-    ("seq_ratio", "GSPO: mean sequence importance ratio", "step", [("ratio", "train", "seq_ratio_mean")]),
+    ("seq_ratio", "GSPO / LUSPO: mean sequence importance ratio", "step", [("ratio", "train", "seq_ratio_mean")]),
+    ("vespo_weight", "VESPO: mean sequence weight phi(w)", "step", [("phi", "train", "vespo_weight_mean")]),
+    (
+        "importance",
+        "rl.importance: mean weight, share held at the band's ends or masked",
+        "step",
+        [
+            ("mean", "train", "importance_mean"),
+            ("held", "train", "importance_capped"),
+            ("masked", "train", "importance_masked"),
+        ],
+    ),
     ("teacher_kl", "distillation: KL(student || teacher) on the samples", "step", [("KL", "train", "teacher_kl")]),
     (
         "dynamic_sampling",

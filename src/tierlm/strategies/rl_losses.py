@@ -8,14 +8,18 @@ so the normaliser decides what the loss averages over:
 
 - `tokens`: every trained token of the step alike (DAPO's token-level loss);
 - `sequences`: each row's mean over its tokens, then the mean over rows (GRPO as published);
+- `rows`: each row's sum over its tokens, then the mean over rows (LUSPO: a sequence weighs as its length);
 - `constant`: the sum over tokens / (rows x rl.max_new_tokens), no length normalisation (Dr. GRPO).
 
 The shared parts are here once: the ratio, the clipped surrogate, the KL term, the normalisation, the clip
-statistics. The advantages (group baselines, leave-one-out, the whole batch's) are in `tierlm.strategies.rl`.
+statistics, and the off-policy corrections every loss applies alike (`importance_weights`, made once per step
+from the sampler's log-probs as `rl.importance` says, and DeepSeek-V3.2's sequence mask, `off_policy_weight`).
+The advantages (group baselines, leave-one-out, the whole batch's) are in `tierlm.strategies.rl`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -36,7 +40,10 @@ class LossSettings:
     clip_high: float | None = 0.2  # its upper bound 1 + clip_high (None: not clipped)
     kl_coef: float = 0.0
     max_new_tokens: int = 32  # Dr. GRPO's constant normaliser per row
-    normalise: str = "tokens"  # what the loss averages over: tokens, sequences or constant
+    normalise: str = "tokens"  # what the loss averages over: tokens, sequences, rows or constant
+    off_policy_mask: float | None = None  # DeepSeek-V3.2's sequence mask: the KL past which a negative sequence drops
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's gate temperatures for A > 0 and A <= 0
+    vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # VESPO's k, lambda for A >= 0, then A < 0
 
 
 # -- the shared parts ---------------------------------------------------------------------------
@@ -94,8 +101,64 @@ def normalise(per_tok: torch.Tensor, mask: torch.Tensor, how: str, max_new_token
         return masked.sum(), mask.sum()
     if how == "sequences":
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), rows.sum()
+    if how == "rows":
+        return masked.sum(), rows.sum()
     assert how == "constant", f"unknown normalisation {how!r}"
     return masked.sum(), rows.sum() * max_new_tokens
+
+
+IMPORTANCE_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""rl.importance: how the trainer's p / the sampler's p of each sampled token corrects the loss."""
+
+
+def importance_weights(
+    old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, mode: str, floor: float | None, cap: float | None
+) -> torch.Tensor:
+    """The weights (B, T) that correct samples drawn by another policy than the trainer's (older weights, or a sampler
+    whose arithmetic differs): r = p_trainer / p_sampler per token (`token_*`) or its product over the row's trained
+    tokens (`sequence_*`, one weight per row: (B, 1)), then truncated into [floor, cap] (`*_truncate`, TIS) or set
+    to 0 outside it (`*_mask`; per token this is IcePop's calibration, per sequence MIS). A token the sampler could
+    not score (NaN) counts as r = 1. TRL's vLLM importance-sampling modes are the same four.
+
+    >>> old, sampler = torch.tensor([[0.5, 0.2]]).log(), torch.tensor([[0.25, 0.4]]).log()
+    >>> mask = torch.ones(1, 2)
+    >>> [round(w, 3) for w in importance_weights(old, sampler, mask, "token_truncate", None, 1.5)[0].tolist()]
+    [1.5, 0.5]
+    >>> importance_weights(old, sampler, mask, "token_mask", 0.6, 3.0)[0].tolist()
+    [2.0, 0.0]
+    >>> importance_weights(old, sampler, mask, "sequence_truncate", None, 3.0).round(decimals=4).tolist()  # 2 x 0.5
+    [[1.0]]
+    """
+    assert mode in IMPORTANCE_MODES[1:], f"unknown importance mode {mode!r}"
+    diff = torch.nan_to_num((old - sampler) * mask.float(), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=1, keepdim=True)
+    ratio = diff.exp()
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=floor, max=cap) if (floor, cap) != (None, None) else ratio
+    else:
+        low, high = floor if floor is not None else -math.inf, cap if cap is not None else math.inf
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio
+
+
+def off_policy_weight(logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, s: LossSettings):
+    """What multiplies each token's loss besides the loss's own ratio: the importance weights (`batch["importance"]`,
+    `importance_weights`) times, with `s.off_policy_mask` = delta, DeepSeek-V3.2's off-policy sequence mask (a row with
+    a negative advantage whose mean KL(sampler || policy), log p_sampler - log p per trained token, exceeds delta
+    trains nothing; as TRL's `off_policy_mask_threshold`). None when neither applies."""
+    weight = batch.get("importance")
+    if s.off_policy_mask is None:
+        return weight
+    maskf = mask.float()
+    sampler = batch.get("sampler_logprobs", batch.get("old_logprobs"))
+    sampler = logprobs.detach() if sampler is None else sampler
+    kl = torch.nan_to_num(sampler - logprobs.detach(), nan=0.0) * maskf
+    mean_kl = kl.sum(dim=1, keepdim=True) / maskf.sum(dim=1, keepdim=True).clamp(min=1)
+    adv = batch["advantages"].float()
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    keep = ((adv >= 0) | (mean_kl <= s.off_policy_mask)).float().expand_as(logprobs)
+    return keep if weight is None else weight * keep
 
 
 # -- the losses ---------------------------------------------------------------------------------
@@ -106,8 +169,8 @@ def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
     ratio = ratio_to_old(logprobs, batch)
     adv = per_token(batch["advantages"], logprobs)
     loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high)
-    if batch.get("importance") is not None:
-        loss = loss * batch["importance"]
+    if (weight := off_policy_weight(logprobs, batch, mask, s)) is not None:
+        loss = loss * weight
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, {**stats, **clip_statistics(ratio.detach(), adv, mask, s.clip_low, s.clip_high)}
@@ -120,34 +183,94 @@ def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     weight = ratio.clamp(max=1.0 + s.clip_high) if s.clip_high is not None else ratio
     adv = per_token(batch["advantages"], logprobs)
     loss = -weight * adv * logprobs
-    if batch.get("importance") is not None:
-        loss = loss * batch["importance"]
+    if (correction := off_policy_weight(logprobs, batch, mask, s)) is not None:
+        loss = loss * correction
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, {**stats, **clip_statistics(ratio, adv, mask, None, s.clip_high)}
 
 
-def gspo(logprobs, batch, mask, s: LossSettings) -> Result:
-    """GSPO (Zheng et al., 2025): one importance ratio per sequence, the geometric mean of its tokens' ratios
-    s = exp(mean_t(log p - log p_old)), clipped to 1 - rl.clip_low .. 1 + rl.clip_high (3e-4 / 4e-4):
-    -min(s A, clip(s) A) per sequence, averaged over the sequences."""
+def sequence_surrogate(logprobs, batch, mask, s: LossSettings):
+    """GSPO's per-row loss: one importance ratio per sequence, the geometric mean of its tokens' ratios
+    s = exp(mean_t(log p - log p_old)), in PPO's clipped surrogate -min(s A, clip(s) A), corrected (the mean of the
+    row's `off_policy_weight`) and with the row's mean KL term. Returns (per-row loss, token counts, statistics)."""
     maskf = mask.float()
     lengths = maskf.sum(dim=1).clamp(min=1)
     old = batch.get("old_logprobs")
     delta = (logprobs - (logprobs.detach() if old is None else old)) * maskf
     seq_ratio = torch.exp(delta.sum(dim=1) / lengths)
     adv = batch["advantages"].float()
-    assert adv.dim() == 1, "GSPO takes one advantage per sequence"
+    assert adv.dim() == 1, "a sequence-level loss takes one advantage per sequence"
     loss = clipped_surrogate(seq_ratio, adv, s.clip_low, s.clip_high)
-    if batch.get("importance") is not None:
-        loss = loss * (batch["importance"] * maskf).sum(dim=1) / lengths
+    if (weight := off_policy_weight(logprobs, batch, mask, s)) is not None:
+        loss = loss * (weight * maskf).sum(dim=1) / lengths
     kl, stats = kl_term(logprobs, batch, maskf, s.kl_coef)
     if torch.is_tensor(kl):
         loss = loss + (kl * maskf).sum(dim=1) / lengths
     rows = (maskf.sum(dim=1) > 0).float()
     clip = clip_statistics(seq_ratio.detach(), adv, rows, s.clip_low, s.clip_high)
     stats = {**stats, **clip, "seq_ratio_sum": (seq_ratio.detach() * rows).sum(), "rows_sum": rows.sum()}
-    return (loss * rows).sum(), rows.sum(), stats
+    return loss * rows, maskf.sum(dim=1), stats
+
+
+def gspo(logprobs, batch, mask, s: LossSettings) -> Result:
+    """GSPO (Zheng et al., 2025): `sequence_surrogate` with its ratio clipped to 1 - rl.clip_low .. 1 + rl.clip_high
+    (3e-4 / 4e-4), averaged over the sequences."""
+    loss, _, stats = sequence_surrogate(logprobs, batch, mask, s)
+    return loss.sum(), stats["rows_sum"], stats
+
+
+def luspo(logprobs, batch, mask, s: LossSettings) -> Result:
+    """LUSPO (2026): GSPO's sequence loss times the sequence's length (its tokens' sum instead of their mean, so a
+    long reply is not down-weighted), averaged over the sequences."""
+    loss, lengths, stats = sequence_surrogate(logprobs, batch, mask, s)
+    return (loss * lengths).sum(), stats["rows_sum"], stats
+
+
+def sapo(logprobs, batch, mask, s: LossSettings) -> Result:
+    """SAPO (Gao et al., 2025): a soft gate in place of the hard clip, -A x sigmoid(tau (r - 1)) x 4 / tau per token
+    (the gradient of r at r = 1 is A, and fades smoothly as r leaves 1), tau = rl.sapo_temperature_pos for A > 0 and
+    rl.sapo_temperature_neg otherwise (1.0 / 1.05); each sequence's token mean."""
+    ratio = ratio_to_old(logprobs, batch)
+    adv = per_token(batch["advantages"], logprobs)
+    positive, negative = s.sapo_temperatures
+    tau = torch.where(adv > 0, positive, negative)
+    loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    if (weight := off_policy_weight(logprobs, batch, mask, s)) is not None:
+        loss = loss * weight
+    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
+    return total, count, stats
+
+
+def vespo(logprobs, batch, mask, s: LossSettings) -> Result:
+    """VESPO (2026): no clip; each token's -phi(w) A log p with w the sequence's importance ratio, the product of its
+    tokens' ratios to the old policy (and the sampler corrections of `batch["importance"]`, in log space), and
+    phi(w) = e^lambda w^k e^(-lambda w) (detached; phi(1) = 1), k, lambda = rl.vespo_k_pos, rl.vespo_lambda_pos for
+    A >= 0, else rl.vespo_k_neg, rl.vespo_lambda_neg (2, 3, 3, 2); the token-level mean."""
+    maskf = mask.float()
+    old = batch.get("old_logprobs")
+    floor = math.log(1e-8)
+    with torch.no_grad():
+        log_ratio = (logprobs - (logprobs if old is None else old)).clamp(-20.0, 20.0)
+        log_w = (log_ratio * maskf).sum(dim=1, keepdim=True)
+        if batch.get("importance") is not None:  # the sampler corrections in log space: each token's, or the row's
+            log_is = batch["importance"].log().clamp(floor, 20.0)
+            log_w = log_w + (log_is if log_is.shape[1] == 1 else log_is * maskf).sum(dim=1, keepdim=True)
+        log_w = log_w.clamp(floor, 20.0)
+        assert batch["advantages"].dim() == 1, "VESPO takes one advantage per sequence"
+        adv = batch["advantages"].float()[:, None]
+        k_pos, lam_pos, k_neg, lam_neg = s.vespo_shape
+        k = torch.where(adv >= 0, k_pos, k_neg)
+        lam = torch.where(adv >= 0, lam_pos, lam_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    loss = -phi * per_token(batch["advantages"], logprobs) * logprobs
+    if s.off_policy_mask is not None:
+        loss = loss * off_policy_weight(logprobs, {**batch, "importance": None}, mask, s)
+    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
+    rows = (maskf.sum(dim=1) > 0).float()
+    return total, count, {**stats, "vespo_phi_sum": (phi[:, 0] * rows).sum(), "rows_sum": rows.sum()}
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -239,6 +362,57 @@ RL_LOSSES: dict[str, RLLoss] = {
         fixed=NO_STD,
         why="rl.loss=reinforce_pp has its own baseline (the whole batch's): drop rl.normalize_std",
     ),
+    "bnpo": RLLoss(
+        "BNPO (TRL's batch-normalised GRPO): GRPO's advantages and symmetric clip, the token-level mean of the step",
+        divides_by_std=True,
+    ),
+    "sapo": RLLoss(
+        "SAPO (Gao et al., 2025): a soft sigmoid gate on the ratio instead of the clip, each sequence's token mean",
+        fn=sapo,
+        jax=None,
+        normalise="sequences",
+        clip=NO_CLIP,
+        divides_by_std=True,
+        fixed={"clip_low": None, "clip_high": None},
+        reads=("sapo_temperature_pos", "sapo_temperature_neg"),
+        why={
+            **dict.fromkeys(
+                ("clip_low", "clip_high"),
+                "rl.loss=sapo gates the ratio softly instead of clipping it: drop rl.clip_low / rl.clip_high",
+            ),
+            **dict.fromkeys(
+                ("sapo_temperature_pos", "sapo_temperature_neg"),
+                "rl.sapo_temperature_pos / _neg are SAPO's gate temperatures: set rl.loss=sapo",
+            ),
+        },
+    ),
+    "luspo": RLLoss(
+        "LUSPO (2026): GSPO's clipped sequence ratio (3e-4 / 4e-4), each sequence's loss times its length",
+        fn=luspo,
+        jax=None,
+        normalise="rows",
+        clip=(3e-4, 4e-4),
+        divides_by_std=True,
+    ),
+    "vespo": RLLoss(
+        "VESPO (2026): no clip; a gamma-shaped weight of the sequence's importance ratio on -A log p, token mean",
+        fn=vespo,
+        jax=None,
+        clip=NO_CLIP,
+        divides_by_std=True,
+        fixed={"clip_low": None, "clip_high": None},
+        reads=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+        why={
+            **dict.fromkeys(
+                ("clip_low", "clip_high"),
+                "rl.loss=vespo weights sequences smoothly instead of clipping: drop rl.clip_low / rl.clip_high",
+            ),
+            **dict.fromkeys(
+                ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                "rl.vespo_k_* / rl.vespo_lambda_* shape VESPO's sequence weights: set rl.loss=vespo",
+            ),
+        },
+    ),
     "ppo": RLLoss(
         "PPO (Schulman et al., 2017): clipped ratio over stored old log-probs for rl.ppo_epochs, a critic optional",
         reads=("critic",),
@@ -274,6 +448,8 @@ def resolve_rl(rl, jax: bool = False):
     spec = check_variant(rl, "loss", RL_LOSSES, "rl")
     if jax and spec.jax is None:
         raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
+    if jax and rl.off_policy_mask is not None:
+        raise ConfigError("rl.off_policy_mask is applied by the PyTorch losses: train it with infra.backend=pytorch")
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
     return rl.model_copy(
         update={
@@ -281,10 +457,19 @@ def resolve_rl(rl, jax: bool = False):
             "clip_high": rl.clip_high if rl.clip_high is not None else high,
             "normalize_std": rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std,
             "dynamic_sampling": rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling,
+            "importance": rl.importance or ("token_truncate" if rl.max_off_policy_steps else "none"),
         }
     )
 
 
 def loss_settings(rl) -> LossSettings:
     """What the loss of a resolved `rl` section reads from it (its normaliser is its row's: the strategy sets it)."""
-    return LossSettings(rl.clip_low, rl.clip_high, rl.kl_coef, rl.max_new_tokens)
+    return LossSettings(
+        rl.clip_low,
+        rl.clip_high,
+        rl.kl_coef,
+        rl.max_new_tokens,
+        off_policy_mask=rl.off_policy_mask,
+        sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
+        vespo_shape=(rl.vespo_k_pos, rl.vespo_lambda_pos, rl.vespo_k_neg, rl.vespo_lambda_neg),
+    )

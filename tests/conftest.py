@@ -86,6 +86,7 @@ def torchrun(*args, nproc: int = 2, timeout: int = 300, wait: bool = True, **pop
 
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # a worktree's src first
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts (SIGABRT, SIGSEGV) prints every thread's Python stack
     command = [
         sys.executable,
         "-m",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -282,6 +283,83 @@ def test_multi_turn_episode_keeps_sampled_tokens_and_masks_the_environment(tiny_
     ]
     ids, _ = tok.render_conversation(conversation)
     assert rollout.prompt_ids + c.tokens == ids
+
+
+class BiasedEngine(Engine):
+    """tierlm's engine with a bias added to the model's logits (the cache, sampling and tool code are the real
+    ones): a random model then ends its turns and opens tool calls often enough to test them."""
+
+    def __init__(self, *args, bias: torch.Tensor, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bias = bias
+
+    def _prefill(self, ids, num_samples, max_len):
+        logits, cache = super()._prefill(ids, num_samples, max_len)
+        return logits + self.bias, cache
+
+    def _decode(self, tokens, cache):
+        return super()._decode(tokens, cache) + self.bias
+
+
+def test_token_in_token_out_multi_turn_episodes_train_exactly_the_ids_sampled(tiny_tokenizer):
+    """A random model sampled by tierlm's engine through two-turn episodes with the calculator: every turn was
+    sampled after exactly the ids trained before it, the trained rows are the prompt, the sampled turns, the tool
+    results and the environment's ids (its chat-template bridge), and no reply was re-encoded from its text — some
+    replies here are not the tokenizer's own encoding of their text, so a re-encoding would show."""
+    from tierlm.config import RLConfig
+    from tierlm.loops.episodes import run_episodes
+    from tierlm.models import GPTConfig
+    from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START
+    from tierlm.tasks import ArithmeticChain
+
+    tok = tiny_tokenizer
+    vocab = tok.hf.get_vocab()
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=len(vocab), max_seq_len=256))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    bias = torch.zeros(len(vocab))
+    bias[vocab["<|assistant_end|>"]], bias[vocab[TOOL_CALL_START]], bias[vocab[TOOL_CALL_END]] = 3.5, 4.0, 5.0
+    engine = BiasedEngine(model, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()], bias=bias)
+    calls = []  # (the ids a turn was sampled after, the turn)
+    sample = engine.generate_many
+
+    def recording(requests, *args, **kwargs):
+        turns = sample(requests, *args, **kwargs)
+        calls.extend((list(prefix), out[0]) for (prefix, _, _), out in zip(requests, turns))
+        return turns
+
+    engine.generate_many = recording
+    chain = ArithmeticChain("val", 16, seed=0)
+    starts = [(chain, i, torch.Generator().manual_seed(i)) for i in range(16)]
+    rollouts = run_episodes(engine, tok, RLConfig(max_new_tokens=12, max_turns=2), starts, 1.0)
+    batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), tok.pad_id)
+    two_turns = tools = non_canonical = 0
+    for row, (r, (env, index, _)) in enumerate(zip(rollouts, starts)):
+        mine = [(prefix, turn) for prefix, turn in calls if prefix[: len(r.prompt_ids)] == r.prompt_ids]
+        assert mine and mine[0][0] == r.prompt_ids
+        peek = copy.deepcopy(env)
+        messages, expected = peek.reset(index), list(r.prompt_ids)
+        for k, (prefix, turn) in enumerate(mine):
+            assert prefix == expected  # sampled after exactly what is trained before it
+            expected += turn.tokens
+            reply = turn.tokens[:-1] if turn.finished else turn.tokens
+            text = tok.decode(reply)
+            non_canonical += tok.encode(text) != reply
+            tools += turn.tool_calls > 0
+            if k + 1 < len(mine):  # the environment's ids: the template's bridge to its next message, from its text
+                observation, _ = peek.step(answer_text(tok, turn.tokens))
+                history = messages + [{"role": "assistant", "content": text}]
+                bridge = tok.continuation_ids(history, [observation])
+                assert r.completion.tokens[len(expected) - len(r.prompt_ids) :][: len(bridge)] == bridge
+                expected += bridge
+                messages = history + [observation]
+        two_turns += len(mine) == 2
+        assert r.prompt_ids + r.completion.tokens == expected
+        trained = batch["input_ids"][row, : len(expected) - 1].tolist()
+        assert trained == expected[:-1] and len(mine) <= 2
+    assert two_turns >= 3 and tools >= 1 and non_canonical >= 1, (two_turns, tools, non_canonical)
 
 
 def test_episode_budgets_end_episodes_and_rounds_batch_episodes_of_different_lengths(tiny_tokenizer):

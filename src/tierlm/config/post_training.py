@@ -107,6 +107,10 @@ class RLConfig(Section):
     """Divide advantages by the group's std (None: true for grpo, false otherwise)."""
     micro_batch_size: int = Field(64, gt=0)
     """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
+    group_by_length: bool = True
+    """With more rollouts than rl.micro_batch_size: micro-batches of rows of similar length, each cut to its own
+    width, so a long completion's padding is not paid by every micro-batch (the same rows train; `padding_frac`
+    in the train lines is the share of computed positions that train nothing)."""
     max_off_policy_steps: int = Field(0, ge=0, le=8)
     """Asynchronous RL: the rollouts of step n are sampled with the weights of step n - k while earlier steps train
     (0: on-policy, generation and training take turns). Pending rollouts are saved with every checkpoint, so a

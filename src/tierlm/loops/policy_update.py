@@ -16,7 +16,7 @@ from tierlm.config import RLConfig
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
-from tierlm.strategies.rl_losses import importance_weights
+from tierlm.strategies.rl_losses import importance_mode, importance_weights
 
 Sums = Callable[[dict[str, float]], dict[str, float]]
 
@@ -40,6 +40,54 @@ def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int
     return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
 
 
+class MicroBatch(dict):
+    """One micro-batch of a step's rollout batch: its tensors (its `rows` of the batch, cut to its own width)."""
+
+    rows: torch.Tensor
+
+
+def micro_batches(batch: dict[str, torch.Tensor], size: int, by_length: bool, multiple: int = 16) -> list[MicroBatch]:
+    """`batch` cut into micro-batches of at most `size` rows. `by_length`: the rows grouped by the width they use
+    (through their last trained token), longest first (each micro-batch keeps its rows in the batch's order), each
+    micro-batch cut to its rows' width rounded up to `multiple` (so that a compiled or JAX step meets few shapes):
+    a long row's padding is paid by the rows as long as it, not by every micro-batch. Else the rows go in order at
+    the batch's width. The same rows train, so the step's loss and gradient sums are the same (their order of
+    summation aside).
+
+    >>> labels = torch.full((4, 40), -100)
+    >>> for row, width in enumerate([40, 3, 38, 5]):
+    ...     labels[row, width - 1] = 1
+    >>> batch = {"input_ids": torch.zeros(4, 40, dtype=torch.long), "labels": labels, "advantages": torch.ones(4)}
+    >>> [(mb.rows.tolist(), mb["input_ids"].shape[1]) for mb in micro_batches(batch, 2, by_length=True)]
+    [([0, 2], 40), ([1, 3], 16)]
+    >>> [(mb.rows.tolist(), mb["input_ids"].shape[1]) for mb in micro_batches(batch, 2, by_length=False)]
+    [([0, 1], 40), ([2, 3], 40)]
+    """
+    n, width = batch["labels"].shape
+    positions = torch.arange(1, width + 1)
+    used = torch.where(batch["labels"] != IGNORE_INDEX, positions, 0).amax(dim=1).clamp(min=1)
+    order = sorted(range(n), key=lambda i: -int(used[i])) if by_length and n > size else list(range(n))
+    out = []
+    for start in range(0, n, size):
+        rows = torch.tensor(sorted(order[start : start + size]))
+        cut = min(width, -(-int(used[rows].max()) // multiple) * multiple) if by_length else width
+        cut_rows = {k: v[rows, :cut] if v.dim() == 2 and v.shape[1] == width else v[rows] for k, v in batch.items()}
+        mb = MicroBatch(cut_rows)
+        mb.rows = rows
+        out.append(mb)
+    return out
+
+
+def merged(micro: list[MicroBatch], key: str, shape: torch.Size) -> torch.Tensor:
+    """The micro-batches' `key` back at their rows of the whole batch (`shape`), 0 beyond each one's width."""
+    out = torch.zeros(shape)
+    for mb in micro:
+        value = mb[key].float()
+        value = value.expand(len(mb.rows), mb["labels"].shape[1]) if value.shape[1] == 1 else value
+        out[mb.rows, : value.shape[1]] = value
+    return out
+
+
 @dataclass(frozen=True)
 class PolicyUpdate:
     """How the policy (`backend`, through the tier-0 protocol) learns from a step's rollouts under `strategy` (the
@@ -55,10 +103,9 @@ class PolicyUpdate:
     teacher: Any = None
     critic: Any = None
 
-    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """`batch` cut into rl.micro_batch_size rows."""
-        size = self.rl.micro_batch_size
-        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], size)]
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[MicroBatch]:
+        """`batch` cut into rl.micro_batch_size rows, grouped by length with rl.group_by_length (`micro_batches`)."""
+        return micro_batches(batch, self.rl.micro_batch_size, self.rl.group_by_length)
 
     def logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The policy's log-probs of `micro_batch`'s labels now."""
@@ -66,7 +113,7 @@ class PolicyUpdate:
 
     def score(
         self,
-        micro: list[dict[str, torch.Tensor]],
+        micro: list[MicroBatch],
         batch: dict[str, torch.Tensor],
         rewards: torch.Tensor,
         staleness: int,
@@ -91,48 +138,45 @@ class PolicyUpdate:
 
         if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
             self._critic_targets(micro, rewards, trained)
-        old = torch.cat([mb["old_logprobs"] for mb in micro])
-        figures = {}
-        if self.rl.importance != "none":  # rl.importance's weights of the samples: stale, or from another sampler
-            rl = self.rl
+        old = merged(micro, "old_logprobs", trained.shape)
+        computed = sum(mb["labels"].numel() for mb in micro)  # positions the forward passes compute
+        figures = {"padding_frac": 1.0 - float(trained.sum()) / max(computed, 1)}
+        mode, rl = importance_mode(self.rl), self.rl
+        if mode != "none":  # rl.importance's weights of the samples: stale, or from another sampler
             for mb in micro:
                 trained_mb = mb["labels"] != IGNORE_INDEX
                 mb["importance"] = importance_weights(
-                    mb["old_logprobs"], mb["sampler_logprobs"], trained_mb, rl.importance, rl.importance_floor,
+                    mb["old_logprobs"], mb["sampler_logprobs"], trained_mb, mode, rl.importance_floor,
                     rl.importance_cap,
                 )  # fmt: skip
-            weights = torch.cat([mb["importance"].expand_as(mb["old_logprobs"]) for mb in micro])[trained]
+            weights = merged(micro, "importance", trained.shape)[trained]
             figures["staleness"] = staleness
             figures["importance_mean"] = float(weights.mean()) if weights.numel() else 1.0
             low, high = rl.importance_floor or 0.0, rl.importance_cap or math.inf
-            if rl.importance.endswith("mask"):  # the share of trained tokens the band silences
+            if mode.endswith("mask"):  # the share of trained tokens the band silences
                 figures["importance_masked"] = float((weights == 0).float().mean()) if weights.numel() else 0.0
             else:  # the share held at an end of the band
                 held = (weights >= high) | (weights <= low)
                 figures["importance_capped"] = float(held.float().mean()) if weights.numel() else 0.0
         if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
-            log_ratio = torch.cat([mb["advantages"] for mb in micro])  # log p_teacher - log p_student
+            log_ratio = merged(micro, "advantages", trained.shape)  # log p_teacher - log p_student
             figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens
-            figures["kl"] = mean(kl_penalty(old, torch.cat([mb["ref_logprobs"] for mb in micro])))
+            figures["kl"] = mean(kl_penalty(old, merged(micro, "ref_logprobs", trained.shape)))
         return mean((old - batch["sampler_logprobs"]).abs()), figures
 
-    def _critic_targets(
-        self, micro: list[dict[str, torch.Tensor]], rewards: torch.Tensor, trained: torch.Tensor
-    ) -> None:
+    def _critic_targets(self, micro: list[MicroBatch], rewards: torch.Tensor, trained: torch.Tensor) -> None:
         """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,
         whitened over the whole step's trained tokens (every rank's)."""
         for mb in micro:
             mb["old_values"] = self.critic.values(mb)
-        values = torch.cat([mb["old_values"] for mb in micro])
+        values = merged(micro, "old_values", trained.shape)
         advantages, returns = self.strategy.token_advantages(rewards, values, trained, self.sum_over_ranks)
-        start = 0
         for mb in micro:
-            rows = mb["input_ids"].shape[0]
-            mb["advantages"], mb["returns"] = advantages[start : start + rows], returns[start : start + rows]
-            start += rows
+            width = mb["labels"].shape[1]
+            mb["advantages"], mb["returns"] = advantages[mb.rows, :width], returns[mb.rows, :width]
 
-    def apply(self, micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def apply(self, micro: list[MicroBatch]) -> dict[str, float]:
         """rl.ppo_epochs optimizer steps over the scored `micro` batches (the critic's beside them); the last
         step's loss, lr, grad_norm and skipped (and value_loss with a critic). The strategy's loss statistics
         from here on are this step's."""

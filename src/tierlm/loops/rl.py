@@ -25,7 +25,7 @@ from tierlm.loops import cadence
 from tierlm.loops.cadence import Watch
 from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
-from tierlm.loops.policy_update import PolicyUpdate, loss_figures, rollout_batch
+from tierlm.loops.policy_update import PolicyUpdate, loss_figures, merged, rollout_batch
 from tierlm.loops.rewards import reward_model_figures, reward_model_sums
 from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
@@ -240,7 +240,10 @@ class RLTrainer:
         self.sync_sampler()
         rollouts = [r for g in self.sample_step(0) for r in g]
         batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id)
-        trainer = torch.cat([self.update.logprobs(mb) for mb in self.update.micro_batches(batch)])
+        micro = self.update.micro_batches(batch)
+        for mb in micro:
+            mb["trainer"] = self.update.logprobs(mb)
+        trainer = merged(micro, "trainer", batch["labels"].shape)
         gap = (trainer - batch["sampler_logprobs"])[batch["labels"] != IGNORE_INDEX]
         cap = math.log(self.rl.importance_cap) if self.rl.importance_cap is not None else math.inf
         sums = self._sum_over_ranks(

@@ -457,9 +457,14 @@ def resolve_rl(rl, jax: bool = False):
             "clip_high": rl.clip_high if rl.clip_high is not None else high,
             "normalize_std": rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std,
             "dynamic_sampling": rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling,
-            "importance": rl.importance or ("token_truncate" if rl.max_off_policy_steps else "none"),
+            "importance": importance_mode(rl),
         }
     )
+
+
+def importance_mode(rl) -> str:
+    """rl.importance, or its default: token_truncate when sampling runs ahead of training, else none."""
+    return rl.importance or ("token_truncate" if rl.max_off_policy_steps else "none")
 
 
 def loss_settings(rl) -> LossSettings:

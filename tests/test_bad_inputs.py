@@ -944,6 +944,26 @@ CASES = [
         "tierlm rl shards the data .ddp. or the weights .fsdp. over ranks, not tensor",
     ),
     Case(
+        "rl-importance-unknown",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.importance=icepop"],
+        "rl.importance must be one of 'none', 'token_truncate'",
+    ),
+    Case(
+        "rl-sapo-with-a-clip",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=sapo", "rl.clip_high=0.3"],
+        "rl.loss=sapo gates the ratio softly instead of clipping it",
+    ),
+    Case(
+        "rl-vespo-shape-without-vespo",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=dapo", "rl.vespo_k_pos=1"],
+        "shape VESPO's sequence weights: set rl.loss=vespo",
+    ),
+    Case(
+        "rl-off-policy-mask-negative",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.off_policy_mask=-1"],
+        "off_policy_mask",
+    ),
+    Case(
         "rl-gae-lambda-above-1",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.gae_lambda=1.5"],
         "gae_lambda",

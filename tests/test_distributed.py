@@ -473,9 +473,10 @@ def test_fsdp_bf16_on_one_gpu(tmp_path):
 def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
     """`torchrun -m tierlm rl` under DDP and FSDP2 draws the rollouts one process draws (each prompt's sampling
     keyed by its place in the global batch, every group on one rank) and takes the same steps (per-step losses
-    1e-5, with a KL reference); the FSDP run's sampler is a whole copy refreshed after every update, and a rank lost
-    mid-run on two "nodes" is restarted by torchrun and resumes by itself, bit-identical. `tierlm dpo` under torchrun
-    (FSDP) matches one process on the same global batch."""
+    1e-5, with a KL reference) after dealing the rows over the ranks by their cost; the FSDP run's sampler is a
+    whole copy refreshed after every update, and a rank lost mid-run on two "nodes" is restarted by torchrun and
+    resumes by itself, bit-identical. `tierlm dpo` under torchrun (FSDP) matches one process on the same global
+    batch."""
     sft = tiny_runs / "sft"
     tiny = [
         "data.max_seq_length=64",
@@ -522,6 +523,8 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
                 assert abs(a.get(key, 0.0) - b.get(key, 0.0)) < 1e-5, (kind, key, a, b)
         train = [r for r in records if r["type"] == "train"]
         assert [r["weight_version"] for r in train] == [0, 1, 2]  # rollouts of step n: the weights after n updates
+        # the rows dealt over the ranks by their FLOPs (rl.balance_ranks): never worse than as sampled
+        assert all(1.0 <= r["rank_imbalance"] <= r["rank_imbalance_before"] for r in train), train
         assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # the FSDP sampler's copy is the policy
     assert (out / "checkpoints" / "step_3" / "state").is_dir() and (out / "model" / "model.safetensors").is_file()
 

@@ -107,6 +107,11 @@ class RLConfig(Section):
     """Divide advantages by the group's std (None: true for grpo, false otherwise)."""
     micro_batch_size: int = Field(64, gt=0)
     """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
+    balance_ranks: bool = True
+    """Under torchrun: every rank's rollouts dealt over the ranks by their training FLOPs (6 N + 12 L d T per token),
+    each rank keeping its number of rows, so no rank waits for one that drew the long completions; the gradient
+    sums over the ranks, so the step is the same. `rank_imbalance` (the costliest rank over the mean) and
+    `rank_imbalance_before` in the train lines."""
     group_by_length: bool = True
     """With more rollouts than rl.micro_batch_size: micro-batches of rows of similar length, each cut to its own
     width, so a long completion's padding is not paid by every micro-batch (the same rows train; `padding_frac`

@@ -78,6 +78,26 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int, by_length: bool, mu
     return out
 
 
+def balanced_shares(costs: list[float], sizes: list[int]) -> list[list[int]]:
+    """The indices of `costs` dealt into shares of `sizes` rows (one per rank, each keeping its number of rows, so
+    every rank runs as many micro-batches): the costliest first, each to the share with the least cost that has
+    room (longest processing time first); each share in index order.
+
+    >>> balanced_shares([9.0, 8.0, 7.0, 1.0, 1.0, 1.0], [3, 3])  # in order: costs 24 and 3; dealt: 11 and 16
+    [[0, 3, 4], [1, 2, 5]]
+    >>> balanced_shares([9.0, 8.0, 1.0, 1.0], [2, 2])  # in order: 17 and 2; dealt: 10 and 9
+    [[0, 3], [1, 2]]
+    """
+    assert sum(sizes) == len(costs), f"{len(costs)} rows for shares of {sizes}"
+    shares: list[list[int]] = [[] for _ in sizes]
+    loads = [0.0] * len(sizes)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        rank = min((r for r in range(len(sizes)) if len(shares[r]) < sizes[r]), key=lambda r: loads[r])
+        shares[rank].append(i)
+        loads[rank] += costs[i]
+    return [sorted(share) for share in shares]
+
+
 def merged(micro: list[MicroBatch], key: str, shape: torch.Size) -> torch.Tensor:
     """The micro-batches' `key` back at their rows of the whole batch (`shape`), 0 beyond each one's width."""
     out = torch.zeros(shape)

@@ -25,10 +25,11 @@ from tierlm.loops import cadence
 from tierlm.loops.cadence import Watch
 from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
-from tierlm.loops.policy_update import PolicyUpdate, loss_figures, merged, rollout_batch
+from tierlm.loops.policy_update import PolicyUpdate, balanced_shares, loss_figures, merged, rollout_batch
 from tierlm.loops.rewards import reward_model_figures, reward_model_sums
 from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
+from tierlm.metrics.flops import flops_per_token
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout, SamplingEngine
@@ -67,6 +68,7 @@ class RLTrainer:
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
+    _cost: tuple[float, float] | None = None  # a row's FLOPs per token, a + b x its length (rl.balance_ranks)
     sampler: RolloutSampler = field(init=False)  # how prompts are sampled (tierlm.loops.sampling), from the above
     update: PolicyUpdate = field(init=False)  # how the policy learns from them (tierlm.loops.policy_update)
 
@@ -174,9 +176,12 @@ class RLTrainer:
         shaping = [overlong_penalty(len(r.completion.tokens), rl.max_new_tokens, rl.overlong_buffer) for r in rollouts]
         rewards = torch.tensor([r.reward + p for r, p in zip(rollouts, shaping)])
         advantages = self.strategy.advantages(rewards, rl.group_size, self._sum_over_ranks)
-        batch = rollout_batch(rollouts, advantages, self.tokenizer.pad_id)
+        trained, balance = (rollouts, advantages, rewards), {}
+        if self.world_size > 1 and rl.balance_ranks:  # the rows dealt over the ranks by their cost
+            trained, balance = self._balanced(rollouts, advantages, rewards)
+        batch = rollout_batch(trained[0], trained[1], self.tokenizer.pad_id)
         micro = self.update.micro_batches(batch)
-        parity, scoring = self.update.score(micro, batch, rewards, step - version)
+        parity, scoring = self.update.score(micro, batch, trained[2], step - version)
         t2 = time.perf_counter()
         update = self.update.apply(micro)
         t3 = time.perf_counter()
@@ -201,8 +206,39 @@ class RLTrainer:
             "weight_version": version,  # the policy's updates behind this step's rollouts
             **loss_figures(totals, rl),
             **scoring,
+            **balance,
             **reward_model_figures(totals),
         }
+
+    def _row_cost(self, length: int) -> float:
+        """A row's training FLOPs: `length` x the policy's FLOPs per token at that length (a + b x length)."""
+        if self._cost is None:
+            one, two = (flops_per_token(self.backend.export_model, n) for n in (1, 2))
+            self._cost = (2 * one - two, two - one)
+        a, b = self._cost
+        return length * (a + b * length)
+
+    def _balanced(self, rollouts, advantages, rewards):
+        """Every rank's rows (with their advantages and rewards) dealt over the ranks by their training FLOPs, each
+        rank keeping its number of rows (`balanced_shares`); the gradient sums over the ranks, so the step is the
+        same. Returns this rank's (rollouts, advantages, rewards) and the imbalance (the costliest rank's FLOPs over
+        the mean) before and after."""
+        rows = list(zip(rollouts, advantages.tolist(), rewards.tolist()))
+        everyone = self.backend.gather_objects(rows)
+        every = [row for share in everyone for row in share]
+        costs = [self._row_cost(len(r.prompt_ids) + len(r.completion.tokens) - 1) for r, _, _ in every]
+        sizes = [len(share) for share in everyone]
+        shares = balanced_shares(costs, sizes)
+
+        def imbalance(groups: list[list[int]]) -> float:
+            loads = [sum(costs[i] for i in group) for group in groups]
+            return max(loads) / max(sum(loads) / len(loads), 1e-9)
+
+        in_order = [list(range(sum(sizes[:r]), sum(sizes[: r + 1]))) for r in range(len(sizes))]
+        mine = [every[i] for i in shares[self.rank]]
+        rollouts, advantages, rewards = zip(*mine)
+        trained = (list(rollouts), torch.tensor(advantages), torch.tensor(rewards))
+        return trained, {"rank_imbalance_before": imbalance(in_order), "rank_imbalance": imbalance(shares)}
 
     def _step_totals(
         self,

@@ -181,8 +181,9 @@ def _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs
     from trl import GRPOConfig, GRPOTrainer
 
     from tierlm.config import RLConfig
+    from tierlm.strategies.off_policy import importance_weights
     from tierlm.strategies.rl import policy_gradient_strategy
-    from tierlm.strategies.rl_losses import importance_weights, resolve_rl
+    from tierlm.strategies.rl_losses import resolve_rl
 
     hf = tiny_tokenizer.hf
     policy = _model(hf, 0)

@@ -15,8 +15,8 @@ import torch
 from tierlm.config import RLConfig
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout
+from tierlm.strategies.off_policy import importance_mode, importance_weights
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
-from tierlm.strategies.rl_losses import importance_mode, importance_weights
 
 Sums = Callable[[dict[str, float]], dict[str, float]]
 

@@ -12,8 +12,7 @@ so the normaliser decides what the loss averages over:
 - `constant`: the sum over tokens / (rows x rl.max_new_tokens), no length normalisation (Dr. GRPO).
 
 The shared parts are here once: the ratio, the clipped surrogate, the KL term, the normalisation, the clip
-statistics, and the off-policy corrections every loss applies alike (`importance_weights`, made once per step
-from the sampler's log-probs as `rl.importance` says, and DeepSeek-V3.2's sequence mask, `off_policy_weight`).
+statistics, and the off-policy corrections every loss applies alike (`tierlm.strategies.off_policy`).
 The advantages (group baselines, leave-one-out, the whole batch's) are in `tierlm.strategies.rl`.
 """
 
@@ -27,6 +26,7 @@ import torch
 
 from tierlm.errors import ConfigError
 from tierlm.strategies.base import Variant, check_variant
+from tierlm.strategies.off_policy import importance_mode, off_policy_weight
 
 Batch = Mapping[str, torch.Tensor]
 Result = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -107,60 +107,6 @@ def normalise(per_tok: torch.Tensor, mask: torch.Tensor, how: str, max_new_token
     return masked.sum(), rows.sum() * max_new_tokens
 
 
-IMPORTANCE_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-"""rl.importance: how the trainer's p / the sampler's p of each sampled token corrects the loss."""
-
-
-def importance_weights(
-    old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, mode: str, floor: float | None, cap: float | None
-) -> torch.Tensor:
-    """The weights (B, T) that correct samples drawn by another policy than the trainer's (older weights, or a sampler
-    whose arithmetic differs): r = p_trainer / p_sampler per token (`token_*`) or its product over the row's trained
-    tokens (`sequence_*`, one weight per row: (B, 1)), then truncated into [floor, cap] (`*_truncate`, TIS) or set
-    to 0 outside it (`*_mask`; per token this is IcePop's calibration, per sequence MIS). A token the sampler could
-    not score (NaN) counts as r = 1. TRL's vLLM importance-sampling modes are the same four.
-
-    >>> old, sampler = torch.tensor([[0.5, 0.2]]).log(), torch.tensor([[0.25, 0.4]]).log()
-    >>> mask = torch.ones(1, 2)
-    >>> [round(w, 3) for w in importance_weights(old, sampler, mask, "token_truncate", None, 1.5)[0].tolist()]
-    [1.5, 0.5]
-    >>> importance_weights(old, sampler, mask, "token_mask", 0.6, 3.0)[0].tolist()
-    [2.0, 0.0]
-    >>> importance_weights(old, sampler, mask, "sequence_truncate", None, 3.0).round(decimals=4).tolist()  # 2 x 0.5
-    [[1.0]]
-    """
-    assert mode in IMPORTANCE_MODES[1:], f"unknown importance mode {mode!r}"
-    diff = torch.nan_to_num((old - sampler) * mask.float(), nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(dim=1, keepdim=True)
-    ratio = diff.exp()
-    if mode.endswith("truncate"):
-        ratio = ratio.clamp(min=floor, max=cap) if (floor, cap) != (None, None) else ratio
-    else:
-        low, high = floor if floor is not None else -math.inf, cap if cap is not None else math.inf
-        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    return ratio
-
-
-def off_policy_weight(logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, s: LossSettings):
-    """What multiplies each token's loss besides the loss's own ratio: the importance weights (`batch["importance"]`,
-    `importance_weights`) times, with `s.off_policy_mask` = delta, DeepSeek-V3.2's off-policy sequence mask (a row with
-    a negative advantage whose mean KL(sampler || policy), log p_sampler - log p per trained token, exceeds delta
-    trains nothing; as TRL's `off_policy_mask_threshold`). None when neither applies."""
-    weight = batch.get("importance")
-    if s.off_policy_mask is None:
-        return weight
-    maskf = mask.float()
-    sampler = batch.get("sampler_logprobs", batch.get("old_logprobs"))
-    sampler = logprobs.detach() if sampler is None else sampler
-    kl = torch.nan_to_num(sampler - logprobs.detach(), nan=0.0) * maskf
-    mean_kl = kl.sum(dim=1, keepdim=True) / maskf.sum(dim=1, keepdim=True).clamp(min=1)
-    adv = batch["advantages"].float()
-    adv = adv[:, None] if adv.dim() == 1 else adv
-    keep = ((adv >= 0) | (mean_kl <= s.off_policy_mask)).float().expand_as(logprobs)
-    return keep if weight is None else weight * keep
-
-
 # -- the losses ---------------------------------------------------------------------------------
 def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
     """The clipped token-level surrogate (+ KL), weighted by off-policy importance, normalised as `s.normalise` says:
@@ -169,7 +115,7 @@ def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
     ratio = ratio_to_old(logprobs, batch)
     adv = per_token(batch["advantages"], logprobs)
     loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high)
-    if (weight := off_policy_weight(logprobs, batch, mask, s)) is not None:
+    if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
@@ -183,7 +129,7 @@ def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     weight = ratio.clamp(max=1.0 + s.clip_high) if s.clip_high is not None else ratio
     adv = per_token(batch["advantages"], logprobs)
     loss = -weight * adv * logprobs
-    if (correction := off_policy_weight(logprobs, batch, mask, s)) is not None:
+    if (correction := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * correction
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
@@ -202,7 +148,7 @@ def sequence_surrogate(logprobs, batch, mask, s: LossSettings):
     adv = batch["advantages"].float()
     assert adv.dim() == 1, "a sequence-level loss takes one advantage per sequence"
     loss = clipped_surrogate(seq_ratio, adv, s.clip_low, s.clip_high)
-    if (weight := off_policy_weight(logprobs, batch, mask, s)) is not None:
+    if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * (weight * maskf).sum(dim=1) / lengths
     kl, stats = kl_term(logprobs, batch, maskf, s.kl_coef)
     if torch.is_tensor(kl):
@@ -236,7 +182,7 @@ def sapo(logprobs, batch, mask, s: LossSettings) -> Result:
     positive, negative = s.sapo_temperatures
     tau = torch.where(adv > 0, positive, negative)
     loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
-    if (weight := off_policy_weight(logprobs, batch, mask, s)) is not None:
+    if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
@@ -266,7 +212,7 @@ def vespo(logprobs, batch, mask, s: LossSettings) -> Result:
         phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     loss = -phi * per_token(batch["advantages"], logprobs) * logprobs
     if s.off_policy_mask is not None:
-        loss = loss * off_policy_weight(logprobs, {**batch, "importance": None}, mask, s)
+        loss = loss * off_policy_weight(logprobs, {**batch, "importance": None}, mask, s.off_policy_mask)
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     rows = (maskf.sum(dim=1) > 0).float()
@@ -460,11 +406,6 @@ def resolve_rl(rl, jax: bool = False):
             "importance": importance_mode(rl),
         }
     )
-
-
-def importance_mode(rl) -> str:
-    """rl.importance, or its default: token_truncate when sampling runs ahead of training, else none."""
-    return rl.importance or ("token_truncate" if rl.max_off_policy_steps else "none")
 
 
 def loss_settings(rl) -> LossSettings:

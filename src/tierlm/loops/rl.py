@@ -68,7 +68,6 @@ class RLTrainer:
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
-    _cost: tuple[float, float] | None = None  # a row's FLOPs per token, a + b x its length (rl.balance_ranks)
     sampler: RolloutSampler = field(init=False)  # how prompts are sampled (tierlm.loops.sampling), from the above
     update: PolicyUpdate = field(init=False)  # how the policy learns from them (tierlm.loops.policy_update)
 
@@ -210,14 +209,6 @@ class RLTrainer:
             **reward_model_figures(totals),
         }
 
-    def _row_cost(self, length: int) -> float:
-        """A row's training FLOPs: `length` x the policy's FLOPs per token at that length (a + b x length)."""
-        if self._cost is None:
-            one, two = (flops_per_token(self.backend.export_model, n) for n in (1, 2))
-            self._cost = (2 * one - two, two - one)
-        a, b = self._cost
-        return length * (a + b * length)
-
     def _balanced(self, rollouts, advantages, rewards):
         """Every rank's rows (with their advantages and rewards) dealt over the ranks by their training FLOPs, each
         rank keeping its number of rows (`balanced_shares`); the gradient sums over the ranks, so the step is the
@@ -226,7 +217,10 @@ class RLTrainer:
         rows = list(zip(rollouts, advantages.tolist(), rewards.tolist()))
         everyone = self.backend.gather_objects(rows)
         every = [row for share in everyone for row in share]
-        costs = [self._row_cost(len(r.prompt_ids) + len(r.completion.tokens) - 1) for r, _, _ in every]
+        one, two = (flops_per_token(self.backend.export_model, t) for t in (1, 2))  # per token: a + b x T
+        a, b = 2 * one - two, two - one
+        lengths = [len(r.prompt_ids) + len(r.completion.tokens) - 1 for r, _, _ in every]
+        costs = [t * (a + b * t) for t in lengths]  # a row of length T: T x its FLOPs per token
         sizes = [len(share) for share in everyone]
         shares = balanced_shares(costs, sizes)
 

@@ -102,6 +102,18 @@ def torchrun(*args, nproc: int = 2, timeout: int = 300, wait: bool = True, **pop
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
+def digits_reward(folder: Path, monkeypatch) -> str:
+    """The `rl.reward=...` of a reward for digits (0.25 a digit), importable here and in the runs this test starts:
+    the tiny models never answer right, so with the task's own reward every advantage is 0 and no step moves the
+    weights — an exact-resume check would pass whatever the resume trained on."""
+    (folder / "digits_reward.py").write_text(
+        "def reward(prompt, completion, reference):\n    return 0.25 * sum(c.isdigit() for c in completion)\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    return "rl.reward=digits_reward:reward"
+
+
 def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
     """Start `tierlm ARGS infra.output_dir=OUTPUT_DIR`, SIGKILL it the moment checkpoint `step` is the
     latest, and check it really died mid-run."""

@@ -618,17 +618,19 @@ def test_importance_weights_scale_each_tokens_policy_gradient_term():
 
 
 @pytest.mark.slow
-def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_runs, tmp_path):
+def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_runs, tmp_path, monkeypatch):
     """rl.max_off_policy_steps=1: step n trains on rollouts sampled in the background with the weights of step
     n - 1 (staleness and importance weights logged). Killed at its step-2 checkpoint with the next batch in
     flight and resumed, the run ends with the uninterrupted run's weights bit for bit (the pending rollouts are
-    in the checkpoint); and an asynchronous run is deterministic whatever the threads' timing."""
+    in the checkpoint); and an asynchronous run is deterministic whatever the threads' timing. (A reward for
+    digits, so that the steps move the weights.)"""
     from safetensors.torch import load_file
 
-    from conftest import kill_at_checkpoint, run_main
+    from conftest import digits_reward, kill_at_checkpoint, run_main
 
     args = [
         *_tiny_rl(tiny_runs),
+        digits_reward(tmp_path, monkeypatch),
         "rl.algorithm=grpo",
         "rl.max_off_policy_steps=1",
         "rl.group_size=4",
@@ -647,6 +649,7 @@ def test_off_policy_rl_resumes_after_a_kill_with_the_straight_runs_weights(tiny_
         1,
     ]
     assert all(0 < r["importance_mean"] <= 2.0 for r in train) and train[0]["logprob_abs_diff"] < 1e-4
+    assert any(r["grad_norm"] > 0 for r in train[2:])  # the steps after the checkpoint move the weights
     state = json.loads((straight / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert list(state["pending_rollouts"][0]) == ["2"]  # step 2's batch, sampled with the weights of step 1
 

@@ -120,12 +120,29 @@ class RLConfig(Section):
     """Asynchronous RL: the rollouts of step n are sampled with the weights of step n - k while earlier steps train
     (0: on-policy, generation and training take turns). Pending rollouts are saved with every checkpoint, so a
     resumed run continues exactly."""
+    partial_rollouts: bool = False
+    """Generate in chunks of rl.rollout_chunk tokens that carry over from step to step: a step trains on the first
+    groups to finish (in the order they started) instead of waiting for its longest sample, and a group still
+    running when new weights arrive goes on under them, each token recording the weight version that sampled it
+    (`tierlm.loops.partial`). In flight groups are saved with every checkpoint."""
+    rollout_chunk: int = Field(16, gt=0)
+    """rl.partial_rollouts: the tokens a running group gets per round before the step looks for finished ones."""
+    rollout_window: int | None = Field(None, gt=0)
+    """rl.partial_rollouts: the groups in flight at most (all ranks; a multiple of them); new prompts start, oldest
+    first, as groups finish (None: twice rl.prompts_per_step)."""
+    max_staleness: int = Field(2, ge=0)
+    """rl.partial_rollouts: no token of a trained group is more than this many optimizer steps older than the
+    policy that trains on it (at least rl.max_off_policy_steps)."""
+    stale_rollouts: Literal["drop", "finish"] = "drop"
+    """rl.partial_rollouts: a group in flight that would pass rl.max_staleness is dropped (as TRL's async GRPO
+    does), or finish: ended where it is when it reaches the bound and trained unfinished."""
     importance: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
     """How samples drawn by another policy than the trainer's (older weights, a sampler whose arithmetic differs) are
     corrected, with r = p_trainer / p_sampler of each sampled token: token_truncate weights each token's loss by
     r truncated into [rl.importance_floor, rl.importance_cap] (TIS); token_mask by r inside that band and 0 outside
     it (IcePop); sequence_truncate / sequence_mask do the same with the product of the row's ratios (one weight per
-    sequence); none: no correction. None: token_truncate when rl.max_off_policy_steps > 0, else none."""
+    sequence); none: no correction. None: token_truncate when rl.max_off_policy_steps > 0 or rl.partial_rollouts, else
+    none."""
     importance_floor: float | None = Field(None, gt=0)
     """rl.importance: the band's lower end (None: no lower end; IcePop uses 0.5)."""
     importance_cap: float | None = Field(2.0, gt=0)
@@ -185,6 +202,16 @@ class RLConfig(Section):
         if self.overlong_buffer >= self.max_new_tokens:
             raise ValueError(
                 f"rl.overlong_buffer ({self.overlong_buffer}) must be below rl.max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.partial_rollouts and self.max_staleness < self.max_off_policy_steps:
+            raise ValueError(
+                f"rl.max_staleness ({self.max_staleness}) is below rl.max_off_policy_steps "
+                f"({self.max_off_policy_steps}): every rollout is that many steps old; raise rl.max_staleness"
+            )
+        if self.partial_rollouts and self.rollout_window is not None and self.rollout_window < self.prompts_per_step:
+            raise ValueError(
+                f"rl.rollout_window ({self.rollout_window}) must hold a step's groups (rl.prompts_per_step "
+                f"{self.prompts_per_step})"
             )
         if self.reward_model is None and (self.reward_model_weight != 1.0 or self.task_reward_weight != 1.0):
             raise ValueError(

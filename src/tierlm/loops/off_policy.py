@@ -31,22 +31,48 @@ def _unpack(text: str, dtype) -> list:
     return np.frombuffer(base64.b64decode(text), dtype=dtype).tolist()
 
 
-def encode_rollout(rollout) -> dict[str, Any]:
-    """A rollout as JSON (token ids and log-probs bit-exact: base64 of int64 / float64).
+def encode_completion(c: Completion) -> dict[str, Any]:
+    """A completion as JSON (token ids and log-probs bit-exact: base64 of int64 / float64).
 
-    >>> r = Rollout([1, 2], Completion([3, 4], [-0.1, 0.0], [1, 0], True, 1), 1.0, "7")
-    >>> decode_rollout(encode_rollout(r)) == r
+    >>> c = Completion([3, 4], [-0.1, 0.0], [1, 0], False, 1, 2, [2, 3], [5])
+    >>> decode_completion(encode_completion(c)) == c
     True
     """
-    c = rollout.completion
     return {
-        "prompt": _pack(rollout.prompt_ids, np.int64),
         "tokens": _pack(c.tokens, np.int64),
         "logprobs": _pack(c.logprobs, np.float64),
         "mask": _pack(c.mask, np.int64),
         "finished": c.finished,
         "tool_calls": c.tool_calls,
         "weight_version": c.weight_version,
+        "versions": _pack(c.versions, np.int64),
+        "forced": _pack(c.forced, np.int64),
+    }
+
+
+def decode_completion(record: dict[str, Any]) -> Completion:
+    return Completion(
+        _unpack(record["tokens"], np.int64),
+        _unpack(record["logprobs"], np.float64),
+        _unpack(record["mask"], np.int64),
+        record["finished"],
+        record["tool_calls"],
+        record.get("weight_version", 0),
+        _unpack(record.get("versions", ""), np.int64),
+        _unpack(record.get("forced", ""), np.int64),
+    )
+
+
+def encode_rollout(rollout) -> dict[str, Any]:
+    """A rollout as JSON (`encode_completion`).
+
+    >>> r = Rollout([1, 2], Completion([3, 4], [-0.1, 0.0], [1, 0], True, 1, 1, [1, 1]), 1.0, "7")
+    >>> decode_rollout(encode_rollout(r)) == r
+    True
+    """
+    return {
+        "prompt": _pack(rollout.prompt_ids, np.int64),
+        **encode_completion(rollout.completion),
         "reward": rollout.reward,
         "text": rollout.text,
         "task_reward": rollout.task_reward,
@@ -55,17 +81,9 @@ def encode_rollout(rollout) -> dict[str, Any]:
 
 
 def decode_rollout(record: dict[str, Any]) -> Rollout:
-    completion = Completion(
-        _unpack(record["tokens"], np.int64),
-        _unpack(record["logprobs"], np.float64),
-        _unpack(record["mask"], np.int64),
-        record["finished"],
-        record["tool_calls"],
-        record.get("weight_version", 0),
-    )
     return Rollout(
         _unpack(record["prompt"], np.int64),
-        completion,
+        decode_completion(record),
         record["reward"],
         record["text"],
         record.get("task_reward"),
@@ -90,6 +108,7 @@ class OffPolicyRollouts:
         self.pending: dict[int, Future] = {}
         self.submitted = -1  # the last step whose sampling was submitted
         self.snapshot_s = 0.0  # the time the latest weight snapshot took
+        self.busy: dict[int, float] = {}  # the seconds the sampler spent on each step's batch
 
     def version(self, step: int) -> int:
         """The updates behind the weights step `step` is sampled with."""
@@ -110,8 +129,15 @@ class OffPolicyRollouts:
         return self.pending.pop(step).result()
 
     def _job(self, step: int, weights: dict, version: int) -> list:
+        start = time.perf_counter()
         self.engine.load_weights(weights, version)
-        return self.sample(step)
+        groups = self.sample(step)
+        self.busy[step] = time.perf_counter() - start
+        return groups
+
+    def sampling_s(self, step: int) -> float:
+        """The seconds the sampler spent on step `step`'s batch (0.0 for a batch a checkpoint held)."""
+        return self.busy.pop(step, 0.0)
 
     def drain(self) -> None:
         """Wait until the sampler is idle (before anything else uses the engine)."""

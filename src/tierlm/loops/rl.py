@@ -25,6 +25,7 @@ from tierlm.loops import cadence
 from tierlm.loops.cadence import Watch
 from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
+from tierlm.loops.partial import Group, PartialRollouts
 from tierlm.loops.policy_update import PolicyUpdate, balanced_shares, loss_figures, merged, rollout_batch
 from tierlm.loops.rewards import reward_model_figures, reward_model_sums
 from tierlm.loops.sampling import RolloutSampler
@@ -66,6 +67,7 @@ class RLTrainer:
     state: RLState = field(default_factory=RLState)
     watch: Watch = field(default_factory=Watch)  # the run's logger, stop signals and monitor, from `train(watch)`
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler
+    partial: PartialRollouts | None = None  # rl.partial_rollouts: the groups in flight across steps
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
     sampler: RolloutSampler = field(init=False)  # how prompts are sampled (tierlm.loops.sampling), from the above
@@ -75,6 +77,10 @@ class RLTrainer:
         self.sampler = RolloutSampler(self.engine, self.tokenizer, self.rl, self.config.seed)
         companions = dict(reference=self.reference, teacher=self.teacher, critic=self.critic)
         self.update = PolicyUpdate(self.backend, self.strategy, self.rl, self._sum_over_ranks, **companions)
+        if self.rl.partial_rollouts:
+            self.partial = PartialRollouts(
+                self.engine, self.rl, self.rank, self.world_size, self._prompt_at, self._score_groups
+            )
 
     @property
     def rank(self) -> int:
@@ -105,12 +111,32 @@ class RLTrainer:
         return state
 
     def sample_step(self, step: int) -> list[list[Rollout]]:
+        """This rank's share of a step's groups: the plain run's (`whole_groups`), or with rl.partial_rollouts the
+        first of the groups in flight to finish (`tierlm.loops.partial`)."""
+        return self.partial.sample(step) if self.partial is not None else self.whole_groups(step)
+
+    def whole_groups(self, step: int) -> list[list[Rollout]]:
         """This rank's share of a step's prompts, each group whole on one rank (the backend sums gradients and
         tokens over ranks), each prompt sampled with the generator of its place in the global batch."""
         indices = self._indices(step)
         positions = range(self.rank, len(indices), self.world_size)
         groups = self._groups([indices[p] for p in positions], [self.sampler.generator(step, p) for p in positions])
         return self._with_signal(step, groups) if self.rl.dynamic_sampling else groups
+
+    def _prompt_at(self, start: int) -> tuple[int, list[int], torch.Generator]:
+        """A place in the run's stream of prompts (step x rl.prompts_per_step + position): the example, its prompt
+        and the generator the plain run samples it with."""
+        step, position = divmod(start, self.rl.prompts_per_step)
+        index = self._indices(step)[position]
+        prompt = self.sampler.prompt(self.train_task.example(index).messages)
+        return index, prompt, self.sampler.generator(step, position)
+
+    def _score_groups(self, groups: list[Group]) -> list[list[Rollout]]:
+        """Partial rollouts' finished groups, scored as the plain run scores its own."""
+        examples = [self.train_task.example(g.index) for g in groups]
+        prompts, rows = [g.prompt_ids for g in groups], [g.rows for g in groups]
+        scored = self.sampler.scored(self.train_task, examples, prompts, rows)
+        return self._with_reward_model(scored) if self.reward_model is not None else scored
 
     def _groups(self, indices: list[int], generators: list[torch.Generator]) -> list[list[Rollout]]:
         groups = self.sampler.groups(self.train_task, indices, generators, self.rl.group_size, self.rl.temperature)
@@ -162,15 +188,20 @@ class RLTrainer:
         t0, step = time.perf_counter(), self.state.step
         if self.off_policy is not None:  # sampled in the background, rl.max_off_policy_steps behind
             groups, version = self.off_policy.take(step), self.off_policy.version(step)
-            sync = self.off_policy.snapshot_s
+            sync, sampling = self.off_policy.snapshot_s, {"time_sampling_s": self.off_policy.sampling_s(step)}
         else:
             self.sync_sampler()
-            sync = time.perf_counter() - t0
+            sync, sampling = time.perf_counter() - t0, {}
             groups, version = self.sample_step(step), self.engine.weight_version
         t1 = time.perf_counter()
         rollouts = [r for g in groups for r in g]
         stamps = {r.completion.weight_version for r in rollouts}
-        assert stamps == {version}, f"step {step} trains on rollouts of weights {sorted(stamps)}, expected {version}"
+        if self.partial is None:
+            assert stamps == {version}, f"step {step} trains on weights {sorted(stamps)}, expected {version}"
+        else:  # groups started under older weights, each token stamped with its own
+            oldest = min(stamps)
+            assert step - oldest <= self.rl.max_staleness, f"step {step} trains on weights {oldest}: past the bound"
+            version = oldest
         rl = self.rl
         shaping = [overlong_penalty(len(r.completion.tokens), rl.max_new_tokens, rl.overlong_buffer) for r in rollouts]
         rewards = torch.tensor([r.reward + p for r, p in zip(rollouts, shaping)])
@@ -198,12 +229,14 @@ class RLTrainer:
             "finished_frac": totals["finished"] / n,
             "tool_calls": totals["tool_calls"],
             "time_generation_s": t1 - t0,  # off-policy: the wait for the background sampler
+            **sampling,  # off-policy: the background sampler's own time on this batch
             "time_weight_sync_s": sync,  # the sampler's copy of the weights (FSDP, off-policy)
             "time_scoring_s": t2 - t1,  # scoring: rewards + log-probs
             "time_training_s": t3 - t2,
             "rollout_tokens_per_sec": tokens / max(t1 - t0, 1e-9),  # all ranks together
             "weight_version": version,  # the policy's updates behind this step's rollouts
             **loss_figures(totals, rl),
+            **(partial_figures(totals, self.world_size) if self.partial is not None else {}),
             **scoring,
             **balance,
             **reward_model_figures(totals),
@@ -246,6 +279,12 @@ class RLTrainer:
         rank's: the loss's, the sampling's, the rewards' and the completions'."""
         nothing_dropped = {"dropped_groups": 0.0, "extra_draws": 0.0} if self.rl.dynamic_sampling else {}
         sampling = self._sampling.pop(step, nothing_dropped)
+        if self.partial is not None:  # how old the trained tokens are, and what the rounds did
+            sampling.update(self.partial.step_figures(step))
+            ages = [(step - v, m) for r in rollouts for v, m in zip(r.completion.versions, r.completion.mask)]
+            sampling["token_age_sum"] = float(sum(age for age, m in ages if m))
+            sampling["sampled_tokens"] = float(sum(m for _, m in ages))
+            sampling["spanning_rows"] = float(sum(len(set(r.completion.versions)) > 1 for r in rollouts))
         return self._sum_over_ranks(
             {
                 **{f"loss_{k}": v for k, v in self.strategy.take_stats().items()},
@@ -268,7 +307,7 @@ class RLTrainer:
         """Step 0's rollouts, sampled by the engine and scored by the trainer: how far apart their log-probs are
         on the sampled tokens (every rank's), and the share of importance ratios beyond rl.importance_cap."""
         self.sync_sampler()
-        rollouts = [r for g in self.sample_step(0) for r in g]
+        rollouts = [r for g in self.whole_groups(0) for r in g]
         batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id)
         micro = self.update.micro_batches(batch)
         for mb in micro:
@@ -317,13 +356,20 @@ class RLTrainer:
 
     def trainer_state(self) -> dict:
         state = {"loop": asdict(self.state)}
-        if self.off_policy is not None:  # every rank's pending batches (collective)
+        if self.off_policy is not None:  # every rank's pending batches (collective); the sampler is idle after
             state["pending_rollouts"] = self.backend.gather_objects(self.off_policy.state())
+        if self.partial is not None:  # every rank's groups in flight and queued (collective)
+            state["partial_rollouts"] = self.backend.gather_objects(self.partial.state())
         return state
 
     def load_trainer_state(self, state: dict) -> None:
         self.state = RLState(**state["loop"])
         self._pending = state.get("pending_rollouts")
+        if self.partial is not None:
+            every = state.get("partial_rollouts")
+            assert every is not None, "this checkpoint was saved without rl.partial_rollouts: resume without it"
+            assert len(every) == self.world_size, "resume at the world size that saved the rollouts in flight"
+            self.partial.load_state(every[self.rank])
 
     def companions(self) -> list:
         return [self.critic.backend] if self.critic is not None else []
@@ -404,6 +450,26 @@ def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
         f"|dlogp| {m['logprob_abs_diff']:.2e} | weights v{m['weight_version']} | gen {m['time_generation_s']:.1f}s "
         f"train {m['time_training_s']:.1f}s"
     )
+
+
+def partial_figures(totals: dict[str, float], world_size: int) -> dict[str, float]:
+    """Partial rollouts in the train lines: the rounds a step ran (per rank), the groups left in flight or queued,
+    the stale groups dropped or finished early, the mean age of the trained sampled tokens (optimizer steps between
+    the weights that sampled each and the policy training on it) and the share of rows sampled by several versions.
+
+    >>> figures = partial_figures(dict(rollout_rounds=6, groups_in_flight=5, stale_dropped=1, stale_finished=0,
+    ...                                token_age_sum=30, sampled_tokens=120, spanning_rows=4, rows=16), world_size=2)
+    >>> figures["rollout_rounds"], figures["token_age_mean"], figures["spanning_frac"]
+    (3.0, 0.25, 0.25)
+    """
+    return {
+        "rollout_rounds": totals["rollout_rounds"] / world_size,
+        "groups_in_flight": float(totals["groups_in_flight"]),
+        "stale_dropped": float(totals["stale_dropped"]),
+        "stale_finished": float(totals["stale_finished"]),
+        "token_age_mean": totals["token_age_sum"] / max(totals["sampled_tokens"], 1.0),
+        "spanning_frac": totals["spanning_rows"] / max(totals["rows"], 1),
+    }
 
 
 def check_parity(parity: dict[str, float], rl: RLConfig) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class RolloutSampler:
             rl.top_k,
             rl.top_p,
         )
+        return self.scored(task, examples, prompts, batches)
+
+    def scored(self, task: Task, examples: list, prompts: list[list[int]], batches: list[list]) -> list[list[Rollout]]:
+        """The completions of each example (its prompt's `batches` entry) as rollouts with the task's rewards."""
         texts = [[answer_text(self.tokenizer, c.tokens) for c in completions] for completions in batches]
         items = [(e.prompt, text, e.reference) for e, group in zip(examples, texts) for text in group]
         rewards = iter(score(task, items))  # at once: code runs in the sandbox's pool

@@ -51,7 +51,12 @@ class Completion:
     """True when a stop token ended it (False: it ran out of budget)."""
     tool_calls: int = 0
     weight_version: int = 0
-    """The optimizer steps behind the weights that sampled it."""
+    """The optimizer steps behind the weights that sampled it (a partial rollout's: its oldest token's)."""
+    versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each token: one value unless a partial rollout (`tierlm.loops.partial`) went
+    on under newer weights."""
+    forced: list[int] = field(default_factory=list)
+    """Tool-result tokens still to force: a partial rollout's chunk ended inside a result."""
 
 
 @dataclass
@@ -94,6 +99,8 @@ class SamplingEngine(Protocol):
     def generate_many(
         self, requests, max_new_tokens, temperature, top_k=None, top_p=None
     ) -> list[list[Completion]]: ...
+
+    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -157,6 +164,7 @@ class Engine:
         one is queued in `calls`, else `sampled` (with its log-prob) — which may end the row (a stop token), open a
         tool call, or close one (the call's result queued). The one place this bookkeeping lives: the engine's own
         loop and the server's continuous batch (`tierlm.rollout.batching`) both step rows through it."""
+        completion.versions.append(self.weight_version)
         if calls.forced:
             token = calls.forced.pop(0)
             completion.tokens.append(token)
@@ -211,7 +219,15 @@ class Engine:
         logits, cache = self._prefill(ids, num_samples, max_len)
         out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
         calls = [ToolCalls() for _ in range(num_samples)]
-        steps = max_len - len(prompt_ids)
+        self._decode_rows(logits, cache, out, calls, max_len - len(prompt_ids), temperature, top_k, top_p, generator,
+                          on_token)  # fmt: skip
+        for completion, pending in zip(out, calls):  # a result the budget cut: a partial rollout forces it next
+            completion.forced = pending.forced
+        return out
+
+    def _decode_rows(self, logits, cache, out, calls, steps, temperature, top_k, top_p, generator, on_token=None):
+        """Up to `steps` tokens for every unfinished row of `out` (its `calls` in flight), from the next-token
+        `logits` and the `cache` behind them."""
         for i in range(steps):
             sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
@@ -227,7 +243,56 @@ class Engine:
             if i == steps - 1 or all(c.finished for c in out):
                 break
             logits = self._decode(torch.tensor(step, device=self.device), cache)
-        return out
+
+    @torch.no_grad()
+    def extend(self, prompt_ids, rows, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
+        """Continue `rows` — unfinished completions of `prompt_ids` sampled together, so of one length — by up to
+        `max_new_tokens` tokens each, in place, under the weights loaded now (a partial rollout's next chunk,
+        `tierlm.loops.partial`). The prompt and each row's tokens are prefilled afresh: a cache made by older
+        weights is not reused. A tool result the last chunk cut is forced first; an open call stays open.
+
+        >>> from tierlm.models import build_gpt
+        >>> from tierlm.models.gpt import GPTConfig
+        >>> engine = Engine(build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=10, max_seq_len=8)))
+        >>> rows = engine.generate([1, 2], num_samples=2, max_new_tokens=3)
+        >>> engine.load_weights(None, 1); engine.extend([1, 2], rows, max_new_tokens=2)
+        >>> [len(r.tokens) for r in rows], rows[0].versions
+        ([5, 5], [0, 0, 0, 1, 1])
+        """
+        assert rows and all(not r.finished for r in rows), "extend unfinished rows"
+        if self.family.seq2seq:
+            raise DataError("partial rollouts continue a decoder's own sequence; an encoder-decoder's is not one")
+        length = len(rows[0].tokens)
+        assert all(len(r.tokens) == length for r in rows), "the rows of a group are sampled together: one length"
+        max_len = min(len(prompt_ids) + length + max_new_tokens, self.max_len())
+        if len(prompt_ids) + length >= max_len:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ids = torch.tensor([list(prompt_ids) + r.tokens for r in rows], dtype=torch.long, device=self.device)
+            logits, cache = self._prefill(ids, 1, max_len)
+            calls = [ToolCalls(self._open_call(r.tokens), r.forced) for r in rows]
+            steps = max_len - len(prompt_ids) - length
+            self._decode_rows(logits, cache, rows, calls, steps, temperature, top_k, top_p, generator)
+            for r, c in zip(rows, calls):
+                r.forced = c.forced
+        finally:
+            self.model.train(was_training)
+
+    def _open_call(self, tokens: list[int]) -> int | None:
+        """Where a tool call still open at the end of `tokens` began (after its start marker), else None."""
+        if not self.tools or self.call_start not in tokens:
+            return None
+        start = len(tokens) - 1 - tokens[::-1].index(self.call_start)
+        return None if self.call_end in tokens[start:] else start + 1
+
+    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None:
+        """`extend` every `(prompt_ids, rows, generator)`, none past `budget` tokens in all (None: no bound)."""
+        for prompt, rows, generator in requests:
+            room = max_new_tokens if budget is None else min(max_new_tokens, budget - len(rows[0].tokens))
+            if room > 0:
+                self.extend(prompt, rows, room, temperature, top_k, top_p, generator)
 
     def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:
         """Completions of every `(prompt_ids, num_samples, generator)`, one prompt at a time (each has its cache)."""

@@ -192,11 +192,35 @@ class VLLMEngine:
             seed = int(torch.randint(2**62, (1,), generator=generator)) if generator is not None else None
             rows.append([Completion(weight_version=self.weight_version) for _ in range(n)])
             queue.append((index, None, list(prompt), n, seed))
+        limits = [[max_new_tokens] * len(r) for r in rows]
+        self._sample(queue, [list(p) for p, _, _ in requests], rows, limits, max_new_tokens, temperature, top_k, top_p)
+        return rows
+
+    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None:
+        """Continue the unfinished `rows` of every `(prompt_ids, rows, generator)` by up to `max_new_tokens` tokens
+        each, in place, in one vLLM batch (a partial rollout's next chunk, `tierlm.loops.partial`): each row goes in
+        as its prompt and tokens so far, a request of its own (vLLM 0.32's LLM has no pause / resume of a running
+        request across a weight reload, and its prefix cache is reset by one: the prompt is prefilled afresh under
+        the new weights, as tierlm's engine does). A tool result is spliced whole, up to `budget` tokens a row."""
+        queue, prompts, rows, limits = [], [], [], []
+        for index, (prompt, group, generator) in enumerate(requests):
+            seed = int(torch.randint(2**62, (1,), generator=generator)) if generator is not None else None
+            prompts.append(list(prompt))
+            rows.append(group)
+            limits.append([min(len(r.tokens) + max_new_tokens, budget or 1 << 30) for r in group])
+            for r, row in enumerate(group):
+                row_seed = None if seed is None else (seed * 31 + 7 * r) % 2**62
+                queue.append((index, r, list(prompt) + row.tokens, 1, row_seed))
+        self._sample(queue, prompts, rows, limits, budget or max_new_tokens, temperature, top_k, top_p)
+
+    def _sample(self, queue, prompts, rows, limits, budget, temperature, top_k, top_p) -> None:
+        """Sample every ask of `queue` — `(request, row or None for all n rows, ids, n, seed)` — into `rows`, each row
+        up to its limit; a row that calls a tool gets the result (up to `budget` tokens in all) and goes on."""
         stop = self.stop_ids + ([self.call_end] if self.tools else [])
         round_ = 0
         while queue:
             asks = [
-                (ids, n, seed, min(max_new_tokens - self._taken(rows, i, row), self._max_len - len(ids)))
+                (ids, n, seed, min(limits[i][row or 0] - self._taken(rows, i, row), self._max_len - len(ids)))
                 for i, row, ids, n, seed in queue
             ]
             answers = self.transport.sample(asks, temperature, top_k, top_p, stop, f"{self.tag}/{self.weight_version}")
@@ -208,17 +232,17 @@ class VLLMEngine:
                     completion.tokens += tokens
                     completion.logprobs += logprobs
                     completion.mask += [1] * len(tokens)
+                    completion.versions += [self.weight_version] * len(tokens)
                     if stopped and tokens[-1] in self.stop_ids:
                         completion.finished = True
                     elif stopped and self.tools and tokens[-1] == self.call_end:
-                        self._splice(completion, max_new_tokens)
-                        room = max_new_tokens - len(completion.tokens)
-                        context = len(requests[i][0]) + len(completion.tokens)
+                        self._splice(completion, budget)
+                        room = limits[i][r] - len(completion.tokens)
+                        context = len(prompts[i]) + len(completion.tokens)
                         if room > 0 and context < self._max_len:
                             next_seed = None if seed is None else (seed * 31 + 7 * r + round_ + 1) % 2**62
-                            follow.append((i, r, list(requests[i][0]) + completion.tokens, 1, next_seed))
+                            follow.append((i, r, prompts[i] + completion.tokens, 1, next_seed))
             queue, round_ = follow, round_ + 1
-        return rows
 
     @staticmethod
     def _taken(rows, i, row) -> int:
@@ -235,6 +259,7 @@ class VLLMEngine:
         completion.tokens += forced
         completion.logprobs += [0.0] * len(forced)
         completion.mask += [0] * len(forced)
+        completion.versions += [self.weight_version] * len(forced)
         completion.tool_calls += 1
 
     def close(self) -> None:

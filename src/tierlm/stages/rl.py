@@ -22,6 +22,7 @@ from tierlm.plan.scaling import PromptPasses, optimizer_schedule
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, policy_gradient_strategy
 from tierlm.strategies.rl_losses import resolve_rl
+from tierlm.tasks import is_environment
 
 
 class RL(Stage):
@@ -90,6 +91,13 @@ class RL(Stage):
         train_task, eval_task = open_tasks(config)
         if rl.prompts_per_step % world:
             raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
+        if rl.partial_rollouts and is_environment(train_task):
+            raise ConfigError(
+                "rl.partial_rollouts continues a task's completions across steps; an environment's episodes are "
+                "sampled whole, turn by turn: drop rl.partial_rollouts"
+            )
+        if rl.partial_rollouts and rl.rollout_window is not None and rl.rollout_window % world:
+            raise ConfigError(f"rl.rollout_window ({rl.rollout_window}) must be divisible by the {world} ranks")
         rows = min(rl.micro_batch_size, rl.prompts_per_step // world * rl.group_size)  # rollouts per forward/backward
         context = model_context(config, tokenizer.vocab_size, run.pretrained)  # the data is checked before planning
         check_prompt_lengths(train_task, eval_task, tokenizer, context, d.dataset_name)

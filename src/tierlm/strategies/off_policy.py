@@ -68,5 +68,7 @@ def off_policy_weight(logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, 
 
 
 def importance_mode(rl) -> str:
-    """rl.importance, or its default: token_truncate when sampling runs ahead of training, else none."""
-    return rl.importance or ("token_truncate" if rl.max_off_policy_steps else "none")
+    """rl.importance, or its default: token_truncate when sampling runs ahead of training or a rollout goes on
+    across steps (partial rollouts), else none."""
+    ahead = rl.max_off_policy_steps or rl.partial_rollouts
+    return rl.importance or ("token_truncate" if ahead else "none")

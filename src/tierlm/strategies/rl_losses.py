@@ -397,12 +397,19 @@ def resolve_rl(rl, jax: bool = False):
     if jax and rl.off_policy_mask is not None:
         raise ConfigError("rl.off_policy_mask is applied by the PyTorch losses: train it with infra.backend=pytorch")
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
+    dynamic = rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling
+    if dynamic and rl.partial_rollouts:
+        raise ConfigError(
+            f"rl.partial_rollouts trains the groups that finish first; dynamic sampling (rl.loss={rl.loss}'s "
+            "default or rl.dynamic_sampling) redraws a step's prompts: set rl.dynamic_sampling=false or drop "
+            "rl.partial_rollouts"
+        )
     return rl.model_copy(
         update={
             "clip_low": rl.clip_low if rl.clip_low is not None else low,
             "clip_high": rl.clip_high if rl.clip_high is not None else high,
             "normalize_std": rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std,
-            "dynamic_sampling": rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling,
+            "dynamic_sampling": dynamic,
             "importance": importance_mode(rl),
         }
     )

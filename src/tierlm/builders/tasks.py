@@ -124,6 +124,20 @@ def user_reward(spec: str):
     return reward
 
 
+def check_rl_sharing(rl, train_task, world: int) -> None:
+    """How RL shares its prompts out: over the ranks (each group whole on one), and over steps with partial rollouts
+    (a task's completions, not an environment's episodes)."""
+    if rl.prompts_per_step % world:
+        raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
+    if rl.partial_rollouts and is_environment(train_task):
+        raise ConfigError(
+            "rl.partial_rollouts continues a task's completions across steps; an environment's episodes are "
+            "sampled whole, turn by turn: drop rl.partial_rollouts"
+        )
+    if rl.partial_rollouts and rl.rollout_window is not None and rl.rollout_window % world:
+        raise ConfigError(f"rl.rollout_window ({rl.rollout_window}) must be divisible by the {world} ranks")
+
+
 def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, name: str) -> None:
     """Every prompt of a file task must leave room to answer (synthetic prompts are short by construction)."""
     if max_len is None or synthetic_name(name) is not None or is_environment(train_task):

@@ -13,7 +13,7 @@ from tierlm.builders.companions import beside_policy
 from tierlm.builders.engine import ENGINES, EngineSettings, build_engine
 from tierlm.builders.model import build_model, model_context
 from tierlm.builders.stage import Stage
-from tierlm.builders.tasks import check_prompt_lengths, longest_rollout, open_tasks
+from tierlm.builders.tasks import check_prompt_lengths, check_rl_sharing, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.loops.rl import RLTrainer, check_parity
@@ -22,7 +22,6 @@ from tierlm.plan.scaling import PromptPasses, optimizer_schedule
 from tierlm.run import Run, extras_writer
 from tierlm.strategies.rl import GRPOStrategy, policy_gradient_strategy
 from tierlm.strategies.rl_losses import resolve_rl
-from tierlm.tasks import is_environment
 
 
 class RL(Stage):
@@ -89,15 +88,7 @@ class RL(Stage):
         config, tokenizer, world = run.config, run.tokenizer, run.world_size
         rl, d = config.rl, config.data
         train_task, eval_task = open_tasks(config)
-        if rl.prompts_per_step % world:
-            raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
-        if rl.partial_rollouts and is_environment(train_task):
-            raise ConfigError(
-                "rl.partial_rollouts continues a task's completions across steps; an environment's episodes are "
-                "sampled whole, turn by turn: drop rl.partial_rollouts"
-            )
-        if rl.partial_rollouts and rl.rollout_window is not None and rl.rollout_window % world:
-            raise ConfigError(f"rl.rollout_window ({rl.rollout_window}) must be divisible by the {world} ranks")
+        check_rl_sharing(rl, train_task, world)
         rows = min(rl.micro_batch_size, rl.prompts_per_step // world * rl.group_size)  # rollouts per forward/backward
         context = model_context(config, tokenizer.vocab_size, run.pretrained)  # the data is checked before planning
         check_prompt_lengths(train_task, eval_task, tokenizer, context, d.dataset_name)

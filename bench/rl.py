@@ -3,7 +3,12 @@ tokens/s — on-policy against one step off-policy (the next batch sampled while
 against 2 ranks (DDP, FSDP2), tierlm's engine against vLLM (in the trainer's process, from .venv-vllm; and a
 vLLM server on the same cores, scripts/vllm_server.sh), all on the tiny task from the same SFT model.
 
-    .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft]
+    .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft] [--max-new-tokens 96]
+
+Partial rollouts (`rl.partial_rollouts`) against the plain step: with --max-new-tokens well above the usual answer
+(about 10-25 tokens) a few samples ramble on to the budget, so a plain step waits for them (a heavy tail). Every
+contender reports the share of the step the sampler is idle: on-policy, the step minus generation; one step off,
+the step minus the background sampler's own time on the batch.
 
 Each contender is `tierlm rl --config tiny_rl` for --steps steps (eval only at the end, no checkpoints but the
 last) in its own process (torchrun for the 2-rank ones); the figures are medians over its steps after the first
@@ -100,6 +105,7 @@ def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) ->
         "infra.device_type=cpu",
         "infra.progress_bar=false",
         f"infra.output_dir={out}",
+        *([f"rl.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
         *extra,
     ]
     tierlm = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *overrides]
@@ -120,8 +126,13 @@ def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) ->
     def median(key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in steady)
 
+    step = statistics.median(walls)
+    sampler = median("time_sampling_s") if "time_sampling_s" in steady[0] else median("time_generation_s")
     return {
-        "seconds_per_step": statistics.median(walls),
+        "seconds_per_step": step,
+        "sampler_idle_share": max(0.0, 1.0 - sampler / step),
+        "completion_len": median("completion_len"),
+        "finished_frac": median("finished_frac"),
         "generation_s": median("time_generation_s"),
         "scoring_s": median("time_scoring_s"),
         "training_s": median("time_training_s"),
@@ -136,7 +147,14 @@ CONTENDERS = {
     "1 process one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
     "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
     "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
+    "1 process partial rollouts": lambda a: rl_step(a, 1, ["rl.partial_rollouts=true"]),
+    "1 process partial, one step off": lambda a: rl_step(
+        a, 1, ["rl.partial_rollouts=true", "rl.max_off_policy_steps=1"]
+    ),
     "1 process vLLM in process": lambda a: rl_step(a, 1, ["engine.kind=vllm"], vllm_python()),
+    "1 process vLLM partial rollouts": lambda a: rl_step(
+        a, 1, ["engine.kind=vllm", "rl.partial_rollouts=true"], vllm_python()
+    ),
     "1 process vLLM server": lambda a: with_server(a, []),
 }
 
@@ -144,8 +162,10 @@ if __name__ == "__main__":
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sft", default=None, help="an SFT run directory (default: trained once into the temp folder)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="rl.max_new_tokens (default: tiny_rl's 32)")
     args = p.parse_args()
     argv = [f"--steps={args.steps}", f"--threads={args.threads}", *([f"--sft={args.sft}"] if args.sft else [])]
+    argv += [f"--max-new-tokens={args.max_new_tokens}"] if args.max_new_tokens else []
     if args.contender is None:
         sft_model(args)
         print(f"tierlm rl, tiny_rl, {args.steps} steps, {args.threads} threads in all", file=sys.stderr)

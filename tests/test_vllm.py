@@ -215,3 +215,18 @@ def test_off_policy_rl_through_the_server_resumes_bit_exact(tiny_runs, server, t
     resume_from_checkpoint(args, out, 2)
     resumed = load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_partial_rollouts_with_vllm_in_process(tiny_runs, tmp_path):
+    """vLLM continues a group's unfinished rows as requests of their prompt and tokens so far. One chunk of the
+    whole budget and a window of one step is the plain vLLM run (the same rewards and losses); chunks of one token
+    carry groups across steps, so rows sampled by two weight versions train, each token with its sampler's
+    log-prob."""
+    plain = _rl(VLLM_PY, tiny_runs, tmp_path / "plain")
+    args = ["rl.partial_rollouts=true", "rl.importance=none", "rl.rollout_window=2"]
+    same = _rl(VLLM_PY, tiny_runs, tmp_path / "same", *args, "rl.rollout_chunk=4")
+    for a, b in zip(plain, same, strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and abs(a["loss"] - b["loss"]) < 1e-6, (a, b)
+    chunked = _rl(VLLM_PY, tiny_runs, tmp_path / "chunked", *args[:2], "rl.rollout_chunk=1", "rl.rollout_window=4")
+    assert any(r["spanning_frac"] > 0 for r in chunked) and any(r["token_age_mean"] > 0 for r in chunked)
+    assert all(r["rollout_rounds"] >= 1 and r["step"] - 1 - r["weight_version"] <= 2 for r in chunked)

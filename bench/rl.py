@@ -148,7 +148,7 @@ CONTENDERS = {
     "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
     "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
     "1 process partial rollouts": lambda a: rl_step(a, 1, ["rl.partial_rollouts=true"]),
-    "1 process partial, one step off": lambda a: rl_step(
+    "1 process partial + one step off": lambda a: rl_step(
         a, 1, ["rl.partial_rollouts=true", "rl.max_off_policy_steps=1"]
     ),
     "1 process vLLM in process": lambda a: rl_step(a, 1, ["engine.kind=vllm"], vllm_python()),

@@ -245,3 +245,17 @@ def live_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (their seconds in tests/durations.json, written by scripts/test_durations.py from a
+    whole run; a file not in it counts as a middling one), so the two workers of scripts/test.sh (`--dist loadfile
+    --no-loadscope-reorder`) end together instead of one idling while the other runs a long file dealt last (the
+    longest-processing-time rule). Every worker sorts alike, so their collections agree."""
+    import json
+
+    table = Path(__file__).with_name("durations.json")
+    seconds = json.loads(table.read_text()) if table.is_file() else {}
+    unknown = sorted(seconds.values())[len(seconds) // 2] if seconds else 0.0
+    order = {item.nodeid.split("::")[0]: i for i, item in reversed(list(enumerate(items)))}  # first appearance
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], unknown), order[item.nodeid.split("::")[0]]))

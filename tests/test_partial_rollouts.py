@@ -49,30 +49,6 @@ def test_extend_goes_on_under_new_weights_with_their_logprobs_and_versions(tiny_
         torch.testing.assert_close(torch.tensor(r.logprobs[4:]), torch.stack(expected), atol=2e-5, rtol=0)
 
 
-class Scripted(Engine):
-    """The model's choices come from a script (one entry per step, forced steps included; test_rl's
-    ScriptedEngine, prefilling any number of rows)."""
-
-    def __init__(self, script: list[int], vocab_size: int, **kwargs):
-        super().__init__(torch.nn.Linear(1, 1), **kwargs)
-        self.script, self.vocab_size, self.calls = script, vocab_size, 0
-
-    def _logits(self, rows: int) -> torch.Tensor:
-        logits = torch.full((rows, self.vocab_size), -30.0)
-        logits[:, self.script[min(self.calls, len(self.script) - 1)]] = 30.0
-        self.calls += 1
-        return logits
-
-    def _prefill(self, ids, num_samples, max_len):
-        return self._logits(ids.shape[0] * num_samples), None
-
-    def _decode(self, tokens, cache):
-        return self._logits(tokens.shape[0])
-
-    def max_len(self):
-        return 256
-
-
 def test_a_tool_result_cut_by_a_chunk_is_forced_first_in_the_next(tiny_tokenizer):
     """A chunk ends two tokens into the calculator's result: the rest is kept with the row and forced (masked, log-prob
     0) at the start of the next chunk, so the row reads exactly as one uncut generation."""
@@ -82,8 +58,10 @@ def test_a_tool_result_cut_by_a_chunk_is_forced_first_in_the_next(tiny_tokenizer
     result = [vocab["<|tool_start|>"], *tok.encode("42"), vocab["<|tool_end|>"]]
     answer = [*tok.encode("17 + 25 = 42"), vocab["<|assistant_end|>"]]
     filler = [tok.encode("9")[0]] * len(result)
+    from test_rl import ScriptedEngine
+
     script = call + filler + answer
-    engine = Scripted(script, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()])
+    engine = ScriptedEngine(script, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()])
     [row] = engine.generate([1, 2], 1, len(call) + 2, temperature=0.0)
     assert row.tokens == call + result[:2] and row.forced == result[2:] and not row.finished
     engine.load_weights(None, 1)

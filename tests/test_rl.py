@@ -85,7 +85,7 @@ class ScriptedEngine(Engine):
         return logits
 
     def _prefill(self, ids, num_samples, max_len):
-        return self._logits(num_samples), None
+        return self._logits(ids.shape[0] * num_samples), None
 
     def _decode(self, tokens, cache):
         return self._logits(tokens.shape[0])

@@ -11,14 +11,14 @@ synthetic data every stage can train on.
 `SYNTHETIC` is the one registry of tasks generated on the machine, by the name in `synthetic:<name>`.
 
 >>> sorted(SYNTHETIC), synthetic_name("synthetic:arithmetic"), synthetic_name("data.jsonl")
-(['arithmetic', 'arithmetic_chain', 'spelling'], 'arithmetic', None)
+(['arithmetic', 'arithmetic_chain', 'spelling', 'sums'], 'arithmetic', None)
 """
 
 from __future__ import annotations
 
 from tierlm.errors import DataError
 from tierlm.tasks.answers import exact_number_reward, extract_answer, extract_final_number
-from tierlm.tasks.arithmetic import ArithmeticChain, ArithmeticTask, Problem
+from tierlm.tasks.arithmetic import ArithmeticChain, ArithmeticTask, Problem, SumChainTask
 from tierlm.tasks.base import Environment, ExamplesTask, RewardFn, SingleTurn, Task, TaskExample, is_environment
 from tierlm.tasks.spelling import SpellingTask
 
@@ -26,6 +26,7 @@ SYNTHETIC: dict[str, type] = {
     "arithmetic": ArithmeticTask,
     "arithmetic_chain": ArithmeticChain,
     "spelling": SpellingTask,
+    "sums": SumChainTask,
 }
 """Tasks generated from (seed, split, index): a generator of examples of every kind, or an environment (RL only)."""
 PREFIX = "synthetic:"
@@ -62,6 +63,7 @@ __all__ = [
     "Problem",
     "RewardFn",
     "SYNTHETIC",
+    "SumChainTask",
     "SingleTurn",
     "Task",
     "TaskExample",

@@ -131,3 +131,80 @@ class ArithmeticChain:
         if self.turn == len(self.expected):
             return None, correct
         return {"role": "user", "content": self.next_question}, correct
+
+
+@dataclass(frozen=True)
+class SumProblem(WorkedProblem):
+    terms: tuple[int, ...]
+
+    @property
+    def result(self) -> int:
+        return sum(self.terms)
+
+    @property
+    def question(self) -> str:
+        return f"What is {' + '.join(map(str, self.terms))}?"
+
+    @property
+    def answer(self) -> str:
+        return f"{' + '.join(map(str, self.terms))} = {self.result}"
+
+    @property
+    def tool_conversation(self) -> list[dict]:
+        """The chat where the assistant adds the terms one calculator call at a time (a running sum), then answers:
+        its length grows with the number of terms."""
+        steps, total = [], self.terms[0]
+        for term in self.terms[1:]:
+            steps.append(
+                f"{TOOL_CALL_START}{total} + {term}{TOOL_CALL_END}{TOOL_RESULT_START}{total + term}{TOOL_RESULT_END}"
+            )
+            total += term
+        content = "".join(steps) + self.answer
+        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": content}]
+
+
+@dataclass(frozen=True)
+class SumChainTask:
+    """Sums of 2 to `max_terms` numbers whose count has a heavy tail (P(k) proportional to k^-2: 60% of the problems
+    have 2 or 3 terms, 8% 10 or more), answered through one calculator call per addition, so the
+    answers' lengths have the heavy tail partial rollouts are for (`bench/rl.py`).
+
+    >>> task = SumChainTask()
+    >>> [p.question for p in task.problems("train", 2, seed=0)]
+    ['What is 61 + 7?', 'What is 94 + 40 + 16 + 48?']
+    >>> counts = [len(task.problem("train", i, seed=0).terms) for i in range(2000)]
+    >>> round(sum(k <= 3 for k in counts) / 2000, 2), round(sum(k >= 10 for k in counts) / 2000, 2), max(counts)
+    (0.6, 0.08, 16)
+    """
+
+    max_operand: int = 99
+    max_terms: int = 16
+    val_modulus: int = 10
+
+    def problem(self, split: str, index: int, seed: int) -> SumProblem:
+        """Problem `index` of `split` ("train" | "val"), a pure function of (seed, split, index); the validation split
+        is a stable tenth of the problems (by a hash of the terms)."""
+        assert split in ("train", "val"), f"split must be 'train' or 'val', got {split!r}"
+        rng = random.Random(f"{seed}/sums/{split}/{index}")
+        sizes = range(2, self.max_terms + 1)
+        while True:
+            k = rng.choices(sizes, weights=[1 / s**2 for s in sizes])[0]
+            terms = tuple(rng.randint(0, self.max_operand) for _ in range(k))
+            key = sum((t + 1) * 7919**i for i, t in enumerate(terms)) % 2147483647
+            if (key % self.val_modulus == 0) == (split == "val"):
+                return SumProblem(terms)
+
+    def conversation(self, split: str, index: int, seed: int) -> list[dict]:
+        return self.problem(split, index, seed).tool_conversation
+
+    def preference(self, split: str, index: int, seed: int) -> tuple[list[dict], list[dict]]:
+        """(chosen, rejected): the sum through the calculator over a direct answer off by 1..10."""
+        problem = self.problem(split, index, seed)
+        rng = random.Random(f"{seed}/sums/dpo/{split}/{index}")
+        wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
+        expression = " + ".join(map(str, problem.terms))
+        rejected = [problem.conversation[0], {"role": "assistant", "content": f"{expression} = {wrong}"}]
+        return problem.tool_conversation, rejected
+
+    def problems(self, split: str, count: int, seed: int) -> list[SumProblem]:
+        return [self.problem(split, i, seed) for i in range(count)]

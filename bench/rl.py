@@ -4,6 +4,8 @@ against 2 ranks (DDP, FSDP2), tierlm's engine against vLLM (in the trainer's pro
 vLLM server on the same cores, scripts/vllm_server.sh), all on the tiny task from the same SFT model.
 
     .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft] [--max-new-tokens 96]
+    bash bench/sums_sft.sh && .venv/bin/python bench/rl.py --task synthetic:sums --sft runs/sums/sft \
+        --max-new-tokens 256 --only "1 process on-policy,1 process partial rollouts"   # a heavy tail
 
 Partial rollouts (`rl.partial_rollouts`) against the plain step: with --max-new-tokens well above the usual answer
 (about 10-25 tokens) a few samples ramble on to the budget, so a plain step waits for them (a heavy tail). Every
@@ -106,6 +108,7 @@ def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) ->
         "infra.progress_bar=false",
         f"infra.output_dir={out}",
         *([f"rl.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
+        *([f"data.dataset_name={args.task}"] if args.task else []),
         *extra,
     ]
     tierlm = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *overrides]
@@ -163,9 +166,11 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sft", default=None, help="an SFT run directory (default: trained once into the temp folder)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="rl.max_new_tokens (default: tiny_rl's 32)")
+    p.add_argument("--task", default=None, help="data.dataset_name (default: tiny_rl's synthetic:arithmetic)")
     args = p.parse_args()
     argv = [f"--steps={args.steps}", f"--threads={args.threads}", *([f"--sft={args.sft}"] if args.sft else [])]
     argv += [f"--max-new-tokens={args.max_new_tokens}"] if args.max_new_tokens else []
+    argv += [f"--task={args.task}"] if args.task else []
     if args.contender is None:
         sft_model(args)
         print(f"tierlm rl, tiny_rl, {args.steps} steps, {args.threads} threads in all", file=sys.stderr)

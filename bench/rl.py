@@ -135,6 +135,7 @@ def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) ->
         "seconds_per_step": step,
         "sampler_idle_share": max(0.0, 1.0 - sampler / step),
         "completion_len": median("completion_len"),
+        "stale_dropped_per_step": statistics.mean(r.get("stale_dropped", 0.0) for r in steady),
         "finished_frac": median("finished_frac"),
         "generation_s": median("time_generation_s"),
         "scoring_s": median("time_scoring_s"),

@@ -224,3 +224,34 @@ def test_partial_rollouts_resume_after_a_kill_with_the_straight_runs_weights(tin
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = _load(straight), _load(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_under_torchrun_resume_every_ranks_groups(tiny_runs, tmp_path, monkeypatch):
+    """2 DDP ranks, each scheduling its share of the window in chunks of 3 tokens: the checkpoint holds both ranks'
+    groups in flight, and the run rolled back to its step-2 checkpoint and resumed under torchrun ends with the
+    uninterrupted run's weights bit for bit."""
+    import shutil
+
+    from conftest import digits_reward, torchrun
+    from test_rl import _tiny_rl
+
+    args = ["-m", "tierlm", *_tiny_rl(tiny_runs), "rl.algorithm=grpo", "rl.group_size=4", "rl.max_new_tokens=24"]
+    args += [digits_reward(tmp_path, monkeypatch), "rl.partial_rollouts=true", "rl.rollout_chunk=3"]
+    args += ["rl.rollout_window=4", "training.num_train_steps=5", "infra.distributed_type=ddp"]
+    out = tmp_path / "run"
+    result = torchrun(*args, f"infra.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = _load(out)
+    state = json.loads((out / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert len(state["partial_rollouts"]) == 2 and all(rank["in_flight"] for rank in state["partial_rollouts"])
+    assert any(r["spanning_frac"] > 0 for r in _train_lines(out))
+    for checkpoint in (out / "checkpoints").glob("step_*"):
+        if int(checkpoint.name.split("_")[1]) > 2:
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(out / "model")
+    (out / "checkpoints" / "latest").write_text("step_2\n")
+    result = torchrun(*args, f"infra.output_dir={out}", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = _load(out)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -187,23 +187,25 @@ def test_eval_samples_with_vllm_in_process_and_through_the_server_alike(tiny_run
     assert line.startswith("pass@1 ") and line == remote.stdout.strip().splitlines()[-1], (local.stdout, remote.stdout)
 
 
-def test_off_policy_rl_through_the_server_resumes_bit_exact(tiny_runs, server, tmp_path):
+def test_off_policy_rl_through_the_server_resumes_bit_exact(tiny_runs, server, tmp_path, monkeypatch):
     """rl.max_off_policy_steps=1 with vLLM sampling in the background: a run rolled back to its step-2 checkpoint
     (pending rollouts in it) and resumed ends with the straight run's weights bit for bit; the resumed process
-    pushes the checkpoint's weights into the server before it samples again."""
+    pushes the checkpoint's weights into the server before it samples again. (A reward for digits, so that the steps
+    move the weights.)"""
     import torch
     from safetensors.torch import load_file
 
-    from conftest import resume_from_checkpoint
+    from conftest import digits_reward, resume_from_checkpoint
 
     args = ["rl", "--config", "configs/tiny_rl.yaml", *RL, "engine.kind=vllm", f"engine.vllm_url={server}"]
+    args += [digits_reward(tmp_path, monkeypatch)]
     args += [f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.max_off_policy_steps=1", "rl.group_size=4"]
     args += ["training.num_train_steps=5", "training.save_steps=2", "training.logging_steps=1"]
     out = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "tierlm", *args, f"infra.output_dir={out}"],
         cwd=REPO,
-        env=ENV,
+        env={**ENV, "PYTHONPATH": os.environ["PYTHONPATH"]},  # the reward's module
         capture_output=True,
         text=True,
         timeout=600,
@@ -211,6 +213,7 @@ def test_off_policy_rl_through_the_server_resumes_bit_exact(tiny_runs, server, t
     assert done.returncode == 0, done.stderr[-3000:]
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
     assert [r["weight_version"] for r in train] == [0, 0, 1, 2, 3]
+    assert any(r["grad_norm"] > 0 for r in train[2:])  # the steps after the checkpoint move the weights
     straight = load_file(out / "model" / "model.safetensors")
     resume_from_checkpoint(args, out, 2)
     resumed = load_file(out / "model" / "model.safetensors")

@@ -470,14 +470,18 @@ def test_fsdp_bf16_on_one_gpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
+def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path, monkeypatch):
     """`torchrun -m tierlm rl` under DDP and FSDP2 draws the rollouts one process draws (each prompt's sampling
     keyed by its place in the global batch, every group on one rank) and takes the same steps (per-step losses
     1e-5, with a KL reference) after dealing the rows over the ranks by their cost; the FSDP run's sampler is a
     whole copy refreshed after every update, and a rank lost mid-run on two "nodes" is restarted by torchrun and
     resumes by itself, bit-identical. `tierlm dpo` under torchrun (FSDP) matches one process on the same global
-    batch."""
+    batch. (RL on a reward for digits: with the task's own, the tiny model earns 0 everywhere and no step moves the
+    weights.)"""
+    from conftest import digits_reward
+
     sft = tiny_runs / "sft"
+    reward = digits_reward(tmp_path, monkeypatch)
     tiny = [
         "data.max_seq_length=64",
         "data.num_synthetic_examples=2000",
@@ -503,6 +507,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
         "rl.group_size=2",
         "rl.max_new_tokens=6",
         "rl.micro_batch_size=2",
+        reward,
     ]
     one = tmp_path / "rl1"
     result = run_main(*rl, f"infra.output_dir={one}")
@@ -526,6 +531,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
         # the rows dealt over the ranks by their FLOPs (rl.balance_ranks): never worse than as sampled
         assert all(1.0 <= r["rank_imbalance"] <= r["rank_imbalance_before"] for r in train), train
         assert all(r["logprob_abs_diff"] < 1e-4 for r in train)  # the FSDP sampler's copy is the policy
+        assert all(r["grad_norm"] > 0 for r in train)  # the steps move the weights
     assert (out / "checkpoints" / "step_3" / "state").is_dir() and (out / "model" / "model.safetensors").is_file()
 
     # The FSDP job on two "nodes" (torchrun agents, --max-restarts 1): a rank SIGKILLed as it begins step 3, after
@@ -535,7 +541,8 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path):
 
     killed = tmp_path / "rl_killed"
     args = ["-m", "tierlm", *rl, "infra.distributed_type=fsdp", f"infra.output_dir={killed}"]
-    jobs = two_nodes(args, {**ENV, "TIERLM_FAULT_KILL": "0:3"})
+    path = os.pathsep.join([ENV["PYTHONPATH"], os.environ["PYTHONPATH"]])  # tierlm's tree, then the reward's module
+    jobs = two_nodes(args, {**ENV, "TIERLM_FAULT_KILL": "0:3", "PYTHONPATH": path})
     outputs = [job.communicate(timeout=400) for job in jobs]
     assert all(job.returncode == 0 for job in jobs), [err[-3000:] for _, err in outputs]
     assert sum(out_.count("held-out pass@1") for out_, _ in outputs) == 1  # the restarted group finished once

@@ -382,12 +382,8 @@ def test_tierlm_rl_with_the_jax_backend_takes_the_pytorch_steps(tiny_runs, tmp_p
     """`tierlm rl infra.backend=jax` (GRPO, a KL reference): the rollouts (the sampler reads JAX's weights after each
     update), rewards, losses and held-out pass@k of the PyTorch backend's run. (A reward for digits, so the tiny model's
     rollouts differ in reward: with none the advantages are 0 and AdamW turns each backend's float noise into steps.)"""
-    from conftest import run_main
+    from conftest import digits_reward, run_main
 
-    (tmp_path / "digits_reward.py").write_text(
-        "def reward(prompt, completion, reference):\n    return 0.25 * sum(c.isdigit() for c in completion)\n"
-    )
-    monkeypatch.chdir(tmp_path)
     args = [
         "rl",
         "--config",
@@ -398,7 +394,7 @@ def test_tierlm_rl_with_the_jax_backend_takes_the_pytorch_steps(tiny_runs, tmp_p
         "training.eval_steps=3",
         "training.logging_steps=1",
         "rl.loss=grpo",
-        "rl.reward=digits_reward:reward",
+        digits_reward(tmp_path, monkeypatch),
         "rl.kl_coef=0.05",
         "rl.prompts_per_step=4",
         "rl.group_size=4",

@@ -369,14 +369,12 @@ def test_length_grouped_micro_batches_train_as_rows_in_order_with_less_padding(t
     rollouts differ in reward and the steps move the weights.)"""
     from safetensors.torch import load_file
 
+    from conftest import digits_reward
     from tierlm.commands.cli import main
 
-    (tmp_path / "digits_reward.py").write_text(
-        "def reward(prompt, completion, reference):\n    return 0.25 * sum(c.isdigit() for c in completion)\n"
-    )
     monkeypatch.chdir(tmp_path)
     args = ["rl", "--config", "tiny_rl", f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.micro_batch_size=3"]
-    args += ["rl.reward=digits_reward:reward"]
+    args += [digits_reward(tmp_path, monkeypatch)]
     args += ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_new_tokens=40", "rl.eval_problems=4", "rl.eval_k=2"]
     args += ["training.num_train_steps=4", "training.eval_steps=0", "training.logging_steps=1", "rl.loss=grpo"]
     args += ["infra.device_type=cpu", "data.num_synthetic_examples=200", "data.num_synthetic_eval_examples=16"]

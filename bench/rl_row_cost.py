@@ -1,5 +1,5 @@
 """The cost model behind RL's rank balancing (rl.balance_ranks) against the clock: a row of length T is dealt by
-T x (a + b T) FLOPs (6 N + 12 L d T per token, `tierlm.metrics.flops.flops_per_token`); here one forward + backward
+T x (a + b T) FLOPs (6 N + 12 L d T per token, `tierlm.metrics.flops.flops_line`); here one forward + backward
 of a row is timed at each length and the measured time, relative to the shortest row's, is set beside the model's.
 
     .venv/bin/python bench/rl_row_cost.py [--model runs/tiny_sft/model] [--rows 8] [--repeats 7]
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tierlm.metrics.flops import flops_per_token
+from tierlm.metrics.flops import flops_line
 from tierlm.models import family_of, load_pretrained_model
 
 
@@ -31,8 +31,7 @@ def main() -> None:
     family = family_of(model)
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else 256
     lengths = [int(t) for t in args.lengths.split(",")]
-    one, two = flops_per_token(model, 1), flops_per_token(model, 2)
-    a, b = 2 * one - two, two - one
+    a, b = flops_line(model)
     rows = []
     for t in lengths:
         ids = torch.randint(0, vocab, (args.rows, t))

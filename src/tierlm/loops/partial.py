@@ -4,14 +4,13 @@ so a step waits for enough finished groups, not for its longest sample.
 A step's sampling runs rounds under the weights the engine holds then, one at least, until enough groups have
 finished. Each round first starts new groups while fewer than the window (rl.rollout_window, this rank's share)
 are in flight or queued — prompts in the order the plain run takes them, the oldest first: a windowed FIFO — then
-gives every group in flight one chunk (rl.rollout_chunk
-tokens; a started group's rows are prefilled afresh under the new weights, `Engine.extend`). A group whose rows are
-all done (a stop token, rl.max_new_tokens, or the context) is scored and queued; once the queue holds the step's
-groups, the step takes them in the order they started. Every token records the weight version that sampled it and
-its sampler log-prob (so rl.importance's ratio is exact per token). The staleness bound: no token of a trained group
-is more than rl.max_staleness steps older than the policy that trains it. A group that would pass it is dropped
-(rl.stale_rollouts=drop, as TRL's async GRPO does) or, =finish, ended where it is at the last step that may train
-it and queued unfinished.
+gives every group in flight one chunk (rl.rollout_chunk tokens; a started group's rows are prefilled afresh under
+the new weights, `Engine.extend`). A group whose rows are all done (a stop token, rl.max_new_tokens, or the
+context) is scored and queued; once the queue holds the step's groups, the step takes them in the order they
+started. Every token records the weight version that sampled it and its sampler log-prob (so rl.importance's ratio
+is exact per token). The staleness bound: no token of a trained group is more than rl.max_staleness steps older
+than the policy that trains it. A group that would pass it is dropped (rl.stale_rollouts=drop, as TRL's async GRPO
+does) or, =finish, ended where it is at the last step that may train it and queued unfinished.
 
 Deterministic: which prompts start, how far each group gets in a round and its randomness (a generator per group,
 keyed as the plain run keys that prompt, kept across rounds) are a pure function of the seed, the step schedule and
@@ -101,8 +100,8 @@ class PartialRollouts:
         """Start prompts while the window has room, give every group in flight a chunk, queue the finished ones."""
         while len(self.in_flight) + len(self.ready) < self.window:
             j, share = divmod(self.started, self.need)
-            index, prompt, generator = self.prompt_at(j * self.rl.prompts_per_step + self.positions[share])
-            self.in_flight.append(Group(j * self.rl.prompts_per_step + self.positions[share], index, prompt, generator))
+            start = j * self.rl.prompts_per_step + self.positions[share]
+            self.in_flight.append(Group(start, *self.prompt_at(start)))
             self.started += 1
         rl, engine = self.rl, self.engine
         chunk = min(rl.rollout_chunk, rl.max_new_tokens)
@@ -126,11 +125,8 @@ class PartialRollouts:
 
     def _done(self, group: Group, row: Completion) -> bool:
         length = len(row.tokens)
-        return row.finished or length >= self.rl.max_new_tokens or len(group.prompt_ids) + length >= self._max_len
-
-    @property
-    def _max_len(self) -> int:
-        return self.engine.max_len()
+        at_context = len(group.prompt_ids) + length >= self.engine.max_len()
+        return row.finished or length >= self.rl.max_new_tokens or at_context
 
     def step_figures(self, step: int) -> dict[str, float]:
         """What sampling step `step` did (rounds, groups left in flight, stale groups dropped or finished)."""

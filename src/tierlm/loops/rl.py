@@ -30,7 +30,7 @@ from tierlm.loops.policy_update import PolicyUpdate, balanced_shares, loss_figur
 from tierlm.loops.rewards import reward_model_figures, reward_model_sums
 from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
-from tierlm.metrics.flops import flops_per_token
+from tierlm.metrics.flops import flops_line
 from tierlm.models import unwrap_model
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout, SamplingEngine
@@ -250,8 +250,7 @@ class RLTrainer:
         rows = list(zip(rollouts, advantages.tolist(), rewards.tolist()))
         everyone = self.backend.gather_objects(rows)
         every = [row for share in everyone for row in share]
-        one, two = (flops_per_token(self.backend.export_model, t) for t in (1, 2))  # per token: a + b x T
-        a, b = 2 * one - two, two - one
+        a, b = flops_line(self.backend.export_model)
         lengths = [len(r.prompt_ids) + len(r.completion.tokens) - 1 for r, _, _ in every]
         costs = [t * (a + b * t) for t in lengths]  # a row of length T: T x its FLOPs per token
         sizes = [len(share) for share in everyone]

@@ -34,6 +34,19 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return family_of(model).flops_per_token(unwrap_model(model), seq_len)
 
 
+def flops_line(model: nn.Module) -> tuple[float, float]:
+    """`flops_per_token` as the line a + b x T it is (a = 6 x parameters, b = 12 x layers x attention width): a row of
+    T tokens costs T x (a + b x T) training FLOPs.
+
+    >>> from tierlm.models import GPTConfig, build_gpt
+    >>> a, b = flops_line(build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=100, max_seq_len=64)))
+    >>> a + b * 64
+    777984.0
+    """
+    one, two = flops_per_token(model, 1), flops_per_token(model, 2)
+    return 2 * one - two, two - one
+
+
 def measure_cpu_flops(dtype: torch.dtype = torch.float32, n: int = 512, repeats: int = 8, trials: int = 5) -> float:
     """Best `dtype` matmul throughput of this CPU at this thread count over a few short trials (~0.1 s)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)

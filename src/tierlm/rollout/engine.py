@@ -143,6 +143,8 @@ class Engine:
     # -- the model step, with a cache (the model's family knows its cache) -----------------------
     def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):
         logits, cache = self.family.prefill(self.model, ids, max_len)
+        if num_samples == 1:  # each row its own (one sample, or a partial rollout's rows): nothing to copy
+            return logits, cache
         self.family.repeat_cache(cache, num_samples)
         return logits.repeat_interleave(num_samples, dim=0), cache
 

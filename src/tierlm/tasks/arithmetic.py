@@ -142,12 +142,16 @@ class SumProblem(WorkedProblem):
         return sum(self.terms)
 
     @property
+    def expression(self) -> str:
+        return " + ".join(map(str, self.terms))
+
+    @property
     def question(self) -> str:
-        return f"What is {' + '.join(map(str, self.terms))}?"
+        return f"What is {self.expression}?"
 
     @property
     def answer(self) -> str:
-        return f"{' + '.join(map(str, self.terms))} = {self.result}"
+        return f"{self.expression} = {self.result}"
 
     @property
     def tool_conversation(self) -> list[dict]:
@@ -202,8 +206,7 @@ class SumChainTask:
         problem = self.problem(split, index, seed)
         rng = random.Random(f"{seed}/sums/dpo/{split}/{index}")
         wrong = problem.result + rng.choice([-1, 1]) * rng.randint(1, 10)
-        expression = " + ".join(map(str, problem.terms))
-        rejected = [problem.conversation[0], {"role": "assistant", "content": f"{expression} = {wrong}"}]
+        rejected = [problem.conversation[0], {"role": "assistant", "content": f"{problem.expression} = {wrong}"}]
         return problem.tool_conversation, rejected
 
     def problems(self, split: str, count: int, seed: int) -> list[SumProblem]:

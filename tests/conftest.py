@@ -114,6 +114,24 @@ def digits_reward(folder: Path, monkeypatch) -> str:
     return "rl.reward=digits_reward:reward"
 
 
+def two_domain_task(folder: Path, count: int = 200) -> list[str]:
+    """The overrides of an RL task of two domains: the synthetic arithmetic problems as JSONL rows whose `domain` is
+    "add" or "sub" by their operation (what rl.teachers routes by)."""
+    import json
+
+    from tierlm.builders.tasks import open_task
+
+    task = open_task("synthetic:arithmetic", "train", count, seed=0)
+    rows = []
+    for i in range(count):
+        example = task.example(i)
+        domain = "add" if "+" in example.prompt else "sub"
+        rows.append({"question": example.prompt, "answer": str(example.reference), "domain": domain})
+    path = folder / "two_domains.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [f"data.dataset_name={path}", "data.val_fraction=0.1"]
+
+
 def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
     """Start `tierlm ARGS infra.output_dir=OUTPUT_DIR`, SIGKILL it the moment checkpoint `step` is the
     latest, and check it really died mid-run."""

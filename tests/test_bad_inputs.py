@@ -1197,6 +1197,78 @@ CASES = [
         lambda work, runs: _other_vocabulary(runs / "sft" / "model", work / "t"),
     ),
     Case(
+        "rl-teachers-route-a-domain-no-prompt-has",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.loss=distill",
+            "rl.teachers={arithmetc: {sft}}",
+            "rl.teacher={sft}",
+        ],  # fmt: skip
+        r"rl.teachers routes \['arithmetc'\] but no training prompt has that domain \(theirs: \['arithmetic'\]",
+    ),
+    Case(
+        "rl-teachers-leave-a-domain-without-a-teacher",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.loss=distill_topk",
+            "data.dataset_name=d.jsonl",
+            "rl.teachers={add: {sft}}",
+        ],  # fmt: skip
+        r"training prompts of domain 'sub' have no teacher: rl.teachers routes \['add'\] and rl.teacher is unset",
+        write(
+            "d.jsonl",
+            '{"question": "1 + 2?", "answer": "3", "domain": "add"}\n'
+            '{"question": "5 - 2?", "answer": "3", "domain": "sub"}\n' * 3,
+        ),  # fmt: skip
+    ),
+    Case(
+        "rl-teachers-with-another-vocabulary",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.loss=distill",
+            "rl.teachers={arithmetic: t}",
+        ],  # fmt: skip
+        r"rl.teacher t has another vocabulary \(\d+ tokens, the policy's \d+",
+        lambda work, runs: _other_vocabulary(runs / "sft" / "model", work / "t"),
+    ),
+    Case(
+        "rl-teachers-without-a-distill-loss",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.teachers={arithmetic: {sft}}"],
+        "rl.loss=distill learns from rl.teacher's log-probs",
+    ),
+    Case(
+        "rl-distill-top-k-on-the-sampled-token-loss",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.loss=distill",
+            "rl.teacher={sft}",
+            "rl.distill_top_k=8",
+        ],  # fmt: skip
+        "rl.distill_top_k is the top-k of on-policy distillation's exact KL: set rl.loss=distill_topk",
+    ),
+    Case(
+        "rl-domain-not-a-string",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "data.dataset_name=d.jsonl"],
+        r"the 'domain' field names the prompt's domain, a string; got \['a'\]",
+        write("d.jsonl", '{"question": "1 + 2?", "answer": "3", "domain": ["a"]}\n' * 4),
+    ),
+    Case(
         "rl-reward-model-not-a-classifier",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.reward_model={sft}"],
         r"rl.reward_model: .*model is not a reward model \(architectures \['Qwen3ForCausalLM'\]",

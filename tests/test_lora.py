@@ -350,3 +350,62 @@ def test_lora_tensor_parallel_plan_splits_each_adapter_with_its_layer_and_refuse
     assert split_tokens["attn.o_proj.lora_B.default"] == "grad_allreduce"  # each rank holds its tokens' share
     with pytest.raises(ConfigError, match="splits as colwise_qkv"):
         tensor_parallel_plan(first, {"attn.q_proj": "colwise_qkv"})
+
+
+def test_a_sampler_copy_takes_the_adapters_alone_and_refuses_a_stale_or_partial_one(tiny_runs):
+    """Adapter-only sync to tierlm's engine: a copy of the LoRA policy, given only the adapters the policy trained
+    (stamped with their weight version), samples with the policy's logits exactly, its base weights untouched; an
+    adapter stamped for another version, or missing a tensor, is refused."""
+    import copy
+
+    from tierlm.rollout.engine import Engine, adapter_payload
+
+    policy = _adapted(tiny_runs)
+    engine = Engine(copy.deepcopy(policy))
+    with torch.no_grad():  # an optimizer step's worth of change, in the adapters only (the base is frozen)
+        for name, param in policy.named_parameters():
+            if ".lora_" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    state = policy.state_dict()
+    payload = adapter_payload(state, 1)
+    assert 0 < len(payload) - 1 < len(state) and all(".lora_" in k for k in payload if k != "adapter.weight_version")
+    before = {k: v.clone() for k, v in engine.model.state_dict().items() if ".lora_" not in k}
+    assert not torch.allclose(forward_logits(engine.model.eval(), _ids()), forward_logits(policy.eval(), _ids()))
+    engine.load_weights(payload, 1)
+    assert engine.weight_version == 1
+    torch.testing.assert_close(forward_logits(engine.model, _ids()), forward_logits(policy, _ids()), rtol=0, atol=0)
+    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(RuntimeError, match="the adapters of weight version 1 were offered as version 2"):
+        engine.load_weights(payload, 2)
+    partial = dict(payload)
+    partial.pop(next(k for k in partial if ".lora_B." in k))
+    with pytest.raises(RuntimeError, match="the adapters offered differ from the sampler's"):
+        engine.load_weights(partial, 1)
+    assert engine.weight_version == 1
+
+
+@pytest.mark.slow
+def test_lora_rl_sampling_ahead_syncs_the_adapters_alone_with_the_whole_syncs_weights(tiny_runs, tmp_path, monkeypatch):
+    """LoRA RL one step off-policy (the background sampler holds a copy of the policy): each sync hands it the
+    adapters alone, and four steps end with the weights of the same run syncing every weight (the engine told it
+    takes no adapters), bit for bit; a reward for digits, so the steps move the adapters."""
+    from conftest import digits_reward
+    from tierlm.rollout.engine import Engine
+
+    args = ["rl", "--config", "configs/tiny_rl.yaml", *RL, *LORA, f"model.model_name_or_path={tiny_runs / 'sft'}"]
+    args += [digits_reward(tmp_path, monkeypatch), "rl.max_off_policy_steps=1", "training.num_train_steps=4"]
+    args += ["rl.max_new_tokens=8", "training.logging_steps=1"]
+    loads = []
+    original = Engine.load_weights
+    monkeypatch.setattr(Engine, "load_weights", lambda self, state, v: loads.append(state) or original(self, state, v))
+    assert run_main(*args, f"infra.output_dir={tmp_path / 'adapters'}").returncode == 0
+    assert loads and all("adapter.weight_version" in s for s in loads if s is not None), [len(s) for s in loads]
+    monkeypatch.setattr(Engine, "takes_adapters", False)
+    loads.clear()
+    assert run_main(*args, f"infra.output_dir={tmp_path / 'whole'}").returncode == 0
+    assert loads and all(s is None or "adapter.weight_version" not in s for s in loads)
+    lines = [json.loads(r) for r in (tmp_path / "adapters" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] > 0 for r in lines if r["type"] == "train")
+    a = load_file(tmp_path / "adapters" / "model" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "whole" / "model" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

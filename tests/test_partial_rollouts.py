@@ -195,29 +195,36 @@ def test_one_chunk_of_the_whole_budget_and_a_window_of_one_step_is_the_plain_run
 
 
 @pytest.mark.slow
-def test_partial_rollouts_resume_after_a_kill_with_the_straight_runs_weights(tiny_runs, tmp_path, monkeypatch):
-    """Partial rollouts sampled one step ahead in the background (rl.max_off_policy_steps=1), chunks of 3 tokens, a
-    window of two steps: rows end at the tiny model's context (32 tokens) after prompts of different lengths, so
-    groups finish in different rounds, some go on under newer weights (several versions in one row and one batch)
-    and some are in flight at every checkpoint. Killed at its step-2 checkpoint and resumed, the run ends with the
-    uninterrupted run's weights bit for bit (a reward for digits, so that the steps move the weights)."""
-    from conftest import digits_reward, kill_at_checkpoint, run_main
+def test_partial_rollouts_with_teachers_resume_after_a_kill_with_the_straight_runs_weights(
+    tiny_runs, tmp_path, monkeypatch
+):
+    """All of asynchronous RL at once: partial rollouts sampled one step ahead in the background
+    (rl.max_off_policy_steps=1), chunks of 3 tokens, a window of two steps, distilled from two teachers routed by the
+    prompts' domains (rl.teachers). Rows end at the tiny model's context (32 tokens) after prompts of different
+    lengths, so groups finish in different rounds, some go on under newer weights (several versions in one row and
+    one batch) and some are in flight at every checkpoint. Killed at its step-2 checkpoint and resumed, the run ends
+    with the uninterrupted run's weights bit for bit."""
+    from conftest import kill_at_checkpoint, run_main, two_domain_task
     from test_rl import _tiny_rl
 
-    args = [*_tiny_rl(tiny_runs), "rl.algorithm=grpo", "rl.group_size=4", "rl.max_new_tokens=24"]
-    args += [digits_reward(tmp_path, monkeypatch)]
+    args = [*_tiny_rl(tiny_runs), *two_domain_task(tmp_path), "rl.group_size=4", "rl.max_new_tokens=24"]
+    args += ["rl.loss=distill", f"rl.teachers={{add: {tiny_runs / 'pre'}, sub: {tiny_runs / 'sft'}}}"]
     args += ["rl.partial_rollouts=true", "rl.rollout_chunk=3", "rl.rollout_window=4", "rl.max_off_policy_steps=1"]
     args += ["training.num_train_steps=8"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     result = run_main(*args, f"infra.output_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = _train_lines(straight)
-    assert any(r["grad_norm"] > 0 for r in lines[2:])  # the steps after the checkpoint move the weights
+    assert all(r["grad_norm"] > 0 for r in lines[2:])  # the steps after the checkpoint move the weights
+    assert any("teacher_kl_add" in r and "teacher_kl_sub" in r for r in lines[2:])  # both teachers score them
     assert any(r["spanning_frac"] > 0 for r in lines) and max(r["token_age_mean"] for r in lines) > 1
     assert all(r["staleness"] <= 2 for r in lines) and max(r["staleness"] for r in lines) == 2  # rl.max_staleness
     state = json.loads((straight / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     [mine] = state["partial_rollouts"]
     assert mine["in_flight"] and any(g["rows"] and g["rollouts"] is None for g in mine["in_flight"])
+    [pending] = state["pending_rollouts"]  # the step sampled ahead, each rollout with its domain
+    domains = {r["domain"] for groups in pending.values() for group in groups for r in group}
+    assert domains and domains <= {"add", "sub"}, domains
 
     kill_at_checkpoint(args, killed, 2)
     result = run_main(*args, f"infra.output_dir={killed}", "--resume")

@@ -361,6 +361,63 @@ def test_distill_is_reinforce_on_the_teachers_per_token_log_ratio():
     torch.testing.assert_close(lp.grad, ref.grad, atol=1e-7, rtol=1e-6)
 
 
+def _topk_batch(k: int, temperature: float):
+    """Student and teacher logits over a vocabulary of 11, the teacher's top-k at `temperature` (as the loop scores
+    them: `tierlm.loops.teachers.Teachers`), and the trained-token labels of `_batch`."""
+    g = torch.Generator().manual_seed(5)
+    student, teacher = torch.randn(B, T, 11, generator=g) * 2, torch.randn(B, T, 11, generator=g) * 2
+    _, _, mask, _ = _batch(0)
+    labels = torch.where(mask.bool(), torch.randint(0, 11, (B, T), generator=g), -100)
+    values, ids = torch.log_softmax(teacher / temperature, dim=-1).topk(k, dim=-1)
+    batch = {"labels": labels, "advantages": torch.zeros(B), "teacher_topk_ids": ids, "teacher_topk_logprobs": values}
+    return student, teacher, mask, batch
+
+
+def test_distill_topk_is_the_reverse_kl_over_the_teachers_top_k_written_out():
+    """distill_topk's loss: at each trained position S = the teacher's 4 likeliest tokens, q = the student's softmax
+    (logits / T) renormalised over S, p = the teacher's, and KL(q || p) = sum_{v in S} q_v (log q_v - log p_v); the
+    mean over trained tokens — written out token by token, value and gradient."""
+    import math
+
+    temperature = 0.8
+    student, teacher, mask, batch = _topk_batch(4, temperature)
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="distill_topk", teacher="t", temperature=0.8)))
+    ours = student.clone().requires_grad_(True)
+    total, count = strategy.compute_loss(ours, batch)
+    (total / count).backward()
+    ref = student.clone().requires_grad_(True)
+    terms = []
+    for i, ts in enumerate(_seq_list(mask)):
+        for t in ts:
+            top = sorted(range(11), key=lambda v: -float(teacher[i, t, v]))[:4]
+            zs = sum(torch.exp(ref[i, t, v] / temperature) for v in top)
+            zt = sum(math.exp(float(teacher[i, t, v]) / temperature) for v in top)
+            q = [torch.exp(ref[i, t, v] / temperature) / zs for v in top]
+            p = [math.exp(float(teacher[i, t, v]) / temperature) / zt for v in top]
+            terms.append(sum(qv * (torch.log(qv) - math.log(pv)) for qv, pv in zip(q, p)))
+    expected = sum(terms) / len(terms)
+    expected.backward()
+    torch.testing.assert_close(total / count, expected.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.grad, ref.grad, atol=1e-7, rtol=1e-5)
+
+
+def test_distill_topk_over_the_whole_vocabulary_is_trls_reverse_kl():
+    """With k = the vocabulary, distill_topk is the full reverse KL: TRL's GKD loss at beta = 1
+    (`GKDTrainer.generalized_jsd_loss`, TRL 1.16), value and gradient."""
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    student, teacher, mask, batch = _topk_batch(11, 0.7)
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="distill_topk", teacher="t", temperature=0.7)))
+    ours = student.clone().requires_grad_(True)
+    total, count = strategy.compute_loss(ours, batch)
+    (total / count).backward()
+    theirs = student.clone().requires_grad_(True)
+    trl_loss = GKDTrainer.generalized_jsd_loss(theirs, teacher, batch["labels"], beta=1, temperature=0.7)
+    trl_loss.backward()
+    torch.testing.assert_close(total / count, trl_loss.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-7, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_distillation_runs_and_logs_the_students_kl_to_its_teacher(tiny_runs, tmp_path):
     """`tierlm rl rl.loss=distill rl.teacher=PRETRAINED` from the SFT model (the two share a tokenizer): it trains

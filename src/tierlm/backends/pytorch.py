@@ -47,9 +47,11 @@ def loss_sum_and_count(loss_fn: Callable, logits: torch.Tensor, batch: Batch) ->
 
 
 def _to_host(value: Any) -> float | torch.Tensor:
-    """A scalar metric as a float; a per-row or per-token tensor (e.g. log-probs) as a CPU tensor."""
+    """A scalar metric as a float; a per-row or per-token tensor (e.g. log-probs) as a CPU tensor, float32 unless it
+    holds integers (e.g. token ids)."""
     if isinstance(value, torch.Tensor) and value.numel() != 1:
-        return value.detach().float().cpu()
+        value = value.detach()
+        return (value.float() if value.is_floating_point() else value).cpu()
     return float(value)
 
 

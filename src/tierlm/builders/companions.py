@@ -13,6 +13,7 @@ from tierlm.builders.model import load_reward_model, load_teacher
 from tierlm.config import TierlmConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops.critic import Critic, value_model
+from tierlm.loops.teachers import Teachers
 from tierlm.primitives.parallel import DistributedContext
 from tierlm.strategies.rl import ValueStrategy
 
@@ -26,8 +27,9 @@ def beside_policy(
     critic_dir: Path,
 ) -> dict:
     """The `RLTrainer` arguments of the models beside `model` (the policy, not yet wrapped): `reference`
-    (rl.kl_coef > 0), `teacher` (rl.teacher), `critic` (rl.critic: a copy of the policy with a value head, its own
-    backend checkpointing into `critic_dir`) and `reward_model` (rl.reward_model); None where the config has none."""
+    (rl.kl_coef > 0), `teacher` (rl.teacher / rl.teachers: `load_teachers`), `critic` (rl.critic: a copy of the
+    policy with a value head, its own backend checkpointing into `critic_dir`) and `reward_model`
+    (rl.reward_model); None where the config has none."""
     rl = config.rl
     critic = None
     if rl.critic:  # a copy of the policy, made before the policy is wrapped
@@ -35,7 +37,28 @@ def beside_policy(
         critic = Critic(backend, ValueStrategy(rl.value_clip_range))
     return {
         "reference": frozen_reference(model, device) if rl.kl_coef > 0 else None,
-        "teacher": load_teacher(rl.teacher, tokenizer, device) if rl.teacher else None,
+        "teacher": load_teachers(rl, tokenizer, device),
         "critic": critic,
         "reward_model": load_reward_model(rl, tokenizer, device),
     }
+
+
+def load_teachers(rl, tokenizer: Tokenizer, device: torch.device) -> Teachers | None:
+    """On-policy distillation's teachers (None without rl.teacher / rl.teachers): each distinct folder loaded once
+    (`load_teacher`: frozen, the student's tokenizer or refused), rl.teachers' domains routed to theirs, every
+    other domain to rl.teacher; distill_topk scores the teacher's rl.distill_top_k likeliest tokens too."""
+    if not (rl.teacher or rl.teachers):
+        return None
+    folders = list(dict.fromkeys([*([rl.teacher] if rl.teacher else []), *rl.teachers.values()]))
+    labels = []
+    for folder in folders:
+        domains = [domain for domain, f in rl.teachers.items() if f == folder]
+        labels.append("+".join(domains + (["rest"] if folder == rl.teacher else [])))
+    return Teachers(
+        [load_teacher(folder, tokenizer, device) for folder in folders],
+        routes={domain: folders.index(folder) for domain, folder in rl.teachers.items()},
+        default=0 if rl.teacher else None,
+        labels=labels,
+        top_k=rl.distill_top_k if rl.loss == "distill_topk" else None,
+        temperature=rl.temperature,
+    )

@@ -50,6 +50,7 @@ def _fields(config: TierlmConfig) -> Fields:
         rejected=d.rejected_column,
         question=d.question_column,
         answer=d.answer_column,
+        domain=d.domain_column,
         answer_pattern=d.answer_pattern,
         task_format=d.task_format,
         tools=d.tools_column,

@@ -13,6 +13,7 @@ from tierlm.builders.loaders import open_splits
 from tierlm.config import RLConfig, TierlmConfig
 from tierlm.data import SourceOptions, open_examples
 from tierlm.errors import ConfigError, DataError, first_line
+from tierlm.loops.teachers import check_routes
 from tierlm.tasks import Environment, ExamplesTask, Task, is_environment, synthetic_name, synthetic_task
 from tierlm.tasks.rewards import format_reward
 from tierlm.tasks.verifiers import open_environment, verifiers_name
@@ -125,8 +126,9 @@ def user_reward(spec: str):
 
 
 def check_rl_sharing(rl, train_task, world: int) -> None:
-    """How RL shares its prompts out: over the ranks (each group whole on one), and over steps with partial rollouts
-    (a task's completions, not an environment's episodes)."""
+    """How RL shares its prompts out: over the ranks (each group whole on one), over steps with partial rollouts
+    (a task's completions, not an environment's episodes), and over rl.teachers by their domains (every one
+    routed, every route taken: `check_routes`)."""
     if rl.prompts_per_step % world:
         raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
     if rl.partial_rollouts and is_environment(train_task):
@@ -136,6 +138,13 @@ def check_rl_sharing(rl, train_task, world: int) -> None:
         )
     if rl.partial_rollouts and rl.rollout_window is not None and rl.rollout_window % world:
         raise ConfigError(f"rl.rollout_window ({rl.rollout_window}) must be divisible by the {world} ranks")
+    if rl.teachers:  # and over the teachers, by the prompts' domains
+        if is_environment(train_task):
+            raise ConfigError(
+                "rl.teachers routes a task's prompts by their domain; an environment's episodes have none: give "
+                "one rl.teacher"
+            )
+        check_routes(rl.teachers, rl.teacher, {train_task.example(i).domain for i in range(len(train_task))})
 
 
 def check_prompt_lengths(train_task, eval_task, tokenizer, max_len: int | None, name: str) -> None:

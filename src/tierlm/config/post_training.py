@@ -40,11 +40,20 @@ class RLConfig(Section):
     loss: str | None = None
     """The policy-gradient loss, a row of `tierlm.strategies.rl_losses.RL_LOSSES` (None: rl.algorithm, else
     reinforce): reinforce, grpo, dapo, dr_grpo, gspo, cispo, rloo, reinforce_pp, ppo (a critic optional), distill
-    (on-policy distillation from rl.teacher). The docs' RL losses page has each one's formula and defaults; a run
+    (on-policy distillation from rl.teacher / rl.teachers on the sampled tokens), distill_topk (the same over the
+    teacher's top-k tokens). The docs' RL losses page has each one's formula and defaults; a run
     resolves the loss's defaults (clip bounds, std division, dynamic sampling) once, before anything is written."""
     teacher: str | None = None
-    """rl.loss=distill: the teacher (a tierlm or transformers model folder, run directory or hub id) sharing the
-    student's tokenizer; it scores every sampled token."""
+    """rl.loss=distill / distill_topk: the teacher (a tierlm or transformers model folder, run directory or hub id)
+    sharing the student's tokenizer; it scores every sampled token (with rl.teachers: the prompts whose domain has
+    no teacher of its own)."""
+    teachers: dict[str, str] = Field(default_factory=dict)
+    """rl.loss=distill / distill_topk with several teachers: a prompt's domain (data.domain_column of its row; a
+    synthetic task's name) -> the teacher that scores its samples, e.g. {arithmetic: runs/math_rl, sums:
+    runs/sums_rl}; every teacher shares the student's tokenizer, and a domain with none goes to rl.teacher."""
+    distill_top_k: int = Field(20, gt=0)
+    """rl.loss=distill_topk: the teacher's k likeliest tokens at each sampled position, over which the reverse KL
+    is computed exactly (both distributions renormalised over them)."""
     reward: str = "auto"
     """The task's reward: auto (its format's: exact number, math-verify, the option letter, or the tests passing in
     the sandbox), one of number | math | choice | code, or `module:function`, your own function(prompt,

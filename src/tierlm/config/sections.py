@@ -112,6 +112,9 @@ class DataConfig(Section):
     """RL: the prompt (a string; else prompt_column, or messages_column as a conversation)."""
     answer_column: str = "answer"
     """RL: the reference answer, read by data.answer_pattern."""
+    domain_column: str = "domain"
+    """RL: the field naming a prompt's domain, which picks its teacher in multi-teacher distillation (rl.teachers);
+    a synthetic task's domain is its name (arithmetic, sums, ...)."""
     answer_pattern: str | None = None
     """RL: a regex finding the reference number in answer_column (its first group, else the whole
     match); None: the number after GSM8K's '####', else the last number."""

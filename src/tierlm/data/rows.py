@@ -17,7 +17,7 @@ kind of example a row becomes, and which columns hold it (`Fields`, from the con
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tierlm.data.tokenizer import check_conversation
@@ -40,6 +40,7 @@ class Fields:
     rejected: str = "rejected"
     question: str = "question"
     answer: str = "answer"
+    domain: str = "domain"
     tools: str = "tools"
     answer_pattern: str | None = None
     """A regex finding the reference in the answer column (its first group, else the whole match); None:
@@ -239,7 +240,25 @@ def row_to_task(row: dict, fields: Fields, where: str) -> TaskExample:
     """An RL prompt (the question column, else the prompt column as text or messages) and the reference
     its answer column gives through the extraction rule (`Fields.answer_pattern`); a row in the layout of
     another task format (`Fields.task_format`, detected from its columns by default: MATH, ARC / MMLU,
-    HumanEval / MBPP) is read by that format (`tierlm.tasks.formats`)."""
+    HumanEval / MBPP) is read by that format (`tierlm.tasks.formats`). The domain column, where the row has one,
+    names the prompt's domain (multi-teacher distillation routes by it).
+
+    >>> row_to_task({"question": "2 + 2?", "answer": "4", "domain": "math"}, Fields(), "row 1").domain
+    'math'
+    """
+    example = _task_example(row, fields, where)
+    domain = row.get(fields.domain)
+    if domain is None:
+        return example
+    if not isinstance(domain, (str, int)) or isinstance(domain, bool):
+        raise DataError(
+            f"{where}: the {fields.domain!r} field names the prompt's domain, a string; got {domain!r} "
+            "(set data.domain_column to another field)"
+        )
+    return replace(example, domain=str(domain))
+
+
+def _task_example(row: dict, fields: Fields, where: str) -> TaskExample:
     task_format = fields.task_format
     if task_format == "auto":
         task_format = detect_format(row)

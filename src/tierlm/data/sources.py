@@ -105,8 +105,9 @@ class ListExamples(Examples):
 
 
 class SyntheticExamples(Examples):
-    def __init__(self, task, split: str, count: int, seed: int, kind: str):
+    def __init__(self, task, split: str, count: int, seed: int, kind: str, name: str | None = None):
         self.task, self.split, self.count, self.seed, self.kind = task, split, count, seed, kind
+        self.name = name  # the task's name: its prompts' domain
 
     def __len__(self) -> int:
         return self.count
@@ -124,7 +125,7 @@ class SyntheticExamples(Examples):
         if self.kind == "unpaired":  # each problem's pair as two examples: its chosen reply, then its rejected one
             return UnpairedExample(self.task.preference(self.split, i // 2, self.seed)[i % 2], i % 2 == 0)
         problem = self.task.problem(self.split, i, self.seed)
-        return TaskExample([{"role": "user", "content": problem.question}], problem.result)
+        return TaskExample([{"role": "user", "content": problem.question}], problem.result, domain=self.name)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -383,7 +384,12 @@ def open_examples(spec: str, options: SourceOptions, stats: ReadStats | None = N
     assert options.kind in KINDS, f"kind must be one of {KINDS}, got {options.kind!r}"
     if synthetic_name(spec) is not None:
         return SyntheticExamples(
-            synthetic_generator(spec), options.split, options.synthetic_count, options.seed, options.kind
+            synthetic_generator(spec),
+            options.split,
+            options.synthetic_count,
+            options.seed,
+            options.kind,
+            synthetic_name(spec),
         )
     spec = str(builtin_corpus(spec)) if spec.startswith("builtin:") else spec
     if has_named_splits(

@@ -66,7 +66,7 @@ def decode_completion(record: dict[str, Any]) -> Completion:
 def encode_rollout(rollout) -> dict[str, Any]:
     """A rollout as JSON (`encode_completion`).
 
-    >>> r = Rollout([1, 2], Completion([3, 4], [-0.1, 0.0], [1, 0], True, 1, 1, [1, 1]), 1.0, "7")
+    >>> r = Rollout([1, 2], Completion([3, 4], [-0.1, 0.0], [1, 0], True, 1, 1, [1, 1]), 1.0, "7", domain="sums")
     >>> decode_rollout(encode_rollout(r)) == r
     True
     """
@@ -77,6 +77,7 @@ def encode_rollout(rollout) -> dict[str, Any]:
         "text": rollout.text,
         "task_reward": rollout.task_reward,
         "score": rollout.score,
+        "domain": rollout.domain,
     }
 
 
@@ -88,6 +89,7 @@ def decode_rollout(record: dict[str, Any]) -> Rollout:
         record["text"],
         record.get("task_reward"),
         record.get("score"),
+        record.get("domain"),
     )
 
 

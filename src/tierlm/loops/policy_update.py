@@ -19,6 +19,7 @@ from tierlm.strategies.off_policy import importance_mode, importance_weights
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
 
 Sums = Callable[[dict[str, float]], dict[str, float]]
+SCORING_ONLY = ("sampler_logprobs", "teacher_logprobs", "teacher")  # read by scoring, not by the loss
 
 
 def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
@@ -112,8 +113,9 @@ def merged(micro: list[MicroBatch], key: str, shape: torch.Size) -> torch.Tensor
 class PolicyUpdate:
     """How the policy (`backend`, through the tier-0 protocol) learns from a step's rollouts under `strategy` (the
     loss of rl.loss), beside the models that score them: `reference` (rl.kl_coef > 0), `teacher` (on-policy
-    distillation), `critic` (PPO's value model, trained beside the policy). `sum_over_ranks` adds a dict of
-    figures over the data-parallel ranks (one process: as it is)."""
+    distillation's `tierlm.loops.teachers.Teachers`, each row scored by its domain's), `critic` (PPO's value
+    model, trained beside the policy). `sum_over_ranks` adds a dict of figures over the data-parallel ranks (one
+    process: as it is)."""
 
     backend: Any
     strategy: PolicyGradientStrategy
@@ -148,9 +150,13 @@ class PolicyUpdate:
             mb["old_logprobs"] = self.logprobs(mb)
             if self.reference is not None:
                 mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-            if self.teacher is not None:
-                teacher = self.teacher.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
-                mb["advantages"] = (teacher - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
+            if self.teacher is not None:  # each row scored by its domain's teacher (`tierlm.loops.teachers`)
+                scores = self.teacher.score(mb)
+                mb["teacher_logprobs"] = scores["logprobs"]
+                if "topk_ids" in scores:  # distill_topk: the exact KL over the teacher's top-k
+                    mb["teacher_topk_ids"], mb["teacher_topk_logprobs"] = scores["topk_ids"], scores["topk_logprobs"]
+                else:  # distill: each sampled token's advantage is log p_teacher - log p_student
+                    mb["advantages"] = (scores["logprobs"] - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
         trained = batch["labels"] != IGNORE_INDEX
 
         def mean(per_token: torch.Tensor) -> float:  # over the trained tokens
@@ -178,9 +184,14 @@ class PolicyUpdate:
             else:  # the share held at an end of the band
                 held = (weights >= high) | (weights <= low)
                 figures["importance_capped"] = float(held.float().mean()) if weights.numel() else 0.0
-        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
-            log_ratio = merged(micro, "advantages", trained.shape)  # log p_teacher - log p_student
+        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0), each teacher's
+            log_ratio = merged(micro, "teacher_logprobs", trained.shape) - old  # log p_teacher - log p_student
             figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
+            if len(self.teacher.models) > 1:
+                for index, label in enumerate(self.teacher.labels):
+                    rows = (batch["teacher"] == index)[:, None] & trained
+                    if rows.any():
+                        figures[f"teacher_kl_{label}"] = float((log_ratio.exp() - log_ratio - 1.0)[rows].mean())
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens
             figures["kl"] = mean(kl_penalty(old, merged(micro, "ref_logprobs", trained.shape)))
         return mean((old - batch["sampler_logprobs"]).abs()), figures
@@ -204,7 +215,7 @@ class PolicyUpdate:
         for _ in range(self.rl.ppo_epochs):
             for mb in micro:
                 self.backend.forward_backward(
-                    {k: v for k, v in mb.items() if k != "sampler_logprobs"}, self.strategy.compute_loss
+                    {k: v for k, v in mb.items() if k not in SCORING_ONLY}, self.strategy.compute_loss
                 )
                 if self.critic is not None:
                     self.critic.accumulate(mb)

@@ -32,8 +32,9 @@ from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.flops import flops_line
 from tierlm.models import unwrap_model
+from tierlm.models.lora import has_lora, is_adapter_key
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rollout.engine import Rollout, SamplingEngine
+from tierlm.rollout.engine import Rollout, SamplingEngine, adapter_payload
 from tierlm.strategies.rl import PolicyGradientStrategy, overlong_penalty
 from tierlm.tasks import Environment, Task
 
@@ -60,7 +61,7 @@ class RLTrainer:
     rl: RLConfig
     config: TrainingConfig
     reference: Any = None
-    teacher: Any = None  # rl.loss=distill: a frozen model scoring the sampled tokens (its `forward`)
+    teacher: Any = None  # on-policy distillation: the teachers scoring the samples (`tierlm.loops.teachers.Teachers`)
     reward_model: Any = None  # rl.reward_model: scores each prompt + completion (`score(sequences)`)
     critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
@@ -99,16 +100,24 @@ class RLTrainer:
         (FSDP: collective, every rank gathers the whole model) or the engine holds its own (vLLM); else the engine
         reads the live weights."""
         if self.backend is not None and self.engine.weight_version != self.state.step:
-            state = self.snapshot() if self.engine.needs_state else self.backend.sampler_state()
-            self.engine.load_weights(state, self.state.step)
+            self.engine.load_weights(self.sampler_weights(whole=self.engine.needs_state), self.state.step)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The policy's whole weights now, for a sampler's copy (collective under FSDP)."""
+        """The policy's weights now, for a sampler's copy (the background sampler's)."""
+        return self.sampler_weights(whole=True)
+
+    def sampler_weights(self, whole: bool) -> dict[str, torch.Tensor] | None:
+        """What a sampler is given of the policy's weights now: None where it reads the live weights (not `whole`
+        and not sharded); else a copy (collective under FSDP) — of a LoRA policy, its adapters alone stamped with
+        their version where the engine keeps the base weights (`Engine.takes_adapters`), else every weight."""
         state = self.backend.sampler_state()
+        if state is None and not whole:
+            return None
+        adapters = getattr(self.engine, "takes_adapters", False) and has_lora(unwrap_model(self.backend.export_model))
         if state is None:
             live = unwrap_model(self.backend.export_model).state_dict()
-            state = {name: tensor.detach().clone() for name, tensor in live.items()}
-        return state
+            state = {name: t.detach().clone() for name, t in live.items() if not adapters or is_adapter_key(name)}
+        return adapter_payload(state, self.state.step) if adapters else state
 
     def sample_step(self, step: int) -> list[list[Rollout]]:
         """This rank's share of a step's groups: the plain run's (`whole_groups`), or with rl.partial_rollouts the
@@ -210,6 +219,8 @@ class RLTrainer:
         if self.world_size > 1 and rl.balance_ranks:  # the rows dealt over the ranks by their cost
             trained, balance = self._balanced(rollouts, advantages, rewards)
         batch = rollout_batch(trained[0], trained[1], self.tokenizer.pad_id)
+        if self.teacher is not None:  # each row's teacher, by its prompt's domain
+            batch["teacher"] = torch.tensor([self.teacher.route(r.domain) for r in trained[0]])
         micro = self.update.micro_batches(batch)
         parity, scoring = self.update.score(micro, batch, trained[2], step - version)
         t2 = time.perf_counter()

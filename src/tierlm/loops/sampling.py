@@ -60,8 +60,8 @@ class RolloutSampler:
         items = [(e.prompt, text, e.reference) for e, group in zip(examples, texts) for text in group]
         rewards = iter(score(task, items))  # at once: code runs in the sandbox's pool
         return [
-            [Rollout(prompt, c, next(rewards), text) for c, text in zip(completions, group)]
-            for prompt, completions, group in zip(prompts, batches, texts)
+            [Rollout(prompt, c, next(rewards), text, domain=e.domain) for c, text in zip(completions, group)]
+            for e, prompt, completions, group in zip(examples, prompts, batches, texts)
         ]
 
     def episode(self, env: Environment, index: int, temperature: float, generator: torch.Generator) -> Rollout:

@@ -18,6 +18,7 @@ from torch import nn
 
 from tierlm.errors import DataError
 from tierlm.models import family_of, unwrap_model
+from tierlm.models.lora import is_adapter_key
 from tierlm.rollout.sampling import sample_next_token
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
@@ -70,6 +71,23 @@ class Rollout:
     text: str
     task_reward: float | None = None
     score: float | None = None
+    domain: str | None = None  # its prompt's domain (`TaskExample.domain`): which teacher scores it
+
+
+ADAPTER_VERSION = "adapter.weight_version"
+"""The key of an adapter-only sync's version stamp (`adapter_payload`)."""
+
+
+def adapter_payload(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    """A LoRA policy's adapters out of its weights `state`, stamped with the weight `version` they are, for a
+    sampler that keeps the base weights (`Engine.load_weights` checks the stamp).
+
+    >>> state = {"q.base_layer.weight": torch.ones(2, 2), "q.lora_A.default.weight": torch.zeros(1, 2)}
+    >>> sorted(adapter_payload(state, 3)), int(adapter_payload(state, 3)[ADAPTER_VERSION])
+    (['adapter.weight_version', 'q.lora_A.default.weight'], 3)
+    """
+    adapters = {key: value for key, value in state.items() if is_adapter_key(key)}
+    return {**adapters, ADAPTER_VERSION: torch.tensor(version)}
 
 
 class SamplingEngine(Protocol):
@@ -112,6 +130,7 @@ class Engine:
     """
 
     needs_state = False  # it samples from a module: the policy's own, or a copy it is given weights for
+    takes_adapters = True  # a copy of a LoRA policy keeps its base: each sync may send the adapters alone
 
     def __init__(
         self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()
@@ -134,11 +153,26 @@ class Engine:
             self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
 
     def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
-        """The policy after `version` optimizer steps: `state` (its whole weights) is copied in when the engine
-        samples from a copy of its own; None when it reads the policy's live weights."""
-        if state is not None:
+        """The policy after `version` optimizer steps: `state` (its whole weights, or a LoRA policy's adapters alone
+        stamped with their version: `adapter_payload`) is copied in when the engine samples from a copy of its
+        own; None when it reads the policy's live weights."""
+        if state is not None and ADAPTER_VERSION in state:
+            self._load_adapters(state, version)
+        elif state is not None:
             self.model.load_state_dict(state)
         self.weight_version = version
+
+    def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """A LoRA policy's adapters, in place (the base weights this copy holds never change): refused unless
+        stamped with `version` (a stale adapter is never sampled with) and naming every adapter tensor."""
+        state = dict(state)
+        stamped = int(state.pop(ADAPTER_VERSION))
+        if stamped != version:
+            raise RuntimeError(f"the adapters of weight version {stamped} were offered as version {version}")
+        expected = {key for key in self.model.state_dict() if is_adapter_key(key)}
+        if set(state) != expected:
+            raise RuntimeError(f"the adapters offered differ from the sampler's: {sorted(set(state) ^ expected)[:3]}")
+        self.model.load_state_dict(state, strict=False)
 
     # -- the model step, with a cache (the model's family knows its cache) -----------------------
     def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):

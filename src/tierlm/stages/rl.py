@@ -54,7 +54,8 @@ class RL(Stage):
         return config.model_copy(update={"infra": infra.model_copy(update={"distributed_type": kind})})
 
     def reference_model(self, config: TierlmConfig | None) -> str | None:
-        return "beside" if config is not None and (config.rl.kl_coef > 0 or config.rl.teacher) else None
+        rl = config.rl if config is not None else None
+        return "beside" if rl is not None and (rl.kl_coef > 0 or rl.teacher or rl.teachers) else None
 
     def micro_batch(self, config: TierlmConfig, world_size: int) -> tuple[int, int]:
         rl = config.rl

@@ -29,7 +29,7 @@ class Variant:
     fixed: dict[str, Any] = field(default_factory=dict)
     """Settings the variant fixes: set to anything else, refused."""
     needs: tuple[str, ...] = ()
-    """Settings it cannot run without: left at their defaults, refused."""
+    """Settings it cannot run without: left at their defaults, refused ("a|b": one of them at least)."""
     reads: tuple[str, ...] = ()
     """Opt-in settings only some variants read: set for a variant that does not read them, refused with the line of
     one that does."""
@@ -59,16 +59,18 @@ def check_variant(section, key: str, table: Mapping[str, Variant], prefix: str) 
     name = getattr(section, key)
     if name not in table:
         raise ConfigError(f"{prefix}.{key}={name} is not one of {', '.join(table)}: pick one of them")
-    row, defaults = table[name], type(section).model_fields
+    row, fields = table[name], type(section).model_fields
+    default = lambda setting: fields[setting].get_default(call_default_factory=True)  # noqa: E731
     for setting, value in row.fixed.items():
-        if getattr(section, setting) not in (defaults[setting].default, value):
+        if getattr(section, setting) not in (default(setting), value):
             raise ConfigError(row.line(setting, name))
-    for setting in row.needs:
-        if getattr(section, setting) == defaults[setting].default:
-            raise ConfigError(row.line(setting, name))
+    for need in row.needs:
+        settings = need.split("|")
+        if all(getattr(section, setting) == default(setting) for setting in settings):
+            raise ConfigError(row.line(settings[0], name))
     for other in table.values():
         for setting in set(other.reads) - set(row.reads):
-            if getattr(section, setting) != defaults[setting].default:
+            if getattr(section, setting) != default(setting):
                 raise ConfigError(other.line(setting, name))
     return row
 

@@ -238,8 +238,11 @@ class PolicyGradientStrategy:
     @splits_by_rows(1)  # every loss of `rl_losses` sums over rows (its normaliser too)
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
-        logprobs = token_logprobs(logits, labels, self.temperature)
-        total, count, stats = self.spec.fn(logprobs, batch, labels != IGNORE_INDEX, self.settings)
+        if self.spec.vocab:  # the whole vocabulary's log-probs (distill_topk)
+            inputs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        else:
+            inputs = token_logprobs(logits, labels, self.temperature)
+        total, count, stats = self.spec.fn(inputs, batch, labels != IGNORE_INDEX, self.settings)
         self._stats.append({k: v.detach() for k, v in stats.items()})
         return total, count
 

@@ -224,6 +224,23 @@ UNSET = object()
 """RLLoss.clip: the loss reads rl.clip_range both ways (its clip bounds are not its own)."""
 
 
+def topk_reverse_kl(vocab_logprobs, batch, mask, s: LossSettings) -> Result:
+    """On-policy distillation over the teacher's top-k (NeMo-RL's top-k reverse KL): at each sampled position the
+    student's and the teacher's log-probs of the teacher's k likeliest tokens (`teacher_topk_ids`,
+    `teacher_topk_logprobs`), each renormalised over those k, and KL(student || teacher) = sum_k q (log q - log p)
+    exactly, differentiated through all k (no sampled estimate); weighted by rl.importance's weights; the
+    token-level mean. Takes the log-probs of the whole vocabulary (B, T, V)."""
+    student = vocab_logprobs.gather(-1, batch["teacher_topk_ids"])
+    student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+    teacher = batch["teacher_topk_logprobs"].float()
+    teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    kl = (student.exp() * (student - teacher)).sum(dim=-1)
+    weight = batch.get("importance")
+    loss = kl * weight if weight is not None else kl
+    total, count = normalise(loss, mask, s.normalise, s.max_new_tokens)
+    return total, count, {"topk_kl_sum": (kl.detach() * mask.float()).sum()}
+
+
 @dataclass(frozen=True)
 class RLLoss(Variant):
     """One `rl.loss`: its function and everything that makes it itself, read by the settings' resolution
@@ -235,6 +252,8 @@ class RLLoss(Variant):
     """One line: the paper and what it changes."""
     fn: Callable[..., Result] = token_loss
     """(trainer log-probs (B, T), rollout batch, trained-token mask, LossSettings) -> (sum, normaliser, stats)."""
+    vocab: bool = False
+    """Its fn takes the log-probs of the whole vocabulary (B, T, V) instead of the sampled tokens' (B, T)."""
     jax: str | None = "token_loss"
     """Its twin's name in `tierlm.strategies.rl_losses_jax` (a name, so JAX is imported only by the JAX backend;
     None: the JAX backend refuses the loss)."""
@@ -368,10 +387,30 @@ RL_LOSSES: dict[str, RLLoss] = {
         "on-policy distillation (Agarwal et al., 2024): each token's advantage is log p_teacher - log p_student",
         clip=NO_CLIP,
         fixed={"clip_low": None, "clip_high": None, "reward_model": None},
-        needs=("teacher",),
-        reads=("teacher",),
+        needs=("teacher|teachers",),
+        reads=("teacher", "teachers"),
         why="rl.loss=distill learns from rl.teacher's log-probs, not rewards, and clips nothing: give "
-        "rl.loss=distill rl.teacher=FOLDER, without rl.clip_low / rl.clip_high / rl.reward_model",
+        "rl.loss=distill rl.teacher=FOLDER (or rl.teachers), without rl.clip_low / rl.clip_high / rl.reward_model",
+    ),
+    "distill_topk": RLLoss(
+        "on-policy distillation over the teacher's top-k tokens (NeMo-RL): the exact reverse KL, renormalised",
+        fn=topk_reverse_kl,
+        vocab=True,
+        jax=None,
+        clip=NO_CLIP,
+        fixed={"clip_low": None, "clip_high": None, "reward_model": None, "off_policy_mask": None},
+        needs=("teacher|teachers",),
+        reads=("teacher", "teachers", "distill_top_k"),
+        why={
+            **dict.fromkeys(
+                ("clip_low", "clip_high", "reward_model", "off_policy_mask", "teacher"),
+                "rl.loss=distill_topk learns from the teacher's top-k log-probs, not rewards, and clips nothing: "
+                "give rl.loss=distill_topk rl.teacher=FOLDER (or rl.teachers), without rl.clip_low / "
+                "rl.clip_high / rl.reward_model / rl.off_policy_mask",
+            ),
+            "distill_top_k": "rl.distill_top_k is the top-k of on-policy distillation's exact KL: set "
+            "rl.loss=distill_topk",
+        },
     ),
 }
 """rl.loss -> what it is: the one place a policy-gradient loss is named."""

@@ -25,6 +25,9 @@ class TaskExample:
     """What the reward compares against (e.g. the exact answer)."""
     format: str = "number"
     """Its layout's reward (`tierlm.tasks.formats`): number, math, choice or code."""
+    domain: str | None = None
+    """Where the prompt comes from (a synthetic task's name, a row's domain column): picks its teacher in
+    multi-teacher distillation (rl.teachers)."""
 
     @property
     def prompt(self) -> str:

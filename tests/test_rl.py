@@ -306,8 +306,6 @@ def test_token_in_token_out_multi_turn_episodes_train_exactly_the_ids_sampled(ti
     sampled after exactly the ids trained before it, the trained rows are the prompt, the sampled turns, the tool
     results and the environment's ids (its chat-template bridge), and no reply was re-encoded from its text — some
     replies here are not the tokenizer's own encoding of their text, so a re-encoding would show."""
-    from tierlm.config import RLConfig
-    from tierlm.loops.episodes import run_episodes
     from tierlm.models import GPTConfig
     from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START
     from tierlm.tasks import ArithmeticChain
@@ -331,9 +329,21 @@ def test_token_in_token_out_multi_turn_episodes_train_exactly_the_ids_sampled(ti
         return turns
 
     engine.generate_many = recording
-    chain = ArithmeticChain("val", 16, seed=0)
-    starts = [(chain, i, torch.Generator().manual_seed(i)) for i in range(16)]
-    rollouts = run_episodes(engine, tok, RLConfig(max_new_tokens=12, max_turns=2), starts, 1.0)
+    two_turns, tools, non_canonical = episodes_train_the_ids_sampled(engine, tok, calls, ArithmeticChain("val", 16, 0))
+    assert two_turns >= 3 and tools >= 1 and non_canonical >= 1, (two_turns, tools, non_canonical)
+
+
+def episodes_train_the_ids_sampled(engine, tok, calls, env, max_new_tokens=12) -> tuple[int, int, int]:
+    """Run two-turn episodes of `env` with `engine` (whose `generate_many` appends (prefix ids, turn) to `calls`)
+    and check token in, token out: every turn was sampled after exactly the ids trained before it, and the trained
+    rows are the prompt, the sampled turns, the tool results and the environment's ids (its chat-template bridge),
+    never a reply re-encoded from its text. Returns (two-turn episodes, turns with a tool call, replies that are not
+    the tokenizer's own encoding of their text)."""
+    from tierlm.config import RLConfig
+    from tierlm.loops.episodes import run_episodes
+
+    starts = [(env, i, torch.Generator().manual_seed(i)) for i in range(len(env))]
+    rollouts = run_episodes(engine, tok, RLConfig(max_new_tokens=max_new_tokens, max_turns=2), starts, 1.0)
     batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), tok.pad_id)
     two_turns = tools = non_canonical = 0
     for row, (r, (env, index, _)) in enumerate(zip(rollouts, starts)):
@@ -359,7 +369,7 @@ def test_token_in_token_out_multi_turn_episodes_train_exactly_the_ids_sampled(ti
         assert r.prompt_ids + r.completion.tokens == expected
         trained = batch["input_ids"][row, : len(expected) - 1].tolist()
         assert trained == expected[:-1] and len(mine) <= 2
-    assert two_turns >= 3 and tools >= 1 and non_canonical >= 1, (two_turns, tools, non_canonical)
+    return two_turns, tools, non_canonical
 
 
 def test_length_grouped_micro_batches_train_as_rows_in_order_with_less_padding(tiny_runs, tmp_path, monkeypatch):

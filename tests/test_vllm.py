@@ -233,3 +233,35 @@ def test_partial_rollouts_with_vllm_in_process(tiny_runs, tmp_path):
     chunked = _rl(VLLM_PY, tiny_runs, tmp_path / "chunked", *args[:2], "rl.rollout_chunk=1", "rl.rollout_window=4")
     assert any(r["spanning_frac"] > 0 for r in chunked) and any(r["token_age_mean"] > 0 for r in chunked)
     assert all(r["rollout_rounds"] >= 1 and r["step"] - 1 - r["weight_version"] <= 2 for r in chunked)
+
+
+def test_token_in_token_out_through_the_server(tiny_runs, server, tmp_path):
+    """Two-turn calculator episodes sampled through the vLLM server (prompts sent as token ids, turns returned as
+    ids): every turn was sampled after exactly the ids trained before it and the trained rows are the prompt, the
+    sampled turns, the tool results and the environment's ids — nothing re-encoded from text (the check of
+    `test_rl.py`'s tierlm-engine case, `episodes_train_the_ids_sampled`; the tiny test model calls no tool, so the
+    tool results' ids are that case's to check)."""
+    from test_rl import episodes_train_the_ids_sampled
+    from tierlm.data import load_tokenizer
+    from tierlm.models import load_pretrained_model
+    from tierlm.rollout.tools import Calculator
+    from tierlm.rollout.vllm import VLLMEngine
+    from tierlm.tasks import ArithmeticChain
+
+    tok = load_tokenizer(tiny_runs / "sft" / "model")
+    model = load_pretrained_model(tiny_runs / "sft" / "model")
+    engine = VLLMEngine(model, tok.stop_ids, tok, [Calculator()], tmp_path / "sampler", 256, url=server)
+    calls = []
+    sample = engine.generate_many
+
+    def recording(requests, *args, **kwargs):
+        turns = sample(requests, *args, **kwargs)
+        calls.extend((list(prefix), out[0]) for (prefix, _, _), out in zip(requests, turns))
+        return turns
+
+    engine.generate_many = recording
+    try:
+        two_turns, _, _ = episodes_train_the_ids_sampled(engine, tok, calls, ArithmeticChain("val", 16, 0), 24)
+    finally:
+        engine.close()
+    assert two_turns >= 3, two_turns

@@ -265,3 +265,24 @@ def test_token_in_token_out_through_the_server(tiny_runs, server, tmp_path):
     finally:
         engine.close()
     assert two_turns >= 3, two_turns
+
+
+def test_lora_rl_with_vllm_in_process_samples_with_each_steps_adapters(tiny_runs, tmp_path, monkeypatch):
+    """A LoRA policy sampled by vLLM in this process: vLLM holds the frozen base and takes each step's adapters
+    alone as a LoRA adapter named for their weight version (checked on every answer). At a learning rate that moves
+    the adapters a lot every step, the sampler's log-probs stay the trainer's (|gap| < 1e-4 at every step: a stale
+    adapter would show), and the sampler's folder holds the latest adapter only."""
+    from conftest import digits_reward
+
+    reward = digits_reward(tmp_path, monkeypatch)
+    args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS, "model.lora.r=4"]
+    args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={tmp_path / 'run'}", reward]
+    args += ["engine.kind=vllm", "model.lora.alpha=8", "training.learning_rate=0.05", "rl.max_new_tokens=12"]
+    env = {**ENV, "PYTHONPATH": os.environ["PYTHONPATH"]}
+    done = subprocess.run([str(VLLM_PY), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    train = [r for r in lines if r["type"] == "train"]
+    assert len(train) == 3 and any(r["grad_norm"] > 0 for r in train[:-1]), train
+    assert all(r["logprob_abs_diff"] < 1e-4 and r["weight_version"] == r["step"] - 1 for r in train), train
+    assert [p.name for p in (tmp_path / "run" / "sampler" / "adapters").iterdir()] == ["v3"]  # the final evaluation's

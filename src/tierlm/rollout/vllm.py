@@ -33,8 +33,8 @@ from torch import nn
 from tierlm.errors import ConfigError, DataError, first_line
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.io import save_model_config
-from tierlm.models.lora import has_lora, lora_scalings, merged_state, split_state
-from tierlm.rollout.engine import Completion
+from tierlm.models.lora import has_lora, lora_layers, lora_scalings, merged_state, save_adapter, split_state
+from tierlm.rollout.engine import ADAPTER_VERSION, Completion, adapter_payload
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
     TOOL_CALL_START,
@@ -65,11 +65,14 @@ SHAPE_KEYS = (
 )
 
 
-def transformers_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The policy's weights as its transformers twin names them (LoRA adapters merged into the base)."""
+def transformers_weights(
+    model: nn.Module, state: dict[str, torch.Tensor], merge: bool = True
+) -> dict[str, torch.Tensor]:
+    """The policy's weights as its transformers twin names them (LoRA adapters merged into the base; with `merge`
+    False, the base alone: vLLM applies the adapters as a LoRA adapter of its own)."""
     if has_lora(model):
         base, adapter = split_state(state)
-        state = merged_state(base, adapter, lora_scalings(model))
+        state = merged_state(base, adapter, lora_scalings(model)) if merge else base
     return {k: v.detach().contiguous().cpu() for k, v in family_of(model).to_hf_state(model, state).items()}
 
 
@@ -80,6 +83,7 @@ class VLLMEngine:
     """
 
     needs_state = True  # vLLM holds weights of its own: every sync hands it the policy's whole state
+    takes_adapters = False  # a LoRA policy in this process: its adapters alone, as vLLM LoRA adapters (`__init__`)
 
     def __init__(
         self,
@@ -115,6 +119,10 @@ class VLLMEngine:
         job = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
         self.tag = f"{job}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.folder = Path(folder)
+        # A LoRA policy sampled in this process: vLLM holds the frozen base and takes each step's adapters as a LoRA
+        # adapter of its own (a server keeps taking merged weights: its adapters would need --enable-lora there).
+        self.takes_adapters = server is None and has_lora(self.model)
+        self.adapter = None  # the vLLM LoRARequest of the adapters it samples with, named for their version
         created = self.rank == 0 and not self.folder.exists()
         try:
             if self.rank == 0:
@@ -128,7 +136,10 @@ class VLLMEngine:
                 self.load_weights(self.model.state_dict(), 0)  # the server's model becomes the policy
             else:
                 cuda = next(self.model.parameters()).device.type == "cuda"
-                self.transport = _InProcess(vllm, self.folder, max_len, cuda, gpu_memory_utilization)
+                rank = max(layer.r["default"] for _, layer in lora_layers(self.model)) if self.takes_adapters else 0
+                self.transport = _InProcess(vllm, self.folder, max_len, cuda, gpu_memory_utilization, rank)
+                if self.takes_adapters:
+                    self.load_weights(adapter_payload(self.model.state_dict(), 0), 0)
         except BaseException:
             if created:  # a refused engine leaves nothing behind
                 shutil.rmtree(self.folder, ignore_errors=True)
@@ -138,7 +149,8 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         partial = self.folder / "model.safetensors.partial"
-        save_file(transformers_weights(self.model, state), partial, metadata={"format": "pt"})
+        weights = transformers_weights(self.model, state, merge=not self.takes_adapters)
+        save_file(weights, partial, metadata={"format": "pt"})
         os.replace(partial, self.folder / "model.safetensors")  # a reader sees the old file or the new, never half
 
     def max_len(self) -> int:
@@ -147,7 +159,9 @@ class VLLMEngine:
     def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
         """Push the policy after `version` optimizer steps into vLLM; it samples with them from now on."""
         assert state is not None, "vLLM holds weights of its own: give it the policy's state"
-        if isinstance(self.transport, _Server) and self.rank > 0:
+        if self.takes_adapters:
+            self._load_adapters(state, version)
+        elif isinstance(self.transport, _Server) and self.rank > 0:
             self.transport.wait_for(f"{self.tag}/{version}")  # rank 0 pushes them
         elif isinstance(self.transport, _Server):
             self._write_weights(state)
@@ -155,6 +169,24 @@ class VLLMEngine:
         else:
             self.transport.reload(transformers_weights(self.model, state))
         self.weight_version = version
+
+    def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """A LoRA policy's adapters (`adapter_payload`: stamped with their weight version; another version is
+        refused, so a stale adapter is never sampled with) written as a PEFT adapter folder vLLM loads by its name,
+        `v<version>`; sampling checks that every answer came from that adapter. Older folders are removed."""
+        from vllm.lora.request import LoRARequest
+
+        state = dict(state if ADAPTER_VERSION in state else adapter_payload(state, version))  # whole weights: theirs
+        stamped = int(state.pop(ADAPTER_VERSION))
+        if stamped != version:
+            raise RuntimeError(f"the adapters of weight version {stamped} were offered as version {version}")
+        root = self.folder / "adapters"
+        path = root / f"v{version}"
+        save_adapter(self.model, path, state, merged=False)
+        self.adapter = LoRARequest(f"v{version}", version + 1, str(path / "adapter"))
+        for old in root.iterdir():
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
 
     def generate(
         self,
@@ -223,7 +255,8 @@ class VLLMEngine:
                 (ids, n, seed, min(limits[i][row or 0] - self._taken(rows, i, row), self._max_len - len(ids)))
                 for i, row, ids, n, seed in queue
             ]
-            answers = self.transport.sample(asks, temperature, top_k, top_p, stop, f"{self.tag}/{self.weight_version}")
+            version = self.adapter if self.takes_adapters else f"{self.tag}/{self.weight_version}"
+            answers = self.transport.sample(asks, temperature, top_k, top_p, stop, version)
             follow = []
             for (i, row, ids, n, seed), samples in zip(queue, answers):
                 for j, (tokens, logprobs, stopped) in enumerate(samples):
@@ -280,8 +313,11 @@ def import_vllm():
 class _InProcess:
     """`vllm.LLM` in the trainer's process (its engine core too: tensors pass directly, no copy through a pipe)."""
 
-    def __init__(self, vllm, folder: Path, max_len: int, cuda: bool, gpu_memory_utilization: float):
+    def __init__(self, vllm, folder: Path, max_len: int, cuda: bool, gpu_memory_utilization: float, lora_rank: int = 0):
         self.vllm, self.cuda = vllm, cuda
+        # vLLM 0.32 takes max_lora_rank from a fixed list: the smallest that holds the adapters' rank
+        lora_rank = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank), lora_rank)
+        lora = {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}
         self.llm = vllm.LLM(
             model=str(folder),
             dtype="bfloat16" if cuda else "float32",
@@ -296,6 +332,7 @@ class _InProcess:
             enable_chunked_prefill=False,
             max_num_batched_tokens=max(4096, max_len),
             **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+            **lora,
         )
         self.asleep = False
 
@@ -324,7 +361,13 @@ class _InProcess:
             )
             for _, n, seed, max_tokens in asks
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids, *_ in asks], params, use_tqdm=False)
+        adapter = version if not isinstance(version, str) else None  # a LoRA policy's: the adapters to sample with
+        prompts = [{"prompt_token_ids": ids} for ids, *_ in asks]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+        if adapter is not None and any(
+            o.lora_request is None or o.lora_request.lora_name != adapter.lora_name for o in outputs
+        ):
+            raise RuntimeError(f"vLLM answered with another adapter than {adapter.lora_name}")
         if self.cuda:  # the KV cache's memory goes back to training until the next rollouts
             self.llm.sleep(level=1)
             self.asleep = True

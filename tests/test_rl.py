@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from episode_checks import episodes_train_the_ids_sampled
 from tierlm.backends import PyTorchTrainingBackend
 from tierlm.builders.tasks import open_task
 from tierlm.errors import DataError
@@ -320,56 +321,8 @@ def test_token_in_token_out_multi_turn_episodes_train_exactly_the_ids_sampled(ti
     bias = torch.zeros(len(vocab))
     bias[vocab["<|assistant_end|>"]], bias[vocab[TOOL_CALL_START]], bias[vocab[TOOL_CALL_END]] = 3.5, 4.0, 5.0
     engine = BiasedEngine(model, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()], bias=bias)
-    calls = []  # (the ids a turn was sampled after, the turn)
-    sample = engine.generate_many
-
-    def recording(requests, *args, **kwargs):
-        turns = sample(requests, *args, **kwargs)
-        calls.extend((list(prefix), out[0]) for (prefix, _, _), out in zip(requests, turns))
-        return turns
-
-    engine.generate_many = recording
-    two_turns, tools, non_canonical = episodes_train_the_ids_sampled(engine, tok, calls, ArithmeticChain("val", 16, 0))
+    two_turns, tools, non_canonical = episodes_train_the_ids_sampled(engine, tok, ArithmeticChain("val", 16, 0))
     assert two_turns >= 3 and tools >= 1 and non_canonical >= 1, (two_turns, tools, non_canonical)
-
-
-def episodes_train_the_ids_sampled(engine, tok, calls, env, max_new_tokens=12) -> tuple[int, int, int]:
-    """Run two-turn episodes of `env` with `engine` (whose `generate_many` appends (prefix ids, turn) to `calls`)
-    and check token in, token out: every turn was sampled after exactly the ids trained before it, and the trained
-    rows are the prompt, the sampled turns, the tool results and the environment's ids (its chat-template bridge),
-    never a reply re-encoded from its text. Returns (two-turn episodes, turns with a tool call, replies that are not
-    the tokenizer's own encoding of their text)."""
-    from tierlm.config import RLConfig
-    from tierlm.loops.episodes import run_episodes
-
-    starts = [(env, i, torch.Generator().manual_seed(i)) for i in range(len(env))]
-    rollouts = run_episodes(engine, tok, RLConfig(max_new_tokens=max_new_tokens, max_turns=2), starts, 1.0)
-    batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), tok.pad_id)
-    two_turns = tools = non_canonical = 0
-    for row, (r, (env, index, _)) in enumerate(zip(rollouts, starts)):
-        mine = [(prefix, turn) for prefix, turn in calls if prefix[: len(r.prompt_ids)] == r.prompt_ids]
-        assert mine and mine[0][0] == r.prompt_ids
-        peek = copy.deepcopy(env)
-        messages, expected = peek.reset(index), list(r.prompt_ids)
-        for k, (prefix, turn) in enumerate(mine):
-            assert prefix == expected  # sampled after exactly what is trained before it
-            expected += turn.tokens
-            reply = turn.tokens[:-1] if turn.finished else turn.tokens
-            text = tok.decode(reply)
-            non_canonical += tok.encode(text) != reply
-            tools += turn.tool_calls > 0
-            if k + 1 < len(mine):  # the environment's ids: the template's bridge to its next message, from its text
-                observation, _ = peek.step(answer_text(tok, turn.tokens))
-                history = messages + [{"role": "assistant", "content": text}]
-                bridge = tok.continuation_ids(history, [observation])
-                assert r.completion.tokens[len(expected) - len(r.prompt_ids) :][: len(bridge)] == bridge
-                expected += bridge
-                messages = history + [observation]
-        two_turns += len(mine) == 2
-        assert r.prompt_ids + r.completion.tokens == expected
-        trained = batch["input_ids"][row, : len(expected) - 1].tolist()
-        assert trained == expected[:-1] and len(mine) <= 2
-    return two_turns, tools, non_canonical
 
 
 def test_length_grouped_micro_batches_train_as_rows_in_order_with_less_padding(tiny_runs, tmp_path, monkeypatch):
@@ -470,7 +423,6 @@ def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
 
 
 def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_path):
-    import copy
 
     from tierlm.backends import FrozenReference
     from tierlm.builders.tasks import open_task

@@ -239,9 +239,9 @@ def test_token_in_token_out_through_the_server(tiny_runs, server, tmp_path):
     """Two-turn calculator episodes sampled through the vLLM server (prompts sent as token ids, turns returned as
     ids): every turn was sampled after exactly the ids trained before it and the trained rows are the prompt, the
     sampled turns, the tool results and the environment's ids — nothing re-encoded from text (the check of
-    `test_rl.py`'s tierlm-engine case, `episodes_train_the_ids_sampled`; the tiny test model calls no tool, so the
+    `tests/episode_checks.py`, as for tierlm's engine in `test_rl.py`; the tiny test model calls no tool, so the
     tool results' ids are that case's to check)."""
-    from test_rl import episodes_train_the_ids_sampled
+    from episode_checks import episodes_train_the_ids_sampled
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.rollout.tools import Calculator
@@ -251,17 +251,8 @@ def test_token_in_token_out_through_the_server(tiny_runs, server, tmp_path):
     tok = load_tokenizer(tiny_runs / "sft" / "model")
     model = load_pretrained_model(tiny_runs / "sft" / "model")
     engine = VLLMEngine(model, tok.stop_ids, tok, [Calculator()], tmp_path / "sampler", 256, url=server)
-    calls = []
-    sample = engine.generate_many
-
-    def recording(requests, *args, **kwargs):
-        turns = sample(requests, *args, **kwargs)
-        calls.extend((list(prefix), out[0]) for (prefix, _, _), out in zip(requests, turns))
-        return turns
-
-    engine.generate_many = recording
     try:
-        two_turns, _, _ = episodes_train_the_ids_sampled(engine, tok, calls, ArithmeticChain("val", 16, 0), 24)
+        two_turns, _, _ = episodes_train_the_ids_sampled(engine, tok, ArithmeticChain("val", 16, 0), 24)
     finally:
         engine.close()
     assert two_turns >= 3, two_turns
@@ -286,3 +277,29 @@ def test_lora_rl_with_vllm_in_process_samples_with_each_steps_adapters(tiny_runs
     assert len(train) == 3 and any(r["grad_norm"] > 0 for r in train[:-1]), train
     assert all(r["logprob_abs_diff"] < 1e-4 and r["weight_version"] == r["step"] - 1 for r in train), train
     assert [p.name for p in (tmp_path / "run" / "sampler" / "adapters").iterdir()] == ["v3"]  # the final evaluation's
+
+
+IN_PROCESS_EPISODES = """
+import json, sys
+sys.path.insert(0, "tests")
+from episode_checks import episodes_train_the_ids_sampled
+from tierlm.data import load_tokenizer
+from tierlm.models import load_pretrained_model
+from tierlm.rollout.tools import Calculator
+from tierlm.rollout.vllm import VLLMEngine
+from tierlm.tasks import ArithmeticChain
+
+folder = sys.argv[1]
+tok = load_tokenizer(folder)
+engine = VLLMEngine(load_pretrained_model(folder), tok.stop_ids, tok, [Calculator()], sys.argv[2], 256)
+print(json.dumps(episodes_train_the_ids_sampled(engine, tok, ArithmeticChain("val", 16, 0), 24)))
+"""
+
+
+def test_token_in_token_out_with_vllm_in_process(tiny_runs, tmp_path):
+    """The same token-in, token-out check with vLLM in the trainer's process (run from .venv-vllm)."""
+    args = ["-c", IN_PROCESS_EPISODES, str(tiny_runs / "sft" / "model"), str(tmp_path / "sampler")]
+    done = subprocess.run([str(VLLM_PY), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two_turns, _, _ = json.loads(done.stdout.strip().splitlines()[-1])
+    assert two_turns >= 3, two_turns

@@ -26,6 +26,9 @@ if command -v nvidia-smi >/dev/null 2>&1; then DTYPE="${VLLM_DTYPE:-bfloat16}"; 
 # environment often sets them) made the tiny task's rollouts 40x slower here (12 s a step against 0.3 s).
 unset OMP_NUM_THREADS MKL_NUM_THREADS
 export VLLM_SERVER_DEV_MODE=1
+# A LoRA policy's adapters alone each step (its base loaded once) where the server takes LoRA adapters:
+#   bash scripts/vllm_server.sh MODEL_FOLDER PORT --enable-lora --max-lora-rank 16   (a rank >= model.lora.r)
+case " $* " in *" --enable-lora "*) export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True ;; esac
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"  # GiB of KV cache on a CPU
 exec .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host "${VLLM_HOST:-127.0.0.1}" \
   --port "$PORT" --dtype "$DTYPE" --logprobs-mode processed_logprobs --enforce-eager --no-enable-chunked-prefill "$@"

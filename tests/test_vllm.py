@@ -47,10 +47,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_runs):
-    """A vLLM server on the SFT model (its own environment, its own process group), stopped at the end."""
+    """A vLLM server on the SFT model (its own environment, its own process group) taking LoRA adapters at run
+    time, stopped at the end."""
     port = _free_port()
     process = subprocess.Popen(
-        ["bash", "scripts/vllm_server.sh", str(tiny_runs / "sft" / "model"), str(port), "--max-model-len", "256"],
+        ["bash", "scripts/vllm_server.sh", str(tiny_runs / "sft" / "model"), str(port), "--max-model-len", "256"]
+        + ["--enable-lora", "--max-lora-rank", "8"],  # LoRA policies send their adapters alone
         cwd=REPO,
         env=ENV,
         stdout=subprocess.DEVNULL,
@@ -75,7 +77,8 @@ def server(tiny_runs):
 def _rl(python, tiny_runs, out: Path, *extra):
     args = ["-m", "tierlm", "rl", "--config", "configs/tiny_rl.yaml", *RL, *STEPS]
     args += [f"model.model_name_or_path={tiny_runs / 'sft'}", f"infra.output_dir={out}", "engine.kind=vllm", *extra]
-    done = subprocess.run([str(python), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    env = {**ENV, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # a test's own reward module, where it has one
+    done = subprocess.run([str(python), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
 
@@ -303,3 +306,21 @@ def test_token_in_token_out_with_vllm_in_process(tiny_runs, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     two_turns, _, _ = json.loads(done.stdout.strip().splitlines()[-1])
     assert two_turns >= 3, two_turns
+
+
+def test_lora_rl_through_the_server_samples_with_each_steps_adapters(tiny_runs, server, tmp_path, monkeypatch):
+    """A LoRA policy sampled through a server started with --enable-lora: the server holds the frozen base and loads
+    each step's adapters alone (/v1/load_lora_adapter, named for their weight version, the previous unloaded; every
+    answer checked to come from it). At a learning rate that moves the adapters a lot every step the sampler's
+    log-probs stay the trainer's (|gap| < 1e-4 at every step: a stale adapter would show)."""
+    from conftest import digits_reward
+
+    reward = digits_reward(tmp_path, monkeypatch)
+    extra = ["model.lora.r=4", "model.lora.alpha=8", "training.learning_rate=0.05", "rl.max_new_tokens=12", reward]
+    train = _rl(sys.executable, tiny_runs, tmp_path / "run", f"engine.vllm_url={server}", *extra)
+    assert len(train) == 3 and any(r["grad_norm"] > 0 for r in train[:-1]), train
+    assert all(r["logprob_abs_diff"] < 1e-4 and r["weight_version"] == r["step"] - 1 for r in train), train
+    assert [p.name for p in (tmp_path / "run" / "sampler" / "adapters").iterdir()] == ["v3"]  # the final evaluation's
+    models = json.loads(urllib.request.urlopen(server + "/v1/models", timeout=10).read())["data"]
+    assert [m["id"] for m in models if m["id"].endswith("-v3")], models  # the server holds the latest adapter only
+    assert not [m["id"] for m in models if m["id"].endswith(("-v0", "-v1", "-v2"))], models

@@ -25,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,6 +77,16 @@ def transformers_weights(
     return {k: v.detach().contiguous().cpu() for k, v in family_of(model).to_hf_state(model, state).items()}
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA policy's adapters as vLLM loads them: a name of their weight version, vLLM's integer id, the PEFT
+    adapter folder."""
+
+    name: str
+    id: int
+    path: str
+
+
 class VLLMEngine:
     """`Engine`'s interface over vLLM: `generate`, `generate_many`, `load_weights`, `max_len`, `weight_version`.
 
@@ -83,7 +94,7 @@ class VLLMEngine:
     """
 
     needs_state = True  # vLLM holds weights of its own: every sync hands it the policy's whole state
-    takes_adapters = False  # a LoRA policy in this process: its adapters alone, as vLLM LoRA adapters (`__init__`)
+    takes_adapters = False  # a LoRA policy: its adapters alone, as vLLM LoRA adapters, where vLLM takes them
 
     def __init__(
         self,
@@ -119,10 +130,10 @@ class VLLMEngine:
         job = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
         self.tag = f"{job}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.folder = Path(folder)
-        # A LoRA policy sampled in this process: vLLM holds the frozen base and takes each step's adapters as a LoRA
-        # adapter of its own (a server keeps taking merged weights: its adapters would need --enable-lora there).
-        self.takes_adapters = server is None and has_lora(self.model)
-        self.adapter = None  # the vLLM LoRARequest of the adapters it samples with, named for their version
+        # A LoRA policy: vLLM holds the frozen base and takes each step's adapters as a LoRA adapter of its own — in
+        # this process, or on a server started with --enable-lora (one trainer process; else merged weights).
+        self.takes_adapters = has_lora(self.model) and (server is None or server.takes_adapters(self.rank))
+        self.adapter: Adapter | None = None  # the adapters it samples with, named for their weight version
         created = self.rank == 0 and not self.folder.exists()
         try:
             if self.rank == 0:
@@ -133,6 +144,8 @@ class VLLMEngine:
                 if self.rank == 0:
                     server.check_model(self.folder)
                 self.transport = server
+                if self.takes_adapters:  # the base once, then the adapters
+                    server.reload(f"{self.tag}/base")
                 self.load_weights(self.model.state_dict(), 0)  # the server's model becomes the policy
             else:
                 cuda = next(self.model.parameters()).device.type == "cuda"
@@ -172,10 +185,9 @@ class VLLMEngine:
 
     def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
         """A LoRA policy's adapters (`adapter_payload`: stamped with their weight version; another version is
-        refused, so a stale adapter is never sampled with) written as a PEFT adapter folder vLLM loads by its name,
-        `v<version>`; sampling checks that every answer came from that adapter. Older folders are removed."""
-        from vllm.lora.request import LoRARequest
-
+        refused, so a stale adapter is never sampled with) written as a PEFT adapter folder that vLLM loads under a
+        name of that version (a server: through /v1/load_lora_adapter, the previous one unloaded); sampling checks
+        that every answer came from that adapter. Older folders are removed."""
         state = dict(state if ADAPTER_VERSION in state else adapter_payload(state, version))  # whole weights: theirs
         stamped = int(state.pop(ADAPTER_VERSION))
         if stamped != version:
@@ -183,7 +195,13 @@ class VLLMEngine:
         root = self.folder / "adapters"
         path = root / f"v{version}"
         save_adapter(self.model, path, state, merged=False)
-        self.adapter = LoRARequest(f"v{version}", version + 1, str(path / "adapter"))
+        adapter, previous = (
+            Adapter(f"{self.tag}-v{version}", version + 1, str((path / "adapter").resolve())),
+            self.adapter,
+        )
+        if isinstance(self.transport, _Server):
+            self.transport.load_adapter(adapter, previous)
+        self.adapter = adapter
         for old in root.iterdir():
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
@@ -255,8 +273,8 @@ class VLLMEngine:
                 (ids, n, seed, min(limits[i][row or 0] - self._taken(rows, i, row), self._max_len - len(ids)))
                 for i, row, ids, n, seed in queue
             ]
-            version = self.adapter if self.takes_adapters else f"{self.tag}/{self.weight_version}"
-            answers = self.transport.sample(asks, temperature, top_k, top_p, stop, version)
+            version = f"{self.tag}/base" if self.takes_adapters else f"{self.tag}/{self.weight_version}"
+            answers = self.transport.sample(asks, temperature, top_k, top_p, stop, version, self.adapter)
             follow = []
             for (i, row, ids, n, seed), samples in zip(queue, answers):
                 for j, (tokens, logprobs, stopped) in enumerate(samples):
@@ -345,7 +363,7 @@ class _InProcess:
         self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
 
-    def sample(self, asks, temperature, top_k, top_p, stop, version):
+    def sample(self, asks, temperature, top_k, top_p, stop, version, adapter=None):
         self._wake()
         params = [
             self.vllm.SamplingParams(
@@ -361,13 +379,17 @@ class _InProcess:
             )
             for _, n, seed, max_tokens in asks
         ]
-        adapter = version if not isinstance(version, str) else None  # a LoRA policy's: the adapters to sample with
+        lora = None
+        if adapter is not None:  # a LoRA policy's: the adapters to sample with
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(adapter.name, adapter.id, adapter.path)
         prompts = [{"prompt_token_ids": ids} for ids, *_ in asks]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
-        if adapter is not None and any(
-            o.lora_request is None or o.lora_request.lora_name != adapter.lora_name for o in outputs
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        if lora is not None and any(
+            o.lora_request is None or o.lora_request.lora_name != lora.lora_name for o in outputs
         ):
-            raise RuntimeError(f"vLLM answered with another adapter than {adapter.lora_name}")
+            raise RuntimeError(f"vLLM answered with another adapter than {lora.lora_name}")
         if self.cuda:  # the KV cache's memory goes back to training until the next rollouts
             self.llm.sleep(level=1)
             self.asleep = True
@@ -443,7 +465,10 @@ class _Server:
                 f"no vLLM server answers at {self.url + path} ({reason}): start one with "
                 "`bash scripts/vllm_server.sh MODEL_FOLDER` or correct engine.vllm_url"
             ) from None
-        return json.loads(text) if text else {}
+        try:
+            return json.loads(text) if text else {}
+        except ValueError:  # a plain answer (the LoRA endpoints say "Success: ...")
+            return {"text": text}
 
     def reload(self, version: str) -> None:
         """The server reads the folder's weights in place, then takes and reports their version."""
@@ -456,10 +481,29 @@ class _Server:
         reported = self._call("GET", "/weight_info").get("weight_version")
         assert reported == version, f"the vLLM server reports weights {reported} after a push of {version}"
 
-    def _complete(self, ask, temperature, top_k, top_p, stop):
+    def takes_adapters(self, rank: int) -> bool:
+        """Does this server take LoRA adapters at run time (started with --enable-lora, and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as scripts/vllm_server.sh sets)? Only a one-process trainer loads
+        them (ranks would each load theirs); asked by unloading an adapter that is not there."""
+        if rank > 0 or (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            return False
+        try:
+            self._call("POST", "/v1/unload_lora_adapter", {"lora_name": "tierlm-probe"})
+        except ConfigError as e:
+            return "tierlm-probe" in str(e)  # the route answered: the adapter is unknown, runtime loading is on
+        return True
+
+    def load_adapter(self, adapter: Adapter, previous: Adapter | None) -> None:
+        """Load `adapter` (its folder must be readable by the server: the same path, as the weights) and unload
+        `previous`."""
+        self._call("POST", "/v1/load_lora_adapter", {"lora_name": adapter.name, "lora_path": adapter.path})
+        if previous is not None:
+            self._call("POST", "/v1/unload_lora_adapter", {"lora_name": previous.name})
+
+    def _complete(self, ask, temperature, top_k, top_p, stop, adapter=None):
         ids, n, seed, max_tokens = ask
         body = {
-            "model": self.model,
+            "model": adapter.name if adapter is not None else self.model,
             "prompt": ids,
             "n": n,
             "max_tokens": max_tokens,
@@ -473,11 +517,14 @@ class _Server:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        choices = sorted(self._call("POST", "/v1/completions", body)["choices"], key=lambda c: c["index"])
+        answer = self._call("POST", "/v1/completions", body)
+        if adapter is not None and answer.get("model") != adapter.name:
+            raise RuntimeError(f"the vLLM server answered with {answer.get('model')}, not the adapter {adapter.name}")
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
         return [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "stop") for c in choices]
 
-    def sample(self, asks, temperature, top_k, top_p, stop, version):
-        answers = list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop), asks))
+    def sample(self, asks, temperature, top_k, top_p, stop, version, adapter=None):
+        answers = list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop, adapter), asks))
         now = self._call("GET", "/weight_info").get("weight_version")
         if now != version:
             raise ConfigError(

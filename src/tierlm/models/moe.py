@@ -1,0 +1,151 @@
+"""A mixture-of-experts feed-forward layer: a router picks each token's `experts_per_token` of `num_experts` SwiGLU
+experts, their outputs are summed with the router's weights, and shared experts (DeepSeek's) see every token.
+
+The weights are laid out as transformers' Qwen3-MoE lays them out (`gate_up_proj` (E, 2W, D), `down_proj`
+(E, D, W), the router's (E, D)), so a Qwen3-MoE block copies in as it is. Routing:
+
+- scores: softmax over the experts (Qwen3-MoE, Mixtral) or a sigmoid per expert (DeepSeek-V3);
+- selection: the top-k of score + `expert_bias`, DeepSeek-V3's auxiliary-loss-free balancing bias, which changes
+  which experts are picked but never the weights they get (`balance_bias` moves it against the load);
+- weights: the picked scores, renormalised to sum to 1 with `normalize_top_k`;
+- replay: with `replay` set (a (tokens, k) tensor of expert ids, e.g. the sampler's), those experts are used instead
+  of the top-k — rollout routing replay for RL on MoE models.
+
+Expert compute is grouped: the tokens sorted by expert and one grouped matmul per projection
+(`torch.nn.functional.grouped_mm`) where PyTorch has it for these shapes, else a loop over the experts that got
+tokens. Each forward leaves `routes` (the experts used) and `stats` (the load-balancing loss of Switch / Qwen3-MoE,
+the router z-loss, the tokens per expert) for the trainer to read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    experts_per_token: int
+    expert_width: int
+    """Each expert's SwiGLU hidden width (transformers' moe_intermediate_size)."""
+    shared_experts: int = 0
+    """Experts every token goes through, as one SwiGLU of shared_experts x expert_width (0: none)."""
+    score: str = "softmax"
+    """softmax over the experts (Qwen3-MoE) or sigmoid per expert (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """Renormalise the picked experts' scores to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+
+    def __post_init__(self) -> None:
+        assert 0 < self.experts_per_token <= self.num_experts, f"top-k {self.experts_per_token} of {self.num_experts}"
+        assert self.score in ("softmax", "sigmoid"), f"unknown router score {self.score!r}"
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, width, bias=False)
+        self.up_proj = nn.Linear(dim, width, bias=False)
+        self.down_proj = nn.Linear(width, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def load_balancing_loss(probs: torch.Tensor, routes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as Qwen3-MoE computes it: E x sum_i f_i P_i, with f_i the share of tokens
+    routed to expert i (summed over the k picks) and P_i the mean router probability of expert i.
+
+    >>> probs = torch.full((4, 2), 0.5)
+    >>> float(load_balancing_loss(probs, torch.tensor([[0], [1], [0], [1]]), 2))  # balanced: 1
+    1.0
+    """
+    share = F.one_hot(routes, num_experts).float().sum(dim=1).mean(dim=0)
+    return num_experts * (share * probs.float().mean(dim=0)).sum()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of `x` (sorted by expert, `counts` rows each) times each expert's `weight` (E, out, in) transposed: one
+    grouped matmul where PyTorch has it for these shapes (16-byte aligned rows), else a loop over the experts."""
+    out_dim, in_dim = weight.shape[1], weight.shape[2]
+    aligned = (in_dim * x.element_size()) % 16 == 0 and (out_dim * x.element_size()) % 16 == 0
+    if hasattr(F, "grouped_mm") and aligned and x.shape[0] > 0:
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
+    parts, start = [], 0
+    for expert, n in enumerate(counts):
+        if n:
+            parts.append(F.linear(x[start : start + n], weight[expert]))
+        start += n
+    return torch.cat(parts) if parts else x.new_zeros(0, out_dim)
+
+
+class MoE(nn.Module):
+    """The layer (see the module's docstring); `x` (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, config: MoEConfig):
+        super().__init__()
+        self.config, e, w = config, config.num_experts, config.expert_width
+        self.router = nn.Linear(dim, e, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * w, dim))
+        self.down_proj = nn.Parameter(torch.empty(e, dim, w))
+        self.register_buffer("expert_bias", torch.zeros(e))
+        self.shared = SwiGLU(dim, w * config.shared_experts) if config.shared_experts else None
+        self.replay: torch.Tensor | None = None
+        self.routes: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+        nn.init.normal_(self.gate_up_proj, std=dim**-0.5)
+        nn.init.normal_(self.down_proj, std=w**-0.5)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(experts (N, k), their weights (N, k), router logits (N, E), scores (N, E)) of the rows of `x` (N, dim)."""
+        logits = self.router(x).float()
+        scores = logits.softmax(dim=-1) if self.config.score == "softmax" else logits.sigmoid()
+        if self.replay is not None:
+            assert self.replay.shape == (x.shape[0], self.config.experts_per_token), "one route per token and pick"
+            experts = self.replay.to(x.device)
+        else:
+            experts = (scores + self.expert_bias).topk(self.config.experts_per_token, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.config.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype), logits, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, k, e = x.shape, self.config.experts_per_token, self.config.num_experts
+        rows = x.reshape(-1, shape[-1])
+        experts, weights, logits, scores = self.route(rows)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=e)
+        sizes = counts.tolist()
+        gate, up = grouped_linear(rows[token], self.gate_up_proj, sizes).chunk(2, dim=-1)
+        out = grouped_linear(F.silu(gate) * up, self.down_proj, sizes) * weights.reshape(-1)[order, None]
+        y = torch.zeros_like(rows).index_add_(0, token, out.to(rows.dtype))
+        if self.shared is not None:
+            y = y + self.shared(rows)
+        self.routes = experts.detach()
+        probs = scores if self.config.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        self.stats = {
+            "load_balancing_loss": load_balancing_loss(probs, experts, e),
+            "router_z_loss": torch.logsumexp(logits, dim=-1).pow(2).mean(),
+            "tokens_per_expert": counts.detach(),
+        }
+        return y.reshape(shape)
+
+    @torch.no_grad()
+    def balance_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: each expert's bias moves by `rate` toward balance (up when it
+        got fewer tokens than the mean, down when more), after each optimizer step.
+
+        >>> layer = MoE(8, MoEConfig(num_experts=3, experts_per_token=1, expert_width=4))
+        >>> layer.balance_bias(torch.tensor([6, 2, 1]), rate=0.5)
+        >>> layer.expert_bias.tolist()
+        [-0.5, 0.5, 0.5]
+        """
+        load = tokens_per_expert.float()
+        self.expert_bias += rate * torch.sign(load.mean() - load)

@@ -1,0 +1,140 @@
+"""The mixture-of-experts layer (`tierlm.models.moe`) against a per-token reference written out here and against
+transformers' Qwen3-MoE block with the same weights; the balancing bias and routing replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tierlm.models.moe import MoE, MoEConfig, load_balancing_loss
+
+DIM = 16
+
+
+def _layer(seed: int = 0, **settings) -> MoE:
+    torch.manual_seed(seed)
+    config = MoEConfig(**{"num_experts": 4, "experts_per_token": 2, "expert_width": 8, **settings})
+    layer = MoE(DIM, config)
+    with torch.no_grad():
+        layer.router.weight.normal_(std=0.5)
+    return layer
+
+
+def _reference(layer: MoE, x: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token: the router's scores (softmax or sigmoid of W_r x), the top-k of score + bias (or the routes
+    given), the picked scores renormalised, sum_e w_e SwiGLU_e(x) with SwiGLU_e(x) = D_e (silu(G_e x) * U_e x),
+    plus the shared experts."""
+    c, out = layer.config, []
+    for n, token in enumerate(x.reshape(-1, DIM)):
+        logits = layer.router.weight @ token
+        scores = logits.softmax(-1) if c.score == "softmax" else logits.sigmoid()
+        picked = (
+            routes[n].tolist()
+            if routes is not None
+            else (scores + layer.expert_bias).topk(c.experts_per_token).indices.tolist()
+        )
+        weights = [scores[e] for e in picked]
+        total = sum(weights) if c.normalize_top_k else 1.0
+        y = torch.zeros(DIM)
+        for e, w in zip(picked, weights):
+            gate, up = layer.gate_up_proj[e][: c.expert_width] @ token, layer.gate_up_proj[e][c.expert_width :] @ token
+            y = y + (w / total) * (layer.down_proj[e] @ (F.silu(gate) * up))
+        if layer.shared is not None:
+            s = layer.shared
+            y = y + s.down_proj.weight @ (F.silu(s.gate_proj.weight @ token) * (s.up_proj.weight @ token))
+        out.append(y)
+    return torch.stack(out).reshape(x.shape)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"score": "sigmoid"}, {"shared_experts": 1}, {"normalize_top_k": False}, {"expert_width": 6}],
+    ids=["softmax", "sigmoid", "shared", "unnormalised", "loop-fallback"],
+)
+def test_the_layer_is_the_per_token_sum_of_its_picked_experts(settings, monkeypatch):
+    """Output and gradients (input, router, experts) against the per-token reference; with width 6 the down
+    projection's rows (6 floats) are not 16-byte aligned, so it runs the loop over experts instead of the grouped
+    matmul (which every other projection runs)."""
+    calls, grouped = [], F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    layer = _layer(**settings)
+    x = torch.randn(3, 5, DIM, generator=torch.Generator().manual_seed(1))
+    ours_x, ref_x = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours = layer(ours_x)
+    probe = torch.randn_like(ours)
+    (ours * probe).sum().backward()
+    grads = [p.grad.clone() for p in (layer.router.weight, layer.gate_up_proj, layer.down_proj)]
+    layer.zero_grad()
+    ref = _reference(layer, ref_x)
+    (ref * probe).sum().backward()
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_x.grad, ref_x.grad, atol=1e-5, rtol=1e-5)
+    for mine, p in zip(grads, (layer.router.weight, layer.gate_up_proj, layer.down_proj)):
+        torch.testing.assert_close(mine, p.grad, atol=1e-5, rtol=1e-5)
+    assert int(layer.stats["tokens_per_expert"].sum()) == 15 * layer.config.experts_per_token
+    assert len(calls) == (2 if layer.config.expert_width % 4 == 0 else 1)  # width 6: the down projection loops
+
+
+def test_a_qwen3_moe_block_copies_in_and_computes_the_same():
+    """transformers' Qwen3MoeSparseMoeBlock with the same weights (its layout is ours): equal outputs."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=DIM, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    theirs = Qwen3MoeSparseMoeBlock(config).eval()
+    layer = _layer()
+    with torch.no_grad():
+        theirs.gate.weight.copy_(layer.router.weight)
+        theirs.experts.gate_up_proj.copy_(layer.gate_up_proj)
+        theirs.experts.down_proj.copy_(layer.down_proj)
+    x = torch.randn(2, 7, DIM, generator=torch.Generator().manual_seed(2))
+    out = theirs(x)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(layer(x), out, atol=1e-5, rtol=1e-5)
+
+
+def test_the_load_balancing_loss_is_qwen3_moes():
+    """The auxiliary loss against transformers' `load_balancing_loss_func` on the same router logits."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    layer = _layer()
+    x = torch.randn(12, DIM, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    logits = layer.router(x)
+    theirs = load_balancing_loss_func((logits,), 4, 2)
+    torch.testing.assert_close(layer.stats["load_balancing_loss"], theirs, atol=1e-6, rtol=1e-6)
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    torch.testing.assert_close(layer.stats["router_z_loss"], z)
+    assert math.isclose(float(load_balancing_loss(torch.full((4, 4), 0.25), torch.arange(4)[:, None], 4)), 1.0)
+
+
+def test_the_balancing_bias_moves_selection_but_not_weights():
+    """A large bias on expert 3 puts it among every token's picks, with its weight still its own score (renormalised
+    with the other pick's): the bias chooses, it never weighs."""
+    layer = _layer()
+    layer.expert_bias[3] = 10.0
+    x = torch.randn(9, DIM, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(layer(x), _reference(layer, x), atol=1e-5, rtol=1e-5)
+    assert (layer.routes == 3).any(dim=1).all()
+    experts, weights, _, scores = layer.route(x)
+    picked = scores.gather(1, experts)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
+
+
+def test_routing_replay_uses_the_given_experts():
+    """With `replay` set to another layer's routes the output is the reference's with those experts (and differs
+    from the layer's own routing where the routes differ)."""
+    layer, other = _layer(0), _layer(5)
+    x = torch.randn(10, DIM, generator=torch.Generator().manual_seed(6))
+    other(x)
+    own = layer(x)
+    assert not torch.equal(layer.routes, other.routes)
+    layer.replay = other.routes
+    replayed = layer(x)
+    torch.testing.assert_close(replayed, _reference(layer, x, other.routes), atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.routes, other.routes) and not torch.allclose(replayed, own)

@@ -16,6 +16,7 @@ from tierlm.loops.critic import Critic, value_model
 from tierlm.loops.teachers import Teachers
 from tierlm.primitives.parallel import DistributedContext
 from tierlm.strategies.rl import ValueStrategy
+from tierlm.strategies.rl_losses import RL_LOSSES
 
 
 def beside_policy(
@@ -46,7 +47,8 @@ def beside_policy(
 def load_teachers(rl, tokenizer: Tokenizer, device: torch.device) -> Teachers | None:
     """On-policy distillation's teachers (None without rl.teacher / rl.teachers): each distinct folder loaded once
     (`load_teacher`: frozen, the student's tokenizer or refused), rl.teachers' domains routed to theirs, every
-    other domain to rl.teacher; distill_topk scores the teacher's rl.distill_top_k likeliest tokens too."""
+    other domain to rl.teacher; a loss that reads rl.distill_top_k (distill_topk) gets the teacher's likeliest
+    tokens too."""
     if not (rl.teacher or rl.teachers):
         return None
     folders = list(dict.fromkeys([*([rl.teacher] if rl.teacher else []), *rl.teachers.values()]))
@@ -59,6 +61,6 @@ def load_teachers(rl, tokenizer: Tokenizer, device: torch.device) -> Teachers | 
         routes={domain: folders.index(folder) for domain, folder in rl.teachers.items()},
         default=0 if rl.teacher else None,
         labels=labels,
-        top_k=rl.distill_top_k if rl.loss == "distill_topk" else None,
+        top_k=rl.distill_top_k if "distill_top_k" in RL_LOSSES[rl.loss].reads else None,
         temperature=rl.temperature,
     )

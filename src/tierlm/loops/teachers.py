@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tierlm.errors import ConfigError
-from tierlm.primitives.losses import token_logprobs
+from tierlm.primitives.losses import label_logprobs, vocab_logprobs
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class Teachers:
         return index
 
     def _scores(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {"logprobs": token_logprobs(logits, batch["labels"], self.temperature)}
+        vocab = vocab_logprobs(logits, self.temperature)  # once, for the sampled tokens and the top-k alike
+        out = {"logprobs": label_logprobs(vocab, batch["labels"])}
         if self.top_k is not None:
-            scaled = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-            out["topk_logprobs"], out["topk_ids"] = scaled.topk(min(self.top_k, scaled.shape[-1]), dim=-1)
+            out["topk_logprobs"], out["topk_ids"] = vocab.topk(min(self.top_k, vocab.shape[-1]), dim=-1)
         return out
 
     def score(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

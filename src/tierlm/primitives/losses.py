@@ -236,6 +236,18 @@ def create_cross_entropy_loss() -> LossFn:
     return cross_entropy_loss
 
 
+def vocab_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) over the vocabulary (B, T, V), in float32 (temperature 0 or 1: the logits
+    as they are)."""
+    scaled = logits.float() / temperature if temperature not in (0.0, 1.0) else logits.float()
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def label_logprobs(vocab: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-probs (B, T) of `labels` in `vocab` (`vocab_logprobs`'); 0 where unlabelled."""
+    return vocab.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != IGNORE_INDEX)
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(label) at every position (B, T) under softmax(logits / temperature); 0 where unlabelled.
 
@@ -243,6 +255,4 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     >>> round(lp.exp().item(), 4)
     0.75
     """
-    scaled = logits.float() / temperature if temperature not in (0.0, 1.0) else logits.float()
-    logp = torch.log_softmax(scaled, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return logp * (labels != IGNORE_INDEX)
+    return label_logprobs(vocab_logprobs(logits, temperature), labels)

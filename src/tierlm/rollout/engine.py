@@ -90,6 +90,21 @@ def adapter_payload(state: dict[str, torch.Tensor], version: int) -> dict[str, t
     return {**adapters, ADAPTER_VERSION: torch.tensor(version)}
 
 
+def stamped_adapters(payload: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    """The adapters of an `adapter_payload`, refused (RuntimeError) unless it is stamped with `version`: a stale
+    adapter is never sampled with.
+
+    >>> stamped_adapters(adapter_payload({"q.lora_A.default.weight": torch.zeros(1, 2)}, 3), 4)
+    Traceback (most recent call last):
+    RuntimeError: the adapters of weight version 3 were offered as version 4
+    """
+    adapters = dict(payload)
+    stamped = int(adapters.pop(ADAPTER_VERSION))
+    if stamped != version:
+        raise RuntimeError(f"the adapters of weight version {stamped} were offered as version {version}")
+    return adapters
+
+
 class SamplingEngine(Protocol):
     """What the RL loop, `tierlm eval` and `tierlm chat` / `serve` ask of a rollout engine (`Engine`, tierlm's own;
     `tierlm.rollout.vllm.VLLMEngine`)."""
@@ -164,11 +179,8 @@ class Engine:
 
     def _load_adapters(self, state: dict[str, torch.Tensor], version: int) -> None:
         """A LoRA policy's adapters, in place (the base weights this copy holds never change): refused unless
-        stamped with `version` (a stale adapter is never sampled with) and naming every adapter tensor."""
-        state = dict(state)
-        stamped = int(state.pop(ADAPTER_VERSION))
-        if stamped != version:
-            raise RuntimeError(f"the adapters of weight version {stamped} were offered as version {version}")
+        stamped with `version` (`stamped_adapters`) and naming every adapter tensor."""
+        state = stamped_adapters(state, version)
         expected = {key for key in self.model.state_dict() if is_adapter_key(key)}
         if set(state) != expected:
             raise RuntimeError(f"the adapters offered differ from the sampler's: {sorted(set(state) ^ expected)[:3]}")

@@ -9,7 +9,8 @@ Two ways to reach vLLM, one engine (`VLLMEngine`, the interface of `tierlm.rollo
 - *a vLLM server* (`engine.vllm_url=http://host:port`, started by `scripts/vllm_server.sh`): prompts go to its
   OpenAI completions API as token ids; weights are handed over as a safetensors folder the server reloads
   (`/collective_rpc reload_weights`, as prime-rl does where there is no NCCL), then the server's weight
-  version is set and read back, so a rollout never comes from weights other than the ones it is stamped with.
+  version is set and read back, so a rollout never comes from weights other than the ones it is stamped with
+  (`tierlm.rollout.vllm_server`).
 
 Every completion records the weight version it was sampled with. Sampling randomness comes from the caller's
 generator (one draw per request seeds vLLM), so a run samples the same rollouts whenever it is repeated.
@@ -18,14 +19,8 @@ Log-probs are vLLM's `processed_logprobs`: after temperature, as the trainer com
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +30,7 @@ from tierlm.errors import ConfigError, DataError, first_line
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.io import save_model_config
 from tierlm.models.lora import has_lora, lora_layers, lora_scalings, merged_state, save_adapter, split_state
-from tierlm.rollout.engine import ADAPTER_VERSION, Completion, adapter_payload
+from tierlm.rollout.engine import ADAPTER_VERSION, Completion, adapter_payload, stamped_adapters
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
     TOOL_CALL_START,
@@ -44,25 +39,11 @@ from tierlm.rollout.tools import (
     Tool,
     call_tool,
 )
+from tierlm.rollout.vllm_server import Adapter, VLLMServer
 
 INSTALL_HINT = (
     "install it with `bash scripts/setup_vllm.sh` and start tierlm from that environment (.venv-vllm/bin/tierlm), "
     "or serve the model with `bash scripts/vllm_server.sh MODEL_FOLDER` and set engine.vllm_url"
-)
-# What decides whether a server's model takes this policy's weights (config.json keys).
-SHAPE_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "head_dim",
-    "n_embd",
-    "n_layer",
-    "n_head",
-    "n_inner",
 )
 
 
@@ -75,16 +56,6 @@ def transformers_weights(
         base, adapter = split_state(state)
         state = merged_state(base, adapter, lora_scalings(model)) if merge else base
     return {k: v.detach().contiguous().cpu() for k, v in family_of(model).to_hf_state(model, state).items()}
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """A LoRA policy's adapters as vLLM loads them: a name of their weight version, vLLM's integer id, the PEFT
-    adapter folder."""
-
-    name: str
-    id: int
-    path: str
 
 
 class VLLMEngine:
@@ -120,7 +91,7 @@ class VLLMEngine:
             vocab = tokenizer.hf.get_vocab()
             self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
             self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
-        server = _Server(url, max_len) if url else None  # reached (or vLLM imported) before anything is written
+        server = VLLMServer(url, max_len) if url else None  # reached (or vLLM imported) before anything is written
         self._max_len = server.max_len if server is not None else max_len
         vllm = None if url else import_vllm()
         # Under torchrun every rank sends its prompts to the one server; rank 0 alone hands the weights over.
@@ -151,8 +122,8 @@ class VLLMEngine:
                 cuda = next(self.model.parameters()).device.type == "cuda"
                 rank = max(layer.r["default"] for _, layer in lora_layers(self.model)) if self.takes_adapters else 0
                 self.transport = _InProcess(vllm, self.folder, max_len, cuda, gpu_memory_utilization, rank)
-                if self.takes_adapters:
-                    self.load_weights(adapter_payload(self.model.state_dict(), 0), 0)
+                if self.takes_adapters:  # the base is in the folder vLLM loaded: the adapters go in as version 0
+                    self.load_weights(self.model.state_dict(), 0)
         except BaseException:
             if created:  # a refused engine leaves nothing behind
                 shutil.rmtree(self.folder, ignore_errors=True)
@@ -174,9 +145,9 @@ class VLLMEngine:
         assert state is not None, "vLLM holds weights of its own: give it the policy's state"
         if self.takes_adapters:
             self._load_adapters(state, version)
-        elif isinstance(self.transport, _Server) and self.rank > 0:
+        elif isinstance(self.transport, VLLMServer) and self.rank > 0:
             self.transport.wait_for(f"{self.tag}/{version}")  # rank 0 pushes them
-        elif isinstance(self.transport, _Server):
+        elif isinstance(self.transport, VLLMServer):
             self._write_weights(state)
             self.transport.reload(f"{self.tag}/{version}")
         else:
@@ -188,10 +159,8 @@ class VLLMEngine:
         refused, so a stale adapter is never sampled with) written as a PEFT adapter folder that vLLM loads under a
         name of that version (a server: through /v1/load_lora_adapter, the previous one unloaded); sampling checks
         that every answer came from that adapter. Older folders are removed."""
-        state = dict(state if ADAPTER_VERSION in state else adapter_payload(state, version))  # whole weights: theirs
-        stamped = int(state.pop(ADAPTER_VERSION))
-        if stamped != version:
-            raise RuntimeError(f"the adapters of weight version {stamped} were offered as version {version}")
+        payload = state if ADAPTER_VERSION in state else adapter_payload(state, version)  # whole weights: theirs
+        state = stamped_adapters(payload, version)
         root = self.folder / "adapters"
         path = root / f"v{version}"
         save_adapter(self.model, path, state, merged=False)
@@ -199,7 +168,7 @@ class VLLMEngine:
             Adapter(f"{self.tag}-v{version}", version + 1, str((path / "adapter").resolve())),
             self.adapter,
         )
-        if isinstance(self.transport, _Server):
+        if isinstance(self.transport, VLLMServer):
             self.transport.load_adapter(adapter, previous)
         self.adapter = adapter
         for old in root.iterdir():
@@ -407,138 +376,3 @@ class _InProcess:
 
     def close(self) -> None:
         del self.llm
-
-
-class _Server:
-    """A vLLM OpenAI server (started with VLLM_SERVER_DEV_MODE=1, which opens its weight-update endpoints)."""
-
-    def __init__(self, url: str, max_len: int):
-        self.url = url.rstrip("/")
-        models = self._call("GET", "/v1/models")
-        if not models.get("data"):
-            raise ConfigError(f"the vLLM server at {self.url} serves no model: start it on the policy's model folder")
-        served = models["data"][0]
-        self.model = served["id"]
-        self.max_len = min(max_len, served.get("max_model_len") or max_len)  # the sampler's context is the server's
-        self.root = Path(served.get("root") or self.model)
-        self._call("GET", "/weight_info", hint="start it with VLLM_SERVER_DEV_MODE=1 (scripts/vllm_server.sh does)")
-        self.pool = ThreadPoolExecutor(16)  # one request per prompt (each has its own seed); the server batches them
-
-    def check_model(self, folder: Path) -> None:
-        """Refuse a server whose model cannot take the weights of the policy in `folder` (when its folder can be
-        read here; elsewhere the first push tells); from now on the server reloads from `folder`."""
-        self.folder, root = folder, self.root
-        try:
-            theirs = json.loads((root / "config.json").read_text())
-        except (OSError, ValueError):
-            return  # not on this machine's disk: the first push will tell
-        ours = json.loads((self.folder / "config.json").read_text())
-        differ = [k for k in SHAPE_KEYS if k in ours and theirs.get(k) != ours[k]]
-        if differ:
-            k = differ[0]
-            raise ConfigError(
-                f"the vLLM server at {self.url} serves another model ({root}: {k} {theirs.get(k)}, this policy's "
-                f"{ours[k]}): restart it on the policy's model folder"
-            )
-
-    def _call(self, method: str, path: str, body: dict | None = None, hint: str = "", timeout: float = 600):
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"content-type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail).get("error", {}).get("message", detail)
-            except (ValueError, AttributeError):
-                pass
-            raise ConfigError(
-                f"the vLLM server at {self.url} refused {path} (HTTP {e.code}: {first_line(detail)[:300]})"
-                + (f": {hint}" if hint else "")
-            ) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise ConfigError(
-                f"no vLLM server answers at {self.url + path} ({reason}): start one with "
-                "`bash scripts/vllm_server.sh MODEL_FOLDER` or correct engine.vllm_url"
-            ) from None
-        try:
-            return json.loads(text) if text else {}
-        except ValueError:  # a plain answer (the LoRA endpoints say "Success: ...")
-            return {"text": text}
-
-    def reload(self, version: str) -> None:
-        """The server reads the folder's weights in place, then takes and reports their version."""
-        self._call(
-            "POST",
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder.resolve())}},
-        )
-        self._call("POST", "/update_weight_version", {"new_version": version})
-        reported = self._call("GET", "/weight_info").get("weight_version")
-        assert reported == version, f"the vLLM server reports weights {reported} after a push of {version}"
-
-    def takes_adapters(self, rank: int) -> bool:
-        """Does this server take LoRA adapters at run time (started with --enable-lora, and
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as scripts/vllm_server.sh sets)? Only a one-process trainer loads
-        them (ranks would each load theirs); asked by unloading an adapter that is not there."""
-        if rank > 0 or (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-            return False
-        try:
-            self._call("POST", "/v1/unload_lora_adapter", {"lora_name": "tierlm-probe"})
-        except ConfigError as e:
-            return "tierlm-probe" in str(e)  # the route answered: the adapter is unknown, runtime loading is on
-        return True
-
-    def load_adapter(self, adapter: Adapter, previous: Adapter | None) -> None:
-        """Load `adapter` (its folder must be readable by the server: the same path, as the weights) and unload
-        `previous`."""
-        self._call("POST", "/v1/load_lora_adapter", {"lora_name": adapter.name, "lora_path": adapter.path})
-        if previous is not None:
-            self._call("POST", "/v1/unload_lora_adapter", {"lora_name": previous.name})
-
-    def _complete(self, ask, temperature, top_k, top_p, stop, adapter=None):
-        ids, n, seed, max_tokens = ask
-        body = {
-            "model": adapter.name if adapter is not None else self.model,
-            "prompt": ids,
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_k": top_k or 0,
-            "top_p": top_p or 1.0,
-            "seed": seed,
-            "logprobs": 0,
-            "stop_token_ids": stop,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
-        answer = self._call("POST", "/v1/completions", body)
-        if adapter is not None and answer.get("model") != adapter.name:
-            raise RuntimeError(f"the vLLM server answered with {answer.get('model')}, not the adapter {adapter.name}")
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        return [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "stop") for c in choices]
-
-    def sample(self, asks, temperature, top_k, top_p, stop, version, adapter=None):
-        answers = list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop, adapter), asks))
-        now = self._call("GET", "/weight_info").get("weight_version")
-        if now != version:
-            raise ConfigError(
-                f"the vLLM server at {self.url} changed its weights to version {now} while sampling with {version}: "
-                "another trainer shares it; give each run a server of its own"
-            )
-        return answers
-
-    def wait_for(self, version: str, timeout: float = 600) -> None:
-        """Until the server holds the weights of `version` (another rank pushes them)."""
-        deadline = time.monotonic() + timeout
-        while (now := self._call("GET", "/weight_info").get("weight_version")) != version:
-            assert time.monotonic() < deadline, f"the vLLM server kept weights {now}, waiting for {version}"
-            time.sleep(0.005)
-
-    def close(self) -> None:
-        self.pool.shutdown()

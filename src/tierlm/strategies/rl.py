@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs  # noqa: F401  (token_logprobs: also this module's name)
+from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs, vocab_logprobs  # noqa: F401  (token_logprobs: also this module's name)
 from tierlm.strategies.rl_losses import RL_LOSSES, LossSettings, loss_settings, token_loss
 
 Batch = Mapping[str, torch.Tensor]
@@ -239,7 +239,7 @@ class PolicyGradientStrategy:
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
         if self.spec.vocab:  # the whole vocabulary's log-probs (distill_topk)
-            inputs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            inputs = vocab_logprobs(logits, self.temperature)
         else:
             inputs = token_logprobs(logits, labels, self.temperature)
         total, count, stats = self.spec.fn(inputs, batch, labels != IGNORE_INDEX, self.settings)

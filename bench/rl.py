@@ -4,6 +4,8 @@ against 2 ranks (DDP, FSDP2), tierlm's engine against vLLM (in the trainer's pro
 vLLM server on the same cores, scripts/vllm_server.sh), all on the tiny task from the same SFT model.
 
     .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft] [--max-new-tokens 96]
+    python bench/rl.py --device-type cuda --random-model 20x64 --max-new-tokens 128 --repeats 1 \
+        --only "1 process on-policy,1 process on-policy compiled"    # on a GPU: a 393 M random-weight policy
     bash bench/sums_sft.sh && .venv/bin/python bench/rl.py --task synthetic:sums --sft runs/sums/sft \
         --max-new-tokens 256 --only "1 process on-policy,1 process partial rollouts"   # a heavy tail
 
@@ -15,6 +17,9 @@ the step minus the background sampler's own time on the batch.
 Each contender is `tierlm rl --config tiny_rl` for --steps steps (eval only at the end, no checkpoints but the
 last) in its own process (torchrun for the 2-rank ones); the figures are medians over its steps after the first
 two (warm-up). Without --sft, a tiny SFT model is trained once into the system's temp folder (about a minute).
+With --random-model DEPTHxASPECT the policy is a native GPT of that shape with random weights and the SFT model's
+tokenizer (head 128): a GPU-sized model whose answers earn nothing, so every sample runs to --max-new-tokens and the
+step's split is the cost of the sizes alone (its training still runs forward and backward; `mfu` is its share).
 """
 
 from __future__ import annotations
@@ -32,6 +37,51 @@ from harness import parser, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SFT_DIR = Path(tempfile.gettempdir()) / "tierlm_bench_rl_sft"
+
+
+POLICY: list[Path] = []
+
+
+def policy_folder(args) -> Path:
+    """`policy`, made once per process."""
+    if not POLICY:
+        POLICY.append(policy(args))
+    return POLICY[0]
+
+
+def policy(args) -> Path:
+    """The model the run starts from: the SFT model, or a random-weight GPT of --random-model's shape beside it."""
+    if not args.random_model:
+        return sft_model(args)
+    import shutil
+
+    from tierlm.models import GPTConfig, build_gpt, save_model_folder
+
+    depth, aspect = map(int, args.random_model.split("x"))
+    folder = Path(tempfile.mkdtemp(prefix="tierlm_bench_rl_random_")) / "model"
+    shutil.copytree(sft_model(args) / "model", folder, ignore=shutil.ignore_patterns("training_meta.json"))
+    fields = {k: v for k, v in json.loads((folder / "tierlm_model.json").read_text()).items() if k != "family"}
+    config = GPTConfig(**{**fields, "depth": depth, "aspect_ratio": aspect, "head_dim": 128})
+    save_model_folder(build_gpt(config), folder)
+    return folder.parent
+
+
+def training_mfu(args, completion_tokens_per_sec: float) -> float | None:
+    """The training part's model FLOPs utilisation on a GPU, counting the completion tokens alone (6 x the
+    non-embedding parameters each; the prompts' tokens also run, so a lower bound)."""
+    if args.device_type != "cuda":
+        return None
+    import torch
+
+    from tierlm.metrics.flops import peak_flops
+    from tierlm.models import GPT, GPTConfig
+
+    folder = policy_folder(args) / "model"
+    fields = {k: v for k, v in json.loads((folder / "tierlm_model.json").read_text()).items() if k != "family"}
+    with torch.device("meta"):
+        params = GPT(GPTConfig(**fields)).num_params(exclude_embedding=True)
+    peak = peak_flops(torch.device("cuda"))
+    return 6 * params * completion_tokens_per_sec / peak if peak else None
 
 
 def sft_model(args) -> Path:
@@ -98,13 +148,13 @@ def with_server(args, extra: list[str]) -> dict:
 def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) -> dict:
     out = Path(tempfile.mkdtemp(prefix="tierlm_bench_rl_"))
     overrides = [
-        f"model.model_name_or_path={sft_model(args)}",
+        f"model.model_name_or_path={policy_folder(args)}",
         f"training.num_train_steps={args.steps}",
         "training.eval_steps=0",
         "training.save_steps=0",
         "training.logging_steps=1",
         "rl.eval_problems=8",
-        "infra.device_type=cpu",
+        f"infra.device_type={args.device_type}",
         "infra.progress_bar=false",
         f"infra.output_dir={out}",
         *([f"rl.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
@@ -142,12 +192,14 @@ def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) ->
         "training_s": median("time_training_s"),
         "weight_sync_s": median("time_weight_sync_s"),
         "rollout_tokens_per_sec": median("rollout_tokens_per_sec"),
+        "training_mfu": training_mfu(args, median("rollout_tokens") / median("time_training_s")),
         "reward_mean": statistics.mean(r["reward_mean"] for r in train),
     }
 
 
 CONTENDERS = {
     "1 process on-policy": lambda a: rl_step(a, 1, []),
+    "1 process on-policy compiled": lambda a: rl_step(a, 1, ["infra.compile=true"]),
     "1 process one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
     "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
     "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),
@@ -165,6 +217,8 @@ CONTENDERS = {
 if __name__ == "__main__":
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--device-type", default="cpu", help="infra.device_type of every contender")
+    p.add_argument("--random-model", default=None, metavar="DEPTHxASPECT", help="a random-weight policy (see above)")
     p.add_argument("--sft", default=None, help="an SFT run directory (default: trained once into the temp folder)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="rl.max_new_tokens (default: tiny_rl's 32)")
     p.add_argument("--task", default=None, help="data.dataset_name (default: tiny_rl's synthetic:arithmetic)")
@@ -172,6 +226,8 @@ if __name__ == "__main__":
     argv = [f"--steps={args.steps}", f"--threads={args.threads}", *([f"--sft={args.sft}"] if args.sft else [])]
     argv += [f"--max-new-tokens={args.max_new_tokens}"] if args.max_new_tokens else []
     argv += [f"--task={args.task}"] if args.task else []
+    argv += [f"--device-type={args.device_type}"]
+    argv += [f"--random-model={args.random_model}"] if args.random_model else []
     if args.contender is None:
         sft_model(args)
         print(f"tierlm rl, tiny_rl, {args.steps} steps, {args.threads} threads in all", file=sys.stderr)

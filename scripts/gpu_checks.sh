@@ -3,17 +3,21 @@
 #
 #   bash scripts/gpu_checks.sh wheels   # here (internet to the registries): tierlm's dependencies that a GPU
 #                                       # image lacks, as wheels in .whl/ (pinned to this .venv's versions)
-#   bash scripts/gpu_checks.sh run [CHECK ...]
+#   bash scripts/gpu_checks.sh run [--dry-run] [CHECK ...]
 #                                       # there, from the repository's root, carrying .whl and runs/tiny_sft
 #                                       # (bash scripts/main.sh makes it): the checks named, each with its own time
 #                                       # limit, into $OUT/log.txt (or ./gpu-checks.log without $OUT)
 #
-# The checks: tests (the CUDA-only tests, ~1 min), mfu (bench/gpu_mfu.py, eager then compiled), generation
-# (bench/gpu_generation.py), decode (the batched decode step alone), serve_cuda and serve_cpu (`tierlm serve` under
-# load on the GPU and on the machine's CPU, ~2 min each; bench/serve_load.py). None named: tests, mfu and generation,
-# whose limits add to 470 s (a call may run 600 s and a session has 900, starts included); serve_cuda and serve_cpu
-# in a second call if time is left (on the H100, 2026-11-26: tests 46 s, serve_cuda 118 s, serve_cpu 135 s). The figures go
-# to docs/benchmarks.md with the card named.
+# The checks: tests (the CUDA-only tests, ~1 min), card (bench/inference_card.py: the decode step's latency,
+# throughput, memory and MBU at batch 1/16/64, tierlm's CUDA-graph engine against its eager step and transformers'
+# compiled static cache), rl (bench/rl.py: one RL step split into generation / scoring / training on a 393 M
+# random-weight policy, eager and with infra.compile), mfu (bench/gpu_mfu.py: training MFU eager, compiled and
+# compiled FP8, with their loss curves), profile (the compiled step's kernels), decode (the batched decode step
+# alone), serve_cuda and serve_cpu (`tierlm serve` under load on the GPU and on the machine's CPU, ~2 min each;
+# bench/serve_load.py). None named: tests, card, rl and mfu, whose limits add to 545 s (a call may run 600 s and a
+# session has 900, the machine's start included); the rest in a second call if time is left (on the H100,
+# 2026-11-26: tests 46 s, serve_cuda 118 s, serve_cpu 135 s). The figures go to docs/benchmarks.md with the card
+# named. `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).
 set -uo pipefail
 
 # The GPU image holds torch, transformers, tokenizers, safetensors, numpy, peft, jax, prometheus_client, httpx; these
@@ -40,11 +44,23 @@ wheels() {
 }
 
 check() {
+    local dry=${DRY:+--dry-run}
     case "$1" in
-        tests) timeout 150 python3 -m pytest -q -p no:cacheprovider "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
-            "tests/test_primitives.py::test_fp8_trains_on_a_gpu" 2>&1 | tail -3 ;;
-        mfu) timeout 200 python3 bench/gpu_mfu.py 2>&1 | grep -v Warning | tail -8 ;;
-        generation) timeout 120 python3 bench/gpu_generation.py 2>&1 | grep -v Warning | tail -8 ;;
+        tests) timeout 75 python3 -m pytest -q -p no:cacheprovider "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
+            "tests/test_primitives.py::test_fp8_trains_on_a_gpu" \
+            "tests/test_rl.py::test_cuda_graph_decoding_equals_the_eager_step" 2>&1 | tail -3 ;;
+        card) timeout 150 python3 bench/inference_card.py $dry 2>&1 | grep -v Warning | tail -12 ;;
+        rl) if [ -n "$dry" ]; then
+                timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \
+                    --repeats 1 --steps 4 --only "1 process on-policy" 2>&1 | tail -4
+            else
+                timeout 125 python3 bench/rl.py --device-type cuda --random-model 20x64 --sft runs/tiny_sft \
+                    --max-new-tokens 128 --repeats 1 --steps 6 --threads 8 \
+                    --only "1 process on-policy,1 process on-policy compiled" 2>&1 | tail -6
+            fi ;;
+        mfu) timeout 190 python3 bench/gpu_mfu.py $dry 2>&1 | grep -v Warning | tail -8 ;;
+        profile) timeout 150 python3 bench/gpu_mfu.py $dry --modes compiled --steps 5 --profile 2>&1 | grep -v Warning \
+            | tail -24 ;;
         decode) timeout 60 python3 bench/serve_load.py --checkpoint runs/tiny_sft --decode-step --device-type cuda 2>&1 \
             | tail -3 ;;
         serve_cuda) timeout 170 python3 bench/serve_load.py --checkpoint runs/tiny_sft --random-weights --requests 4 \
@@ -58,10 +74,20 @@ run() {
     local log=${OUT:+$OUT/log.txt} site name
     for name in "$@"; do
         case "$name" in
-            tests | mfu | generation | decode | serve_cuda | serve_cpu) ;;
-            *) echo "gpu_checks: no check named $name (tests, mfu, generation, decode, serve_cuda, serve_cpu)" >&2; exit 2 ;;
+            tests | card | rl | mfu | profile | decode | serve_cuda | serve_cpu) ;;
+            *) echo "gpu_checks: no check named $name (tests card rl mfu profile decode serve_cuda serve_cpu)" >&2
+               exit 2 ;;
         esac
     done
+    if [ -n "${DRY:-}" ]; then  # here, on CPU, with .venv: each check's script at its tiny sizes
+        export PATH="$PWD/.venv/bin:$PATH" PYTHONWARNINGS=ignore
+        for name in "$@"; do
+            [ "$name" = tests ] && continue
+            echo "=== $name --dry-run ($(date +%T))"
+            check "$name"
+        done
+        return
+    fi
     command -v nvidia-smi > /dev/null || { echo "gpu_checks: run is for the GPU machine (no nvidia-smi here)" >&2; exit 2; }
     export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
     log=${log:-./gpu-checks.log}
@@ -81,6 +107,9 @@ run() {
 
 case "${1:-}" in
     wheels) wheels ;;
-    run) shift; [ $# -gt 0 ] || set -- tests mfu generation; run "$@" ;;
+    run) shift
+        if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
+        [ $# -gt 0 ] || set -- tests card rl mfu
+        run "$@" ;;
     *) echo "usage: bash scripts/gpu_checks.sh wheels|run (see the comment at its top)" >&2; exit 2 ;;
 esac

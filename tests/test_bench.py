@@ -17,18 +17,22 @@ def test_gpu_mfu_dry_run_on_cpu():
     assert record["flops_per_token"] > 6 * record["params"] * 0.5  # the 6N term dominates
 
 
-def test_gpu_generation_dry_run_on_cpu():
+def test_inference_card_dry_run_on_cpu():
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_generation.py"), "--dry-run"],
+        [sys.executable, str(REPO / "bench" / "inference_card.py"), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["contender"] for r in rows] == ["tierlm-native", "tierlm-hf", "transformers"]
+    assert [(r["contender"], r["batch"]) for r in rows] == [
+        ("tierlm", 1), ("tierlm", 3), ("tierlm-static", 1), ("tierlm-static", 3)
+    ]  # fmt: skip
     for r in rows:
-        assert r["tokens_per_sec"] > 0 and abs(r["tokens_per_sec"] - r["steps_per_sec"] * r["batch"]) <= r["batch"]
+        assert r["step_ms"] > 0 and 0 < r["mbu"] and r["bound_steps_per_sec"] > 0
+        assert abs(r["tokens_per_sec"] * r["new_tokens"] ** -1 * (r["prefill_ms"] / 1e3 + (r["new_tokens"] - 1)
+                   * r["step_ms"] / 1e3) - r["batch"]) < 0.2 * r["batch"]  # fmt: skip
 
 
 def test_harness_table_reports_medians_and_ratios(capsys):

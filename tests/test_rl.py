@@ -71,6 +71,73 @@ def test_engine_sampling_is_seeded_and_stops(tiny_gpt_config):
         assert c.finished == (7 in c.tokens) and (not c.finished or c.tokens[-1] == 7)
 
 
+def _static_and_slicing(model, run):
+    """`run(engine)` on the engine with the fixed-shape decode step and on the one slicing its cache."""
+    return run(Engine(model, stop_ids=[7], static=True)), run(Engine(model, stop_ids=[7], static=False))
+
+
+def _same_samples(a, b):
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert [c.finished for c in a] == [c.finished for c in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("samples,temperature,top_k", [(3, 0.0, None), (5, 1.0, None), (2, 0.8, 10)])
+def test_the_fixed_shape_decode_step_samples_what_the_slicing_step_samples(tiny_gpt_config, samples, temperature,
+                                                                           top_k):  # fmt: skip
+    """The static cache (a tensor position, attention over the whole bucket masked past it, rows padded to a bucket:
+    3 and 5 rows run in buckets of 4 and 8) against today's step: the same tokens, greedy and under one seed, and
+    the same log-probs; a second prompt of another length in the same bucket sees nothing of the first."""
+    model = _models(tiny_gpt_config)["native"]
+
+    def run(engine):
+        return [
+            engine.generate(prompt, samples, 30, temperature, top_k, generator=torch.Generator().manual_seed(seed))
+            for prompt, seed in (([3, 14, 15, 92, 65], 1), ([9, 2], 2))
+        ]
+
+    static, slicing = _static_and_slicing(model, run)
+    for a, b in zip(static, slicing):
+        _same_samples(a, b)
+    assert len(Engine(model, static=True).decoders.get(3, 35).cache.layers[0].k) == 4
+
+
+def test_fixed_shape_decoding_continues_partial_rollouts_as_the_slicing_step(tiny_gpt_config):
+    model = _models(tiny_gpt_config)["native"]
+
+    def run(engine):
+        rows = engine.generate([1, 2, 3], 3, 4, 1.0, generator=torch.Generator().manual_seed(0))
+        rows = [r for r in rows if not r.finished]
+        engine.extend([1, 2, 3], rows, 12, 1.0, generator=torch.Generator().manual_seed(1))
+        return rows
+
+    _same_samples(*_static_and_slicing(model, run))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decoding_equals_the_eager_step(tiny_gpt_config):
+    """On a GPU the engine replays the step captured in a CUDA graph: bit for bit the fixed-shape step run eagerly
+    (float32 and bf16), and in float32 the slicing step's tokens (run by scripts/gpu_checks.sh)."""
+    from tierlm.rollout.static_decode import Decoders
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _models(tiny_gpt_config)["native"].to("cuda", dtype)
+        graphed = Engine(model, stop_ids=[7])
+        assert graphed.decoders is not None and graphed.decoders.graph
+        eager = Engine(model, stop_ids=[7], static=True)
+        eager.decoders = Decoders(eager.model, graph=False)
+        slicing = Engine(model, stop_ids=[7], static=False)
+        for samples in (1, 6):
+            a, b, c = (
+                e.generate([3, 14, 15], samples, 40, 1.0, generator=torch.Generator("cuda").manual_seed(4))
+                for e in (graphed, eager, slicing)
+            )
+            assert [x.tokens for x in a] == [x.tokens for x in b] and [x.logprobs for x in a] == [x.logprobs for x in b]
+            if dtype == torch.float32:
+                _same_samples(a, c)
+
+
 class ScriptedEngine(Engine):
     """The model's choices come from a script (one entry per step, forced steps included), so the
     tool path is exercised exactly; the cache and sampling code around it is the real one."""

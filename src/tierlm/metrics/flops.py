@@ -21,6 +21,42 @@ GPU_PEAK_FLOPS = {
 }
 
 
+GPU_MEMORY_BANDWIDTH = {  # bytes/s, the vendors' figures; the first name found in the device's name wins
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "H200": 4.8e12,
+    "H800": 3.35e12,
+    "A100": 2.0e12,
+    "A10G": 0.6e12,
+    "L4": 0.3e12,
+    "4090": 1.0e12,
+}
+
+
+def memory_bandwidth(device: torch.device, override: float | None = None) -> float | None:
+    """Bytes/s the memory of `device` moves: a known GPU's figure, or on CPU a measured copy of 256 MiB (bytes read
+    plus bytes written, the best of three): the roofline a decode step, which reads every weight once, is held to.
+
+    >>> memory_bandwidth(torch.device("cpu"), override=1e11)
+    100000000000.0
+    """
+    if override:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((rate for key, rate in GPU_MEMORY_BANDWIDTH.items() if key in name), None)
+    if device.type != "cpu":
+        return None
+    source = torch.ones(64 * 2**20)  # 256 MiB of float32
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best
+
+
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token: 6 x non-embedding params + 12 x layers x attention width x T (PaLM appendix B).
 

@@ -15,9 +15,22 @@ class LayerCache:
         self.mask: torch.Tensor | None = None
         """(B, max_len) bool, which positions hold each row's own keys: rows of a continuous batch start at different
         positions (`tierlm.rollout.batching`); None: every row holds every position."""
+        self.position: torch.Tensor | None = None
+        """A one-element long tensor on the cache's device: where the next token goes, for a decode step whose
+        shapes never change (`tierlm.rollout.static_decode`, captured in a CUDA graph): the token written in place
+        there, attention over the whole buffer with the later positions masked. None: `length`, a Python int, slices
+        the buffer (prefill, and eager decoding)."""
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store T new positions; return all cached keys and values (B, Hkv, length, D)."""
+        """Store T new positions; return all cached keys and values (B, Hkv, length, D) — with a `position`, one
+        token stored there and the whole buffer returned (B, Hkv, max_len, D)."""
+        if self.position is not None:
+            assert k.shape[2] == 1, "a decode step at a tensor position takes one token per row"
+            self.k.index_copy_(2, self.position, k)
+            self.v.index_copy_(2, self.position, v)
+            if self.mask is not None:
+                self.mask.index_fill_(1, self.position, True)
+            return self.k, self.v
         end = self.length + k.shape[2]
         assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"
         self.k[:, :, self.length : end] = k
@@ -28,7 +41,11 @@ class LayerCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def attention_mask(self) -> torch.Tensor | None:
-        """The keys each row's new query may see, (B, 1, 1, length); None when every row holds them all."""
+        """The keys each row's new query may see, (B, 1, 1, length); None when every row holds them all. With a
+        `position`: (B or 1, 1, 1, max_len), the positions up to it."""
+        if self.position is not None:
+            seen = torch.arange(self.k.shape[2], device=self.k.device) <= self.position
+            return (seen if self.mask is None else self.mask & seen).view(-1, 1, 1, self.k.shape[2])
         return None if self.mask is None else self.mask[:, None, None, : self.length]
 
     def repeat(self, n: int) -> None:
@@ -49,6 +66,16 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    @property
+    def position(self) -> torch.Tensor | None:
+        """The tensor position of a fixed-shape decode step (`LayerCache.position`), shared by every layer."""
+        return self.layers[0].position
+
+    @position.setter
+    def position(self, position: torch.Tensor | None) -> None:
+        for layer in self.layers:
+            layer.position = position
 
     def repeat(self, n: int) -> None:
         for layer in self.layers:

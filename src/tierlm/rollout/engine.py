@@ -19,6 +19,7 @@ from torch import nn
 from tierlm.errors import DataError
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
+from tierlm.rollout import static_decode
 from tierlm.rollout.sampling import sample_next_token
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
@@ -141,17 +142,29 @@ class SamplingEngine(Protocol):
 class Engine:
     """Sampling for one model of any family (the family's KV cache: ours for native models, transformers' own).
 
-    `tokenizer` is needed only for tools (to read the call and encode the result).
+    `tokenizer` is needed only for tools (to read the call and encode the result). `static`: decode with fixed shapes
+    (`tierlm.rollout.static_decode`; on CUDA each step one CUDA graph); None: on CUDA where the model takes it. Off
+    CUDA the slicing step is the faster one (attention over the positions so far, not the whole buffer).
     """
 
     needs_state = False  # it samples from a module: the policy's own, or a copy it is given weights for
     takes_adapters = True  # a copy of a LoRA policy keeps its base: each sync may send the adapters alone
 
     def __init__(
-        self, model: nn.Module, stop_ids: list[int] | tuple[int, ...] = (), tokenizer=None, tools: list[Tool] = ()
+        self,
+        model: nn.Module,
+        stop_ids: list[int] | tuple[int, ...] = (),
+        tokenizer=None,
+        tools: list[Tool] = (),
+        static: bool | None = None,
     ):
         self.model = unwrap_model(model)
         self.family = family_of(self.model)
+        on_cuda = next(self.model.parameters()).device.type == "cuda"
+        if static is None:
+            static = on_cuda and static_decode.supports(self.model)
+        assert not static or static_decode.supports(self.model), "static decoding needs the native GPT (no windows)"
+        self.decoders = static_decode.Decoders(self.model, graph=on_cuda) if static else None
         self.stop_ids = set(stop_ids)
         self.tokenizer, self.tools = tokenizer, {t.name: t for t in tools}
         self.device = next(self.model.parameters()).device
@@ -188,6 +201,11 @@ class Engine:
 
     # -- the model step, with a cache (the model's family knows its cache) -----------------------
     def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):
+        if self.decoders is not None:  # prefilled as long as the prompt, then copied into a fixed-shape bucket
+            logits, cache = self.family.prefill(self.model, ids, ids.shape[1])
+            decoder = self.decoders.get(ids.shape[0] * num_samples, max_len)
+            decoder.load(cache, ids.shape[0] * num_samples)
+            return logits.repeat_interleave(num_samples, dim=0), decoder
         logits, cache = self.family.prefill(self.model, ids, max_len)
         if num_samples == 1:  # each row its own (one sample, or a partial rollout's rows): nothing to copy
             return logits, cache
@@ -195,6 +213,8 @@ class Engine:
         return logits.repeat_interleave(num_samples, dim=0), cache
 
     def _decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        if isinstance(cache, static_decode.StaticDecoder):
+            return cache.step(tokens)
         return self.family.decode(self.model, tokens, cache)
 
     def max_len(self) -> int:

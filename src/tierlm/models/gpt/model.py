@@ -393,7 +393,9 @@ class GPT(nn.Module):
             f"sequence length {start + T} > max_seq_len {self.config.max_seq_len}"
         )
         assert cache is None or position_ids is None, "a KV cache decodes one sequence per row: no packed position_ids"
-        if position_ids is None:
+        if cache is not None and cache.position is not None:  # one token at a tensor position: shapes never change
+            cos, sin, mask = self.rope_cos[cache.position], self.rope_sin[cache.position], None  # (1, D)
+        elif position_ids is None:
             cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
         else:
             cos, sin = (

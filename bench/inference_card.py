@@ -1,0 +1,206 @@
+"""The inference card: latency, throughput, memory and memory-bandwidth utilisation (MBU) across decode batch sizes.
+
+    python bench/inference_card.py                      # on a GPU: the 478 M model in bf16, batch 1/16/64
+    python bench/inference_card.py --device-type cpu --depth 6 --aspect-ratio 64 --batches 1,8
+                                                        # on CPU: a smaller model in float32
+    python bench/inference_card.py --dry-run            # tiny sizes on CPU: keeps the script from rotting (CI)
+    python bench/inference_card.py --profile --batches 16 --new-tokens 32    # torch.profiler's table of one engine
+
+The same weights for every contender: a native GPT (default depth 20, width 1280, head 128, vocab 32768, the shape of
+bench/gpu_mfu.py) with trained-looking random weights, exported to the equivalent transformers Qwen3 model.
+Sampling at temperature 1, no stop token, a 16-token prompt, so each generates exactly batch x new-tokens tokens.
+  - tierlm: `Engine` as it runs (on CUDA, each decode step one CUDA graph: `tierlm.rollout.static_decode`);
+  - tierlm-eager: `Engine(static=False)`, the step launched kernel by kernel, attending to the cache so far (on
+    CPU this is what `tierlm` runs);
+  - tierlm-static (CPU): the fixed-shape step without a graph, attending to the whole bucket (masked);
+  - transformers-static (GPU only): `generate(cache_implementation="static")`, which compiles its forward
+    (transformers' own fast path); skipped on CPU, where its compile takes minutes for nothing.
+A row's figures: `prefill_ms` (a generation of one token), `step_ms` (one decode step: the time of `--new-tokens`
+less the prefill, over the steps after it; for transformers the whole time over the tokens, its prefill included),
+tokens/s and steps/s, `peak_gib` (the device's peak allocation during the generation; CUDA only), and `mbu`: the
+bytes a step must read — every weight once, plus the keys and values cached so far on average — per second over the
+memory's bandwidth (`tierlm.metrics.flops.memory_bandwidth`: a
+known GPU's figure, or a measured copy on CPU). `bound_steps_per_sec` is that roofline for the weights alone.
+Each timing is the median of 3 after one warm-up, the device synchronised at both ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tierlm.metrics.flops import memory_bandwidth
+from tierlm.models import GPTConfig, build_gpt, load_native_model, save_model_folder
+from tierlm.rollout.engine import Engine
+
+PROMPT = list(range(10, 26))
+
+
+def timed(fn, device: torch.device, calls: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def engine_generate(engine: Engine, batch: int, device: torch.device):
+    generator = torch.Generator(device).manual_seed(0)
+
+    def generate(new_tokens: int):
+        out = engine.generate(PROMPT, batch, new_tokens, temperature=1.0, generator=generator)
+        assert all(len(c.tokens) == new_tokens for c in out)
+
+    return generate
+
+
+def transformers_generate(model, batch: int, device: torch.device):
+    ids = torch.tensor([PROMPT] * batch, device=device)
+
+    @torch.no_grad()
+    def generate(new_tokens: int):
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=0,
+            eos_token_id=None,
+            cache_implementation="static",
+        )
+        assert out.shape == (batch, len(PROMPT) + new_tokens)
+
+    return generate
+
+
+def card_row(name, generate, batch, new_tokens, config, params, bytes_per, bandwidth, device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    # transformers' static cache is sized by max_new_tokens, so a one-token generation would compile another
+    # graph: its prefill is not measured, and its step is the whole generation's time over the tokens.
+    prefill = timed(lambda: generate(1), device) if name != "transformers-static" else None
+    total = timed(lambda: generate(new_tokens), device)
+    step = max(total - prefill, 1e-9) / (new_tokens - 1) if prefill is not None else total / new_tokens
+    mean_positions = len(PROMPT) + new_tokens / 2
+    kv_bytes = 2 * config.depth * config.num_kv_heads * config.head_dim * bytes_per * batch * mean_positions
+    weight_bytes = params * bytes_per
+    return {
+        "contender": name,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "prefill_ms": round(prefill * 1e3, 2) if prefill is not None else None,
+        "step_ms": round(step * 1e3, 3),
+        "steps_per_sec": round(1 / step, 1),
+        "tokens_per_sec": round(batch * new_tokens / total, 1),
+        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "mbu": round((weight_bytes + kv_bytes) / step / bandwidth, 4) if bandwidth else None,
+        "bound_steps_per_sec": round(bandwidth / weight_bytes, 1) if bandwidth else None,
+        "params": params,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()})",
+    }
+
+
+def profile(engine: Engine, batch: int, new_tokens: int, device: torch.device) -> None:
+    """Where a decode step's time goes: the operators by their own host time, and the kernels launched a step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    generate = engine_generate(engine, batch, device)
+    generate(new_tokens)  # warm-up (and the CUDA graph's capture)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        generate(new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20))
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    print(json.dumps({"profile_batch": batch, "new_tokens": new_tokens, "kernels_per_step": kernels / new_tokens}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU, batch 1 and 3, 8 tokens")
+    parser.add_argument("--device-type", default=None, help="cuda (default where there is one) or cpu")
+    parser.add_argument("--depth", type=int, default=20)
+    parser.add_argument("--aspect-ratio", type=int, default=64, help="width = depth x aspect ratio (20 x 64 = 1280)")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--contenders",
+        default=None,
+        help="default: tierlm,tierlm-eager,transformers-static (GPU), else tierlm,tierlm-static",
+    )
+    parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s of the memory (default: known/measured)")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's table of the first contender")
+    args = parser.parse_args()
+    if args.dry_run:
+        config = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64)
+        device, batches, new_tokens = torch.device("cpu"), [1, 3], 8
+    else:
+        device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("inference_card.py: no CUDA GPU here; pass --device-type cpu or --dry-run")
+        config = GPTConfig(
+            depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=1024
+        )
+        batches, new_tokens = [int(b) for b in args.batches.split(",")], args.new_tokens
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    folder = Path(tempfile.mkdtemp()) / "model"
+    torch.manual_seed(0)
+    gpt = build_gpt(config)
+    with torch.no_grad():  # trained-looking weights: non-degenerate distributions
+        for p in gpt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_model_folder(gpt, folder)
+    params = sum(p.numel() for p in gpt.parameters())
+    del gpt
+    native = load_native_model(folder, device, dtype).eval()
+    engines = {
+        "tierlm": Engine(native),
+        "tierlm-eager": Engine(native, static=False),
+        "tierlm-static": Engine(native, static=True),
+    }
+    default = "tierlm,tierlm-eager,transformers-static" if device.type == "cuda" else "tierlm,tierlm-static"
+    names = (args.contenders or default).split(",")
+    if args.profile:
+        profile(engines[names[0]], batches[0], new_tokens, device)
+        return
+    hf = None
+    if "transformers-static" in names:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    bandwidth = memory_bandwidth(device, args.bandwidth)
+    bytes_per = torch.finfo(dtype).bits // 8
+    for name in names:  # contender by contender: a slow compile last cuts off no one else's rows
+        for batch in batches:
+            if name == "transformers-static":
+                generate = transformers_generate(hf, batch, device)
+            else:
+                generate = engine_generate(engines[name], batch, device)
+            try:
+                row = card_row(name, generate, batch, new_tokens, config, params, bytes_per, bandwidth, device)
+            except Exception as error:  # noqa: BLE001 - a contender that fails is a row saying so, not the end
+                row = {"contender": name, "batch": batch, "error": f"{type(error).__name__}: {error}"[:300]}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The native GPT's decode step with shapes that never change, launched once per token on a GPU.
+
+An eager decode step of a 20-layer model is some 600 kernel launches, and on a GPU the host cannot issue them as fast
+as the GPU runs them (13.3 ms of host time against 1.9 ms of GPU time per step, docs/benchmarks.md). The cure vLLM,
+SGLang and transformers' static cache share: give the step fixed shapes — the batch rounded up to a bucket, a KV
+cache of a fixed length written in place at a position held in a tensor, attention over the whole buffer with the
+later positions masked — and capture it in a CUDA graph, which replays every kernel with one launch.
+
+`StaticDecoder(model, rows, length)` holds such a step for one bucket: `load` copies a prefilled cache into its
+buffers, `step(tokens)` feeds one token per row and returns the next logits (a view into its output buffer, valid
+until the next step). Off CUDA the same fixed-shape step runs eagerly (what the tests compare with the slicing step,
+token for token). The engine keeps a few buckets (`Decoders`) and uses them for the native GPT on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from tierlm.models.gpt.model import GPT
+from tierlm.models.kv_cache import KVCache
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LENGTH_BUCKET = 128
+"""Cache lengths are rounded up to a multiple of this (capped at the model's context): prompts of nearby lengths
+share one captured graph."""
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `model` takes the fixed-shape step: the native GPT without sliding-window layers (whose band mask
+    assumes the keys end at the query), its weights plain tensors (not a sharded policy's DTensors)."""
+    return (
+        isinstance(model, GPT)
+        and all(window is None for window in model.config.layer_windows())
+        and all(type(p.data) is torch.Tensor for p in model.parameters())
+    )
+
+
+def bucket(rows: int, length: int, context: int) -> tuple[int, int]:
+    """The (rows, cache length) bucket holding `rows` rows of up to `length` positions.
+
+    >>> bucket(3, 40, 1024), bucket(16, 200, 1024), bucket(300, 1000, 1024)
+    ((4, 128), (16, 256), (300, 1024))
+    """
+    rows = next((b for b in ROW_BUCKETS if b >= rows), rows)
+    return rows, min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, context)
+
+
+class StaticDecoder:
+    """One bucket's fixed-shape decode step (`rows` rows, a cache of `length` positions); on CUDA a CUDA graph."""
+
+    def __init__(self, model: GPT, rows: int, length: int, graph: bool):
+        assert supports(model), "the fixed-shape decode step needs the native GPT without sliding windows"
+        parameter = next(model.parameters())
+        self.model, self.rows, self.length = model, rows, length
+        self.cache = KVCache(model.config, rows, length, parameter.device, parameter.dtype)
+        self.position = torch.zeros(1, dtype=torch.long, device=parameter.device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=parameter.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if graph:
+            self._capture()
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        self.cache.position = self.position
+        try:
+            logits = self.model(self.tokens[:, None], cache=self.cache)[:, -1]
+        finally:
+            self.cache.position = None
+        self.position.add_(1)
+        return logits
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (cuBLAS and the allocator settle), then capture one step (PyTorch's recipe,
+        `torch.cuda.graphs`). The warm-up writes at position 0 of an empty cache: `load` overwrites it."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.position.zero_()
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.position.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # its own memory pool: one graph's scratch never holds another's output
+            self.logits = self._forward()
+
+    @torch.no_grad()
+    def load(self, prefilled: KVCache, rows: int = 0) -> None:
+        """Take over a prefilled cache: its rows (copied to `rows` rows when it has one and `rows` is more: a prompt
+        sampled many ways) and positions; decoding continues after them."""
+        length = prefilled.length
+        assert length < self.length, f"a cache of {length} positions leaves no room in a bucket of {self.length}"
+        for mine, theirs in zip(self.cache.layers, prefilled.layers):
+            k, v = theirs.k[:, :, :length], theirs.v[:, :, :length]
+            if rows > k.shape[0]:
+                k, v = k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)
+            mine.k[: k.shape[0], :, :length] = k
+            mine.v[: k.shape[0], :, :length] = v
+        self.position.fill_(length)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row in use (B,); the next logits (B, V), a view valid until the next step."""
+        self.tokens[: tokens.shape[0]].copy_(tokens)
+        if self.graph is None:
+            return self._forward()[: tokens.shape[0]]
+        self.graph.replay()
+        return self.logits[: tokens.shape[0]]
+
+
+class Decoders:
+    """The fixed-shape decode steps an engine keeps, one per (rows, length) bucket, the least recently used dropped
+    past `keep` (each holds a KV cache of its size)."""
+
+    def __init__(self, model: GPT, graph: bool, keep: int = 4):
+        self.model, self.graph, self.keep = model, graph, keep
+        self.decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+
+    def get(self, rows: int, length: int) -> StaticDecoder:
+        key = bucket(rows, length, self.model.config.max_seq_len)
+        if key not in self.decoders:
+            while len(self.decoders) >= self.keep:
+                self.decoders.popitem(last=False)
+            self.decoders[key] = StaticDecoder(self.model, *key, graph=self.graph)
+        self.decoders.move_to_end(key)
+        return self.decoders[key]

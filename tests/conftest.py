@@ -79,6 +79,18 @@ def run_main(*args, timeout=None):
     return subprocess.CompletedProcess(["tierlm", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
+def first_failure(stderr: str) -> str:
+    """A failed torchrun's story: the first rank's first error (which the last lines, the other ranks' broken
+    connections, hide), then the end.
+
+    >>> first_failure("noise\\nTraceback (most recent call last):\\n  boom\\nmore")[:9]
+    'Traceback'
+    """
+    starts = [i for i in (stderr.find("Traceback"), stderr.find("Fatal Python error")) if i >= 0]
+    head = stderr[min(starts) : min(starts) + 3000] if starts else ""
+    return f"{head}\n...\n{stderr[-2000:]}"
+
+
 def torchrun(*args, nproc: int = 2, timeout: int = 300, wait: bool = True, **popen):
     """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC ARGS` (one thread per rank);
     `wait=False`: start it in its own process group (for os.killpg) and return the process."""

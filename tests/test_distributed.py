@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.conftest import REPO, TINY, run_main, torchrun
+from tests.conftest import REPO, TINY, first_failure, run_main, torchrun
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 
@@ -659,7 +659,7 @@ def test_an_ablation_under_torchrun_runs_each_variant_on_every_rank(tmp_path):
         out,
         timeout=240,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, first_failure(result.stderr)
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert all(runs[v]["0"]["finished"] and runs[v]["0"]["steps"] == 4 for v in ("a", "b"))
     assert (out / "a_seed0" / "checkpoints" / "step_4" / "state").is_dir()  # a sharded (FSDP, 2-rank) checkpoint

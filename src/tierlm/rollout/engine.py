@@ -300,7 +300,8 @@ class Engine:
             sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
             logprobs = torch.log_softmax(scaled, dim=-1).gather(1, sampled[:, None]).squeeze(1)
-            step = sampled.tolist()  # one host sync per step, not one per row
+            sampled_list = sampled.tolist()  # one host sync per step, not one per row
+            step = list(sampled_list)
             logprob_list = logprobs.tolist()
             for row, completion in enumerate(out):
                 if completion.finished:
@@ -310,7 +311,9 @@ class Engine:
                     on_token(row, completion)
             if i == steps - 1 or all(c.finished for c in out):
                 break
-            logits = self._decode(torch.tensor(step, device=self.device), cache)
+            # The sampled ids stay on the device unless a forced tool token replaced one (no copy from the host).
+            tokens = sampled if step == sampled_list else torch.tensor(step, device=self.device)
+            logits = self._decode(tokens, cache)
 
     @torch.no_grad()
     def extend(self, prompt_ids, rows, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):

@@ -1526,6 +1526,16 @@ CASES = [
         "model.window_pattern must be",
     ),
     Case(
+        "moe-more-picks-than-experts",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "model.moe.num_experts=2", "model.moe.experts_per_token=3"],
+        r"model.moe.experts_per_token \(3\) must be at most model.moe.num_experts \(2\)",
+    ),
+    Case(
+        "moe-on-gpt2",
+        ["pretrain", "--config", cfg(PRE), *TINY, "model.moe.num_experts=4", "model.architecture=gpt2"],
+        "model.moe.num_experts has no effect on a gpt2 model",
+    ),
+    Case(
         "fp8-on-cpu",
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.fp8=true"],
         "needs an H100-class CUDA GPU",

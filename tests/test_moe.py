@@ -138,3 +138,73 @@ def test_routing_replay_uses_the_given_experts():
     replayed = layer(x)
     torch.testing.assert_close(replayed, _reference(layer, x, other.routes), atol=1e-5, rtol=1e-5)
     assert torch.equal(layer.routes, other.routes) and not torch.allclose(replayed, own)
+
+
+def _moe_gpt(seed: int = 0, **moe):
+    from tierlm.models import GPTConfig, build_gpt
+
+    settings = {"num_experts": 4, "experts_per_token": 2, "expert_width": 24, **moe}
+    config = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=61, max_seq_len=32,
+                       moe=MoEConfig(**settings))  # fmt: skip
+    torch.manual_seed(seed)
+    gpt = build_gpt(config)
+    with torch.no_grad():  # off the zero init, so every expert and the router matter
+        for p in gpt.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return gpt.eval()
+
+
+def test_a_gpt_with_experts_saves_as_transformers_qwen3_moe_with_the_same_logits(tmp_path):
+    """The native GPT with `moe` is Qwen3-MoE: its folder loads into transformers' Qwen3MoeForCausalLM (and back
+    into tierlm, the balancing bias with it) with equal logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tierlm.models import load_native_model, save_model_folder
+
+    gpt = _moe_gpt()
+    save_model_folder(gpt, tmp_path / "model")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and hf.config.num_experts == 4
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, gpt(ids), atol=2e-5, rtol=1e-5)
+        gpt.blocks[1].mlp.expert_bias.copy_(torch.tensor([2.0, -2.0, 0.0, 0.0]))  # selection moves
+        save_model_folder(gpt, tmp_path / "biased")
+        again = load_native_model(tmp_path / "biased")
+        assert again.blocks[1].mlp.expert_bias.tolist() == [2.0, -2.0, 0.0, 0.0]
+        torch.testing.assert_close(again(ids), gpt(ids), atol=0, rtol=0)
+    assert gpt.num_params(active=True) < gpt.num_params()
+
+
+def test_a_gpt_with_experts_decodes_with_its_cache_as_it_recomputes():
+    from tierlm.rollout import generate
+    from tierlm.rollout.engine import Engine
+
+    gpt = _moe_gpt(seed=2)
+    prompt = [3, 14, 15, 9]
+    engine = Engine(gpt)
+    assert engine.decoders is None  # routing sizes the experts' batches on the host: never the fixed-shape step
+    assert engine.generate(prompt, 2, 16, temperature=0.0)[0].tokens == generate(gpt, prompt, 16, temperature=0.0)
+
+
+def test_gpt_experts_refuse_what_qwen3_moe_cannot_hold():
+    from tierlm.models import GPTConfig
+
+    config = GPTConfig(moe=MoEConfig(num_experts=4, experts_per_token=1, expert_width=8, score="sigmoid"))
+    assert any("no transformers Qwen3-MoE twin" in p for p in config.validate())
+
+
+def test_model_moe_settings_give_experts_the_dense_width_over_the_picks():
+    """model.moe.num_experts > 0 makes every block a mixture; an expert's width defaults to the dense SwiGLU's over
+    experts_per_token (rounded up to 32), so a token meets as many feed-forward weights as in the dense model."""
+    from tierlm.config.model import ModelConfig, MoESettings
+    from tierlm.models import GPTConfig
+    from tierlm.models.gpt.family import GPTFamily
+
+    shape = dict(depth=4, aspect_ratio=32, head_dim=32)
+    dense = GPTConfig(**shape).intermediate_size  # 352
+    made = GPTFamily().gpt_config(ModelConfig(**shape, moe=MoESettings(num_experts=8, experts_per_token=2)), 100, 64)
+    assert made.moe == MoEConfig(8, 2, -(-dense // 2 // 32) * 32) and made.moe.expert_width == 192
+    wide = ModelConfig(**shape, moe=MoESettings(num_experts=8, expert_width=64, normalize_top_k=False))
+    assert GPTFamily().gpt_config(wide, 100, 64).moe == MoEConfig(8, 2, 64, normalize_top_k=False)
+    assert GPTFamily().gpt_config(ModelConfig(**shape), 100, 64).moe is None

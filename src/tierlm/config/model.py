@@ -122,10 +122,26 @@ FROM_SCRATCH_FIELDS = (
     "tie_embeddings",
     "window_pattern",
     "short_window",
+    "moe",
     "hf_config",
 )
 """The model settings that only shape a model built from scratch: a run that starts from model.model_name_or_path
 trains the model that folder holds, as it is."""
+
+
+class MoESettings(Section):
+    """Native GPT: a mixture of experts for every block's feed-forward (`tierlm.models.moe`, transformers' Qwen3-MoE
+    layout: a softmax router picks each token's experts_per_token of num_experts SwiGLU experts)."""
+
+    num_experts: int = Field(0, ge=0)
+    """Experts per layer; 0: a dense SwiGLU."""
+    experts_per_token: int = Field(2, gt=0)
+    """Experts each token goes through (the router's top-k)."""
+    expert_width: int | None = Field(None, gt=0)
+    """Each expert's hidden width; None: the dense SwiGLU's over experts_per_token (rounded up to a multiple of 32),
+    so a token meets as many feed-forward weights as in the dense model of the same shape."""
+    normalize_top_k: bool = True
+    """Renormalise the picked experts' router weights to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
 
 
 class ModelConfig(Section):
@@ -170,6 +186,8 @@ class ModelConfig(Section):
     context, S a sliding window of model.short_window tokens; nanochat's "SSSL"."""
     short_window: int | None = Field(None, gt=0)
     """Native GPT: tokens an S layer's query sees, itself included (None: half of data.max_seq_length)."""
+    moe: MoESettings = Field(default_factory=MoESettings)
+    """Native GPT: a mixture of experts instead of each block's SwiGLU (model.moe.num_experts > 0)."""
     hf_config: dict[str, Any] = Field(default_factory=dict)
     """From scratch with a transformers architecture: config fields (hidden_size, num_hidden_layers, ...)."""
     tokenizer_name_or_path: str | None = None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,13 @@ def load_balancing_loss(probs: torch.Tensor, routes: torch.Tensor, num_experts: 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of `x` (sorted by expert, `counts` rows each) times each expert's `weight` (E, out, in) transposed: one
-    grouped matmul where PyTorch has it for these shapes (16-byte aligned rows), else a loop over the experts."""
+    grouped matmul where PyTorch has it for these shapes (16-byte aligned rows), else a loop over the experts (also
+    on fake tensors, whose grouped matmul takes bf16 alone). The weight is cast to the rows' dtype (autocast does
+    not reach the grouped matmul)."""
     out_dim, in_dim = weight.shape[1], weight.shape[2]
+    weight = weight.to(x.dtype)
     aligned = (in_dim * x.element_size()) % 16 == 0 and (out_dim * x.element_size()) % 16 == 0
-    if hasattr(F, "grouped_mm") and aligned and x.shape[0] > 0:
+    if hasattr(F, "grouped_mm") and aligned and x.shape[0] > 0 and not is_fake(x):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
     parts, start = [], 0
@@ -121,8 +125,12 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=e)
-        sizes = counts.tolist()
+        counts = torch.zeros(e, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        # Traced on fake tensors (the memory planner), the split is unknown: an even one has the same total rows.
+        if is_fake(counts):
+            sizes = [flat.numel() // e + (i < flat.numel() % e) for i in range(e)]
+        else:
+            sizes = counts.tolist()
         gate, up = grouped_linear(rows[token], self.gate_up_proj, sizes).chunk(2, dim=-1)
         out = grouped_linear(F.silu(gate) * up, self.down_proj, sizes) * weights.reshape(-1)[order, None]
         y = torch.zeros_like(rows).index_add_(0, token, out.to(rows.dtype))

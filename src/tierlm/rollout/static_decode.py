@@ -30,9 +30,10 @@ share one captured graph."""
 
 def supports(model: nn.Module) -> bool:
     """Whether `model` takes the fixed-shape step: the native GPT without sliding-window layers (whose band mask
-    assumes the keys end at the query), its weights plain tensors (not a sharded policy's DTensors)."""
+    assumes the keys end at the query) nor experts, its weights plain tensors (not a sharded policy's DTensors)."""
     return (
         isinstance(model, GPT)
+        and model.config.moe is None  # routing sizes each expert's batch on the host: no fixed shapes
         and all(window is None for window in model.config.layer_windows())
         and all(type(p.data) is torch.Tensor for p in model.parameters())
     )

@@ -12,6 +12,7 @@ from torch import nn
 from tierlm.errors import ConfigError
 from tierlm.models.gpt.hf_export import from_hf_name, to_hf_config, to_hf_name
 from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
+from tierlm.models.moe import MoEConfig
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import register_family
 from tierlm.primitives.model_parallel import megatron_plan, received_positions
@@ -26,6 +27,7 @@ SHAPE_FIELDS = (
     "tie_embeddings",
     "window_pattern",
     "short_window",
+    "moe",
 )
 
 
@@ -40,6 +42,9 @@ class GPTFamily(NativeCausalLM):
         if shape["window_pattern"].upper() == "L":  # full attention everywhere: as runs recorded before windows existed
             shape.pop("window_pattern")
             shape.pop("short_window", None)
+        moe = shape.pop("moe")  # dense: as runs recorded before experts existed
+        if moe is not None:
+            shape.update({f"moe.{k}": v for k, v in moe.__dict__.items() if k in type(model_config.moe).model_fields})
         return {f"model.{k}": v for k, v in shape.items()}
 
     @staticmethod
@@ -48,7 +53,23 @@ class GPTFamily(NativeCausalLM):
         shape["mlp_ratio"] = shape["mlp_ratio"] if shape["mlp_ratio"] is not None else 8 / 3  # SwiGLU's usual width
         if shape["short_window"] is None:
             del shape["short_window"]  # the model's default; new_model sets it from data.max_seq_length
+        shape["moe"] = GPTFamily._experts(shape, model_config.moe)
         return shape
+
+    @staticmethod
+    def _experts(shape: dict[str, Any], moe) -> MoEConfig | None:
+        """model.moe as the model's MoEConfig (None: dense); an expert's width defaults to the dense SwiGLU's over
+        experts_per_token, so a token meets as many feed-forward weights as in the dense model."""
+        if not moe.num_experts:
+            return None
+        if moe.experts_per_token > moe.num_experts:
+            raise ConfigError(
+                f"model.moe.experts_per_token ({moe.experts_per_token}) must be at most model.moe.num_experts "
+                f"({moe.num_experts})"
+            )
+        dense = GPTConfig(**{k: v for k, v in shape.items() if k != "moe"}).intermediate_size
+        width = moe.expert_width or -(-dense // moe.experts_per_token // 32) * 32
+        return MoEConfig(moe.num_experts, moe.experts_per_token, width, normalize_top_k=moe.normalize_top_k)
 
     def gpt_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPTConfig:
         config = GPTConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, **self._shape(model_config))

@@ -1,7 +1,7 @@
 """Native GPT <-> transformers Qwen3: the config and the parameter names, both ways.
 
 The native GPT is Qwen3 without biases, so the mapping is a rename (its sliding-window layers are
-Qwen3's `sliding_attention` layers).
+Qwen3's `sliding_attention` layers); with `moe` it is Qwen3-MoE (every layer sparse).
 """
 
 from __future__ import annotations
@@ -17,12 +17,17 @@ _PREFIXES = [
     ("blocks.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
     ("blocks.{i}.mlp_norm.", "model.layers.{i}.post_attention_layernorm."),
     ("blocks.{i}.attn.", "model.layers.{i}.self_attn."),
+    # A mixture of experts in transformers' Qwen3-MoE names (the router is its `gate`); before the dense rule.
+    ("blocks.{i}.mlp.router.", "model.layers.{i}.mlp.gate."),
+    ("blocks.{i}.mlp.gate_up_proj", "model.layers.{i}.mlp.experts.gate_up_proj"),
+    ("blocks.{i}.mlp.down_proj", "model.layers.{i}.mlp.experts.down_proj"),
     ("blocks.{i}.mlp.", "model.layers.{i}.mlp."),
 ]
 
 
 def _rule(source: str, target: str) -> tuple[re.Pattern, str]:
-    pattern = "^" + re.escape(source).replace(re.escape("{i}"), r"(\d+)")
+    """A prefix ending in "." renames everything under it; any other source is one whole name."""
+    pattern = "^" + re.escape(source).replace(re.escape("{i}"), r"(\d+)") + ("" if source.endswith(".") else "$")
     return re.compile(pattern), target.replace("{i}", r"\1")
 
 
@@ -39,8 +44,10 @@ def _rename(name: str, rules: list[tuple[re.Pattern, str]]) -> str:
 
 
 def to_hf_name(name: str) -> str:
-    """>>> to_hf_name("blocks.3.attn.q_norm.weight")
-    'model.layers.3.self_attn.q_norm.weight'
+    """>>> to_hf_name("blocks.3.attn.q_norm.weight"), to_hf_name("blocks.0.mlp.down_proj.weight")
+    ('model.layers.3.self_attn.q_norm.weight', 'model.layers.0.mlp.down_proj.weight')
+    >>> to_hf_name("blocks.1.mlp.down_proj"), to_hf_name("blocks.1.mlp.router.weight")
+    ('model.layers.1.mlp.experts.down_proj', 'model.layers.1.mlp.gate.weight')
     """
     return _rename(name, _TO_HF)
 
@@ -53,9 +60,11 @@ def from_hf_name(name: str) -> str:
 
 
 def to_hf_config(config: GPTConfig):
-    """The `transformers.Qwen3Config` with the same architecture as `config`."""
+    """The `transformers.Qwen3Config` with the same architecture as `config` (`Qwen3MoeConfig` with `moe`)."""
     from transformers import Qwen3Config
 
+    if config.moe is not None:
+        return to_hf_moe_config(config)
     return Qwen3Config(
         vocab_size=config.vocab_size,
         hidden_size=config.n_embd,
@@ -74,4 +83,34 @@ def to_hf_config(config: GPTConfig):
         layer_types=["full_attention" if w is None else "sliding_attention" for w in config.layer_windows()],
         hidden_act="silu",
         architectures=["Qwen3ForCausalLM"],
+    )
+
+
+def to_hf_moe_config(config: GPTConfig):
+    """The `transformers.Qwen3MoeConfig` of a native GPT with `moe` (every layer sparse, softmax routing; the
+    balancing bias, DeepSeek-V3's, has no Qwen3-MoE twin: it travels in the folder for tierlm alone)."""
+    from transformers import Qwen3MoeConfig
+
+    moe = config.moe
+    return Qwen3MoeConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.intermediate_size,
+        moe_intermediate_size=moe.expert_width,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.experts_per_token,
+        norm_topk_prob=moe.normalize_top_k,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=config.depth,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_embeddings,
+        attention_bias=False,
+        hidden_act="silu",
+        architectures=["Qwen3MoeForCausalLM"],
     )

@@ -30,6 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from tierlm.models.kv_cache import KVCache, LayerCache
+from tierlm.models.moe import MoE, MoEConfig
 from tierlm.primitives.losses import linear_cross_entropy
 
 
@@ -62,6 +63,13 @@ class GPTConfig:
     `short_window` tokens (nanochat's "SSSL"); the last layer is always L."""
     short_window: int = 1024
     """Tokens an S layer's query sees, itself included (transformers' `sliding_window`)."""
+    moe: MoEConfig | None = None
+    """Each block's feed-forward a mixture of experts (`tierlm.models.moe`, in Qwen3-MoE's layout) instead of one
+    SwiGLU; None: dense. A dict (as tierlm_model.json holds it) is read as a MoEConfig."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's window (None: full context).
@@ -108,6 +116,14 @@ class GPTConfig:
             )
         if self.short_window < 1:
             problems.append(f"short_window must be >= 1, got {self.short_window}")
+        if self.moe is not None:  # what transformers' Qwen3-MoE, the folder's twin, can hold
+            if self.moe.score != "softmax" or self.moe.shared_experts:
+                problems.append(
+                    "moe: sigmoid routing and shared experts have no transformers Qwen3-MoE twin to save as; use "
+                    "score=softmax and shared_experts=0"
+                )
+            if self.moe.expert_width <= 0:
+                problems.append(f"moe.expert_width must be > 0, got {self.moe.expert_width}")
         return problems
 
     def to_dict(self) -> dict:
@@ -305,7 +321,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.attn = Attention(config, window)
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config.n_embd, config.moe) if config.moe is not None else MLP(config)
 
     def forward(
         self,
@@ -346,17 +362,19 @@ class GPT(nn.Module):
         self.init_rotary()
         bound = math.sqrt(3.0 / c.n_embd)  # uniform with std 1/sqrt(n_embd)
         for block in self.blocks:
-            for linear in (
-                block.attn.q_proj,
-                block.attn.k_proj,
-                block.attn.v_proj,
-                block.mlp.gate_proj,
-                block.mlp.up_proj,
-            ):
+            for linear in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
                 nn.init.uniform_(linear.weight, -bound, bound)
             # Zero output projections: every block starts as the identity on the residual stream.
             nn.init.zeros_(block.attn.o_proj.weight)
-            nn.init.zeros_(block.mlp.down_proj.weight)
+            if isinstance(block.mlp, MoE):  # each expert as a dense MLP; the router uniform, its bias zero
+                for weight in (block.mlp.router.weight, block.mlp.gate_up_proj):
+                    nn.init.uniform_(weight, -bound, bound)
+                nn.init.zeros_(block.mlp.down_proj)
+                block.mlp.expert_bias.zero_()
+            else:
+                for linear in (block.mlp.gate_proj, block.mlp.up_proj):
+                    nn.init.uniform_(linear.weight, -bound, bound)
+                nn.init.zeros_(block.mlp.down_proj.weight)
         for module in self.modules():
             if isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
@@ -413,11 +431,27 @@ class GPT(nn.Module):
         total, losses = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
         return total, losses.view(labels.shape)
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameters; `active`: those one token goes through (a mixture of experts counts its experts_per_token
+        of num_experts experts).
+
+        >>> moe = MoEConfig(num_experts=4, experts_per_token=1, expert_width=32)
+        >>> gpt = GPT(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=10, max_seq_len=8, moe=moe))
+        >>> gpt.num_params() - gpt.num_params(active=True) == 3 * 3 * 32 * 32
+        True
+        """
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding and not self.config.tie_embeddings:
             n -= self.embed.weight.numel()
+        if active and self.config.moe is not None:
+            moe = self.config.moe
+            idle = (moe.num_experts - moe.experts_per_token) / moe.num_experts
+            n -= round(idle * sum(b.mlp.gate_up_proj.numel() + b.mlp.down_proj.numel() for b in self.blocks))
         return n
+
+    def moe_layers(self) -> list[MoE]:
+        """The mixture-of-experts layers, in depth order (each holds its last forward's `routes` and `stats`)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
 
 
 def build_gpt(config: GPTConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:

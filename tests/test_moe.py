@@ -204,7 +204,52 @@ def test_model_moe_settings_give_experts_the_dense_width_over_the_picks():
     shape = dict(depth=4, aspect_ratio=32, head_dim=32)
     dense = GPTConfig(**shape).intermediate_size  # 352
     made = GPTFamily().gpt_config(ModelConfig(**shape, moe=MoESettings(num_experts=8, experts_per_token=2)), 100, 64)
-    assert made.moe == MoEConfig(8, 2, -(-dense // 2 // 32) * 32) and made.moe.expert_width == 192
-    wide = ModelConfig(**shape, moe=MoESettings(num_experts=8, expert_width=64, normalize_top_k=False))
-    assert GPTFamily().gpt_config(wide, 100, 64).moe == MoEConfig(8, 2, 64, normalize_top_k=False)
+    assert (
+        made.moe == MoEConfig(8, 2, -(-dense // 2 // 32) * 32, bias_update_rate=1e-3) and made.moe.expert_width == 192
+    )
+    wide = ModelConfig(
+        **shape, moe=MoESettings(num_experts=8, expert_width=64, normalize_top_k=False, aux_loss_coef=0.01)
+    )
+    assert GPTFamily().gpt_config(wide, 100, 64).moe == MoEConfig(
+        8, 2, 64, normalize_top_k=False, aux_loss_coef=0.01, bias_update_rate=1e-3
+    )
     assert GPTFamily().gpt_config(ModelConfig(**shape), 100, 64).moe is None
+
+
+def test_training_adds_each_layers_router_terms_per_trained_token():
+    """In training the loss gains aux_loss_coef x load balancing + z_loss_coef x z-loss of every layer, per trained
+    token (the loss is a token sum); evaluation leaves them out."""
+    gpt = _moe_gpt(aux_loss_coef=0.01, z_loss_coef=0.001)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    labels = ids.roll(-1, 1)
+    labels[:, -3:] = -100
+    with torch.no_grad():
+        plain, _ = gpt.eval()(ids, labels=labels)
+        total, _ = gpt.train()(ids, labels=labels)
+    terms = [(layer.stats["load_balancing_loss"], layer.stats["router_z_loss"]) for layer in gpt.moe_layers()]
+    expected = plain + sum(0.01 * lb + 0.001 * z for lb, z in terms) * 18
+    torch.testing.assert_close(total, expected)
+    assert len(terms) == 2 and all(lb > 0 and z > 0 for lb, z in terms)
+
+
+def test_each_optimizer_step_moves_the_balancing_bias_by_the_steps_load():
+    """DeepSeek-V3's update after the optimizer step: each expert's bias moves by the rate toward balance, from the
+    tokens the step's micro-batches routed to it (counted here from the routes each forward recorded)."""
+    from tierlm.backends import PyTorchTrainingBackend
+    from tierlm.backends.options import BackendOptions
+    from tierlm.primitives import create_adamw_optimizer
+
+    gpt = _moe_gpt(bias_update_rate=0.25).train()
+    backend = PyTorchTrainingBackend(
+        gpt, create_adamw_optimizer(gpt, lr=1e-3), None, "/tmp/unused", torch.device("cpu"), None, BackendOptions()
+    )
+    loads = [torch.zeros(4) for _ in gpt.moe_layers()]
+    for seed in (4, 5):  # two micro-batches, one step
+        ids = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(seed))
+        backend.forward_backward({"input_ids": ids, "labels": ids.roll(-1, 1)})
+        for load, layer in zip(loads, gpt.moe_layers()):
+            load += torch.bincount(layer.routes.flatten(), minlength=4).float()
+    backend.optim_step().wait()
+    for load, layer in zip(loads, gpt.moe_layers()):
+        torch.testing.assert_close(layer.expert_bias, 0.25 * torch.sign(load.mean() - load))
+        assert layer.load is None

@@ -18,6 +18,7 @@ from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_byte
 from tierlm.errors import ConfigError
 from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy, unwrap_model
 from tierlm.models.lora import adapters_disabled, has_lora
+from tierlm.models.moe import MoE
 from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.losses import (
     count_loss_tokens,
@@ -309,6 +310,7 @@ class PyTorchTrainingBackend(TrainingBackend):
         finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
         if finite:
             self._update()
+        self._balance_experts()
         if self.grad_scaler is not None:  # an overflow of the scaled gradients is the scaler's to handle, not a failure
             overflow = not finite and bool(torch.isfinite(loss))
             reported.update(loss_scale=self.grad_scaler.get_scale(), overflow=float(overflow))
@@ -329,6 +331,16 @@ class PyTorchTrainingBackend(TrainingBackend):
                 "skipped": float(not finite),
             }
         )
+
+    def _balance_experts(self) -> None:
+        """DeepSeek-V3's bias update of every mixture-of-experts layer that asks for it, from the step's tokens per
+        expert summed over the ranks (so every rank's bias stays the same)."""
+        layers = [m for m in self.model.modules() if isinstance(m, MoE) and m.config.bias_update_rate]
+        if layers:
+            loads = torch.stack([torch.zeros_like(m.expert_bias) if m.load is None else m.load.float() for m in layers])
+            loads = self.reduce_step_totals(loads)
+            for layer, load in zip(layers, loads):
+                layer.balance_bias(load, layer.config.bias_update_rate)
 
     def _update(self) -> None:
         """The update of the normalised, clipped gradients: the optimizer's step, or the functional optimizer's

@@ -142,6 +142,14 @@ class MoESettings(Section):
     so a token meets as many feed-forward weights as in the dense model of the same shape."""
     normalize_top_k: bool = True
     """Renormalise the picked experts' router weights to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    bias_update_rate: float = Field(1e-3, ge=0)
+    """DeepSeek-V3's auxiliary-loss-free balancing: after every optimizer step each expert's selection bias moves by
+    this much toward balance (up if it got fewer tokens than the mean, down if more; 0: off)."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """The classic load-balancing loss (Switch's, each layer's) added to the training loss with this weight (Qwen3-MoE
+    trains with 0.001)."""
+    z_loss_coef: float = Field(0.0, ge=0)
+    """The router z-loss (ST-MoE's) added to the training loss with this weight."""
 
 
 class ModelConfig(Section):

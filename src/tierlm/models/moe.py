@@ -39,6 +39,14 @@ class MoEConfig:
     """softmax over the experts (Qwen3-MoE) or sigmoid per expert (DeepSeek-V3)."""
     normalize_top_k: bool = True
     """Renormalise the picked experts' scores to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss (Switch's) added to the training loss, each layer's (Qwen3-MoE's
+    router_aux_loss_coef; 0: none)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE's) added to the training loss, each layer's (0: none)."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by this much toward balance
+    after every optimizer step, from the tokens it got during the step (0: off)."""
 
     def __post_init__(self) -> None:
         assert 0 < self.experts_per_token <= self.num_experts, f"top-k {self.experts_per_token} of {self.num_experts}"
@@ -97,6 +105,8 @@ class MoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * w, dim))
         self.down_proj = nn.Parameter(torch.empty(e, dim, w))
         self.register_buffer("expert_bias", torch.zeros(e))
+        self.load: torch.Tensor | None = None
+        """Tokens per expert since the last balancing (training with bias_update_rate; None: none yet)."""
         self.shared = SwiGLU(dim, w * config.shared_experts) if config.shared_experts else None
         self.replay: torch.Tensor | None = None
         self.routes: torch.Tensor | None = None
@@ -143,7 +153,14 @@ class MoE(nn.Module):
             "router_z_loss": torch.logsumexp(logits, dim=-1).pow(2).mean(),
             "tokens_per_expert": counts.detach(),
         }
+        if self.training and self.config.bias_update_rate:
+            self.load = counts.detach() if self.load is None else self.load + counts.detach()
         return y.reshape(shape)
+
+    def router_loss(self) -> torch.Tensor:
+        """The last forward's terms for the training loss: aux_loss_coef x load balancing + z_loss_coef x z-loss."""
+        c = self.config
+        return c.aux_loss_coef * self.stats["load_balancing_loss"] + c.z_loss_coef * self.stats["router_z_loss"]
 
     @torch.no_grad()
     def balance_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
@@ -157,3 +174,4 @@ class MoE(nn.Module):
         """
         load = tokens_per_expert.float()
         self.expert_bias += rate * torch.sign(load.mean() - load)
+        self.load = None

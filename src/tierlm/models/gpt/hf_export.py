@@ -100,6 +100,7 @@ def to_hf_moe_config(config: GPTConfig):
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.experts_per_token,
         norm_topk_prob=moe.normalize_top_k,
+        router_aux_loss_coef=moe.aux_loss_coef,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         num_hidden_layers=config.depth,

@@ -429,6 +429,9 @@ class GPT(nn.Module):
             return self.lm_head(x)
         weights = loss_weights.flatten() if loss_weights is not None else None
         total, losses = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
+        if self.training and self.config.moe is not None:  # the routers' terms, per trained token like the loss
+            tokens = weights.sum() if weights is not None else (labels != -100).sum()
+            total = total + sum(layer.router_loss() for layer in self.moe_layers()) * tokens
         return total, losses.view(labels.shape)
 
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:

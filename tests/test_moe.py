@@ -249,7 +249,9 @@ def test_each_optimizer_step_moves_the_balancing_bias_by_the_steps_load():
         backend.forward_backward({"input_ids": ids, "labels": ids.roll(-1, 1)})
         for load, layer in zip(loads, gpt.moe_layers()):
             load += torch.bincount(layer.routes.flatten(), minlength=4).float()
-    backend.optim_step().wait()
+    metrics = backend.optim_step().wait()
+    imbalance = sum(float(load.max() / load.mean()) for load in loads) / len(loads)
+    assert metrics["expert_imbalance"] == pytest.approx(imbalance)
     for load, layer in zip(loads, gpt.moe_layers()):
         torch.testing.assert_close(layer.expert_bias, 0.25 * torch.sign(load.mean() - load))
         assert layer.load is None

@@ -310,7 +310,7 @@ class PyTorchTrainingBackend(TrainingBackend):
         finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
         if finite:
             self._update()
-        self._balance_experts()
+        experts = self._balance_experts()
         if self.grad_scaler is not None:  # an overflow of the scaled gradients is the scaler's to handle, not a failure
             overflow = not finite and bool(torch.isfinite(loss))
             reported.update(loss_scale=self.grad_scaler.get_scale(), overflow=float(overflow))
@@ -329,18 +329,25 @@ class PyTorchTrainingBackend(TrainingBackend):
                 **reported,
                 "num_tokens": num_tokens.item(),
                 "skipped": float(not finite),
+                **({"expert_imbalance": experts.item()} if experts is not None else {}),
             }
         )
 
-    def _balance_experts(self) -> None:
-        """DeepSeek-V3's bias update of every mixture-of-experts layer that asks for it, from the step's tokens per
-        expert summed over the ranks (so every rank's bias stays the same)."""
-        layers = [m for m in self.model.modules() if isinstance(m, MoE) and m.config.bias_update_rate]
-        if layers:
-            loads = torch.stack([torch.zeros_like(m.expert_bias) if m.load is None else m.load.float() for m in layers])
-            loads = self.reduce_step_totals(loads)
-            for layer, load in zip(layers, loads):
+    def _balance_experts(self) -> torch.Tensor | None:
+        """After the update, the mixture-of-experts layers' step: their tokens per expert summed over the ranks,
+        DeepSeek-V3's bias update where a layer asks for it (every rank's bias stays the same), and the step's
+        imbalance returned — the busiest expert's tokens over the mean, averaged over the layers (1: balanced;
+        None without experts)."""
+        layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        if not layers:
+            return None
+        loads = torch.stack([torch.zeros_like(m.expert_bias) if m.load is None else m.load.float() for m in layers])
+        loads = self.reduce_step_totals(loads)
+        for layer, load in zip(layers, loads):
+            if layer.config.bias_update_rate:
                 layer.balance_bias(load, layer.config.bias_update_rate)
+            layer.load = None
+        return (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).mean()
 
     def _update(self) -> None:
         """The update of the normalised, clipped gradients: the optimizer's step, or the functional optimizer's

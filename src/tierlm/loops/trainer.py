@@ -407,7 +407,8 @@ class Trainer:
             "elapsed_s": self.state.elapsed_s,
             "skipped_steps": self.state.skipped_steps,
         }
-        record.update({k: v for k, v in metrics.items() if k.startswith("lr_") or k == "sparsity"})
+        passed = ("sparsity", "expert_imbalance")  # AdamWPrune's, a mixture of experts'
+        record.update({k: v for k, v in metrics.items() if k.startswith("lr_") or k in passed})
         record.update(self._epoch())
         return record
 

@@ -106,7 +106,7 @@ class MoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, dim, w))
         self.register_buffer("expert_bias", torch.zeros(e))
         self.load: torch.Tensor | None = None
-        """Tokens per expert since the last balancing (training with bias_update_rate; None: none yet)."""
+        """Tokens per expert routed in training since the last optimizer step (None: none yet)."""
         self.shared = SwiGLU(dim, w * config.shared_experts) if config.shared_experts else None
         self.replay: torch.Tensor | None = None
         self.routes: torch.Tensor | None = None
@@ -153,7 +153,7 @@ class MoE(nn.Module):
             "router_z_loss": torch.logsumexp(logits, dim=-1).pow(2).mean(),
             "tokens_per_expert": counts.detach(),
         }
-        if self.training and self.config.bias_update_rate:
+        if self.training:  # the optimizer step reads it (the balancing bias, the imbalance reported)
             self.load = counts.detach() if self.load is None else self.load + counts.detach()
         return y.reshape(shape)
 

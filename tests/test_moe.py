@@ -255,3 +255,15 @@ def test_each_optimizer_step_moves_the_balancing_bias_by_the_steps_load():
     for load, layer in zip(loads, gpt.moe_layers()):
         torch.testing.assert_close(layer.expert_bias, 0.25 * torch.sign(load.mean() - load))
         assert layer.load is None
+
+
+def test_flops_per_token_count_the_experts_a_token_goes_through():
+    """MFU and the scaling plan count the active parameters: 6 x (non-embedding params less the idle experts')."""
+    from tierlm.metrics.flops import flops_per_token
+
+    gpt = _moe_gpt()  # 4 experts, 2 per token
+    c = gpt.config
+    experts = sum(layer.gate_up_proj.numel() + layer.down_proj.numel() for layer in gpt.moe_layers())
+    active = gpt.num_params() - gpt.embed.weight.numel() - experts // 2
+    assert gpt.num_params(exclude_embedding=True, active=True) == active
+    assert flops_per_token(gpt, 32) == 6 * active + 12 * c.depth * c.n_head * c.head_dim * 32

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError, ModelLoadError, first_line
+from tierlm.models.moe import MoE
 
 NATIVE_CONFIG_FILE = "tierlm_model.json"  # in a native model folder: {"family": name, **its config}
 WEIGHTS_FILE = "model.safetensors"
@@ -106,10 +107,14 @@ class ModelFamily:
         return model
 
     def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x non-embedding params + 12 x layers x attention width x T (PaLM, appendix B)."""
+        """Training FLOPs per token: 6 x non-embedding params + 12 x layers x attention width x T (PaLM, appendix B);
+        of a mixture of experts, the params a token goes through (its experts_per_token of num_experts experts)."""
         layers, width = self.attention_shape(model)
         embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         params = sum(p.numel() for p in model.parameters()) - embedding
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            idle = (moe.config.num_experts - moe.config.experts_per_token) / moe.config.num_experts
+            params -= round(idle * (moe.gate_up_proj.numel() + moe.down_proj.numel()))
         return float(6 * params + 12 * layers * width * seq_len)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int]:

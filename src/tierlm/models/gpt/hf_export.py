@@ -59,6 +59,25 @@ def from_hf_name(name: str) -> str:
     return _rename(name, _FROM_HF)
 
 
+def _qwen3_fields(config: GPTConfig) -> dict:
+    """What Qwen3 and Qwen3-MoE configs share: the attention, the widths, the norms, the embeddings."""
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.depth,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_embeddings,
+        attention_bias=False,
+        hidden_act="silu",
+    )
+
+
 def to_hf_config(config: GPTConfig):
     """The `transformers.Qwen3Config` with the same architecture as `config` (`Qwen3MoeConfig` with `moe`)."""
     from transformers import Qwen3Config
@@ -66,36 +85,22 @@ def to_hf_config(config: GPTConfig):
     if config.moe is not None:
         return to_hf_moe_config(config)
     return Qwen3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.depth,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_seq_len,
-        rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
+        **_qwen3_fields(config),
         use_sliding_window="S" in config.window_pattern.upper(),
         sliding_window=config.short_window,
         layer_types=["full_attention" if w is None else "sliding_attention" for w in config.layer_windows()],
-        hidden_act="silu",
         architectures=["Qwen3ForCausalLM"],
     )
 
 
 def to_hf_moe_config(config: GPTConfig):
-    """The `transformers.Qwen3MoeConfig` of a native GPT with `moe` (every layer sparse, softmax routing; the
-    balancing bias, DeepSeek-V3's, has no Qwen3-MoE twin: it travels in the folder for tierlm alone)."""
+    """The `transformers.Qwen3MoeConfig` of a native GPT with `moe` (every layer sparse, softmax routing, full
+    attention; the balancing bias, DeepSeek-V3's, has no Qwen3-MoE twin: it travels in the folder for tierlm alone)."""
     from transformers import Qwen3MoeConfig
 
     moe = config.moe
     return Qwen3MoeConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        intermediate_size=config.intermediate_size,
+        **_qwen3_fields(config),
         moe_intermediate_size=moe.expert_width,
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.experts_per_token,
@@ -103,15 +108,5 @@ def to_hf_moe_config(config: GPTConfig):
         router_aux_loss_coef=moe.aux_loss_coef,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=config.depth,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_seq_len,
-        rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
-        hidden_act="silu",
         architectures=["Qwen3MoeForCausalLM"],
     )

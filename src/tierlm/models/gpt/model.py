@@ -122,6 +122,8 @@ class GPTConfig:
                     "moe: sigmoid routing and shared experts have no transformers Qwen3-MoE twin to save as; use "
                     "score=softmax and shared_experts=0"
                 )
+            if "S" in self.window_pattern.upper():
+                problems.append("moe: sliding-window layers with experts are not saved as Qwen3-MoE yet; use L")
             if self.moe.expert_width <= 0:
                 problems.append(f"moe.expert_width must be > 0, got {self.moe.expert_width}")
         return problems

@@ -100,7 +100,11 @@ def test_the_fixed_shape_decode_step_samples_what_the_slicing_step_samples(tiny_
     static, slicing = _static_and_slicing(model, run)
     for a, b in zip(static, slicing):
         _same_samples(a, b)
-    assert len(Engine(model, static=True).decoders.get(3, 35).cache.layers[0].k) == 4
+    decoders = Engine(model, static=True).decoders
+    first = decoders.get(3, 35)
+    assert len(first.cache.layers[0].k) == 4 and decoders.get(4, 100) is first
+    model.to(torch.float64)  # the weights moved: a graph captured on the old ones would read freed memory
+    assert decoders.get(4, 100) is not first and decoders.get(4, 100).cache.layers[0].k.dtype == torch.float64
 
 
 def test_fixed_shape_decoding_continues_partial_rollouts_as_the_slicing_step(tiny_gpt_config):

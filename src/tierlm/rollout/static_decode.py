@@ -120,8 +120,15 @@ class Decoders:
     def __init__(self, model: GPT, graph: bool, keep: int = 4):
         self.model, self.graph, self.keep = model, graph, keep
         self.decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self.weights: tuple[int, ...] = ()
 
     def get(self, rows: int, length: int) -> StaticDecoder:
+        # A graph reads the weights where they were at its capture: weights moved or replaced (`.to()`, a new
+        # dtype, assigned tensors) drop every step captured before. Loading in place (`load_state_dict`) keeps them.
+        weights = tuple(p.data_ptr() for p in self.model.parameters())
+        if weights != self.weights:
+            self.decoders.clear()
+            self.weights = weights
         key = bucket(rows, length, self.model.config.max_seq_len)
         if key not in self.decoders:
             while len(self.decoders) >= self.keep:

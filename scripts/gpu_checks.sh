@@ -14,9 +14,10 @@
 # random-weight policy, eager and with infra.compile), mfu (bench/gpu_mfu.py: training MFU eager, compiled and
 # compiled FP8, with their loss curves), profile (the compiled step's kernels), decode (the batched decode step
 # alone), serve_cuda and serve_cpu (`tierlm serve` under load on the GPU and on the machine's CPU, ~2 min each;
-# bench/serve_load.py). None named: tests, card, rl and mfu, whose limits add to 545 s (a call may run 600 s and a
-# session has 900, the machine's start included); the rest in a second call if time is left (on the H100,
-# 2026-11-26: tests 46 s, serve_cuda 118 s, serve_cpu 135 s). The figures go to docs/benchmarks.md with the card
+# bench/serve_load.py). None named: tests, card and mfu, whose limits add to 445 s (a call may run 600 s and a
+# session has 900, each machine start about 40 s); rl (300 s) or the rest in a second call if time is left (on the
+# H200, 2026-11-28: tests 61 s, card 150 s, mfu 52 s, rl 290 s; on the H100, 2026-11-26: serve_cuda 118 s,
+# serve_cpu 135 s). The figures go to docs/benchmarks.md with the card
 # named. `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).
 set -uo pipefail
 
@@ -44,22 +45,23 @@ wheels() {
 }
 
 check() {
-    local dry=${DRY:+--dry-run}
+    local dry=()
+    [ -z "${DRY:-}" ] || dry=(--dry-run)
     case "$1" in
         tests) timeout 75 python3 -m pytest -q -p no:cacheprovider "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
             "tests/test_primitives.py::test_fp8_trains_on_a_gpu" \
             "tests/test_rl.py::test_cuda_graph_decoding_equals_the_eager_step" 2>&1 | tail -3 ;;
-        card) timeout 150 python3 bench/inference_card.py $dry 2>&1 | grep -v Warning | tail -12 ;;
-        rl) if [ -n "$dry" ]; then
+        card) timeout 180 python3 bench/inference_card.py "${dry[@]}" 2>&1 | grep -v Warning | tail -12 ;;
+        rl) if [ -n "${DRY:-}" ]; then
                 timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \
                     --repeats 1 --steps 4 --only "1 process on-policy" 2>&1 | tail -4
             else
-                timeout 125 python3 bench/rl.py --device-type cuda --random-model 20x64 --sft runs/tiny_sft \
+                timeout 300 python3 bench/rl.py --device-type cuda --random-model 20x64 --sft runs/tiny_sft \
                     --max-new-tokens 128 --repeats 1 --steps 6 --threads 8 \
                     --only "1 process on-policy,1 process on-policy compiled" 2>&1 | tail -6
             fi ;;
-        mfu) timeout 190 python3 bench/gpu_mfu.py $dry 2>&1 | grep -v Warning | tail -8 ;;
-        profile) timeout 150 python3 bench/gpu_mfu.py $dry --modes compiled --steps 5 --profile 2>&1 | grep -v Warning \
+        mfu) timeout 190 python3 bench/gpu_mfu.py "${dry[@]}" 2>&1 | grep -v Warning | tail -8 ;;
+        profile) timeout 150 python3 bench/gpu_mfu.py "${dry[@]}" --modes compiled --steps 5 --profile 2>&1 | grep -v Warning \
             | tail -24 ;;
         decode) timeout 60 python3 bench/serve_load.py --checkpoint runs/tiny_sft --decode-step --device-type cuda 2>&1 \
             | tail -3 ;;
@@ -109,7 +111,7 @@ case "${1:-}" in
     wheels) wheels ;;
     run) shift
         if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
-        [ $# -gt 0 ] || set -- tests card rl mfu
+        [ $# -gt 0 ] || set -- tests card mfu
         run "$@" ;;
     *) echo "usage: bash scripts/gpu_checks.sh wheels|run (see the comment at its top)" >&2; exit 2 ;;
 esac

@@ -323,7 +323,8 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.attn = Attention(config, window)
         self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mlp = MoE(config.n_embd, config.moe) if config.moe is not None else MLP(config)
+        moe = getattr(config, "moe", None)  # the encoder-decoder builds these blocks from a config without experts
+        self.mlp = MoE(config.n_embd, moe) if moe is not None else MLP(config)
 
     def forward(
         self,

@@ -114,6 +114,14 @@ class MoE(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=dim**-0.5)
         nn.init.normal_(self.down_proj, std=w**-0.5)
 
+    def idle_params(self) -> int:
+        """The expert parameters a token does not go through: the (E - k) / E share of the experts' (the active count
+        of the model's size and FLOPs leaves them out)."""
+        c = self.config
+        return round(
+            (c.num_experts - c.experts_per_token) / c.num_experts * (self.gate_up_proj.numel() + self.down_proj.numel())
+        )
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(experts (N, k), their weights (N, k), router logits (N, E), scores (N, E)) of the rows of `x` (N, dim)."""
         logits = self.router(x).float()

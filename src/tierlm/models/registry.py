@@ -112,9 +112,7 @@ class ModelFamily:
         layers, width = self.attention_shape(model)
         embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         params = sum(p.numel() for p in model.parameters()) - embedding
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            idle = (moe.config.num_experts - moe.config.experts_per_token) / moe.config.num_experts
-            params -= round(idle * (moe.gate_up_proj.numel() + moe.down_proj.numel()))
+        params -= sum(m.idle_params() for m in model.modules() if isinstance(m, MoE))
         return float(6 * params + 12 * layers * width * seq_len)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int]:

@@ -69,15 +69,7 @@ class GPTFamily(NativeCausalLM):
             )
         dense = GPTConfig(**{k: v for k, v in shape.items() if k != "moe"}).intermediate_size
         width = moe.expert_width or -(-dense // moe.experts_per_token // 32) * 32
-        return MoEConfig(
-            moe.num_experts,
-            moe.experts_per_token,
-            width,
-            normalize_top_k=moe.normalize_top_k,
-            aux_loss_coef=moe.aux_loss_coef,
-            z_loss_coef=moe.z_loss_coef,
-            bias_update_rate=moe.bias_update_rate,
-        )
+        return MoEConfig(**{**moe.model_dump(), "expert_width": width})  # model.moe's fields are MoEConfig's
 
     def gpt_config(self, model_config, vocab_size: int, max_seq_len: int) -> GPTConfig:
         config = GPTConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, **self._shape(model_config))

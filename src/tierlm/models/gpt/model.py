@@ -30,7 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from tierlm.models.kv_cache import KVCache, LayerCache
-from tierlm.models.moe import MoE, MoEConfig
+from tierlm.models.moe import MoE, MoEConfig, SwiGLU
 from tierlm.primitives.losses import linear_cross_entropy
 
 
@@ -306,15 +306,11 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+class MLP(SwiGLU):
+    """The dense feed-forward: one SwiGLU of the config's intermediate size (an expert's shape in tierlm.models.moe)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self, config: GPTConfig):
+        super().__init__(config.n_embd, config.intermediate_size)
 
 
 class Block(nn.Module):
@@ -449,10 +445,8 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding and not self.config.tie_embeddings:
             n -= self.embed.weight.numel()
-        if active and self.config.moe is not None:
-            moe = self.config.moe
-            idle = (moe.num_experts - moe.experts_per_token) / moe.num_experts
-            n -= round(idle * sum(b.mlp.gate_up_proj.numel() + b.mlp.down_proj.numel() for b in self.blocks))
+        if active:
+            n -= sum(layer.idle_params() for layer in self.moe_layers())
         return n
 
     def moe_layers(self) -> list[MoE]:

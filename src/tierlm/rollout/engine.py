@@ -160,14 +160,14 @@ class Engine:
     ):
         self.model = unwrap_model(model)
         self.family = family_of(self.model)
-        on_cuda = next(self.model.parameters()).device.type == "cuda"
+        self.device = next(self.model.parameters()).device
+        on_cuda = self.device.type == "cuda"
         if static is None:
             static = on_cuda and static_decode.supports(self.model)
         assert not static or static_decode.supports(self.model), "static decoding needs the native GPT (no windows)"
         self.decoders = static_decode.Decoders(self.model, graph=on_cuda) if static else None
         self.stop_ids = set(stop_ids)
         self.tokenizer, self.tools = tokenizer, {t.name: t for t in tools}
-        self.device = next(self.model.parameters()).device
         self.weight_version = 0
         """The optimizer steps behind the weights it samples with (recorded with every rollout batch)."""
         if self.tools:

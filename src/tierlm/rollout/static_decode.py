@@ -59,6 +59,7 @@ class StaticDecoder:
         self.cache = KVCache(model.config, rows, length, parameter.device, parameter.dtype)
         self.position = torch.zeros(1, dtype=torch.long, device=parameter.device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=parameter.device)
+        self.cache.position = self.position  # this cache only ever decodes at the tensor position
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if graph:
@@ -66,11 +67,7 @@ class StaticDecoder:
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        self.cache.position = self.position
-        try:
-            logits = self.model(self.tokens[:, None], cache=self.cache)[:, -1]
-        finally:
-            self.cache.position = None
+        logits = self.model(self.tokens[:, None], cache=self.cache)[:, -1]
         self.position.add_(1)
         return logits
 

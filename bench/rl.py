@@ -19,7 +19,7 @@ last) in its own process (torchrun for the 2-rank ones); the figures are medians
 two (warm-up). Without --sft, a tiny SFT model is trained once into the system's temp folder (about a minute).
 With --random-model DEPTHxASPECT the policy is a native GPT of that shape with random weights and the SFT model's
 tokenizer (head 128): a GPU-sized model whose answers earn nothing, so every sample runs to --max-new-tokens and the
-step's split is the cost of the sizes alone (its training still runs forward and backward; `mfu` is its share).
+step's split is the cost of the sizes alone (its training still runs forward and backward; `training_mfu`).
 """
 
 from __future__ import annotations
@@ -60,10 +60,14 @@ def policy(args) -> Path:
     depth, aspect = map(int, args.random_model.split("x"))
     folder = Path(tempfile.mkdtemp(prefix="tierlm_bench_rl_random_")) / "model"
     shutil.copytree(sft_model(args) / "model", folder, ignore=shutil.ignore_patterns("training_meta.json"))
-    fields = {k: v for k, v in json.loads((folder / "tierlm_model.json").read_text()).items() if k != "family"}
-    config = GPTConfig(**{**fields, "depth": depth, "aspect_ratio": aspect, "head_dim": 128})
+    config = GPTConfig(**{**gpt_fields(folder), "depth": depth, "aspect_ratio": aspect, "head_dim": 128})
     save_model_folder(build_gpt(config), folder)
     return folder.parent
+
+
+def gpt_fields(folder: Path) -> dict:
+    """The GPTConfig fields of a native GPT model folder (its tierlm_model.json less the family's name)."""
+    return {k: v for k, v in json.loads((folder / "tierlm_model.json").read_text()).items() if k != "family"}
 
 
 def training_mfu(args, completion_tokens_per_sec: float) -> float | None:
@@ -76,10 +80,8 @@ def training_mfu(args, completion_tokens_per_sec: float) -> float | None:
     from tierlm.metrics.flops import peak_flops
     from tierlm.models import GPT, GPTConfig
 
-    folder = policy_folder(args) / "model"
-    fields = {k: v for k, v in json.loads((folder / "tierlm_model.json").read_text()).items() if k != "family"}
     with torch.device("meta"):
-        params = GPT(GPTConfig(**fields)).num_params(exclude_embedding=True)
+        params = GPT(GPTConfig(**gpt_fields(policy_folder(args) / "model"))).num_params(exclude_embedding=True)
     peak = peak_flops(torch.device("cuda"))
     return 6 * params * completion_tokens_per_sec / peak if peak else None
 

@@ -263,7 +263,7 @@ def test_estimate_of_dpo_and_rl(tmp_path):
     assert with_kl.parts["reference model"] == param_bytes
 
 
-def test_check_memory_and_budget():
+def test_check_memory_and_budget(monkeypatch):
     estimate = MemoryEstimate(
         {"parameters": 1e9, "activations": 3e9, "framework": 1e8},
         fixes={"activations": "set infra.activation_checkpointing=true"},
@@ -275,7 +275,10 @@ def test_check_memory_and_budget():
     ):
         check_memory(estimate, 3e9)
     assert memory_budget(torch.device("cpu"), max_memory_gb=2.0) == 2e9
-    assert memory_budget(torch.device("cpu"), ranks=2) <= memory_budget(torch.device("cpu")) / 2 + 1
+    # the machine's free memory moves between two reads on a busy machine: read it once
+    monkeypatch.setattr("tierlm.plan.memory.estimate.available_memory_bytes", lambda device: 8_000_000_000)
+    assert memory_budget(torch.device("cpu"), ranks=2) == 4e9
+    assert memory_budget(torch.device("cpu"), max_memory_gb=2.0, ranks=2) == 2e9
 
 
 def test_cheapest_fix_is_named():

@@ -1536,6 +1536,11 @@ CASES = [
         "model.moe.num_experts has no effect on a gpt2 model",
     ),
     Case(
+        "routing-replay-on-a-dense-policy",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.routing_replay=true"],
+        "rl.routing_replay replays the experts a mixture-of-experts policy chose, and this policy has none",
+    ),
+    Case(
         "fp8-on-cpu",
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.fp8=true"],
         "needs an H100-class CUDA GPU",

@@ -121,23 +121,34 @@ def test_the_balancing_bias_moves_selection_but_not_weights():
     x = torch.randn(9, DIM, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(layer(x), _reference(layer, x), atol=1e-5, rtol=1e-5)
     assert (layer.routes == 3).any(dim=1).all()
-    experts, weights, _, scores = layer.route(x)
+    experts, weights, _, scores, _ = layer.route(x)
     picked = scores.gather(1, experts)
     torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
 
 
-def test_routing_replay_uses_the_given_experts():
-    """With `replay` set to another layer's routes the output is the reference's with those experts (and differs
-    from the layer's own routing where the routes differ)."""
+def test_routing_replay_uses_the_given_experts_where_known_and_counts_agreement():
+    """Given another layer's routes with one row unknown (-1), the layer counts the rows where its own top-k is the
+    same set; with `replay` its output is the reference's with those experts on the known rows and its own on the
+    unknown one (and differs from its own routing where the routes differ)."""
     layer, other = _layer(0), _layer(5)
     x = torch.randn(10, DIM, generator=torch.Generator().manual_seed(6))
     other(x)
     own = layer(x)
-    assert not torch.equal(layer.routes, other.routes)
-    layer.replay = other.routes
+    own_routes = layer.routes
+    given = other.routes.clone()
+    given[3] = -1
+    layer.sampler_routes = given
+    measured = layer(x)
+    torch.testing.assert_close(measured, own)  # measuring alone changes nothing
+    same = (given.sort(-1).values == own_routes.sort(-1).values).all(-1)
+    assert layer.stats["route_known"].tolist() == [i != 3 for i in range(10)]
+    assert layer.stats["route_agree"].tolist() == [bool(same[i]) and i != 3 for i in range(10)]
+    assert not layer.stats["route_agree"].all()
+    layer.replay = True
     replayed = layer(x)
-    torch.testing.assert_close(replayed, _reference(layer, x, other.routes), atol=1e-5, rtol=1e-5)
-    assert torch.equal(layer.routes, other.routes) and not torch.allclose(replayed, own)
+    expected = torch.where(torch.arange(10)[:, None] == 3, own_routes, other.routes)
+    torch.testing.assert_close(replayed, _reference(layer, x, expected), atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.routes, expected) and not torch.allclose(replayed, own)
 
 
 def _moe_gpt(seed: int = 0, **moe):
@@ -267,3 +278,97 @@ def test_flops_per_token_count_the_experts_a_token_goes_through():
     active = gpt.num_params() - gpt.embed.weight.numel() - experts // 2
     assert gpt.num_params(exclude_embedding=True, active=True) == active
     assert flops_per_token(gpt, 32) == 6 * active + 12 * c.depth * c.n_head * c.head_dim * 32
+
+
+def _label_logprobs(model, batch) -> torch.Tensor:
+    from tierlm.models import forward_logits
+
+    with torch.no_grad():
+        logits = forward_logits(model, batch)
+    labels = batch["labels"]
+    return torch.log_softmax(logits.float(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0] * (labels >= 0)
+
+
+def test_the_engine_records_routes_and_replaying_them_gives_the_trainer_the_samplers_logprobs():
+    """The engine records every token's experts (the prompt's, then each fed-back token's): the same the full forward
+    picks, so the trainer agrees everywhere. Then the balancing bias moves (as an optimizer step moves it between
+    sampling and training): the bias chooses experts but never weighs them, so the trainer's log-probs differ from
+    the sampler's only by routing — they differ without replay and are the sampler's with it."""
+    from tierlm.loops.policy_update import rollout_batch
+    from tierlm.rollout.engine import Engine, Rollout
+
+    gpt = _moe_gpt(3)
+    prompt = [5, 9, 2, 7]
+    completions = Engine(gpt).generate(prompt, 3, max_new_tokens=8, generator=torch.Generator().manual_seed(0))
+    rollouts = [Rollout(prompt, c, 0.0, "") for c in completions]
+    for c in completions:
+        assert c.routes.shape == (len(prompt) + len(c.tokens) - 1, 2, 2) and c.routes.dtype == torch.int16
+    batch = rollout_batch(rollouts, torch.zeros(3), pad_id=0)
+    trained = batch["labels"] != -100
+    assert set(batch) >= {"sampler_routes"} and "routes" not in batch
+    torch.testing.assert_close(_label_logprobs(gpt, batch)[trained], batch["sampler_logprobs"][trained])
+    agreement = gpt.routing_agreement()
+    assert agreement["route_tokens_agree"] == agreement["route_tokens"] == sum(len(c.routes) for c in completions)
+
+    with torch.no_grad():
+        for layer in gpt.moe_layers():
+            layer.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.25]))
+    moved = (_label_logprobs(gpt, batch) - batch["sampler_logprobs"])[trained].abs()
+    agreement = gpt.routing_agreement()
+    assert moved.max() > 1e-2 and agreement["route_decisions_agree"] < agreement["route_decisions"]
+    replayed = _label_logprobs(gpt, rollout_batch(rollouts, torch.zeros(3), pad_id=0, replay=True))
+    torch.testing.assert_close(replayed[trained], batch["sampler_logprobs"][trained], atol=1e-5, rtol=1e-5)
+
+
+def test_routing_replay_is_refused_where_no_routes_are_recorded():
+    """vLLM hands tierlm no routes (its enable_return_routed_experts is not wired in): replay with it is refused in
+    one line; tierlm's engine records them."""
+    from tierlm.builders.engine import EngineSettings, check_routing_replay
+    from tierlm.errors import ConfigError
+
+    check_routing_replay(EngineSettings("native", routing_replay=True), _moe_gpt())
+    with pytest.raises(ConfigError, match="engine.kind=vllm does not hand them to tierlm"):
+        check_routing_replay(EngineSettings("vllm", routing_replay=True), _moe_gpt())
+
+
+def test_the_backend_scores_and_trains_with_the_replayed_routes(tmp_path):
+    """Through the training backend: its forward counts the agreement and, given `routes`, scores the sampler's
+    log-probs; forward_backward replays them too (the gradient of the replayed forward's loss, not its own
+    routing's)."""
+    from tierlm.backends.pytorch import PyTorchTrainingBackend
+    from tierlm.loops.policy_update import rollout_batch
+    from tierlm.rollout.engine import Engine, Rollout
+    from tierlm.strategies.rl import ReinforceStrategy
+
+    gpt = _moe_gpt(4)
+    prompt = [3, 1, 4, 1, 5]
+    completions = Engine(gpt).generate(prompt, 2, max_new_tokens=6, generator=torch.Generator().manual_seed(1))
+    rollouts = [Rollout(prompt, c, 1.0, "") for c in completions]
+    with torch.no_grad():
+        for layer in gpt.moe_layers():
+            layer.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.25]))
+    backend = PyTorchTrainingBackend(gpt, torch.optim.SGD(gpt.parameters(), lr=0.0), None, tmp_path, "cpu")
+    strategy = ReinforceStrategy()
+    for replay in (False, True):
+        batch = rollout_batch(rollouts, torch.ones(2), pad_id=0, replay=replay)
+        out = backend.forward(batch, strategy.compute_metrics).wait()
+        trained = batch["labels"] != -100
+        gap = (out["logprobs"] - batch["sampler_logprobs"])[trained].abs().max()
+        assert (gap < 1e-5) == replay, (replay, float(gap))
+        assert out["route_tokens"] == sum(len(c.routes) for c in completions)
+        assert (out["route_decisions_agree"] < out["route_decisions"]) and out["route_tokens_agree"] < out[
+            "route_tokens"
+        ]
+    backend.forward_backward(batch, strategy.compute_loss)
+    grads = {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+    gpt.zero_grad()
+    for i, layer in enumerate(gpt.moe_layers()):  # the reference: the layers told the routes by hand
+        layer.sampler_routes, layer.replay = batch["routes"][:, :, i].reshape(-1, 2), True
+    logits = gpt(batch["input_ids"])
+    for layer in gpt.moe_layers():
+        layer.sampler_routes, layer.replay = None, False
+    loss, _ = strategy.compute_loss(logits, batch)
+    loss.backward()
+    for name, p in gpt.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)

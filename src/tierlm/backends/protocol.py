@@ -90,7 +90,9 @@ class TrainingBackend(Protocol):
         ...
 
     def forward(self, batch: Batch, fn: Callable | None = None) -> TrainFuture[dict[str, float]]:
-        """Forward without gradients; `fn(logits, batch)` returns a dict of scalar tensors."""
+        """Forward without gradients; `fn(logits, batch)` returns a dict of tensors. With a sampler's expert routes in
+        the batch (`routes` replayed, `sampler_routes` compared), the dict also counts where the model routed alike
+        (`ModelFamily.routing_agreement`)."""
         ...
 
     def optim_step(self) -> TrainFuture[dict[str, float]]:

@@ -16,7 +16,7 @@ from tierlm.backends.options import BackendOptions
 from tierlm.backends.protocol import Batch, TrainFuture, TrainingBackend
 from tierlm.backends.state import GradientInfo, ModelState, ring_all_reduce_bytes
 from tierlm.errors import ConfigError
-from tierlm.models import forward_cross_entropy, forward_logits, fuses_cross_entropy, unwrap_model
+from tierlm.models import family_of, forward_cross_entropy, forward_logits, fuses_cross_entropy, unwrap_model
 from tierlm.models.lora import adapters_disabled, has_lora
 from tierlm.models.moe import MoE
 from tierlm.primitives.dtype_device import move_to
@@ -288,6 +288,7 @@ class PyTorchTrainingBackend(TrainingBackend):
             out = {"loss_sum": total, "num_tokens": count}
         else:
             out = fn(logits, batch)
+        out.update(family_of(model).routing_agreement(model))  # given a sampler's expert routes: where they agree
         model.train(was_training)
         return TrainFuture(lambda: {k: _to_host(v) for k, v in out.items()})
 

@@ -6,6 +6,7 @@ sampling runs ahead of training."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,12 +35,16 @@ class EngineSettings:
     """Tools the model may call (`TOOLS`' names)."""
     off_policy: bool = False
     """Sampling runs ahead of training (rl.max_off_policy_steps > 0): the engine samples weights of its own."""
+    routing_replay: bool = False
+    """The trainer replays the experts the engine chose (rl.routing_replay): the engine must record them."""
 
     @classmethod
     def of(cls, config: TierlmConfig) -> EngineSettings:
-        """The engine a run's config asks for: its engine section, with the rl section's tools and off-policy steps."""
+        """The engine a run's config asks for: its engine section, with the rl section's tools, off-policy steps and
+        routing replay."""
         rl = config.rl
-        return cls.from_section(config.engine, tuple(rl.tools), rl.max_off_policy_steps > 0)
+        settings = cls.from_section(config.engine, tuple(rl.tools), rl.max_off_policy_steps > 0)
+        return dataclasses.replace(settings, routing_replay=rl.routing_replay)
 
     @classmethod
     def from_section(
@@ -90,10 +95,12 @@ class EngineKind:
     """It loads the policy from a model folder (the caller gives it a scratch folder)."""
     batches_replies: bool = False
     """`tierlm serve` batches concurrent replies on it (continuous batching) and streams token by token."""
+    records_routes: bool = False
+    """It records the experts a mixture-of-experts model sends each token to (rollout routing replay)."""
 
 
 ENGINES: dict[str, EngineKind] = {
-    "native": EngineKind(native, lambda s: "tierlm's engine", batches_replies=True),
+    "native": EngineKind(native, lambda s: "tierlm's engine", batches_replies=True, records_routes=True),
     "vllm": EngineKind(
         vllm,
         lambda s: f"the vLLM server at {s.vllm_url}" if s.vllm_url else "vLLM in this process",
@@ -114,4 +121,22 @@ def build_engine(
 ) -> SamplingEngine:
     """The engine `settings` asks for, sampling `model` with its tools (and those the `task` declares)."""
     tools = [TOOLS[name]() for name in settings.tools] + list(getattr(task, "tools", {}).values())
+    if settings.routing_replay:
+        check_routing_replay(settings, model)
     return ENGINES[settings.kind].build(settings, model, tokenizer, tools, folder, sharded, world_size)
+
+
+def check_routing_replay(settings: EngineSettings, model: nn.Module) -> None:
+    """Refuse rl.routing_replay, in one line, where nothing records routes to replay: a dense policy (or one whose
+    family does not route through tierlm's layers, as a transformers MoE), or an engine that does not record them."""
+    inner = unwrap_model(model)
+    if not hasattr(inner, "moe_layers") or not inner.moe_layers():
+        raise ConfigError(
+            "rl.routing_replay replays the experts a mixture-of-experts policy chose, and this policy has none (a "
+            "native GPT with model.moe.num_experts > 0 has): drop rl.routing_replay"
+        )
+    if not ENGINES[settings.kind].records_routes:
+        raise ConfigError(
+            f"rl.routing_replay needs the experts the sampler chose, and engine.kind={settings.kind} does not hand "
+            "them to tierlm (vLLM's enable_return_routed_experts is not wired in): use engine.kind=native"
+        )

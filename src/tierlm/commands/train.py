@@ -59,9 +59,16 @@ def summary_lines(summary: dict) -> list[str]:
     """What a run ended with, as the command prints it."""
     if "parity" in summary:
         p = summary["parity"]
+        routing = (
+            f"; routed alike: {p['routing_token_agreement']:.1%} of tokens, {p['routing_decision_agreement']:.1%} of "
+            "router decisions"
+            if "routing_token_agreement" in p
+            else ""
+        )
         return [
             f"parity ok: the sampler's log-probs are {p['mean_abs_gap']:.3g} per token from the trainer's (largest "
-            f"{p['max_abs_gap']:.3g}, {p['beyond_cap']:.1%} of ratios beyond rl.importance_cap, {p['tokens']} tokens)"
+            f"{p['max_abs_gap']:.3g}, {p['beyond_cap']:.1%} of ratios beyond rl.importance_cap, {p['tokens']} "
+            f"tokens){routing}"
         ]
     lines = [f"run directory: {summary['output_dir']}"]
     if "pass@1" in summary:

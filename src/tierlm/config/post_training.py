@@ -171,6 +171,11 @@ class RLConfig(Section):
     """rl.loss=vespo: k for sequences with a negative advantage."""
     vespo_lambda_neg: float = Field(2.0, gt=0)
     """rl.loss=vespo: lambda for them."""
+    routing_replay: bool = False
+    """Rollout routing replay (R3) for a mixture-of-experts policy: the trainer's forward sends each token to the
+    experts the sampler chose for it (recorded by tierlm's engine) instead of its router's own top-k, so the
+    trainer scores what the sampler sampled; the router still learns from its scores of those experts. The train
+    lines report routing_token_agreement / routing_decision_agreement either way."""
     parity_tolerance: float = Field(0.05, gt=0)
     """`tierlm rl --check-parity` refuses when the sampler's log-probs differ from the trainer's by more than this
     (mean |difference| per sampled token, in nats): past it the importance ratio is noise (bf16 samplers are near

@@ -47,10 +47,20 @@ def encode_completion(c: Completion) -> dict[str, Any]:
         "weight_version": c.weight_version,
         "versions": _pack(c.versions, np.int64),
         "forced": _pack(c.forced, np.int64),
+        **({} if c.routes is None else {"routes": _pack(c.routes, np.int16), "routes_shape": list(c.routes.shape)}),
     }
 
 
 def decode_completion(record: dict[str, Any]) -> Completion:
+    """The completion `encode_completion` wrote, its expert routes too (a mixture-of-experts sampler's).
+
+    >>> c = Completion([3, 4], [-0.1, 0.0], [1, 1], routes=torch.tensor([[[0, 2]], [[1, 3]]], dtype=torch.int16))
+    >>> torch.equal(decode_completion(encode_completion(c)).routes, c.routes)
+    True
+    """
+    routes = None
+    if "routes" in record:
+        routes = torch.tensor(_unpack(record["routes"], np.int16), dtype=torch.int16).view(record["routes_shape"])
     return Completion(
         _unpack(record["tokens"], np.int64),
         _unpack(record["logprobs"], np.float64),
@@ -60,6 +70,7 @@ def decode_completion(record: dict[str, Any]) -> Completion:
         record.get("weight_version", 0),
         _unpack(record.get("versions", ""), np.int64),
         _unpack(record.get("forced", ""), np.int64),
+        routes,
     )
 
 

@@ -19,12 +19,17 @@ from tierlm.strategies.off_policy import importance_mode, importance_weights
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
 
 Sums = Callable[[dict[str, float]], dict[str, float]]
-SCORING_ONLY = ("sampler_logprobs", "teacher_logprobs", "teacher")  # read by scoring, not by the loss
+SCORING_ONLY = ("sampler_logprobs", "teacher_logprobs", "teacher", "sampler_routes")  # read by scoring, not the loss
+ROUTE_COUNTS = ("route_tokens", "route_tokens_agree", "route_decisions", "route_decisions_agree")
 
 
-def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+def rollout_batch(
+    rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int, replay: bool = False
+) -> dict[str, torch.Tensor]:
     """Rows of prompt + completion: labels only on tokens the model sampled (prompt, tool results and
-    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels."""
+    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels. When every
+    completion carries its sampler's expert routes, they come too (-1 on padding): as `routes`, replayed by the
+    trainer's forward (`replay`: rollout routing replay), else as `sampler_routes`, only compared with its own."""
     width = max(len(r.prompt_ids) + len(r.completion.tokens) for r in rollouts) - 1
     n = len(rollouts)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -38,7 +43,13 @@ def rollout_batch(rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int
             if trained:
                 labels[row, start + j] = token
                 sampler[row, start + j] = logp
-    return {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
+    batch = {"input_ids": input_ids, "labels": labels, "advantages": advantages.float(), "sampler_logprobs": sampler}
+    if rollouts and all(r.completion.routes is not None for r in rollouts):
+        routes = torch.full((n, width, *rollouts[0].completion.routes.shape[1:]), -1, dtype=torch.int16)
+        for row, r in enumerate(rollouts):
+            routes[row, : len(r.completion.routes)] = r.completion.routes
+        batch["routes" if replay else "sampler_routes"] = routes
+    return batch
 
 
 class MicroBatch(dict):
@@ -72,7 +83,7 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int, by_length: bool, mu
     for start in range(0, n, size):
         rows = torch.tensor(sorted(order[start : start + size]))
         cut = min(width, -(-int(used[rows].max()) // multiple) * multiple) if by_length else width
-        cut_rows = {k: v[rows, :cut] if v.dim() == 2 and v.shape[1] == width else v[rows] for k, v in batch.items()}
+        cut_rows = {k: v[rows, :cut] if v.dim() >= 2 and v.shape[1] == width else v[rows] for k, v in batch.items()}
         mb = MicroBatch(cut_rows)
         mb.rows = rows
         out.append(mb)
@@ -129,9 +140,25 @@ class PolicyUpdate:
         """`batch` cut into rl.micro_batch_size rows, grouped by length with rl.group_by_length (`micro_batches`)."""
         return micro_batches(batch, self.rl.micro_batch_size, self.rl.group_by_length)
 
-    def logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The policy's log-probs of `micro_batch`'s labels now."""
-        return self.backend.forward(micro_batch, self.strategy.compute_metrics).wait()["logprobs"]
+    def logprobs(self, micro_batch: dict[str, torch.Tensor], routing: dict[str, float] | None = None) -> torch.Tensor:
+        """The policy's log-probs of `micro_batch`'s labels now; given the sampler's expert routes, the counts of
+        where the policy routed alike are added to `routing` (`ModelFamily.routing_agreement`)."""
+        out = self.backend.forward(micro_batch, self.strategy.compute_metrics).wait()
+        if routing is not None and "route_tokens" in out:
+            for key in ROUTE_COUNTS:
+                routing[key] = routing.get(key, 0.0) + float(out[key])
+        return out["logprobs"]
+
+    def routing_figures(self, routing: dict[str, float]) -> dict[str, float]:
+        """The share of tokens routed alike in every layer and of (token, layer) router decisions alike, trainer
+        against sampler, over every rank's rows (nothing when no routes were recorded)."""
+        if not routing:
+            return {}
+        totals = self.sum_over_ranks(routing)
+        return {
+            "routing_token_agreement": totals["route_tokens_agree"] / max(totals["route_tokens"], 1.0),
+            "routing_decision_agreement": totals["route_decisions_agree"] / max(totals["route_decisions"], 1.0),
+        }
 
     def score(
         self,
@@ -146,8 +173,9 @@ class PolicyUpdate:
         rl.importance (the rollouts are `staleness` updates old, or from a sampler whose arithmetic differs).
         Returns the mean |trainer - sampler| log-prob of the trained tokens (the parity check) and the figures of
         what scoring found, before this step's update."""
+        routing: dict[str, float] = {}
         for mb in micro:
-            mb["old_logprobs"] = self.logprobs(mb)
+            mb["old_logprobs"] = self.logprobs(mb, routing)
             if self.reference is not None:
                 mb["ref_logprobs"] = self.reference.forward(mb, self.strategy.compute_metrics).wait()["logprobs"]
             if self.teacher is not None:  # each row scored by its domain's teacher (`tierlm.loops.teachers`)
@@ -166,7 +194,7 @@ class PolicyUpdate:
             self._critic_targets(micro, rewards, trained)
         old = merged(micro, "old_logprobs", trained.shape)
         computed = sum(mb["labels"].numel() for mb in micro)  # positions the forward passes compute
-        figures = {"padding_frac": 1.0 - float(trained.sum()) / max(computed, 1)}
+        figures = {"padding_frac": 1.0 - float(trained.sum()) / max(computed, 1), **self.routing_figures(routing)}
         mode, rl = importance_mode(self.rl), self.rl
         if mode != "none":  # rl.importance's weights of the samples: stale, or from another sampler
             for mb in micro:

@@ -218,7 +218,7 @@ class RLTrainer:
         trained, balance = (rollouts, advantages, rewards), {}
         if self.world_size > 1 and rl.balance_ranks:  # the rows dealt over the ranks by their cost
             trained, balance = self._balanced(rollouts, advantages, rewards)
-        batch = rollout_batch(trained[0], trained[1], self.tokenizer.pad_id)
+        batch = rollout_batch(trained[0], trained[1], self.tokenizer.pad_id, rl.routing_replay)
         if self.teacher is not None:  # each row's teacher, by its prompt's domain
             batch["teacher"] = torch.tensor([self.teacher.route(r.domain) for r in trained[0]])
         micro = self.update.micro_batches(batch)
@@ -318,10 +318,11 @@ class RLTrainer:
         on the sampled tokens (every rank's), and the share of importance ratios beyond rl.importance_cap."""
         self.sync_sampler()
         rollouts = [r for g in self.whole_groups(0) for r in g]
-        batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id)
+        batch = rollout_batch(rollouts, torch.zeros(len(rollouts)), self.tokenizer.pad_id, self.rl.routing_replay)
         micro = self.update.micro_batches(batch)
+        routing: dict[str, float] = {}
         for mb in micro:
-            mb["trainer"] = self.update.logprobs(mb)
+            mb["trainer"] = self.update.logprobs(mb, routing)
         trainer = merged(micro, "trainer", batch["labels"].shape)
         gap = (trainer - batch["sampler_logprobs"])[batch["labels"] != IGNORE_INDEX]
         cap = math.log(self.rl.importance_cap) if self.rl.importance_cap is not None else math.inf
@@ -336,6 +337,7 @@ class RLTrainer:
             "mean_abs_gap": sums["abs"] / tokens,
             "max_abs_gap": max(maxima),
             "beyond_cap": sums["beyond"] / tokens,
+            **self.update.routing_figures(routing),
         }
 
     # -- evaluation ------------------------------------------------------------------------
@@ -452,12 +454,16 @@ def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
     ...                time_training_s=0.5)
     >>> progress_line(4, 10, figures)
     'step 4/10 | reward 0.500 | loss 0.1000 | |dlogp| 1.00e-03 | weights v3 | gen 1.2s train 0.5s'
+    >>> progress_line(4, 10, {**figures, "routing_token_agreement": 0.875})
+    'step 4/10 | reward 0.500 | loss 0.1000 | |dlogp| 1.00e-03 | routed alike 0.875 | weights v3 | gen 1.2s train 0.5s'
     """
     m = metrics
     reward_model = f"rm acc {m['rm_accuracy']:.2f} | " if "rm_accuracy" in m else ""
+    routing = f"routed alike {m['routing_token_agreement']:.3f} | " if "routing_token_agreement" in m else ""
     return (
         f"step {step}/{total} | reward {m['reward_mean']:.3f} | loss {m['loss']:.4f} | {reward_model}"
-        f"|dlogp| {m['logprob_abs_diff']:.2e} | weights v{m['weight_version']} | gen {m['time_generation_s']:.1f}s "
+        f"|dlogp| {m['logprob_abs_diff']:.2e} | {routing}weights v{m['weight_version']} | "
+        f"gen {m['time_generation_s']:.1f}s "
         f"train {m['time_training_s']:.1f}s"
     )
 

@@ -8,8 +8,10 @@ The weights are laid out as transformers' Qwen3-MoE lays them out (`gate_up_proj
 - selection: the top-k of score + `expert_bias`, DeepSeek-V3's auxiliary-loss-free balancing bias, which changes
   which experts are picked but never the weights they get (`balance_bias` moves it against the load);
 - weights: the picked scores, renormalised to sum to 1 with `normalize_top_k`;
-- replay: with `replay` set (a (tokens, k) tensor of expert ids, e.g. the sampler's), those experts are used instead
-  of the top-k — rollout routing replay for RL on MoE models.
+- replay: given the experts a sampler chose (`sampler_routes`, a (tokens, k) tensor of expert ids, -1 where unknown),
+  the layer counts where its own choice agrees (`stats`), and with `replay` set uses the sampler's instead of its
+  top-k — rollout routing replay (R3, Ma et al. 2025) for RL on MoE models. The weights stay the router's scores of
+  the experts used, so the router still learns.
 
 Expert compute is grouped: the tokens sorted by expert and one grouped matmul per projection
 (`torch.nn.functional.grouped_mm`) where PyTorch has it for these shapes, else a loop over the experts that got
@@ -108,7 +110,10 @@ class MoE(nn.Module):
         self.load: torch.Tensor | None = None
         """Tokens per expert routed in training since the last optimizer step (None: none yet)."""
         self.shared = SwiGLU(dim, w * config.shared_experts) if config.shared_experts else None
-        self.replay: torch.Tensor | None = None
+        self.sampler_routes: torch.Tensor | None = None
+        """The experts a sampler chose for the next forward's rows, (N, k), -1 where unknown (None: none given)."""
+        self.replay = False
+        """Use `sampler_routes` where known instead of the router's own top-k (rollout routing replay)."""
         self.routes: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         nn.init.normal_(self.gate_up_proj, std=dim**-0.5)
@@ -122,24 +127,31 @@ class MoE(nn.Module):
             (c.num_experts - c.experts_per_token) / c.num_experts * (self.gate_up_proj.numel() + self.down_proj.numel())
         )
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(experts (N, k), their weights (N, k), router logits (N, E), scores (N, E)) of the rows of `x` (N, dim)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """(experts (N, k), their weights (N, k), router logits (N, E), scores (N, E), agreement) of the rows of `x`
+        (N, dim); agreement, given `sampler_routes`: the rows whose routes are known and those whose own top-k is the
+        sampler's set (N,) bool each."""
         logits = self.router(x).float()
         scores = logits.softmax(dim=-1) if self.config.score == "softmax" else logits.sigmoid()
-        if self.replay is not None:
-            assert self.replay.shape == (x.shape[0], self.config.experts_per_token), "one route per token and pick"
-            experts = self.replay.to(x.device)
-        else:
-            experts = (scores + self.expert_bias).topk(self.config.experts_per_token, dim=-1).indices
+        experts = (scores + self.expert_bias).topk(self.config.experts_per_token, dim=-1).indices
+        agreement = {}
+        if self.sampler_routes is not None:
+            sampler = self.sampler_routes.to(x.device)
+            assert sampler.shape == experts.shape, f"sampler routes {tuple(sampler.shape)} for {tuple(experts.shape)}"
+            known = (sampler >= 0).all(dim=-1)
+            agree = (sampler.sort(dim=-1).values == experts.sort(dim=-1).values).all(dim=-1) & known
+            agreement = {"route_known": known, "route_agree": agree}
+            if self.replay:
+                experts = torch.where(known[:, None], sampler.long(), experts)
         weights = scores.gather(1, experts)
         if self.config.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype), logits, scores
+        return experts, weights.to(x.dtype), logits, scores, agreement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, k, e = x.shape, self.config.experts_per_token, self.config.num_experts
         rows = x.reshape(-1, shape[-1])
-        experts, weights, logits, scores = self.route(rows)
+        experts, weights, logits, scores, agreement = self.route(rows)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
@@ -157,6 +169,7 @@ class MoE(nn.Module):
         self.routes = experts.detach()
         probs = scores if self.config.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         self.stats = {
+            **agreement,
             "load_balancing_loss": load_balancing_loss(probs, experts, e),
             "router_z_loss": torch.logsumexp(logits, dim=-1).pow(2).mean(),
             "tokens_per_expert": counts.detach(),

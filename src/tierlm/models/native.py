@@ -175,15 +175,17 @@ class NativeCausalLM(NativeFamily):
     `num_kv_heads`, `head_dim` and `max_seq_len`, so it runs with the shared `KVCache`."""
 
     def logits(self, model, batch):
-        return model(batch["input_ids"], position_ids=batch.get("position_ids"))
+        return model(batch["input_ids"], **self.model_inputs(batch))
 
     def fuses_cross_entropy(self, model):
         return True
 
     def cross_entropy(self, model, batch, weights):
-        return model(
-            batch["input_ids"], position_ids=batch.get("position_ids"), labels=get_labels(batch), loss_weights=weights
-        )
+        return model(batch["input_ids"], labels=get_labels(batch), loss_weights=weights, **self.model_inputs(batch))
+
+    def model_inputs(self, batch) -> dict:
+        """What the module's forward takes from a batch beside its tokens and labels."""
+        return {"position_ids": batch.get("position_ids")}
 
     def prefill(self, model, ids, max_len):
         cache = KVCache(model.config, ids.shape[0], max_len, ids.device, next(model.parameters()).dtype)

@@ -89,6 +89,17 @@ class ModelFamily:
     def max_seq_len(self, model: nn.Module) -> int | None:
         return None
 
+    # -- mixtures of experts (rollout routing replay) ----------------------------------------
+    def last_routes(self, model: nn.Module) -> torch.Tensor | None:
+        """The experts each token of the model's last forward went to, (tokens, MoE layers, k); None when the model
+        routes nothing or does not say (then routes are neither recorded nor replayed)."""
+        return None
+
+    def routing_agreement(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Counts of where the last forward, given a sampler's routes (the batch's `routes` or `sampler_routes`),
+        routed as the sampler did: route_tokens(_agree), route_decisions(_agree). Empty when none were given."""
+        return {}
+
     def vocab_size(self, model: nn.Module) -> int:
         """Rows of the model's token table: the largest vocabulary it can take."""
         return self.input_embedding(model).num_embeddings

@@ -59,6 +59,10 @@ class Completion:
     on under newer weights."""
     forced: list[int] = field(default_factory=list)
     """Tool-result tokens still to force: a partial rollout's chunk ended inside a result."""
+    routes: torch.Tensor | None = field(default=None, compare=False)
+    """A mixture-of-experts sampler's experts for each token it ran — the prompt's, then each completion token fed
+    back — (prompt + tokens - 1, MoE layers, k), int16: what the trainer replays (rollout routing replay). None
+    when the model routes nothing or the engine does not say (vLLM)."""
 
 
 @dataclass
@@ -217,6 +221,24 @@ class Engine:
             return cache.step(tokens)
         return self.family.decode(self.model, tokens, cache)
 
+    def _routes(self, rows: int) -> torch.Tensor | None:
+        """The experts the last model call sent its tokens to, (rows, tokens, MoE layers, k) on the device; None
+        for a model that routes nothing."""
+        routes = self.family.last_routes(self.model)
+        return None if routes is None else routes.view(rows, -1, *routes.shape[1:])
+
+    @staticmethod
+    def _keep_routes(rows: list[Completion], prefix: torch.Tensor | None, fed: list[torch.Tensor], prompt: int):
+        """Each row's `routes`: its `prefix`'s (the prompt's, shared by the samples of one prefill, or the row's own
+        prompt and earlier tokens when a partial rollout's chunk prefilled them) then those of the tokens it fed
+        back (`fed`, one (rows, 1, L, k) a step), cut to the positions a trainer's forward runs."""
+        if prefix is None:
+            return
+        steps = torch.cat([prefix[:, :0].expand(len(rows), -1, -1, -1), *fed], dim=1).to("cpu", torch.int16)
+        prefix = prefix.to("cpu", torch.int16).expand(len(rows), -1, -1, -1)
+        for row, completion in enumerate(rows):
+            completion.routes = torch.cat([prefix[row], steps[row]])[: prompt + len(completion.tokens) - 1].clone()
+
     def max_len(self) -> int:
         """The longest sequence (prompt + completion) the model takes."""
         return self.family.max_seq_len(self.model) or 1 << 30
@@ -285,17 +307,21 @@ class Engine:
     def _generate(self, prompt_ids, num_samples, max_len, temperature, top_k, top_p, generator, on_token):
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, cache = self._prefill(ids, num_samples, max_len)
+        prefix = self._routes(1)
         out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
         calls = [ToolCalls() for _ in range(num_samples)]
-        self._decode_rows(logits, cache, out, calls, max_len - len(prompt_ids), temperature, top_k, top_p, generator,
-                          on_token)  # fmt: skip
+        fed = self._decode_rows(logits, cache, out, calls, max_len - len(prompt_ids), temperature, top_k, top_p,
+                                generator, on_token)  # fmt: skip
+        self._keep_routes(out, prefix, fed, len(prompt_ids))
         for completion, pending in zip(out, calls):  # a result the budget cut: a partial rollout forces it next
             completion.forced = pending.forced
         return out
 
     def _decode_rows(self, logits, cache, out, calls, steps, temperature, top_k, top_p, generator, on_token=None):
         """Up to `steps` tokens for every unfinished row of `out` (its `calls` in flight), from the next-token
-        `logits` and the `cache` behind them."""
+        `logits` and the `cache` behind them. Returns the experts of each token fed back, one (rows, 1, L, k) a step
+        (empty for a model that routes nothing)."""
+        fed = []
         for i in range(steps):
             sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
@@ -314,6 +340,10 @@ class Engine:
             # The sampled ids stay on the device unless a forced tool token replaced one (no copy from the host).
             tokens = sampled if step == sampled_list else torch.tensor(step, device=self.device)
             logits = self._decode(tokens, cache)
+            routes = self._routes(len(out))
+            if routes is not None:
+                fed.append(routes)
+        return fed
 
     @torch.no_grad()
     def extend(self, prompt_ids, rows, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -343,9 +373,11 @@ class Engine:
         try:
             ids = torch.tensor([list(prompt_ids) + r.tokens for r in rows], dtype=torch.long, device=self.device)
             logits, cache = self._prefill(ids, 1, max_len)
+            prefix = self._routes(len(rows))  # the earlier tokens rerouted by these weights, as they are now cached
             calls = [ToolCalls(self._open_call(r.tokens), r.forced) for r in rows]
             steps = max_len - len(prompt_ids) - length
-            self._decode_rows(logits, cache, rows, calls, steps, temperature, top_k, top_p, generator)
+            fed = self._decode_rows(logits, cache, rows, calls, steps, temperature, top_k, top_p, generator)
+            self._keep_routes(rows, prefix, fed, len(prompt_ids))
             for r, c in zip(rows, calls):
                 r.forced = c.forced
         finally:

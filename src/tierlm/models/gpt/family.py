@@ -14,7 +14,7 @@ from tierlm.models.gpt.hf_export import from_hf_name, to_hf_config, to_hf_name
 from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
 from tierlm.models.moe import MoEConfig
 from tierlm.models.native import NativeCausalLM
-from tierlm.models.registry import register_family
+from tierlm.models.registry import register_family, unwrap_ddp
 from tierlm.primitives.model_parallel import megatron_plan, received_positions
 
 SHAPE_FIELDS = (
@@ -80,6 +80,18 @@ class GPTFamily(NativeCausalLM):
 
     def build(self, model_config, vocab_size, max_seq_len, device="cpu", dtype=torch.float32):
         return self.build_from_config(self.gpt_config(model_config, vocab_size, max_seq_len), device, dtype)
+
+    def model_inputs(self, batch) -> dict:
+        """Beside the positions, a sampler's expert routes: `routes` replayed (rollout routing replay), or
+        `sampler_routes` only compared with the model's own (`GPT.routing_agreement`)."""
+        routes = batch.get("routes", batch.get("sampler_routes"))
+        return {"position_ids": batch.get("position_ids"), "routes": routes, "replay": "routes" in batch}
+
+    def last_routes(self, model):
+        return unwrap_ddp(model).last_routes()
+
+    def routing_agreement(self, model):
+        return unwrap_ddp(model).routing_agreement()
 
     def attention_shape(self, model):
         return model.config.depth, model.config.n_head * model.config.head_dim

@@ -20,6 +20,7 @@ torch.Size([2, 8, 64])
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -394,6 +395,8 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None,
+        replay: bool = False,
     ):
         """Logits (B, T, V) for token ids (B, T); with `labels`, the loss instead.
 
@@ -403,6 +406,9 @@ class GPT(nn.Module):
         With `labels` (B, T; -100 not trained) and optional `loss_weights` (B, T), returns
         (sum of weighted cross-entropy, per-token cross-entropy (B, T)) from the LM head fused
         into the loss (`linear_cross_entropy`): the (B, T, V) logits never exist at once.
+        With `routes` (B, T, MoE layers, k): the experts a sampler chose for each token (-1 where unknown), each
+        mixture-of-experts layer counts where its own choice agrees (`routing_agreement`) and, with `replay`, uses
+        them instead (rollout routing replay).
         """
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
@@ -421,8 +427,9 @@ class GPT(nn.Module):
             )  # (B, 1, T, D)
             mask = packed_mask(position_ids)
         x = self.embed(input_ids)  # (B, T, C)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)
+        with self._sampled_routes(routes, replay):
+            for i, block in enumerate(self.blocks):
+                x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)
         x = self.norm(x)
         if labels is None:
             return self.lm_head(x)
@@ -452,6 +459,41 @@ class GPT(nn.Module):
     def moe_layers(self) -> list[MoE]:
         """The mixture-of-experts layers, in depth order (each holds its last forward's `routes` and `stats`)."""
         return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+
+    @contextlib.contextmanager
+    def _sampled_routes(self, routes: torch.Tensor | None, replay: bool):
+        """Each MoE layer given its slice of `routes` (B, T, layers, k) for one forward (`forward`)."""
+        layers = self.moe_layers() if routes is not None else []
+        assert routes is None or routes.shape[2] == len(layers), f"routes for {routes.shape[2]} of {len(layers)} layers"
+        for i, layer in enumerate(layers):
+            layer.sampler_routes, layer.replay = routes[:, :, i].reshape(-1, routes.shape[-1]), replay
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.sampler_routes, layer.replay = None, False
+
+    def last_routes(self) -> torch.Tensor | None:
+        """The experts each token of the last forward went to, (tokens, MoE layers, k) in the order of its (B, T)
+        tokens; None for a dense model."""
+        layers = self.moe_layers()
+        return torch.stack([layer.routes for layer in layers], dim=1) if layers else None
+
+    def routing_agreement(self) -> dict[str, torch.Tensor]:
+        """Where the last forward, given a sampler's `routes`, chose as the sampler did: the tokens whose routes were
+        known and those routed alike in every layer, the (token, layer) router decisions known and alike. Empty
+        when no routes were given."""
+        layers = [layer for layer in self.moe_layers() if "route_known" in layer.stats]
+        if not layers:
+            return {}
+        known = layers[0].stats["route_known"]
+        agree = torch.stack([layer.stats["route_agree"] for layer in layers]).all(dim=0)
+        return {
+            "route_tokens": known.sum(),
+            "route_tokens_agree": agree.sum(),
+            "route_decisions": sum(layer.stats["route_known"].sum() for layer in layers),
+            "route_decisions_agree": sum(layer.stats["route_agree"].sum() for layer in layers),
+        }
 
 
 def build_gpt(config: GPTConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:

@@ -1536,6 +1536,16 @@ CASES = [
         "model.moe.num_experts has no effect on a gpt2 model",
     ),
     Case(
+        "expert-parallel-in-one-process",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "model.moe.num_experts=4", "infra.expert_parallel_size=2"],
+        r"infra.expert_parallel_size=2 shares out the experts over that many ranks: run under `torchrun",
+    ),
+    Case(
+        "expert-parallel-with-fsdp",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "infra.expert_parallel_size=2", "infra.distributed_type=fsdp"],
+        "infra.expert_parallel_size runs beside DDP",
+    ),
+    Case(
         "routing-replay-on-a-dense-policy",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.routing_replay=true"],
         "rl.routing_replay replays the experts a mixture-of-experts policy chose, and this policy has none",

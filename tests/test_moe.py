@@ -40,8 +40,9 @@ def _reference(layer: MoE, x: torch.Tensor, routes: torch.Tensor | None = None) 
         total = sum(weights) if c.normalize_top_k else 1.0
         y = torch.zeros(DIM)
         for e, w in zip(picked, weights):
-            gate, up = layer.gate_up_proj[e][: c.expert_width] @ token, layer.gate_up_proj[e][c.expert_width :] @ token
-            y = y + (w / total) * (layer.down_proj[e] @ (F.silu(gate) * up))
+            gate_up, down = layer.experts.gate_up_proj[e], layer.experts.down_proj[e]
+            gate, up = gate_up[: c.expert_width] @ token, gate_up[c.expert_width :] @ token
+            y = y + (w / total) * (down @ (F.silu(gate) * up))
         if layer.shared is not None:
             s = layer.shared
             y = y + s.down_proj.weight @ (F.silu(s.gate_proj.weight @ token) * (s.up_proj.weight @ token))
@@ -66,13 +67,13 @@ def test_the_layer_is_the_per_token_sum_of_its_picked_experts(settings, monkeypa
     ours = layer(ours_x)
     probe = torch.randn_like(ours)
     (ours * probe).sum().backward()
-    grads = [p.grad.clone() for p in (layer.router.weight, layer.gate_up_proj, layer.down_proj)]
+    grads = [p.grad.clone() for p in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj)]
     layer.zero_grad()
     ref = _reference(layer, ref_x)
     (ref * probe).sum().backward()
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_x.grad, ref_x.grad, atol=1e-5, rtol=1e-5)
-    for mine, p in zip(grads, (layer.router.weight, layer.gate_up_proj, layer.down_proj)):
+    for mine, p in zip(grads, (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj)):
         torch.testing.assert_close(mine, p.grad, atol=1e-5, rtol=1e-5)
     assert int(layer.stats["tokens_per_expert"].sum()) == 15 * layer.config.experts_per_token
     assert len(calls) == (2 if layer.config.expert_width % 4 == 0 else 1)  # width 6: the down projection loops
@@ -90,8 +91,8 @@ def test_a_qwen3_moe_block_copies_in_and_computes_the_same():
     layer = _layer()
     with torch.no_grad():
         theirs.gate.weight.copy_(layer.router.weight)
-        theirs.experts.gate_up_proj.copy_(layer.gate_up_proj)
-        theirs.experts.down_proj.copy_(layer.down_proj)
+        theirs.experts.gate_up_proj.copy_(layer.experts.gate_up_proj)
+        theirs.experts.down_proj.copy_(layer.experts.down_proj)
     x = torch.randn(2, 7, DIM, generator=torch.Generator().manual_seed(2))
     out = theirs(x)
     out = out[0] if isinstance(out, tuple) else out
@@ -274,7 +275,7 @@ def test_flops_per_token_count_the_experts_a_token_goes_through():
 
     gpt = _moe_gpt()  # 4 experts, 2 per token
     c = gpt.config
-    experts = sum(layer.gate_up_proj.numel() + layer.down_proj.numel() for layer in gpt.moe_layers())
+    experts = sum(layer.experts.gate_up_proj.numel() + layer.experts.down_proj.numel() for layer in gpt.moe_layers())
     active = gpt.num_params() - gpt.embed.weight.numel() - experts // 2
     assert gpt.num_params(exclude_embedding=True, active=True) == active
     assert flops_per_token(gpt, 32) == 6 * active + 12 * c.depth * c.n_head * c.head_dim * 32

@@ -70,6 +70,8 @@ class BackendOptions:
     """Tensor parallelism: the embedding and the head split by vocabulary."""
     sequence_parallel: bool = False
     """Tensor parallelism: norms and residuals split by sequence."""
+    expert_parallel_size: int = 1
+    """Expert parallelism: the ranks that share out each mixture-of-experts layer's experts."""
     dims: ParallelDims | None = None
     """Tensor / pipeline parallelism: how the ranks split (pipeline x data x context x tensor)."""
 

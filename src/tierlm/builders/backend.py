@@ -25,18 +25,20 @@ from tierlm.primitives.parallel import DistributedContext, launched_distributed
 
 def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
     """ "none" | "ddp" | "fsdp" | "deepspeed" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for
-    the rest)."""
+    the rest) | "expert_parallel" (the experts shared out, DDP for the rest)."""
     if ctx is None:
         return "none"
     infra = config.infra
     if infra.model_parallel:
         return "model_parallel"
+    if infra.expert_parallel_size > 1:
+        return "expert_parallel"
     if infra.distributed_type == "deepspeed":
         return "deepspeed"
     return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
 
 
-SHARDED_KINDS = ("fsdp", "deepspeed", "model_parallel")
+SHARDED_KINDS = ("fsdp", "deepspeed", "model_parallel", "expert_parallel")
 """The kinds whose ranks each hold part of the weights (no rank can sample or probe alone)."""
 
 
@@ -69,6 +71,7 @@ def backend_options(config: TierlmConfig, broadcast_weights: bool = False) -> Ba
         stages_per_rank=infra.stages_per_rank,
         vocab_parallel=infra.vocab_parallel,
         sequence_parallel=infra.sequence_parallel,
+        expert_parallel_size=infra.expert_parallel_size,
     )
 
 
@@ -115,6 +118,16 @@ def deepspeed(model: torch.nn.Module, b: Build):
     return DeepSpeedTrainingBackend(model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, b.options)
 
 
+def expert_parallel(model: torch.nn.Module, b: Build):
+    from tierlm.backends.expert_parallel import ExpertParallelTrainingBackend
+
+    if b.options.cpu_offload:
+        raise ConfigError(NOT_FSDP)
+    return ExpertParallelTrainingBackend(
+        model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, b.options
+    )
+
+
 def model_parallel(model: torch.nn.Module, b: Build):
     """Pipeline stages x tensor parallel (the family's plans) x FSDP2 over the data-parallel rest; what it does not
     do is refused in one line each."""
@@ -158,6 +171,7 @@ BACKENDS: dict[str, Callable[[torch.nn.Module, Build], PyTorchTrainingBackend]] 
     "fsdp": fsdp,
     "deepspeed": deepspeed,
     "model_parallel": model_parallel,
+    "expert_parallel": expert_parallel,
 }
 """`distributed_kind` -> the builder of its tier-0 backend (infra.backend=jax: `jax_backend`): the one place a
 backend is chosen."""

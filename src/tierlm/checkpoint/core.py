@@ -46,6 +46,7 @@ from torch import nn
 from tierlm.checkpoint.verify import META_FILE, file_manifest
 from tierlm.errors import CheckpointError
 from tierlm.models.io import is_native_folder, save_model_folder
+from tierlm.primitives.expert_parallel import as_dtensors, expert_shards
 from tierlm.primitives.model_parallel import dcp_storable
 from tierlm.primitives.optim import inner_optimizers
 
@@ -227,6 +228,8 @@ def save_sharded_checkpoint(
     model_state, optim_state = get_state_dict(
         model, inner_optimizers(optimizer), options=StateDictOptions(flatten_optimizer_state_dict=True)
     )
+    shards = expert_shards(model)  # a rank's experts (expert parallelism): written as shards of the whole
+    model_state, optim_state = as_dtensors(model_state, shards), as_dtensors(optim_state, shards)
     storable = dcp_storable({"model": model_state, "optim": optim_state})[0]
     described = whole_model if whole_model is not None else model
     extras = train_state(None, scheduler) if is_main else None  # the scheduler and RNG as they are now

@@ -25,6 +25,7 @@ from tierlm.checkpoint.core import (
 from tierlm.checkpoint.verify import META_FILE, verify_checkpoint
 from tierlm.errors import CheckpointError, first_line
 from tierlm.models.io import WEIGHTS_FILE, is_native_folder, read_model_state
+from tierlm.primitives.expert_parallel import as_dtensors, as_local, expert_shards
 from tierlm.primitives.model_parallel import dcp_storable
 from tierlm.primitives.optim import inner_optimizers
 
@@ -209,9 +210,12 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
             for key in metadata.state_dict_metadata
         )
     )
-    wanted = {"model": get_model_state_dict(model)}
+    shards = expert_shards(model)  # a rank's experts (expert parallelism): read as shards of the whole
+    wanted = {"model": as_dtensors(get_model_state_dict(model), shards)}
     if optimizer is not None:
-        wanted["optim"] = get_optimizer_state_dict(model, inner_optimizers(optimizer), options=flat)
+        wanted["optim"] = as_dtensors(
+            get_optimizer_state_dict(model, inner_optimizers(optimizer), options=flat), shards
+        )
     try:
         with warnings.catch_warnings():  # "loading in a single process" is what we mean without a job
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -227,9 +231,10 @@ def load_sharded_state(state_dir: Path, model: nn.Module, optimizer: torch.optim
             if isinstance(failure, (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError))
             else RuntimeError(first_line(failure))
         ) from None
-    set_model_state_dict(model, wanted["model"])
+    set_model_state_dict(model, as_local(wanted["model"]) if shards else wanted["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, inner_optimizers(optimizer), wanted["optim"], options=flat)
+        optim = as_local(wanted["optim"]) if shards else wanted["optim"]
+        set_optimizer_state_dict(model, inner_optimizers(optimizer), optim, options=flat)
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:

@@ -62,6 +62,10 @@ class InfraConfig(Section):
     """Pipeline stages each rank holds (interleaved_1F1B: 2 or more)."""
     context_parallel_size: int = Field(1, ge=1)
     """Ranks that split each sequence for attention (ring attention over SDPA's CUDA kernels)."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Ranks that share out each mixture-of-experts layer's experts (model.moe): a token's row goes to the rank
+    holding its expert and back (all-to-all); DDP replicates the other weights over every rank. It divides the
+    ranks and model.moe.num_experts."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -134,6 +138,15 @@ class InfraConfig(Section):
             raise ValueError(
                 "infra.distributed_type=deepspeed runs PyTorch's eager modules: drop infra.backend=jax and "
                 "infra.compile"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_expert_parallel(self) -> "InfraConfig":
+        if self.expert_parallel_size > 1 and (self.model_parallel or self.distributed_type in ("fsdp", "deepspeed")):
+            raise ValueError(
+                "infra.expert_parallel_size runs beside DDP (infra.distributed_type=ddp or auto), not with FSDP, "
+                "DeepSpeed or tensor / pipeline / context parallel sizes: drop one of them"
             )
         return self
 

@@ -1,8 +1,8 @@
 """A mixture-of-experts feed-forward layer: a router picks each token's `experts_per_token` of `num_experts` SwiGLU
 experts, their outputs are summed with the router's weights, and shared experts (DeepSeek's) see every token.
 
-The weights are laid out as transformers' Qwen3-MoE lays them out (`gate_up_proj` (E, 2W, D), `down_proj`
-(E, D, W), the router's (E, D)), so a Qwen3-MoE block copies in as it is. Routing:
+The weights are laid out and named as transformers' Qwen3-MoE's (`experts.gate_up_proj` (E, 2W, D),
+`experts.down_proj` (E, D, W), the router's (E, D)), so a Qwen3-MoE block copies in as it is. Routing:
 
 - scores: softmax over the experts (Qwen3-MoE, Mixtral) or a sigmoid per expert (DeepSeek-V3);
 - selection: the top-k of score + `expert_bias`, DeepSeek-V3's auxiliary-loss-free balancing bias, which changes
@@ -97,6 +97,27 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
     return torch.cat(parts) if parts else x.new_zeros(0, out_dim)
 
 
+class GroupedExperts(nn.Module):
+    """The experts' SwiGLUs, `x` (N, dim) sorted by expert with `counts` (E,) rows each -> (N, dim): one grouped matmul
+    per projection (`grouped_linear`). Its own module, as transformers' Qwen3-MoE `experts`, so that expert
+    parallelism (`tierlm.primitives.expert_parallel`) can hold a share of the experts and move the rows to them
+    around its forward without the model knowing."""
+
+    def __init__(self, num_experts: int, dim: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, width))
+        nn.init.normal_(self.gate_up_proj, std=dim**-0.5)
+        nn.init.normal_(self.down_proj, std=width**-0.5)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        e = self.gate_up_proj.shape[0]
+        # Traced on fake tensors (the memory planner), the split is unknown: an even one has the same total rows.
+        sizes = [x.shape[0] // e + (i < x.shape[0] % e) for i in range(e)] if is_fake(counts) else counts.tolist()
+        gate, up = grouped_linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, sizes)
+
+
 class MoE(nn.Module):
     """The layer (see the module's docstring); `x` (..., dim) -> (..., dim)."""
 
@@ -104,8 +125,7 @@ class MoE(nn.Module):
         super().__init__()
         self.config, e, w = config, config.num_experts, config.expert_width
         self.router = nn.Linear(dim, e, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * w, dim))
-        self.down_proj = nn.Parameter(torch.empty(e, dim, w))
+        self.experts = GroupedExperts(e, dim, w)
         self.register_buffer("expert_bias", torch.zeros(e))
         self.load: torch.Tensor | None = None
         """Tokens per expert routed in training since the last optimizer step (None: none yet)."""
@@ -116,15 +136,13 @@ class MoE(nn.Module):
         """Use `sampler_routes` where known instead of the router's own top-k (rollout routing replay)."""
         self.routes: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
-        nn.init.normal_(self.gate_up_proj, std=dim**-0.5)
-        nn.init.normal_(self.down_proj, std=w**-0.5)
 
     def idle_params(self) -> int:
         """The expert parameters a token does not go through: the (E - k) / E share of the experts' (the active count
         of the model's size and FLOPs leaves them out)."""
         c = self.config
         return round(
-            (c.num_experts - c.experts_per_token) / c.num_experts * (self.gate_up_proj.numel() + self.down_proj.numel())
+            (c.num_experts - c.experts_per_token) / c.num_experts * sum(p.numel() for p in self.experts.parameters())
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -156,13 +174,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         token = order // k
         counts = torch.zeros(e, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        # Traced on fake tensors (the memory planner), the split is unknown: an even one has the same total rows.
-        if is_fake(counts):
-            sizes = [flat.numel() // e + (i < flat.numel() % e) for i in range(e)]
-        else:
-            sizes = counts.tolist()
-        gate, up = grouped_linear(rows[token], self.gate_up_proj, sizes).chunk(2, dim=-1)
-        out = grouped_linear(F.silu(gate) * up, self.down_proj, sizes) * weights.reshape(-1)[order, None]
+        out = self.experts(rows[token], counts) * weights.reshape(-1)[order, None]
         y = torch.zeros_like(rows).index_add_(0, token, out.to(rows.dtype))
         if self.shared is not None:
             y = y + self.shared(rows)

@@ -95,6 +95,11 @@ def distributed_context(config: TierlmConfig) -> DistributedContext | None:
             infra.context_parallel_size,
         )  # the world splits into whole groups, or a ConfigError
         kind = "fsdp"
+    if infra.expert_parallel_size > 1 and not launched_distributed():
+        raise ConfigError(
+            f"infra.expert_parallel_size={infra.expert_parallel_size} shares out the experts over that many ranks: "
+            "run under `torchrun --nproc_per_node=N -m tierlm ...`, or drop it"
+        )
     if kind == "auto":
         kind = "fsdp" if launched_distributed() and int(os.environ["WORLD_SIZE"]) > 1 else "none"
     if kind == "none":

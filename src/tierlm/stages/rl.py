@@ -45,10 +45,10 @@ class RL(Stage):
         """Under torchrun each rank samples its share of the prompts and trains on them: DDP (auto), or FSDP2
         (infra.distributed_type=fsdp) for a policy that does not fit one rank, its sampler a whole copy."""
         kind, infra = config.infra.distributed_type, config.infra
-        if infra.model_parallel:
+        if infra.model_parallel or infra.expert_parallel_size > 1:
             raise ConfigError(
-                "tierlm rl shards the data (ddp) or the weights (fsdp) over ranks, not tensor / pipeline / context "
-                "parallel layers: drop those sizes"
+                "tierlm rl shards the data (ddp) or the weights (fsdp) over ranks, not tensor / pipeline / context / "
+                "expert parallel layers: drop those sizes"
             )
         kind = ("ddp" if launched else "none") if kind == "auto" else kind
         return config.model_copy(update={"infra": infra.model_copy(update={"distributed_type": kind})})

@@ -19,8 +19,7 @@ _PREFIXES = [
     ("blocks.{i}.attn.", "model.layers.{i}.self_attn."),
     # A mixture of experts in transformers' Qwen3-MoE names (the router is its `gate`); before the dense rule.
     ("blocks.{i}.mlp.router.", "model.layers.{i}.mlp.gate."),
-    ("blocks.{i}.mlp.gate_up_proj", "model.layers.{i}.mlp.experts.gate_up_proj"),
-    ("blocks.{i}.mlp.down_proj", "model.layers.{i}.mlp.experts.down_proj"),
+    ("blocks.{i}.mlp.experts.", "model.layers.{i}.mlp.experts."),
     ("blocks.{i}.mlp.", "model.layers.{i}.mlp."),
 ]
 
@@ -46,7 +45,7 @@ def _rename(name: str, rules: list[tuple[re.Pattern, str]]) -> str:
 def to_hf_name(name: str) -> str:
     """>>> to_hf_name("blocks.3.attn.q_norm.weight"), to_hf_name("blocks.0.mlp.down_proj.weight")
     ('model.layers.3.self_attn.q_norm.weight', 'model.layers.0.mlp.down_proj.weight')
-    >>> to_hf_name("blocks.1.mlp.down_proj"), to_hf_name("blocks.1.mlp.router.weight")
+    >>> to_hf_name("blocks.1.mlp.experts.down_proj"), to_hf_name("blocks.1.mlp.router.weight")
     ('model.layers.1.mlp.experts.down_proj', 'model.layers.1.mlp.gate.weight')
     """
     return _rename(name, _TO_HF)

@@ -367,9 +367,9 @@ class GPT(nn.Module):
             # Zero output projections: every block starts as the identity on the residual stream.
             nn.init.zeros_(block.attn.o_proj.weight)
             if isinstance(block.mlp, MoE):  # each expert as a dense MLP; the router uniform, its bias zero
-                for weight in (block.mlp.router.weight, block.mlp.gate_up_proj):
+                for weight in (block.mlp.router.weight, block.mlp.experts.gate_up_proj):
                     nn.init.uniform_(weight, -bound, bound)
-                nn.init.zeros_(block.mlp.down_proj)
+                nn.init.zeros_(block.mlp.experts.down_proj)
                 block.mlp.expert_bias.zero_()
             else:
                 for linear in (block.mlp.gate_proj, block.mlp.up_proj):

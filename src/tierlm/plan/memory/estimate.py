@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
+from tierlm.backends.expert_parallel import ExpertParallelTrainingBackend
 from tierlm.backends.model_parallel import ModelParallelTrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
 from tierlm.backends.zero import DeepSpeedTrainingBackend
@@ -74,6 +75,7 @@ BACKENDS = {
     "fsdp": FSDPTrainingBackend,
     "deepspeed": DeepSpeedTrainingBackend,
     "model_parallel": ModelParallelTrainingBackend,
+    "expert_parallel": ExpertParallelTrainingBackend,
 }
 """The backend of each distributed kind (`tierlm.builders.backend.distributed_kind`): each says how it holds a model."""
 PARTS = (
@@ -353,6 +355,7 @@ def _layout(config: TierlmConfig, world_size: int) -> dict[str, Any]:
         pipeline=infra.pipeline_parallel_size,
         context=infra.context_parallel_size,
         zero_stage=infra.deepspeed_zero_stage,
+        expert_parallel_size=infra.expert_parallel_size,
     )
 
 

@@ -373,3 +373,46 @@ def test_the_backend_scores_and_trains_with_the_replayed_routes(tmp_path):
     for name, p in gpt.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_transformers_qwen3_moe_imports_as_the_native_gpt_with_the_same_logits_and_exports_back(tmp_path):
+    """A Qwen3-MoE folder written by transformers (its attention wider than its residual stream, as Qwen3's is)
+    becomes the native GPT with experts — equal logits — and exports back to a folder transformers loads alike."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from tierlm.errors import ConfigError
+    from tierlm.models import family_named, save_model_folder
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, norm_topk_prob=True,
+    )  # fmt: skip
+    theirs = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # off transformers' small init, so every expert and the router matter
+        for p in theirs.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = family_named("gpt").import_transformers(tmp_path / "hf").eval()
+    assert ours.config.n_embd == 32 and ours.config.n_head == 4 and len(ours.moe_layers()) == 2
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    save_model_folder(ours, tmp_path / "back")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, theirs(ids).logits, atol=2e-5, rtol=1e-5)
+    config.mlp_only_layers = [1]
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mixed")
+    with pytest.raises(ConfigError, match="dense layers among the sparse ones"):
+        family_named("gpt").import_transformers(tmp_path / "mixed")
+
+
+def test_the_plan_counts_the_parameters_one_token_goes_through():
+    from tierlm.plan.scaling import parameter_counts
+
+    gpt = _moe_gpt()
+    counts = parameter_counts(gpt)
+    idle = 2 * (4 - 2) / 4 * (4 * 2 * 24 * gpt.config.n_embd + 4 * gpt.config.n_embd * 24)  # 2 layers, 2 of 4 idle
+    assert counts["total"] == gpt.num_params() and counts["active"] == gpt.num_params() - idle

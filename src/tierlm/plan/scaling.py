@@ -31,6 +31,7 @@ from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_named, family_of, unwrap_model
+from tierlm.models.moe import MoE
 from tierlm.primitives.optim import ROLES, parameter_roles
 
 B_REF = 2**19  # tokens per step found best at the d12 reference (nanochat, measured)
@@ -49,6 +50,9 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     counts = {role: sum(p.numel() for p in params) for role, params in roles.items()}
     counts["total"] = sum(counts[r] for r in ROLES)
     counts["scaling"] = counts["matrix"] + counts["unembedding"]
+    idle = sum(m.idle_params() for m in model.modules() if isinstance(m, MoE))
+    if idle:  # a mixture of experts: what one token goes through
+        counts["active"] = counts["total"] - idle
     return counts
 
 
@@ -106,7 +110,8 @@ class Plan:
                 (
                     "parameters",
                     f"{c['total']:,} (scaling {c['scaling']:,}: matrices {c['matrix']:,} + head "
-                    f"{c['unembedding']:,}; embeddings {c['embedding']:,}; scalars {c['scalar']:,})",
+                    f"{c['unembedding']:,}; embeddings {c['embedding']:,}; scalars {c['scalar']:,})"
+                    + (f"; active per token {c['active']:,}" if "active" in c else ""),
                 )
             )
         if self.flops_per_token:

@@ -4,17 +4,19 @@ transformers Qwen3 names (it is Qwen3 without biases; its S layers are Qwen3's s
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from tierlm.errors import ConfigError
-from tierlm.models.gpt.hf_export import from_hf_name, to_hf_config, to_hf_name
+from tierlm.errors import ConfigError, ModelLoadError
+from tierlm.models.gpt.hf_export import from_hf_name, fuse_experts, to_hf_config, to_hf_name
 from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
 from tierlm.models.moe import MoEConfig
 from tierlm.models.native import NativeCausalLM
-from tierlm.models.registry import register_family, unwrap_ddp
+from tierlm.models.registry import WEIGHTS_FILE, register_family, unwrap_ddp
 from tierlm.primitives.model_parallel import megatron_plan, received_positions
 
 SHAPE_FIELDS = (
@@ -144,8 +146,58 @@ class GPTFamily(NativeCausalLM):
             out.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens
         return out
 
+    def import_transformers(self, folder, device="cpu", dtype=torch.float32, vocab_size=None, model_config=None):
+        """A transformers Qwen3-MoE folder as the native GPT with experts (its grouped experts, routing replay and
+        expert parallelism instead of transformers' loop over the experts), the same logits; None for any other
+        folder (a dense Qwen3 or Llama stays transformers' model, as it loads today). What the native block cannot
+        hold (sliding windows, dense layers among the sparse ones, scaled rotary embeddings) is refused in one line."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(folder)
+        if hf.model_type != "qwen3_moe":
+            return None
+        rope = getattr(hf, "rope_parameters", None) or {"rope_theta": getattr(hf, "rope_theta", 10000.0)}
+        unheld = {
+            "sliding-window attention": getattr(hf, "use_sliding_window", False),
+            "dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step)": bool(hf.mlp_only_layers)
+            or hf.decoder_sparse_step != 1,
+            "attention biases": hf.attention_bias,
+            f"rotary scaling {rope.get('rope_type')}": rope.get("rope_type", "default") != "default",
+            f"activation {hf.hidden_act}": hf.hidden_act != "silu",
+        }
+        for what, present in unheld.items():
+            if present:
+                raise ConfigError(
+                    f"{folder} is a Qwen3-MoE with {what}, which tierlm's native mixture of experts does not hold: "
+                    "set model.architecture=qwen3_moe to train it as transformers' model"
+                )
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        config = GPTConfig(
+            depth=hf.num_hidden_layers, width=hf.hidden_size, num_heads=hf.num_attention_heads, head_dim=head_dim,
+            n_kv_head=hf.num_key_value_heads, vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings,
+            mlp_ratio=hf.intermediate_size / hf.hidden_size, rope_theta=rope["rope_theta"], norm_eps=hf.rms_norm_eps,
+            tie_embeddings=hf.tie_word_embeddings,
+            moe=MoEConfig(
+                num_experts=hf.num_experts, experts_per_token=hf.num_experts_per_tok,
+                expert_width=hf.moe_intermediate_size, normalize_top_k=hf.norm_topk_prob,
+                aux_loss_coef=hf.router_aux_loss_coef if getattr(hf, "output_router_logits", False) else 0.0,
+            ),
+        )  # fmt: skip
+        model = self.build_from_config(config, device, dtype)
+        index = Path(folder) / f"{WEIGHTS_FILE}.index.json"  # a large checkpoint's shards, else one file
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [WEIGHTS_FILE]
+        weights = {k: v for name in files for k, v in load_file(Path(folder) / name, device=str(device)).items()}
+        missing, unexpected = model.load_state_dict(self.from_hf_state(model, weights), strict=False)
+        missing = [name for name in missing if not name.endswith("expert_bias")]  # tierlm's own: zero, no bias
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"{folder} does not fit its Qwen3-MoE config: missing {missing}, unexpected {unexpected}"
+            )
+        return model
+
     def from_hf_state(self, model, state):
-        out = {from_hf_name(k): v for k, v in state.items()}
+        out = {from_hf_name(k): v for k, v in fuse_experts(state).items()}
         if model.config.tie_embeddings and "embed.weight" in out:
             out.setdefault("lm_head.weight", out["embed.weight"])
         return out

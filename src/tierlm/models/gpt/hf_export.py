@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from tierlm.models.gpt.model import GPTConfig
 
 # (native prefix, transformers prefix); {i} is the block index. lm_head.weight is the same on both sides.
@@ -56,6 +58,36 @@ def from_hf_name(name: str) -> str:
     'blocks.0.mlp_norm.weight'
     """
     return _rename(name, _FROM_HF)
+
+
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fuse_experts(state: dict) -> dict:
+    """A Qwen3-MoE state in the Hub's per-expert layout (`experts.<e>.gate_proj.weight`, ... as released checkpoints
+    and transformers' `save_pretrained` write it) in the fused one transformers computes with and tierlm holds
+    (`experts.gate_up_proj` (E, 2W, D): each expert's gate rows then its up rows; `experts.down_proj` (E, D, W)).
+
+    >>> import torch
+    >>> state = {f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.full((2, 3), e) for e in range(2)
+    ...          for p in ("gate", "up")} | {f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.zeros(3, 2)
+    ...          for e in range(2)}
+    >>> {k: tuple(v.shape) for k, v in fuse_experts(state).items()}
+    {'model.layers.0.mlp.experts.gate_up_proj': (2, 4, 3), 'model.layers.0.mlp.experts.down_proj': (2, 3, 2)}
+    """
+    out, experts = {}, {}
+    for name, value in state.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = value
+        else:
+            prefix, expert, kind = match.groups()
+            experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = value
+    for prefix, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([w["gate"], w["up"]]) for w in order])
+        out[f"{prefix}.down_proj"] = torch.stack([w["down"] for w in order])
+    return out
 
 
 def _qwen3_fields(config: GPTConfig) -> dict:

@@ -64,6 +64,10 @@ class GPTConfig:
     `short_window` tokens (nanochat's "SSSL"); the last layer is always L."""
     short_window: int = 1024
     """Tokens an S layer's query sees, itself included (transformers' `sliding_window`)."""
+    width: int | None = None
+    """The model width when it is not `depth` x `aspect_ratio` (a transformers Qwen3-MoE imported as it is)."""
+    num_heads: int | None = None
+    """Query heads when not width / head_dim (Qwen3's attention can be wider than its residual stream)."""
     moe: MoEConfig | None = None
     """Each block's feed-forward a mixture of experts (`tierlm.models.moe`, in Qwen3-MoE's layout) instead of one
     SwiGLU; None: dense. A dict (as tierlm_model.json holds it) is read as a MoEConfig."""
@@ -84,11 +88,11 @@ class GPTConfig:
 
     @property
     def n_embd(self) -> int:
-        return math.ceil(self.depth * self.aspect_ratio / self.head_dim) * self.head_dim
+        return self.width or math.ceil(self.depth * self.aspect_ratio / self.head_dim) * self.head_dim
 
     @property
     def n_head(self) -> int:
-        return self.n_embd // self.head_dim
+        return self.num_heads or self.n_embd // self.head_dim
 
     @property
     def num_kv_heads(self) -> int:

@@ -94,8 +94,18 @@ class GracefulStop:
 
     def agreed_signal(self, all_reduce_sums: Callable[[dict[str, float]], dict[str, float]] | None = None) -> int:
         """The signal to stop for (0: go on). With `all_reduce_sums` (a multi-rank job), every rank
-        gets the same answer: stop if any rank received a signal, for the first of STOP_SIGNALS seen."""
+        gets the same answer: stop if any rank received a signal, for the first of STOP_SIGNALS seen.
+
+        >>> stop = GracefulStop()  # this rank saw nothing; another rank got SIGTERM
+        >>> other_rank = lambda mine: {**mine, "SIGTERM": mine["SIGTERM"] + 1.0}
+        >>> stop.agreed_signal(other_rank) == signal.SIGTERM == stop.signum
+        True
+        """
         if all_reduce_sums is None:
             return self.signum
         seen = all_reduce_sums({sig.name: float(self.signum == sig) for sig in STOP_SIGNALS})
-        return next((int(sig) for sig in STOP_SIGNALS if seen[sig.name] > 0), 0)
+        agreed = next((int(sig) for sig in STOP_SIGNALS if seen[sig.name] > 0), 0)
+        # A rank stopping for another rank's signal is stopping too: its handlers stay (`__exit__`), so the SIGTERM
+        # torchrun's agent sends when the first rank exits cannot kill it before it reports where it stopped.
+        self.signum = self.signum or agreed
+        return agreed

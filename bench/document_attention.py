@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain import prepare  # noqa: E402
-from tierlm.models.gpt.model import attend_documents, document_causal_mask, document_lengths  # noqa: E402
+from tierlm.models.gpt.documents import attend_documents, document_causal_mask, document_lengths  # noqa: E402
 
 
 def packed_positions(rows: int, length: int, draw) -> torch.Tensor:

@@ -60,7 +60,7 @@ def test_documents_attended_one_by_one_equal_the_document_mask():
     document mask: outputs and gradients, with grouped-query heads and rows of 1 to 3 documents."""
     import torch.nn.functional as F
 
-    from tierlm.models.gpt.model import attend_documents, document_causal_mask, document_lengths
+    from tierlm.models.gpt.documents import attend_documents, document_causal_mask, document_lengths
 
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])
     q = torch.randn(3, 4, 8, 16, requires_grad=True)

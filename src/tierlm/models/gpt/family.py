@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError, ModelLoadError
+from tierlm.models.gpt.documents import packed_mask
 from tierlm.models.gpt.hf_export import from_hf_name, fuse_experts, to_hf_config, to_hf_name
-from tierlm.models.gpt.model import GPT, GPTConfig, packed_mask
+from tierlm.models.gpt.model import GPT, GPTConfig
 from tierlm.models.moe import MoEConfig
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import WEIGHTS_FILE, register_family, unwrap_ddp

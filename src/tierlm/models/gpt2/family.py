@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tierlm.errors import ConfigError
-from tierlm.models.gpt.model import packed_mask
+from tierlm.models.gpt.documents import packed_mask
 from tierlm.models.gpt2.model import GPT2, GPT2Config
 from tierlm.models.native import NativeCausalLM
 from tierlm.models.registry import WEIGHTS_FILE, register_family

@@ -27,19 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierlm.models.gpt.model import (
-    KVCache,
-    LayerCache,
-    PackedDocuments,
-    attend_documents,
-    document_causal_mask,
-    packed_mask,
-)
+from tierlm.models.gpt.documents import PackedDocuments, attend_documents, document_causal_mask, packed_mask
 from tierlm.models.gpt2.delay import MODES as DELAY_MODES
 from tierlm.models.gpt2.delay import CouplingWarmup
 from tierlm.models.gpt2.kv import CausalKVPruning
 from tierlm.models.gpt2.ra import ReciprocalGates, SelfRestart
 from tierlm.models.gpt2.rmlp import ReciprocalMLP
+from tierlm.models.kv_cache import KVCache, LayerCache
 from tierlm.primitives.losses import linear_cross_entropy
 
 

@@ -89,14 +89,10 @@ class ExpertParallelTrainingBackend(DDPTrainingBackend):
         """The whole model's gradient norm: the dense weights' (the same on every rank) and the experts' (each `ep`
         rank holds some), then the clip."""
         experts = {id(p) for p in self.expert_params}
-        squares = [
-            torch.nn.utils.get_total_norm([p.grad for p in grads if (id(p) in experts) == mine]) ** 2
-            if any((id(p) in experts) == mine for p in grads)
-            else torch.zeros((), device=self.device)
-            for mine in (False, True)
-        ]
-        dist.all_reduce(squares[1], group=self.mesh["ep"].get_group())
-        total = (squares[0] + squares[1]).sqrt()
+        dense = torch.nn.utils.get_total_norm([p.grad for p in grads if id(p) not in experts]).to(self.device)
+        mine = torch.nn.utils.get_total_norm([p.grad for p in grads if id(p) in experts]).to(self.device) ** 2
+        dist.all_reduce(mine, group=self.mesh["ep"].get_group())
+        total = (dense**2 + mine).sqrt()
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(grads, self.max_grad_norm, total)
         return total

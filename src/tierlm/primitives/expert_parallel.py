@@ -36,14 +36,9 @@ class ExpertDispatch:
         dist.all_to_all_single(theirs, mine, group=self.group)
         send, receive = mine.sum(dim=1).tolist(), theirs.sum(dim=1).tolist()
         rows = all_to_all_single_autograd(x, receive, send, self.group)  # by source rank, then by expert
-        sizes = theirs.flatten().tolist()
-        starts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
-        by_expert = [
-            torch.arange(starts[r * self.local + e], starts[r * self.local + e] + sizes[r * self.local + e])
-            for e in range(self.local)
-            for r in range(self.size)
-        ]
-        order = torch.cat(by_expert).to(x.device) if by_expert else torch.zeros(0, dtype=torch.long, device=x.device)
+        chunks = torch.arange(sum(receive)).split(theirs.flatten().tolist())  # [r * local + e]: rank r's, expert e
+        order = torch.cat([chunks[r * self.local + e] for e in range(self.local) for r in range(self.size)])
+        order = order.to(x.device)
         self.pending.append((send, receive, order))
         return rows[order], theirs.sum(dim=0)
 

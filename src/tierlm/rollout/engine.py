@@ -234,8 +234,8 @@ class Engine:
         back (`fed`, one (rows, 1, L, k) a step), cut to the positions a trainer's forward runs."""
         if prefix is None:
             return
-        steps = torch.cat([prefix[:, :0].expand(len(rows), -1, -1, -1), *fed], dim=1).to("cpu", torch.int16)
         prefix = prefix.to("cpu", torch.int16).expand(len(rows), -1, -1, -1)
+        steps = torch.cat(fed, dim=1).to("cpu", torch.int16) if fed else prefix[:, :0]
         for row, completion in enumerate(rows):
             completion.routes = torch.cat([prefix[row], steps[row]])[: prompt + len(completion.tokens) - 1].clone()
 

@@ -27,6 +27,7 @@ from tierlm.backends.options import BackendOptions
 from tierlm.models import GPTConfig, build_gpt
 from tierlm.models.gpt2.model import GPT2Config
 from tierlm.primitives.optim import RoleSettings, build_optimizer
+from tierlm.primitives.optim.muon import REFINEMENTS
 from tierlm.primitives.parallel import init_distributed, shutdown_distributed
 from tierlm.primitives.schedules import TrainingSchedule
 
@@ -60,7 +61,8 @@ def global_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
 
 
 def optimizer_factory(name: str, distributed: bool):
-    """AdamW over everything, or Muon (hidden matrices) + AdamW (the rest) in one container."""
+    """AdamW over everything, or Muon (hidden matrices, with every refinement: NorMuon's second moment is whole-matrix
+    state each rank keeps) + AdamW (the rest) in one container."""
     if name == "muon":
         settings = RoleSettings(
             matrix_lr=0.02,
@@ -69,6 +71,7 @@ def optimizer_factory(name: str, distributed: bool):
             scalar_lr=3e-3,
             weight_decay=0.1,
             distributed=distributed,
+            options={"refinements": REFINEMENTS, "beta2": 0.9},
         )
         return lambda m: build_optimizer("muon", m, settings)
     return lambda m: create_adamw_optimizer(m, lr=3e-3, weight_decay=0.1)

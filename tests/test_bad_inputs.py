@@ -1449,6 +1449,16 @@ CASES = [
         "training.optimizer must be one of",
     ),
     Case(
+        "muon-refinements-without-muon",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "training.muon_refinements=[normuon]"],
+        "training.muon_refinements refine Muon",
+    ),
+    Case(
+        "muon-refinement-unknown",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "training.optimizer=muon", "training.muon_refinements=[nor]"],
+        "must be one of 'polar_express'",
+    ),
+    Case(
         "role-lr-too-large",
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.matrix_lr=2"],
         "training.matrix_lr must be < 1",

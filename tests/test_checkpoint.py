@@ -47,7 +47,12 @@ def _weights(run):
     return load_file(run / "model" / "model.safetensors")
 
 
-MUON = ["training.optimizer=muon", "training.muon_momentum_warmup_steps=40", "training.weight_decay=0.1"]
+MUON = [
+    "training.optimizer=muon",
+    "training.muon_momentum_warmup_steps=40",
+    "training.weight_decay=0.1",
+    "training.muon_refinements=[polar_express,normuon,cautious_wd]",  # NorMuon's second moment resumes too
+]
 PRUNE = [
     "training.optimizer=adamw_prune",
     "training.prune_warmup=10",

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from tierlm.builders.model import new_model
+from tierlm.builders.optimizer import optimizer_settings
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.plan.scaling import optimal_batch_tokens, parameter_counts, resolve
 from tierlm.primitives.optim import OptimizerContainer, RoleSettings, build_optimizer, parameter_roles
-from tierlm.primitives.optim.muon import Muon, newton_schulz_orthogonalize
+from tierlm.primitives.optim.muon import REFINEMENTS, Muon, newton_schulz_orthogonalize
 from tierlm.primitives.schedules import TrainingSchedule, create_warmup_scheduler
 from tierlm.stages import STAGES
 
@@ -62,6 +63,92 @@ def test_newton_schulz_approaches_the_polar_factor():
     cosine = (out * polar).sum() / (out.norm() * polar.norm())
     s = torch.linalg.svdvals(out)
     assert cosine > 0.95 and s.min() > 0.6 and s.max() < 1.25, (float(cosine), s.min(), s.max())
+
+
+POLAR_EXPRESS = [  # the paper's quintics for 5 steps (arXiv 2505.16932; nanochat's optim.py)
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def reference_refined_step(weight, grad, state, lr, momentum, weight_decay, refinements, beta2):
+    """Muon with the named refinements, as nanochat's fused step writes them out, in float64 (the weight decay at the
+    unscaled lr, as tierlm's plain Muon)."""
+    state["buf"] = momentum * state["buf"] + (1 - momentum) * grad
+    x = (1 - momentum) * grad + momentum * state["buf"]
+    if "muoneq" in refinements:  # every row to the mean row norm
+        x = x * (x.norm() / x.shape[0] ** 0.5) / x.norm(dim=1, keepdim=True)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    if "polar_express" in refinements:
+        x, quintics = x / (x.norm() * 1.01 + 1e-6), POLAR_EXPRESS
+    else:
+        x, quintics = x / (x.norm() + 1e-7), [(3.4445, -4.7750, 2.0315)] * 5
+    for a, b, c in quintics:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.T if tall else x
+    if "renormalize" in refinements:
+        x = x * min(x.shape) ** 0.5 / x.norm()
+    if "normuon" in refinements:
+        dim = -1 if x.shape[0] >= x.shape[1] else -2
+        v = x.square().mean(dim=dim, keepdim=True)
+        state["v"] = beta2 * state.get("v", torch.zeros_like(v)) + (1 - beta2) * v
+        scaled = x / state["v"].sqrt()
+        x = scaled * x.norm() / scaled.norm()
+    decay = lr * weight_decay * weight
+    if "cautious_wd" in refinements:
+        decay = decay * (x * weight >= 0)
+    scale = math.sqrt(max(1.0, weight.shape[0] / weight.shape[1]))
+    return weight - decay - lr * scale * x
+
+
+REFINEMENT_SETS = [["polar_express"], ["muoneq"], ["renormalize"], ["normuon"], ["cautious_wd"], list(REFINEMENTS)]
+
+
+@pytest.mark.parametrize("refinements", REFINEMENT_SETS, ids=["+".join(r) for r in REFINEMENT_SETS])
+def test_muon_refinements_equal_the_reference(refinements):
+    g = torch.Generator().manual_seed(3)
+    shapes = [(16, 48), (48, 16), (32, 32)]
+    params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ref = [(p.detach().double().clone(), {"buf": torch.zeros(s, dtype=torch.float64)}) for p, s in zip(params, shapes)]
+    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1, refinements=tuple(refinements), beta2=0.8)
+    for _ in range(5):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        opt.step()
+        ref = [
+            (reference_refined_step(w, grad.double(), st, 0.05, 0.9, 0.1, refinements, 0.8), st)
+            for (w, st), grad in zip(ref, grads)
+        ]
+    for p, (w, _) in zip(params, ref):
+        torch.testing.assert_close(p.detach().double(), w, atol=2e-5, rtol=0)
+
+
+def test_polar_express_lands_nearer_the_polar_factor_than_newton_schulz():
+    """Five Polar Express steps put every singular value within ~10% of 1 (Newton–Schulz's quintic: ~[0.7, 1.2])."""
+    g = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    spread = {}
+    for polar in (False, True):
+        out = newton_schulz_orthogonalize(g, dtype=torch.float32, polar_express=polar)
+        spread[polar] = float((torch.linalg.svdvals(out) - 1).abs().max())
+        assert float((out * (u @ vh)).sum() / (out.norm() * (u @ vh).norm())) > 0.95
+    assert spread[True] < 0.15 < spread[False], spread
+
+
+def test_muon_refinements_are_named_and_need_muon():
+    with pytest.raises(ConfigError, match="unknown Muon refinement"):
+        Muon([nn.Parameter(torch.zeros(2, 2))], refinements=("polar",))
+    with pytest.raises(ConfigError, match="set training.optimizer=muon"):
+        TierlmConfig.load(None, ["training.muon_refinements=[normuon]"])
+    config = TierlmConfig.load(None, ["training.optimizer=muon", "training.muon_refinements=[normuon,polar_express]"])
+    opt = build_optimizer("muon", _model(), optimizer_settings(config, 768))
+    assert opt.optimizers[0].refinements == {"normuon", "polar_express"}
 
 
 def _model():

@@ -244,6 +244,7 @@ def jax_backend(
         "infra.activation_checkpointing": infra.activation_checkpointing,
         "model.lora": bool(m.lora.r),
         f"training.optimizer={tr.optimizer} (AdamW and Muon)": tr.optimizer not in ("adamw", "muon"),
+        "training.muon_refinements (plain Muon)": bool(tr.muon_refinements),
         f"model.dtype={m.dtype} (fp32 only)": m.dtype != "float32",
     }
     for what, asked in refusals.items():

@@ -60,6 +60,7 @@ def optimizer_settings(config: TierlmConfig, width: int | None, distributed: boo
             total_steps=tr.num_train_steps,
             seed=tr.seed,
         ),
+        "muon": dict(refinements=tuple(tr.muon_refinements), beta2=tr.muon_beta2),
     }.get(tr.optimizer, {})
     return RoleSettings(
         lrs["matrix"],

@@ -212,6 +212,15 @@ class TrainingConfig(Section):
     """Muon: momentum after its warm-up (from 0.85 over muon_momentum_warmup_steps)."""
     muon_momentum_warmup_steps: int = Field(300, ge=0)
     """Muon: steps over which the momentum rises from 0.85 to muon_momentum."""
+    muon_refinements: list[Literal["polar_express", "muoneq", "renormalize", "normuon", "cautious_wd"]] = Field(
+        default_factory=list
+    )
+    """Muon's 2025-26 refinements, any of: polar_express (Polar Express's quintics), muoneq (rows equilibrated before
+    orthogonalising), renormalize (Muon+: the update's norm snapped to sqrt(min(rows, cols))), normuon (each neuron's
+    update normalised by its second moment), cautious_wd (decay only where the update points toward zero); nanochat
+    runs all five (tierlm.primitives.optim.muon)."""
+    muon_beta2: float = Field(0.95, ge=0, lt=1)
+    """Muon with normuon: the EMA rate of each neuron's second moment."""
     spam_theta: float = Field(5000.0, gt=0)
     """adamw_spam: a gradient entry with g^2 > theta * v is clipped to sign(g) * sqrt(theta * v) (paper: 5000)."""
     spam_interval: int = Field(500, ge=0)
@@ -375,6 +384,11 @@ class TrainingConfig(Section):
     def _check_schedule(self) -> "TrainingConfig":
         if self.fp16 and self.bf16:
             raise ValueError("training.fp16 and training.bf16 are two precisions: set one")
+        if self.muon_refinements and self.optimizer != "muon":
+            raise ValueError(
+                f"training.muon_refinements refine Muon; training.optimizer is {self.optimizer}: set "
+                "training.optimizer=muon or drop them"
+            )
         if isinstance(self.total_batch_size, int) and self.total_batch_size <= 0:
             raise ValueError(
                 f"training.total_batch_size must be auto or a number of tokens > 0, got {self.total_batch_size}"

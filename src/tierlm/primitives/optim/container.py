@@ -228,7 +228,7 @@ class RoleSettings:
     """Muon: every rank holds the full gradients (DDP) and shares the orthogonalisations."""
     options: dict[str, Any] = field(default_factory=dict)
     """Optimizer-specific settings (AdamWSPAM: theta, interval, warmup; AdamWPrune: score,
-    final_sparsity, warmup, frequency, total_steps)."""
+    final_sparsity, warmup, frequency, total_steps; Muon: refinements, beta2)."""
 
     def lr(self, role: str) -> float:
         return getattr(self, f"{role}_lr")
@@ -281,6 +281,7 @@ def build_muon(model: nn.Module, settings: RoleSettings) -> Optimizer:
         ns_steps=settings.ns_steps,
         weight_decay=settings.weight_decay,
         distributed=settings.distributed,
+        **settings.options,
     )
     muon.param_groups[0]["role"] = "matrix"
     rest = _role_groups(roles, settings, ("embedding", "unembedding", "scalar"))

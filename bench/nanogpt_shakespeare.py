@@ -3,6 +3,7 @@ both models scored by one protocol: every held-out character once.
 
     git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT      # never committed here
     .venv/bin/python bench/nanogpt_shakespeare.py --nanogpt /tmp/nanoGPT [--steps 2000] [--seeds 1337,1,2] [--out DIR]
+    .venv/bin/python bench/nanogpt_shakespeare.py --nanogpt /tmp/nanoGPT --time-to-target [--recipe NAME]
 
 nanoGPT runs its README's CPU command (`config/train_shakespeare_char.py --device=cpu --compile=False
 --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128
@@ -13,11 +14,20 @@ batches (12 x 64) and steps. Each library's own validation figure is printed as 
 20 random batches; tierlm: data.stream's held-out tail, every character once), then both models are scored on the
 same windows: the held-out text cut into consecutive windows of 64, every character after the first a target once
 (nats per character). Wall time: each whole training command, one after the other on this machine.
+
+--time-to-target: the target is nanoGPT's same-windows loss after its `--steps` iterations (per seed); tierlm runs
+`--recipe` (a preset or YAML: the same model size, its own optimizer and schedule) evaluating every held-out
+character every `--eval-every` steps, and reaches the target at its first evaluation at or below it. Both sides are
+timed by their training loops with the evaluations left out (nanoGPT: the sum of its printed iteration times up to
+its last update, an iteration that evaluated counted at the median; tierlm: the loop's wall time at that step less
+its evaluations' own seconds), and by their whole commands (tierlm's less the evaluations this mode adds). Pairs
+are matched by seed; the ratio's mean comes with the 95% paired interval `tierlm ablate` reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import re
@@ -33,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from tierlm.commands.ablate import paired_difference  # noqa: E402
 from tierlm.data import load_tokenizer  # noqa: E402
 from tierlm.data.sources import builtin_corpus  # noqa: E402
 from tierlm.models import forward_logits, load_pretrained_model  # noqa: E402
@@ -65,7 +76,43 @@ def run_nanogpt(nanogpt: Path, out: Path, steps: int, seed: int = 1337) -> tuple
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stderr[-3000:]
     val = float(re.findall(r"val loss ([0-9.]+)", result.stdout)[-1])
+    (out / "nanogpt.log").write_text(result.stdout)
     return val, seconds, out / "out-nanogpt" / "ckpt.pt"
+
+
+def nanogpt_loop_seconds(log: str, steps: int) -> float:
+    """Seconds nanoGPT's loop spent on its first `steps` updates, evaluations left out: its printed iteration times
+    (`iter N: ..., time T ms`, the time since the previous line) for iterations 0 .. steps - 1, an iteration that
+    began with an evaluation (and its checkpoint) counted at the median iteration."""
+    times = {int(i): float(ms) / 1e3 for i, ms in re.findall(r"iter (\d+): loss [0-9.]+, time ([0-9.]+)ms", log)}
+    evaluated = {int(i) for i in re.findall(r"step (\d+): train loss", log)}
+    median = float(np.median([times[i] for i in range(steps) if i not in evaluated]))
+    return sum(median if i in evaluated else times[i] for i in range(steps))
+
+
+def run_recipe(out: Path, recipe: str, seed: int, target: float, eval_every: int) -> dict:
+    """tierlm's `recipe` evaluated every `eval_every` steps: the first step at or below `target`, the loop's seconds
+    to it and the whole command's, each with the evaluations this mode adds left out."""
+    run = out / "recipe"
+    shutil.rmtree(run, ignore_errors=True)
+    overrides = [f"training.eval_steps={eval_every}", "training.eval_batches=all", "training.save_steps=0"]
+    overrides += ["infra.progress_bar=false", f"training.seed={seed}", f"infra.output_dir={run}"]
+    command = [sys.executable, "-m", "tierlm", "pretrain", "--config", recipe, *overrides]
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"})
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["type"] == "eval"]
+    added = evals[1:-1]  # the evaluation before step 1 and the final one are the recipe's own
+    hit = next((r for r in evals if r["val_loss"] <= target), None)
+    loop = None if hit is None else hit["elapsed_s"] - sum(r["eval_s"] for r in evals[1:] if r["step"] < hit["step"])
+    return {
+        "step": None if hit is None else hit["step"],
+        "loss": evals[-1]["val_loss"] if hit is None else hit["val_loss"],
+        "loop_s": loop,
+        "command_s": seconds - sum(r["eval_s"] for r in added),
+    }
 
 
 def run_tierlm(out: Path, steps: int, seed: int = 1337) -> tuple[float, float, Path]:
@@ -116,29 +163,79 @@ def nanogpt_scorer(nanogpt: Path, checkpoint: Path):
     return logits_of
 
 
+def same_windows(out: Path, folder: Path | None, checkpoint: Path) -> tuple[float | None, float]:
+    """(tierlm's model at `folder`, nanoGPT's `checkpoint`) scored on the same held-out windows."""
+    held_out = held_out_text()
+    meta = pickle.loads((out / "nanoGPT" / "data" / "shakespeare_char" / "meta.pkl").read_bytes())
+    nano_ids = np.array([meta["stoi"][c] for c in held_out])
+    nano_same = windows_loss(nanogpt_scorer(out / "nanoGPT", checkpoint), nano_ids)
+    if folder is None:
+        return None, nano_same
+    ours_ids = np.array(load_tokenizer(folder).encode(held_out))
+    assert len(ours_ids) == len(nano_ids), "both tokenizers read one token per character"
+    model = load_pretrained_model(folder).eval()
+    return windows_loss(lambda x: forward_logits(model, {"input_ids": x}), ours_ids), nano_same
+
+
+def held_out_text() -> str:
+    text = builtin_corpus("builtin:tinyshakespeare").read_text(encoding="utf-8")
+    return text[int(len(text) * 0.9) :]
+
+
+def time_to_target(args: argparse.Namespace, seeds: list[int]) -> None:
+    rows = []
+    for seed in seeds:
+        out = args.out / f"seed{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        _, nano_s, checkpoint = run_nanogpt(args.nanogpt.resolve(), out, args.steps, seed)
+        nano_loop = nanogpt_loop_seconds((out / "nanogpt.log").read_text(), args.steps)
+        _, target = same_windows(out, None, checkpoint)
+        ours = run_recipe(out, args.recipe, seed, target, args.eval_every)
+        rows.append((seed, target, ours, nano_loop, nano_s))
+        print(f"seed {seed}: target {target:.4f}, {ours}, nanoGPT loop {nano_loop:.1f} s, command {nano_s:.1f} s")
+    print(f"\ntime to nanoGPT's same-windows loss after {args.steps} iterations; tierlm: {args.recipe}, ", end="")
+    print(f"evaluated every {args.eval_every} steps; {torch.get_num_threads()} threads")
+    print(
+        "| seed | target | tierlm step | loss there | loop s: nanoGPT | tierlm | ratio | command s: nanoGPT | tierlm "
+        "| ratio |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    loops, commands = [], []
+    for seed, target, ours, nano_loop, nano_s in rows:
+        reached = ours["loop_s"] is not None
+        loop = ours["loop_s"] / nano_loop if reached else float("nan")
+        command = ours["command_s"] / nano_s
+        loops.append(loop)
+        commands.append(command)
+        print(f"| {seed} | {target:.4f} | {ours['step'] if reached else 'not reached'} | {ours['loss']:.4f} ", end="")
+        print(f"| {nano_loop:.1f} | {ours['loop_s'] or float('nan'):.1f} | {loop:.3f} | {nano_s:.1f} ", end="")
+        print(f"| {ours['command_s']:.1f} | {command:.3f} |")
+    for name, ratios in (("loop", loops), ("command", commands)):
+        mean, half = paired_difference(ratios, [0.0] * len(ratios))
+        band = f" +- {half:.3f} (95% paired interval)" if half is not None else ""
+        print(f"{name} time, tierlm / nanoGPT: {mean:.3f}{band}; range {min(ratios):.3f}-{max(ratios):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanogpt", type=Path, required=True, help="a checkout of karpathy/nanoGPT")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seeds", default="1337", help="each library trained once per seed (nanoGPT's is 1337)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/nanogpt-bench"))
+    parser.add_argument("--time-to-target", action="store_true", help="time both to nanoGPT's final loss")
+    parser.add_argument("--recipe", default="shakespeare-char-muon", help="--time-to-target: tierlm's preset or YAML")
+    parser.add_argument("--eval-every", type=int, default=10, help="--time-to-target: tierlm's evaluation interval")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    text = builtin_corpus("builtin:tinyshakespeare").read_text(encoding="utf-8")
-    held_out = text[int(len(text) * 0.9) :]
+    seeds = list(map(int, args.seeds.split(",")))
+    if args.time_to_target:
+        return time_to_target(args, seeds)
     rows = []
-    for seed in map(int, args.seeds.split(",")):
+    for seed in seeds:
         out = args.out / f"seed{seed}"
         out.mkdir(parents=True, exist_ok=True)
         nano_val, nano_s, checkpoint = run_nanogpt(args.nanogpt.resolve(), out, args.steps, seed)
         ours_val, ours_s, folder = run_tierlm(out, args.steps, seed)
-        meta = pickle.loads((out / "nanoGPT" / "data" / "shakespeare_char" / "meta.pkl").read_bytes())
-        nano_ids = np.array([meta["stoi"][c] for c in held_out])
-        ours_ids = np.array(load_tokenizer(folder).encode(held_out))
-        assert len(ours_ids) == len(nano_ids), "both tokenizers read one token per character"
-        model = load_pretrained_model(folder).eval()
-        ours_same = windows_loss(lambda x: forward_logits(model, {"input_ids": x}), ours_ids)
-        nano_same = windows_loss(nanogpt_scorer(out / "nanoGPT", checkpoint), nano_ids)
+        ours_same, nano_same = same_windows(out, folder, checkpoint)
         rows.append((seed, nano_val, ours_val, nano_same, ours_same, nano_s, ours_s))
 
     print(f"\n{args.steps} steps of 12 x 64 characters, {torch.get_num_threads()} threads")

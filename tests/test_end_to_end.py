@@ -54,6 +54,9 @@ def test_cli_pretrain_sft_sample(tmp_path):
     assert all({"step", "loss", "lr", "tokens_per_sec", "mfu"} <= set(r) for r in train)
     assert [r["step"] for r in evals] == [0, 20, 40] and all("val_bpb" in r for r in evals)
     assert evals[-1]["val_loss"] < 0.7 * evals[0]["val_loss"]
+    # Each eval line says when it came in the loop and what it cost, so a time to a loss can leave evaluations out.
+    assert evals[0]["elapsed_s"] == 0 and all(r["eval_s"] > 0 for r in evals)
+    assert evals[1]["elapsed_s"] < evals[2]["elapsed_s"] and evals[2]["elapsed_s"] > evals[1]["eval_s"]
     assert (pre / "config.yaml").is_file() and (pre / "model" / "tokenizer.json").is_file()
 
     result = run_main(

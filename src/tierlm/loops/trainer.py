@@ -198,7 +198,10 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Metrics over the fixed eval set (`tierlm.loops.evaluation.validation_totals`: the same whatever the world
-        size), logged with the samples of training.sample_prompts."""
+        size), logged with the samples of training.sample_prompts. The eval line carries the loop's wall time so far
+        (`elapsed_s`, earlier evaluations included) and this evaluation's own seconds (`eval_s`), so a time to a target
+        loss can leave the evaluations out."""
+        start = time.perf_counter()
         with disable_fp8(self.backend.model):  # FP8 trains; evaluation sees the unquantised model (as nanochat does)
             shares = self.data_rank, self.data_world_size
             totals = validation_totals(self.backend, self.strategy, self.eval_set, *shares)
@@ -214,6 +217,8 @@ class Trainer:
                 "tokens_seen": self.state.tokens_seen,
                 **self.last_eval,
                 **self._model_figures(),
+                "elapsed_s": round(self.state.elapsed_s, 3),
+                "eval_s": round(time.perf_counter() - start, 3),
             }
         )
         for sample in samples:

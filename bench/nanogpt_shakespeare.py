@@ -194,7 +194,8 @@ def time_to_target(args: argparse.Namespace, seeds: list[int]) -> None:
         rows.append((seed, target, ours, nano_loop, nano_s))
         print(f"seed {seed}: target {target:.4f}, {ours}, nanoGPT loop {nano_loop:.1f} s, command {nano_s:.1f} s")
     print(f"\ntime to nanoGPT's same-windows loss after {args.steps} iterations; tierlm: {args.recipe}, ", end="")
-    print(f"evaluated every {args.eval_every} steps; {torch.get_num_threads()} threads")
+    threads = os.environ.get("OMP_NUM_THREADS", os.cpu_count())  # what the two training commands ran with
+    print(f"evaluated every {args.eval_every} steps; {threads} threads")
     print(
         "| seed | target | tierlm step | loss there | loop s: nanoGPT | tierlm | ratio | command s: nanoGPT | tierlm "
         "| ratio |\n|---|---|---|---|---|---|---|---|---|---|"

@@ -1551,9 +1551,29 @@ CASES = [
         r"infra.expert_parallel_size=2 shares out the experts over that many ranks: run under `torchrun",
     ),
     Case(
-        "expert-parallel-with-fsdp",
-        ["pretrain", "--config", "tiny_pretrain", *TINY, "infra.expert_parallel_size=2", "infra.distributed_type=fsdp"],
-        "infra.expert_parallel_size runs beside DDP",
+        "expert-parallel-with-deepspeed",
+        [
+            "pretrain",
+            "--config",
+            "tiny_pretrain",
+            *TINY,
+            "infra.expert_parallel_size=2",
+            "infra.distributed_type=deepspeed",
+        ],  # fmt: skip
+        "infra.expert_parallel_size runs beside DDP or FSDP2",
+    ),
+    Case(
+        "expert-parallel-with-fsdp-offload",
+        [
+            "pretrain",
+            "--config",
+            "tiny_pretrain",
+            *TINY,
+            "infra.expert_parallel_size=2",
+            "infra.distributed_type=fsdp",
+            "infra.cpu_offload=true",
+        ],  # fmt: skip
+        "drop infra.cpu_offload and infra.fsdp_sharding_strategy=HYBRID_SHARD",
     ),
     Case(
         "routing-replay-on-a-dense-policy",

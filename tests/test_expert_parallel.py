@@ -39,34 +39,56 @@ def _back_to(run: Path, step: int) -> None:
     (run / "checkpoints" / "latest").write_text(f"step_{step}\n")
 
 
-@pytest.mark.slow
-def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_path):
-    two, one = tmp_path / "two", tmp_path / "one"
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = run_main(*COMMON, *ONE, f"infra.output_dir={one}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = _lines(two), _lines(one)
+def _same_steps(run: Path, one: Path) -> list:
+    """`run`'s losses and gradient norms (the experts' part summed over the ranks) are the one-process run's."""
+    a, b = _lines(run), _lines(one)
     assert [x[:2] for x in a] == [x[:2] for x in b]
-    for x, y in zip(a, b):  # the losses, and the gradient norm (the experts' part summed over the ranks)
+    for x, y in zip(a, b):
         assert abs(x[2] - y[2]) < 1e-5 and (x[3] is None or abs(x[3] - y[3]) < 1e-5 * max(1.0, y[3])), (x, y)
-    train = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
-    alone = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
-    assert train[-1]["param_bytes"] < 0.8 * alone[-1]["param_bytes"]  # half the experts on each rank
+    return a
 
-    # The 2-rank checkpoint read whole by one process (each rank's experts are shards of the whole): the weights the
-    # one-process run saved at the same step.
+
+def _param_bytes(run: Path) -> float:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["type"] == "train"][-1]["param_bytes"]
+
+
+def _reads_whole(run: Path, one: Path) -> None:
+    """`run`'s step-4 checkpoint read whole by one process (each rank's experts, and FSDP2's dense shards, are shards
+    of the whole): the weights and balancing biases the one-process run saved at the same step."""
     from tierlm.checkpoint import load_checkpoint
     from tierlm.models import load_native_model
 
     alone = load_native_model(one / "checkpoints" / "step_4" / "model")
     resharded = load_native_model(one / "checkpoints" / "step_4" / "model")
     with torch.no_grad():
-        for p in resharded.parameters():
+        for p in [*resharded.parameters(), *(b for n, b in resharded.named_buffers() if n.endswith("expert_bias"))]:
             p.zero_()
-    load_checkpoint(two / "checkpoints" / "step_4", resharded, restore_rng=False)
+    # The balancing bias moved (each rank's expert load summed over the ranks before it does) and came back whole.
+    assert all(b.abs().sum() > 0 for n, b in alone.named_buffers() if n.endswith("expert_bias"))
+    load_checkpoint(run / "checkpoints" / "step_4", resharded, restore_rng=False)
     for (name, mine), theirs in zip(resharded.state_dict().items(), alone.state_dict().values()):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_path):
+    """Beside DDP (the default) and beside FSDP2 (infra.distributed_type=fsdp: the dense weights sharded too)."""
+    two, fsdp, one = tmp_path / "two", tmp_path / "fsdp", tmp_path / "one"
+    done = run_main(*COMMON, *ONE, f"infra.output_dir={one}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    a = _same_steps(two, one)
+    assert _param_bytes(two) < 0.8 * _param_bytes(one)  # half the experts on each rank
+    _reads_whole(two, one)
+    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, "infra.distributed_type=fsdp", f"infra.output_dir={fsdp}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same_steps(fsdp, one)
+    # half of every weight on each rank: the experts shared out, FSDP2's shards of the rest (DDP kept the rest whole)
+    assert abs(_param_bytes(fsdp) - _param_bytes(one) / 2) < 0.01 * _param_bytes(one) < _param_bytes(two)
+    assert json.loads((fsdp / "model" / "training_meta.json").read_text())["distributed_type"] == "expert_parallel_fsdp"
+    _reads_whole(fsdp, one)
 
     _back_to(two, 4)
     done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")

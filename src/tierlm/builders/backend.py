@@ -25,20 +25,21 @@ from tierlm.primitives.parallel import DistributedContext, launched_distributed
 
 def distributed_kind(config: TierlmConfig, ctx: DistributedContext | None) -> str:
     """ "none" | "ddp" | "fsdp" | "deepspeed" | "model_parallel" (tensor / pipeline / context parallel, FSDP2 for
-    the rest) | "expert_parallel" (the experts shared out, DDP for the rest)."""
+    the rest) | "expert_parallel" (the experts shared out, DDP for the rest) | "expert_parallel_fsdp" (the experts
+    shared out, FSDP2 for the rest)."""
     if ctx is None:
         return "none"
     infra = config.infra
     if infra.model_parallel:
         return "model_parallel"
     if infra.expert_parallel_size > 1:
-        return "expert_parallel"
+        return "expert_parallel_fsdp" if infra.distributed_type == "fsdp" else "expert_parallel"
     if infra.distributed_type == "deepspeed":
         return "deepspeed"
     return "fsdp" if infra.distributed_type in ("auto", "fsdp") else "ddp"
 
 
-SHARDED_KINDS = ("fsdp", "deepspeed", "model_parallel", "expert_parallel")
+SHARDED_KINDS = ("fsdp", "deepspeed", "model_parallel", "expert_parallel", "expert_parallel_fsdp")
 """The kinds whose ranks each hold part of the weights (no rank can sample or probe alone)."""
 
 
@@ -128,6 +129,16 @@ def expert_parallel(model: torch.nn.Module, b: Build):
     )
 
 
+def expert_parallel_fsdp(model: torch.nn.Module, b: Build):
+    from tierlm.backends.expert_parallel import ExpertParallelFSDPTrainingBackend
+
+    if b.options.loss_scaling:
+        raise ConfigError("training.fp16 is for one process or DDP; with FSDP use training.bf16=true")
+    return ExpertParallelFSDPTrainingBackend(
+        model, b.optimizer_fn, None, b.checkpoint_dir, b.device, b.scheduler_fn, b.options
+    )
+
+
 def model_parallel(model: torch.nn.Module, b: Build):
     """Pipeline stages x tensor parallel (the family's plans) x FSDP2 over the data-parallel rest; what it does not
     do is refused in one line each."""
@@ -172,6 +183,7 @@ BACKENDS: dict[str, Callable[[torch.nn.Module, Build], PyTorchTrainingBackend]] 
     "deepspeed": deepspeed,
     "model_parallel": model_parallel,
     "expert_parallel": expert_parallel,
+    "expert_parallel_fsdp": expert_parallel_fsdp,
 }
 """`distributed_kind` -> the builder of its tier-0 backend (infra.backend=jax: `jax_backend`): the one place a
 backend is chosen."""

@@ -64,8 +64,8 @@ class InfraConfig(Section):
     """Ranks that split each sequence for attention (ring attention over SDPA's CUDA kernels)."""
     expert_parallel_size: int = Field(1, ge=1)
     """Ranks that share out each mixture-of-experts layer's experts (model.moe): a token's row goes to the rank
-    holding its expert and back (all-to-all); DDP replicates the other weights over every rank. It divides the
-    ranks and model.moe.num_experts."""
+    holding its expert and back (all-to-all); DDP replicates the other weights over every rank (auto, ddp), or
+    FSDP2 shards them over every rank (infra.distributed_type=fsdp). It divides the ranks and model.moe.num_experts."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -143,10 +143,19 @@ class InfraConfig(Section):
 
     @model_validator(mode="after")
     def _check_expert_parallel(self) -> "InfraConfig":
-        if self.expert_parallel_size > 1 and (self.model_parallel or self.distributed_type in ("fsdp", "deepspeed")):
+        if self.expert_parallel_size > 1 and (self.model_parallel or self.distributed_type == "deepspeed"):
             raise ValueError(
-                "infra.expert_parallel_size runs beside DDP (infra.distributed_type=ddp or auto), not with FSDP, "
-                "DeepSpeed or tensor / pipeline / context parallel sizes: drop one of them"
+                "infra.expert_parallel_size runs beside DDP or FSDP2 (infra.distributed_type=ddp, fsdp or auto), not "
+                "with DeepSpeed or tensor / pipeline / context parallel sizes: drop one of them"
+            )
+        if (
+            self.expert_parallel_size > 1
+            and self.distributed_type == "fsdp"
+            and (self.cpu_offload or self.fsdp_sharding_strategy == "HYBRID_SHARD")
+        ):
+            raise ValueError(
+                "infra.expert_parallel_size with FSDP2 shards the dense weights over every rank in memory: drop "
+                "infra.cpu_offload and infra.fsdp_sharding_strategy=HYBRID_SHARD"
             )
         return self
 

@@ -151,6 +151,7 @@ def apply_fsdp(
     sharding: str = "FULL_SHARD",
     shard_size: int | None = None,
     mesh=None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """FSDP2: `fully_shard` every block (`blocks`, default `block_list(model)`), then the root
     (embeddings, final norm, head).
@@ -162,6 +163,7 @@ def apply_fsdp(
     memory, no second all-gather); HYBRID_SHARD shards within groups of `shard_size` ranks (default:
     the ranks of one machine, LOCAL_WORLD_SIZE) and replicates across them, on a 2-D mesh.
     `mesh`: shard over this (sub-)mesh instead — the data-parallel dimension of a model-parallel layout.
+    `ignored_params`: left as they are, unsharded and unreduced (a rank's own experts under expert parallelism).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -182,6 +184,8 @@ def apply_fsdp(
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
     blocks = [block for _, block in block_items(blocks if blocks is not None else block_list(model))]
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
-from tierlm.backends.expert_parallel import ExpertParallelTrainingBackend
+from tierlm.backends.expert_parallel import ExpertParallelFSDPTrainingBackend, ExpertParallelTrainingBackend
 from tierlm.backends.model_parallel import ModelParallelTrainingBackend
 from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
 from tierlm.backends.zero import DeepSpeedTrainingBackend
@@ -76,6 +76,7 @@ BACKENDS = {
     "deepspeed": DeepSpeedTrainingBackend,
     "model_parallel": ModelParallelTrainingBackend,
     "expert_parallel": ExpertParallelTrainingBackend,
+    "expert_parallel_fsdp": ExpertParallelFSDPTrainingBackend,
 }
 """The backend of each distributed kind (`tierlm.builders.backend.distributed_kind`): each says how it holds a model."""
 PARTS = (
@@ -314,6 +315,8 @@ def estimate_run_memory(
     if distributed is None:  # as a torchrun job of this (resolved: `resolve_config`) config would run
         kind = config.infra.distributed_type
         distributed = "none" if world_size == 1 else kind if kind in ("ddp", "deepspeed") else "fsdp"
+        if world_size > 1 and config.infra.expert_parallel_size > 1:
+            distributed = "expert_parallel_fsdp" if kind == "fsdp" else "expert_parallel"
     assert isinstance(tr.per_device_train_batch_size, int), (
         "resolve training.per_device_train_batch_size=auto before estimating"
     )

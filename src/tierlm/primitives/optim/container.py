@@ -235,11 +235,16 @@ class RoleSettings:
 
 
 def _role_groups(roles: dict[str, list[nn.Parameter]], settings: RoleSettings, names: tuple[str, ...]) -> list[dict]:
+    """A parameter group per role, or two where a role holds both DTensors and plain tensors (FSDP2's shards beside a
+    rank's own experts): torch's fused and foreach kernels take one kind of tensor per call, and call per group."""
     groups = []
     for role in names:
-        if roles[role]:
-            decay = settings.weight_decay if role == "matrix" or settings.decay_all else 0.0
-            groups.append({"params": roles[role], "lr": settings.lr(role), "weight_decay": decay, "role": role})
+        decay = settings.weight_decay if role == "matrix" or settings.decay_all else 0.0
+        kinds: dict[bool, list[nn.Parameter]] = {}
+        for p in roles[role]:
+            kinds.setdefault(hasattr(p, "device_mesh"), []).append(p)
+        for params in kinds.values():
+            groups.append({"params": params, "lr": settings.lr(role), "weight_decay": decay, "role": role})
     return groups
 
 

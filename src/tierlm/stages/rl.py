@@ -16,7 +16,8 @@ from tierlm.builders.stage import Stage
 from tierlm.builders.tasks import check_prompt_lengths, check_rl_sharing, longest_rollout, open_tasks
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
-from tierlm.loops.rl import RLTrainer, check_parity
+from tierlm.loops.rl import RLTrainer
+from tierlm.loops.rl_figures import check_parity
 from tierlm.models import model_max_seq_len
 from tierlm.plan.scaling import PromptPasses, optimizer_schedule
 from tierlm.run import Run, extras_writer

@@ -89,6 +89,11 @@ def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_pa
     assert abs(_param_bytes(fsdp) - _param_bytes(one) / 2) < 0.01 * _param_bytes(one) < _param_bytes(two)
     assert json.loads((fsdp / "model" / "training_meta.json").read_text())["distributed_type"] == "expert_parallel_fsdp"
     _reads_whole(fsdp, one)
+    # Its step-4 checkpoint resumed by one process at the same global batch: weights, optimizer and schedule reshard.
+    _back_to(fsdp, 4)
+    done = run_main(*COMMON, *ONE, f"infra.output_dir={fsdp}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same_steps(fsdp, one)
 
     _back_to(two, 4)
     done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")

@@ -235,16 +235,11 @@ class RoleSettings:
 
 
 def _role_groups(roles: dict[str, list[nn.Parameter]], settings: RoleSettings, names: tuple[str, ...]) -> list[dict]:
-    """A parameter group per role, or two where a role holds both DTensors and plain tensors (FSDP2's shards beside a
-    rank's own experts): torch's fused and foreach kernels take one kind of tensor per call, and call per group."""
     groups = []
     for role in names:
-        decay = settings.weight_decay if role == "matrix" or settings.decay_all else 0.0
-        kinds: dict[bool, list[nn.Parameter]] = {}
-        for p in roles[role]:
-            kinds.setdefault(hasattr(p, "device_mesh"), []).append(p)
-        for params in kinds.values():
-            groups.append({"params": params, "lr": settings.lr(role), "weight_decay": decay, "role": role})
+        if roles[role]:
+            decay = settings.weight_decay if role == "matrix" or settings.decay_all else 0.0
+            groups.append({"params": roles[role], "lr": settings.lr(role), "weight_decay": decay, "role": role})
     return groups
 
 
@@ -252,7 +247,13 @@ def _adamw(groups: list[dict], settings: RoleSettings) -> Optimizer:
     for i, beta in enumerate(settings.betas):
         if not 0 <= beta < 1:
             raise ConfigError(f"beta{i + 1} must be in [0, 1), got {beta}")
-    fused = _fusable([p for g in groups for p in g["params"]]) or None
+    params = [p for g in groups for p in g["params"]]
+    if any(hasattr(p, "expert_mesh") for p in params) and any(hasattr(p, "device_mesh") for p in params):
+        # A rank's own experts (plain tensors) beside FSDP2's DTensors: torch's fused and foreach kernels take one
+        # kind of tensor per call, its per-tensor loop takes both, and the groups stay one process's (checkpoints
+        # reshard between layouts only when the groups match).
+        return torch.optim.AdamW(groups, betas=settings.betas, eps=settings.eps, fused=False, foreach=False)
+    fused = _fusable(params) or None
     return torch.optim.AdamW(groups, betas=settings.betas, eps=settings.eps, fused=fused)
 
 

@@ -322,8 +322,8 @@ def test_the_engine_records_routes_and_replaying_them_gives_the_trainer_the_samp
 
 
 def test_routing_replay_is_refused_where_no_routes_are_recorded():
-    """vLLM hands tierlm no routes (its enable_return_routed_experts is not wired in): replay with it is refused in
-    one line; tierlm's engine records them."""
+    """vLLM hands tierlm no routes (its CPU build cannot return them: tests/test_vllm.py): replay with it is refused
+    in one line; tierlm's engine records them."""
     from tierlm.builders.engine import EngineSettings, check_routing_replay
     from tierlm.errors import ConfigError
 

@@ -324,3 +324,31 @@ def test_lora_rl_through_the_server_samples_with_each_steps_adapters(tiny_runs, 
     models = json.loads(urllib.request.urlopen(server + "/v1/models", timeout=10).read())["data"]
     assert [m["id"] for m in models if m["id"].endswith("-v3")], models  # the server holds the latest adapter only
     assert not [m["id"] for m in models if m["id"].endswith(("-v0", "-v1", "-v2"))], models
+
+
+ROUTED_EXPERTS = """
+import sys, torch
+from tierlm.models import GPTConfig, build_gpt, save_model_folder
+from tierlm.models.moe import MoEConfig
+from tierlm.rollout.vllm import import_vllm
+moe = MoEConfig(num_experts=4, experts_per_token=2, expert_width=24)
+save_model_folder(build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=61, moe=moe)), sys.argv[1])
+try:
+    import_vllm().LLM(model=sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True,
+                      skip_tokenizer_init=True, enable_return_routed_experts=True)
+except Exception as e:
+    print("REFUSED", str(e).splitlines()[-2 if "validation error" in str(e) else -1])
+else:
+    print("RETURNS ROUTES")
+"""
+
+
+def test_vllms_cpu_build_cannot_return_routed_experts(tmp_path):
+    """Why `rl.routing_replay` with engine.kind=vllm is refused: vLLM 0.32 returns the experts a mixture-of-experts
+    model routed each token to (`enable_return_routed_experts`) only from its Model Runner V2, which needs Triton with a
+    CPU backend that its CPU build lacks. A tierlm MoE folder (Qwen3-MoE) asking for them is refused at start; when a
+    vLLM answers with routes instead, this fails and tierlm's vLLM engine should hand them on (`Completion.routes`)."""
+    args = ["-c", ROUTED_EXPERTS, str(tmp_path / "moe")]
+    done = subprocess.run([str(VLLM_PY), *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED" in done.stdout and "Model Runner V2" in done.stdout, done.stdout[-2000:]

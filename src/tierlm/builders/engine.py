@@ -138,5 +138,6 @@ def check_routing_replay(settings: EngineSettings, model: nn.Module) -> None:
     if not ENGINES[settings.kind].records_routes:
         raise ConfigError(
             f"rl.routing_replay needs the experts the sampler chose, and engine.kind={settings.kind} does not hand "
-            "them to tierlm (vLLM's enable_return_routed_experts is not wired in): use engine.kind=native"
+            "them to tierlm (vLLM 0.32 returns them only from its Model Runner V2, which needs Triton: not on a "
+            "CPU; docs/moe.md): use engine.kind=native"
         )

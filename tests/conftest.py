@@ -24,6 +24,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _memory_traces(tmp_path_factory):
+    """The memory planner keeps its traced steps on disk (`tierlm.plan.memory.traces`): the suite keeps its own,
+    fresh each run, shared by its workers and every process they start."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ.setdefault("TIERLM_CACHE_DIR", str(shared / "tierlm-cache"))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ training commands for 8 configs (bench/memory.py's table; the published one is i
 import importlib.util
 import json
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -205,6 +206,35 @@ def test_fake_trace_matches_the_real_step():
     fake = trace_step(small(model=qwen), STAGES["pretrain"], 512, 4, 64)
     real = trace_step(small(model=qwen), STAGES["pretrain"], 512, 4, 64, fake=False)
     assert 0 <= fake["Total"] - real["Total"] <= 4 * 4 * 64 * 64 * 4 and fake["Optstate"] == real["Optstate"]
+
+
+def test_a_trace_is_kept_and_read_back_for_the_same_inputs_only(tmp_path, monkeypatch):
+    """The traced step is kept on disk: the same config and shapes (another output folder) read it back without
+    tracing, and equal to the trace; other shapes or another config trace afresh; a damaged file is traced over;
+    TIERLM_CACHE_DIR=off keeps nothing."""
+    from tierlm.plan.memory import estimate as module
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path))
+    traced = []
+    real = module._trace_step
+    monkeypatch.setattr(module, "_trace_step", lambda *a, **k: traced.append(a[3]) or real(*a, **k))
+    config = small()
+    first = trace_step(config, STAGES["pretrain"], 512, 4, 64)
+    elsewhere = small(infra={"output_dir": str(tmp_path / "another_run")})
+    assert trace_step(elsewhere, STAGES["pretrain"], 512, 4, 64) == first and traced == [4]
+    assert trace_step(config, STAGES["pretrain"], 512, 2, 64)["Activation"] < first["Activation"] and traced == [4, 2]
+    trace_step(small(training={"optimizer": "muon"}), STAGES["pretrain"], 512, 4, 64)
+    trace_step(config, STAGES["sft"], 512, 4, 64)
+    assert traced == [4, 2, 4, 4] and len(list((tmp_path / "memory-traces").glob("*.json"))) == 4
+    for kept in (tmp_path / "memory-traces").glob("*.json"):
+        kept.write_text('{"Total": ')  # cut short
+    assert trace_step(config, STAGES["pretrain"], 512, 4, 64) == first and traced == [4, 2, 4, 4, 4]
+    assert (
+        estimate_run_memory(config, vocab_size=512).record() == estimate_run_memory(elsewhere, vocab_size=512).record()
+    )
+    monkeypatch.setenv("TIERLM_CACHE_DIR", "off")
+    shutil.rmtree(tmp_path / "memory-traces")
+    assert trace_step(config, STAGES["pretrain"], 512, 4, 64) == first and not (tmp_path / "memory-traces").exists()
 
 
 def test_estimate_parts_follow_the_options():

@@ -22,6 +22,7 @@ The guarantees live here once, for every stage:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -142,6 +143,24 @@ def _move_aside(path: Path) -> Path:
 
 
 # -- the skeleton ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _first_rank_of_each_machine_first():
+    """Under torchrun, the block runs on each machine's first rank (LOCAL_RANK 0), then on its others: the memory
+    estimate's traced step (`tierlm.plan.memory.traces`) is kept on disk by the first and read back by the rest,
+    instead of every rank tracing the same step at once. The first rank lets the others go even if it fails."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not first:
+        torch.distributed.barrier()
+    try:
+        yield
+    finally:
+        if first:
+            torch.distributed.barrier()
+
+
 @dataclass
 class Run:
     """A prepared run: everything a stage needs to build its model, data and loop."""
@@ -268,9 +287,10 @@ class Run:
         if isinstance(pretrained, str):
             return
         stage, device, kind = self.stage, self.device.type, self.kind
-        self.memory = estimate_run_memory(
-            config, world, stage, vocab, pretrained, num_documents, device, rows, row_tokens, kind
-        )
+        with _first_rank_of_each_machine_first():  # it traces the step; the others read its trace back
+            self.memory = estimate_run_memory(
+                config, world, stage, vocab, pretrained, num_documents, device, rows, row_tokens, kind
+            )
         check_memory(self.memory, self.memory_budget())
         self.note(self.memory.table())
 

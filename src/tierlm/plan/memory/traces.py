@@ -21,8 +21,6 @@ from typing import Any, Callable
 
 import torch
 
-import tierlm
-
 
 def cache_folder(environ=os.environ) -> Path | None:
     """Where traces are kept (module docstring); None when `TIERLM_CACHE_DIR=off`.
@@ -43,7 +41,7 @@ def cache_folder(environ=os.environ) -> Path | None:
 def code_version() -> str:
     """tierlm's source (every .py file of the package, hashed), torch's and transformers' versions."""
     digest = hashlib.sha256()
-    package = Path(tierlm.__file__).parent
+    package = Path(__file__).resolve().parents[2]  # tierlm/
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())

@@ -89,7 +89,7 @@ def plot_series(
         ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.14, right=0.97, top=0.92, bottom=0.13)  # tight_layout drew each figure twice
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

@@ -231,45 +231,50 @@ def preference_batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "ref_logps": ref}
 
 
-def megatron(out: Path, sizes: str, strategy: str = "pretrain") -> None:
+def megatron(out: Path, sizes: str, strategies: str = "pretrain,ppo,dpo") -> None:
     """Seed 001's examples: Trainer(backend=MegatronBackend(...), strategy=PretrainStrategy()), its RL example with
-    PPOStrategy(kl_coef=0.1, clip_range=0.2) on rollout batches, and DPO on preference pairs; train_step on the same
-    rows on every rank; rank 0 writes the losses."""
+    PPOStrategy(kl_coef=0.1, clip_range=0.2) on rollout batches, and DPO on preference pairs, each in turn (a backend
+    of its own) in one job; train_step on the same rows on every rank; rank 0 writes each one's losses."""
     from tierlm.backends import MegatronBackend
     from tierlm.loops.trainer import Trainer
     from tierlm.strategies import PPOStrategy, PretrainStrategy
     from tierlm.strategies.dpo import DPOStrategy
 
-    strategies = {
+    examples = {
         "pretrain": PretrainStrategy,
         "ppo": lambda: PPOStrategy(kl_coef=0.1, clip_range=0.2),
         "dpo": lambda: DPOStrategy(beta=0.1),
     }
 
     tensor, pipeline = map(int, sizes.split("x"))
-    trainer = Trainer(
-        backend=MegatronBackend(
-            CONFIG,
-            tensor_parallel_size=tensor,
-            pipeline_parallel_size=pipeline,
-            checkpoint_dir=out.parent / "ckpt_megatron",
-            learning_rate=3e-3,
-            device_type="cpu",
-        ),
-        strategy=strategies[strategy](),
-    )
-    model_state = trainer.backend.model_state()
-    losses = []
-    for step in range(6):
-        if strategy == "pretrain":
-            g = torch.Generator().manual_seed(step % 2)
-            batch = {"tokens": torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=g)}
-        else:
-            batch = rollout_batch(step) if strategy == "ppo" else preference_batch(step)
-        result = trainer.train_step(batch, model_state, model_state.optimizer_state)
-        model_state = result.model_state
-        losses.append(result.metrics["loss"])
-    if trainer.backend.rank == 0:
+    losses: dict[str, list[float]] = {}
+    for strategy in strategies.split(","):
+        torch.manual_seed(0)  # each example's weights as a job of its own would draw them
+        trainer = Trainer(
+            backend=MegatronBackend(
+                CONFIG,
+                tensor_parallel_size=tensor,
+                pipeline_parallel_size=pipeline,
+                checkpoint_dir=out.parent / f"ckpt_megatron_{strategy}",
+                learning_rate=3e-3,
+                device_type="cpu",
+            ),
+            strategy=examples[strategy](),
+        )
+        model_state = trainer.backend.model_state()
+        losses[strategy] = []
+        for step in range(6):
+            if strategy == "pretrain":
+                g = torch.Generator().manual_seed(step % 2)
+                batch = {"tokens": torch.randint(0, CONFIG.vocab_size, (4, SEQ + 1), generator=g)}
+            else:
+                batch = rollout_batch(step) if strategy == "ppo" else preference_batch(step)
+            result = trainer.train_step(batch, model_state, model_state.optimizer_state)
+            model_state = result.model_state
+            losses[strategy].append(result.metrics["loss"])
+        rank = trainer.backend.rank
+        del trainer, model_state, result
+    if rank == 0:
         out.write_text(json.dumps(losses))
 
 
@@ -306,16 +311,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-folder", default=None, help="factories: the model to load")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument("--sizes", default="2x1", help="megatron: TENSORxPIPELINE")
-    parser.add_argument(
-        "--strategy", default="pretrain", choices=["pretrain", "ppo", "dpo"], help="megatron: its example"
-    )
+    parser.add_argument("--strategies", default="pretrain,ppo,dpo", help="megatron: its examples, in turn")
     parser.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "gpt2_v6"])
     parser.add_argument("--async-save", type=int, default=0, help="FSDP: DCP's async save, overlapping the steps")
     args = parser.parse_args(argv)
     if args.mode == "factories":
         factories(args.out, args.model_folder)
     elif args.mode == "megatron":
-        megatron(args.out, args.sizes, args.strategy)
+        megatron(args.out, args.sizes, args.strategies)
     else:
         first, last = map(int, args.steps.split(":"))
         run(

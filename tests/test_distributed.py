@@ -249,8 +249,9 @@ def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
 
 
 def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
-    """`torchrun -m tierlm pretrain` at 2 ranks == 1 process at the same global batch; its sharded
-    checkpoint resumes in one process (same losses), and `tierlm export` gathers it into a full folder."""
+    """`torchrun -m tierlm pretrain` at 2 ranks == 1 process at the same global batch; `tierlm export` gathers its
+    sharded checkpoints into full folders (the run's average of its last two is their mean), and its step-6
+    checkpoint resumes in one process (same losses)."""
     from tierlm.commands.cli import main
 
     common = [
@@ -262,6 +263,7 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
         "training.save_steps=6",
         "training.eval_steps=6",
         "training.logging_steps=3",
+        "training.average_last_n=2",
         "data.num_synthetic_examples=3000",
         "infra.progress_bar=false",
     ]
@@ -291,6 +293,22 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
         and last_a["optimizer_bytes"] < 0.55 * last_b["optimizer_bytes"]
     )
 
+    # Export a sharded checkpoint: transformers loads it, with the weights the run ended with; the run's average of
+    # its last 2 (sharded) checkpoints, made by rank 0 at the end, is the mean of the two exported.
+    result = run_main("export", two / "checkpoints" / "step_12", tmp_path / "exported")
+    assert result.returncode == 0, result.stderr
+    exported, final = (
+        load_file(tmp_path / "exported" / "model.safetensors"),
+        load_file(two / "model" / "model.safetensors"),
+    )
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    assert main(["export", str(two / "checkpoints" / "step_6"), str(tmp_path / "exported_6")]) == 0
+    earlier, averaged = (load_file(p / "model.safetensors") for p in (tmp_path / "exported_6", two / "model_averaged"))
+    assert all(torch.allclose(averaged[k], (earlier[k] + exported[k]) / 2, atol=1e-7) for k in final)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+
     # Resume the 2-rank run's step-6 checkpoint in one process.
     import shutil
 
@@ -301,31 +319,8 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     c = lines(two)
     assert [(r["type"], r["step"]) for r in c] == [(r["type"], r["step"]) for r in b]
     assert all(abs(key(x) - key(y)) < 1e-4 for x, y in zip(c, b))
-
-    # Export a sharded checkpoint: transformers loads it, with the weights the run ended with; the run's average of
-    # its last 2 (sharded) checkpoints, made by rank 0 at the end, is the mean of the two exported.
-    three = [
-        f"infra.output_dir={tmp_path / 'three'}",
-        "training.per_device_train_batch_size=8",
-        "training.average_last_n=2",
-    ]
-    result = torchrun("-m", "tierlm", *common, *three)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_main("export", tmp_path / "three" / "checkpoints" / "step_12", tmp_path / "exported")
-    assert result.returncode == 0, result.stderr
-    exported, final = (
-        load_file(tmp_path / "exported" / "model.safetensors"),
-        load_file(tmp_path / "three" / "model" / "model.safetensors"),
-    )
-    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
-    assert main(["export", str(tmp_path / "three" / "checkpoints" / "step_6"), str(tmp_path / "exported_6")]) == 0
-    earlier, averaged = (load_file(tmp_path / p / "model.safetensors") for p in ("exported_6", "three/model_averaged"))
-    assert all(torch.allclose(averaged[k], (earlier[k] + exported[k]) / 2, atol=1e-7) for k in final)
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     # A sharded checkpoint is not a model folder: sampling from it says to export first.
-    result = run_main("sample", "--checkpoint", tmp_path / "three" / "checkpoints" / "step_12", "--prompt", "1 + 1")
+    result = run_main("sample", "--checkpoint", two / "checkpoints" / "step_6", "--prompt", "1 + 1")
     assert result.returncode == 2 and "tierlm export" in result.stderr
 
 

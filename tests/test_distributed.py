@@ -324,46 +324,6 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
     assert result.returncode == 2 and "tierlm export" in result.stderr
 
 
-def test_fsdp_sharding_strategies_match_one_process(tmp_path):
-    """infra.fsdp_sharding_strategy: SHARD_GRAD_OP (blocks stay gathered until their backward) and
-    HYBRID_SHARD (a 2-D replicate x shard mesh; one machine here, so 1 x 2) train as one process does
-    on the same global batch; the planner counts SHARD_GRAD_OP's gathered blocks."""
-    common = [
-        "pretrain",
-        "--config",
-        "configs/tiny_pretrain.yaml",
-        "training.num_train_steps=6",
-        "training.warmup_steps=0",
-        "training.eval_steps=0",
-        "training.save_steps=0",
-        "training.logging_steps=2",
-        "data.num_synthetic_examples=2000",
-        "infra.progress_bar=false",
-    ]
-    result = run_main(*common, f"infra.output_dir={tmp_path / 'one'}", "training.per_device_train_batch_size=16")
-    assert result.returncode == 0, result.stderr[-3000:]
-
-    def losses(run: Path) -> list[float]:
-        return [
-            r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"
-        ]
-
-    for strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD"):
-        out = tmp_path / strategy
-        result = torchrun(
-            "-m",
-            "tierlm",
-            *common,
-            f"infra.output_dir={out}",
-            "training.per_device_train_batch_size=8",
-            f"infra.fsdp_sharding_strategy={strategy}",
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert losses(out) == pytest.approx(losses(tmp_path / "one"), abs=1e-4), strategy
-        estimate = json.loads((out / "memory_estimate.json").read_text())["parts_bytes"]
-        assert estimate["FSDP gathered blocks"] > 0
-
-
 def transformers_folder(tiny_runs, folder):
     """A transformers Qwen3 model folder (no tierlm files) with the tiny runs' tokenizer: what a Hub download holds."""
     from tierlm.data import load_tokenizer
@@ -378,12 +338,16 @@ def transformers_folder(tiny_runs, folder):
     return folder
 
 
-@pytest.mark.parametrize("source", ["tierlm", "transformers"])
-def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(source, tiny_runs, tmp_path):
+@pytest.mark.parametrize(
+    "source,strategy", [("tierlm", "SHARD_GRAD_OP"), ("transformers", "HYBRID_SHARD")], ids=["tierlm", "transformers"]
+)
+def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(source, strategy, tiny_runs, tmp_path):
     """Continuing a trained model under FSDP2 with infra.cpu_ram_efficient_loading (Accelerate's
     fsdp_cpu_ram_efficient_loading): rank 1 builds it on the meta device and takes its shards — and the buffers no
     state dict carries (rotary tables) — from rank 0's copy by broadcast; the steps are one process's (1e-4). From a
-    tierlm model folder and from a transformers one (a Qwen3 folder as the Hub serves it)."""
+    tierlm model folder and from a transformers one (a Qwen3 folder as the Hub serves it). Each under another
+    infra.fsdp_sharding_strategy: SHARD_GRAD_OP (blocks stay gathered until their backward; the planner counts them)
+    and HYBRID_SHARD (a 2-D replicate x shard mesh; one machine here, so 1 x 2)."""
     folder = tiny_runs / "pre" / "model" if source == "tierlm" else transformers_folder(tiny_runs, tmp_path / "qwen3")
     shared = [a for a in TINY if not a.startswith("model.")]  # the folder's shape is its own
     common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *shared, f"model.model_name_or_path={folder}"]
@@ -396,10 +360,12 @@ def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(sou
         "training.per_device_train_batch_size=4",
         "infra.distributed_type=fsdp",
         "infra.cpu_ram_efficient_loading=true",
+        f"infra.fsdp_sharding_strategy={strategy}",
         f"infra.output_dir={two}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the weights were read on rank 0 alone, for 2 ranks" in result.stdout
+    assert json.loads((two / "memory_estimate.json").read_text())["parts_bytes"]["FSDP gathered blocks"] > 0
     from tierlm.commands.cli import main
 
     assert main([*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}"]) == 0

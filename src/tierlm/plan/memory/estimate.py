@@ -45,7 +45,7 @@ from tierlm.metrics.memory import (
 )
 from tierlm.models import family_for_folder, family_named, family_of, unwrap_model
 from tierlm.models.lora import apply_lora
-from tierlm.plan.memory.traces import cached_trace, trace_key
+from tierlm.plan.memory.traces import kept_on_disk
 from tierlm.primitives import parse_dtype
 from tierlm.primitives.losses import token_logprobs
 from tierlm.primitives.optim import build_optimizer
@@ -186,6 +186,7 @@ def _in_step_reference(config: TierlmConfig, model: nn.Module, vocab_size: int, 
     return reference
 
 
+@kept_on_disk
 def trace_step(
     config: TierlmConfig,
     stage: Stage,
@@ -202,24 +203,8 @@ def trace_step(
     The traced step is the second, the steady one: it holds the optimizer state the first created.
     `generation` = (samples, length): before it, prefill a cache of that many rows of that length (RL).
     `fake=False` runs the same step on real tensors (to check the fake trace against: small configs only).
-    A fake trace made before with the same inputs is read back (`tierlm.plan.memory.traces`).
+    A fake trace made before with the same inputs is read back (`tierlm.plan.memory.traces.kept_on_disk`).
     """
-    if not fake:
-        return _trace_step(config, stage, vocab_size, rows, tokens, pretrained, generation, fake)
-    key = trace_key(config, stage, vocab_size, rows, tokens, pretrained, generation)
-    return cached_trace(key, lambda: _trace_step(config, stage, vocab_size, rows, tokens, pretrained, generation))
-
-
-def _trace_step(
-    config: TierlmConfig,
-    stage: Stage,
-    vocab_size: int,
-    rows: int,
-    tokens: int,
-    pretrained=None,
-    generation: tuple[int, int] | None = None,
-    fake: bool = True,
-) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tr, infra = config.training, config.infra

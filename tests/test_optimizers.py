@@ -324,6 +324,26 @@ def test_plan_d20_by_hand():
     assert again.training == config.training
 
 
+def test_muon_trains_a_position_table_beside_a_tied_head_at_the_heads_lr():
+    """GPT-2's token table is its head (tied), so its embedding role holds the learned position table alone: under
+    Muon's defaults that table takes the head's LR, not nanochat's token-embedding LR (0.49 at width 128, which
+    trained GPT-2 to val loss 3.06 where the head's gave 2.04: docs/benchmarks.md). The native GPT's token table
+    keeps the embedding LR; an explicit training.embedding_lr wins."""
+    from tierlm.builders.optimizer import MUON_DEFAULT_LRS
+    from tierlm.primitives.optim import width_lr_scale
+
+    scale = width_lr_scale(128)
+    for architecture, default in (("gpt2", "unembedding"), ("gpt", "embedding")):
+        shape = [f"model.architecture={architecture}", "model.depth=2", "model.aspect_ratio=64", "model.head_dim=32"]
+        config = TierlmConfig.load(None, [*shape, "training.optimizer=muon", "training.num_train_steps=10"])
+        resolved, _ = resolve(config, STAGES["pretrain"], new_model(config, 512, "meta"))
+        assert resolved.training.embedding_lr == pytest.approx(MUON_DEFAULT_LRS[default] * scale), architecture
+        assert resolved.training.unembedding_lr == pytest.approx(MUON_DEFAULT_LRS["unembedding"] * scale)
+    config = TierlmConfig.load(None, [*shape[1:], "model.architecture=gpt2", "training.optimizer=muon",
+                                      "training.num_train_steps=10", "training.embedding_lr=0.3"])  # fmt: skip
+    assert resolve(config, STAGES["pretrain"], new_model(config, 512, "meta"))[0].training.embedding_lr == 0.3
+
+
 def test_plan_explicit_values_win_and_bad_batches_are_refused():
     config, plan = _plan(12, num_train_steps=100)
     assert config.training.num_train_steps == 100 and plan.num_train_steps == 100

@@ -7,7 +7,7 @@ from torch import nn
 
 from tierlm.config import TierlmConfig
 from tierlm.models import unwrap_model
-from tierlm.primitives.optim import ROLES, RoleSettings, width_lr_scale
+from tierlm.primitives.optim import ROLES, RoleSettings, parameter_roles, width_lr_scale
 
 MUON_DEFAULT_LRS = {"matrix": 0.02, "embedding": 0.2, "unembedding": 0.004}  # at d_model 768 (nanochat)
 
@@ -31,15 +31,39 @@ def model_width(model: nn.Module) -> int:
     return int(table.shape[-1])
 
 
-def role_learning_rates(config: TierlmConfig, width: int | None) -> dict[str, float]:
-    """Each role's peak LR before batch scaling: explicit, else the optimizer's default."""
+def positions_only(model: nn.Module) -> bool:
+    """The embedding role holds tables but not the token table, which is the tied head (GPT-2: its learned position
+    table alone).
+
+    >>> class Tied(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.wte, self.wpe = nn.Embedding(50, 8), nn.Embedding(16, 8)
+    ...         self.lm_head = nn.Linear(8, 50, bias=False)
+    ...         self.lm_head.weight = self.wte.weight
+    >>> positions_only(Tied()), positions_only(nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50)))
+    (True, False)
+    """
+    roles = parameter_roles(unwrap_model(model))
+    if not roles["embedding"] or not roles["unembedding"]:
+        return False
+    vocab = roles["unembedding"][0].shape[0]
+    return all(table.shape[0] != vocab for table in roles["embedding"])
+
+
+def role_learning_rates(config: TierlmConfig, width: int | None, positions: bool = False) -> dict[str, float]:
+    """Each role's peak LR before batch scaling: explicit, else the optimizer's default. Muon's defaults are
+    nanochat's, scaled by width; where the embedding role holds only position tables (`positions_only`: the token
+    table is the tied head), it takes the head's: a table added to the token embeddings moves at their pace
+    (nanochat's token-embedding LR, 0.49 at width 128, trained GPT-2 to 3.06 where the head's gave 2.04:
+    docs/benchmarks.md)."""
     tr = config.training
     defaults = {role: tr.learning_rate for role in ROLES}
     if tr.optimizer == "muon":
         scale = width_lr_scale(width) if width else 1.0
         defaults.update(
             matrix=MUON_DEFAULT_LRS["matrix"],
-            embedding=MUON_DEFAULT_LRS["embedding"] * scale,
+            embedding=MUON_DEFAULT_LRS["unembedding" if positions else "embedding"] * scale,
             unembedding=MUON_DEFAULT_LRS["unembedding"] * scale,
         )
     explicit = {role: getattr(tr, f"{role}_lr") for role in ROLES}

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tierlm.builders.model import new_model
-from tierlm.builders.optimizer import model_width, role_learning_rates
+from tierlm.builders.optimizer import model_width, positions_only, role_learning_rates
 from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
@@ -299,7 +299,8 @@ def resolve(
     if tr.warmup_ratio is not None:  # now that the steps are known
         steps = updates.get("num_train_steps", tr.num_train_steps)
         updates.update(warmup_steps=min(math.ceil(tr.warmup_ratio * steps), steps - 1), warmup_ratio=None)
-    lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width).items()}
+    positions = model is not None and positions_only(model)
+    lrs = {role: lr * plan.lr_scale for role, lr in role_learning_rates(config, width, positions).items()}
     for role, lr in lrs.items():
         if not lr < 1:
             raise ConfigError(f"the {role} learning rate comes to {lr:.4g} (>= 1); lower training.{role}_lr")

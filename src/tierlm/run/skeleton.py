@@ -147,8 +147,12 @@ def _move_aside(path: Path) -> Path:
 def _first_rank_of_each_machine_first():
     """Under torchrun, the block runs on each machine's first rank (LOCAL_RANK 0), then on its others: the memory
     estimate's traced step (`tierlm.plan.memory.traces`) is kept on disk by the first and read back by the rest,
-    instead of every rank tracing the same step at once. The first rank lets the others go even if it fails."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    instead of every rank tracing the same step at once. The first rank lets the others go even if it fails. With
+    the cache off (`TIERLM_CACHE_DIR=off`) there is nothing to read back: every rank traces at once, as before."""
+    from tierlm.plan.memory.traces import cache_folder
+
+    alone = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if alone or cache_folder() is None:
         yield
         return
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,22 +272,25 @@ def test_a_checkpoint_crosses_between_the_backends(first, optimizer, tmp_path):
     np.testing.assert_allclose(losses, straight, atol=1e-4, rtol=0)
 
 
+def _jax_pretrain_losses(folder: Path) -> list[float]:
+    """Five pretraining steps of the JAX backend on the devices JAX sees here."""
+    backend, strategy, losses = _backends(_model(), folder)[1], PretrainStrategy(), []
+    for batch in _batches("pretrain", 5):
+        backend.forward_backward(strategy.prepare_batch(batch), strategy.compute_loss)
+        losses.append(backend.optim_step().wait()["loss"])
+    return losses
+
+
 def test_rows_split_over_two_devices_give_the_one_device_steps(tmp_path):
     """XLA's host platform as 2 CPU devices (the data-parallel path of a multi-GPU machine): the same
-    losses as one device."""
+    losses as one device (this process's)."""
     script = """
-import json, sys, torch
+import json, sys
 sys.path.insert(0, sys.argv[1])
-from test_jax import _backends, _batches, _model
 from pathlib import Path
 import jax
-from tierlm.strategies import PretrainStrategy
-backend = _backends(_model(), Path(sys.argv[2]))[1]
-strategy, losses = PretrainStrategy(), []
-for batch in _batches("pretrain", 5):
-    backend.forward_backward(strategy.prepare_batch(batch), strategy.compute_loss)
-    losses.append(backend.optim_step().wait()["loss"])
-print(json.dumps({"devices": len(jax.local_devices()), "losses": losses}))
+from test_jax import _jax_pretrain_losses
+print(json.dumps({"devices": len(jax.local_devices()), "losses": _jax_pretrain_losses(Path(sys.argv[2]))}))
 """
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
@@ -298,12 +302,8 @@ print(json.dumps({"devices": len(jax.local_devices()), "losses": losses}))
     )
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads(result.stdout.strip().splitlines()[-1])
-    assert two["devices"] == 2 and len(jax.local_devices()) == 1  # the one-device steps: in this process
-    backend, strategy, losses = _backends(_model(), tmp_path / "1")[1], PretrainStrategy(), []
-    for batch in _batches("pretrain", 5):
-        backend.forward_backward(strategy.prepare_batch(batch), strategy.compute_loss)
-        losses.append(backend.optim_step().wait()["loss"])
-    np.testing.assert_allclose(two["losses"], losses, atol=1e-5, rtol=0)
+    assert two["devices"] == 2 and len(jax.local_devices()) == 1
+    np.testing.assert_allclose(two["losses"], _jax_pretrain_losses(tmp_path / "1"), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""DDP and FSDP2 with real processes (torchrun, gloo on CPU, one thread per rank).
+"""DDP and FSDP2 with real processes (gloo on CPU, one thread per rank).
 
 References: a single process on the same global batch (the worker's "single" mode), and a run
-that never stopped. Each torchrun launch costs a few seconds, so the cases share launches.
+that never stopped. The ranks are forked from a preloaded process (tests/ranks.py) where what is tested is what they
+compute; through torchrun where it is what torchrun does with them (a rank that raises or is killed, a signal).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.conftest import REPO, TINY, first_failure, run_main, torchrun
+from tests.ranks import ranks
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 
@@ -30,7 +32,7 @@ def run_worker(mode: str, out: Path, nproc: int = 2, **options) -> dict:
 
         main([mode, str(out), *flags])
     else:
-        result = torchrun(WORKER, mode, out, *flags, nproc=nproc)
+        result = ranks(WORKER, mode, out, *flags, nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -163,7 +165,7 @@ def test_tier2_factories_train_the_same_steps(tmp_path):
 
     torch.manual_seed(0)
     folder = save_model_folder(build_gpt(CONFIG), tmp_path / "model")
-    result = torchrun(WORKER, "factories", tmp_path / "f.json", f"--model-folder={folder}")
+    result = ranks(WORKER, "factories", tmp_path / "f.json", f"--model-folder={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = json.loads((tmp_path / "f.json").read_text())
     assert len(losses["fsdp"]) == 3 and losses["fsdp"][-1] < losses["fsdp"][0]
@@ -249,7 +251,7 @@ def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
 
 
 def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
-    """`torchrun -m tierlm pretrain` at 2 ranks == 1 process at the same global batch; `tierlm export` gathers its
+    """`tierlm pretrain` at 2 ranks == 1 process at the same global batch; `tierlm export` gathers its
     sharded checkpoints into full folders (the run's average of its last two is their mean), and its step-6
     checkpoint resumes in one process (same losses)."""
     from tierlm.commands.cli import main
@@ -268,7 +270,7 @@ def test_cli_two_ranks_then_one_resumes_and_exports(tmp_path):
         "infra.progress_bar=false",
     ]
     two = tmp_path / "two"
-    result = torchrun("-m", "tierlm", *common, f"infra.output_dir={two}", "training.per_device_train_batch_size=8")
+    result = ranks("-m", "tierlm", *common, f"infra.output_dir={two}", "training.per_device_train_batch_size=8")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("run directory:") == 1  # rank 0 reports
     one = tmp_path / "one"
@@ -353,7 +355,7 @@ def test_cpu_ram_efficient_loading_reads_on_rank_0_and_trains_as_one_process(sou
     common = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *shared, f"model.model_name_or_path={folder}"]
     common += ["training.num_train_steps=4", "training.logging_steps=1", "training.eval_steps=2"]
     two = tmp_path / "two"
-    result = torchrun(
+    result = ranks(
         "-m",
         "tierlm",
         *common,
@@ -467,9 +469,9 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert summary["resumed_from"].endswith(f"step_{stopped[0]}") and summary["step"] == 60
 
 
-def test_an_ablation_under_torchrun_runs_each_variant_on_every_rank(tmp_path):
-    """`torchrun -m tierlm ablate`: the variants run one after another on both ranks in one process
-    group (joining a new group per variant would hang); rank 0 alone writes the records."""
+def test_an_ablation_at_two_ranks_runs_each_variant_on_every_rank(tmp_path):
+    """`tierlm ablate` at two ranks (as torchrun starts them): the variants run one after another on both ranks in one
+    process group (joining a new group per variant would hang); rank 0 alone writes the records."""
     tiny = [
         "model.depth=1",
         "model.aspect_ratio=32",
@@ -489,7 +491,7 @@ def test_an_ablation_under_torchrun_runs_each_variant_on_every_rank(tmp_path):
         "infra.device_type=cpu",
     ]
     out = tmp_path / "abl"
-    result = torchrun(
+    result = ranks(
         "-m",
         "tierlm",
         "ablate",

@@ -1,5 +1,6 @@
-"""RL and DPO under torchrun (gloo on CPU, one thread per rank): the rollouts and steps one process takes, under DDP
-and FSDP2; an FSDP RL job on two "nodes" that loses a rank and resumes by itself. Its own file so that the test
+"""RL and DPO at two ranks (gloo on CPU, one thread per rank): the rollouts and steps one process takes, under DDP
+and FSDP2 (the ranks forked as torchrun would start them, tests/ranks.py); an FSDP RL job on two "nodes" (two torchrun
+agents) that loses a rank and resumes by itself. Its own file so that the test
 workers deal it apart from tests/test_distributed.py (they split the suite by file)."""
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ import os
 
 import torch
 from safetensors.torch import load_file
-from tests.conftest import run_main, torchrun
+from tests.conftest import run_main
+from tests.ranks import ranks
 
 
-def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path, monkeypatch):
-    """`torchrun -m tierlm rl` under DDP and FSDP2 draws the rollouts one process draws (each prompt's sampling
+def test_rl_and_dpo_at_two_ranks(tiny_runs, tmp_path, monkeypatch):
+    """`tierlm rl` at two ranks under DDP and FSDP2 draws the rollouts one process draws (each prompt's sampling
     keyed by its place in the global batch, every group on one rank) and takes the same steps (per-step losses
     1e-5, with a KL reference) after dealing the rows over the ranks by their cost; the FSDP run's sampler is a
     whole copy refreshed after every update, and a rank lost mid-run on two "nodes" is restarted by torchrun and
-    resumes by itself, bit-identical. `tierlm dpo` under torchrun (FSDP) matches one process on the same global
+    resumes by itself, bit-identical. `tierlm dpo` at two ranks (FSDP) matches one process on the same global
     batch. (RL on a reward for digits: with the task's own, the tiny model earns 0 everywhere and no step moves the
     weights.)"""
     from conftest import digits_reward
@@ -56,7 +58,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path, monkeypatch):
     assert result.returncode == 0, result.stderr[-3000:]
     for kind in ("ddp", "fsdp"):
         out = tmp_path / f"rl_{kind}"
-        result = torchrun("-m", "tierlm", *rl, f"infra.distributed_type={kind}", f"infra.output_dir={out}")
+        result = ranks("-m", "tierlm", *rl, f"infra.distributed_type={kind}", f"infra.output_dir={out}")
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.count("held-out pass@1") == 1
         assert json.loads((out / "model" / "training_meta.json").read_text())["distributed_type"] == kind
@@ -107,7 +109,7 @@ def test_rl_and_dpo_under_torchrun(tiny_runs, tmp_path, monkeypatch):
         "training.per_device_eval_batch_size=4",
         "training.eval_batches=4",
     ]
-    result = torchrun(
+    result = ranks(
         "-m", "tierlm", *dpo, "training.per_device_train_batch_size=4", f"infra.output_dir={tmp_path / 'dpo2'}"
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -225,7 +225,8 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
     of the global UL2 batch compute what 1 process x 8 rows does."""
     import json
 
-    from conftest import run_main, torchrun
+    from conftest import run_main
+    from ranks import ranks
 
     common = [
         "pretrain",
@@ -246,7 +247,7 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
     ]
     one = run_main(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(
+    two = ranks(
         "-m",
         "tierlm",
         *common,

@@ -1,6 +1,7 @@
-"""Expert parallelism (`infra.expert_parallel_size`, `tierlm.backends.expert_parallel`) under torchrun with gloo: two
-ranks sharing out the experts take the steps one process takes at the same global batch, resume bit for bit, reshard
-into one process, and export the whole model (transformers' Qwen3-MoE loads it)."""
+"""Expert parallelism (`infra.expert_parallel_size`, `tierlm.backends.expert_parallel`) with gloo, the ranks started as
+torchrun starts them (tests/ranks.py): two ranks sharing out the experts take the steps one process takes at the same
+global batch, resume bit for bit, reshard into one process, and export the whole model (transformers' Qwen3-MoE
+loads it)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_main, torchrun
+from conftest import run_main
+from ranks import ranks
 
 COMMON = [
     "pretrain", "--config", "configs/tiny_pretrain.yaml", "model.moe.num_experts=4", "training.num_train_steps=8",
@@ -77,12 +79,12 @@ def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_pa
     two, fsdp, one = tmp_path / "two", tmp_path / "fsdp", tmp_path / "one"
     done = run_main(*COMMON, *ONE, f"infra.output_dir={one}")
     assert done.returncode == 0, done.stderr[-3000:]
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
+    done = ranks("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
     assert done.returncode == 0, done.stderr[-3000:]
     a = _same_steps(two, one)
     assert _param_bytes(two) < 0.8 * _param_bytes(one)  # half the experts on each rank
     _reads_whole(two, one)
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, "infra.distributed_type=fsdp", f"infra.output_dir={fsdp}")
+    done = ranks("-m", "tierlm", *COMMON, *TWO_RANKS, "infra.distributed_type=fsdp", f"infra.output_dir={fsdp}")
     assert done.returncode == 0, done.stderr[-3000:]
     _same_steps(fsdp, one)
     # half of every weight on each rank: the experts shared out, FSDP2's shards of the rest (DDP kept the rest whole)
@@ -96,7 +98,7 @@ def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_pa
     _same_steps(fsdp, one)
 
     _back_to(two, 4)
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
+    done = ranks("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert _lines(two) == a  # bit for bit
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_main, torchrun
+from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_main
+from ranks import ranks
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import forward_logits, load_pretrained_model, save_model_folder
@@ -259,7 +260,7 @@ def test_lora_under_fsdp_matches_one_process_and_exports(tiny_runs, tmp_path):
     ]
     one = run_main(*common, "training.per_device_train_batch_size=8", f"infra.output_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(
+    two = ranks(
         "-m",
         "tierlm",
         *common,
@@ -307,7 +308,7 @@ def test_lora_under_tensor_and_pipeline_parallel_matches_one_process_and_exports
     }
     for name, layout in layouts.items():
         run = tmp_path / name
-        result = torchrun("-m", "tierlm", *common, *layout, f"infra.output_dir={run}")
+        result = ranks("-m", "tierlm", *common, *layout, f"infra.output_dir={run}")
         assert result.returncode == 0, result.stderr[-3000:]
         got, expected = (
             [

@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallelism (issue 21) with real processes: torchrun, gloo on CPU, one thread per rank.
+"""Tensor and pipeline parallelism (issue 21) with real processes: ranks as torchrun starts them (forked from a
+preloaded process, tests/ranks.py), gloo on CPU, one thread per rank.
 
 The reference is one process on the same global batches (tests/distributed_worker.py's "single" mode):
 10 AdamW steps with clipping, two micro-batches of uneven trained tokens per step, a decaying LR.
@@ -169,14 +170,15 @@ LAYOUTS = {  # name: (the layout, what the one-process reference shares with it)
 
 
 def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(tmp_path):
-    """`torchrun -m tierlm pretrain` with tensor parallel 2 (native GPT: vocabulary and sequence split too; transformers
-    Qwen3: vocabulary split) and interleaved pipeline stages (evaluation through the stages): the losses and the
-    exported model of one process; a tensor-parallel checkpoint resumed in one process."""
+    """`tierlm pretrain` at two ranks with tensor parallel 2 (native GPT: vocabulary and sequence split too;
+    transformers Qwen3: vocabulary split) and interleaved pipeline stages (evaluation through the stages): the losses
+    and the exported model of one process; a tensor-parallel checkpoint resumed in one process."""
     import json
     import shutil
 
     from safetensors.torch import load_file
-    from tests.conftest import run_main, torchrun
+    from tests.conftest import run_main
+    from tests.ranks import ranks
 
     shape = ["model.depth=4", "model.aspect_ratio=16"]  # the native GPT's (Qwen3's shape is its model.hf_config)
     common = [
@@ -209,7 +211,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
             assert (result := run_main(*common, *shared, f"infra.output_dir={one}")).returncode == 0, result.stderr[
                 -3000:
             ]
-        result = torchrun("-m", "tierlm", *common, *shared, *layout, f"infra.output_dir={run}")
+        result = ranks("-m", "tierlm", *common, *shared, *layout, f"infra.output_dir={run}")
         assert result.returncode == 0, result.stderr[-3000:]
         got, reference = lines(run), lines(one)
         assert [r[:2] for r in got] == [r[:2] for r in reference]
@@ -231,7 +233,7 @@ def test_seed_megatron_backend_example_trains_as_one_process(sizes, tmp_path):
     """The trainer document's `Trainer(backend=MegatronBackend(tensor_parallel_size=.., pipeline_parallel_size=..),
     strategy=PretrainStrategy())` at tensor 2 and at pipeline 2, and its RL example (`PPOStrategy(kl_coef=0.1,
     clip_range=0.2)` on rollout batches) and DPO on preference pairs at the same sizes, the vocabulary split at tensor
-    2 (the three in turn in one torchrun job): the losses of one process."""
+    2 (the three in turn in one two-rank job): the losses of one process."""
     from tests.distributed_worker import megatron
 
     got = run_worker("megatron", tmp_path / "m.json", sizes=sizes)
@@ -376,10 +378,11 @@ def test_transformers_stages_chain_to_the_models_own_logits(model_type):
 
 
 def test_dpo_under_pipeline_stages_matches_one_process(two_block_runs, tmp_path):
-    """`torchrun -m tierlm dpo` on 2 pipeline stages (each micro-batch of 8 pairs cut into 2 pieces of whole pairs, the
+    """`tierlm dpo` on 2 pipeline stages (each micro-batch of 8 pairs cut into 2 pieces of whole pairs, the
     loss run on the last stage one piece at a time, a frozen reference on every rank) takes one process's steps:
     losses, gradient norms and evaluations."""
-    from tests.conftest import run_main, torchrun
+    from tests.conftest import run_main
+    from tests.ranks import ranks
 
     sft = two_block_runs / "sft"  # two blocks, one per stage
     dpo = [
@@ -400,7 +403,7 @@ def test_dpo_under_pipeline_stages_matches_one_process(two_block_runs, tmp_path)
         "training.per_device_eval_batch_size=4",
         "training.per_device_train_batch_size=8",
     ]
-    result = torchrun("-m", "tierlm", *dpo, "infra.pipeline_parallel_size=2", f"infra.output_dir={tmp_path / 'pp'}")
+    result = ranks("-m", "tierlm", *dpo, "infra.pipeline_parallel_size=2", f"infra.output_dir={tmp_path / 'pp'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (result := run_main(*dpo, f"infra.output_dir={tmp_path / 'one'}")).returncode == 0, result.stderr[-3000:]
     pp, one = (

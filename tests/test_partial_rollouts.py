@@ -234,20 +234,21 @@ def test_partial_rollouts_with_teachers_resume_after_a_kill_with_the_straight_ru
 
 
 @pytest.mark.slow
-def test_partial_rollouts_under_torchrun_resume_every_ranks_groups(tiny_runs, tmp_path, monkeypatch):
+def test_partial_rollouts_at_two_ranks_resume_every_ranks_groups(tiny_runs, tmp_path, monkeypatch):
     """2 DDP ranks, each scheduling its share of the window in chunks of 3 tokens: the checkpoint holds both ranks'
-    groups in flight, and the run rolled back to its step-2 checkpoint and resumed under torchrun ends with the
+    groups in flight, and the run rolled back to its step-2 checkpoint and resumed at two ranks ends with the
     uninterrupted run's weights bit for bit."""
     import shutil
 
-    from conftest import digits_reward, torchrun
+    from conftest import digits_reward
+    from ranks import ranks
     from test_rl import _tiny_rl
 
     args = ["-m", "tierlm", *_tiny_rl(tiny_runs), "rl.algorithm=grpo", "rl.group_size=4", "rl.max_new_tokens=24"]
     args += [digits_reward(tmp_path, monkeypatch), "rl.partial_rollouts=true", "rl.rollout_chunk=3"]
     args += ["rl.rollout_window=4", "training.num_train_steps=5", "infra.distributed_type=ddp"]
     out = tmp_path / "run"
-    result = torchrun(*args, f"infra.output_dir={out}")
+    result = ranks(*args, f"infra.output_dir={out}")
     assert result.returncode == 0, result.stderr[-3000:]
     straight = _load(out)
     state = json.loads((out / "checkpoints" / "step_2" / "trainer_state.json").read_text())
@@ -258,7 +259,7 @@ def test_partial_rollouts_under_torchrun_resume_every_ranks_groups(tiny_runs, tm
             shutil.rmtree(checkpoint)
     shutil.rmtree(out / "model")
     (out / "checkpoints" / "latest").write_text("step_2\n")
-    result = torchrun(*args, f"infra.output_dir={out}", "--resume")
+    result = ranks(*args, f"infra.output_dir={out}", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = _load(out)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -45,6 +45,30 @@ def assert_same_steps(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
         assert x["lr"] == y["lr"]
 
 
+def test_forked_ranks_see_what_torchrun_gives_a_rank(tmp_path):
+    """tests/ranks.py stands in for torchrun in the tests above: each rank's environment (what tierlm reads of it),
+    command line, working folder and exit code are the ones torchrun gives, and a failing rank fails the job."""
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'OMP_NUM_THREADS']\n"
+        "seen = {k: os.environ.get(k) for k in keys}\n"
+        "seen['present'] = [k for k in ('MASTER_ADDR', 'MASTER_PORT', 'TORCHELASTIC_RUN_ID') if k in os.environ]\n"
+        "tree = os.environ['PYTHONPATH'].split(os.pathsep)[0]\n"
+        "seen.update(argv=sys.argv[1:], cwd=os.getcwd(), name=__name__, tree=tree)\n"
+        "print('SEEN ' + json.dumps(seen, sort_keys=True))\n"
+        "sys.exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n"
+    )
+
+    def seen(result) -> list[str]:
+        return sorted(line for line in result.stdout.splitlines() if line.startswith("SEEN "))
+
+    real, forked = torchrun(script, "0", "x"), ranks(script, "0", "x")
+    assert real.returncode == forked.returncode == 0, (real.stderr[-2000:], forked.stderr[-2000:])
+    assert len(seen(real)) == 2 and seen(forked) == seen(real)
+    assert ranks(script, "3").returncode == 3  # rank 1's exit code ends the job
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")

@@ -154,20 +154,15 @@ def two_domain_task(folder: Path, count: int = 200) -> list[str]:
 
 
 def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
-    """Start `tierlm ARGS infra.output_dir=OUTPUT_DIR`, SIGKILL it the moment checkpoint `step` is the
-    latest, and check it really died mid-run."""
+    """Start `tierlm ARGS infra.output_dir=OUTPUT_DIR` (forked from the preloaded process, tests/forked.py), SIGKILL
+    it the moment checkpoint `step` is the latest, and check it really died mid-run."""
     import signal
-    import subprocess
     import time
 
+    from tests.forked import start
+
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tierlm", *map(str, args), f"infra.output_dir={output_dir}"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start("-m", "tierlm", *args, f"infra.output_dir={output_dir}", env=env)
     latest, deadline = output_dir / "checkpoints" / "latest", time.time() + 300
     while not (latest.is_file() and latest.read_text().strip() == f"step_{step}"):
         assert proc.poll() is None and time.time() < deadline, "the run ended before the checkpoint"

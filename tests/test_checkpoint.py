@@ -6,13 +6,13 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from conftest import kill_at_checkpoint, run_main
+from forked import start
 from tierlm import checkpoint
 from tierlm.backends import PyTorchTrainingBackend
 from tierlm.backends.options import BackendOptions
@@ -132,7 +132,7 @@ def test_sigkill_while_writing_never_leaves_a_bad_latest(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for trial in range(8):
         root = tmp_path / f"trial{trial}"
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE, env=env, text=True)
+        proc = start("-c", WRITER, root, stdout=subprocess.PIPE, env=env)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.6))
         proc.send_signal(signal.SIGKILL)

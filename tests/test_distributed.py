@@ -1,7 +1,7 @@
 """DDP and FSDP2 with real processes (gloo on CPU, one thread per rank).
 
 References: a single process on the same global batch (the worker's "single" mode), and a run
-that never stopped. The ranks are forked from a preloaded process (tests/ranks.py) where what is tested is what they
+that never stopped. The ranks are forked from a preloaded process (tests/forked.py) where what is tested is what they
 compute; through torchrun where it is what torchrun does with them (a rank that raises or is killed, a signal).
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.conftest import REPO, TINY, first_failure, run_main, torchrun
-from tests.ranks import ranks
+from tests.forked import ranks, start
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 
@@ -45,9 +45,10 @@ def assert_same_steps(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
         assert x["lr"] == y["lr"]
 
 
-def test_forked_ranks_see_what_torchrun_gives_a_rank(tmp_path):
-    """tests/ranks.py stands in for torchrun in the tests above: each rank's environment (what tierlm reads of it),
-    command line, working folder and exit code are the ones torchrun gives, and a failing rank fails the job."""
+def test_forked_processes_are_what_torchrun_and_popen_start(tmp_path):
+    """tests/forked.py stands in for torchrun and for `subprocess.Popen([sys.executable, ...])` in the tests: each
+    rank's environment (what tierlm reads of it), command line, working folder and exit code are the ones torchrun
+    gives, a failing rank fails the job, and a single process's pipe, exit code and death by a signal are Popen's."""
     script = tmp_path / "show.py"
     script.write_text(
         "import json, os, sys\n"
@@ -67,6 +68,11 @@ def test_forked_ranks_see_what_torchrun_gives_a_rank(tmp_path):
     assert real.returncode == forked.returncode == 0, (real.stderr[-2000:], forked.stderr[-2000:])
     assert len(seen(real)) == 2 and seen(forked) == seen(real)
     assert ranks(script, "3").returncode == 3  # rank 1's exit code ends the job
+    one = start(script, "4", env={**os.environ, "RANK": "1", "PYTHONPATH": "tree"}, stdout=subprocess.PIPE)
+    assert json.loads(one.stdout.read().removeprefix("SEEN "))["tree"] == "tree" and one.wait(60) == 4
+    sleeper = start("-c", "import time; time.sleep(60)")
+    sleeper.send_signal(signal.SIGKILL)
+    assert sleeper.wait(30) == -signal.SIGKILL  # as subprocess.Popen's returncode says it
 
 
 @pytest.fixture(scope="module")

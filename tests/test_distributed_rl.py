@@ -1,5 +1,5 @@
 """RL and DPO at two ranks (gloo on CPU, one thread per rank): the rollouts and steps one process takes, under DDP
-and FSDP2 (the ranks forked as torchrun would start them, tests/ranks.py); an FSDP RL job on two "nodes" (two torchrun
+and FSDP2 (the ranks forked as torchrun would start them, tests/forked.py); an FSDP RL job on two "nodes" (two torchrun
 agents) that loses a rank and resumes by itself. Its own file so that the test
 workers deal it apart from tests/test_distributed.py (they split the suite by file)."""
 
@@ -11,7 +11,7 @@ import os
 import torch
 from safetensors.torch import load_file
 from tests.conftest import run_main
-from tests.ranks import ranks
+from tests.forked import ranks
 
 
 def test_rl_and_dpo_at_two_ranks(tiny_runs, tmp_path, monkeypatch):

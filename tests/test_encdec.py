@@ -226,7 +226,7 @@ def test_two_rank_fsdp_trains_as_one_process(tmp_path):
     import json
 
     from conftest import run_main
-    from ranks import ranks
+    from forked import ranks
 
     common = [
         "pretrain",

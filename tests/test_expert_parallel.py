@@ -1,5 +1,5 @@
 """Expert parallelism (`infra.expert_parallel_size`, `tierlm.backends.expert_parallel`) with gloo, the ranks started as
-torchrun starts them (tests/ranks.py): two ranks sharing out the experts take the steps one process takes at the same
+torchrun starts them (tests/forked.py): two ranks sharing out the experts take the steps one process takes at the same
 global batch, resume bit for bit, reshard into one process, and export the whole model (transformers' Qwen3-MoE
 loads it)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_main
-from ranks import ranks
+from forked import ranks
 
 COMMON = [
     "pretrain", "--config", "configs/tiny_pretrain.yaml", "model.moe.num_experts=4", "training.num_train_steps=8",

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CHAT, REPO, RL, resume_from_checkpoint, run_main
-from ranks import ranks
+from forked import ranks
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import forward_logits, load_pretrained_model, save_model_folder

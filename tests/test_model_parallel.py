@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism (issue 21) with real processes: ranks as torchrun starts them (forked from a
-preloaded process, tests/ranks.py), gloo on CPU, one thread per rank.
+preloaded process, tests/forked.py), gloo on CPU, one thread per rank.
 
 The reference is one process on the same global batches (tests/distributed_worker.py's "single" mode):
 10 AdamW steps with clipping, two micro-batches of uneven trained tokens per step, a decaying LR.
@@ -178,7 +178,7 @@ def test_cli_tensor_and_pipeline_parallel_runs_train_as_one_process_and_export(t
 
     from safetensors.torch import load_file
     from tests.conftest import run_main
-    from tests.ranks import ranks
+    from tests.forked import ranks
 
     shape = ["model.depth=4", "model.aspect_ratio=16"]  # the native GPT's (Qwen3's shape is its model.hf_config)
     common = [
@@ -382,7 +382,7 @@ def test_dpo_under_pipeline_stages_matches_one_process(two_block_runs, tmp_path)
     loss run on the last stage one piece at a time, a frozen reference on every rank) takes one process's steps:
     losses, gradient norms and evaluations."""
     from tests.conftest import run_main
-    from tests.ranks import ranks
+    from tests.forked import ranks
 
     sft = two_block_runs / "sft"  # two blocks, one per stage
     dpo = [

@@ -241,7 +241,7 @@ def test_partial_rollouts_at_two_ranks_resume_every_ranks_groups(tiny_runs, tmp_
     import shutil
 
     from conftest import digits_reward
-    from ranks import ranks
+    from forked import ranks
     from test_rl import _tiny_rl
 
     args = ["-m", "tierlm", *_tiny_rl(tiny_runs), "rl.algorithm=grpo", "rl.group_size=4", "rl.max_new_tokens=24"]

@@ -11,7 +11,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CHAT, REPO, TINY
+from forked import start
 from tierlm import checkpoint
 from tierlm.commands.cli import main
 from tierlm.errors import CheckpointError
@@ -362,25 +362,11 @@ SIGNAL_RUN = [
 ]
 
 
-def _start(run: Path) -> subprocess.Popen:
+def _start(run: Path):
+    """`python -m tierlm pretrain ...` forked from the preloaded process (tests/forked.py), its stderr a pipe."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierlm",
-            "pretrain",
-            "--config",
-            "configs/tiny_pretrain.yaml",
-            *SIGNAL_RUN,
-            f"infra.output_dir={run}",
-        ],
-        cwd=REPO,
-        env=env,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
+    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", *SIGNAL_RUN, f"infra.output_dir={run}"]
+    return start("-m", "tierlm", *args, env=env, stderr=subprocess.PIPE)
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@
 
 A variant is a V-step (`V3`: model.variant=V3) or a named set of overrides (`name:key=value,key=value`).
 Every variant x seed is its own run directory (`<out>/<variant>_seed<k>`) trained in its own process
-from the same base config: the same seed (so the same initial draw and data order) per replicate and
+(`tierlm.commands.child`: forked from a server that imported torch and tierlm once; its output in
+`<out>/<variant>_seed<k>.log`) from the same base config: the same seed (so the same initial draw and data order) per replicate and
 the same token budget for all — a variant that would change the steps or the batch is refused before
 anything runs (the defect of the code base: wall-clock budgets gave variants different step counts).
 Before the first run, every variant's config is built and checked — its overrides read by the stage, its
@@ -29,7 +30,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -277,17 +277,18 @@ class AblationCoordinator:
                 print(f"tierlm: error: [rank {os.environ.get('RANK', '0')}] {error}", file=sys.stderr, flush=True)
                 return "the run failed (see its rank's error above)"
             return None
-        result = subprocess.run(
-            [sys.executable, "-m", "tierlm", self.stage, "--config", self.config, *self.run_overrides(variant, seed)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        if result.returncode == 0:
+        from tierlm.commands.child import run_command
+
+        log = self.out / f"{variant.name}_seed{seed}.log"  # beside the run's folder, which must start empty
+        start = log.stat().st_size if log.is_file() else 0  # a resumed run appends to its log
+        code = run_command([self.stage, "--config", self.config, *self.run_overrides(variant, seed)], log)
+        if code == 0:
             return None
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        with open(log, "rb") as f:
+            f.seek(start)
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("tierlm: error:")]
-        return (errors or lines or [f"exit code {result.returncode}"])[-1].removeprefix("tierlm: error: ")[:500]
+        return (errors or lines or [f"exit code {code}"])[-1].removeprefix("tierlm: error: ")[:500]
 
 
 def open_data(config: TierlmConfig, stage) -> None:

@@ -58,7 +58,8 @@ def _context():
 
 def _child(command: list[str], env: dict[str, str], cwd: str, streams) -> None:
     """`python COMMAND` as far as COMMAND can tell: ENV, CWD, PYTHONPATH on sys.path, stdout and stderr on STREAMS
-    (connections wrapping the descriptors the parent opened), PYTHONWARNINGS and PYTHONFAULTHANDLER applied."""
+    (connections wrapping the descriptors the parent opened), PYTHONWARNINGS and PYTHONFAULTHANDLER applied, exit
+    handlers run at its end (`tierlm.commands.child` starts `tierlm ablate`'s runs the same way)."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -78,15 +79,19 @@ def _child(command: list[str], env: dict[str, str], cwd: str, streams) -> None:
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    if command[0] == "-m":
-        sys.argv = [command[1], *command[2:]]
-        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
-    elif command[0] == "-c":
-        sys.argv = ["-c", *command[2:]]
-        exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__"})
-    else:
-        sys.argv = list(command)
-        runpy.run_path(command[0], run_name="__main__")
+    atexit._clear()  # exit handlers as a fresh interpreter's: the server's dropped, the command's own run at its end
+    try:
+        if command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        elif command[0] == "-c":
+            sys.argv = ["-c", *command[2:]]
+            exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = list(command)
+            runpy.run_path(command[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
 
 
 def _stream(target) -> tuple[multiprocessing.connection.Connection, object]:

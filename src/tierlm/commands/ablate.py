@@ -7,9 +7,10 @@
 A variant is a V-step (`V3`: model.variant=V3) or a named set of overrides (`name:key=value,key=value`).
 Every variant x seed is its own run directory (`<out>/<variant>_seed<k>`) trained in its own process
 (`tierlm.commands.child`: forked from a server that imported torch and tierlm once; its output in
-`<out>/<variant>_seed<k>.log`) from the same base config: the same seed (so the same initial draw and data order) per replicate and
-the same token budget for all — a variant that would change the steps or the batch is refused before
-anything runs (the defect of the code base: wall-clock budgets gave variants different step counts).
+`<out>/<variant>_seed<k>.log`) from the same base config: the same seed (so the same initial draw and
+data order) per replicate and the same token budget for all — a variant that would change the steps or
+the batch is refused before anything runs (the defect of the code base: wall-clock budgets gave
+variants different step counts).
 Before the first run, every variant's config is built and checked — its overrides read by the stage, its
 model described on the meta device, its data opened — so a typo is one line, not a table of failures
 found hours later. A run that fails once running is recorded with its error and the others go on; the

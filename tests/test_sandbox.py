@@ -8,12 +8,13 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tierlm.tasks.code import code_reward, extract_code, run_with_tests
-from tierlm.tasks.sandbox import SANDBOX_UID, Limits, Sandbox, isolation
+from tierlm.tasks.sandbox import Limits, Sandbox, isolation
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox confines Linux processes")
 
@@ -28,14 +29,14 @@ def sandbox():
     box.close()
 
 
-def _sandbox_processes() -> list[int]:
-    """Processes still running (not zombies waiting for init) as a pool slot's user."""
+def _sandbox_processes(uids) -> list[int]:
+    """Processes still running (not zombies waiting for init) as one of UIDS (a pool's slots' users)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 running = "\nState:\tZ" not in (entry / "status").read_text()
-                if SANDBOX_UID <= entry.stat().st_uid < SANDBOX_UID + WORKERS and running:
+                if entry.stat().st_uid in uids and running:
                     found.append(int(entry.name))
             except (FileNotFoundError, ProcessLookupError):
                 continue
@@ -121,8 +122,32 @@ def test_hostile_programs_are_contained_and_scored_as_failures(sandbox, tmp_path
         assert "No space left on device" in results["fills the disk with small files"].stderr
     listener.close(), unix.close(), abstract.close()
     if isolation()["separate_user"]:
-        assert _sandbox_processes() == []  # the fork bomb's and the daemon's processes are gone
+        assert (
+            _sandbox_processes({uid for uid, _ in sandbox._uids}) == []
+        )  # the fork bomb's and the daemon's processes are gone
     os.kill(os.getpid(), 0)  # still here
+
+
+@pytest.mark.skipif(not isolation()["separate_user"], reason="pools take user ids of their own as root only")
+def test_two_pools_never_share_a_user_id(tmp_path):
+    """Two pools (here in one process; two ranks' or two test workers' pools are two processes, whose locks the
+    kernel keeps apart the same way) take disjoint ids, so neither's clean-up kills the other's programs: one pool's
+    program still runs, and ends well, while the other kills everything left under its ids. Closing a pool gives its
+    ids back."""
+    first = Sandbox(LIMITS, workers=2)
+    second = Sandbox(LIMITS, workers=2)
+    try:
+        mine, theirs = ({uid for uid, _ in box._uids} for box in (first, second))
+        assert len(mine) == len(theirs) == 2 and not mine & theirs
+        slow = first._pool.submit(first.run, "import time\ntime.sleep(1.5)\nprint('done')\n")
+        time.sleep(0.5)
+        second.run_many(["import os\nos.fork()\nraise SystemExit(1)\n"] * 2)  # each ends with _kill_user
+        assert slow.result().ok and "done" in slow.result().stdout
+    finally:
+        first.close()
+    third = Sandbox(LIMITS, workers=2)
+    assert {uid for uid, _ in third._uids} == mine  # given back, taken again
+    third.close(), second.close()
 
 
 def test_code_reward_passes_only_a_program_that_reaches_the_end_of_its_tests(sandbox):

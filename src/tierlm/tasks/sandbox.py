@@ -11,8 +11,9 @@ Every execution gets
 - no Unix sockets: a seccomp filter fails socket(AF_UNIX) with EACCES, so no socket of the host is reachable —
   not the system D-Bus, not a container runtime's (Landlock scopes abstract sockets only; a pathname socket is
   reached through the file system, which the network namespace does not cover);
-- as root: a user id of its own per pool slot, so the process limit applies and, afterwards, every process left
-  under that id (a daemonised grandchild too) is killed; and its working folder a tmpfs of `Limits.disk_bytes` in a
+- as root: a user id of its own per pool slot, held by no other pool on the machine (another process's pool, a
+  second rank's), so the process limit applies and, afterwards, every process left under that id (a daemonised
+  grandchild too) is killed; and its working folder a tmpfs of `Limits.disk_bytes` in a
   mount namespace of its own, so many files under the per-file limit cannot fill the disk together.
 
 `isolation()` says which of these this machine grants; `Sandbox(require=...)` refuses to run without the ones it
@@ -37,7 +38,32 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SANDBOX_UID = 61000
-"""As root, pool slot i runs programs as user id SANDBOX_UID + i (no account needed)."""
+"""As root, pools run programs as user ids from SANDBOX_UID up (no account needed), one per slot, each claimed."""
+UID_LOCKS = Path(tempfile.gettempdir()) / "tierlm-sandbox-uids"
+
+
+def _claim_uids(count: int) -> list:
+    """COUNT user ids from SANDBOX_UID up that no other pool on this machine holds, each held by an exclusive lock
+    on its file in UID_LOCKS (the open files returned: the kernel drops the locks when they are closed or the
+    process ends, SIGKILL included). Two pools sharing an id would kill each other's programs (`_kill_user`) and
+    share its process limit — two ranks of one torchrun job, or two test workers, each with its pool."""
+    import fcntl
+
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    held = []
+    for uid in range(SANDBOX_UID, SANDBOX_UID + 4096):
+        lock = open(UID_LOCKS / f"{uid}.lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        held.append((uid, lock))
+        if len(held) == count:
+            return held
+    for _, lock in held:
+        lock.close()
+    raise RuntimeError(f"no {count} free sandbox user ids from {SANDBOX_UID} (every one held by another pool)")
 
 
 @dataclass(frozen=True)
@@ -276,6 +302,7 @@ class Sandbox:
         if missing:
             raise RuntimeError(f"the sandbox needs {', '.join(missing)}, which this machine does not grant")
         self._slots = list(range(workers))
+        self._uids = _claim_uids(workers) if self.isolation["separate_user"] else []  # (uid, its lock) per slot
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
 
@@ -298,9 +325,11 @@ class Sandbox:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for _, lock in self._uids:
+            lock.close()  # the ids go back to the machine
 
     def _run(self, source: str, files: dict[str, str], slot: int) -> Execution:
-        uid = SANDBOX_UID + slot if self.isolation["separate_user"] else None
+        uid = self._uids[slot][0] if self._uids else None
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="tierlm-sandbox-") as tmp:
             root = Path(tmp)  # 0700, the trainer's: holds the output files and the work folder

@@ -136,3 +136,25 @@ def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path)
             (killed / run / "model" / "model.safetensors").read_bytes(),
         )
         assert a == b, run  # b continued from its checkpoint bit-exactly
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() and "TIERLM_TEST_DEVICE" not in os.environ, reason="needs a CUDA GPU"
+)
+def test_forked_runs_train_on_a_gpu(tmp_path):
+    """Each run is forked from a server that imported torch (tierlm.commands.child): nothing there may touch CUDA,
+    or a forked run could not use the GPU. Two tiny runs on cuda both finish (scripts/gpu_checks.sh runs it;
+    TIERLM_TEST_DEVICE=cpu runs the same on the CPU, to check the test itself without a GPU)."""
+    out = tmp_path / "abl"
+    args = ["ablate", *BASE, "training.num_train_steps=4", "training.save_steps=0", "training.eval_steps=2"]
+    args += [
+        "infra.device_type=DEVICE",
+        "--variant",
+        "a:training.learning_rate=3e-3",
+        "--variant",
+        "b:training.learning_rate=1e-3",
+    ]
+    result = run_cli(*[a.replace("DEVICE", os.environ.get("TIERLM_TEST_DEVICE", "cuda")) for a in args], "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:] + (out / "a_seed0.log").read_text()[-2000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert all(runs[v]["0"]["finished"] for v in ("a", "b"))

@@ -259,14 +259,20 @@ def two_block_runs(tmp_path_factory):
     return _pretrain_and_sft(tmp_path_factory.mktemp("two_block_runs"), "model.depth=2")
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on now (the kernel's pick): rendezvous and servers in tests take one instead
+    of a fixed port another test beside them may hold."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def live_server(app):
     """An ASGI app (`tierlm serve`'s) served by uvicorn on a free local port, on a thread: its base URL."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

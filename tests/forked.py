@@ -26,7 +26,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import tempfile
@@ -164,22 +163,18 @@ def start(*args, env=None, stdout=None, stderr=None) -> Forked:
     return Forked(args, env, REPO, stdout, stderr)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ranks(*args, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """What `torchrun --standalone --nproc_per_node NPROC ARGS` runs, its ranks forked (one thread each); ARGS is
     `-m MODULE ...` or `SCRIPT ...` (torchrun's own flags need `conftest.torchrun`). The ranks' outputs are joined in
     rank order as stdout and stderr; when a rank fails the others are stopped and its exit code is the job's, as
     torchrun ends a job. Raises subprocess.TimeoutExpired after TIMEOUT seconds, the ranks killed."""
+    from conftest import free_port
+
     command = [str(a) for a in args]
     assert command[0] == "-m" or not command[0].startswith("-"), f"torchrun's flags need conftest.torchrun: {command}"
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # as conftest.torchrun
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
-    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(), TORCHELASTIC_RUN_ID=f"ranks-{time.time_ns()}")
+    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), TORCHELASTIC_RUN_ID=f"ranks-{time.time_ns()}")
     with tempfile.TemporaryDirectory() as folder:
         logs = [Path(folder) / f"rank{r}.log" for r in range(nproc)]
         processes = []

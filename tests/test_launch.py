@@ -39,11 +39,9 @@ exit $status
 def slurm(tmp_path: Path, *args: str) -> Path:
     """The sbatch script of `tierlm launch --slurm ARGS`, its rendezvous on a free port: the default 29500 is the one
     other launchers (Accelerate, DeepSpeed) take too, and a test beside this one may hold it."""
-    import socket
+    from conftest import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "job.sbatch"
     assert main(["launch", "--slurm", *args, "--port", str(port), "--out", str(script)]) == 0
     return script

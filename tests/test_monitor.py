@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, free_port
 
 from tierlm.commands.cli import main
 from tierlm.config import TierlmConfig
@@ -118,9 +118,7 @@ def test_a_hung_rank_takes_both_ranks_out_within_the_timeout_with_their_stacks(t
 
 def two_nodes(args: list[str], env: dict, max_restarts: int = 1) -> list[subprocess.Popen]:
     """Two torchrun agents on this machine as two "nodes" of one rank each, meeting at a c10d rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
     agent += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tierlm-test"]
     agent += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.5"]

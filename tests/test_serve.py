@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import threading
 import time
 
 import pytest
 
-from conftest import live_server
+from conftest import free_port, live_server
 from tierlm.commands.chat import Chatbot, terminal_chat
 
 QUESTION = "What is 2 + 3?"
@@ -145,9 +144,7 @@ def guarded(bot):
         return decode(tokens, cache)
 
     bot.engine._decode = slow
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     instance = uvicorn.Server(
         uvicorn.Config(create_app(bot, max_queue=1, timeout_s=1.5, api_key="k"), port=port, log_level="warning")
     )

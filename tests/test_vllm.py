@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RL
+from conftest import REPO, RL, free_port
 from tierlm.errors import ConfigError
 
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
@@ -39,17 +38,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
 STEPS = ["training.num_train_steps=3", "training.eval_steps=3", "training.logging_steps=1", "rl.temperature=1.0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_runs):
     """A vLLM server on the SFT model (its own environment, its own process group) taking LoRA adapters at run
     time, stopped at the end."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         ["bash", "scripts/vllm_server.sh", str(tiny_runs / "sft" / "model"), str(port), "--max-model-len", "256"]
         + ["--enable-lora", "--max-lora-rank", "8"],  # LoRA policies send their adapters alone

@@ -147,14 +147,9 @@ def test_forked_runs_train_on_a_gpu(tmp_path):
     TIERLM_TEST_DEVICE=cpu runs the same on the CPU, to check the test itself without a GPU)."""
     out = tmp_path / "abl"
     args = ["ablate", *BASE, "training.num_train_steps=4", "training.save_steps=0", "training.eval_steps=2"]
-    args += [
-        "infra.device_type=DEVICE",
-        "--variant",
-        "a:training.learning_rate=3e-3",
-        "--variant",
-        "b:training.learning_rate=1e-3",
-    ]
-    result = run_cli(*[a.replace("DEVICE", os.environ.get("TIERLM_TEST_DEVICE", "cuda")) for a in args], "--out", out)
+    args += [f"infra.device_type={os.environ.get('TIERLM_TEST_DEVICE', 'cuda')}"]
+    args += ["--variant", "a:training.learning_rate=3e-3", "--variant", "b:training.learning_rate=1e-3"]
+    result = run_cli(*args, "--out", out)
     assert result.returncode == 0, result.stderr[-2000:] + (out / "a_seed0.log").read_text()[-2000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert all(runs[v]["0"]["finished"] for v in ("a", "b"))

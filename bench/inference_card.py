@@ -9,7 +9,11 @@
 The same weights for every contender: a native GPT (default depth 20, width 1280, head 128, vocab 32768, the shape of
 bench/gpu_mfu.py) with trained-looking random weights, exported to the equivalent transformers Qwen3 model.
 Sampling at temperature 1, no stop token, a 16-token prompt, so each generates exactly batch x new-tokens tokens.
-  - tierlm: `Engine` as it runs (on CUDA, each decode step one CUDA graph: `tierlm.rollout.static_decode`);
+  - tierlm: `Engine` as it runs (on CUDA, each decode step one CUDA graph: `tierlm.rollout.static_decode`, its
+    tokens read by the host once every 8 steps);
+  - tierlm-compiled: `Engine(compile=True)` (engine.compile=true), the fixed-shape step `torch.compile`d (on CUDA,
+    then captured in the graph); its first generation of each shape compiles, in the warm-up;
+  - tierlm-every-step (GPU): `tierlm` with the tokens read after every step (what the engine did before);
   - tierlm-eager: `Engine(static=False)`, the step launched kernel by kernel, attending to the cache so far (on
     CPU this is what `tierlm` runs);
   - tierlm-static (CPU): the fixed-shape step without a graph, attending to the whole bucket (masked);
@@ -145,7 +149,8 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         default=None,
-        help="default: tierlm,tierlm-eager,transformers-static (GPU), else tierlm,tierlm-static",
+        help="default: tierlm,tierlm-compiled,tierlm-every-step,tierlm-eager,transformers-static (GPU), else "
+        "tierlm,tierlm-static,tierlm-compiled (--dry-run: no tierlm-compiled)",
     )
     parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s of the memory (default: known/measured)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's table of the first contender")
@@ -176,8 +181,13 @@ def main() -> None:
         "tierlm": Engine(native),
         "tierlm-eager": Engine(native, static=False),
         "tierlm-static": Engine(native, static=True),
+        "tierlm-compiled": Engine(native, compile=True),
+        "tierlm-every-step": Engine(native),
     }
-    default = "tierlm,tierlm-eager,transformers-static" if device.type == "cuda" else "tierlm,tierlm-static"
+    engines["tierlm-every-step"].ahead = 1
+    gpu = "tierlm,tierlm-compiled,tierlm-every-step,tierlm-eager,transformers-static"
+    # --dry-run (in the suite) leaves Inductor's code generation out: tens of seconds on 2 cores
+    default = gpu if device.type == "cuda" else "tierlm,tierlm-static" + ("" if args.dry_run else ",tierlm-compiled")
     names = (args.contenders or default).split(",")
     if args.profile:
         profile(engines[names[0]], batches[0], new_tokens, device)

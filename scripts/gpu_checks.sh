@@ -51,7 +51,7 @@ check() {
         tests) timeout 120 python3 -m pytest -q -p no:cacheprovider "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
             "tests/test_primitives.py::test_fp8_trains_on_a_gpu" "tests/test_ablate.py::test_forked_runs_train_on_a_gpu" \
             "tests/test_rl.py::test_cuda_graph_decoding_equals_the_eager_step" 2>&1 | tail -3 ;;
-        card) timeout 180 python3 bench/inference_card.py "${dry[@]}" 2>&1 | grep -v Warning | tail -12 ;;
+        card) timeout 330 python3 bench/inference_card.py "${dry[@]}" 2>&1 | grep -v Warning | tail -12 ;;
         rl) if [ -n "${DRY:-}" ]; then
                 timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \
                     --repeats 1 --steps 4 --only "1 process on-policy" 2>&1 | tail -4

@@ -1099,6 +1099,19 @@ CASES = [
         "engine.vllm_url must be an http",
     ),
     Case(
+        "rl-compile-vllm",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "engine.kind=vllm",
+            "engine.compile=true",
+        ],
+        "engine.compile compiles tierlm's own engine",
+    ),
+    Case(
         "rl-partial-staleness-below-the-lag",
         [
             "rl",

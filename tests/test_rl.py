@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,6 +118,71 @@ def test_fixed_shape_decoding_continues_partial_rollouts_as_the_slicing_step(tin
         return rows
 
     _same_samples(*_static_and_slicing(model, run))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_sampling_ahead_of_the_host_changes_nothing(tiny_gpt_config, static):
+    """Steps sampled in runs of 3 or 8 before the host reads them (as on CUDA) against one at a time: the same tokens,
+    log-probs, stops and streamed tokens, partial rollouts continued the same, and the generators (given, and torch's
+    own) left where the step-by-step loop leaves them, though the runs overshoot the step where every row stopped."""
+    model = _models(tiny_gpt_config)["native"]
+    stops = list(range(0, 97, 6))  # a stop every ~6 tokens: rows stop inside runs, and all of them before the budget
+
+    def run(ahead):
+        engine = Engine(model, stop_ids=stops, static=static)
+        engine.ahead = ahead
+        streamed, generator = [], torch.Generator().manual_seed(1)
+        torch.manual_seed(3)
+        out = [
+            engine.generate([3, 14, 15], 6, 40, 1.0, generator=generator, on_token=lambda r, c: streamed.append(r)),
+            engine.generate([9, 2], 4, 30, 0.7, top_p=0.9),  # torch's own generator
+            engine.generate([5, 6], 2, 20, 0.0),
+        ]
+        partial = engine.generate([1, 2, 3], 5, 2, 1.0, generator=generator)
+        rows = [r for r in partial if not r.finished]
+        engine.extend([1, 2, 3], rows, 30, 1.0, generator=generator)
+        return out + [partial], streamed, torch.rand(4, generator=generator), torch.rand(4)
+
+    steady = run(1)
+    lengths = [max(len(c.tokens) for c in group) for group in steady[0][:2]]
+    assert all(c.finished for group in steady[0][:2] for c in group) and lengths[0] < 40 and lengths[0] % 8
+    for ahead in (3, 8):
+        groups, streamed, given, default = run(ahead)
+        for a, b in zip(groups, steady[0]):
+            _same_samples(a, b)
+        assert streamed == steady[1]
+        assert torch.equal(given, steady[2]) and torch.equal(default, steady[3])
+
+
+def test_the_compiled_decode_step_samples_what_the_eager_step_samples(tiny_gpt_config, monkeypatch):
+    """`Engine(compile=True)`: the fixed-shape step traced whole by torch.compile (AOT autograd's functionalised graph,
+    which Inductor compiles; here without Inductor's code generation, 6-40 s more on CPU: scripts/gpu_checks.sh and
+    bench/inference_card.py run Inductor) samples the eager step's tokens and log-probs, every bucket sharing it
+    after one recompile with dynamic shapes."""
+    import torch._dynamo
+
+    from tierlm.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _models(tiny_gpt_config)["native"]
+    engines = compiled, eager = Engine(model, stop_ids=[7], compile=True), Engine(model, stop_ids=[7], static=True)
+    assert compiled.decoders.compile and not eager.decoders.compile
+    for prompt, samples in (([3, 14, 15], 3), ([9, 2], 5), ([1] * 30, 2), ([4, 5], 16)):  # row buckets 4, 8, 2, 16
+        a, b = (e.generate(prompt, samples, 30, 1.0, generator=torch.Generator().manual_seed(2)) for e in engines)
+        _same_samples(a, b)
+    assert len(compiled.decoders.decoders) == 4 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_engine_compile_refuses_a_model_without_the_fixed_shape_step(tiny_gpt_config):
+    from tierlm.builders.engine import EngineSettings, build_engine
+    from tierlm.errors import ConfigError
+
+    models, tokenizer = _models(tiny_gpt_config), SimpleNamespace(stop_ids=[7])
+    with pytest.raises(ConfigError, match="engine.compile compiles the native GPT's fixed-shape decode step"):
+        build_engine(EngineSettings(compile=True), models["transformers"], tokenizer)
+    assert build_engine(EngineSettings(compile=True), models["native"], tokenizer).decoders.compile
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,6 +16,7 @@ from torch import nn
 from tierlm.config import EngineConfig, TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_of, unwrap_model
+from tierlm.rollout import static_decode
 from tierlm.rollout.engine import Engine, SamplingEngine
 from tierlm.rollout.tools import Calculator, PythonTool
 
@@ -37,6 +38,8 @@ class EngineSettings:
     """Sampling runs ahead of training (rl.max_off_policy_steps > 0): the engine samples weights of its own."""
     routing_replay: bool = False
     """The trainer replays the experts the engine chose (rl.routing_replay): the engine must record them."""
+    compile: bool = False
+    """native: `torch.compile` the decode step (engine.compile)."""
 
     @classmethod
     def of(cls, config: TierlmConfig) -> EngineSettings:
@@ -55,14 +58,22 @@ class EngineSettings:
         >>> EngineSettings.from_section(EngineConfig(kind="vllm", vllm_url="http://127.0.0.1:8000")).vllm_url
         'http://127.0.0.1:8000'
         """
-        return cls(engine.kind, engine.vllm_url, engine.gpu_memory_utilization, tools, off_policy)
+        return cls(
+            engine.kind, engine.vllm_url, engine.gpu_memory_utilization, tools, off_policy, compile=engine.compile
+        )
 
 
 def native(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):
     """tierlm's engine on the policy's live weights, or on a whole copy of its own (loaded with the policy's weights
     at each sync) when the policy will be `sharded` (FSDP) or sampling runs ahead of training (off-policy)."""
     own_copy = sharded or settings.off_policy
-    return Engine(copy.deepcopy(model) if own_copy else model, tokenizer.stop_ids, tokenizer, tools)
+    if settings.compile and not static_decode.supports(unwrap_model(model)):
+        raise ConfigError(
+            "engine.compile compiles the native GPT's fixed-shape decode step, which this model lacks (another family, "
+            "experts or sliding-window layers): drop engine.compile"
+        )
+    model = copy.deepcopy(model) if own_copy else model
+    return Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=settings.compile)
 
 
 def vllm(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):

@@ -20,7 +20,7 @@ from tierlm.errors import DataError
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
 from tierlm.rollout import static_decode
-from tierlm.rollout.sampling import sample_next_token
+from tierlm.rollout.sampling import default_generator, sample_next_token
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
     TOOL_CALL_START,
@@ -29,6 +29,12 @@ from tierlm.rollout.tools import (
     Tool,
     call_tool,
 )
+
+SAMPLE_AHEAD = 8
+"""On CUDA, the decode steps run before the host reads their tokens: one device-to-host copy per 8 steps, so the GPU
+does not wait for Python between steps (vLLM and SGLang read their samples a step or more late for the same reason).
+A row that stops inside such a run costs the run's remaining steps of compute, never a different token. Off CUDA
+reading is free and a stopped row's extra steps are not: 1."""
 
 
 @dataclass
@@ -148,7 +154,9 @@ class Engine:
 
     `tokenizer` is needed only for tools (to read the call and encode the result). `static`: decode with fixed shapes
     (`tierlm.rollout.static_decode`; on CUDA each step one CUDA graph); None: on CUDA where the model takes it. Off
-    CUDA the slicing step is the faster one (attention over the positions so far, not the whole buffer).
+    CUDA the slicing step is the faster one (attention over the positions so far, not the whole buffer). `compile`:
+    `torch.compile` the fixed-shape step (fused kernels; tens of seconds to compile a new shape): decoding with fixed
+    shapes wherever the model takes it, off CUDA too.
     """
 
     needs_state = False  # it samples from a module: the policy's own, or a copy it is given weights for
@@ -161,15 +169,18 @@ class Engine:
         tokenizer=None,
         tools: list[Tool] = (),
         static: bool | None = None,
+        compile: bool = False,
     ):
         self.model = unwrap_model(model)
         self.family = family_of(self.model)
         self.device = next(self.model.parameters()).device
         on_cuda = self.device.type == "cuda"
         if static is None:
-            static = on_cuda and static_decode.supports(self.model)
+            static = (on_cuda or compile) and static_decode.supports(self.model)
         assert not static or static_decode.supports(self.model), "static decoding needs the native GPT (no windows)"
-        self.decoders = static_decode.Decoders(self.model, graph=on_cuda) if static else None
+        self.decoders = static_decode.Decoders(self.model, on_cuda, compile=compile) if static else None
+        self.ahead = SAMPLE_AHEAD if on_cuda else 1
+        """Decode steps sampled and fed back on the device before the host reads their tokens (`_decode_rows`)."""
         self.stop_ids = set(stop_ids)
         self.tokenizer, self.tools = tokenizer, {t.name: t for t in tools}
         self.weight_version = 0
@@ -320,30 +331,52 @@ class Engine:
     def _decode_rows(self, logits, cache, out, calls, steps, temperature, top_k, top_p, generator, on_token=None):
         """Up to `steps` tokens for every unfinished row of `out` (its `calls` in flight), from the next-token
         `logits` and the `cache` behind them. Returns the experts of each token fed back, one (rows, 1, L, k) a step
-        (empty for a model that routes nothing)."""
-        fed = []
-        for i in range(steps):
-            sampled = sample_next_token(logits, temperature, top_k, top_p, generator)
-            scaled = logits.float() / temperature if temperature > 0 else logits.float()
-            logprobs = torch.log_softmax(scaled, dim=-1).gather(1, sampled[:, None]).squeeze(1)
-            sampled_list = sampled.tolist()  # one host sync per step, not one per row
-            step = list(sampled_list)
-            logprob_list = logprobs.tolist()
-            for row, completion in enumerate(out):
-                if completion.finished:
-                    continue
-                step[row] = self.take_token(completion, step[row], logprob_list[row], calls[row])
-                if on_token is not None:
-                    on_token(row, completion)
-            if i == steps - 1 or all(c.finished for c in out):
-                break
+        (empty for a model that routes nothing).
+
+        Steps go in runs of `ahead` (one without tools, whose forced tokens must be known before the next step):
+        each step's tokens fed back on the device, read by the host once per run. A run that outlives every row
+        leaves the random generator where a step-by-step loop leaves it, so the tokens, log-probs and later draws
+        are the same whatever `ahead` is."""
+        fed: list[torch.Tensor] = []
+        ahead, done = (1 if self.tools else self.ahead), 0
+        rng = generator if generator is not None or ahead == 1 else default_generator(self.device)
+        while True:
+            run = min(ahead, steps - done)
+            sampled, logprobs, states = [], [], []
+            for j in range(run):
+                if j:  # the run's earlier token, fed back without leaving the device
+                    logits = self._decode(sampled[-1], cache)
+                    self._feed_routes(fed, len(out))
+                sampled.append(sample_next_token(logits, temperature, top_k, top_p, generator))
+                scaled = logits.float() / temperature if temperature > 0 else logits.float()
+                logprobs.append(torch.log_softmax(scaled, dim=-1).gather(1, sampled[-1][:, None]).squeeze(1))
+                if run > 1:
+                    states.append(rng.get_state())
+            tokens = torch.stack(sampled).tolist()  # one host sync per run, not one per step or row
+            logprob_rows = torch.stack(logprobs).tolist()
+            for j in range(run):
+                step = list(tokens[j])
+                for row, completion in enumerate(out):
+                    if completion.finished:
+                        continue
+                    step[row] = self.take_token(completion, step[row], logprob_rows[j][row], calls[row])
+                    if on_token is not None:
+                        on_token(row, completion)
+                if all(c.finished for c in out):
+                    if run > 1:
+                        rng.set_state(states[j])  # the draws of steps nobody needed, taken back
+                    return fed
+            done += run
+            if done == steps:
+                return fed
             # The sampled ids stay on the device unless a forced tool token replaced one (no copy from the host).
-            tokens = sampled if step == sampled_list else torch.tensor(step, device=self.device)
-            logits = self._decode(tokens, cache)
-            routes = self._routes(len(out))
-            if routes is not None:
-                fed.append(routes)
-        return fed
+            logits = self._decode(sampled[-1] if step == tokens[-1] else torch.tensor(step, device=self.device), cache)
+            self._feed_routes(fed, len(out))
+
+    def _feed_routes(self, fed: list[torch.Tensor], rows: int) -> None:
+        routes = self._routes(rows)
+        if routes is not None:
+            fed.append(routes)
 
     @torch.no_grad()
     def extend(self, prompt_ids, rows, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):

@@ -36,6 +36,17 @@ def sample_next_token(
     return inverse_cdf(logits, uniform)
 
 
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator torch's random functions draw from on `device` when given none.
+
+    >>> default_generator(torch.device("cpu")) is torch.default_generator
+    True
+    """
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
 def inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The token each row's uniform number in [0, 1) (..., 1) picks from softmax(logits): one number per row and a
     binary search over the cumulative probabilities (torch.multinomial and Gumbel noise draw a random number per

@@ -4,7 +4,8 @@
     python bench/inference_card.py --device-type cpu --depth 6 --aspect-ratio 64 --batches 1,8
                                                         # on CPU: a smaller model in float32
     python bench/inference_card.py --dry-run            # tiny sizes on CPU: keeps the script from rotting (CI)
-    python bench/inference_card.py --profile --batches 16 --new-tokens 32    # torch.profiler's table of one engine
+    python bench/inference_card.py --profile --batches 16 --new-tokens 32 --contenders tierlm
+                                                        # torch.profiler's table of each contender named
 
 The same weights for every contender: a native GPT (default depth 20, width 1280, head 128, vocab 32768, the shape of
 bench/gpu_mfu.py) with trained-looking random weights, exported to the equivalent transformers Qwen3 model.
@@ -133,7 +134,7 @@ def profile(engine: Engine, batch: int, new_tokens: int, device: torch.device) -
         if device.type == "cuda":
             torch.cuda.synchronize()
     events = prof.key_averages()
-    print(events.table(sort_by="self_cpu_time_total", row_limit=20))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
     kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     print(json.dumps({"profile_batch": batch, "new_tokens": new_tokens, "kernels_per_step": kernels / new_tokens}))
 
@@ -153,7 +154,7 @@ def main() -> None:
         "tierlm,tierlm-static,tierlm-compiled (--dry-run: no tierlm-compiled)",
     )
     parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s of the memory (default: known/measured)")
-    parser.add_argument("--profile", action="store_true", help="torch.profiler's table of the first contender")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's table of each contender")
     args = parser.parse_args()
     if args.dry_run:
         config = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64)
@@ -190,7 +191,9 @@ def main() -> None:
     default = gpu if device.type == "cuda" else "tierlm,tierlm-static" + ("" if args.dry_run else ",tierlm-compiled")
     names = (args.contenders or default).split(",")
     if args.profile:
-        profile(engines[names[0]], batches[0], new_tokens, device)
+        for name in names:
+            print(f"=== {name}")
+            profile(engines[name], batches[0], new_tokens, device)
         return
     hf = None
     if "transformers-static" in names:

@@ -208,6 +208,23 @@ def test_cuda_graph_decoding_equals_the_eager_step(tiny_gpt_config):
                 _same_samples(a, c)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_cuda_graph_decoding_samples_the_eager_tokens(tiny_gpt_config):
+    """On a GPU: the step compiled by Inductor and captured (engine.compile) samples, in float32, the tokens of the
+    step launched kernel by kernel, and reading the tokens every step changes nothing (run by scripts/gpu_checks.sh)."""
+    model = _models(tiny_gpt_config)["native"].to("cuda")
+    compiled, eager, every_step = Engine(model, [7], compile=True), Engine(model, [7], static=False), Engine(model, [7])
+    every_step.ahead = 1
+    assert compiled.ahead == 8 and compiled.decoders.graph and compiled.decoders.compile
+    for samples in (1, 6):
+        a, b, c, d = (
+            e.generate([3, 14, 15], samples, 40, 1.0, generator=torch.Generator("cuda").manual_seed(4))
+            for e in (compiled, eager, every_step, Engine(model, [7]))
+        )
+        _same_samples(a, b)
+        assert [x.tokens for x in c] == [x.tokens for x in d] and [x.logprobs for x in c] == [x.logprobs for x in d]
+
+
 class ScriptedEngine(Engine):
     """The model's choices come from a script (one entry per step, forced steps included), so the
     tool path is exercised exactly; the cache and sampling code around it is the real one."""

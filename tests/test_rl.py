@@ -154,6 +154,53 @@ def test_sampling_ahead_of_the_host_changes_nothing(tiny_gpt_config, static):
         assert torch.equal(given, steady[2]) and torch.equal(default, steady[3])
 
 
+@pytest.mark.parametrize(
+    "ahead,temperature,top_k,top_p",
+    [(1, 1.0, None, None), (8, 1.0, 20, None), (3, 0.8, None, 0.9), (8, 0.0, None, None)],
+)
+def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config, ahead, temperature, top_k, top_p):
+    """`generate_many` with the fixed-shape decoder: prompts of 1-12 tokens right-aligned in one batch of 14 rows
+    (a bucket of 16), read every `ahead` steps, against each prompt generated alone step by step: the same tokens,
+    stops and log-probs (to float rounding), each prompt's generator left where its own generation leaves it, though
+    the groups stop at different steps."""
+    model = _models(tiny_gpt_config)["native"]
+    prompts = [([3, 14, 15], 3), ([9, 2, 6, 5, 3, 5, 8], 5), ([1], 2), (list(range(20, 32)), 4)]
+    stops = list(range(0, 97, 9))
+
+    def run(together):
+        engine = Engine(model, stop_ids=stops, static=True)
+        engine.ahead = ahead if together else 1  # alone: the step-by-step loop
+        generators = [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
+        requests = [(prompt, n, g) for (prompt, n), g in zip(prompts, generators)]
+        if together:
+            assert [len(batch) for batch in engine._batches(requests, 40, temperature)] == [4]
+            out = engine.generate_many(requests, 40, temperature, top_k, top_p)
+        else:
+            out = [engine.generate(p, n, 40, temperature, top_k, top_p, g) for p, n, g in requests]
+        return out, [torch.rand(3, generator=g) for g in generators]
+
+    (together, after), (alone, expected) = run(True), run(False)
+    for a, b in zip(together, alone):
+        _same_samples(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(after, expected))
+    lengths = [max(len(c.tokens) for c in group) for group in alone]
+    assert len(set(lengths)) > 1 and min(lengths) < 40  # groups stopped at different steps, some before the budget
+
+
+def test_prompts_decode_together_only_where_each_would_have_its_budget_and_its_generator(tiny_gpt_config):
+    model = _models(tiny_gpt_config)["native"]  # a context of 64 positions
+    engine, g = Engine(model, static=True), [torch.Generator() for _ in range(4)]
+    sizes = lambda batches: [[len(p) for p, _, _ in batch] for batch in batches]  # noqa: E731
+    requests = [([1] * 10, 30, g[0]), ([1] * 20, 30, g[1]), ([1] * 40, 2, g[2]), ([1] * 5, 4, g[3])]
+    # 64 rows at most; the longest prompt and the budget within the context
+    assert sizes(engine._batches(requests, 20, 1.0)) == [[10, 20, 40], [5]]  # 62 rows, then 66
+    assert sizes(engine._batches(requests, 30, 1.0)) == [[10, 20], [40], [5]]  # 40 + 30 > 64
+    shared = [(p, n, g[0]) for p, n, _ in requests]  # one generator for all: its draws would interleave
+    assert sizes(engine._batches(shared, 4, 1.0)) == [[10], [20], [40], [5]]
+    assert sizes(engine._batches(shared, 4, 0.0)) == [[10, 20, 40], [5]]  # greedy draws nothing
+    assert sizes(Engine(model, static=False)._batches(requests, 4, 1.0)) == [[10], [20], [40], [5]]
+
+
 def test_the_compiled_decode_step_samples_what_the_eager_step_samples(tiny_gpt_config, monkeypatch):
     """`Engine(compile=True)`: the fixed-shape step traced whole by torch.compile (AOT autograd's functionalised graph,
     which Inductor compiles; here without Inductor's code generation, 6-40 s more on CPU: scripts/gpu_checks.sh and
@@ -209,9 +256,10 @@ def test_cuda_graph_decoding_equals_the_eager_step(tiny_gpt_config):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_cuda_graph_decoding_samples_the_eager_tokens(tiny_gpt_config):
-    """On a GPU: the step compiled by Inductor and captured (engine.compile) samples, in float32, the tokens of the
-    step launched kernel by kernel, and reading the tokens every step changes nothing (run by scripts/gpu_checks.sh)."""
+def test_cuda_decoding_compiled_ahead_and_batched_samples_the_eager_tokens(tiny_gpt_config):
+    """On a GPU, in float32: the step compiled by Inductor and captured (engine.compile) samples the tokens of the
+    step launched kernel by kernel; reading the tokens every step changes nothing; prompts decoded together
+    (`generate_many`) sample what each samples alone (run by scripts/gpu_checks.sh)."""
     model = _models(tiny_gpt_config)["native"].to("cuda")
     compiled, eager, every_step = Engine(model, [7], compile=True), Engine(model, [7], static=False), Engine(model, [7])
     every_step.ahead = 1
@@ -223,6 +271,13 @@ def test_compiled_cuda_graph_decoding_samples_the_eager_tokens(tiny_gpt_config):
         )
         _same_samples(a, b)
         assert [x.tokens for x in c] == [x.tokens for x in d] and [x.logprobs for x in c] == [x.logprobs for x in d]
+
+    def requests():
+        return [(p, n, torch.Generator("cuda").manual_seed(n)) for p, n in (([3, 14, 15], 3), ([9, 2, 6, 5, 3], 5))]
+
+    together = Engine(model, [7]).generate_many(requests(), 40, 1.0)
+    for a, (p, n, g) in zip(together, requests()):
+        _same_samples(a, every_step.generate(p, n, 40, 1.0, generator=g))
 
 
 class ScriptedEngine(Engine):

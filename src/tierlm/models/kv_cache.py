@@ -14,7 +14,8 @@ class LayerCache:
         self.length = 0
         self.mask: torch.Tensor | None = None
         """(B, max_len) bool, which positions hold each row's own keys: rows of a continuous batch start at different
-        positions (`tierlm.rollout.batching`); None: every row holds every position."""
+        positions (`tierlm.rollout.batching`); None: every row holds every position. With a `position`, marked ahead
+        of time, the positions still to come included (the step writes nothing to it)."""
         self.position: torch.Tensor | None = None
         """A one-element long tensor on the cache's device: where the next token goes, for a decode step whose
         shapes never change (`tierlm.rollout.static_decode`, captured in a CUDA graph): the token written in place
@@ -28,8 +29,6 @@ class LayerCache:
             assert k.shape[2] == 1, "a decode step at a tensor position takes one token per row"
             self.k.index_copy_(2, self.position, k)
             self.v.index_copy_(2, self.position, v)
-            if self.mask is not None:
-                self.mask.index_fill_(1, self.position, True)
             return self.k, self.v
         end = self.length + k.shape[2]
         assert end <= self.k.shape[2], f"KV cache full: {end} positions > {self.k.shape[2]}"

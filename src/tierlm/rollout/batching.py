@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from tierlm.models import unwrap_model
-from tierlm.models.gpt.model import GPT, apply_rotary
+from tierlm.models.gpt.model import GPT, turn_keys
 from tierlm.models.kv_cache import KVCache
 from tierlm.rollout.engine import Completion, ToolCalls
 from tierlm.rollout.sampling import sample_rows
@@ -67,7 +67,7 @@ class BatchedDecoder:
             self._shift(size - self.length)  # everyone right, so the new row's keys end where the timeline is
         if self.length + 1 > self.capacity:  # no room left to decode even one token: compact first
             self._compact()
-        start, row, turn = self.length - size, self.rows, self._turn(self.length - size)
+        start, row, turn = self.length - size, self.rows, turn_keys(self.model, self.length - size)
         for (k, v), mine in zip(self.full, alone.layers):
             k[row].zero_()
             v[row].zero_()
@@ -115,17 +115,9 @@ class BatchedDecoder:
         for layer, (k, v) in zip(self.cache.layers, self.full):
             layer.k, layer.v, layer.mask = k[: self.rows], v[: self.rows], self.full_mask[: self.rows]
 
-    def _turn(self, offset: int):
-        """Keys at p -> the same keys at p + offset (negative: back)."""
-        if offset == 0:
-            return lambda k: k
-        cos = self.model.rope_cos[abs(offset)].float()
-        sin = self.model.rope_sin[abs(offset)].float() * (1 if offset > 0 else -1)
-        return lambda k: apply_rotary(k.float(), cos, sin).to(k.dtype)
-
     def _shift(self, offset: int) -> None:
         """Every row's keys `offset` positions later (negative: earlier), the timeline with them."""
-        turn, length, n = self._turn(offset), self.length, self.rows
+        turn, length, n = turn_keys(self.model, offset), self.length, self.rows
         lo = max(0, -offset)
         for k, v in self.full:
             moved_k, moved_v = turn(k[:n, :, lo:length]), v[:n, :, lo:length].clone()

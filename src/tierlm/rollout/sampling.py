@@ -23,6 +23,13 @@ def sample_next_token(
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
+    logits = filtered_logits(logits, temperature, top_k, top_p)
+    uniform = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device, dtype=torch.float32)
+    return inverse_cdf(logits, uniform)
+
+
+def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Logits (B, V) in float32 over `temperature`, those outside each row's top-k and top-p set to -inf."""
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -32,8 +39,38 @@ def sample_next_token(
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    uniform = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device, dtype=torch.float32)
-    return inverse_cdf(logits, uniform)
+    return logits
+
+
+def sample_groups(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    groups: list[tuple[int, torch.Generator | None]],
+) -> torch.Tensor:
+    """`sample_next_token` of each group of consecutive rows of `logits` (B, V), `(rows, generator)` in order, each
+    with its own generator, in one pass: a group's tokens are those it draws alone. A group given None draws nothing
+    (a group whose rows have all stopped: its tokens are read by nobody).
+
+    >>> logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    >>> alone = [sample_next_token(logits[:2], 0.9, generator=torch.Generator().manual_seed(1)),
+    ...          sample_next_token(logits[2:], 0.9, generator=torch.Generator().manual_seed(2))]
+    >>> together = sample_groups(logits, 0.9, None, None, [(2, torch.Generator().manual_seed(1)),
+    ...                                                    (3, torch.Generator().manual_seed(2))])
+    >>> torch.equal(together, torch.cat(alone))
+    True
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = filtered_logits(logits, temperature, top_k, top_p)
+    uniform = [
+        torch.rand((rows, 1), generator=g, device=logits.device, dtype=torch.float32)
+        if g is not None
+        else torch.zeros((rows, 1), device=logits.device)
+        for rows, g in groups
+    ]
+    return inverse_cdf(logits, torch.cat(uniform))
 
 
 def default_generator(device: torch.device) -> torch.Generator:

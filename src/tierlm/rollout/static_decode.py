@@ -6,10 +6,11 @@ SGLang and transformers' static cache share: give the step fixed shapes — the 
 cache of a fixed length written in place at a position held in a tensor, attention over the whole buffer with the
 later positions masked — and capture it in a CUDA graph, which replays every kernel with one launch.
 
-`StaticDecoder(model, rows, length)` holds such a step for one bucket: `load` copies a prefilled cache into its
-buffers, `step(tokens)` feeds one token per row and returns the next logits (a view into its output buffer, valid
-until the next step). Off CUDA the same fixed-shape step runs eagerly (what the tests compare with the slicing step,
-token for token). The engine keeps a few buckets (`Decoders`) and uses them for the native GPT on CUDA.
+`StaticDecoder(model, rows, length)` holds such a step for one bucket: `load` copies prefilled caches into its
+buffers (prompts of different lengths right-aligned, so several prompts decode as one batch), `step(tokens)` feeds
+one token per row and returns the next logits (a view into its output buffer, valid until the next step). Off CUDA
+the same fixed-shape step runs eagerly (what the tests compare with the slicing step, token for token). The engine
+keeps a few buckets (`Decoders`) and uses them for the native GPT on CUDA.
 
 With `compile`, the step is `torch.compile`d before it is captured (SGLang's way: Inductor's fused kernels inside
 the engine's own graph). A graph replays every kernel with one launch, but each kernel still costs the GPU a few
@@ -26,7 +27,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from tierlm.models.gpt.model import GPT
+from tierlm.models.gpt.model import GPT, turn_keys
 from tierlm.models.kv_cache import KVCache
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -84,7 +85,11 @@ class StaticDecoder:
         self.cache = KVCache(model.config, rows, length, parameter.device, parameter.dtype)
         self.position = torch.zeros(1, dtype=torch.long, device=parameter.device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=parameter.device)
+        self.mask = torch.ones(rows, length, dtype=torch.bool, device=parameter.device)
+        """Each row's own positions (prompts of different lengths end together: `load`)."""
         self.cache.position = self.position  # this cache only ever decodes at the tensor position
+        for layer in self.cache.layers:
+            layer.mask = self.mask
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.run = compiled_decode_step(COMPILE_BACKEND) if compile else decode_step
@@ -111,18 +116,26 @@ class StaticDecoder:
             self.logits = self._forward()
 
     @torch.no_grad()
-    def load(self, prefilled: KVCache, rows: int = 0) -> None:
-        """Take over a prefilled cache: its rows (copied to `rows` rows when it has one and `rows` is more: a prompt
-        sampled many ways) and positions; decoding continues after them."""
-        length = prefilled.length
-        assert length < self.length, f"a cache of {length} positions leaves no room in a bucket of {self.length}"
-        for mine, theirs in zip(self.cache.layers, prefilled.layers):
-            k, v = theirs.k[:, :, :length], theirs.v[:, :, :length]
-            if rows > k.shape[0]:
-                k, v = k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)
-            mine.k[: k.shape[0], :, :length] = k
-            mine.v[: k.shape[0], :, :length] = v
-        self.position.fill_(length)
+    def load(self, prefilled: list[tuple[KVCache, int]]) -> None:
+        """Take over prefilled caches, each `(cache, rows)` given the next `rows` rows (its one row copied to each: a
+        prompt sampled many ways, or its own rows: continued rollouts); decoding continues after the longest. A
+        shorter prompt's keys are right-aligned to it, turned as if it had started later (`turn_keys`), the positions
+        before it masked off, so each row computes what it would alone (to float rounding; exactly for one prompt)."""
+        end = max(cache.length for cache, _ in prefilled)
+        assert end < self.length, f"a cache of {end} positions leaves no room in a bucket of {self.length}"
+        self.mask.zero_()
+        row = 0
+        for cache, rows in prefilled:
+            size = cache.length
+            turn = turn_keys(self.model, end - size)
+            for mine, theirs in zip(self.cache.layers, cache.layers):
+                k, v = theirs.k[:, :, :size], theirs.v[:, :, :size]
+                mine.k[row : row + rows, :, end - size : end] = turn(k).expand(rows, -1, -1, -1)
+                mine.v[row : row + rows, :, end - size : end] = v.expand(rows, -1, -1, -1)
+            self.mask[row : row + rows, end - size :] = True  # its positions, and those decoding will write
+            row += rows
+        self.mask[row:] = True  # rows past the requests' (the bucket's padding): any keys, nobody reads them
+        self.position.fill_(end)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -160,6 +160,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def turn_keys(model: nn.Module, offset: int):
+    """A function moving keys (B, H, T, D) a model cached at positions p to p + `offset` (negative: back): one more
+    rotary turn, R(p + d) = R(d) R(p), in float32 then back to the keys' dtype. Attention depends only on the distance
+    between a query and a key, so the turned keys are those of the same tokens `offset` positions later."""
+    if offset == 0:
+        return lambda k: k
+    cos = model.rope_cos[abs(offset)].float()
+    sin = model.rope_sin[abs(offset)].float() * (1 if offset > 0 else -1)
+    return lambda k: apply_rotary(k.float(), cos, sin).to(k.dtype)
+
+
 @torch.no_grad()
 def fill_rotary(module: nn.Module, head_dim: int, theta: float) -> None:
     """Fill a model's non-persistent `rope_cos` / `rope_sin` buffers (positions x head_dim) with their tables."""

@@ -11,13 +11,14 @@
 # The checks: tests (the CUDA-only tests, ~1-2 min), card (bench/inference_card.py: the decode step's latency,
 # throughput, memory and MBU at batch 1/16/64: tierlm's CUDA-graph engine, the same with its step compiled by
 # Inductor, the same reading its tokens after every step, its eager step, and transformers' compiled static
-# cache), card_profile (the decode step's kernels and host time, per contender), rl (bench/rl.py: one RL step
+# cache), card_profile (the decode step's kernels and host time, per contender), rollouts (bench/rollout_batch.py:
+# an RL step's 8 prompts x 8 samples decoded as one batch against one prompt at a time), rl (bench/rl.py: one RL step
 # split into generation / scoring / training on a 393 M random-weight policy, eager and with infra.compile), mfu
 # (bench/gpu_mfu.py: training MFU eager, compiled and compiled FP8, with their loss curves), profile (the compiled
 # training step's kernels), decode (the batched decode step alone), serve_cuda and serve_cpu (`tierlm serve` under
 # load on the GPU and on the machine's CPU, ~2 min each; bench/serve_load.py). None named: tests and card, whose
 # limits add to 450 s (a call may run 600 s and a session has 900, each machine start about 40 s); then
-# `run card_profile profile` (300 s) in a second call, and mfu or rl if time is left (on the H200, 2026-11-28:
+# `run card_profile rollouts profile` (420 s) in a second call, and mfu or rl if time is left (on the H200, 2026-11-28:
 # tests 61 s, card 150 s before its two compiled/every-step contenders, mfu 52 s, rl 290 s; on the H100,
 # 2026-11-26: serve_cuda 118 s, serve_cpu 135 s). The figures go to docs/benchmarks.md with the card
 # named. `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).
@@ -57,6 +58,7 @@ check() {
         card) timeout 300 python3 bench/inference_card.py "${dry[@]}" 2>&1 | grep -v Warning | tail -16 ;;
         card_profile) timeout 150 python3 bench/inference_card.py "${dry[@]}" --profile --batches 1 --new-tokens 32 \
             --contenders tierlm-every-step,tierlm,tierlm-compiled 2>&1 | grep -v Warning | tail -75 ;;
+        rollouts) timeout 120 python3 bench/rollout_batch.py "${dry[@]}" 2>&1 | grep -v Warning | tail -4 ;;
         rl) if [ -n "${DRY:-}" ]; then
                 timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \
                     --repeats 1 --steps 4 --only "1 process on-policy" 2>&1 | tail -4
@@ -81,9 +83,9 @@ run() {
     local log=${OUT:+$OUT/log.txt} site name
     for name in "$@"; do
         case "$name" in
-            tests | card | card_profile | rl | mfu | profile | decode | serve_cuda | serve_cpu) ;;
-            *) echo "gpu_checks: no check named $name (tests card card_profile rl mfu profile decode serve_cuda" \
-                    "serve_cpu)" >&2
+            tests | card | card_profile | rollouts | rl | mfu | profile | decode | serve_cuda | serve_cpu) ;;
+            *) echo "gpu_checks: no check named $name (tests card card_profile rollouts rl mfu profile decode" \
+                    "serve_cuda serve_cpu)" >&2
                exit 2 ;;
         esac
     done

@@ -35,6 +35,19 @@ def test_inference_card_dry_run_on_cpu():
                    * r["step_ms"] / 1e3) - r["batch"]) < 0.2 * r["batch"]  # fmt: skip
 
 
+def test_rollout_batch_dry_run_on_cpu():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "rollout_batch.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r.get("contender") for r in rows[:2]] == ["together", "alone"] and rows[2]["together_speedup"] > 0
+    assert all(r["seconds"] > 0 and r["tokens_per_sec"] > 0 for r in rows[:2])
+
+
 def test_harness_table_reports_medians_and_ratios(capsys):
     sys.path.insert(0, str(REPO / "bench"))
     from harness import table

@@ -61,6 +61,24 @@ def timed(fn, device: torch.device, calls: int = 3) -> float:
     return statistics.median(times)
 
 
+def chosen_device(device_type: str | None, script: str) -> torch.device:
+    """--device-type, else CUDA where there is one; a clear exit where CUDA is asked for and missing."""
+    device = torch.device(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{script}: no CUDA GPU here; pass --device-type cpu or --dry-run")
+    return device
+
+
+def random_gpt(config: GPTConfig):
+    """The native GPT of `config` with trained-looking random weights (non-degenerate distributions), seed 0."""
+    torch.manual_seed(0)
+    gpt = build_gpt(config)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return gpt
+
+
 def engine_generate(engine: Engine, batch: int, device: torch.device):
     generator = torch.Generator(device).manual_seed(0)
 
@@ -160,20 +178,14 @@ def main() -> None:
         config = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64)
         device, batches, new_tokens = torch.device("cpu"), [1, 3], 8
     else:
-        device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("inference_card.py: no CUDA GPU here; pass --device-type cpu or --dry-run")
+        device = chosen_device(args.device_type, "inference_card.py")
         config = GPTConfig(
             depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=1024
         )
         batches, new_tokens = [int(b) for b in args.batches.split(",")], args.new_tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = Path(tempfile.mkdtemp()) / "model"
-    torch.manual_seed(0)
-    gpt = build_gpt(config)
-    with torch.no_grad():  # trained-looking weights: non-degenerate distributions
-        for p in gpt.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    gpt = random_gpt(config)
     save_model_folder(gpt, folder)
     params = sum(p.numel() for p in gpt.parameters())
     del gpt

@@ -16,27 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from tierlm.models import GPTConfig, build_gpt
+from tierlm.models import GPTConfig
 from tierlm.rollout.engine import Engine
 
-
-def timed(fn, device: torch.device, calls: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from inference_card import chosen_device, random_gpt, timed  # noqa: E402
 
 
 def main() -> None:
@@ -54,20 +43,13 @@ def main() -> None:
         config = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=128)
         device, prompts, samples, new_tokens = torch.device("cpu"), 3, 2, 8
     else:
-        device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("rollout_batch.py: no CUDA GPU here; pass --device-type cpu or --dry-run")
+        device = chosen_device(args.device_type, "rollout_batch.py")
         config = GPTConfig(
             depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=1024
         )
         prompts, samples, new_tokens = args.prompts, args.samples, args.new_tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    model = build_gpt(config)
-    with torch.no_grad():  # trained-looking weights: non-degenerate distributions
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model = model.to(device, dtype).eval()
+    model = random_gpt(config).to(device, dtype).eval()
     engine = Engine(model, static=True, compile=args.compile)
     lengths = [8 + (32 * i) // max(prompts - 1, 1) for i in range(prompts)]
     texts = [[(7 * i + j) % config.vocab_size for j in range(n)] for i, n in enumerate(lengths)]

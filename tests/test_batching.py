@@ -3,11 +3,25 @@ it when done and outlive the model's context together compute what each computes
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tierlm.models import GPTConfig, build_gpt
 from tierlm.rollout.batching import BatchedDecoder
 from tierlm.rollout.engine import Engine
+
+
+def _model(max_seq_len: int):
+    """A tiny native GPT off its initialisation (whose zero output projections make every block the identity: attention
+    would change nothing the tests could see)."""
+    torch.manual_seed(0)
+    model = build_gpt(
+        GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=max_seq_len)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
 
 
 def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -21,17 +35,22 @@ def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
     return rows, logits
 
 
-def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone():
-    torch.manual_seed(0)
-    model = build_gpt(
-        GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=48)
-    ).eval()
+@pytest.mark.parametrize("static,device", [(False, "cpu"), (True, "cpu"), (None, "cuda")])
+def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(static, device):
+    """`static`: the step with fixed shapes that CUDA captures in graphs (on CPU run eagerly): rows and positions
+    rounded up to buckets over views of the cache, a tensor position, attention masked over the whole bucket. On
+    CUDA (scripts/gpu_checks.sh) the decoder's own choice: those steps, each a CUDA graph."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _model(48).to(device)
     prompts = {"a": [5, 9, 13], "b": list(range(20, 31)), "c": [7], "d": [3, 1, 4, 1, 5, 9, 2, 6]}
     joins = {"a": 0, "b": 2, "c": 5, "d": 40}  # d joins after the timeline has passed the context: compaction
     lengths = {"a": 30, "b": 12, "c": 40, "d": 6}
     expected = {name: _alone(model, prompts[name], lengths[name]) for name in prompts}
 
-    batch, rows, got, logits_seen = BatchedDecoder(model, max_rows=4), [], {}, {}
+    batch, rows, got, logits_seen = BatchedDecoder(model, max_rows=4, static=static), [], {}, {}
+    fixed = batch.steps is not None
+    assert fixed == (static is not False) and (device == "cpu" or batch.steps.graph)
     moves: list[int] = []
     shift = batch._shift
     batch._shift = lambda offset: (moves.append(offset), shift(offset))[1]
@@ -50,11 +69,12 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
             continue
         used = batch.full_mask[: batch.rows, : batch.length].any(dim=0)  # the rows' kept starts == their masks'
         assert batch._unused() == (int(used.float().argmax()) if used.any() else batch.length)
-        logits = batch.step(torch.tensor([got[name][-1] for name in rows]))
+        logits = batch.step(torch.tensor([got[name][-1] for name in rows], device=device))
         for i, name in enumerate(rows):
             got[name].append(int(logits[i].argmax()))
             logits_seen[name].append(logits[i])
     assert batch.rows == 0
+    assert not fixed or len(batch.steps.decoders) >= 2  # several buckets of rows
     assert any(m > 0 for m in moves) and any(m < 0 for m in moves), moves  # pushed right by b, compacted later
     for name, (tokens, logits) in expected.items():
         assert got[name] == tokens, name
@@ -68,10 +88,7 @@ def test_requests_from_many_threads_get_what_each_gets_alone():
 
     from tierlm.rollout.batching import BatchScheduler, Request
 
-    torch.manual_seed(0)
-    model = build_gpt(
-        GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=64)
-    ).eval()
+    model = _model(64)
     engine = Engine(model, stop_ids=[3])
     prompts = [[5, 9, 13], list(range(20, 31)), [7], [8, 8, 8, 2]]
     alone = [engine.generate(p, 1, 20, temperature=0.0)[0] for p in prompts]

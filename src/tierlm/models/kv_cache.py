@@ -22,6 +22,13 @@ class LayerCache:
         there, attention over the whole buffer with the later positions masked. None: `length`, a Python int, slices
         the buffer (prefill, and eager decoding)."""
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, position: torch.Tensor | None):
+        """A layer cache over given keys and values (views of a larger cache's, say): nothing allocated."""
+        layer = cls.__new__(cls)
+        layer.k, layer.v, layer.length, layer.mask, layer.position = k, v, 0, mask, position
+        return layer
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store T new positions; return all cached keys and values (B, Hkv, length, D) — with a `position`, one
         token stored there and the whole buffer returned (B, Hkv, max_len, D)."""
@@ -61,6 +68,13 @@ class KVCache:
         self.layers = [
             LayerCache(batch, config.num_kv_heads, max_len, config.head_dim, device, dtype) for _ in range(config.depth)
         ]
+
+    @classmethod
+    def over(cls, layers: list[LayerCache]) -> KVCache:
+        """A cache of the given layer caches (`LayerCache.over`)."""
+        cache = cls.__new__(cls)
+        cache.layers = layers
+        return cache
 
     @property
     def length(self) -> int:

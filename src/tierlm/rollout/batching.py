@@ -22,7 +22,8 @@ import torch
 
 from tierlm.models import unwrap_model
 from tierlm.models.gpt.model import GPT, turn_keys
-from tierlm.models.kv_cache import KVCache
+from tierlm.models.kv_cache import KVCache, LayerCache
+from tierlm.rollout import static_decode
 from tierlm.rollout.engine import Completion, ToolCalls
 from tierlm.rollout.sampling import sample_rows
 
@@ -34,7 +35,7 @@ class BatchedDecoder:
     first ones, so joining writes one row and leaving moves the last rows into the freed places (never the whole
     cache)."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int = 32):
+    def __init__(self, model: torch.nn.Module, max_rows: int = 32, static: bool | None = None, compile: bool = False):
         self.model = unwrap_model(model)
         assert isinstance(self.model, GPT), "continuous batching needs the native GPT (rotary positions)"
         assert all(w is None for w in self.model.config.layer_windows()), "sliding-window layers are not batched"
@@ -48,6 +49,14 @@ class BatchedDecoder:
         self.rows = 0
         self.starts: list[int] = []  # where each row's keys begin on the timeline (its mask's first True)
         self._views()
+        on_cuda = parameter.device.type == "cuda"
+        fixed = (on_cuda if static is None else static) and static_decode.supports(self.model)
+        self.steps = static_decode.Decoders(self.model, on_cuda, compile=compile) if fixed else None
+        """With fixed shapes (on CUDA, or `static`): a step per (rows, positions) bucket over views of the cache, each
+        one CUDA graph on CUDA (`tierlm.rollout.static_decode`); None: the step slices the cache to the rows and the
+        positions in use."""
+        self.position = torch.zeros(1, dtype=torch.long, device=parameter.device)
+        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=parameter.device)
 
     @property
     def length(self) -> int:
@@ -87,7 +96,30 @@ class BatchedDecoder:
         unused = self._unused()
         if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):
             self._compact()  # at the context, or once most of the timeline is positions no row uses
-        return self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
+        if self.steps is None:
+            return self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
+        length = self.length
+        rows, positions = static_decode.bucket(self.rows, length + 1, self.capacity)
+        rows = min(rows, self.max_rows)
+        self.full_mask[:rows, length] = True  # the new token's place, in the bucket's padding rows too (none empty)
+        self.position.fill_(length)
+        self.tokens[: self.rows].copy_(tokens)
+        logits = self.steps.kept((rows, positions), lambda: self._fixed_step(rows, positions)).run()[: self.rows]
+        self._set_length(length + 1)
+        return logits
+
+    def _fixed_step(self, rows: int, positions: int) -> static_decode.FixedStep:
+        """The fixed-shape step over the first `rows` rows and `positions` positions of the cache (views: the cache is
+        written in place, never moved, so a graph captured over them stays valid)."""
+        layers = [
+            LayerCache.over(
+                k[:rows, :, :positions], v[:rows, :, :positions], self.full_mask[:rows, :positions], self.position
+            )  # fmt: skip
+            for k, v in self.full
+        ]
+        return static_decode.FixedStep(
+            self.model, self.tokens[:rows], KVCache.over(layers), self.steps.graph, self.steps.compile
+        )
 
     @torch.no_grad()
     def leave(self, rows: list[int]) -> list[int]:
@@ -172,7 +204,9 @@ class BatchScheduler:
     model's `Engine`) lends its stop tokens and its tools (a calculator call answered mid-sequence, as alone)."""
 
     def __init__(self, engine, max_rows: int = 16):
-        self.engine, self.decoder = engine, BatchedDecoder(engine.model, max_rows)
+        decoders = getattr(engine, "decoders", None)
+        compile = decoders is not None and decoders.compile  # engine.compile: the batch's step too
+        self.engine, self.decoder = engine, BatchedDecoder(engine.model, max_rows, compile=compile)
         engine.model.eval()
         self.waiting: deque[Request] = deque()
         self.rows: list[Request] = []  # in flight, in the decoder's row order

@@ -74,9 +74,52 @@ def bucket(rows: int, length: int, context: int) -> tuple[int, int]:
     return rows, min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, context)
 
 
+class FixedStep:
+    """`decode_step` over buffers that never move — `tokens` (B,) and a `cache` at a tensor position, its own or views
+    of a larger one — on CUDA captured in a CUDA graph (after compiling, with `compile`). `run()`: the next logits
+    (B, V), a view valid until the next run."""
+
+    def __init__(self, model: GPT, tokens: torch.Tensor, cache: KVCache, graph: bool, compile: bool = False):
+        self.model, self.tokens, self.cache = model, tokens, cache
+        self.fn = compiled_decode_step(COMPILE_BACKEND) if compile else decode_step
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if graph:
+            self._capture()
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        return self.fn(self.model, self.tokens, self.cache)
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (cuBLAS and the allocator settle), then capture one step (PyTorch's recipe,
+        `torch.cuda.graphs`). The warm-up runs the step at the position the cache is at, from the tokens there: it
+        writes what the first run writes (capturing runs nothing)."""
+        position = self.cache.position
+        start = position.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                position.copy_(start)
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        position.copy_(start)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # its own memory pool: one graph's scratch never holds another's output
+            self.logits = self._forward()
+
+    @torch.no_grad()
+    def run(self) -> torch.Tensor:
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+
 class StaticDecoder:
-    """One bucket's fixed-shape decode step (`rows` rows, a cache of `length` positions); on CUDA a CUDA graph;
-    with `compile`, `torch.compile`d (captured after it compiled)."""
+    """One bucket's fixed-shape decode step (`rows` rows, a cache of `length` positions): a `FixedStep` over buffers
+    of its own."""
 
     def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool = False):
         assert supports(model), "the fixed-shape decode step needs the native GPT without sliding windows"
@@ -90,30 +133,7 @@ class StaticDecoder:
         self.cache.position = self.position  # this cache only ever decodes at the tensor position
         for layer in self.cache.layers:
             layer.mask = self.mask
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-        self.run = compiled_decode_step(COMPILE_BACKEND) if compile else decode_step
-        if graph:
-            self._capture()
-
-    @torch.no_grad()
-    def _forward(self) -> torch.Tensor:
-        return self.run(self.model, self.tokens, self.cache)
-
-    def _capture(self) -> None:
-        """Warm up on a side stream (cuBLAS and the allocator settle), then capture one step (PyTorch's recipe,
-        `torch.cuda.graphs`). The warm-up writes at position 0 of an empty cache: `load` overwrites it."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.position.zero_()
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        self.position.zero_()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # its own memory pool: one graph's scratch never holds another's output
-            self.logits = self._forward()
+        self.fixed = FixedStep(model, self.tokens, self.cache, graph, compile)
 
     @torch.no_grad()
     def load(self, prefilled: list[tuple[KVCache, int]]) -> None:
@@ -141,10 +161,7 @@ class StaticDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row in use (B,); the next logits (B, V), a view valid until the next step."""
         self.tokens[: tokens.shape[0]].copy_(tokens)
-        if self.graph is None:
-            return self._forward()[: tokens.shape[0]]
-        self.graph.replay()
-        return self.logits[: tokens.shape[0]]
+        return self.fixed.run()[: tokens.shape[0]]
 
 
 class Decoders:
@@ -153,20 +170,26 @@ class Decoders:
 
     def __init__(self, model: GPT, graph: bool, keep: int = 4, compile: bool = False):
         self.model, self.graph, self.keep, self.compile = model, graph, keep, compile
-        self.decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self.decoders: OrderedDict[tuple[int, int], StaticDecoder | FixedStep] = OrderedDict()
         self.weights: tuple[int, ...] = ()
 
     def get(self, rows: int, length: int) -> StaticDecoder:
+        """The decoder of the bucket holding `rows` rows of up to `length` positions."""
+        key = bucket(rows, length, self.model.config.max_seq_len)
+        return self.kept(key, lambda: StaticDecoder(self.model, *key, self.graph, self.compile))
+
+    def kept(self, key, make):
+        """The step kept under `key`, made by `make()` where there is none (`tierlm.rollout.batching` keeps its
+        steps over its own cache here too)."""
         # A graph reads the weights where they were at its capture: weights moved or replaced (`.to()`, a new
         # dtype, assigned tensors) drop every step captured before. Loading in place (`load_state_dict`) keeps them.
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         if weights != self.weights:
             self.decoders.clear()
             self.weights = weights
-        key = bucket(rows, length, self.model.config.max_seq_len)
         if key not in self.decoders:
             while len(self.decoders) >= self.keep:
                 self.decoders.popitem(last=False)
-            self.decoders[key] = StaticDecoder(self.model, *key, self.graph, self.compile)
+            self.decoders[key] = make()
         self.decoders.move_to_end(key)
         return self.decoders[key]

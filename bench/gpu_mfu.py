@@ -1,6 +1,7 @@
 """Training throughput and MFU on a GPU: a ~0.5B dense native GPT in bf16, eager, compiled, and compiled in FP8.
 
     python bench/gpu_mfu.py                      # on a GPU: eager, compiled (per block), compiled + FP8 (torchao)
+    python bench/gpu_mfu.py --modes compiled,compiled-model    # per block against the whole model compiled
     python bench/gpu_mfu.py --profile            # ... then torch.profiler's kernels of three compiled steps
     python bench/gpu_mfu.py --dry-run            # tiny sizes on CPU, 3 steps: keeps the script from rotting (CI)
 
@@ -48,7 +49,7 @@ def measure(
     seq: int,
     steps: int,
     warmup: int,
-    compile: bool,
+    compile: bool | str,
     device: torch.device,
     fused_cross_entropy: bool = True,
     fp8: bool = False,
@@ -60,7 +61,9 @@ def measure(
         from tierlm.primitives.fp8 import apply_float8_training
 
         apply_float8_training(model)
-    if compile:
+    if compile == "model":  # the whole forward, the embedding, final norm and the fused loss with the blocks
+        model.compile()
+    elif compile:
         apply_compile(model)
     backend = PyTorchTrainingBackend(
         model,
@@ -140,7 +143,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="eager,compiled,compiled-fp8", help="any of eager, compiled, compiled-fp8")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="any of eager, compiled (each block), compiled-model (the whole forward, loss included), compiled-fp8 "
+        "(default: eager,compiled,compiled-fp8; --dry-run: eager)",
+    )
     parser.add_argument("--profile", action="store_true", help="also the kernels of three steps of the last mode")
     parser.add_argument(
         "--logits-loss", action="store_true", help="logits, then the loss (default: the LM head fused into the loss)"
@@ -151,7 +159,7 @@ def main() -> None:
             GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64),
             torch.device("cpu"),
         )
-        batch, seq, steps, warmup, modes = 2, 64, 3, 1, ["eager"]
+        batch, seq, steps, warmup, modes = 2, 64, 3, 1, (args.modes or "eager").split(",")
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_mfu.py: no CUDA GPU here; use --dry-run to check the script on CPU")
@@ -159,11 +167,12 @@ def main() -> None:
             depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=args.seq
         )
         device, batch, seq, steps, warmup = torch.device("cuda"), args.batch, args.seq, args.steps, 5
-        modes = args.modes.split(",")
+        modes = (args.modes or "eager,compiled,compiled-fp8").split(",")
+    compiles = {"eager": False, "compiled": True, "compiled-model": "model", "compiled-fp8": True}
     for i, mode in enumerate(modes):
-        assert mode in ("eager", "compiled", "compiled-fp8"), f"no mode {mode}"
+        assert mode in compiles, f"no mode {mode} (one of {', '.join(compiles)})"
         figures = measure(
-            config, batch, seq, steps, warmup, mode != "eager", device, not args.logits_loss, mode.endswith("fp8"),
+            config, batch, seq, steps, warmup, compiles[mode], device, not args.logits_loss, mode.endswith("fp8"),
             args.profile and i == len(modes) - 1,
         )  # fmt: skip
         print(json.dumps(figures), flush=True)

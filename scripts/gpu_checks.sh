@@ -14,7 +14,8 @@
 # cache), card_profile (the decode step's kernels and host time, per contender), rollouts (bench/rollout_batch.py:
 # an RL step's 8 prompts x 8 samples decoded as one batch against one prompt at a time), rl (bench/rl.py: one RL step
 # split into generation / scoring / training on a 393 M random-weight policy, eager and with infra.compile), mfu
-# (bench/gpu_mfu.py: training MFU eager, compiled and compiled FP8, with their loss curves), profile (the compiled
+# (bench/gpu_mfu.py: training MFU eager, compiled and compiled FP8, with their loss curves), mfu_model (the whole
+# forward compiled, with the fused loss and with logits; up to 300 s), profile (the compiled
 # training step's kernels), decode (the batched decode step alone), serve_cuda and serve_cpu (`tierlm serve` under
 # load on the GPU and on the machine's CPU, ~2 min each; bench/serve_load.py). None named: tests and card, whose
 # limits add to 450 s (a call may run 600 s and a session has 900, each machine start about 40 s); then
@@ -70,6 +71,10 @@ check() {
                     --only "1 process on-policy,1 process on-policy compiled" 2>&1 | tail -6
             fi ;;
         mfu) timeout 190 python3 bench/gpu_mfu.py "${dry[@]}" 2>&1 | grep -v Warning | tail -8 ;;
+        mfu_model) for loss in "" --logits-loss; do  # the whole forward compiled: with the fused loss, with logits
+                timeout 150 python3 bench/gpu_mfu.py "${dry[@]}" --modes compiled-model $loss 2>&1 | grep -v Warning \
+                    | tail -2
+            done ;;
         profile) timeout 150 python3 bench/gpu_mfu.py "${dry[@]}" --modes compiled --steps 5 --profile 2>&1 | grep -v Warning \
             | tail -24 ;;
         decode) timeout 60 python3 bench/serve_load.py --checkpoint runs/tiny_sft --decode-step --device-type cuda 2>&1 \
@@ -85,9 +90,9 @@ run() {
     local log=${OUT:+$OUT/log.txt} site name
     for name in "$@"; do
         case "$name" in
-            tests | card | card_profile | rollouts | rl | mfu | profile | decode | serve_cuda | serve_cpu) ;;
-            *) echo "gpu_checks: no check named $name (tests card card_profile rollouts rl mfu profile decode" \
-                    "serve_cuda serve_cpu)" >&2
+            tests | card | card_profile | rollouts | rl | mfu | mfu_model | profile | decode | serve_cuda | serve_cpu) ;;
+            *) echo "gpu_checks: no check named $name (tests card card_profile rollouts rl mfu mfu_model profile" \
+                    "decode serve_cuda serve_cpu)" >&2
                exit 2 ;;
         esac
     done

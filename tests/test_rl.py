@@ -155,20 +155,22 @@ def test_sampling_ahead_of_the_host_changes_nothing(tiny_gpt_config, static):
 
 
 @pytest.mark.parametrize(
-    "ahead,temperature,top_k,top_p",
-    [(1, 1.0, None, None), (8, 1.0, 20, None), (3, 0.8, None, 0.9), (8, 0.0, None, None)],
+    "ahead,temperature,top_k,top_p,static",
+    [(1, 1.0, None, None, None), (8, 1.0, 20, None, True), (3, 0.8, None, 0.9, None), (8, 0.0, None, None, True)],
 )
-def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config, ahead, temperature, top_k, top_p):
+def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config, ahead, temperature, top_k, top_p,
+                                                                 static):  # fmt: skip
     """`generate_many` with the fixed-shape decoder: prompts of 1-12 tokens right-aligned in one batch of 14 rows
-    (a bucket of 16), read every `ahead` steps, against each prompt generated alone step by step: the same tokens,
-    stops and log-probs (to float rounding), each prompt's generator left where its own generation leaves it, though
-    the groups stop at different steps."""
+    (a bucket of 16), read every `ahead` steps, against each prompt generated alone step by step (with `static`
+    None, the CPU's default, alone is the slicing step): the same tokens, stops and log-probs (to float rounding),
+    each prompt's generator left where its own generation leaves it, though the groups stop at different steps."""
     model = _models(tiny_gpt_config)["native"]
     prompts = [([3, 14, 15], 3), ([9, 2, 6, 5, 3, 5, 8], 5), ([1], 2), (list(range(20, 32)), 4)]
     stops = list(range(0, 97, 9))
 
     def run(together):
-        engine = Engine(model, stop_ids=stops, static=True)
+        engine = Engine(model, stop_ids=stops, static=static)
+        assert engine.decoders is not None and engine.fixed_alone == bool(static)
         engine.ahead = ahead if together else 1  # alone: the step-by-step loop
         generators = [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
         requests = [(prompt, n, g) for (prompt, n), g in zip(prompts, generators)]

@@ -37,7 +37,7 @@ A row that stops inside such a run costs the run's remaining steps of compute, n
 reading is free and a stopped row's extra steps are not: 1."""
 
 BATCH_ROWS = 64
-"""With the fixed-shape decoder (on CUDA), `generate_many` decodes consecutive prompts together up to this many rows:
+"""With the fixed-shape decoder, `generate_many` decodes consecutive prompts together up to this many rows:
 one model step for all of them (an RL step's 8 prompts x 8 samples in one batch, not 8 batches one after another).
 The KV cache grows with the rows: 64 rows of 1,152 positions of the 478 M bench model take 7.5 GB in bf16."""
 
@@ -158,10 +158,11 @@ class Engine:
     """Sampling for one model of any family (the family's KV cache: ours for native models, transformers' own).
 
     `tokenizer` is needed only for tools (to read the call and encode the result). `static`: decode with fixed shapes
-    (`tierlm.rollout.static_decode`; on CUDA each step one CUDA graph); None: on CUDA where the model takes it. Off
-    CUDA the slicing step is the faster one (attention over the positions so far, not the whole buffer). `compile`:
-    `torch.compile` the fixed-shape step (fused kernels; tens of seconds to compile a new shape): decoding with fixed
-    shapes wherever the model takes it, off CUDA too.
+    (`tierlm.rollout.static_decode`; on CUDA each step one CUDA graph); None: where the model takes them, on CUDA
+    always, elsewhere for several prompts decoded together (`generate_many`: one step for all of them) while one
+    prompt takes the slicing step, the faster one off CUDA (attention over the positions so far, not the whole
+    buffer); False: never. `compile`: `torch.compile` the fixed-shape step (fused kernels; tens of seconds to compile
+    a new shape), used for one prompt too.
     """
 
     needs_state = False  # it samples from a module: the policy's own, or a copy it is given weights for
@@ -180,10 +181,12 @@ class Engine:
         self.family = family_of(self.model)
         self.device = next(self.model.parameters()).device
         on_cuda = self.device.type == "cuda"
-        if static is None:
-            static = (on_cuda or compile) and static_decode.supports(self.model)
         assert not static or static_decode.supports(self.model), "static decoding needs the native GPT (no windows)"
-        self.decoders = static_decode.Decoders(self.model, on_cuda, compile=compile) if static else None
+        fixed = static_decode.supports(self.model) if static is None else static
+        self.decoders = static_decode.Decoders(self.model, on_cuda, compile=compile) if fixed else None
+        self.fixed_alone = fixed and (on_cuda or compile if static is None else static)
+        """One prompt decodes with fixed shapes too (on CUDA, compiled, or asked); else the decoders serve only
+        several prompts decoded together (`generate_many`), and one prompt takes the slicing step."""
         self.ahead = SAMPLE_AHEAD if on_cuda else 1
         """Decode steps sampled and fed back on the device before the host reads their tokens (`_decode_rows`)."""
         self.stop_ids = set(stop_ids)
@@ -221,7 +224,7 @@ class Engine:
 
     # -- the model step, with a cache (the model's family knows its cache) -----------------------
     def _prefill(self, ids: torch.Tensor, num_samples: int, max_len: int):
-        if self.decoders is not None:  # prefilled as long as the prompt, then copied into a fixed-shape bucket
+        if self.fixed_alone:  # prefilled as long as the prompt, then copied into a fixed-shape bucket
             logits, cache = self.family.prefill(self.model, ids, ids.shape[1])
             decoder = self.decoders.get(ids.shape[0] * num_samples, max_len)
             decoder.load([(cache, ids.shape[0] * num_samples)])

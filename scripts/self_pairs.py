@@ -30,7 +30,7 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import load_pretrained_model
-from tierlm.rollout.engine import answer_text
+from tierlm.rollout.text import answer_text
 
 
 def main() -> int:

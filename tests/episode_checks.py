@@ -10,7 +10,7 @@ import torch
 from tierlm.config import RLConfig
 from tierlm.loops.episodes import run_episodes
 from tierlm.loops.policy_update import rollout_batch
-from tierlm.rollout.engine import answer_text
+from tierlm.rollout.text import answer_text
 
 
 def episodes_train_the_ids_sampled(engine, tok, env, max_new_tokens=12) -> tuple[int, int, int]:

@@ -154,7 +154,7 @@ def test_the_in_loop_sample_lines_are_the_models_greedy_answers(tiny_runs):
 
     from tierlm.config import TierlmConfig
     from tierlm.data import load_tokenizer
-    from tierlm.rollout.engine import readable_text
+    from tierlm.rollout.text import readable_text
 
     run = tiny_runs / "sft"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,8 @@ from tierlm.loops.policy_update import rollout_batch
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout import generate
-from tierlm.rollout.engine import Engine, Rollout, answer_text
+from tierlm.rollout.engine import Engine, Rollout
+from tierlm.rollout.text import answer_text
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.dpo import DPOStrategy, dpo_loss
 from tierlm.strategies.rl import ReinforceStrategy, group_advantages, kl_penalty, policy_gradient_loss, token_logprobs
@@ -175,7 +176,7 @@ def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config
         generators = [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
         requests = [(prompt, n, g) for (prompt, n), g in zip(prompts, generators)]
         if together:
-            assert [len(batch) for batch in engine._batches(requests, 40, temperature)] == [4]
+            assert engine._runs([(len(p), n, 40, g) for p, n, g in requests], temperature) == [[0, 1, 2, 3]]
             out = engine.generate_many(requests, 40, temperature, top_k, top_p)
         else:
             out = [engine.generate(p, n, 40, temperature, top_k, top_p, g) for p, n, g in requests]
@@ -191,16 +192,56 @@ def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config
 
 def test_prompts_decode_together_only_where_each_would_have_its_budget_and_its_generator(tiny_gpt_config):
     model = _models(tiny_gpt_config)["native"]  # a context of 64 positions
-    engine, g = Engine(model, static=True), [torch.Generator() for _ in range(4)]
-    sizes = lambda batches: [[len(p) for p, _, _ in batch] for batch in batches]  # noqa: E731
-    requests = [([1] * 10, 30, g[0]), ([1] * 20, 30, g[1]), ([1] * 40, 2, g[2]), ([1] * 5, 4, g[3])]
-    # 64 rows at most; the longest prompt and the budget within the context
-    assert sizes(engine._batches(requests, 20, 1.0)) == [[10, 20, 40], [5]]  # 62 rows, then 66
-    assert sizes(engine._batches(requests, 30, 1.0)) == [[10, 20], [40], [5]]  # 40 + 30 > 64
-    shared = [(p, n, g[0]) for p, n, _ in requests]  # one generator for all: its draws would interleave
-    assert sizes(engine._batches(shared, 4, 1.0)) == [[10], [20], [40], [5]]
-    assert sizes(engine._batches(shared, 4, 0.0)) == [[10, 20, 40], [5]]  # greedy draws nothing
-    assert sizes(Engine(model, static=False)._batches(requests, 4, 1.0)) == [[10], [20], [40], [5]]
+    engine, g = Engine(model), [torch.Generator() for _ in range(4)]
+
+    def runs(steps, generators=g, temperature=1.0, engine=engine):
+        items = [(10, 30, steps[0], generators[0]), (20, 30, steps[1], generators[1]), (40, 2, steps[2], generators[2]),
+                 (5, 4, steps[3], generators[3])]  # fmt: skip
+        return engine._runs(items, temperature)
+
+    # 64 rows at most; the longest prefix and the steps within the context; the same steps
+    assert runs([20] * 4) == [[0, 1, 2], [3]]  # 62 rows, then 66
+    assert runs([30] * 4) == [[0, 1], [2], [3]]  # 40 + 30 > 64
+    assert runs([20, 20, 19, 19]) == [[0, 1], [2, 3]]
+    assert runs([4] * 4, [g[0]] * 4) == [[0], [1], [2], [3]]  # one generator for all: its draws would interleave
+    assert runs([4] * 4, [g[0]] * 4, temperature=0.0) == [[0, 1, 2], [3]]  # greedy draws nothing
+    assert runs([4] * 4, engine=Engine(model, static=False)) == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("ahead", [1, 8])
+def test_partial_rollouts_continued_together_get_what_each_gets_alone(tiny_gpt_config, ahead):
+    """`extend_many` with the fixed-shape decoder: the unfinished rows of three prompts (prefixes of different
+    lengths, a budget that gives one of them fewer steps, so it goes alone) continued as one batch, against each group
+    continued alone by the slicing step: the same tokens, log-probs, versions and stops, and the generators left
+    where their own continuation leaves them."""
+    model = _models(tiny_gpt_config)["native"]
+    stops = list(range(0, 97, 24))  # rare: most rows run to the budget, some stop
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 3, 5, 8], [1], list(range(20, 32))]
+
+    def run(static):
+        engine = Engine(model, stop_ids=stops, static=static)
+        engine.ahead = ahead if static is None else 1
+        requests, generators = [], []
+        for i, prompt in enumerate(prompts):  # first chunks, of different lengths: 4 tokens, the last one 6
+            rows = engine.generate(prompt, 3, 6 if i == 3 else 4, 1.0, generator=torch.Generator().manual_seed(i))
+            generators.append(torch.Generator().manual_seed(10 + i))
+            requests.append((prompt, [r for r in rows if not r.finished], generators[-1]))
+        requests = [r for r in requests if r[1]]
+        assert len(requests) == 4
+        engine.load_weights(None, 1)
+        alone, extend = [], engine.extend
+        engine.extend = lambda prompt, *args: (alone.append(prompt), extend(prompt, *args))[1]
+        engine.extend_many(requests, 12, 1.0, budget=16)  # the last group's room: 16 - 6 = 10
+        assert alone == (prompts[3:] if static is None else prompts)  # the first three together
+        return [rows for _, rows, _ in requests], [torch.rand(2, generator=g) for g in generators]
+
+    (together, after), (alone, expected) = run(None), run(False)
+    for a, b in zip(together, alone):
+        _same_samples(a, b)
+        assert [r.versions for r in a] == [r.versions for r in b] and all(1 in r.versions for r in a)
+    assert all(torch.equal(x, y) for x, y in zip(after, expected))
+    rows = [r for group in alone for r in group]
+    assert any(len(r.tokens) == 16 for r in rows) and any(r.finished and len(r.tokens) < 16 for r in rows)
 
 
 def test_the_compiled_decode_step_samples_what_the_eager_step_samples(tiny_gpt_config, monkeypatch):

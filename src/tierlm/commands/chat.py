@@ -114,7 +114,7 @@ class Chatbot:
     def chat_choices(self, messages: list[dict], sampling: Sampling, on_text=None, should_stop=None, wait_s=None):
         """The assistant's next turn after `messages`, `sampling.n` times (`Reply` each; `on_text(index, piece)`
         streams them): the conversation rendered by the model's chat template, the turns as people read them."""
-        from tierlm.rollout.engine import readable_text
+        from tierlm.rollout.text import readable_text
 
         if not self.chat:
             raise DataError(f"{self.name} has no chat template: send its prompts to /v1/completions")

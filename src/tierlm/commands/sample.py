@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> None:
     from tierlm.data import load_tokenizer
     from tierlm.models import family_of, load_pretrained_model
     from tierlm.primitives import resolve_device
-    from tierlm.rollout.engine import Engine, encoder_prompt_tokens, prompt_tokens, readable_text
+    from tierlm.rollout.engine import Engine
+    from tierlm.rollout.text import encoder_prompt_tokens, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
     from tierlm.special_tokens import TOOL_CALL_START
     from tierlm.stages import STAGES

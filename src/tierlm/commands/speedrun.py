@@ -132,7 +132,8 @@ def run_speedrun(
 def _sample_conversations(rl_dir: Path) -> list[tuple[str, str]]:
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
-    from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
+    from tierlm.rollout.engine import Engine
+    from tierlm.rollout.text import prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
 
     tokenizer = load_tokenizer(rl_dir / "model")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.config import RLConfig
-from tierlm.rollout.engine import Completion, Rollout, SamplingEngine, answer_text
+from tierlm.rollout.engine import Completion, Rollout, SamplingEngine
+from tierlm.rollout.text import answer_text
 from tierlm.tasks import Environment
 
 

@@ -13,7 +13,8 @@ from tierlm.config import RLConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops.episodes import episode_generators, run_episodes
 from tierlm.loops.rewards import score
-from tierlm.rollout.engine import Rollout, SamplingEngine, answer_text
+from tierlm.rollout.engine import Rollout, SamplingEngine
+from tierlm.rollout.text import answer_text
 from tierlm.tasks import Environment, Task, is_environment
 
 

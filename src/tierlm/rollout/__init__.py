@@ -1,7 +1,8 @@
 """Rollouts: the batched KV-cache generation engine, tools, and a full-recompute reference sampler."""
 
-from tierlm.rollout.engine import Completion, Engine, SamplingEngine, answer_text, readable_text
+from tierlm.rollout.engine import Completion, Engine, SamplingEngine
 from tierlm.rollout.sampling import generate, sample_next_token
+from tierlm.rollout.text import answer_text, readable_text
 from tierlm.rollout.tools import Calculator, Tool
 
 __all__ = [

@@ -19,7 +19,7 @@ from torch import nn
 from tierlm.errors import DataError
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
-from tierlm.rollout import static_decode
+from tierlm.rollout import static_decode, together
 from tierlm.rollout.sampling import default_generator, sample_groups, sample_next_token
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
@@ -35,11 +35,6 @@ SAMPLE_AHEAD = 8
 does not wait for Python between steps (vLLM and SGLang read their samples a step or more late for the same reason).
 A row that stops inside such a run costs the run's remaining steps of compute, never a different token. Off CUDA
 reading is free and a stopped row's extra steps are not: 1."""
-
-BATCH_ROWS = 64
-"""With the fixed-shape decoder, `generate_many` decodes consecutive prompts together up to this many rows:
-one model step for all of them (an RL step's 8 prompts x 8 samples in one batch, not 8 batches one after another).
-The KV cache grows with the rows: 64 rows of 1,152 positions of the 478 M bench model take 7.5 GB in bf16."""
 
 
 @dataclass
@@ -446,131 +441,56 @@ class Engine:
         return None if self.call_end in tokens[start:] else start + 1
 
     def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None:
-        """`extend` every `(prompt_ids, rows, generator)`, none past `budget` tokens in all (None: no bound)."""
+        """`extend` every `(prompt_ids, rows, generator)`, none past `budget` tokens in all (None: no bound). With the
+        fixed-shape decoder, consecutive groups taking the same steps continue as one batch (`tierlm.rollout.together`):
+        each row gets what it gets alone."""
+        todo = []
         for prompt, rows, generator in requests:
             room = max_new_tokens if budget is None else min(max_new_tokens, budget - len(rows[0].tokens))
-            if room > 0:
+            prefix = len(prompt) + len(rows[0].tokens)
+            if room > 0 and prefix < min(prefix + room, self.max_len()):
+                todo.append((prompt, rows, generator, room, min(prefix + room, self.max_len()) - prefix))
+        items = [(len(p) + len(rows[0].tokens), len(rows), steps, g) for p, rows, g, _, steps in todo]
+        for run in self._runs(items, temperature):
+            if len(run) == 1:
+                prompt, rows, generator, room, _ = todo[run[0]]
                 self.extend(prompt, rows, room, temperature, top_k, top_p, generator)
+                continue
+            parts = []
+            for prompt, rows, generator, _, _ in (todo[i] for i in run):
+                assert all(not r.finished for r in rows), "extend unfinished rows"
+                ids = torch.tensor([list(prompt) + r.tokens for r in rows], dtype=torch.long, device=self.device)
+                calls = [ToolCalls(self._open_call(r.tokens), r.forced) for r in rows]
+                parts.append(together.Part(ids, rows, calls, generator))
+            together.decode(self, parts, todo[run[0]][4], temperature, top_k, top_p)
 
     def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:
         """Completions of every `(prompt_ids, num_samples, generator)`. With the fixed-shape decoder, consecutive
-        prompts decode as one batch (`_batches`): each prompt's samples are what it gets alone — its generator drawn
-        as alone, its logits to float rounding — for one step of the model where it took one per prompt. Without it,
-        one prompt at a time (each has its cache)."""
-        out = []
-        for batch in self._batches(requests, max_new_tokens, temperature):
-            if len(batch) == 1:
-                prompt, n, generator = batch[0]
+        prompts decode as one batch (`tierlm.rollout.together`): each prompt's samples are what it gets alone — its
+        generator drawn as alone, its logits to float rounding — for one step of the model where it took one per
+        prompt. Without it, one prompt at a time (each has its cache)."""
+        out: list[list[Completion]] = []
+        items = [(len(prompt), n, max_new_tokens, generator) for prompt, n, generator in requests]
+        for run in self._runs(items, temperature):
+            if len(run) == 1:
+                prompt, n, generator = requests[run[0]]
                 out.append(self.generate(prompt, n, max_new_tokens, temperature, top_k, top_p, generator))
-            else:
-                out.extend(self._generate_together(batch, max_new_tokens, temperature, top_k, top_p))
+                continue
+            parts = []
+            for prompt, n, generator in (requests[i] for i in run):
+                assert prompt and n >= 1, f"an empty prompt or {n} samples"
+                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+                rows = [Completion(weight_version=self.weight_version) for _ in range(n)]
+                parts.append(together.Part(ids, rows, [ToolCalls() for _ in range(n)], generator))
+            together.decode(self, parts, max_new_tokens, temperature, top_k, top_p)
+            out.extend(part.rows for part in parts)
         return out
 
-    def _batches(self, requests, max_new_tokens: int, temperature: float) -> list[list]:
-        """`requests` in runs decoded together: consecutive ones, up to `BATCH_ROWS` rows, whose longest prompt
-        leaves every row its `max_new_tokens` within the context (as each has alone). Each alone without the
-        fixed-shape decoder, or when sampling from generators they share (their draws would interleave)."""
-        generators = [id(g) for _, _, g in requests if g is not None]
-        own = temperature == 0 or len(set(generators)) == len(requests)
-        if self.decoders is None or not own:
-            return [[request] for request in requests]
-        batches, rows, longest = [], 0, 0
-        for request in requests:
-            prompt, n, _ = request
-            if batches and rows + n <= BATCH_ROWS and max(longest, len(prompt)) + max_new_tokens <= self.max_len():
-                batches[-1].append(request)
-                rows, longest = rows + n, max(longest, len(prompt))
-            else:
-                batches.append([request])
-                rows, longest = n, len(prompt)
-        return batches
-
-    @torch.no_grad()
-    def _generate_together(self, batch, max_new_tokens, temperature, top_k, top_p) -> list[list[Completion]]:
-        """One batch of `_batches`: each prompt prefilled alone, all right-aligned in one fixed-shape decoder
-        (`StaticDecoder.load`), every row decoded by the same steps, each prompt's rows drawing from its generator."""
-        assert all(prompt and n >= 1 for prompt, n, _ in batch) and max_new_tokens >= 1
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            prefilled, firsts = [], []
-            for prompt, n, _ in batch:
-                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-                logits, cache = self.family.prefill(self.model, ids, len(prompt))
-                prefilled.append((cache, n))
-                firsts.append(logits.expand(n, -1))
-            rows, longest = sum(n for _, n, _ in batch), max(len(prompt) for prompt, _, _ in batch)
-            decoder = self.decoders.get(rows, longest + max_new_tokens)
-            decoder.load(prefilled)
-            out = [Completion(weight_version=self.weight_version) for _ in range(rows)]
-            calls = [ToolCalls() for _ in range(rows)]
-            groups = [(n, generator) for _, n, generator in batch]
-            self._decode_rows(torch.cat(firsts), decoder, out, calls, max_new_tokens, temperature, top_k, top_p,
-                              None, groups=groups)  # fmt: skip
-        finally:
-            self.model.train(was_training)
-        for completion, pending in zip(out, calls):  # a result the budget cut: a partial rollout forces it next
-            completion.forced = pending.forced
-        starts = [sum(n for _, n, _ in batch[:i]) for i in range(len(batch) + 1)]
-        return [out[starts[i] : starts[i + 1]] for i in range(len(batch))]
+    def _runs(self, items, temperature: float) -> list[list[int]]:
+        """`tierlm.rollout.together.runs` with this engine's context; each alone without the fixed-shape decoder."""
+        if self.decoders is None:
+            return [[i] for i in range(len(items))]
+        return together.runs(items, self.max_len(), temperature)
 
     def close(self) -> None:
         pass
-
-
-def answer_text(tokenizer, tokens: list[int]) -> str:
-    """What the model answered, for rewards: the text after its last tool result (all of it without tools)."""
-    vocab = tokenizer.hf.get_vocab()
-    end = vocab.get(TOOL_RESULT_END)
-    last = max((i for i, t in enumerate(tokens) if t == end), default=-1) if end is not None else -1
-    return tokenizer.decode(tokens[last + 1 :], skip_special_tokens=True)
-
-
-def prompt_tokens(tokenizer, text: str, chat: bool) -> list[int]:
-    """A prompt as the model is fed it: a user turn ready for the assistant's answer (chat models),
-    or the raw text after the document separator (base models)."""
-    if chat:
-        return tokenizer.render_for_completion([{"role": "user", "content": text}])
-    return [tokenizer.document_separator_id] + tokenizer.encode(text)
-
-
-def encoder_prompt_tokens(tokenizer, text: str) -> list[int]:
-    """An encoder-decoder's prompt (for the encoder): the text, opened by [S] (continue it, prefix LM) unless
-    it names its mode itself ([R] / [X] / [S]; write <extra_id_0> where a span should be filled).
-
-    >>> from tierlm.data import train_bpe_tokenizer
-    >>> from tierlm.data.seq2seq_tokenizer import Qwen3EncoderDecoderTokenizer
-    >>> tok = Qwen3EncoderDecoderTokenizer(train_bpe_tokenizer(["to be or not"] * 10, 300), num_sentinel_tokens=2)
-    >>> first = encoder_prompt_tokens(tok, "to be")[:1]
-    >>> [tok.decode([i]) for i in first], encoder_prompt_tokens(tok, "[R]to <extra_id_0>")[0] == tok.mode_ids["R"]
-    (['[S]'], True)
-    """
-    from tierlm.data.ul2 import MODE_TOKENS
-
-    ids = tokenizer.encode(text)
-    modes = tokenizer.hf.convert_tokens_to_ids(list(MODE_TOKENS.values()))
-    return ids if ids and ids[0] in modes else [modes[list(MODE_TOKENS).index("S")], *ids]
-
-
-def readable_text(tokenizer, tokens: list[int]) -> str:
-    """A completion for people: tool calls shown as [calculator: 23 + 45 -> 68], other markers dropped.
-
-    >>> from tierlm.data import train_char_tokenizer
-    >>> tok = train_char_tokenizer(["0123456789 +="])
-    >>> ids = tok.encode("<|tool_call_start|>2 + 3<|tool_call_end|><|tool_start|>5<|tool_end|>"
-    ...                  "2 + 3 = 5<|assistant_end|>")
-    >>> readable_text(tok, ids)
-    '[calculator: 2 + 3 -> 5] 2 + 3 = 5'
-    """
-    text = tokenizer.decode(tokens, skip_special_tokens=False)
-    for marker, shown in (
-        (TOOL_CALL_START, "[calculator: "),
-        (TOOL_CALL_END, " -> "),
-        (TOOL_RESULT_START, ""),
-        (TOOL_RESULT_END, "] "),
-    ):
-        text = text.replace(marker, shown)
-    special = set(tokenizer.hf.all_special_tokens) | set(getattr(tokenizer.hf, "extra_special_tokens", None) or [])
-    for token in special:
-        text = text.replace(token, "")
-    return text.strip()

@@ -28,7 +28,8 @@ from tierlm.metrics.report import model_figures
 from tierlm.models import forward_cross_entropy
 from tierlm.plan.batch import auto_find_batch_size, throughput_knee
 from tierlm.primitives.optim import optimizer_metrics
-from tierlm.rollout.engine import Engine, prompt_tokens, readable_text
+from tierlm.rollout.engine import Engine
+from tierlm.rollout.text import prompt_tokens, readable_text
 from tierlm.run import Run, extras_writer
 
 

@@ -7,25 +7,23 @@ import sys
 from conftest import REPO
 
 
-def test_gpu_mfu_dry_run_on_cpu():
+def dry_run(script: str) -> list[dict]:
+    """The JSON lines `bench/SCRIPT --dry-run` prints (tiny sizes on CPU), after it exits 0."""
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--dry-run"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "bench" / script), "--dry-run"], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
-    record = json.loads(out.stdout.splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_gpu_mfu_dry_run_on_cpu():
+    record = dry_run("gpu_mfu.py")[-1]
     assert record["tokens_per_sec"] > 0 and 0 < record["mfu"] < 1 and record["loss"] > 0
     assert record["flops_per_token"] > 6 * record["params"] * 0.5  # the 6N term dominates
 
 
 def test_inference_card_dry_run_on_cpu():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "inference_card.py"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = dry_run("inference_card.py")
     assert [(r["contender"], r["batch"]) for r in rows] == [
         ("tierlm", 1), ("tierlm", 3), ("tierlm-static", 1), ("tierlm-static", 3)
     ]  # fmt: skip
@@ -36,14 +34,7 @@ def test_inference_card_dry_run_on_cpu():
 
 
 def test_rollout_batch_dry_run_on_cpu():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "rollout_batch.py"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = dry_run("rollout_batch.py")
     assert [r.get("contender") for r in rows[:2]] == ["together", "alone"] and rows[2]["together_speedup"] > 0
     assert all(r["seconds"] > 0 and r["tokens_per_sec"] > 0 for r in rows[:2])
 

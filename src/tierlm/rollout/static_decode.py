@@ -10,7 +10,8 @@ later positions masked — and capture it in a CUDA graph, which replays every k
 buffers (prompts of different lengths right-aligned, so several prompts decode as one batch), `step(tokens)` feeds
 one token per row and returns the next logits (a view into its output buffer, valid until the next step). Off CUDA
 the same fixed-shape step runs eagerly (what the tests compare with the slicing step, token for token). The engine
-keeps a few buckets (`Decoders`) and uses them for the native GPT on CUDA.
+keeps a few buckets (`Decoders`) and uses them for the native GPT on CUDA, and everywhere for several prompts
+decoded together (`tierlm.rollout.together`); the server's continuous batch keeps `FixedStep`s over its own cache.
 
 With `compile`, the step is `torch.compile`d before it is captured (SGLang's way: Inductor's fused kernels inside
 the engine's own graph). A graph replays every kernel with one launch, but each kernel still costs the GPU a few

@@ -357,7 +357,7 @@ class Engine:
                 if j:  # the run's earlier token, fed back without leaving the device
                     logits = self._decode(sampled[-1], cache)
                     self._feed_routes(fed, len(out))
-                if len(groups) == 1:
+                if len(groups) == 1:  # its generator may be None, torch's own (to sample_groups None draws nothing)
                     sampled.append(sample_next_token(logits, temperature, top_k, top_p, groups[0][1]))
                 else:
                     drawing = [(rows, g if alive else None) for (rows, g), alive in zip(groups, live)]
@@ -421,10 +421,9 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         try:
-            ids = torch.tensor([list(prompt_ids) + r.tokens for r in rows], dtype=torch.long, device=self.device)
+            ids, calls = self._continuation(prompt_ids, rows)
             logits, cache = self._prefill(ids, 1, max_len)
             prefix = self._routes(len(rows))  # the earlier tokens rerouted by these weights, as they are now cached
-            calls = [ToolCalls(self._open_call(r.tokens), r.forced) for r in rows]
             steps = max_len - len(prompt_ids) - length
             fed = self._decode_rows(logits, cache, rows, calls, steps, temperature, top_k, top_p, generator)
             self._keep_routes(rows, prefix, fed, len(prompt_ids))
@@ -432,6 +431,12 @@ class Engine:
                 r.forced = c.forced
         finally:
             self.model.train(was_training)
+
+    def _continuation(self, prompt_ids, rows: list[Completion]) -> tuple[torch.Tensor, list[ToolCalls]]:
+        """What continuing `rows` prefills — the prompt and each row's tokens (rows, T) — and each row's tool calls
+        in flight (a call still open, a result the last chunk cut)."""
+        ids = torch.tensor([list(prompt_ids) + r.tokens for r in rows], dtype=torch.long, device=self.device)
+        return ids, [ToolCalls(self._open_call(r.tokens), r.forced) for r in rows]
 
     def _open_call(self, tokens: list[int]) -> int | None:
         """Where a tool call still open at the end of `tokens` began (after its start marker), else None."""
@@ -448,8 +453,9 @@ class Engine:
         for prompt, rows, generator in requests:
             room = max_new_tokens if budget is None else min(max_new_tokens, budget - len(rows[0].tokens))
             prefix = len(prompt) + len(rows[0].tokens)
-            if room > 0 and prefix < min(prefix + room, self.max_len()):
-                todo.append((prompt, rows, generator, room, min(prefix + room, self.max_len()) - prefix))
+            steps = min(prefix + room, self.max_len()) - prefix  # as `extend` counts them
+            if room > 0 and steps > 0:
+                todo.append((prompt, rows, generator, room, steps))
         items = [(len(p) + len(rows[0].tokens), len(rows), steps, g) for p, rows, g, _, steps in todo]
         for run in self._runs(items, temperature):
             if len(run) == 1:
@@ -459,8 +465,7 @@ class Engine:
             parts = []
             for prompt, rows, generator, _, _ in (todo[i] for i in run):
                 assert all(not r.finished for r in rows), "extend unfinished rows"
-                ids = torch.tensor([list(prompt) + r.tokens for r in rows], dtype=torch.long, device=self.device)
-                calls = [ToolCalls(self._open_call(r.tokens), r.forced) for r in rows]
+                ids, calls = self._continuation(prompt, rows)
                 parts.append(together.Part(ids, rows, calls, generator))
             together.decode(self, parts, todo[run[0]][4], temperature, top_k, top_p)
 

@@ -209,9 +209,9 @@ def test_fake_trace_matches_the_real_step():
 
 
 def test_a_trace_is_kept_and_read_back_for_the_same_inputs_only(tmp_path, monkeypatch):
-    """The traced step is kept on disk: the same config and shapes (another output folder) read it back without
-    tracing, and equal to the trace; other shapes or another config trace afresh; a damaged file is traced over;
-    TIERLM_CACHE_DIR=off keeps nothing."""
+    """The traced step is kept on disk: the same config and shapes (another output folder, seed, learning rate and
+    length) read it back without tracing, and equal to the trace; other shapes or another config trace afresh; a
+    damaged file is traced over; TIERLM_CACHE_DIR=off keeps nothing."""
     from tierlm.plan.memory import estimate as module
 
     monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path))
@@ -220,7 +220,10 @@ def test_a_trace_is_kept_and_read_back_for_the_same_inputs_only(tmp_path, monkey
     monkeypatch.setattr(module, "tracked_peak", lambda fns, *a: traced.append(1) or real(fns, *a))
     config = small()
     first = trace_step(config, STAGES["pretrain"], 512, 4, 64)
-    elsewhere = small(infra={"output_dir": str(tmp_path / "another_run")})
+    elsewhere = small(
+        infra={"output_dir": str(tmp_path / "another_run")},
+        training={"per_device_train_batch_size": 4, "seed": 5, "learning_rate": 0.01, "num_train_steps": 3},
+    )
     assert trace_step(elsewhere, STAGES["pretrain"], 512, 4, 64) == first and len(traced) == 1
     assert trace_step(config, STAGES["pretrain"], 512, 2, 64)["Activation"] < first["Activation"] and len(traced) == 2
     trace_step(small(training={"optimizer": "muon"}), STAGES["pretrain"], 512, 4, 64)

@@ -200,7 +200,7 @@ def trace_step(
     """Bytes at the peak of a training step of `config`'s model on one process, by MemTracker's
     category ({"Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other"}).
 
-    The traced step is the second, the steady one: it holds the optimizer state the first created.
+    The traced step is a steady one: it holds the optimizer state a first step created.
     `generation` = (samples, length): before it, prefill a cache of that many rows of that length (RL).
     `fake=False` runs the same step on real tensors (to check the fake trace against: small configs only).
     A fake trace made before with the same inputs is read back (`tierlm.plan.memory.traces.kept_on_disk`).
@@ -239,7 +239,13 @@ def trace_step(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        step()  # untracked: it creates the optimizer state the tracked step holds
+        # The optimizer's state, created as its first step creates it (from zero gradients: the same shapes, without
+        # a traced forward and backward, half the trace's ops); the tracked step holds it.
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         fns = [step]
         if generation is not None:  # rollouts are scored before the update
             fns = [scoring, step]

@@ -3,11 +3,13 @@ tensors: seconds at every run's start (its per-op bookkeeping, not the model's s
 at the same shapes, traced by the same tierlm, torch and transformers, gives the same bytes, so a trace made once is
 read back: a resumed or repeated run, the other ranks of a machine, the auto batch size's search over row counts.
 
-The key holds everything the trace reads — the whole config but its output folder, the stage, the shapes, a model
-folder's JSON files (its architecture; the weights are never read) — and the versions of what computes it (tierlm's
-own source, hashed, torch and transformers), so a changed line of tierlm traces afresh. Where: `TIERLM_CACHE_DIR`,
-else `$XDG_CACHE_HOME/tierlm`, else ~/.cache/tierlm, under `memory-traces/`, one small JSON file a trace;
-`TIERLM_CACHE_DIR=off` turns it off. A file that cannot be read or written is passed over, never an error.
+The key holds everything the trace reads — the config but what never reaches the traced step (`UNTRACED`: how long
+the run trains, when it saves, evaluates and logs, its seeds and learning rates, how much data it reads, where it
+writes), the stage, the shapes, a model folder's JSON files (its architecture; the weights are never read) — and
+the versions of what computes it (tierlm's own source, hashed, torch and transformers), so a changed line of tierlm
+traces afresh, while the same run with another seed, learning rate or length reads its trace back. Where:
+`TIERLM_CACHE_DIR`, else `$XDG_CACHE_HOME/tierlm`, else ~/.cache/tierlm, under `memory-traces/`, one small JSON file
+a trace; `TIERLM_CACHE_DIR=off` turns it off. A file that cannot be read or written is passed over, never an error.
 """
 
 from __future__ import annotations
@@ -55,6 +57,28 @@ def code_version() -> str:
     return f"{digest.hexdigest()[:16]}/torch {torch.__version__}/transformers {theirs}"
 
 
+# Settings the traced step never reads, by config section: the schedule, saving, evaluation and logging, seeds,
+# learning rates (scalars in the update: the same bytes), data amounts (the trace's shapes come as rows and tokens),
+# sampling and evaluation settings, the ablation's list, where the run writes and how it reports progress.
+UNTRACED = {
+    "training": (
+        "learning_rate", "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "num_train_steps",
+        "num_train_epochs", "warmup_steps", "warmup_ratio", "warmup_start_factor", "lr_scheduler_type", "min_lr_ratio",
+        "warmdown_ratio", "muon_momentum_warmup_steps", "save_steps", "save_total_limit", "save_best",
+        "average_last_n", "max_consecutive_nonfinite", "eval_steps", "eval_batches", "eval_samples",
+        "per_device_eval_batch_size", "sample_prompts", "sample_max_new_tokens", "core_bundle", "core_steps",
+        "core_max_per_task", "logging_steps", "report_to", "logging_dir", "seed", "resume", "resume_from_checkpoint",
+    ),
+    "infra": (
+        "output_dir", "progress_bar", "peak_tflops", "num_threads", "dist_timeout_s", "hang_timeout", "max_memory_gb",
+        "wandb_project", "wandb_run_name", "wandb_entity",
+    ),
+    "data": ("num_synthetic_examples", "num_synthetic_eval_examples", "val_fraction", "eval_stream_examples"),
+    "rl": ("eval_problems", "eval_k", "eval_temperature", "sandbox_workers"),
+    "ablation": ("variants", "seeds"),
+}  # fmt: skip
+
+
 def trace_key(config, stage, vocab_size: int, rows: int, tokens: int, pretrained, generation) -> str:
     """The trace's inputs, hashed (module docstring).
 
@@ -65,9 +89,14 @@ def trace_key(config, stage, vocab_size: int, rows: int, tokens: int, pretrained
     True
     >>> trace_key(a, None, 64, 2, 16, None, None) == trace_key(a, None, 64, 4, 16, None, None)
     False
+    >>> c = TierlmConfig.model_validate({"training": {"seed": 7, "learning_rate": 0.1, "num_train_steps": 9}})
+    >>> trace_key(a, None, 64, 2, 16, None, None) == trace_key(c, None, 64, 2, 16, None, None)
+    True
     """
     settings = config.model_dump(mode="json")
-    settings["infra"].pop("output_dir", None)
+    for section, names in UNTRACED.items():
+        for name in names:
+            settings[section].pop(name)  # a KeyError here: a field renamed, to be renamed here too
     model_files = {}
     if isinstance(pretrained, Path):
         for path in sorted([*pretrained.glob("*.json"), *pretrained.glob("*/*.json")]):

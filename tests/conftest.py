@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Nothing downloads in tests: a name that could be a Hub id fails at once instead of retrying the network
 # (the CLI's subprocesses inherit it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Runs draw no report as they go (`tierlm.metrics.report.reports_on`: matplotlib's second or so at every run's end
+# was a fifth of an end-to-end test's time); the tests of the report itself ask for it (the `reports` fixture).
+os.environ.setdefault("TIERLM_REPORT", "off")
 
 # Under pytest-xdist (scripts/test.sh runs two workers on two cores) each worker and every process it starts computes
 # on one thread: two workers with a thread per core each would take the cores from each other many times over.
@@ -31,6 +34,12 @@ def _memory_traces(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     os.environ.setdefault("TIERLM_CACHE_DIR", str(shared / "tierlm-cache"))
+
+
+@pytest.fixture
+def reports(monkeypatch):
+    """Runs in this test (and the processes it starts) draw their report.md and plots/ as users' runs do."""
+    monkeypatch.setenv("TIERLM_REPORT", "on")
 
 
 @pytest.fixture(autouse=True)

@@ -76,7 +76,9 @@ def test_core_equals_a_per_prompt_reference_and_centres_on_the_baseline(tiny_run
     assert result["core"] == pytest.approx(sum(r["centered"] for r in result["tasks"].values()) / 3)
 
 
-def test_tierlm_eval_core_writes_the_run_result_and_refuses_a_folder_without_a_bundle(tiny_runs, tmp_path, capsys):
+def test_tierlm_eval_core_writes_the_run_result_and_refuses_a_folder_without_a_bundle(
+    tiny_runs, tmp_path, capsys, reports
+):
     from conftest import run_main
     from tierlm.commands.cli import main
 

@@ -40,7 +40,7 @@ def lines(run, kind="train"):
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == kind]
 
 
-def test_pretraining_by_epochs_stops_after_the_passes_and_resumes_mid_epoch_exactly(tmp_path):
+def test_pretraining_by_epochs_stops_after_the_passes_and_resumes_mid_epoch_exactly(tmp_path, reports):
     args = [
         "pretrain",
         "--config",

@@ -157,7 +157,7 @@ def test_an_encoder_decoder_scores_the_continuation_with_its_decoder_given_the_c
         assert score == pytest.approx(float(expected), abs=1e-4)
 
 
-def test_the_command_writes_the_results_into_the_run(tiny_runs, tmp_path, capsys):
+def test_the_command_writes_the_results_into_the_run(tiny_runs, tmp_path, capsys, reports):
     run = tmp_path / "pre"
     shutil.copytree(tiny_runs / "pre", run)
     tasks = write_tasks(tmp_path / "tasks")

@@ -83,7 +83,7 @@ def test_wandb_resumes_the_run_the_directory_keeps(tmp_path):
     )  # both parts are the one run (synced as one)
 
 
-def test_tierlm_train_from_python_calls_the_callbacks(tmp_path):
+def test_tierlm_train_from_python_calls_the_callbacks(tmp_path, reports):
     """`tierlm.train(config, stage, overrides, callbacks)`: the whole stage, as the CLI runs it, with the
     loop's events handed to the caller's callbacks."""
     import tierlm

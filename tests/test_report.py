@@ -95,9 +95,20 @@ def test_several_runs_overlay_in_one_report(tmp_path):
     assert main(["report", str(a)]) == 0 and (a / "report.md").is_file()
 
 
-def test_every_run_directory_gets_its_report(tiny_runs):
-    """The runs the bad-input cases share (a tiny pretraining run and an SFT run through the CLI's path)."""
-    for stage in ("pre", "sft"):
-        assert (tiny_runs / stage / "report.md").is_file() and (
-            tiny_runs / stage / "plots" / "loss_steps.png"
-        ).is_file()
+def test_a_run_draws_its_report_unless_told_not_to(tmp_path, monkeypatch):
+    """A run directory gets report.md and plots/ as it trains, as users' runs do; with TIERLM_REPORT=off (a sweep's
+    many short runs, this suite) it gets neither, and `tierlm report RUN` draws the same files afterwards."""
+    from conftest import run_main
+
+    args = ["pretrain", "--config", "configs/tiny_pretrain.yaml", "training.num_train_steps=4"]
+    args += ["training.warmup_steps=0", "training.eval_steps=2", "infra.progress_bar=false"]
+    for setting in ("on", "off"):
+        monkeypatch.setenv("TIERLM_REPORT", setting)
+        done = run_main(*args, f"infra.output_dir={tmp_path / setting}")
+        assert done.returncode == 0, done.stderr[-2000:]
+    on, off = tmp_path / "on", tmp_path / "off"
+    drawn = sorted(p.name for p in (on / "plots").glob("*.png"))
+    assert (on / "report.md").is_file() and {"loss_steps.png", "lr.png", "grad_norm.png"} <= set(drawn)
+    assert not (off / "report.md").exists() and not (off / "plots").exists()
+    assert run_main("report", str(off)).returncode == 0
+    assert sorted(p.name for p in (off / "plots").glob("*.png")) == drawn and (off / "report.md").is_file()

@@ -292,7 +292,7 @@ def test_the_importance_correction_resolves_from_the_run_and_jax_refuses_the_seq
     ],
     ids=["vespo-async-sequence_mask-opsm", "sapo-on_policy-tis", "luspo-icepop"],
 )  # fmt: skip
-def test_new_losses_and_corrections_train_and_show_their_figures(extra, shown, tiny_runs, tmp_path):
+def test_new_losses_and_corrections_train_and_show_their_figures(extra, shown, tiny_runs, tmp_path, reports):
     """A few RL steps of each new loss under an importance correction (on-policy too: a sampler's arithmetic may
     differ from the trainer's) and DeepSeek-V3.2's sequence mask: the run ends, its lines carry the figures, and the
     report plots them."""

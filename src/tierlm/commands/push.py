@@ -2,8 +2,8 @@
 card written from the run (what was trained, on what, the last evaluation, the report's plots).
 
 The upload is staged in a temporary folder (the verified model files, `README.md` — the card — and
-`plots/*.png`) and sent with `huggingface_hub`'s `create_repo` + `upload_folder`; `--dry-run` prints the
-files and the card and sends nothing.
+`plots/*.png`, the run's or, for a run that drew none, drawn from its metrics) and sent with `huggingface_hub`'s
+`create_repo` + `upload_folder`; `--dry-run` prints the files and the card and sends nothing.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def usage(repo: str, transformers_ready: bool, native: bool) -> list[str]:
     ]
 
 
-def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
-    """The card: front matter the Hub reads, then what the run was and how it did."""
+def model_card(run_dir: Path, model_dir: Path, repo: str, plots: list[Path] = ()) -> str:
+    """The card: front matter the Hub reads, then what the run was and how it did, with `plots` (staged PNGs)."""
     from tierlm.metrics.report import read_metrics
     from tierlm.models import is_native_folder
 
@@ -90,7 +90,6 @@ def model_card(run_dir: Path, model_dir: Path, repo: str) -> str:
             ],
             "",
         ]
-    plots = sorted((run_dir / "plots").glob("*.png")) if (run_dir / "plots").is_dir() else []
     if plots:
         lines += ["## Curves", "", *[f"![{p.stem}](plots/{p.name})" for p in plots], ""]
     lines += ["## Use", "", "```python", *usage(repo, transformers_ready, is_native_folder(model_dir)), "```", ""]
@@ -110,7 +109,12 @@ def stage_upload(run: str | Path, repo: str, into: Path) -> tuple[Path, list[tup
     shutil.copytree(model_dir, into, ignore=shutil.ignore_patterns("adapter"), dirs_exist_ok=True)
     if (run_dir / "plots").is_dir():
         shutil.copytree(run_dir / "plots", into / "plots", dirs_exist_ok=True)
-    (into / "README.md").write_text(model_card(run_dir, model_dir, repo), encoding="utf-8")
+    elif (run_dir / "metrics.jsonl").is_file():  # a run that drew no report as it went (TIERLM_REPORT=off)
+        from tierlm.metrics.report import draw_panels, read_metrics
+
+        draw_panels({run_dir.name: read_metrics(run_dir)}, into / "plots")
+    plots = sorted((into / "plots").glob("*.png"))
+    (into / "README.md").write_text(model_card(run_dir, model_dir, repo, plots), encoding="utf-8")
     files = sorted((str(p.relative_to(into)), p.stat().st_size) for p in into.rglob("*") if p.is_file())
     return into, files
 

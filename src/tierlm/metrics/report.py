@@ -1,8 +1,8 @@
 """Tier 3: plots and reports from run directories (their metrics.jsonl), with matplotlib.
 
 Every run writes `report.md` and `plots/*.png` into its directory (`ReportSink`: refreshed at each
-evaluation and when the loop ends); `tierlm report RUN_DIR` rebuilds one, `tierlm report A B --out DIR`
-overlays several runs in one set of plots.
+evaluation and when the loop ends) unless `TIERLM_REPORT=off` (`reports_on`); `tierlm report RUN_DIR` rebuilds one,
+`tierlm report A B --out DIR` overlays several runs in one set of plots.
 """
 
 from __future__ import annotations
@@ -29,10 +29,21 @@ def run_of(location: Path | str) -> Path | None:
     )
 
 
+def reports_on(environ=os.environ) -> bool:
+    """Whether runs draw their report as they go. Drawing costs about a second each time (matplotlib, ~0.1 s a
+    plot): a sweep of many short runs, or a test suite, sets `TIERLM_REPORT=off` and draws the runs it wants
+    afterwards with `tierlm report RUN_DIR` (everything is in metrics.jsonl).
+
+    >>> reports_on({}), reports_on({"TIERLM_REPORT": "off"}), reports_on({"TIERLM_REPORT": "1"})
+    (True, False, True)
+    """
+    return environ.get("TIERLM_REPORT", "on").strip().lower() not in ("off", "0", "false", "no", "none")
+
+
 def record_evaluation(run_dir: Path, record: dict[str, Any], results_file: str, results: Any) -> None:
     """An evaluation of a trained run (`tierlm eval --harness / --core / --chat-core`): `record` becomes a line of its
     metrics.jsonl at the run's last training step (with the tokens it had seen), `results` its `results_file`
-    (written whole, then moved into place), and report.md is rebuilt."""
+    (written whole, then moved into place), and report.md is rebuilt (`reports_on`)."""
     last = next((r for r in reversed(read_metrics(run_dir)) if r.get("type") == "train"), {})
     seen = {"tokens_seen": last["tokens_seen"]} if "tokens_seen" in last else {}
     line = {"type": record["type"], "step": last.get("step", 0), **seen, **record}
@@ -41,7 +52,8 @@ def record_evaluation(run_dir: Path, record: dict[str, Any], results_file: str, 
     tmp = run_dir / f".{results_file}.tmp"
     tmp.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, run_dir / results_file)
-    write_run_report(run_dir)
+    if reports_on():
+        write_run_report(run_dir)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

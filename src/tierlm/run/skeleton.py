@@ -84,9 +84,9 @@ def build_logger(config: TierlmConfig, output_dir: Path, resume_step: int | None
                 entity=config.infra.wandb_entity,
             )
         )
-    from tierlm.metrics.report import ReportSink  # after the JSONL sink: it reads the lines just written
+    from tierlm.metrics.report import ReportSink, reports_on  # after the JSONL sink: it reads the lines just written
 
-    return MetricsLogger([*sinks, ReportSink(output_dir)])
+    return MetricsLogger([*sinks, *([ReportSink(output_dir)] if reports_on() else [])])
 
 
 def warn_restarts(config: TierlmConfig) -> None:

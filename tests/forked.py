@@ -45,6 +45,8 @@ PRELOAD = [
     "transformers",
     "tierlm.commands.cli",
     "tierlm.run.skeleton",
+    "tierlm.stages",  # every stage, its loops and the generation engine
+    "tierlm.plan.memory.estimate",  # the pre-flight's trace (MemTracker, FakeTensorMode)
     "tests.distributed_worker",
 ]
 

@@ -1,7 +1,7 @@
-"""Expert parallelism (`infra.expert_parallel_size`, `tierlm.backends.expert_parallel`) with gloo, under torchrun (the
-FSDP2 leg's ranks forked as torchrun starts them, tests/forked.py): two ranks sharing out the experts take the steps
-one process takes at the same global batch, resume bit for bit, reshard into one process, and export the whole
-model (transformers' Qwen3-MoE loads it)."""
+"""Expert parallelism (`infra.expert_parallel_size`, `tierlm.backends.expert_parallel`) with gloo: ranks forked as
+torchrun starts them (tests/forked.py), and torchrun itself for the resume: two ranks sharing out the experts take
+the steps one process takes at the same global batch, resume bit for bit, reshard into one process, and export the
+whole model (transformers' Qwen3-MoE loads it)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_pa
     two, fsdp, one = tmp_path / "two", tmp_path / "fsdp", tmp_path / "one"
     done = run_main(*COMMON, *ONE, f"infra.output_dir={one}")
     assert done.returncode == 0, done.stderr[-3000:]
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")  # torchrun itself, and below
+    done = ranks("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
     assert done.returncode == 0, done.stderr[-3000:]
     a = _same_steps(two, one)
     assert _param_bytes(two) < 0.8 * _param_bytes(one)  # half the experts on each rank
@@ -98,7 +98,7 @@ def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_pa
     _same_steps(fsdp, one)
 
     _back_to(two, 4)
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")
+    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")  # torchrun itself, resuming
     assert done.returncode == 0, done.stderr[-3000:]
     assert _lines(two) == a  # bit for bit
 

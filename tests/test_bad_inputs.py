@@ -858,6 +858,11 @@ CASES = [
         ["serve", "--checkpoint", "{sft}", "--vllm-url", "http://127.0.0.1:9"],
         r"--vllm-url names a vLLM server .* for --engine vllm",
     ),
+    Case(
+        "serve-compile-vllm",
+        ["serve", "--checkpoint", "{sft}", "--engine", "vllm", "--compile"],
+        r"--compile compiles tierlm's own decode step, not --engine vllm's",
+    ),
     Case("chat-temperature-negative", ["chat", "--checkpoint", "{sft}", "--temperature", "-1"], "temperature"),
     Case("push-bad-repo-id", ["push", "{sft}", "--repo", "no-slash", "--dry-run"], "is not a Hub repository id"),
     Case("push-not-a-run", ["push", "nope", "--repo", "me/x", "--dry-run"], "nope"),

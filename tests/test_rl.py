@@ -270,9 +270,36 @@ def test_engine_compile_refuses_a_model_without_the_fixed_shape_step(tiny_gpt_co
     from tierlm.errors import ConfigError
 
     models, tokenizer = _models(tiny_gpt_config), SimpleNamespace(stop_ids=[7])
-    with pytest.raises(ConfigError, match="engine.compile compiles the native GPT's fixed-shape decode step"):
+    with pytest.raises(ConfigError, match=r"engine.compile \(--compile\) compiles the native GPT's fixed-shape decode"):
         build_engine(EngineSettings(compile=True), models["transformers"], tokenizer)
     assert build_engine(EngineSettings(compile=True), models["native"], tokenizer).decoders.compile
+
+
+def test_sample_and_chat_compile_their_decode_step_when_asked(tiny_runs, monkeypatch):
+    """`tierlm sample --compile` prints what `tierlm sample` prints (sampled, seeded); `tierlm chat/serve --compile`
+    build tierlm's engine with the compiled step (serve's refusal with --engine vllm: tests/test_bad_inputs.py)."""
+    import torch._dynamo
+
+    from conftest import run_main
+    from tierlm.commands.chat import Chatbot
+    from tierlm.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    args = ["sample", "--checkpoint", str(tiny_runs / "sft"), "--prompt", "What is 2 + 3?", "--temperature", "1"]
+    args += ["--max-new-tokens", "12", "--device-type", "cpu"]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    plain = run_main(*args)
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = run_main(*args, "--compile")
+    assert counters["stats"]["unique_graphs"] >= 1  # the decode step went through torch.compile
+    assert plain.returncode == compiled.returncode == 0 and plain.stdout == compiled.stdout, compiled.stderr[-2000:]
+    bot = Chatbot(tiny_runs / "sft", "cpu", compile=True)
+    try:
+        assert bot.engine.decoders.compile and bot.engine.fixed_alone
+    finally:
+        bot.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

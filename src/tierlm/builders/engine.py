@@ -63,15 +63,21 @@ class EngineSettings:
         )
 
 
+def check_compile(model: nn.Module) -> None:
+    """Refuse in one line to compile a decode step `model` lacks (engine.compile, `--compile`)."""
+    if not static_decode.supports(unwrap_model(model)):
+        raise ConfigError(
+            "engine.compile (--compile) compiles the native GPT's fixed-shape decode step, which this model lacks "
+            "(another family, experts or sliding-window layers): drop it"
+        )
+
+
 def native(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):
     """tierlm's engine on the policy's live weights, or on a whole copy of its own (loaded with the policy's weights
     at each sync) when the policy will be `sharded` (FSDP) or sampling runs ahead of training (off-policy)."""
     own_copy = sharded or settings.off_policy
-    if settings.compile and not static_decode.supports(unwrap_model(model)):
-        raise ConfigError(
-            "engine.compile compiles the native GPT's fixed-shape decode step, which this model lacks (another family, "
-            "experts or sliding-window layers): drop engine.compile"
-        )
+    if settings.compile:
+        check_compile(model)
     model = copy.deepcopy(model) if own_copy else model
     return Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=settings.compile)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from tierlm.commands.generation import Reply, Sampling
-from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, temperature
+from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, temperature
 from tierlm.errors import DataError
 
 
@@ -32,10 +32,12 @@ class Chatbot:
         vllm_url: str | None = None,
         batch_rows: int = 1,
         chat_only: bool = True,
+        compile: bool = False,
     ):
         """`batch_rows` > 1: replies asked for at once are generated together, up to that many (continuous batching,
         `tierlm.rollout.batching`; the native GPT on tierlm's engine), else one at a time. `chat_only` False: a model
-        without a chat template (a base model) is served too, for plain completions (`complete`)."""
+        without a chat template (a base model) is served too, for plain completions (`complete`). `compile`: tierlm's
+        engine compiles its decode step (engine.compile)."""
         import tempfile
 
         from tierlm.builders.engine import ENGINES, EngineSettings, build_engine
@@ -47,6 +49,8 @@ class Chatbot:
         from tierlm.primitives import resolve_device
         from tierlm.rollout.tools import TOOL_CALL_START
 
+        if compile and engine != "native":
+            raise ConfigError(f"--compile compiles tierlm's own decode step, not --engine {engine}'s: drop it")
         location = verified_model_location(str(checkpoint))
         self.name = Path(str(checkpoint)).name or str(checkpoint)
         self.tokenizer = load_tokenizer(location)
@@ -60,7 +64,11 @@ class Chatbot:
         with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
         if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
             raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
-        section = EngineConfig(kind=engine, vllm_url=vllm_url)  # the engine section, from the flags
+        if compile and engine != "native":
+            raise ConfigError(
+                f"--compile compiles tierlm's own decode step; --engine {engine} samples elsewhere: drop it"
+            )
+        section = EngineConfig(kind=engine, vllm_url=vllm_url, compile=compile)  # the engine section, from the flags
         choice = EngineSettings.from_section(section, tools=("calculator",) if with_tools else ())
         kind = ENGINES[choice.kind]
         # --engine vllm: the model folder vLLM loads (tierlm's engine samples the loaded model itself)
@@ -248,10 +256,12 @@ def arguments(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--temperature", type=temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
     chat.add_argument("--max-new-tokens", type=positive_int, default=128)
     chat.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
+    chat.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
 
 def run(args: argparse.Namespace) -> None:
-    terminal_chat(Chatbot(args.checkpoint, args.device_type), args.temperature, args.max_new_tokens)
+    bot = Chatbot(args.checkpoint, args.device_type, compile=args.compile)
+    terminal_chat(bot, args.temperature, args.max_new_tokens)
 
 
 COMMAND = Command(arguments, run)

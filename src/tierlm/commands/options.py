@@ -144,3 +144,7 @@ def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> N
 
 
 DEVICE_TYPES = ["auto", "cpu", "cuda", "mps"]
+COMPILE_HELP = (
+    "torch.compile the decode step (engine.compile; native GPT): on a GPU it is then captured as CUDA graphs; the "
+    "first reply waits for the compile (tens of seconds)"
+)

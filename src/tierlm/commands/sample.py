@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tierlm.commands.options import DEVICE_TYPES, Command, positive_int, probability, temperature
+from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, probability, temperature
 from tierlm.errors import TierlmError
 
 
@@ -23,11 +23,13 @@ def arguments(sample: argparse.ArgumentParser) -> None:
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")
     mode.add_argument("--raw", dest="chat", action="store_false", help="continue the prompt as plain text")
     sample.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
+    sample.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
 
 def run(args: argparse.Namespace) -> None:
     import torch
 
+    from tierlm.builders.engine import check_compile
     from tierlm.checkpoint.folders import verified_model_location
     from tierlm.checkpoint.verify import MODEL_META_FILE
     from tierlm.data import load_tokenizer
@@ -55,7 +57,9 @@ def run(args: argparse.Namespace) -> None:
     else:
         prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
     tools = [Calculator()] if chat and TOOL_CALL_START in tokenizer.hf.get_vocab() else []
-    engine = Engine(model, tokenizer.stop_ids, tokenizer, tools)
+    if args.compile:
+        check_compile(model)
+    engine = Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=args.compile)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
     completion = engine.generate(
         prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator

@@ -40,7 +40,7 @@ from tierlm.commands.openai_api import (
     prompt_ids,
     validation_message,
 )
-from tierlm.commands.options import DEVICE_TYPES, ENGINE_KINDS, Command, positive_int
+from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, ENGINE_KINDS, Command, positive_int
 from tierlm.errors import ConfigError
 
 
@@ -247,6 +247,7 @@ def arguments(serve: argparse.ArgumentParser) -> None:
         "from .venv-vllm, or the server at --vllm-url; a reply arrives whole)",
     )
     serve.add_argument("--vllm-url", default=None, help="--engine vllm: a vLLM server (scripts/vllm_server.sh)")
+    serve.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     serve.add_argument(
         "--max-batch",
         type=positive_int,
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> None:
         vllm_url=args.vllm_url,
         batch_rows=args.max_batch,
         chat_only=False,  # a base model serves /v1/completions
+        compile=args.compile,
     )
     try:
         serve(bot, args.host, args.port, args.max_queue, args.timeout, api_key)

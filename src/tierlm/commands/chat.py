@@ -64,10 +64,6 @@ class Chatbot:
         with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
         if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
             raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
-        if compile and engine != "native":
-            raise ConfigError(
-                f"--compile compiles tierlm's own decode step; --engine {engine} samples elsewhere: drop it"
-            )
         section = EngineConfig(kind=engine, vllm_url=vllm_url, compile=compile)  # the engine section, from the flags
         choice = EngineSettings.from_section(section, tools=("calculator",) if with_tools else ())
         kind = ENGINES[choice.kind]

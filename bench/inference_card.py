@@ -69,6 +69,14 @@ def chosen_device(device_type: str | None, script: str) -> torch.device:
     return device
 
 
+def card_config(args, dry_max_seq_len: int) -> GPTConfig:
+    """The model the card (and bench/rollout_batch.py) measures: --depth x --aspect-ratio with 128-wide heads and a
+    32,768-token vocabulary (depth 20: 478 M parameters), or a tiny one for --dry-run."""
+    if args.dry_run:
+        return GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=dry_max_seq_len)
+    return GPTConfig(depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=1024)
+
+
 def random_gpt(config: GPTConfig):
     """The native GPT of `config` with trained-looking random weights (non-degenerate distributions), seed 0."""
     torch.manual_seed(0)
@@ -174,14 +182,11 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s of the memory (default: known/measured)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's table of each contender")
     args = parser.parse_args()
+    config = card_config(args, dry_max_seq_len=64)
     if args.dry_run:
-        config = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=64)
         device, batches, new_tokens = torch.device("cpu"), [1, 3], 8
     else:
         device = chosen_device(args.device_type, "inference_card.py")
-        config = GPTConfig(
-            depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=1024
-        )
         batches, new_tokens = [int(b) for b in args.batches.split(",")], args.new_tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = Path(tempfile.mkdtemp()) / "model"

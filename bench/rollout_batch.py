@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from tierlm.models import GPTConfig
 from tierlm.rollout.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from inference_card import chosen_device, random_gpt, timed  # noqa: E402
+from inference_card import card_config, chosen_device, random_gpt, timed  # noqa: E402
 
 
 def main() -> None:
@@ -39,14 +38,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="engine.compile: the step through Inductor")
     args = parser.parse_args()
+    config = card_config(args, dry_max_seq_len=128)
     if args.dry_run:
-        config = GPTConfig(depth=2, aspect_ratio=32, head_dim=32, vocab_size=512, max_seq_len=128)
         device, prompts, samples, new_tokens = torch.device("cpu"), 3, 2, 8
     else:
         device = chosen_device(args.device_type, "rollout_batch.py")
-        config = GPTConfig(
-            depth=args.depth, aspect_ratio=args.aspect_ratio, head_dim=128, vocab_size=32768, max_seq_len=1024
-        )
         prompts, samples, new_tokens = args.prompts, args.samples, args.new_tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_gpt(config).to(device, dtype).eval()

@@ -208,6 +208,37 @@ def test_fake_trace_matches_the_real_step():
     assert 0 <= fake["Total"] - real["Total"] <= 4 * 4 * 64 * 64 * 4 and fake["Optstate"] == real["Optstate"]
 
 
+def test_the_whole_peak_tracker_keeps_memtrackers_peak(tiny_gpt_config):
+    """`tracked_peak`'s tracker leaves out MemTracker's per-module peaks, not its bytes: on a training step of the
+    native GPT (AdamW's state held, the head's logits and the backward's temporaries) it reports the peak PyTorch's
+    MemTracker reports, category by category."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tierlm.metrics.memory import whole_peak_tracker
+    from tierlm.models import build_gpt
+
+    model = build_gpt(tiny_gpt_config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, tiny_gpt_config.vocab_size, (4, 32))
+
+    def step() -> None:
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # AdamW's state
+    peaks = []
+    for tracker in (MemTracker(), whole_peak_tracker()):
+        tracker.track_external(model, optimizer)
+        with tracker:
+            step()
+        peaks.append(tracker.get_tracker_snapshot("peak"))
+    assert type(tracker).__name__ == "WholePeakTracker" and peaks[0] == peaks[1]
+    held = {getattr(kind, "value", kind): b for kind, b in peaks[1][torch.device("cpu")].items()}
+    assert all(held[kind] > 0 for kind in ("Parameter", "Gradient", "Activation", "Temp", "Optstate")), held
+
+
 def test_a_trace_is_kept_and_read_back_for_the_same_inputs_only(tmp_path, monkeypatch):
     """The traced step is kept on disk: the same config and shapes (another output folder, seed, learning rate and
     length) read it back without tracing, and equal to the trace; other shapes or another config trace afresh; a

@@ -272,6 +272,8 @@ def test_engine_compile_refuses_a_model_without_the_fixed_shape_step(tiny_gpt_co
     models, tokenizer = _models(tiny_gpt_config), SimpleNamespace(stop_ids=[7])
     with pytest.raises(ConfigError, match=r"engine.compile \(--compile\) compiles the native GPT's fixed-shape decode"):
         build_engine(EngineSettings(compile=True), models["transformers"], tokenizer)
+    with pytest.raises(ConfigError, match="fixed-shape decode step, which this model lacks"):
+        Engine(models["transformers"], stop_ids=[7], compile=True)  # the engine itself (tierlm sample --compile)
     assert build_engine(EngineSettings(compile=True), models["native"], tokenizer).decoders.compile
 
 

@@ -16,8 +16,7 @@ from torch import nn
 from tierlm.config import EngineConfig, TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.models import family_of, unwrap_model
-from tierlm.rollout import static_decode
-from tierlm.rollout.engine import Engine, SamplingEngine
+from tierlm.rollout.engine import Engine, SamplingEngine, check_compile
 from tierlm.rollout.tools import Calculator, PythonTool
 
 TOOLS = {"calculator": Calculator, "python": PythonTool}
@@ -63,21 +62,12 @@ class EngineSettings:
         )
 
 
-def check_compile(model: nn.Module) -> None:
-    """Refuse in one line to compile a decode step `model` lacks (engine.compile, `--compile`)."""
-    if not static_decode.supports(unwrap_model(model)):
-        raise ConfigError(
-            "engine.compile (--compile) compiles the native GPT's fixed-shape decode step, which this model lacks "
-            "(another family, experts or sliding-window layers): drop it"
-        )
-
-
 def native(settings: EngineSettings, model: nn.Module, tokenizer, tools, folder, sharded: bool, world_size: int):
     """tierlm's engine on the policy's live weights, or on a whole copy of its own (loaded with the policy's weights
     at each sync) when the policy will be `sharded` (FSDP) or sampling runs ahead of training (off-policy)."""
     own_copy = sharded or settings.off_policy
     if settings.compile:
-        check_compile(model)
+        check_compile(model)  # before a copy is made (the engine checks it again)
     model = copy.deepcopy(model) if own_copy else model
     return Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=settings.compile)
 

@@ -29,7 +29,6 @@ def arguments(sample: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from tierlm.builders.engine import check_compile
     from tierlm.checkpoint.folders import verified_model_location
     from tierlm.checkpoint.verify import MODEL_META_FILE
     from tierlm.data import load_tokenizer
@@ -57,8 +56,6 @@ def run(args: argparse.Namespace) -> None:
     else:
         prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
     tools = [Calculator()] if chat and TOOL_CALL_START in tokenizer.hf.get_vocab() else []
-    if args.compile:
-        check_compile(model)
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=args.compile)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
     completion = engine.generate(

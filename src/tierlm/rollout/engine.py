@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tierlm.errors import DataError
+from tierlm.errors import ConfigError, DataError
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
 from tierlm.rollout import static_decode, together
@@ -149,6 +149,15 @@ class SamplingEngine(Protocol):
     def close(self) -> None: ...
 
 
+def check_compile(model: nn.Module) -> None:
+    """Refuse in one line to compile a decode step `model` lacks (engine.compile, `--compile`)."""
+    if not static_decode.supports(unwrap_model(model)):
+        raise ConfigError(
+            "engine.compile (--compile) compiles the native GPT's fixed-shape decode step, which this model lacks "
+            "(another family, experts or sliding-window layers): drop it"
+        )
+
+
 class Engine:
     """Sampling for one model of any family (the family's KV cache: ours for native models, transformers' own).
 
@@ -172,6 +181,8 @@ class Engine:
         static: bool | None = None,
         compile: bool = False,
     ):
+        if compile:
+            check_compile(model)
         self.model = unwrap_model(model)
         self.family = family_of(self.model)
         self.device = next(self.model.parameters()).device

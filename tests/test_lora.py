@@ -359,7 +359,8 @@ def test_a_sampler_copy_takes_the_adapters_alone_and_refuses_a_stale_or_partial_
     adapter stamped for another version, or missing a tensor, is refused."""
     import copy
 
-    from tierlm.rollout.engine import Engine, adapter_payload
+    from tierlm.rollout.adapters import adapter_payload
+    from tierlm.rollout.engine import Engine
 
     policy = _adapted(tiny_runs)
     engine = Engine(copy.deepcopy(policy))

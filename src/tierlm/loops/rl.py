@@ -34,7 +34,8 @@ from tierlm.metrics.flops import flops_line
 from tierlm.models import unwrap_model
 from tierlm.models.lora import has_lora, is_adapter_key
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.rollout.engine import Rollout, SamplingEngine, adapter_payload
+from tierlm.rollout.adapters import adapter_payload
+from tierlm.rollout.engine import Rollout, SamplingEngine
 from tierlm.strategies.rl import PolicyGradientStrategy, overlong_penalty
 from tierlm.tasks import Environment, Task
 

@@ -20,6 +20,7 @@ from tierlm.errors import ConfigError, DataError
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
 from tierlm.rollout import static_decode, together
+from tierlm.rollout.adapters import ADAPTER_VERSION, stamped_adapters
 from tierlm.rollout.sampling import default_generator, sample_groups, sample_next_token
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
@@ -83,37 +84,6 @@ class Rollout:
     task_reward: float | None = None
     score: float | None = None
     domain: str | None = None  # its prompt's domain (`TaskExample.domain`): which teacher scores it
-
-
-ADAPTER_VERSION = "adapter.weight_version"
-"""The key of an adapter-only sync's version stamp (`adapter_payload`)."""
-
-
-def adapter_payload(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """A LoRA policy's adapters out of its weights `state`, stamped with the weight `version` they are, for a
-    sampler that keeps the base weights (`Engine.load_weights` checks the stamp).
-
-    >>> state = {"q.base_layer.weight": torch.ones(2, 2), "q.lora_A.default.weight": torch.zeros(1, 2)}
-    >>> sorted(adapter_payload(state, 3)), int(adapter_payload(state, 3)[ADAPTER_VERSION])
-    (['adapter.weight_version', 'q.lora_A.default.weight'], 3)
-    """
-    adapters = {key: value for key, value in state.items() if is_adapter_key(key)}
-    return {**adapters, ADAPTER_VERSION: torch.tensor(version)}
-
-
-def stamped_adapters(payload: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """The adapters of an `adapter_payload`, refused (RuntimeError) unless it is stamped with `version`: a stale
-    adapter is never sampled with.
-
-    >>> stamped_adapters(adapter_payload({"q.lora_A.default.weight": torch.zeros(1, 2)}, 3), 4)
-    Traceback (most recent call last):
-    RuntimeError: the adapters of weight version 3 were offered as version 4
-    """
-    adapters = dict(payload)
-    stamped = int(adapters.pop(ADAPTER_VERSION))
-    if stamped != version:
-        raise RuntimeError(f"the adapters of weight version {stamped} were offered as version {version}")
-    return adapters
 
 
 class SamplingEngine(Protocol):

@@ -30,7 +30,8 @@ from tierlm.errors import ConfigError, DataError, first_line
 from tierlm.models import family_of, unwrap_model
 from tierlm.models.io import save_model_config
 from tierlm.models.lora import has_lora, lora_layers, lora_scalings, merged_state, save_adapter, split_state
-from tierlm.rollout.engine import ADAPTER_VERSION, Completion, adapter_payload, stamped_adapters
+from tierlm.rollout.adapters import ADAPTER_VERSION, adapter_payload, stamped_adapters
+from tierlm.rollout.engine import Completion
 from tierlm.rollout.tools import (
     TOOL_CALL_END,
     TOOL_CALL_START,

@@ -186,6 +186,16 @@ def _in_step_reference(config: TierlmConfig, model: nn.Module, vocab_size: int, 
     return reference
 
 
+def _optimizer_state(model: nn.Module, optimizer) -> None:
+    """The optimizer's state, created as its first step creates it: from zero gradients (the same shapes, without a
+    traced forward and backward: half a trace's ops)."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 @kept_on_disk
 def trace_step(
     config: TierlmConfig,
@@ -239,13 +249,7 @@ def trace_step(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        # The optimizer's state, created as its first step creates it (from zero gradients: the same shapes, without
-        # a traced forward and backward, half the trace's ops); the tracked step holds it.
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _optimizer_state(model, optimizer)  # the tracked step holds it
         fns = [step]
         if generation is not None:  # rollouts are scored before the update
             fns = [scoring, step]

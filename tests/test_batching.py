@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tierlm.models import GPTConfig, build_gpt
+from tierlm.rollout import static_decode
 from tierlm.rollout.batching import BatchedDecoder
 from tierlm.rollout.engine import Engine
 
@@ -28,7 +29,7 @@ def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
     """Greedy tokens and their logits, the sequence alone (the engine's own cache)."""
     engine, rows = Engine(model), []
     out = engine.generate(prompt, 1, steps, temperature=0.0, on_token=lambda r, c: None)[0]
-    ids = torch.tensor([prompt + out.tokens[:-1]])
+    ids = torch.tensor([prompt + out.tokens[:-1]], device=next(model.parameters()).device)
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1 :]
     rows.extend(out.tokens)
@@ -36,12 +37,23 @@ def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
 
 
 @pytest.mark.parametrize("static,device", [(False, "cpu"), (True, "cpu"), (None, "cuda")])
-def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(static, device):
-    """`static`: the step with fixed shapes that CUDA captures in graphs (on CPU run eagerly): rows and positions
-    rounded up to buckets over views of the cache, a tensor position, attention masked over the whole bucket. On
-    CUDA (scripts/gpu_checks.sh) the decoder's own choice: those steps, each a CUDA graph."""
+def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(static, device, monkeypatch):
+    """`static`: the step with fixed shapes that CUDA captures in graphs (on CPU run eagerly, its logits returned in
+    one buffer overwritten each step as a graph's are): rows and positions rounded up to buckets over views of the
+    cache, a tensor position, attention masked over the whole bucket. On CUDA (scripts/gpu_checks.sh) the decoder's
+    own choice: those steps, each a CUDA graph."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if static and device == "cpu":
+        run = static_decode.FixedStep.run
+
+        def run_into_one_buffer(step):  # a CUDA graph's output: the same memory, rewritten by every replay
+            logits = run(step)
+            if getattr(step, "buffer", None) is None:
+                step.buffer = torch.empty_like(logits)
+            return step.buffer.copy_(logits)
+
+        monkeypatch.setattr(static_decode.FixedStep, "run", run_into_one_buffer)
     model = _model(48).to(device)
     prompts = {"a": [5, 9, 13], "b": list(range(20, 31)), "c": [7], "d": [3, 1, 4, 1, 5, 9, 2, 6]}
     joins = {"a": 0, "b": 2, "c": 5, "d": 40}  # d joins after the timeline has passed the context: compaction
@@ -72,7 +84,7 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
         logits = batch.step(torch.tensor([got[name][-1] for name in rows], device=device))
         for i, name in enumerate(rows):
             got[name].append(int(logits[i].argmax()))
-            logits_seen[name].append(logits[i])
+            logits_seen[name].append(logits[i].clone())  # a view valid until the next step
     assert batch.rows == 0
     assert not fixed or len(batch.steps.decoders) >= 2  # several buckets of rows
     assert any(m > 0 for m in moves) and any(m < 0 for m in moves), moves  # pushed right by b, compacted later

@@ -91,7 +91,8 @@ class BatchedDecoder:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (B,); the next logits of every row (B, V)."""
+        """Feed one token per row (B,); the next logits of every row (B, V) (with fixed shapes a view valid until the
+        next step: a CUDA graph's output)."""
         assert tokens.shape == (self.rows,), f"one token per row: {self.rows} rows, got {tuple(tokens.shape)}"
         unused = self._unused()
         if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):

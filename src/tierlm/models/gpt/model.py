@@ -221,7 +221,8 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if T == 1 and cache is not None:  # one new token attends to everything its row cached: no causal mask
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attention_mask(), enable_gqa=gqa)
+            seen = mask if cache.position is not None else cache.attention_mask()  # (the model's, at a position)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=gqa)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if isinstance(mask, PackedDocuments):
             if not torch.compiler.is_compiling():  # eager: each document alone
@@ -346,7 +347,8 @@ class GPT(nn.Module):
         )
         assert cache is None or position_ids is None, "a KV cache decodes one sequence per row: no packed position_ids"
         if cache is not None and cache.position is not None:  # one token at a tensor position: shapes never change
-            cos, sin, mask = self.rope_cos[cache.position], self.rope_sin[cache.position], None  # (1, D)
+            cos, sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # (1, D)
+            mask = cache.layers[0].attention_mask()  # the layers share one timeline: made once a step, not a layer
         elif position_ids is None:
             cos, sin, mask = self.rope_cos[start : start + T], self.rope_sin[start : start + T], None  # (T, D)
         else:

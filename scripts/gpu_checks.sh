@@ -52,12 +52,12 @@ check() {
     local dry=()
     [ -z "${DRY:-}" ] || dry=(--dry-run)
     case "$1" in
-        tests) timeout 150 python3 -m pytest -q -p no:cacheprovider "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
+        tests) timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line -rf "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
             "tests/test_primitives.py::test_fp8_trains_on_a_gpu" "tests/test_ablate.py::test_forked_runs_train_on_a_gpu" \
             "tests/test_rl.py::test_cuda_graph_decoding_equals_the_eager_step" \
             "tests/test_rl.py::test_cuda_decoding_compiled_ahead_and_batched_samples_the_eager_tokens" \
             "tests/test_batching.py::test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone[None-cuda]" \
-            2>&1 | tail -3 ;;
+            2>&1 | grep -E "^(E |/|FAILED|[0-9]+ (passed|failed))" | tail -12 ;;  # a failure's line and where it was
         card) timeout 300 python3 bench/inference_card.py "${dry[@]}" 2>&1 | grep -v Warning | tail -16 ;;
         card_profile) timeout 150 python3 bench/inference_card.py "${dry[@]}" --profile --batches 1 --new-tokens 32 \
             --contenders tierlm-every-step,tierlm,tierlm-compiled 2>&1 | grep -v Warning | tail -75 ;;

@@ -61,9 +61,7 @@ def measure(
         from tierlm.primitives.fp8 import apply_float8_training
 
         apply_float8_training(model)
-    if compile == "model":  # the whole forward, the embedding, final norm and the fused loss with the blocks
-        model.compile()
-    elif compile:
+    if compile is True:  # each block (infra.compile=true); "model": the backend compiles its whole training forward
         apply_compile(model)
     backend = PyTorchTrainingBackend(
         model,
@@ -73,7 +71,9 @@ def measure(
         device,
         None,
         BackendOptions(
-            compute_dtype=torch.bfloat16 if device.type == "cuda" else None, fused_cross_entropy=fused_cross_entropy
+            compute_dtype=torch.bfloat16 if device.type == "cuda" else None,
+            fused_cross_entropy=fused_cross_entropy,
+            compile="model" if compile == "model" else False,  # infra.compile=model: the whole training forward
         ),
     )
     batches = shakespeare_batches(warmup + steps, batch, seq, device)

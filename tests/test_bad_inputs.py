@@ -210,6 +210,17 @@ CASES = [
     Case("override-unknown-key", ["config", "show", "training.learnin_rate=1"], "did you mean training.learning_rate"),
     Case("override-wrong-type", ["config", "show", "training.seed=abc"], "training.seed"),
     Case(
+        "compile-unknown-scope",
+        ["config", "show", "infra.compile=blocks"],
+        "infra.compile is true .each block., false or model",
+    ),
+    Case(
+        "compile-model-with-fsdp",
+        ["config", "show", "infra.compile=model", "infra.distributed_type=fsdp"],
+        r"infra.compile=model compiles the whole forward in one process or under DDP, not with "
+        r"infra.distributed_type=fsdp",
+    ),
+    Case(
         "override-bad-interpolation", ["config", "show", "training.seed=${nope}"], "cannot apply overrides|interpolat"
     ),
     Case("seed-negative", ["pretrain", "--config", cfg(PRE), *TINY, "training.seed=-1"], "training.seed must be >= 0"),

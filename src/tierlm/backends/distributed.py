@@ -25,6 +25,7 @@ from tierlm.backends.options import BackendOptions
 from tierlm.backends.parallelize import parallelize
 from tierlm.backends.protocol import Batch, TrainFuture
 from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.errors import ConfigError
 from tierlm.models import family_of, unwrap_model
 from tierlm.primitives.parallel import apply_ddp, apply_fsdp
 
@@ -33,7 +34,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 
 
 def prepare_model(
-    model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool, fp8: bool = False
+    model: nn.Module, device: torch.device, activation_checkpointing: bool, compile: bool | str, fp8: bool = False
 ) -> nn.Module:
     """The model on `device` with FP8, activation checkpointing and compile, in the one order (`parallelize`),
     before any wrapping."""
@@ -216,6 +217,14 @@ class FSDPTrainingBackend(DistributedTrainingBackend):
     fp32 and gradients are reduced in `reduce_dtype`. Activation checkpointing, per-block
     `torch.compile` and CPU offload are applied here, outside the model code.
     """
+
+    def _refuse(self, model: nn.Module, options: BackendOptions) -> None:
+        if options.compile == "model":  # infra.distributed_type=auto under torchrun (an explicit fsdp: the config's)
+            raise ConfigError(
+                "infra.compile=model compiles the whole forward in one process or under DDP, not under FSDP2 (which "
+                "shards the blocks one by one; infra.distributed_type=auto is FSDP2 under torchrun): use "
+                "infra.compile=true (each block), or infra.distributed_type=ddp"
+            )
 
     def _wrap(self, model: nn.Module, device: torch.device, o: BackendOptions) -> tuple[nn.Module, BackendOptions]:
         """`o.broadcast_weights`: `model` holds its weights on rank 0 only (on the meta device elsewhere); the shards

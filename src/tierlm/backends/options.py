@@ -11,7 +11,7 @@ what a backend cannot do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -34,8 +34,9 @@ class BackendOptions:
     """False keeps scaled-dot-product attention off its flash kernel (the memory-efficient or plain math kernel)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
-    compile: bool = False
-    """`torch.compile` each block."""
+    compile: bool | Literal["model"] = False
+    """True: `torch.compile` each block (`parallelize`); "model": the backend compiles its whole training forward,
+    the loss with it (one process and DDP)."""
     fp8: bool = False
     """FP8 matmuls (torchao's float8 training; H100-class GPUs)."""
     async_save: bool = False

@@ -32,7 +32,7 @@ def parallelize(
     fp8: bool = False,
     tensor_parallel: BlockTransform | None = None,
     activation_checkpointing: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
     data_parallel: DataParallel | None = None,
     blocks: nn.ModuleList | None = None,
 ) -> nn.Module:
@@ -52,7 +52,7 @@ def parallelize(
         tensor_parallel(model, block_list())
     if activation_checkpointing:
         apply_activation_checkpointing(model, block_list())
-    if compile:
+    if compile is True:  # "model": the backend compiles its whole training forward instead (PyTorchTrainingBackend)
         apply_compile(model, block_list())
     if data_parallel is not None:
         model = data_parallel(model, block_list) or model

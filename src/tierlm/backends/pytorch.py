@@ -47,6 +47,10 @@ def loss_sum_and_count(loss_fn: Callable, logits: torch.Tensor, batch: Batch) ->
     return out * count, count
 
 
+WHOLE_COMPILE_OPTIONS: dict[str, Any] = {}
+"""`torch.compile`'s options for `compile="model"`'s training forward (the tests trace with a cheaper backend)."""
+
+
 def _to_host(value: Any) -> float | torch.Tensor:
     """A scalar metric as a float; a per-row or per-token tensor (e.g. log-probs) as a CPU tensor, float32 unless it
     holds integers (e.g. token ids)."""
@@ -155,6 +159,10 @@ class PyTorchTrainingBackend(TrainingBackend):
         self.fused_cross_entropy = options.fused_cross_entropy
         self.grad_scaler = torch.amp.GradScaler(self.device.type) if options.loss_scaling else None
         self.flash_attention = options.flash_attention
+        self._cross_entropy, self._logits = forward_cross_entropy, forward_logits
+        if options.compile == "model":  # the training forward whole, loss included; eval and generation as they are
+            self._cross_entropy = torch.compile(forward_cross_entropy, **WHOLE_COMPILE_OPTIONS)
+            self._logits = torch.compile(forward_logits, **WHOLE_COMPILE_OPTIONS)
         self._model_fuses: dict[int, bool] = {}
         self.functional, self.functional_state = None, None  # a functional optimizer in use (`use_optimizer`)
         self.step = 0
@@ -252,11 +260,11 @@ class PyTorchTrainingBackend(TrainingBackend):
         if self._fuses(self.model, loss_fn):  # the loss is token cross-entropy: no (B, T, V) logits
             weights = token_weights(get_labels(batch), batch.get("loss_mask"))
             with self._autocast():
-                total, _ = forward_cross_entropy(self.model, batch, weights)
+                total, _ = self._cross_entropy(self.model, batch, weights)
             count = weights.sum()
         else:
             with self._autocast():
-                logits = forward_logits(self.model, batch)  # (B, T, V)
+                logits = self._logits(self.model, batch)  # (B, T, V)
             total, count = loss_sum_and_count(loss_fn, logits, batch)
         self._backward(total)
         return self._accumulate(total.detach(), count.detach())

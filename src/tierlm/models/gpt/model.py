@@ -153,11 +153,25 @@ def rotary_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple
     return angles.cos(), angles.sin()
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sine table as `apply_rotary` takes it (and the models' `rope_sin` buffers hold it): first half negated."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by the position's angle; first and second halves pair up."""
+    """Rotate (B, H, T, D) by the position's angle; first and second halves pair up. `sin` is `signed_sin`'s, so
+    the turn is x cos + (x's halves swapped) sin: the same numbers as transformers' x cos + rotate_half(x) sin, whose
+    negation of x is folded into the table (a kernel fewer each call, two a layer of a GPU's decode step).
+
+    >>> x, (cos, sin) = torch.randn(1, 2, 3, 8), rotary_tables(8, torch.arange(3), 10000.0)
+    >>> textbook = x * cos + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin
+    >>> torch.equal(apply_rotary(x, cos, signed_sin(sin)), textbook)
+    True
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
 
 
 def turn_keys(model: nn.Module, offset: int):
@@ -173,11 +187,12 @@ def turn_keys(model: nn.Module, offset: int):
 
 @torch.no_grad()
 def fill_rotary(module: nn.Module, head_dim: int, theta: float) -> None:
-    """Fill a model's non-persistent `rope_cos` / `rope_sin` buffers (positions x head_dim) with their tables."""
+    """Fill a model's non-persistent `rope_cos` / `rope_sin` buffers (positions x head_dim) with their tables (the
+    sine signed for `apply_rotary`)."""
     positions = torch.arange(module.rope_cos.shape[0], device=module.rope_cos.device)
     cos, sin = rotary_tables(head_dim, positions, theta)
     module.rope_cos.copy_(cos)
-    module.rope_sin.copy_(sin)
+    module.rope_sin.copy_(signed_sin(sin))
 
 
 class Attention(nn.Module):

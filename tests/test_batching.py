@@ -124,3 +124,36 @@ def test_requests_from_many_threads_get_what_each_gets_alone():
         assert never.reason == "timeout" and never.completion.tokens == []
     finally:
         scheduler.close()
+
+
+def test_a_layer_of_the_fixed_shape_step_rebuilds_no_mask_and_negates_nothing():
+    """On a GPU the fixed-shape decode step's time is its kernels (~700 of ~2.5 us for a 20-layer model on an H200,
+    docs/benchmarks.md), so what a layer adds is counted: the attention mask is built once a step, not in each layer
+    (no arange / compare / and a layer), and the rotary turn's negation lives in the sine table (no neg a layer)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for depth in (1, 3):
+        torch.manual_seed(0)
+        config = GPTConfig(depth=depth, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=64)
+        step = static_decode.StaticDecoder(build_gpt(config).eval(), 2, 64, graph=False)
+        step.position.fill_(5)
+        with Count() as count:
+            step.step(torch.tensor([3, 4]))
+        counts.append(count.ops)
+    per_layer = {op: (counts[1][op] - counts[0][op]) // 2 for op in counts[1]}
+    assert per_layer["mm"] == 7 and per_layer["index_copy_"] == 2  # q k v o gate up down; the keys and the values
+    assert {op: per_layer.get(op, 0) for op in ("arange", "le", "bitwise_and", "neg")} == dict.fromkeys(
+        ("arange", "le", "bitwise_and", "neg"), 0
+    ), per_layer

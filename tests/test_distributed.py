@@ -49,7 +49,7 @@ def test_forked_processes_are_what_torchrun_and_popen_start(tmp_path):
     """tests/forked.py stands in for torchrun and for `subprocess.Popen([sys.executable, ...])` in the tests: each
     rank's environment (what tierlm reads of it), command line, working folder and exit code are the ones torchrun
     gives, a failing rank fails the job, and a single process's pipe, exit code and death by a signal are Popen's."""
-    script = tmp_path / "show.py"
+    script = tmp_path / "show.py"  # each rank's line in one write() to the pipe the ranks share (print's could mix)
     script.write_text(
         "import json, os, sys\n"
         "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'OMP_NUM_THREADS']\n"
@@ -57,7 +57,7 @@ def test_forked_processes_are_what_torchrun_and_popen_start(tmp_path):
         "seen['present'] = [k for k in ('MASTER_ADDR', 'MASTER_PORT', 'TORCHELASTIC_RUN_ID') if k in os.environ]\n"
         "tree = os.environ['PYTHONPATH'].split(os.pathsep)[0]\n"
         "seen.update(argv=sys.argv[1:], cwd=os.getcwd(), name=__name__, tree=tree)\n"
-        "print('SEEN ' + json.dumps(seen, sort_keys=True))\n"
+        "os.write(1, ('SEEN ' + json.dumps(seen, sort_keys=True) + '\\n').encode())\n"
         "sys.exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n"
     )
 

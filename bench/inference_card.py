@@ -161,6 +161,8 @@ def profile(engine: Engine, batch: int, new_tokens: int, device: torch.device) -
             torch.cuda.synchronize()
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+    if device.type == "cuda":  # the kernels themselves (a CUDA graph's replay among them), by their GPU time
+        print(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=50))
     kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     print(json.dumps({"profile_batch": batch, "new_tokens": new_tokens, "kernels_per_step": kernels / new_tokens}))
 

@@ -62,7 +62,7 @@ check() {
             2>&1 | grep -E "^(E |/|FAILED|[0-9]+ (passed|failed))" | tail -12 ;;  # a failure's line and where it was
         card) timeout 300 python3 bench/inference_card.py "${dry[@]}" 2>&1 | grep -v Warning | tail -16 ;;
         card_profile) timeout 150 python3 bench/inference_card.py "${dry[@]}" --profile --batches 1 --new-tokens 32 \
-            --contenders tierlm-every-step,tierlm,tierlm-compiled 2>&1 | grep -v Warning | tail -75 ;;
+            --contenders tierlm-every-step,tierlm,tierlm-compiled 2>&1 | grep -v Warning | tail -150 ;;
         rollouts) timeout 120 python3 bench/rollout_batch.py "${dry[@]}" 2>&1 | grep -v Warning | tail -4 ;;
         rl) if [ -n "${DRY:-}" ]; then
                 timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \

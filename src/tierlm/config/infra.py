@@ -69,8 +69,8 @@ class InfraConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool | Literal["model"] = False
-    """true: torch.compile each transformer block (slow to start; worth it on GPUs; every backend but DeepSpeed and
-    JAX). "model": the whole training forward, embedding and loss with the blocks, as one graph (nanochat's way:
+    """true: torch.compile each transformer block (slow to start; worth it on GPUs; not with DeepSpeed, JAX or expert
+    parallelism). "model": the whole training forward, embedding and loss with the blocks, as one graph (nanochat's way:
     46.6% MFU against 40.8% per block for a 478 M GPT on an H200, docs/benchmarks.md; one process or DDP; the
     first step compiles longer; evaluation and generation run the model as it is)."""
     cpu_offload: bool = False

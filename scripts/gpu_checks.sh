@@ -24,7 +24,8 @@
 # tests 106-120 s, card_profile 67 s, profile 37 s, the card's three tierlm contenders 112 s, rollouts 28 s, half of
 # mfu_model ~80 s; 2026-11-28: card 150 s before its compiled/every-step contenders, mfu 52 s, rl 290 s before the
 # batched rollouts; on the H100, 2026-11-26: serve_cuda 118 s, serve_cpu 135 s). Run only the checks named: a call
-# that re-runs `tests` to set up costs its two minutes. The figures go to docs/benchmarks.md with the card named. `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).
+# that re-runs `tests` to set up costs its two minutes. The figures go to docs/benchmarks.md with the card named.
+# `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).
 set -uo pipefail
 
 # The GPU image holds torch, transformers, tokenizers, safetensors, numpy, peft, jax, prometheus_client, httpx; these

@@ -157,13 +157,15 @@ class InfraConfig(Section):
 
     @model_validator(mode="after")
     def _check_whole_model_compile(self) -> "InfraConfig":
+        if self.compile != "model":
+            return self
         sharded = {
             "infra.distributed_type=fsdp": self.distributed_type == "fsdp",
             "tensor / pipeline / context parallel sizes": self.model_parallel,
             "infra.expert_parallel_size": self.expert_parallel_size > 1,
         }
         for what, asked in sharded.items():
-            if self.compile == "model" and asked:
+            if asked:
                 raise ValueError(
                     f"infra.compile=model compiles the whole forward in one process or under DDP, not with {what} "
                     "(which wrap the blocks one by one): use infra.compile=true (each block), or "

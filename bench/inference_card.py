@@ -15,6 +15,8 @@ Sampling at temperature 1, no stop token, a 16-token prompt, so each generates e
   - tierlm-compiled: `Engine(compile=True)` (engine.compile=true), the fixed-shape step `torch.compile`d (on CUDA,
     then captured in the graph); its first generation of each shape compiles, in the warm-up;
   - tierlm-every-step (GPU): `tierlm` with the tokens read after every step (what the engine did before);
+  - tierlm-compiled-apart: `tierlm-compiled` with each layer's q, k, v, gate and up weights as five matmuls, not
+    packed into two (`tierlm.rollout.static_decode.pack`; what the engine did before);
   - tierlm-eager: `Engine(static=False)`, the step launched kernel by kernel, attending to the cache so far (on
     CPU this is what `tierlm` runs);
   - tierlm-static (CPU): the fixed-shape step without a graph, attending to the whole bucket (masked);
@@ -205,6 +207,8 @@ def main() -> None:
         "tierlm-every-step": Engine(native),
     }
     engines["tierlm-every-step"].ahead = 1
+    engines["tierlm-compiled-apart"] = Engine(native, compile=True)
+    engines["tierlm-compiled-apart"].decoders.pack = False  # q/k/v and gate/up as separate matmuls
     gpu = "tierlm,tierlm-compiled,tierlm-every-step,tierlm-eager,transformers-static"
     # --dry-run (in the suite) leaves Inductor's code generation out: tens of seconds on 2 cores
     default = gpu if device.type == "cuda" else "tierlm,tierlm-static" + ("" if args.dry_run else ",tierlm-compiled")

@@ -121,6 +121,44 @@ def test_fixed_shape_decoding_continues_partial_rollouts_as_the_slicing_step(tin
     _same_samples(*_static_and_slicing(model, run))
 
 
+def test_packed_projections_are_the_weights_themselves_through_training_and_inference_mode(tiny_gpt_config):
+    """The fixed-shape step's q/k/v and gate/up packed into one matrix each: the same samples as the step reading
+    the separate weights and as the slicing step; the model's weights become views of the packed matrices (no
+    memory added); an optimizer step after a generation under `torch.inference_mode` trains the weights (still
+    ordinary tensors) and the next generation samples what an unpacked copy of the trained model samples."""
+    from tierlm.rollout.static_decode import Decoders
+
+    model = _models(tiny_gpt_config)["native"]
+    before = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    packed, apart = Engine(model, stop_ids=[7], static=True), Engine(model, stop_ids=[7], static=True)
+    apart.decoders = Decoders(model, graph=False, pack=False)
+
+    def sample(engine, seed=3):
+        return engine.generate([3, 14, 15], 3, 20, 1.0, generator=torch.Generator().manual_seed(seed))
+
+    with torch.inference_mode():
+        first = sample(packed)
+    attn, mlp = model.blocks[1].attn, model.blocks[1].mlp
+    weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight)
+    storages = {w.untyped_storage().data_ptr() for w in weights}
+    assert len(storages) == 2 and not any(w.is_inference() for w in weights)
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(list(model.parameters())) - 6
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == before
+    assert attn.qkv_weight is None and mlp.gate_up_weight is None  # set only while a step runs
+    _same_samples(first, sample(apart))
+    _same_samples(first, sample(Engine(model, stop_ids=[7], static=False)))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    model(ids, labels=ids)[0].backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights)
+    optimizer.step()
+    trained = sample(packed, seed=4)
+    assert [r.tokens for r in trained] != [r.tokens for r in sample(Engine(_models(tiny_gpt_config)["native"],
+                                                                                stop_ids=[7]), seed=4)]  # fmt: skip
+    _same_samples(trained, sample(Engine(copy.deepcopy(model), stop_ids=[7], static=False), seed=4))
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_sampling_ahead_of_the_host_changes_nothing(tiny_gpt_config, static):
     """Steps sampled in runs of 3 or 8 before the host reads them (as on CUDA) against one at a time: the same tokens,

@@ -61,9 +61,15 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, width, bias=False)
         self.up_proj = nn.Linear(dim, width, bias=False)
         self.down_proj = nn.Linear(width, dim, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+        """gate's and up's weights as one matrix, set only while a fixed-shape decode step runs
+        (`tierlm.rollout.static_decode.packed`): the two are one matmul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def load_balancing_loss(probs: torch.Tensor, routes: torch.Tensor, num_experts: int) -> torch.Tensor:

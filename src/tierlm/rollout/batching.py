@@ -119,7 +119,7 @@ class BatchedDecoder:
             for k, v in self.full
         ]
         return static_decode.FixedStep(
-            self.model, self.tokens[:rows], KVCache.over(layers), self.steps.graph, self.steps.compile
+            self.model, self.tokens[:rows], KVCache.over(layers), self.steps.graph, self.steps.compile, self.steps.pack
         )
 
     @torch.no_grad()

@@ -13,6 +13,12 @@ the same fixed-shape step runs eagerly (what the tests compare with the slicing 
 keeps a few buckets (`Decoders`) and uses them for the native GPT on CUDA, and everywhere for several prompts
 decoded together (`tierlm.rollout.together`); the server's continuous batch keeps `FixedStep`s over its own cache.
 
+With `pack`, each layer's q, k and v weights are one matrix and its gate and up weights another, so each trio and
+pair is one matmul (vLLM's `QKVParallelLinear` and `MergedColumnParallelLinear`): at batch 1 a GPU runs a small
+matmul far below its memory bandwidth (a 1280 x 1280 projection at 0.7 TB/s on an H200, docs/benchmarks.md), and
+three make three kernels' fixed cost. The model's own weights become views of the packed matrices (`pack`): the same
+memory, and an optimizer step or a loaded state dict writing them in place writes what the step reads.
+
 With `compile`, the step is `torch.compile`d before it is captured (SGLang's way: Inductor's fused kernels inside
 the engine's own graph). A graph replays every kernel with one launch, but each kernel still costs the GPU a few
 microseconds however little it reads, and a 20-layer step is some 600 of them; Inductor fuses each norm, rotary
@@ -22,7 +28,9 @@ later buckets recompile once with dynamic shapes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -30,6 +38,7 @@ from torch import nn
 
 from tierlm.models.gpt.model import GPT, turn_keys
 from tierlm.models.kv_cache import KVCache
+from tierlm.models.moe import SwiGLU
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LENGTH_BUCKET = 128
@@ -65,6 +74,72 @@ def compiled_decode_step(backend: str):
     return torch.compile(decode_step, backend=backend, fullgraph=True)
 
 
+def pack(linears: list[nn.Linear]) -> torch.Tensor:
+    """The `linears`' weights as one matrix, their rows stacked, that the weights are views of: their own storage
+    where they already lie one after another in one, else a new one they move into (their values kept). Written in
+    place — an optimizer step, `load_state_dict` — the weights write it; moved or replaced (`.to()`), they leave it.
+
+    >>> a, b = nn.Linear(4, 2, bias=False), nn.Linear(4, 3, bias=False)
+    >>> w = pack([a, b])
+    >>> w.shape, torch.equal(w[2:], b.weight), pack([a, b]).data_ptr() == w.data_ptr()
+    (torch.Size([5, 4]), True, True)
+    >>> with torch.no_grad():
+    ...     _ = a.weight.mul_(2)
+    >>> torch.equal(w[:2], a.weight)
+    True
+    """
+    weights = [linear.weight for linear in linears]
+    rows, columns = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    start, storage = weights[0].storage_offset(), weights[0].untyped_storage().data_ptr()
+    offsets = itertools.accumulate((w.numel() for w in weights), initial=start)
+    if all(
+        w.is_contiguous() and w.untyped_storage().data_ptr() == storage and w.storage_offset() == offset
+        for w, offset in zip(weights, offsets)
+    ):
+        return weights[0].detach().as_strided((rows, columns), (columns, 1), start)
+    with torch.inference_mode(False), torch.no_grad():  # under inference mode the weights would stop training
+        packed = torch.cat([w.detach() for w in weights])
+        for w, part in zip(weights, packed.split([w.shape[0] for w in weights])):
+            w.data = part
+    return packed
+
+
+def projections(model: GPT) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, attribute, packed weights) for each layer's q/k/v and gate/up (`pack`): what `packed` sets while a
+    step runs. Only plain bias-free linears of their full shapes pack (not LoRA's, nor a partitioned weight)."""
+    groups = []
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        groups.append((attn, "qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj]))
+        if isinstance(mlp, SwiGLU):
+            groups.append((mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj]))
+    return [(module, name, pack(linears)) for module, name, linears in groups if _packable(linears)]
+
+
+def _packable(linears: list[nn.Module]) -> bool:
+    first = linears[0].weight
+    return all(
+        type(linear) is nn.Linear
+        and linear.bias is None
+        and linear.weight.shape == (linear.out_features, linear.in_features)
+        and (linear.weight.dtype, linear.weight.device, linear.in_features)
+        == (first.dtype, first.device, first.shape[1])
+        for linear in linears
+    )
+
+
+@contextlib.contextmanager
+def packed(packs: list[tuple[nn.Module, str, torch.Tensor]]):
+    """The modules' packed weights set inside the `with` (`projections`), so their forwards use them."""
+    for module, name, weight in packs:
+        setattr(module, name, weight)
+    try:
+        yield
+    finally:
+        for module, name, _ in packs:
+            setattr(module, name, None)
+
+
 def bucket(rows: int, length: int, context: int) -> tuple[int, int]:
     """The (rows, cache length) bucket holding `rows` rows of up to `length` positions.
 
@@ -77,12 +152,15 @@ def bucket(rows: int, length: int, context: int) -> tuple[int, int]:
 
 class FixedStep:
     """`decode_step` over buffers that never move — `tokens` (B,) and a `cache` at a tensor position, its own or views
-    of a larger one — on CUDA captured in a CUDA graph (after compiling, with `compile`). `run()`: the next logits
-    (B, V), a view valid until the next run."""
+    of a larger one — on CUDA captured in a CUDA graph (after compiling, with `compile`; with `pack`, q/k/v and
+    gate/up packed). `run()`: the next logits (B, V), a view valid until the next run."""
 
-    def __init__(self, model: GPT, tokens: torch.Tensor, cache: KVCache, graph: bool, compile: bool = False):
+    def __init__(
+        self, model: GPT, tokens: torch.Tensor, cache: KVCache, graph: bool, compile: bool = False, pack: bool = False
+    ):
         self.model, self.tokens, self.cache = model, tokens, cache
         self.fn = compiled_decode_step(COMPILE_BACKEND) if compile else decode_step
+        self.packs = projections(model) if pack else []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if graph:
@@ -90,7 +168,8 @@ class FixedStep:
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        return self.fn(self.model, self.tokens, self.cache)
+        with packed(self.packs):
+            return self.fn(self.model, self.tokens, self.cache)
 
     def _capture(self) -> None:
         """Warm up on a side stream (cuBLAS and the allocator settle), then capture one step (PyTorch's recipe,
@@ -122,7 +201,7 @@ class StaticDecoder:
     """One bucket's fixed-shape decode step (`rows` rows, a cache of `length` positions): a `FixedStep` over buffers
     of its own."""
 
-    def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool = False):
+    def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool = False, pack: bool = False):
         assert supports(model), "the fixed-shape decode step needs the native GPT without sliding windows"
         parameter = next(model.parameters())
         self.model, self.rows, self.length = model, rows, length
@@ -134,7 +213,7 @@ class StaticDecoder:
         self.cache.position = self.position  # this cache only ever decodes at the tensor position
         for layer in self.cache.layers:
             layer.mask = self.mask
-        self.fixed = FixedStep(model, self.tokens, self.cache, graph, compile)
+        self.fixed = FixedStep(model, self.tokens, self.cache, graph, compile, pack)
 
     @torch.no_grad()
     def load(self, prefilled: list[tuple[KVCache, int]]) -> None:
@@ -169,15 +248,15 @@ class Decoders:
     """The fixed-shape decode steps an engine keeps, one per (rows, length) bucket, the least recently used dropped
     past `keep` (each holds a KV cache of its size)."""
 
-    def __init__(self, model: GPT, graph: bool, keep: int = 4, compile: bool = False):
-        self.model, self.graph, self.keep, self.compile = model, graph, keep, compile
+    def __init__(self, model: GPT, graph: bool, keep: int = 4, compile: bool = False, pack: bool = True):
+        self.model, self.graph, self.keep, self.compile, self.pack = model, graph, keep, compile, pack
         self.decoders: OrderedDict[tuple[int, int], StaticDecoder | FixedStep] = OrderedDict()
         self.weights: tuple[int, ...] = ()
 
     def get(self, rows: int, length: int) -> StaticDecoder:
         """The decoder of the bucket holding `rows` rows of up to `length` positions."""
         key = bucket(rows, length, self.model.config.max_seq_len)
-        return self.kept(key, lambda: StaticDecoder(self.model, *key, self.graph, self.compile))
+        return self.kept(key, lambda: StaticDecoder(self.model, *key, self.graph, self.compile, self.pack))
 
     def kept(self, key, make):
         """The step kept under `key`, made by `make()` where there is none (`tierlm.rollout.batching` keeps its
@@ -187,10 +266,14 @@ class Decoders:
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         if weights != self.weights:
             self.decoders.clear()
+            if self.pack:  # the weights move into their packed matrices now, not in the first step made
+                projections(self.model)
+                weights = tuple(p.data_ptr() for p in self.model.parameters())
             self.weights = weights
         if key not in self.decoders:
             while len(self.decoders) >= self.keep:
                 self.decoders.popitem(last=False)
-            self.decoders[key] = make()
+            with torch.inference_mode(False):  # its buffers, written in place by every later step, are ordinary
+                self.decoders[key] = make()
         self.decoders.move_to_end(key)
         return self.decoders[key]

@@ -207,6 +207,10 @@ class Attention(nn.Module):
         # QK-norm keeps attention logits bounded, which lets tiny and large models share LRs.
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.qkv_widths = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
+        self.qkv_weight: torch.Tensor | None = None
+        """q, k and v's weights as one matrix, their rows stacked: set only while a fixed-shape decode step runs
+        (`tierlm.rollout.static_decode.packed`, whose weights are views of it), so the three are one matmul."""
 
     def forward(
         self,
@@ -220,10 +224,14 @@ class Attention(nn.Module):
         one in eager mode; under `torch.compile` the document mask, so the graph does not depend on
         the documents' lengths)."""
         B, T, _ = x.shape
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, self.qkv_weight).split(self.qkv_widths, dim=-1)
         # Heads counted from the projections' widths: under tensor parallelism each rank holds a share of them.
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = self.q_norm(q.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(k.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.n_kv_head != self.n_head
         if cache is not None:  # decoding: attend to everything cached so far plus these T tokens

@@ -19,11 +19,11 @@
 # to 300 s), mfu_batch (the same at nanochat's batch of 32 x 2048), profile (the compiled training step's kernels),
 # decode (the batched decode step alone), serve_cuda and serve_cpu (`tierlm serve` under load on the GPU and on the
 # machine's CPU, ~2 min each; bench/serve_load.py). None named: tests and card, whose limits add to 450 s (a call may
-# run 600 s and a session has 900, each machine start about 40 s); then `run rl mfu_model` in a second call (the RL step
-# since its rollouts became one batch, and infra.compile=model through the backend: neither measured yet), card_profile
-# or profile if time is left (on the H200, 2026-11-29: tests 106-120 s, card_profile 67 s, profile 37 s, the card's
-# three tierlm contenders 112 s, rollouts 28 s, half of mfu_model ~80 s; 2026-11-28: card 150 s before its
-# compiled/every-step contenders, mfu 52 s, rl 290 s before the batched rollouts; on the H100, 2026-11-26: serve_cuda
+# run 600 s and a session has 900, each machine start about 40 s). Next: `run mfu_batch card` (training at nanochat's
+# batch, not yet measured; the card's contenders with q/k/v and gate/up packed), then card_profile (the packed step's
+# kernels) if time is left (on the H200, 2026-11-29: tests 90-120 s, card_profile 67-75 s, card_pack ~170 s, profile 37
+# s, the card's three tierlm contenders 112 s, rollouts 28 s, mfu_model ~150 s, rl ~200 s, each later `run` ~8 s of
+# setup; 2026-11-28: card 150 s before its compiled/every-step contenders, mfu 52 s; on the H100, 2026-11-26: serve_cuda
 # 118 s, serve_cpu 135 s). Run only the checks named: a call that re-runs `tests` to set up costs its two minutes. The
 # figures go to docs/benchmarks.md with the card named.
 # `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).

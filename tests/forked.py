@@ -139,7 +139,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended and the forkserver, its parent, reaped it since (as Popen does)
+                pass
 
     def terminate(self) -> None:
         self._process.terminate()

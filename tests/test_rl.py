@@ -159,6 +159,25 @@ def test_packed_projections_are_the_weights_themselves_through_training_and_infe
     _same_samples(trained, sample(Engine(copy.deepcopy(model), stop_ids=[7], static=False), seed=4))
 
 
+def test_lora_projections_stay_apart_in_the_packed_step(tiny_gpt_config):
+    """LoRA on q and v (PEFT's layers, adapters non-zero): the step packs each layer's gate and up but leaves q/k/v
+    apart, and samples what the slicing step samples."""
+    from tierlm.models.lora import apply_lora
+    from tierlm.rollout.static_decode import projections
+
+    model = apply_lora(_models(tiny_gpt_config)["native"], r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    assert {name for _, name, _ in projections(model)} == {"gate_up_weight"}
+
+    def sample(engine):
+        return engine.generate([3, 14, 15], 3, 20, 1.0, generator=torch.Generator().manual_seed(3))
+
+    _same_samples(sample(Engine(model, stop_ids=[7], static=True)), sample(Engine(model, stop_ids=[7], static=False)))
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_sampling_ahead_of_the_host_changes_nothing(tiny_gpt_config, static):
     """Steps sampled in runs of 3 or 8 before the host reads them (as on CUDA) against one at a time: the same tokens,

@@ -156,7 +156,7 @@ class FixedStep:
     gate/up packed). `run()`: the next logits (B, V), a view valid until the next run."""
 
     def __init__(
-        self, model: GPT, tokens: torch.Tensor, cache: KVCache, graph: bool, compile: bool = False, pack: bool = False
+        self, model: GPT, tokens: torch.Tensor, cache: KVCache, graph: bool, compile: bool = False, pack: bool = True
     ):
         self.model, self.tokens, self.cache = model, tokens, cache
         self.fn = compiled_decode_step(COMPILE_BACKEND) if compile else decode_step
@@ -201,7 +201,7 @@ class StaticDecoder:
     """One bucket's fixed-shape decode step (`rows` rows, a cache of `length` positions): a `FixedStep` over buffers
     of its own."""
 
-    def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool = False, pack: bool = False):
+    def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool = False, pack: bool = True):
         assert supports(model), "the fixed-shape decode step needs the native GPT without sliding windows"
         parameter = next(model.parameters())
         self.model, self.rows, self.length = model, rows, length

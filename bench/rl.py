@@ -5,7 +5,8 @@ vLLM server on the same cores, scripts/vllm_server.sh), all on the tiny task fro
 
     .venv/bin/python bench/rl.py [--repeats 3] [--steps 12] [--sft runs/tiny_sft] [--max-new-tokens 96]
     python bench/rl.py --device-type cuda --random-model 20x64 --max-new-tokens 128 --repeats 1 \
-        --only "1 process on-policy,1 process on-policy compiled"    # on a GPU: a 393 M random-weight policy
+        --only "1 process on-policy,1 process on-policy compiled,1 process on-policy all compiled"
+                                                                      # on a GPU: a 393 M random-weight policy
     bash bench/sums_sft.sh && .venv/bin/python bench/rl.py --task synthetic:sums --sft runs/sums/sft \
         --max-new-tokens 256 --only "1 process on-policy,1 process partial rollouts"   # a heavy tail
 
@@ -202,6 +203,8 @@ def rl_step(args, ranks: int, extra: list[str], python: str = sys.executable) ->
 CONTENDERS = {
     "1 process on-policy": lambda a: rl_step(a, 1, []),
     "1 process on-policy compiled": lambda a: rl_step(a, 1, ["infra.compile=true"]),
+    # the whole step compiled: the training forward as one graph and the decode step (inside its CUDA graph on a GPU)
+    "1 process on-policy all compiled": lambda a: rl_step(a, 1, ["infra.compile=model", "engine.compile=true"]),
     "1 process one step off": lambda a: rl_step(a, 1, ["rl.max_off_policy_steps=1"]),
     "2 ranks DDP on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=ddp"]),
     "2 ranks FSDP2 on-policy": lambda a: rl_step(a, 2, ["infra.distributed_type=fsdp"]),

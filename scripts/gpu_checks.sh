@@ -72,9 +72,9 @@ check() {
                 timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \
                     --repeats 1 --steps 4 --only "1 process on-policy" 2>&1 | tail -4
             else
-                timeout 300 python3 bench/rl.py --device-type cuda --random-model 20x64 --sft runs/tiny_sft \
-                    --max-new-tokens 128 --repeats 1 --steps 6 --threads 8 \
-                    --only "1 process on-policy,1 process on-policy compiled" 2>&1 | tail -6
+                local only="1 process on-policy,1 process on-policy compiled,1 process on-policy all compiled"
+                timeout 420 python3 bench/rl.py --device-type cuda --random-model 20x64 --sft runs/tiny_sft \
+                    --max-new-tokens 128 --repeats 1 --steps 6 --threads 8 --only "$only" 2>&1 | tail -7
             fi ;;
         mfu) timeout 190 python3 bench/gpu_mfu.py "${dry[@]}" 2>&1 | grep -v Warning | tail -8 ;;
         mfu_model) for loss in "" --logits-loss; do  # the whole forward compiled: with the fused loss, with logits

@@ -126,18 +126,18 @@ def test_packed_projections_are_the_weights_themselves_through_training_and_infe
     the separate weights and as the slicing step; the model's weights become views of the packed matrices (no
     memory added); an optimizer step after a generation under `torch.inference_mode` trains the weights (still
     ordinary tensors) and the next generation samples what an unpacked copy of the trained model samples."""
-    from tierlm.rollout.static_decode import Decoders
+    from tierlm.rollout.static_decode import Decoders, packed, projections
 
     model = _models(tiny_gpt_config)["native"]
     before = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    packed, apart = Engine(model, stop_ids=[7], static=True), Engine(model, stop_ids=[7], static=True)
+    engine, apart = Engine(model, stop_ids=[7], static=True), Engine(model, stop_ids=[7], static=True)
     apart.decoders = Decoders(model, graph=False, pack=False)
 
     def sample(engine, seed=3):
         return engine.generate([3, 14, 15], 3, 20, 1.0, generator=torch.Generator().manual_seed(seed))
 
     with torch.inference_mode():
-        first = sample(packed)
+        first = sample(engine)
     attn, mlp = model.blocks[1].attn, model.blocks[1].mlp
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight)
     storages = {w.untyped_storage().data_ptr() for w in weights}
@@ -150,10 +150,11 @@ def test_packed_projections_are_the_weights_themselves_through_training_and_infe
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
-    model(ids, labels=ids)[0].backward()
+    with packed(projections(model)):  # as while another thread's decode step runs: a training forward reads apart
+        model(ids, labels=ids)[0].backward()
     assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights)
     optimizer.step()
-    trained = sample(packed, seed=4)
+    trained = sample(engine, seed=4)
     assert [r.tokens for r in trained] != [r.tokens for r in sample(Engine(_models(tiny_gpt_config)["native"],
                                                                                 stop_ids=[7]), seed=4)]  # fmt: skip
     _same_samples(trained, sample(Engine(copy.deepcopy(model), stop_ids=[7], static=False), seed=4))

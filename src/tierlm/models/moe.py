@@ -63,10 +63,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(width, dim, bias=False)
         self.gate_up_weight: torch.Tensor | None = None
         """gate's and up's weights as one matrix, set only while a fixed-shape decode step runs
-        (`tierlm.rollout.static_decode.packed`): the two are one matmul."""
+        (`tierlm.rollout.static_decode.packed`): the two are one matmul; read only without gradients."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
+        if self.gate_up_weight is None or torch.is_grad_enabled():  # (a plain tensor: no gradient reaches the weights)
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -210,7 +210,8 @@ class Attention(nn.Module):
         self.qkv_widths = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.qkv_weight: torch.Tensor | None = None
         """q, k and v's weights as one matrix, their rows stacked: set only while a fixed-shape decode step runs
-        (`tierlm.rollout.static_decode.packed`, whose weights are views of it), so the three are one matmul."""
+        (`tierlm.rollout.static_decode.packed`, whose weights are views of it), so the three are one matmul; read
+        only without gradients."""
 
     def forward(
         self,
@@ -224,7 +225,7 @@ class Attention(nn.Module):
         one in eager mode; under `torch.compile` the document mask, so the graph does not depend on
         the documents' lengths)."""
         B, T, _ = x.shape
-        if self.qkv_weight is None:
+        if self.qkv_weight is None or torch.is_grad_enabled():  # (a plain tensor: no gradient reaches the weights)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             q, k, v = F.linear(x, self.qkv_weight).split(self.qkv_widths, dim=-1)

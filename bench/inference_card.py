@@ -17,6 +17,8 @@ Sampling at temperature 1, no stop token, a 16-token prompt, so each generates e
   - tierlm-every-step (GPU): `tierlm` with the tokens read after every step (what the engine did before);
   - tierlm-compiled-apart: `tierlm-compiled` with each layer's q, k, v, gate and up weights as five matmuls, not
     packed into two (`tierlm.rollout.static_decode.pack`; what the engine did before);
+  - tierlm-compiled-math: `tierlm-compiled` with attention compiled from its math (`sdpa_kernel(SDPBackend.MATH)`:
+    Inductor's own kernels for q k^T, the softmax and the product with v, not cuDNN's or flash's);
   - tierlm-eager: `Engine(static=False)`, the step launched kernel by kernel, attending to the cache so far (on
     CPU this is what `tierlm` runs);
   - tierlm-static (CPU): the fixed-shape step without a graph, attending to the whole bucket (masked);
@@ -34,6 +36,7 @@ Each timing is the median of 3 after one warm-up, the device synchronised at bot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tierlm.metrics.flops import memory_bandwidth
 from tierlm.models import GPTConfig, build_gpt, load_native_model, save_model_folder
@@ -89,11 +93,14 @@ def random_gpt(config: GPTConfig):
     return gpt
 
 
-def engine_generate(engine: Engine, batch: int, device: torch.device):
+def engine_generate(engine: Engine, batch: int, device: torch.device, attention=None):
+    """A generation of `new_tokens` from the card's prompt; under `sdpa_kernel(attention)` where one is given (the
+    step compiles, and is captured, with that attention)."""
     generator = torch.Generator(device).manual_seed(0)
 
     def generate(new_tokens: int):
-        out = engine.generate(PROMPT, batch, new_tokens, temperature=1.0, generator=generator)
+        with sdpa_kernel(attention) if attention is not None else contextlib.nullcontext():
+            out = engine.generate(PROMPT, batch, new_tokens, temperature=1.0, generator=generator)
         assert all(len(c.tokens) == new_tokens for c in out)
 
     return generate
@@ -209,6 +216,8 @@ def main() -> None:
     engines["tierlm-every-step"].ahead = 1
     engines["tierlm-compiled-apart"] = Engine(native, compile=True)
     engines["tierlm-compiled-apart"].decoders.pack = False  # q/k/v and gate/up as separate matmuls
+    engines["tierlm-compiled-math"] = Engine(native, compile=True)
+    attention = {"tierlm-compiled-math": SDPBackend.MATH}
     gpu = "tierlm,tierlm-compiled,tierlm-every-step,tierlm-eager,transformers-static"
     # --dry-run (in the suite) leaves Inductor's code generation out: tens of seconds on 2 cores
     default = gpu if device.type == "cuda" else "tierlm,tierlm-static" + ("" if args.dry_run else ",tierlm-compiled")
@@ -216,7 +225,8 @@ def main() -> None:
     if args.profile:
         for name in names:
             print(f"=== {name}")
-            profile(engines[name], batches[0], new_tokens, device)
+            with sdpa_kernel(attention[name]) if name in attention else contextlib.nullcontext():
+                profile(engines[name], batches[0], new_tokens, device)
         return
     hf = None
     if "transformers-static" in names:
@@ -226,11 +236,13 @@ def main() -> None:
     bandwidth = memory_bandwidth(device, args.bandwidth)
     bytes_per = torch.finfo(dtype).bits // 8
     for name in names:  # contender by contender: a slow compile last cuts off no one else's rows
+        if name.startswith("tierlm-compiled"):
+            torch._dynamo.reset()  # compiled contenders share the step's function: none reuses another's graphs
         for batch in batches:
             if name == "transformers-static":
                 generate = transformers_generate(hf, batch, device)
             else:
-                generate = engine_generate(engines[name], batch, device)
+                generate = engine_generate(engines[name], batch, device, attention.get(name))
             try:
                 row = card_row(name, generate, batch, new_tokens, config, params, bytes_per, bandwidth, device)
             except Exception as error:  # noqa: BLE001 - a contender that fails is a row saying so, not the end

@@ -93,13 +93,17 @@ def random_gpt(config: GPTConfig):
     return gpt
 
 
-def engine_generate(engine: Engine, batch: int, device: torch.device, attention=None):
-    """A generation of `new_tokens` from the card's prompt; under `sdpa_kernel(attention)` where one is given (the
-    step compiles, and is captured, with that attention)."""
+def attending(attention: SDPBackend | None):
+    """`sdpa_kernel(attention)` where one is given (a step compiled and captured inside uses that attention)."""
+    return sdpa_kernel(attention) if attention is not None else contextlib.nullcontext()
+
+
+def engine_generate(engine: Engine, batch: int, device: torch.device, attention: SDPBackend | None = None):
+    """A generation of `new_tokens` from the card's prompt, `attending(attention)`."""
     generator = torch.Generator(device).manual_seed(0)
 
     def generate(new_tokens: int):
-        with sdpa_kernel(attention) if attention is not None else contextlib.nullcontext():
+        with attending(attention):
             out = engine.generate(PROMPT, batch, new_tokens, temperature=1.0, generator=generator)
         assert all(len(c.tokens) == new_tokens for c in out)
 
@@ -225,7 +229,7 @@ def main() -> None:
     if args.profile:
         for name in names:
             print(f"=== {name}")
-            with sdpa_kernel(attention[name]) if name in attention else contextlib.nullcontext():
+            with attending(attention.get(name)):
                 profile(engines[name], batches[0], new_tokens, device)
         return
     hf = None

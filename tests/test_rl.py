@@ -79,10 +79,12 @@ def _static_and_slicing(model, run):
 
 
 def _same_samples(a, b):
+    """The same tokens and stops; log-probs to float32's rounding of two kernel paths (a batch of 16 masked over its
+    bucket against one row sliced: on an AMD EPYC with one thread 1.1e-5 apart at a log-prob of -2.2)."""
     assert [c.tokens for c in a] == [c.tokens for c in b]
     assert [c.finished for c in a] == [c.finished for c in b]
     for x, y in zip(a, b):
-        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("samples,temperature,top_k", [(3, 0.0, None), (5, 1.0, None), (2, 0.8, 10)])

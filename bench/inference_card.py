@@ -19,6 +19,11 @@ Sampling at temperature 1, no stop token, a 16-token prompt, so each generates e
     packed into two (`tierlm.rollout.static_decode.pack`; what the engine did before);
   - tierlm-compiled-math: `tierlm-compiled` with attention compiled from its math (`sdpa_kernel(SDPBackend.MATH)`:
     Inductor's own kernels for q k^T, the softmax and the product with v, not cuDNN's or flash's);
+  - tierlm-compiled-descent: `tierlm-compiled` with Inductor's coordinate-descent tuning, as gpt-fast compiles: at
+    batch 1 each matmul becomes Inductor's own reduction kernel, its launch shape tuned, which can take the norm
+    before it and the residual add after it (`tierlm.rollout.static_decode.COMPILE_OPTIONS`);
+  - tierlm-compiled-autotune: that and Inductor's max-autotune (Triton's matmul templates timed against cuBLAS for
+    each projection's shape, where batch 1 keeps no matmul); its compile takes the longest;
   - tierlm-eager: `Engine(static=False)`, the step launched kernel by kernel, attending to the cache so far (on
     CPU this is what `tierlm` runs);
   - tierlm-static (CPU): the fixed-shape step without a graph, attending to the whole bucket (masked);
@@ -221,6 +226,8 @@ def main() -> None:
     engines["tierlm-compiled-apart"] = Engine(native, compile=True)
     engines["tierlm-compiled-apart"].decoders.pack = False  # q/k/v and gate/up as separate matmuls
     engines["tierlm-compiled-math"] = Engine(native, compile=True)
+    engines["tierlm-compiled-descent"] = Engine(native, compile="coordinate-descent")
+    engines["tierlm-compiled-autotune"] = Engine(native, compile="max-autotune")
     attention = {"tierlm-compiled-math": SDPBackend.MATH}
     gpu = "tierlm,tierlm-compiled,tierlm-every-step,tierlm-eager,transformers-static"
     # --dry-run (in the suite) leaves Inductor's code generation out: tens of seconds on 2 cores
@@ -229,6 +236,8 @@ def main() -> None:
     if args.profile:
         for name in names:
             print(f"=== {name}")
+            if name.startswith("tierlm-compiled"):
+                torch._dynamo.reset()  # each compiled contender's step its own, as in the card below
             with attending(attention.get(name)):
                 profile(engines[name], batches[0], new_tokens, device)
         return

@@ -12,21 +12,23 @@
 # throughput, memory and MBU at batch 1/16/64: tierlm's CUDA-graph engine, the same with its step compiled by Inductor,
 # the same reading its tokens after every step, its eager step, and transformers' compiled static cache), card_pack (the
 # compiled step with q/k/v and gate/up packed against apart, batch 1 and 64), card_attention (the same with attention
-# compiled from its math, not cuDNN's kernel), card_profile (the decode step's kernels and host time, per contender),
-# rollouts (bench/rollout_batch.py: an RL step's 8 prompts x 8 samples decoded as one batch against one prompt at a
-# time), rl (bench/rl.py: one RL step split into generation / scoring / training on a 393 M random-weight policy, eager
-# and with infra.compile), mfu (bench/gpu_mfu.py: training MFU eager, compiled and compiled FP8, with their loss
-# curves), mfu_model (the whole forward compiled, with the fused loss and with logits; up to 300 s), mfu_batch (the same
-# at nanochat's batch of 32 x 2048), profile (the compiled training step's kernels), decode (the batched decode step
-# alone), serve_cuda and serve_cpu (`tierlm serve` under load on the GPU and on the machine's CPU, ~2 min each;
-# bench/serve_load.py). None named: tests and card, whose limits add to 450 s (a call may run 600 s and a session has
-# 900, each machine start about 40 s). Next: `run mfu_batch card` (training at nanochat's batch, not yet measured; the
-# card's contenders with q/k/v and gate/up packed), then card_attention and card_profile (the packed step's kernels) if
-# time is left (on the H200, 2026-11-29: tests 90-120 s, card_profile 67-75 s, card_pack ~170 s, profile 37 s, the
-# card's three tierlm contenders 112 s, rollouts 28 s, mfu_model ~150 s, rl ~200 s, each later `run` ~8 s of setup;
-# 2026-11-28: card 150 s before its compiled/every-step contenders, mfu 52 s; on the H100, 2026-11-26: serve_cuda 118 s,
-# serve_cpu 135 s). Run only the checks named: a call that re-runs `tests` to set up costs its two minutes. The figures
-# go to docs/benchmarks.md with the card named.
+# compiled from its math, not cuDNN's kernel), card_autotune (the same compiled with Inductor's coordinate-descent
+# tuning, batch-1 matmuls as its own tuned reductions, and with max-autotune too; up to 420 s), card_profile (the
+# compiled decode step's kernels and host time, default and coordinate-descent), rollouts (bench/rollout_batch.py: an RL
+# step's 8 prompts x 8 samples decoded as one batch against one prompt at a time), rl (bench/rl.py: one RL step split
+# into generation / scoring / training on a 393 M random-weight policy, eager and with infra.compile), mfu
+# (bench/gpu_mfu.py: training MFU eager, compiled and compiled FP8, with their loss curves), mfu_model (the whole
+# forward compiled, with the fused loss and with logits; up to 300 s), mfu_batch (the same at nanochat's batch of 32 x
+# 2048), profile (the compiled training step's kernels), decode (the batched decode step alone), serve_cuda and
+# serve_cpu (`tierlm serve` under load on the GPU and on the machine's CPU, ~2 min each; bench/serve_load.py). None
+# named: tests and card, whose limits add to 450 s (a call may run 600 s and a session has 900, each machine start about
+# 40 s). Next: `run card_autotune mfu_batch` (the decode step compiled with coordinate-descent tuning and max-autotune
+# against the default; training at nanochat's batch, not yet measured), then card_profile (the kernels of the winner)
+# and card_attention if time is left (on the H200, 2026-11-29: tests 90-120 s, card_profile 67-75 s, card_pack ~170 s,
+# profile 37 s, the card's three tierlm contenders 112 s, rollouts 28 s, mfu_model ~150 s, rl ~200 s, each later `run`
+# ~8 s of setup; 2026-11-28: card 150 s before its compiled/every-step contenders, mfu 52 s; on the H100, 2026-11-26:
+# serve_cuda 118 s, serve_cpu 135 s). Run only the checks named: a call that re-runs `tests` to set up costs its two
+# minutes. The figures go to docs/benchmarks.md with the card named.
 # `run --dry-run` runs every check's script at tiny sizes on this CPU instead (the scripts cannot rot).
 set -uo pipefail
 
@@ -68,8 +70,10 @@ check() {
             --batches 1,64 2>&1 | grep -v Warning | tail -6 ;;  # dry: its own batches
         card_attention) timeout 200 python3 bench/inference_card.py "${dry[@]}" --batches 1,64 \
             --contenders tierlm-compiled,tierlm-compiled-math 2>&1 | grep -v Warning | tail -6 ;;
-        card_profile) timeout 150 python3 bench/inference_card.py "${dry[@]}" --profile --batches 1 --new-tokens 32 \
-            --contenders tierlm-every-step,tierlm,tierlm-compiled 2>&1 | grep -v Warning | tail -150 ;;
+        card_autotune) timeout 420 python3 bench/inference_card.py "${dry[@]}" --batches 1,64 \
+            --contenders tierlm-compiled,tierlm-compiled-descent,tierlm-compiled-autotune 2>&1 | grep -v Warning | tail -8 ;;
+        card_profile) timeout 200 python3 bench/inference_card.py "${dry[@]}" --profile --batches 1 --new-tokens 32 \
+            --contenders tierlm-compiled,tierlm-compiled-descent 2>&1 | grep -v Warning | tail -110 ;;
         rollouts) timeout 120 python3 bench/rollout_batch.py "${dry[@]}" 2>&1 | grep -v Warning | tail -4 ;;
         rl) if [ -n "${DRY:-}" ]; then
                 timeout 120 python3 bench/rl.py --sft runs/tiny_sft --random-model 2x32 --max-new-tokens 16 \
@@ -101,9 +105,9 @@ run() {
     local log=${OUT:+$OUT/log.txt} site name
     for name in "$@"; do
         case "$name" in
-            tests | card | card_pack | card_attention | card_profile | rollouts | rl | mfu | mfu_model | mfu_batch | \
+            tests | card | card_pack | card_attention | card_autotune | card_profile | rollouts | rl | mfu | mfu_model | mfu_batch | \
                 profile | decode | serve_cuda | serve_cpu) ;;
-            *) echo "gpu_checks: no check named $name (tests card card_pack card_attention card_profile rollouts rl" \
+            *) echo "gpu_checks: no check named $name (tests card card_pack card_attention card_autotune card_profile rollouts rl" \
                     "mfu mfu_model mfu_batch profile decode serve_cuda serve_cpu)" >&2
                exit 2 ;;
         esac

@@ -325,6 +325,26 @@ def test_the_compiled_decode_step_samples_what_the_eager_step_samples(tiny_gpt_c
     assert len(compiled.decoders.decoders) == 4 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+def test_compile_options_reach_torch_compile_and_sample_the_eager_tokens(tiny_gpt_config, monkeypatch):
+    """`Engine(compile="max-autotune")` (bench/inference_card.py's `tierlm-compiled-autotune`) compiles its step with
+    those Inductor options; traced here without Inductor (which reads them), it samples the eager step's tokens."""
+    import torch._dynamo
+
+    from tierlm.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")
+    options, compile = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: options.append(kw.get("options")) or compile(fn, **kw))
+    static_decode.compiled_decode_step.cache_clear()
+    torch._dynamo.reset()
+    model = _models(tiny_gpt_config)["native"]
+    engines = Engine(model, compile="max-autotune"), Engine(model, static=True)
+    a, b = (e.generate([3, 14, 15], 3, 12, 1.0, generator=torch.Generator().manual_seed(2)) for e in engines)
+    _same_samples(a, b)
+    assert options == [{"max_autotune": True, "coordinate_descent_tuning": True}]
+    static_decode.compiled_decode_step.cache_clear()
+
+
 def test_engine_compile_refuses_a_model_without_the_fixed_shape_step(tiny_gpt_config):
     from tierlm.builders.engine import EngineSettings, build_engine
     from tierlm.errors import ConfigError

@@ -136,7 +136,7 @@ class Engine:
     always, elsewhere for several prompts decoded together (`generate_many`: one step for all of them) while one
     prompt takes the slicing step, the faster one off CUDA (attention over the positions so far, not the whole
     buffer); False: never. `compile`: `torch.compile` the fixed-shape step (fused kernels; tens of seconds to compile
-    a new shape), used for one prompt too.
+    a new shape), used for one prompt too; a string: with those Inductor options (`static_decode.COMPILE_OPTIONS`).
     """
 
     needs_state = False  # it samples from a module: the policy's own, or a copy it is given weights for
@@ -149,10 +149,11 @@ class Engine:
         tokenizer=None,
         tools: list[Tool] = (),
         static: bool | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
         if compile:
             check_compile(model)
+            assert compile is True or compile in static_decode.COMPILE_OPTIONS, f"no compile options named {compile}"
         self.model = unwrap_model(model)
         self.family = family_of(self.model)
         self.device = next(self.model.parameters()).device

@@ -23,7 +23,12 @@ With `compile`, the step is `torch.compile`d before it is captured (SGLang's way
 the engine's own graph). A graph replays every kernel with one launch, but each kernel still costs the GPU a few
 microseconds however little it reads, and a 20-layer step is some 600 of them; Inductor fuses each norm, rotary
 turn, residual add and activation with its neighbours. The first step of a new shape compiles (tens of seconds),
-later buckets recompile once with dynamic shapes.
+later buckets recompile once with dynamic shapes. `compile` may name a set of Inductor's options instead
+(`COMPILE_OPTIONS`), for bench/inference_card.py to time against the default: "coordinate-descent" (gpt-fast's
+setting: a matmul of one row becomes Inductor's own reduction kernel, tuned, which can take the norm before it and the
+residual add after it — where the graph knows the batch is 1: a step compiled first for one row, not one recompiled
+with a dynamic batch) and "max-autotune" (that, and Triton's matmul templates timed against cuBLAS for each shape:
+the longest compile).
 """
 
 from __future__ import annotations
@@ -68,10 +73,19 @@ def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tenso
     return logits
 
 
+COMPILE_OPTIONS = {
+    "default": {},
+    "coordinate-descent": {"coordinate_descent_tuning": True},
+    "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True},  # torch.compile's mode of the name,
+}  # less its CUDA graphs (the step is captured in the engine's own)
+"""Inductor's options for a compiled step, by the name `compile` gives (True: "default")."""
+
+
 @functools.cache
-def compiled_decode_step(backend: str):
-    """`decode_step` compiled whole (one graph, no breaks), shared by every bucket and engine."""
-    return torch.compile(decode_step, backend=backend, fullgraph=True)
+def compiled_decode_step(backend: str, options: str = "default"):
+    """`decode_step` compiled whole (one graph, no breaks) with Inductor's `COMPILE_OPTIONS[options]`, shared by every
+    bucket and engine."""
+    return torch.compile(decode_step, backend=backend, fullgraph=True, options=COMPILE_OPTIONS[options] or None)
 
 
 def pack(linears: list[nn.Linear]) -> torch.Tensor:
@@ -153,13 +167,21 @@ def bucket(rows: int, length: int, context: int) -> tuple[int, int]:
 class FixedStep:
     """`decode_step` over buffers that never move — `tokens` (B,) and a `cache` at a tensor position, its own or views
     of a larger one — on CUDA captured in a CUDA graph (after compiling, with `compile`; with `pack`, q/k/v and
-    gate/up packed). `run()`: the next logits (B, V), a view valid until the next run."""
+    gate/up packed; `compile` a name in `COMPILE_OPTIONS`: with those options). `run()`: the next logits (B, V), a
+    view valid until the next run."""
 
     def __init__(
-        self, model: GPT, tokens: torch.Tensor, cache: KVCache, graph: bool, compile: bool = False, pack: bool = True
+        self,
+        model: GPT,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        graph: bool,
+        compile: bool | str = False,
+        pack: bool = True,
     ):
         self.model, self.tokens, self.cache = model, tokens, cache
-        self.fn = compiled_decode_step(COMPILE_BACKEND) if compile else decode_step
+        options = compile if isinstance(compile, str) else "default"
+        self.fn = compiled_decode_step(COMPILE_BACKEND, options) if compile else decode_step
         self.packs = projections(model) if pack else []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -201,7 +223,7 @@ class StaticDecoder:
     """One bucket's fixed-shape decode step (`rows` rows, a cache of `length` positions): a `FixedStep` over buffers
     of its own."""
 
-    def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool = False, pack: bool = True):
+    def __init__(self, model: GPT, rows: int, length: int, graph: bool, compile: bool | str = False, pack: bool = True):
         assert supports(model), "the fixed-shape decode step needs the native GPT without sliding windows"
         parameter = next(model.parameters())
         self.model, self.rows, self.length = model, rows, length
@@ -248,7 +270,7 @@ class Decoders:
     """The fixed-shape decode steps an engine keeps, one per (rows, length) bucket, the least recently used dropped
     past `keep` (each holds a KV cache of its size)."""
 
-    def __init__(self, model: GPT, graph: bool, keep: int = 4, compile: bool = False, pack: bool = True):
+    def __init__(self, model: GPT, graph: bool, keep: int = 4, compile: bool | str = False, pack: bool = True):
         self.model, self.graph, self.keep, self.compile, self.pack = model, graph, keep, compile, pack
         self.decoders: OrderedDict[tuple[int, int], StaticDecoder | FixedStep] = OrderedDict()
         self.weights: tuple[int, ...] = ()

@@ -203,10 +203,8 @@ def test_tier2_factories_train_the_same_steps(tmp_path):
 
 
 def test_a_rank_that_raises_ends_the_job_naming_it(tmp_path):
-    start = time.monotonic()
-    result = torchrun(WORKER, "fsdp_raise", tmp_path / "x.json", timeout=120)
+    result = torchrun(WORKER, "fsdp_raise", tmp_path / "x.json", timeout=120)  # a hung job: TimeoutExpired
     assert result.returncode != 0
-    assert time.monotonic() - start < 60
     assert "injected failure on rank 1" in result.stderr and "rank      : 1" in result.stderr, result.stderr[-2000:]
 
 

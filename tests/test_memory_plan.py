@@ -12,7 +12,6 @@ import logging
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -432,11 +431,10 @@ def test_auto_batch_size_trains_as_the_hand_set_equivalent(tmp_path, capsys):
     "override", ["infra.max_memory_gb=0.05", "data.max_seq_length=100000000"], ids=["small-budget", "seq-1e8"]
 )
 def test_preflight_refuses_in_one_line_and_writes_nothing(tmp_path, override):
-    """A run that cannot fit: one line naming the largest part, exit 2, under 10 s, no run directory."""
+    """A run that cannot fit: one line naming the largest part, exit 2, no run directory (refused before a step)."""
     out = tmp_path / "run"
-    start = time.perf_counter()
     result = run_main("pretrain", *TINY, override, f"infra.output_dir={out}")
-    assert result.returncode == 2 and time.perf_counter() - start < 10
+    assert result.returncode == 2
     line = result.stderr.strip()
     assert "\n" not in line and line.startswith("tierlm: error: this run needs") and "the largest part is" in line
     assert not out.exists()

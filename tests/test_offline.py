@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,9 +41,10 @@ def offline_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def tierlm(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.perf_counter()
-    done = subprocess.run(
+def tierlm(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`tierlm ARGS` on that machine. Its stderr is the check that nothing retried: huggingface_hub logs a line per
+    retry ("Retrying in 1s [Retry 1/5]"), about a minute of them, and the tests ask for one line."""
+    return subprocess.run(
         [sys.executable, "-m", "tierlm", *args],
         cwd=tmp_path,
         env=offline_env(tmp_path, **env),
@@ -52,7 +52,6 @@ def tierlm(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Completed
         text=True,
         timeout=240,
     )
-    return done, time.perf_counter() - start
 
 
 CASES = {
@@ -77,16 +76,15 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hub_id_without_the_hub_is_one_line_and_nothing_written(case, tmp_path):
     args, expected = CASES[case]
-    done, seconds = tierlm(tmp_path, *args, "infra.output_dir=run")
+    done = tierlm(tmp_path, *args, "infra.output_dir=run")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("tierlm: error: "), done.stderr
     assert expected in lines[0] and f"HF_HOME={tmp_path / 'hf'}" in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written, not even the cache folder"
-    assert seconds < 45, f"{seconds:.1f} s: the retries of an unreachable Hub take about a minute"
 
 
 def test_the_offline_variables_are_named_when_the_user_set_them(tmp_path):
-    done, _ = tierlm(tmp_path, "pretrain", "--config", "tiny_pretrain", *TINY, "model.tokenizer_name_or_path=gpt2",
+    done = tierlm(tmp_path, "pretrain", "--config", "tiny_pretrain", *TINY, "model.tokenizer_name_or_path=gpt2",
                      HF_HUB_OFFLINE="1")  # fmt: skip
     assert (
         done.returncode == 2
@@ -97,7 +95,7 @@ def test_the_offline_variables_are_named_when_the_user_set_them(tmp_path):
 def test_plan_sizes_what_it_can_and_names_the_tokenizer_it_cannot_read(tmp_path):
     """The GPT-2 baseline preset names the Hub's gpt2 tokenizer: offline, the plan is made for the config's
     vocabulary and says so."""
-    done, _ = tierlm(tmp_path, "plan", "--config", "gpt2-vanilla-baseline", "infra.device_type=cpu")
+    done = tierlm(tmp_path, "plan", "--config", "gpt2-vanilla-baseline", "infra.device_type=cpu")
     assert done.returncode == 0, done.stderr
     assert (
         "note: the tokenizer 'gpt2' is not in the local cache and the Hub cannot be reached: the model is sized "
@@ -107,7 +105,7 @@ def test_plan_sizes_what_it_can_and_names_the_tokenizer_it_cannot_read(tmp_path)
 
 
 def test_push_says_in_one_line_that_it_needs_the_hub(tmp_path, tiny_runs):
-    done, _ = tierlm(tmp_path, "push", str(tiny_runs / "sft"), "--repo", "me/tiny")
+    done = tierlm(tmp_path, "push", str(tiny_runs / "sft"), "--repo", "me/tiny")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "tierlm: error: tierlm push needs the Hugging Face Hub and the Hub (http://127.0.0.1:9) cannot be reached "
         "from here: run it where the Hub answers"
@@ -117,7 +115,6 @@ def test_push_says_in_one_line_that_it_needs_the_hub(tmp_path, tiny_runs):
 def test_a_harness_task_without_the_hub_is_one_line(tmp_path, tiny_runs):
     """An lm-evaluation-harness task whose dataset is on the Hub: its datasets come from the local cache only."""
     pytest.importorskip("lm_eval")
-    done, seconds = tierlm(tmp_path, "eval", "--checkpoint", str(tiny_runs / "sft"), "--harness", "arc_easy")
+    done = tierlm(tmp_path, "eval", "--checkpoint", str(tiny_runs / "sft"), "--harness", "arc_easy")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "a task's dataset cannot be read" in lines[0], done.stderr
-    assert seconds < 45, f"{seconds:.1f} s"

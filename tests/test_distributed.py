@@ -268,9 +268,7 @@ def test_a_killed_rank_ends_the_job_within_60s(tmp_path):
         pid = _rank_pid(job.pid, 1)
         assert pid is not None, "rank 1's process not found"
         os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = job.communicate(timeout=60)
-        assert time.monotonic() - killed < 60
+        _, stderr = job.communicate(timeout=60)  # a job that goes on: TimeoutExpired
     finally:
         if job.poll() is None:
             job.kill()

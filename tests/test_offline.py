@@ -85,7 +85,7 @@ def test_a_hub_id_without_the_hub_is_one_line_and_nothing_written(case, tmp_path
 
 def test_the_offline_variables_are_named_when_the_user_set_them(tmp_path):
     done = tierlm(tmp_path, "pretrain", "--config", "tiny_pretrain", *TINY, "model.tokenizer_name_or_path=gpt2",
-                     HF_HUB_OFFLINE="1")  # fmt: skip
+                  HF_HUB_OFFLINE="1")  # fmt: skip
     assert (
         done.returncode == 2
         and "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE/HF_DATASETS_OFFLINE set this machine offline" in (done.stderr)

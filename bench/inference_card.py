@@ -103,6 +103,13 @@ def attending(attention: SDPBackend | None):
     return sdpa_kernel(attention) if attention is not None else contextlib.nullcontext()
 
 
+def afresh(name: str) -> None:
+    """Compiled contenders share the step's function: each starts from an empty dynamo cache, none reusing another's
+    graphs."""
+    if name.startswith("tierlm-compiled"):
+        torch._dynamo.reset()
+
+
 def engine_generate(engine: Engine, batch: int, device: torch.device, attention: SDPBackend | None = None):
     """A generation of `new_tokens` from the card's prompt, `attending(attention)`."""
     generator = torch.Generator(device).manual_seed(0)
@@ -236,8 +243,7 @@ def main() -> None:
     if args.profile:
         for name in names:
             print(f"=== {name}")
-            if name.startswith("tierlm-compiled"):
-                torch._dynamo.reset()  # each compiled contender's step its own, as in the card below
+            afresh(name)
             with attending(attention.get(name)):
                 profile(engines[name], batches[0], new_tokens, device)
         return
@@ -249,8 +255,7 @@ def main() -> None:
     bandwidth = memory_bandwidth(device, args.bandwidth)
     bytes_per = torch.finfo(dtype).bits // 8
     for name in names:  # contender by contender: a slow compile last cuts off no one else's rows
-        if name.startswith("tierlm-compiled"):
-            torch._dynamo.reset()  # compiled contenders share the step's function: none reuses another's graphs
+        afresh(name)
         for batch in batches:
             if name == "transformers-static":
                 generate = transformers_generate(hf, batch, device)

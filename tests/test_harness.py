@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install 'tierlm[eval]')")
 
 import torch  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
 from tierlm.commands.cli import main  # noqa: E402
 
@@ -155,6 +156,38 @@ def test_an_encoder_decoder_scores_the_continuation_with_its_decoder_given_the_c
             logits = model(torch.tensor([encoder]), torch.tensor([[model.config.decoder_start_token_id, *target[:-1]]]))
         expected = logits[0].log_softmax(-1).gather(-1, torch.tensor(target)[:, None]).sum()
         assert score == pytest.approx(float(expected), abs=1e-4)
+
+
+class LocalTasks(TaskManager):
+    """The harness's TaskManager over the include path alone (the 14,659 task files it ships take 10-37 s to index),
+    counting its builds; at the module's top, where pickle finds it."""
+
+    built = 0
+
+    def __init__(self, include_path=None):
+        LocalTasks.built += 1
+        super().__init__(include_path=include_path, include_defaults=False)
+
+
+def test_the_task_index_is_kept_and_built_afresh_when_a_task_file_changes(tmp_path, monkeypatch):
+    import lm_eval.tasks
+
+    from tierlm.commands.harness import task_manager
+
+    monkeypatch.setenv("TIERLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasks)
+    monkeypatch.setattr(LocalTasks, "built", 0)
+    tasks = write_tasks(tmp_path / "tasks")
+    names = ["tierlm_sums_gen", "tierlm_sums_mc", "tierlm_sums_ppl"]
+    assert task_manager(str(tasks)).all_tasks == names and LocalTasks.built == 1
+    assert task_manager(str(tasks)).all_tasks == names and LocalTasks.built == 1  # read back
+    (tasks / "mc.yaml").write_text((tasks / "mc.yaml").read_text().replace("sums_mc", "sums_choice"))
+    assert "tierlm_sums_choice" in task_manager(str(tasks)).all_tasks and LocalTasks.built == 2
+    (kept,) = (tmp_path / "cache" / "harness-tasks").iterdir()
+    kept.write_bytes(kept.read_bytes()[:100])  # cut short: built again
+    assert task_manager(str(tasks)).load(["tierlm_sums_gen"])["tasks"] and LocalTasks.built == 3
+    monkeypatch.setenv("TIERLM_CACHE_DIR", "off")
+    assert task_manager(str(tasks)).all_tasks and LocalTasks.built == 4
 
 
 def test_the_command_writes_the_results_into_the_run(tiny_runs, tmp_path, capsys, reports):

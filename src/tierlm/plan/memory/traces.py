@@ -24,20 +24,16 @@ from typing import Any, Callable
 
 import torch
 
+from tierlm.primitives import cache
+
 
 def cache_folder(environ=os.environ) -> Path | None:
     """Where traces are kept (module docstring); None when `TIERLM_CACHE_DIR=off`.
 
     >>> cache_folder({"TIERLM_CACHE_DIR": "off"}) is None, str(cache_folder({"TIERLM_CACHE_DIR": "/tmp/c"}))
     (True, '/tmp/c/memory-traces')
-    >>> str(cache_folder({"XDG_CACHE_HOME": "/x"}))
-    '/x/tierlm/memory-traces'
     """
-    chosen = environ.get("TIERLM_CACHE_DIR")
-    if chosen is not None and chosen.lower() in ("off", "0", "none", ""):
-        return None
-    root = Path(chosen) if chosen else Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierlm"
-    return root / "memory-traces"
+    return cache.cache_folder("memory-traces", environ)
 
 
 @functools.cache
@@ -122,13 +118,7 @@ def cached_trace(key: str, trace: Callable[[], dict[str, Any]]) -> dict[str, Any
             pass
     result = trace()
     if path is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            partial.write_text(json.dumps(result))
-            os.replace(partial, path)
-        except OSError:
-            pass
+        cache.keep(path, json.dumps(result).encode())
     return result
 
 

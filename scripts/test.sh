@@ -23,7 +23,7 @@ rm -rf .coverage-data
 status=0  # both parts run and the coverage is printed whatever the first part's outcome; any failure fails the script
 .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20 --cov --cov-report= || status=$?
 # The serial tests are collected from the files that mark them (not all 1,300 tests and every module's doctests: 25 s)
-SERIAL=$(grep -l "pytest.mark.serial" tests/test_*.py || true)
-.venv/bin/python -m pytest -q -m serial --durations=10 --cov --cov-append --cov-report= $SERIAL || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+mapfile -t SERIAL < <(grep -l "pytest.mark.serial" tests/test_*.py)
+.venv/bin/python -m pytest -q -m serial --durations=10 --cov --cov-append --cov-report= "${SERIAL[@]}" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 .venv/bin/python scripts/coverage_summary.py
 exit $status

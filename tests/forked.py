@@ -43,6 +43,8 @@ PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "transformers",
+    "transformers.modeling_utils",  # `import transformers` is lazy: its models, losses and quantizers load here
+    "peft",  # LoRA's adapters (tierlm.models.lora): ~1.5 s a process, a quarter of a forked LoRA rank's run
     "tierlm.commands.cli",
     "tierlm.run.skeleton",
     "tierlm.stages",  # every stage, its loops and the generation engine

@@ -380,6 +380,7 @@ def test_garbage_collection_is_frozen_after_the_first_step_and_given_back_after(
     )
     original = trainer.after_step
     trainer.after_step = lambda metrics, log: (original(metrics, log), enabled_during.append(gc.isenabled()))[0]
+    gc.unfreeze()  # what conftest's `_suite_frozen` froze: a process that froze nothing, as a user's
     frozen_before = gc.get_freeze_count()
     trainer.train()
     assert calls == ["collect"] * 3  # after step 1, then at steps 3 and 6

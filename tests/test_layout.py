@@ -186,6 +186,6 @@ def test_the_test_command_measures_and_prints_coverage():
     assert len(runs) == 2 and all("--cov" in line for line in runs), runs
     assert "--cov-append" in runs[1] and "scripts/coverage_summary.py" in script.split(runs[1], 1)[1]
     # The serial part collects only the files that spell `pytest.mark.serial`: no test is marked another way.
-    assert 'grep -l "pytest.mark.serial" tests/test_*.py' in script
+    assert '< <(grep -l "pytest.mark.serial" tests/test_*.py)' in script
     for path in [*(REPO / "tests").rglob("*.py"), *(REPO / "src").rglob("*.py")]:
         assert not re.search(r"mark\.serial\b(?<!pytest\.mark\.serial)|add_marker\(.*serial", path.read_text()), path

@@ -293,6 +293,7 @@ from test_jax import _jax_pretrain_losses
 print(json.dumps({"devices": len(jax.local_devices()), "losses": _jax_pretrain_losses(Path(sys.argv[2]))}))
 """
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "OMP_NUM_THREADS": "1"}
+    env.update(TIERLM_CACHE_DIR=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     result = subprocess.run(
         [sys.executable, "-c", script, str(REPO / "tests"), str(tmp_path / "2")],
         env=env,
@@ -303,6 +304,7 @@ print(json.dumps({"devices": len(jax.local_devices()), "losses": _jax_pretrain_l
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads(result.stdout.strip().splitlines()[-1])
     assert two["devices"] == 2 and len(jax.local_devices()) == 1
+    assert any((tmp_path / "cache" / "jax-compilation").iterdir())  # the backend keeps its compiled programs
     np.testing.assert_allclose(two["losses"], _jax_pretrain_losses(tmp_path / "1"), atol=1e-5, rtol=0)
 
 

@@ -53,6 +53,36 @@ def functional_twin(optimizer: torch.optim.Optimizer, group: dict):
     )
 
 
+def keep_compiled_programs(environ=None) -> str | None:
+    """Keep XLA's compiled programs on disk (JAX's persistent compilation cache), as tierlm keeps the memory
+    planner's traces: a resumed, repeated or ablated run reads back the steps it compiled before instead of compiling
+    them again (the programs that took over JAX's threshold to compile, a second by default). In tierlm's cache
+    folder (`tierlm.primitives.cache`: `jax-compilation/`), unless JAX already has one (JAX_COMPILATION_CACHE_DIR or
+    `jax.config`); `TIERLM_CACHE_DIR=off` keeps nothing. The folder in use, or None. It must run before the
+    process's first compilation (JAX decides then whether it caches).
+
+    >>> import jax; before = jax.config.jax_compilation_cache_dir
+    >>> jax.config.update("jax_compilation_cache_dir", "/mine"); keep_compiled_programs({"TIERLM_CACHE_DIR": "/t"})
+    '/mine'
+    >>> jax.config.update("jax_compilation_cache_dir", None); keep_compiled_programs({"TIERLM_CACHE_DIR": "off"})
+    >>> keep_compiled_programs({"TIERLM_CACHE_DIR": "/t"}), jax.config.jax_compilation_cache_dir
+    ('/t/jax-compilation', '/t/jax-compilation')
+    >>> jax.config.update("jax_compilation_cache_dir", before)
+    """
+    import os
+
+    import jax
+
+    from tierlm.primitives.cache import cache_folder
+
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    folder = cache_folder("jax-compilation", os.environ if environ is None else environ)
+    if folder is not None:
+        jax.config.update("jax_compilation_cache_dir", str(folder))
+    return None if folder is None else str(folder)
+
+
 class JaxTrainingBackend(TrainingBackend):
     """One model trained by JAX on the local devices (data parallel over them when there are several)."""
 
@@ -72,6 +102,7 @@ class JaxTrainingBackend(TrainingBackend):
 
         from tierlm.models.gpt.jax import params_from_torch
 
+        keep_compiled_programs()
         max_grad_norm = (options or BackendOptions()).max_grad_norm
         assert max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
         self.forward_fn = jax_forward or family_of(model).jax_forward(model)

@@ -3,6 +3,7 @@ unharmed, and nothing it started is left running."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -151,6 +152,11 @@ def test_two_pools_never_share_a_user_id(tmp_path):
     third = Sandbox(roomy, workers=2)
     assert not {uid for uid, _ in third._uids} & theirs  # still held by the open pool
     third.close(), second.close()
+    dropped = Sandbox(roomy, workers=2)  # never closed, as a reward's or a tool's pool when its run ends
+    locks = [lock for _, lock in dropped._uids]
+    del dropped
+    gc.collect()
+    assert locks and all(lock.closed for lock in locks)
 
 
 def test_code_reward_passes_only_a_program_that_reaches_the_end_of_its_tests(sandbox):

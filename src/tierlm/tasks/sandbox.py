@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,6 +65,14 @@ def _claim_uids(count: int) -> list:
     for _, lock in held:
         lock.close()
     raise RuntimeError(f"no {count} free sandbox user ids from {SANDBOX_UID} (every one held by another pool)")
+
+
+def _release(pool: ThreadPoolExecutor, uids: list) -> None:
+    """A pool's end (`Sandbox.close`, or its garbage collection): its threads stop, its user ids go back to the
+    machine (closing a lock file drops its lock)."""
+    pool.shutdown(wait=True)
+    for _, lock in uids:
+        lock.close()
 
 
 @dataclass(frozen=True)
@@ -305,6 +314,8 @@ class Sandbox:
         self._uids = _claim_uids(workers) if self.isolation["separate_user"] else []  # (uid, its lock) per slot
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
+        # A pool dropped unclosed (a reward's or a tool's, when its run ends) gives its threads and ids back too.
+        self._release = weakref.finalize(self, _release, self._pool, self._uids)
 
     def run(self, source: str, files: dict[str, str] | None = None) -> Execution:
         """Run `source` as main.py (with `files` beside it) in a fresh folder; what it did."""
@@ -324,9 +335,7 @@ class Sandbox:
         return list(self._pool.map(fn, items))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        for _, lock in self._uids:
-            lock.close()  # the ids go back to the machine
+        self._release()
 
     def _run(self, source: str, files: dict[str, str], slot: int) -> Execution:
         uid = self._uids[slot][0] if self._uids else None

@@ -217,21 +217,22 @@ def task_manager(include_path: str | None):
     from lm_eval.tasks import TaskManager
 
     folders = [Path(lm_eval.tasks.__file__).parent, *([Path(include_path).resolve()] if include_path else [])]
+    include = [str(f) for f in folders[1:]] or None  # absolute: read back from anywhere
+    folder = cache.cache_folder("harness-tasks")
+    if folder is None:  # TIERLM_CACHE_DIR=off: nothing kept, nothing fingerprinted
+        return TaskManager(include_path=include)
     version = importlib.metadata.version("lm_eval")
     stamp = f"{version} {task_files(folders)}"
-    folder = cache.cache_folder("harness-tasks")
-    name = hashlib.sha256(f"{version} {folders[1:]}".encode()).hexdigest()[:16]
-    path = None if folder is None else folder / f"{name}.pickle"
-    if path is not None and path.is_file():
+    path = folder / f"{hashlib.sha256(f'{version} {folders[1:]}'.encode()).hexdigest()[:16]}.pickle"
+    if path.is_file():
         try:
             kept, manager = pickle.loads(path.read_bytes())
             if kept == stamp and isinstance(manager, TaskManager):
                 return manager
         except Exception:  # a file from another lm-eval, or cut short: built afresh below
             pass
-    manager = TaskManager(include_path=[str(f) for f in folders[1:]] or None)  # absolute: read back from anywhere
-    if path is not None:
-        cache.keep(path, pickle.dumps((stamp, manager)))
+    manager = TaskManager(include_path=include)
+    cache.keep(path, pickle.dumps((stamp, manager)))
     return manager
 
 

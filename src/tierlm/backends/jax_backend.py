@@ -18,6 +18,7 @@ devices from XLA_FLAGS=--xla_force_host_platform_device_count=N) split each batc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +54,7 @@ def functional_twin(optimizer: torch.optim.Optimizer, group: dict):
     )
 
 
-def keep_compiled_programs(environ=None) -> str | None:
+def keep_compiled_programs(environ=os.environ) -> str | None:
     """Keep XLA's compiled programs on disk (JAX's persistent compilation cache), as tierlm keeps the memory
     planner's traces: a resumed, repeated or ablated run reads back the steps it compiled before instead of compiling
     them again (the programs that took over JAX's threshold to compile, a second by default). In tierlm's cache
@@ -69,15 +70,13 @@ def keep_compiled_programs(environ=None) -> str | None:
     ('/t/jax-compilation', '/t/jax-compilation')
     >>> jax.config.update("jax_compilation_cache_dir", before)
     """
-    import os
-
     import jax
 
     from tierlm.primitives.cache import cache_folder
 
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
-    folder = cache_folder("jax-compilation", os.environ if environ is None else environ)
+    folder = cache_folder("jax-compilation", environ)
     if folder is not None:
         jax.config.update("jax_compilation_cache_dir", str(folder))
     return None if folder is None else str(folder)

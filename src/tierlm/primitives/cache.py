@@ -1,8 +1,9 @@
 """Where tierlm keeps what it computed once and reads back: `TIERLM_CACHE_DIR`, else `$XDG_CACHE_HOME/tierlm`, else
 ~/.cache/tierlm, one folder a use; `TIERLM_CACHE_DIR=off` keeps nothing. The uses: the memory planner's traced steps
-(`tierlm.plan.memory.traces`, `memory-traces/`) and the evaluation harness's task index (`tierlm.commands.harness`,
-`harness-tasks/`). A kept file is a copy of something tierlm can compute again: one that cannot be read or written is
-passed over, never an error."""
+(`tierlm.plan.memory.traces`, `memory-traces/`), the evaluation harness's task index (`tierlm.commands.harness`,
+`harness-tasks/`) and the JAX backend's compiled programs (`tierlm.backends.jax_backend`, `jax-compilation/`). A kept
+file is a copy of something tierlm can compute again: one that cannot be read or written is passed over, never an
+error."""
 
 from __future__ import annotations
 

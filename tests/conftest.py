@@ -68,6 +68,22 @@ def _suite_frozen():
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_given_back():
+    """A test leaves the stop signals' handlers as it found them: a test worker goes on after it, and a `GracefulStop`
+    left installed turns the worker's own shutdown (a SIGINT) into a KeyboardInterrupt inside whatever runs then."""
+    import signal
+
+    from tierlm.loops.signals import STOP_SIGNALS
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    changed = [sig.name for sig in STOP_SIGNALS if signal.getsignal(sig) != before[sig]]
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    assert not changed, f"the test left {', '.join(changed)} with another handler (tierlm.loops.signals)"
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tierlm.data import ArithmeticTask, train_bpe_tokenizer

@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO, TINY, run_cli
+from forked import start
 from tierlm.commands.ablate import AblationCoordinator, paired_difference, parse_variant
 from tierlm.errors import ConfigError
 
@@ -58,11 +60,17 @@ def test_variants_parse_and_budget_changes_are_refused(tmp_path):
     assert mean == pytest.approx(0.0) and half == pytest.approx(12.706 * (0.2**2 / 2) ** 0.5 / 2**0.5)
 
 
+def _ablate(*args, log: Path) -> int:
+    """`python -m tierlm ablate ARGS` forked (tests/forked.py: torch and tierlm imported once, not in each
+    command's own interpreter): its exit code, its stderr in LOG."""
+    with open(log, "w") as err:
+        return start("-m", "tierlm", "ablate", *map(str, args), stdout=subprocess.DEVNULL, stderr=err).wait(300)
+
+
 @pytest.mark.slow
 def test_ablation_runs_isolates_failures_and_reports(tmp_path):
     out = tmp_path / "abl"
     args = [
-        "ablate",
         *BASE,
         "--variant",
         "base:training.learning_rate=3e-3",
@@ -75,10 +83,11 @@ def test_ablation_runs_isolates_failures_and_reports(tmp_path):
         "--out",
         out,
     ]
-    result = run_cli(*args)
+    log = tmp_path / "stderr.txt"
+    code = _ablate(*args, log=log)
     # An ablation with failed runs exits 1 and says so in its last line, after writing every result.
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 1, result.stderr[-2000:]
+    last = log.read_text().strip().splitlines()[-1]
+    assert code == 1, log.read_text()[-2000:]
     assert last.startswith("tierlm: error: 2 of 6 ablation runs failed") and "broken seed 0: this run needs" in last
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert set(runs) == {"base", "wide", "broken"}
@@ -98,15 +107,15 @@ def test_ablation_runs_isolates_failures_and_reports(tmp_path):
     # --report rebuilds the same results from the run directories.
     before = (out / "results.json").read_text()
     (out / "summary.md").unlink()
-    assert run_cli("ablate", "--report", out).returncode == 0
+    assert _ablate("--report", out, log=log) == 0, log.read_text()[-2000:]
     assert (out / "results.json").read_text() == before and (out / "summary.md").is_file()
 
 
 @pytest.mark.slow  # not `serial`: the kill waits for b's first checkpoint, whatever the machine's load
 def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path):
     variants = ["--variant", "a:training.learning_rate=3e-3", "--variant", "b:training.learning_rate=1e-3"]
-    straight = tmp_path / "straight"
-    assert run_cli("ablate", *BASE, *variants, "--out", straight).returncode == 0
+    straight, log = tmp_path / "straight", tmp_path / "log.txt"
+    assert _ablate(*BASE, *variants, "--out", straight, log=log) == 0, log.read_text()[-3000:]
 
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
@@ -127,7 +136,7 @@ def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path)
     assert (killed / "a_seed0" / "model").is_dir() and not (killed / "b_seed0" / "model").exists()
     finished = _digest(killed / "a_seed0")
 
-    assert run_cli("ablate", *BASE, *variants, "--out", killed).returncode == 0
+    assert _ablate(*BASE, *variants, "--out", killed, log=log) == 0, log.read_text()[-3000:]
     after = _digest(killed / "a_seed0")
     assert {k: after[k] for k in finished} == finished  # untouched (the results only add inference.json beside it)
     for run in ("a_seed0", "b_seed0"):

@@ -1,7 +1,7 @@
 """Expert parallelism (`infra.expert_parallel_size`, `tierlm.backends.expert_parallel`) with gloo: ranks forked as
-torchrun starts them (tests/forked.py), and torchrun itself for the resume: two ranks sharing out the experts take
-the steps one process takes at the same global batch, resume bit for bit, reshard into one process, and export the
-whole model (transformers' Qwen3-MoE loads it)."""
+torchrun starts them (tests/forked.py; test_distributed checks they see what torchrun's ranks see): two ranks sharing
+out the experts take the steps one process takes at the same global batch, resume bit for bit, reshard into one
+process, and export the whole model (transformers' Qwen3-MoE loads it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_main, torchrun
+from conftest import run_main
 from forked import ranks
 
 COMMON = [
@@ -98,7 +98,7 @@ def test_two_expert_parallel_ranks_train_resume_and_export_as_one_process(tmp_pa
     _same_steps(fsdp, one)
 
     _back_to(two, 4)
-    done = torchrun("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")  # torchrun itself, resuming
+    done = ranks("-m", "tierlm", *COMMON, *TWO_RANKS, f"infra.output_dir={two}")  # resuming at two ranks
     assert done.returncode == 0, done.stderr[-3000:]
     assert _lines(two) == a  # bit for bit
 

@@ -68,6 +68,16 @@ def _suite_frozen():
         gc.collect()
 
 
+def pytest_sessionfinish(session):
+    """The session's garbage is collected once, here, and what survives is frozen: pytest's own clean-up then collects
+    five more times (for unraisable exceptions), each pass over a worker's whole heap (every module and run the suite
+    left, millions of objects) unless frozen. Under pytest-xdist those passes come after the worker has reported it
+    finished, and execnet gives a worker 5 s to end before it sends the worker a SIGINT: the KeyboardInterrupt then
+    surfaced inside whatever ran, JAX's garbage-collection callback, at the end of every run."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _signal_handlers_given_back():
     """A test leaves the stop signals' handlers as it found them: a test worker goes on after it, and a `GracefulStop`

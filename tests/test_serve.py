@@ -65,24 +65,26 @@ def server(bot):
 
 def test_the_openai_client_talks_to_the_server(bot, server):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
-    want = bot.reply([{"role": "user", "content": QUESTION}], temperature=0.0, max_new_tokens=24)
-    assert [m.id for m in client.models.list().data] == [bot.name]
-    response = client.chat.completions.create(
-        model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24
-    )
-    assert response.choices[0].message.content == want.text and response.choices[0].finish_reason == want.finish_reason
-    assert response.usage.completion_tokens == want.completion_tokens
-    stream = client.chat.completions.create(
-        model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24, stream=True
-    )
-    chunks = list(stream)
-    assert (
-        "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
-        and chunks[-1].choices[0].finish_reason == want.finish_reason
-    )
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=bot.name, messages=[{"role": "robot", "content": "hi"}])
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused") as client:  # its connections closed after
+        want = bot.reply([{"role": "user", "content": QUESTION}], temperature=0.0, max_new_tokens=24)
+        assert [m.id for m in client.models.list().data] == [bot.name]
+        response = client.chat.completions.create(
+            model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24
+        )
+        assert (
+            response.choices[0].message.content == want.text and response.choices[0].finish_reason == want.finish_reason
+        )
+        assert response.usage.completion_tokens == want.completion_tokens
+        stream = client.chat.completions.create(
+            model=bot.name, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24, stream=True
+        )
+        chunks = list(stream)
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+            and chunks[-1].choices[0].finish_reason == want.finish_reason
+        )
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=bot.name, messages=[{"role": "robot", "content": "hi"}])
 
 
 def test_the_chat_page_names_the_model_as_text(bot):

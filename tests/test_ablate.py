@@ -61,10 +61,12 @@ def test_variants_parse_and_budget_changes_are_refused(tmp_path):
 
 
 def _ablate(*args, log: Path) -> int:
-    """`python -m tierlm ablate ARGS` forked (tests/forked.py: torch and tierlm imported once, not in each
-    command's own interpreter): its exit code, its stderr in LOG."""
+    """`python -m tierlm ablate ARGS` as `run_cli` runs it, forked (tests/forked.py: torch and tierlm imported once,
+    not in each command's own interpreter): its exit code, its stderr in LOG."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
     with open(log, "w") as err:
-        return start("-m", "tierlm", "ablate", *map(str, args), stdout=subprocess.DEVNULL, stderr=err).wait(300)
+        command = ["-m", "tierlm", "ablate", *map(str, args)]
+        return start(*command, env=env, stdout=subprocess.DEVNULL, stderr=err).wait(300)
 
 
 @pytest.mark.slow

@@ -159,6 +159,29 @@ def test_two_pools_never_share_a_user_id(tmp_path):
     assert locks and all(lock.closed for lock in locks)
 
 
+@pytest.mark.skipif(not isolation()["separate_user"], reason="pools take user ids of their own as root only")
+def test_a_daemon_that_left_the_programs_group_is_killed_with_its_user():
+    """A program whose grandchild calls setsid leaves the process group the sandbox kills; the pool then kills what
+    its slot's user still runs (`_kill_user`, a process of that user calling kill(-1)), here in a process that
+    imported JAX, whose fork handlers warn when the trainer itself forks: nothing warns."""
+    import dataclasses
+    import warnings
+
+    jax = pytest.importorskip("jax")
+    jax.numpy.ones(1).block_until_ready()  # JAX's backend up: its fork handler warns from here on
+    daemon = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n"
+    box = Sandbox(dataclasses.replace(LIMITS, wall_seconds=10), workers=1)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = box.run(daemon + "    os._exit(0)\nos.wait()\nprint('parent done')\n")
+        assert result.ok and "parent done" in result.stdout, result
+        assert _sandbox_processes({uid for uid, _ in box._uids}) == []
+        assert not [w for w in seen if "fork" in str(w.message)], [str(w.message) for w in seen]
+    finally:
+        box.close()
+
+
 def test_code_reward_passes_only_a_program_that_reaches_the_end_of_its_tests(sandbox):
     tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
     right = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```"

@@ -391,20 +391,20 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+_KILL_ALL = "import os, signal; os.kill(-1, signal.SIGKILL)"
+"""kill(-1) as a pool slot's user reaches every process of that user but the caller (Linux spares it)."""
+
+
 def _kill_user(uid: int, patience_s: float = 2.0) -> None:
-    """SIGKILL every process of `uid` (a pool slot's user, which nothing else runs as) — kill(-1) from a child that
-    became that user reaches exactly those — and wait until none is left running (zombies aside)."""
+    """SIGKILL every process of `uid` (a pool slot's user, which nothing else runs as) and wait until none is left
+    running (zombies aside). The kill comes from a short interpreter started as that user by `subprocess`, whose fork
+    runs no Python in the child: `os.fork()` would run the trainer's fork handlers (JAX's warns of a deadlock) and
+    Python code in a copy of a process whose other threads held what they held."""
     deadline = time.monotonic() + patience_s
+    command = [sandbox_python(uid), "-I", "-S", "-c", _KILL_ALL]
     while True:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            try:
-                os.setgid(uid)
-                os.setuid(uid)
-                os.kill(-1, signal.SIGKILL)  # every process of this user but itself
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+        quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(command, user=uid, group=uid, extra_groups=[], check=False, **quiet)
         if not _running_as(uid) or time.monotonic() > deadline:
             return
         time.sleep(0.01)

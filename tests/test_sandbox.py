@@ -160,12 +160,23 @@ def test_two_pools_never_share_a_user_id(tmp_path):
 
 
 @pytest.mark.skipif(not isolation()["separate_user"], reason="pools take user ids of their own as root only")
-def test_a_daemon_that_left_the_programs_group_is_killed_with_its_user():
+@pytest.mark.parametrize("killer", ["kill", "interpreter"])
+def test_a_daemon_that_left_the_programs_group_is_killed_with_its_user(killer, monkeypatch):
     """A program whose grandchild calls setsid leaves the process group the sandbox kills; the pool then kills what
-    its slot's user still runs (`_kill_user`, a process of that user calling kill(-1)), here in a process that
-    imported JAX, whose fork handlers warn when the trainer itself forks: nothing warns."""
+    its slot's user still runs (`_kill_user`, a process of that user calling kill(-1): the system's `kill`, or where
+    there is none an interpreter), here in a process that imported JAX, whose fork handlers warn when the trainer
+    itself forks: nothing warns."""
     import dataclasses
+    import shutil
     import warnings
+
+    import tierlm.tasks.sandbox as sandbox_module
+
+    if killer == "interpreter":
+        which = shutil.which
+        monkeypatch.setattr(
+            sandbox_module.shutil, "which", lambda name, **kw: None if name == "kill" else which(name, **kw)
+        )
 
     jax = pytest.importorskip("jax")
     jax.numpy.ones(1).block_until_ready()  # JAX's backend up: its fork handler warns from here on

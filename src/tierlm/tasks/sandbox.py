@@ -391,19 +391,24 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-_KILL_ALL = "import os, signal; os.kill(-1, signal.SIGKILL)"
-"""kill(-1) as a pool slot's user reaches every process of that user but the caller (Linux spares it)."""
+def _kill_all_command(uid: int) -> list[str]:
+    """A command that, run as `uid`, SIGKILLs every process of that user but itself (kill(-1); Linux spares the
+    caller): the system's `kill` (3 ms), else a short interpreter (22 ms)."""
+    kill = shutil.which("kill", path="/usr/bin:/bin")
+    if kill is not None:
+        return [kill, "-KILL", "-1"]
+    return [sandbox_python(uid), "-I", "-S", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"]
 
 
 def _kill_user(uid: int, patience_s: float = 2.0) -> None:
     """SIGKILL every process of `uid` (a pool slot's user, which nothing else runs as) and wait until none is left
-    running (zombies aside). The kill comes from a short interpreter started as that user by `subprocess`, whose fork
-    runs no Python in the child: `os.fork()` would run the trainer's fork handlers (JAX's warns of a deadlock) and
-    Python code in a copy of a process whose other threads held what they held."""
+    running (zombies aside). The kill runs as that user in a process `subprocess` starts, whose fork runs no Python in
+    the child: `os.fork()` would run the trainer's fork handlers (JAX's warns of a deadlock) and Python code in a copy
+    of a process whose other threads held what they held."""
     deadline = time.monotonic() + patience_s
-    command = [sandbox_python(uid), "-I", "-S", "-c", _KILL_ALL]
+    command = _kill_all_command(uid)
+    quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
-        quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         subprocess.run(command, user=uid, group=uid, extra_groups=[], check=False, **quiet)
         if not _running_as(uid) or time.monotonic() > deadline:
             return

@@ -109,15 +109,20 @@ def tiny_gpt_config():
     return GPTConfig(depth=2, aspect_ratio=32, head_dim=16, n_kv_head=2, vocab_size=97, max_seq_len=64)
 
 
+def cli_env() -> dict[str, str]:
+    """The environment a test's `tierlm` process gets: this one's, its thread count (2 unless set: one each under
+    pytest-xdist) and no warnings printed."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
+
+
 def run_cli(*args, cwd=None, timeout=600):
     """Run `python -m tierlm ARGS` in a fresh process (one thread each: tests run serially on 2 cores)."""
     import subprocess
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
         [sys.executable, "-m", "tierlm", *map(str, args)],
         cwd=cwd or REPO,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -216,8 +221,7 @@ def kill_at_checkpoint(args, output_dir: Path, step: int) -> None:
 
     from tests.forked import start
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
-    proc = start("-m", "tierlm", *args, f"infra.output_dir={output_dir}", env=env)
+    proc = start("-m", "tierlm", *args, f"infra.output_dir={output_dir}", env=cli_env())
     latest, deadline = output_dir / "checkpoints" / "latest", time.time() + 300
     while not (latest.is_file() and latest.read_text().strip() == f"step_{step}"):
         assert proc.poll() is None and time.time() < deadline, "the run ended before the checkpoint"

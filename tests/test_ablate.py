@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, TINY, cli_env, run_cli
 from forked import start
 from tierlm.commands.ablate import AblationCoordinator, paired_difference, parse_variant
 from tierlm.errors import ConfigError
@@ -63,10 +63,9 @@ def test_variants_parse_and_budget_changes_are_refused(tmp_path):
 def _ablate(*args, log: Path) -> int:
     """`python -m tierlm ablate ARGS` as `run_cli` runs it, forked (tests/forked.py: torch and tierlm imported once,
     not in each command's own interpreter): its exit code, its stderr in LOG."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
     with open(log, "w") as err:
         command = ["-m", "tierlm", "ablate", *map(str, args)]
-        return start(*command, env=env, stdout=subprocess.DEVNULL, stderr=err).wait(300)
+        return start(*command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=err).wait(300)
 
 
 @pytest.mark.slow
@@ -120,11 +119,10 @@ def test_a_killed_ablation_resumes_finished_untouched_unfinished_exact(tmp_path)
     assert _ablate(*BASE, *variants, "--out", straight, log=log) == 0, log.read_text()[-3000:]
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierlm", "ablate", *BASE, *variants, "--out", str(killed)],
         cwd=REPO,
-        env=env,
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

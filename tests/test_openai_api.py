@@ -117,6 +117,45 @@ def test_a_field_the_server_does_not_honour_is_a_400_naming_it(sft, client, extr
     assert refused.value.status_code == 400 and refused.value.body["message"].startswith(field)
 
 
+def test_what_newer_clients_send_usage_in_a_stream_text_parts_and_the_developer_role(sft, client):
+    """`stream_options.include_usage` (vLLM's benchmark client and many SDK users send it), content as a list of
+    text parts and the `developer` role (OpenAI's system turn since o1), as OpenAI's API takes them."""
+    asked = dict(model=sft.name, messages=QUESTION, temperature=0, max_tokens=12)
+    whole = client.chat.completions.create(**asked)
+    chunks = list(client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason is not None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+    plain = list(client.chat.completions.create(**asked, stream=True))
+    assert all(c.choices and c.usage is None for c in plain)  # not asked: no usage event
+
+    asked = dict(model=sft.name, prompt=["What is 2 + 3?", "What is 4 + 4?"], temperature=0, max_tokens=5, n=2)
+    whole = client.completions.create(**asked)
+    chunks = list(client.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage and whole.usage.prompt_tokens > 10
+
+    for extra, message in [
+        ({"stream_options": {"include_usage": True}}, "the body: stream_options is only allowed with stream: true"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=sft.name, messages=QUESTION, max_tokens=4, **extra)
+        assert refused.value.body["message"].startswith(message)
+
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "Answer with the sum."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is 2"}, {"type": "text", "text": "+ 3?"}]},
+    ]
+    plain = [{"role": "system", "content": "Answer with the sum."}, {"role": "user", "content": "What is 2\n+ 3?"}]
+    got = client.chat.completions.create(model=sft.name, messages=parts, temperature=0, max_tokens=12)
+    assert got.usage.prompt_tokens == len(sft.tokenizer.render_for_completion(plain))
+    assert got.choices[0].message.content == sft.reply(plain, temperature=0.0, max_new_tokens=12).text
+    with pytest.raises(openai.BadRequestError) as refused:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        client.chat.completions.create(model=sft.name, messages=[{"role": "user", "content": [image]}], max_tokens=4)
+    assert refused.value.body["message"].startswith("messages.0.content")
+
+
 def test_a_base_model_serves_completions_and_refuses_chat(tiny_runs, tmp_path):
     """A model folder whose tokenizer has no chat template (a base model's, as the Hub has many)."""
     import json

@@ -152,7 +152,7 @@ class Job:
     async def events(self, bodies: Bodies, choices: int):
         """The streamed choices as server-sent events: (chat) each choice's role, then their text (what came
         meanwhile for a choice in one event, not one per token), each choice's end (finish reason, log-probs when
-        asked for) or an error, then [DONE]."""
+        asked for) and the usage when asked for, or an error, then [DONE]."""
         try:
             if bodies.kind == "chat":
                 for index in range(choices):
@@ -174,6 +174,8 @@ class Job:
                 if kind == "done":
                     for index, reply in enumerate(value):
                         yield bodies.chunk(index, None, reply.finish_reason, reply)
+                    if bodies.usage_in_stream:
+                        yield bodies.usage_chunk(value)
                 else:
                     failure = "server_error" if kind != "error" else "invalid_request_error"
                     yield f"data: {json.dumps({'error': {'message': value, 'type': failure}})}\n\n"

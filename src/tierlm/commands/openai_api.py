@@ -10,6 +10,10 @@ What each field does (the docs' serving page has the table):
 - `logprobs`: completions' `logprobs: k` (0-5 alternatives) and chat's `logprobs: true` + `top_logprobs: k` (0-20),
   the model's own log-probabilities (temperature 1), from one scoring pass over the prompt and the completion;
 - `echo` (completions): the prompt's text (and its tokens' log-probs) before the completion's;
+- `stream_options: {include_usage: true}`: a streamed reply's last event before [DONE] carries the usage (the other
+  events `usage: null`), as OpenAI's does;
+- chat messages' `content` as a string or a list of text parts (joined by newlines, as vLLM joins them), and the
+  `developer` role as the system turn it replaces;
 - `presence_penalty`, `frequency_penalty`, `best_of`: their no-op values only; `tools`, `logit_bias`, `suffix`,
   `response_format`, ...: refused (a 400 naming the field), never silently dropped.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,6 +31,11 @@ from tierlm.commands.generation import Sampling
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = {"completions": 5, "chat": 20}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
 
 
 class Common(BaseModel):
@@ -43,6 +52,7 @@ class Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None  # the caller's name for its end user: nothing to do with it
@@ -62,8 +72,17 @@ class Common(BaseModel):
             raise ValueError(f"{info.field_name} is not supported (only 0): the engine samples without penalties")
         return value
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     def stops(self) -> list[str]:
         return list(self.stop or [])
+
+    def usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(Common):
@@ -94,11 +113,32 @@ class CompletionRequest(Common):
         return self.logprobs
 
 
-class Message(BaseModel):
+class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: str
-    content: str
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A chat turn as OpenAI's clients send it, made what the chat template takes: text parts joined, the `developer`
+    role (OpenAI's name for the system turn since its o1 models) as `system`.
+
+    >>> Message(role="developer", content=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Exact."}])
+    Message(role='system', content='Be brief.\\nExact.', name=None)
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _as_the_template_takes_it(self):
+        if not isinstance(self.content, str):
+            self.content = "\n".join(part.text for part in self.content)
+        if self.role == "developer":
+            self.role = "system"
+        return self
 
 
 class ChatRequest(Common):
@@ -218,11 +258,12 @@ class Bodies:
     """One request's OpenAI bodies, for the completions (`kind` "completions") or the chat endpoint: the whole
     response, or its server-sent chunks."""
 
-    def __init__(self, kind: str, model: str, sampling: Sampling):
+    def __init__(self, kind: str, model: str, sampling: Sampling, usage_in_stream: bool = False):
         prefix, self.kind = ("cmpl" if kind == "completions" else "chatcmpl"), kind
         self.ident, self.created, self.model = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model
         self.object = "text_completion" if kind == "completions" else "chat.completion"
         self.logprobs, self.n = sampling.top_logprobs is not None, sampling.n
+        self.usage_in_stream = usage_in_stream
 
     def _choice(self, index: int, choice) -> dict:
         body: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason}
@@ -234,20 +275,20 @@ class Bodies:
             body["logprobs"] = chat_logprobs(choice) if self.logprobs else None
         return body
 
-    def whole(self, choices: list) -> dict:
+    def usage(self, choices: list) -> dict:
         prompt_tokens = sum(c.prompt_tokens for c in choices[:: self.n])  # each prompt once, not once per choice
         completion_tokens = sum(c.completion_tokens for c in choices)
+        total = prompt_tokens + completion_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+    def whole(self, choices: list) -> dict:
         return {
             "id": self.ident,
             "object": self.object,
             "created": self.created,
             "model": self.model,
             "choices": [self._choice(i, c) for i, c in enumerate(choices)],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": self.usage(choices),
         }
 
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None, choice=None) -> str:
@@ -257,7 +298,6 @@ class Bodies:
             body: dict[str, Any] = {"index": index, "text": text or "", "finish_reason": finish_reason}
             if self.logprobs:
                 body["logprobs"] = completion_logprobs(choice) if choice is not None else None
-            kind = "text_completion"
         else:
             delta = {"content": text} if text is not None else {}
             if text == "" and finish_reason is None:
@@ -265,6 +305,16 @@ class Bodies:
             body = {"index": index, "delta": delta, "finish_reason": finish_reason}
             if self.logprobs and choice is not None:
                 body["logprobs"] = chat_logprobs(choice)
-            kind = "chat.completion.chunk"
-        data = {"id": self.ident, "object": kind, "created": self.created, "model": self.model, "choices": [body]}
+        return self._event([body], None)
+
+    def usage_chunk(self, choices: list) -> str:
+        """The stream's last event before [DONE] when `stream_options.include_usage` asked for it: no choices, the
+        request's usage."""
+        return self._event([], self.usage(choices))
+
+    def _event(self, choices: list[dict], usage: dict | None) -> str:
+        kind = "text_completion" if self.kind == "completions" else "chat.completion.chunk"
+        data = {"id": self.ident, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if self.usage_in_stream:
+            data["usage"] = usage
         return f"data: {json.dumps(data)}\n\n"

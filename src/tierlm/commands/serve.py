@@ -2,9 +2,11 @@
 small crowd.
 
     POST /v1/completions        {prompt (text, token ids, or a list of them), max_tokens, temperature, top_p, n, stop,
-                                seed, logprobs, echo, stream}: a text_completion (any causal LM, chat template or not)
+                                seed, logprobs, echo, stream, stream_options}: a text_completion (any causal LM, chat
+                                template or not)
     POST /v1/chat/completions   {messages, max_tokens, temperature, top_p, n, stop, seed, logprobs, top_logprobs,
-                                stream}: a chat.completion (a chat model), or with "stream": true server-sent chunks
+                                stream, stream_options}: a chat.completion (a chat model), or with "stream": true
+                                server-sent chunks
     GET  /v1/models             the one model served
     GET  /health                {status, model, running, waiting}
     GET  /metrics               Prometheus text: requests by outcome, queue depth, tokens, latency
@@ -114,7 +116,7 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         def produce(on_text, should_stop, wait_s):
             return bot.chat_choices(messages, sampling, on_text, should_stop, wait_s)
 
-        bodies = Bodies("chat", bot.name, sampling)
+        bodies = Bodies("chat", bot.name, sampling, body.usage_in_stream())
         return await answer(request, bodies, produce, sampling.n, body.stream)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -128,7 +130,7 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
         def produce(on_text, should_stop, wait_s):
             return completions_of(bot, prompts, sampling, on_text, should_stop, wait_s)
 
-        bodies = Bodies("completions", bot.name, sampling)
+        bodies = Bodies("completions", bot.name, sampling, body.usage_in_stream())
         return await answer(request, bodies, produce, sampling.n * len(prompts), body.stream)
 
     return app

@@ -101,6 +101,44 @@ def test_logprobs_are_the_models_own(sft, client, tiny_runs):
     assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
 
 
+def test_vllm_bench_serve_request_bodies(sft):
+    """The bodies `vllm bench serve` posts (vLLM's `vllm/benchmarks/lib/endpoint_request_func.py`, backends `openai`
+    and `openai-chat`), read back as that client reads them: text from the chunks with choices, the completion
+    tokens from the usage event."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from tierlm.commands.serve import create_app
+
+    http = TestClient(create_app(sft))
+    completions = {
+        "model": sft.name, "prompt": "What is 2 + 3?", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+    }  # fmt: skip
+    chat = {
+        "model": sft.name, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]}],
+        "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+    }  # fmt: skip
+    for path, body, piece in [
+        ("/v1/completions", completions, lambda choice: choice["text"]),
+        ("/v1/chat/completions", chat, lambda choice: choice["delta"].get("content")),
+    ]:
+        response = http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        events = [line.removeprefix("data:").strip() for line in response.text.splitlines() if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        text = "".join(piece(c["choices"][0]) or "" for c in chunks if c["choices"])
+        usage = [c["usage"] for c in chunks if not c["choices"]]
+        whole = http.post(path, json={**body, "stream": False, "stream_options": None}).json()
+        first = whole["choices"][0]
+        assert text == first.get("text", first.get("message", {}).get("content")) and usage == [whole["usage"]]
+        assert usage[0]["completion_tokens"] > 0
+    refused = http.post("/v1/completions", json={**completions, "repetition_penalty": 1.2})
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("repetition_penalty")
+
+
 @pytest.mark.parametrize(
     "extra, field",
     [

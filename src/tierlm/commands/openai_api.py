@@ -14,8 +14,8 @@ What each field does (the docs' serving page has the table):
   events `usage: null`), as OpenAI's does;
 - chat messages' `content` as a string or a list of text parts (joined by newlines, as vLLM joins them), and the
   `developer` role as the system turn it replaces;
-- `presence_penalty`, `frequency_penalty`, `best_of`: their no-op values only; `tools`, `logit_bias`, `suffix`,
-  `response_format`, ...: refused (a 400 naming the field), never silently dropped.
+- `presence_penalty`, `frequency_penalty`, `best_of` (and vLLM's `repetition_penalty`): their no-op values only;
+  `tools`, `logit_bias`, `suffix`, `response_format`, ...: refused (a 400 naming the field), never silently dropped.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's and SGLang's extension (their benchmark clients send 1.0)
     user: str | None = None  # the caller's name for its end user: nothing to do with it
 
     @field_validator("stop")
@@ -65,11 +66,13 @@ class Common(BaseModel):
             raise ValueError(f"stop takes up to {MAX_STOP} non-empty strings")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
     def _no_penalty(cls, value, info):
-        if value != 0:
-            raise ValueError(f"{info.field_name} is not supported (only 0): the engine samples without penalties")
+        none = 1.0 if info.field_name == "repetition_penalty" else 0.0
+        if value != none:
+            message = f"{info.field_name} is not supported (only {none:g})"
+            raise ValueError(f"{message}: the engine samples without penalties")
         return value
 
     @model_validator(mode="after")

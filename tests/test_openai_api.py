@@ -101,7 +101,7 @@ def test_logprobs_are_the_models_own(sft, client, tiny_runs):
     assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
 
 
-def test_vllm_bench_serve_request_bodies(sft):
+def test_vllm_bench_serve_request_bodies(sft, tiny_runs):
     """The bodies `vllm bench serve` posts (vLLM's `vllm/benchmarks/lib/endpoint_request_func.py`, backends `openai`
     and `openai-chat`), read back as that client reads them: text from the chunks with choices, the completion
     tokens from the usage event."""
@@ -111,15 +111,20 @@ def test_vllm_bench_serve_request_bodies(sft):
 
     from tierlm.commands.serve import create_app
 
-    http = TestClient(create_app(sft))
+    http, stop_ids = TestClient(create_app(sft)), sft.engine.stop_ids
     completions = {
-        "model": sft.name, "prompt": "What is 2 + 3?", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
-        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+        "model": sft.name, "prompt": "What is 2 + 3?", "repetition_penalty": 1.0, "max_tokens": 40, "logprobs": None,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
     }  # fmt: skip
     chat = {
         "model": sft.name, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 3?"}]}],
-        "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+        "max_completion_tokens": 40, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "temperature": 0,
     }  # fmt: skip
+
+    def reply(choice: dict) -> str:
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
     for path, body, piece in [
         ("/v1/completions", completions, lambda choice: choice["text"]),
         ("/v1/chat/completions", chat, lambda choice: choice["delta"].get("content")),
@@ -132,9 +137,26 @@ def test_vllm_bench_serve_request_bodies(sft):
         text = "".join(piece(c["choices"][0]) or "" for c in chunks if c["choices"])
         usage = [c["usage"] for c in chunks if not c["choices"]]
         whole = http.post(path, json={**body, "stream": False, "stream_options": None}).json()
-        first = whole["choices"][0]
-        assert text == first.get("text", first.get("message", {}).get("content")) and usage == [whole["usage"]]
-        assert usage[0]["completion_tokens"] > 0
+        assert text == reply(whole["choices"][0]) and usage == [whole["usage"]]
+        assert usage[0]["completion_tokens"] == 40 and whole["choices"][0]["finish_reason"] == "length"
+
+    # ignore_eos on either path of a bot: its engine alone (the fixture's) and the continuous batch. The fixture's
+    # barely trained model seldom ends a turn, so its greedy reply's third token is made a stop token meanwhile.
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    batched = Chatbot(tiny_runs / "sft", "cpu", chat_only=False, batch_rows=4)
+    try:
+        for bot in (sft, batched):
+            bot.engine.stop_ids = {bot.chat_choices(question, Sampling(40, 0.0))[0].tokens[2]}
+            asked = {**chat, "stream": False, "stream_options": None}
+            answers = TestClient(create_app(bot))
+            ended, past = (answers.post("/v1/chat/completions", json={**asked, "ignore_eos": i}).json() for i in (0, 1))
+            assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] <= 3
+            assert past["choices"][0]["finish_reason"] == "length" and past["usage"]["completion_tokens"] == 40
+            assert reply(past["choices"][0]).startswith(reply(ended["choices"][0]))
+    finally:
+        sft.engine.stop_ids = batched.engine.stop_ids = stop_ids
+        batched.close()
+
     refused = http.post("/v1/completions", json={**completions, "repetition_penalty": 1.2})
     assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("repetition_penalty")
 

@@ -146,6 +146,8 @@ class Chatbot:
             )
         if sampling.top_logprobs is not None and not hasattr(self.engine, "model"):
             raise DataError("log-probs are scored by tierlm's engine: serve with --engine native to ask for them")
+        if sampling.ignore_eos and not hasattr(self.engine, "model"):  # vLLM's replies come back whole, ended
+            raise DataError("ignore_eos is honoured by tierlm's engine: serve with --engine native to ask for it")
         s = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
         choices = [generation.Choice(i, decode, s.stop, on_text) for i in range(s.n)]
         if s.max_new_tokens == 0:  # echo alone: the prompt scored, nothing generated

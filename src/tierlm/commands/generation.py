@@ -30,6 +30,9 @@ class Sampling:
     """None: no log-probs; k >= 0: each token's log-prob with its k most likely alternatives."""
     echo: bool = False
     """Scored log-probs cover the prompt's tokens too (the first has none)."""
+    ignore_eos: bool = False
+    """A stop token ends nothing: each choice runs to `max_new_tokens` or a stop string (what load generators ask for,
+    so every reply is as long as they planned)."""
 
 
 @dataclass
@@ -123,7 +126,7 @@ def batched(scheduler, prompt: list[int], s: Sampling, choices: list[Choice], sh
         def on_token(completion, choice=choice) -> None:
             choice.update(completion.tokens)
 
-        request = Request(prompt, s.max_new_tokens, s.temperature, generator, on_token=on_token, should_stop=stop_check)
+        request = Request(prompt, s.max_new_tokens, s.temperature, generator, on_token, stop_check, s.ignore_eos)
         requests.append(scheduler.submit(request))
     out = []
     for request in requests:
@@ -143,6 +146,8 @@ def alone(engine, lock, prompt: list[int], s: Sampling, choices: list[Choice], s
 
     def stream(row: int, completion) -> None:
         seen[row] = completion
+        if s.ignore_eos:  # the engine marked a stop token finished just now: the row goes on
+            completion.finished = False
         if choices[row].update(completion.tokens):
             completion.finished = True  # the engine samples no more for this row
         reason = should_stop() if should_stop is not None else None

@@ -14,7 +14,9 @@ What each field does (the docs' serving page has the table):
   events `usage: null`), as OpenAI's does;
 - chat messages' `content` as a string or a list of text parts (joined by newlines, as vLLM joins them), and the
   `developer` role as the system turn it replaces;
-- `presence_penalty`, `frequency_penalty`, `best_of` (and vLLM's `repetition_penalty`): their no-op values only;
+- vLLM's extensions that its benchmark client sends: `ignore_eos` (a choice runs to `max_tokens` or a stop string),
+  `repetition_penalty` (1 only);
+- `presence_penalty`, `frequency_penalty`, `best_of`: their no-op values only;
   `tools`, `logit_bias`, `suffix`, `response_format`, ...: refused (a 400 naming the field), never silently dropped.
 """
 
@@ -56,6 +58,7 @@ class Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's and SGLang's extension (their benchmark clients send 1.0)
+    ignore_eos: bool = False  # theirs too: `vllm bench serve` sends true with its random prompts
     user: str | None = None  # the caller's name for its end user: nothing to do with it
 
     @field_validator("stop")
@@ -185,16 +188,17 @@ def validation_message(errors: list[dict]) -> str:
 def chat_sampling(body) -> Sampling:
     """A chat request's sampling."""
     top_p = body.top_p if body.top_p < 1 else None
-    return Sampling(
-        body.budget(), body.temperature, top_p, body.n, tuple(body.stops()), body.seed, body.top_logprobs_count()
-    )
+    stops, logprobs = tuple(body.stops()), body.top_logprobs_count()
+    return Sampling(body.budget(), body.temperature, top_p, body.n, stops, body.seed, logprobs, False, body.ignore_eos)
 
 
 def completion_sampling(body) -> Sampling:
     """A completions request's sampling."""
     top_p = body.top_p if body.top_p < 1 else None
     stops = tuple(body.stops())
-    return Sampling(body.max_tokens, body.temperature, top_p, body.n, stops, body.seed, body.logprobs, body.echo)
+    return Sampling(
+        body.max_tokens, body.temperature, top_p, body.n, stops, body.seed, body.logprobs, body.echo, body.ignore_eos
+    )
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:

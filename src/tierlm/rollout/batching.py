@@ -191,6 +191,8 @@ class Request:
     generator: torch.Generator | None = None
     on_token: Callable[[Completion], None] | None = None
     should_stop: Callable[[], str | None] | None = None
+    ignore_eos: bool = False
+    """A stop token does not end it (it runs to `max_new_tokens` or `should_stop`)."""
     completion: Completion = field(default_factory=Completion)
     reason: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -304,6 +306,8 @@ class BatchScheduler:
         """The row's next token (`sampled`, or a forced tool result), recorded; sets `reason` when the row ends."""
         completion = request.completion
         token = self.engine.take_token(completion, sampled, 0.0, request.calls)
+        if completion.finished and request.ignore_eos:
+            completion.finished = False
         if completion.finished:
             request.reason = "stop"
         if request.on_token is not None:

@@ -226,6 +226,16 @@ def test_a_crowd_is_queued_refused_timed_out_and_cancelled(bot, guarded):
     ):
         assert name in metrics, name
 
+    # A streamed reply that waits for the model sends nothing before its first text (as vLLM's: a client timing
+    # its first token, `vllm bench serve`'s TTFT, is not told of one early): here the model stays busy past the
+    # request's timeout, so the first event is that error.
+    with (
+        bot.lock,
+        httpx.stream("POST", f"{guarded}/v1/chat/completions", json={**ask, "stream": True}, headers=key) as r,
+    ):
+        first = next(line for line in r.iter_lines() if line.startswith("data:"))
+    assert '"error"' in first and '"role"' not in first, first
+
 
 def test_a_reply_stopped_midway_keeps_its_text_and_says_why(bot):
     count = iter(range(1000))

@@ -150,17 +150,18 @@ class Job:
             gate.leave(time.monotonic() - self.start, outcome, tokens)
 
     async def events(self, bodies: Bodies, choices: int):
-        """The streamed choices as server-sent events: (chat) each choice's role, then their text (what came
-        meanwhile for a choice in one event, not one per token), each choice's end (finish reason, log-probs when
-        asked for) and the usage when asked for, or an error, then [DONE]."""
+        """The streamed choices as server-sent events: (chat) each choice's role once the first text is there, then
+        their text (what came meanwhile for a choice in one event, not one per token), each choice's end (finish
+        reason, log-probs when asked for) and the usage when asked for, or an error, then [DONE]."""
         try:
-            if bodies.kind == "chat":
-                for index in range(choices):
-                    yield bodies.chunk(index, "")
-            pending = None
+            pending, opened = None, bodies.kind != "chat"
             while True:
                 kind, value = pending or await self.pieces.get()
                 pending = None
+                if not opened and kind in ("text", "done"):  # the roles come with the first text, as vLLM's do:
+                    opened = True  # a client timing its first token is not told of one while the request waits
+                    for index in range(choices):
+                        yield bodies.chunk(index, "")
                 if kind == "text":
                     index, text = value[0], [value[1]]
                     while not self.pieces.empty():

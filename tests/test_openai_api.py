@@ -146,7 +146,7 @@ def test_vllm_bench_serve_request_bodies(sft, tiny_runs):
     batched = Chatbot(tiny_runs / "sft", "cpu", chat_only=False, batch_rows=4)
     try:
         for bot in (sft, batched):
-            bot.engine.stop_ids = {bot.chat_choices(question, Sampling(40, 0.0))[0].tokens[2]}
+            bot.engine.stop_ids = {bot.chat_choices(question, Sampling(40, 0.0, ignore_eos=True))[0].tokens[2]}
             asked = {**chat, "stream": False, "stream_options": None}
             answers = TestClient(create_app(bot))
             ended, past = (answers.post("/v1/chat/completions", json={**asked, "ignore_eos": i}).json() for i in (0, 1))

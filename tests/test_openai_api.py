@@ -195,7 +195,7 @@ def test_what_newer_clients_send_usage_in_a_stream_text_parts_and_the_developer_
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage and whole.usage.prompt_tokens > 10
 
     for extra, message in [
-        ({"stream_options": {"include_usage": True}}, "the body: stream_options is only allowed with stream: true"),
+        ({"stream_options": {"include_usage": True}}, "stream_options: only with stream: true"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ]:
         with pytest.raises(openai.BadRequestError) as refused:

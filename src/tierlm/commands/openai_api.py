@@ -78,11 +78,12 @@ class Common(BaseModel):
             raise ValueError(f"{message}: the engine samples without penalties")
         return value
 
-    @model_validator(mode="after")
-    def _stream_options_need_a_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _with_a_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only with stream: true")
+        return value
 
     def stops(self) -> list[str]:
         return list(self.stop or [])
@@ -188,8 +189,16 @@ def validation_message(errors: list[dict]) -> str:
 def chat_sampling(body) -> Sampling:
     """A chat request's sampling."""
     top_p = body.top_p if body.top_p < 1 else None
-    stops, logprobs = tuple(body.stops()), body.top_logprobs_count()
-    return Sampling(body.budget(), body.temperature, top_p, body.n, stops, body.seed, logprobs, False, body.ignore_eos)
+    return Sampling(
+        body.budget(),
+        body.temperature,
+        top_p,
+        body.n,
+        tuple(body.stops()),
+        body.seed,
+        body.top_logprobs_count(),
+        ignore_eos=body.ignore_eos,
+    )
 
 
 def completion_sampling(body) -> Sampling:

@@ -155,6 +155,8 @@ def test_check_parity_through_the_server_and_its_refusal(tiny_runs, server, tmp_
 def test_the_chat_server_answers_with_vllm_as_with_its_own_engine(tiny_runs, server):
     """`tierlm serve --engine vllm --vllm-url URL`'s chatbot: a greedy reply through vLLM is the native engine's."""
     from tierlm.commands.chat import Chatbot
+    from tierlm.commands.generation import Sampling
+    from tierlm.errors import DataError
 
     messages = [{"role": "user", "content": "What is 23 + 45?"}]
     native = Chatbot(tiny_runs / "sft", "cpu")
@@ -164,6 +166,8 @@ def test_the_chat_server_answers_with_vllm_as_with_its_own_engine(tiny_runs, ser
         reply = through_vllm.reply(messages, temperature=0.0, max_new_tokens=24, on_text=pieces.append)
         assert reply.text == native.reply(messages, temperature=0.0, max_new_tokens=24).text
         assert "".join(pieces) == reply.text and reply.completion_tokens > 0
+        with pytest.raises(DataError, match="ignore_eos is honoured by tierlm's engine: serve with --engine native"):
+            through_vllm.chat_choices(messages, Sampling(8, 0.0, ignore_eos=True))  # vLLM's replies come back ended
     finally:
         through_vllm.close()
         native.close()

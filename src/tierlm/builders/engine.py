@@ -104,10 +104,14 @@ class EngineKind:
     """`tierlm serve` batches concurrent replies on it (continuous batching) and streams token by token."""
     records_routes: bool = False
     """It records the experts a mixture-of-experts model sends each token to (rollout routing replay)."""
+    samples_each_token: bool = False
+    """It samples token by token in this process, so a reply can be run on past a stop token (`ignore_eos`)."""
 
 
 ENGINES: dict[str, EngineKind] = {
-    "native": EngineKind(native, lambda s: "tierlm's engine", batches_replies=True, records_routes=True),
+    "native": EngineKind(
+        native, lambda s: "tierlm's engine", batches_replies=True, records_routes=True, samples_each_token=True
+    ),
     "vllm": EngineKind(
         vllm,
         lambda s: f"the vLLM server at {s.vllm_url}" if s.vllm_url else "vLLM in this process",

@@ -75,6 +75,7 @@ class Chatbot:
             self.close_folder()
             raise
         self.lock = threading.Lock()
+        self.samples_each_token = kind.samples_each_token
         self.scheduler = None
         if batch_rows > 1 and kind.batches_replies:
             from tierlm.rollout.batching import BatchScheduler
@@ -146,7 +147,7 @@ class Chatbot:
             )
         if sampling.top_logprobs is not None and not hasattr(self.engine, "model"):
             raise DataError("log-probs are scored by tierlm's engine: serve with --engine native to ask for them")
-        if sampling.ignore_eos and not hasattr(self.engine, "model"):  # vLLM's replies come back whole, ended
+        if sampling.ignore_eos and not self.samples_each_token:  # vLLM's replies come back whole, ended
             raise DataError("ignore_eos is honoured by tierlm's engine: serve with --engine native to ask for it")
         s = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
         choices = [generation.Choice(i, decode, s.stop, on_text) for i in range(s.n)]

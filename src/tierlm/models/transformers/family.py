@@ -4,6 +4,7 @@ native family owns (registered as the fallback of `tierlm.models.registry`), bes
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,15 @@ from tierlm.primitives.dtype_device import move_to
 from tierlm.primitives.losses import get_labels, linear_cross_entropy
 from tierlm.primitives.model_parallel import megatron_plan
 from tierlm.primitives.models import tied_names
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """What the model's forward calls its KV cache: `cache` in recent transformers (5.25 here, which deprecates
+    `past_key_values` for removal in 5.40), `past_key_values` before (5.19 names only it). A PEFT wrapper's forward
+    takes anything: its base model's says."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
 
 # -- transformers models ---------------------------------------------------------------------
 # Model types whose logits are exactly `lm_head(last hidden state)`: no soft-capping, scaling or
@@ -78,10 +88,10 @@ class TransformersFamily(ModelFamily):
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1], cache
+        return model(input_ids=ids, use_cache=True, **{_cache_keyword(model): cache}).logits[:, -1], cache
 
     def decode(self, model, tokens, cache):
-        return model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=tokens[:, None], use_cache=True, **{_cache_keyword(model): cache}).logits[:, -1]
 
     def repeat_cache(self, cache, n: int) -> None:
         cache.batch_repeat_interleave(n)

@@ -367,6 +367,7 @@ def test_sample_and_chat_compile_their_decode_step_when_asked(tiny_runs, monkeyp
 
     from conftest import run_main
     from tierlm.commands.chat import Chatbot
+    from tierlm.commands.generation import Sampling
     from tierlm.rollout import static_decode
 
     monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")
@@ -385,6 +386,21 @@ def test_sample_and_chat_compile_their_decode_step_when_asked(tiny_runs, monkeyp
         assert bot.engine.decoders.compile and bot.engine.fixed_alone
     finally:
         bot.close()
+    # serve's continuous batch compiles its step too, on a CPU as on a GPU (the fixed-shape step, not the slicing
+    # one), and samples what the uncompiled batch samples
+    bots = (
+        Chatbot(tiny_runs / "sft", "cpu", compile=True, batch_rows=4),
+        Chatbot(tiny_runs / "sft", "cpu", batch_rows=4),
+    )
+    try:
+        steps = bots[0].scheduler.decoder.steps
+        assert steps is not None and steps.compile and bots[1].scheduler.decoder.steps is None
+        question = [{"role": "user", "content": "What is 2 + 3?"}]
+        compiled, plain = (b.chat_choices(question, Sampling(12, 0.0, n=3, ignore_eos=True))[0].tokens for b in bots)
+        assert compiled == plain and len(compiled) == 12
+    finally:
+        for b in bots:
+            b.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

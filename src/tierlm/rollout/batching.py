@@ -50,11 +50,11 @@ class BatchedDecoder:
         self.starts: list[int] = []  # where each row's keys begin on the timeline (its mask's first True)
         self._views()
         on_cuda = parameter.device.type == "cuda"
-        fixed = (on_cuda if static is None else static) and static_decode.supports(self.model)
+        fixed = ((on_cuda or bool(compile)) if static is None else static) and static_decode.supports(self.model)
         self.steps = static_decode.Decoders(self.model, on_cuda, compile=compile) if fixed else None
-        """With fixed shapes (on CUDA, or `static`): a step per (rows, positions) bucket over views of the cache, each
-        one CUDA graph on CUDA (`tierlm.rollout.static_decode`); None: the step slices the cache to the rows and the
-        positions in use."""
+        """With fixed shapes (on CUDA, when compiled, or `static`): a step per (rows, positions) bucket over views of
+        the cache, each one CUDA graph on CUDA (`tierlm.rollout.static_decode`); None: the step slices the cache to
+        the rows and the positions in use."""
         self.position = torch.zeros(1, dtype=torch.long, device=parameter.device)
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=parameter.device)
 

@@ -4,6 +4,7 @@ native family owns (registered as the fallback of `tierlm.models.registry`), bes
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,13 @@ def _cache_keyword(model: nn.Module) -> str:
     """What the model's forward calls its KV cache: `cache` in recent transformers (5.25 here, which deprecates
     `past_key_values` for removal in 5.40), `past_key_values` before (5.19 names only it). A PEFT wrapper's forward
     takes anything: its base model's says."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+    return _cache_keyword_of(type(model.get_base_model() if hasattr(model, "get_base_model") else model))
+
+
+@functools.cache
+def _cache_keyword_of(model_class: type) -> str:
+    """Per class, once: reading a signature costs ~20 us, and the engine asks at every decode step."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 # -- transformers models ---------------------------------------------------------------------

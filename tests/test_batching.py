@@ -85,6 +85,10 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
         for i, name in enumerate(rows):
             got[name].append(int(logits[i].argmax()))
             logits_seen[name].append(logits[i].clone())  # a view valid until the next step
+        for k, v in batch.full:  # a row holds nothing but its own keys; nothing at all lies past the furthest reach
+            for held in (k.abs().amax(dim=(1, 3)), v.abs().amax(dim=(1, 3))):  # (rows, positions)
+                assert not held[: batch.rows][~batch.full_mask[: batch.rows]].any()
+                assert not held[:, batch.high :].any() and batch.high <= batch.capacity
     assert batch.rows == 0
     assert not fixed or len(batch.steps.decoders) >= 2  # several buckets of rows
     assert any(m > 0 for m in moves) and any(m < 0 for m in moves), moves  # pushed right by b, compacted later

@@ -48,6 +48,9 @@ class BatchedDecoder:
         self.full_mask = torch.zeros(max_rows, self.capacity, dtype=torch.bool, device=parameter.device)
         self.rows = 0
         self.starts: list[int] = []  # where each row's keys begin on the timeline (its mask's first True)
+        self.high = 0
+        """The furthest the timeline has reached: no row holds anything at or past it (all zeros), so clearing and
+        moving rows touches the positions before it, not the whole context."""
         self._views()
         on_cuda = parameter.device.type == "cuda"
         fixed = ((on_cuda or bool(compile)) if static is None else static) and static_decode.supports(self.model)
@@ -77,9 +80,10 @@ class BatchedDecoder:
         if self.length + 1 > self.capacity:  # no room left to decode even one token: compact first
             self._compact()
         start, row, turn = self.length - size, self.rows, turn_keys(self.model, self.length - size)
+        high = self.high
         for (k, v), mine in zip(self.full, alone.layers):
-            k[row].zero_()
-            v[row].zero_()
+            k[row, :, :high].zero_()
+            v[row, :, :high].zero_()
             k[row, :, start : self.length] = turn(mine.k[0, :, :size])
             v[row, :, start : self.length] = mine.v[0, :, :size]
         self.full_mask[row] = False
@@ -98,7 +102,9 @@ class BatchedDecoder:
         if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):
             self._compact()  # at the context, or once most of the timeline is positions no row uses
         if self.steps is None:
-            return self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
+            logits = self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
+            self.high = max(self.high, self.length)
+            return logits
         length = self.length
         rows, positions = static_decode.bucket(self.rows, length + 1, self.capacity)
         rows = min(rows, self.max_rows)
@@ -130,8 +136,9 @@ class BatchedDecoder:
         for row in sorted(set(rows), reverse=True):
             last = self.rows - 1
             if row != last:
+                high = self.high
                 for k, v in self.full:
-                    k[row], v[row] = k[last], v[last]
+                    k[row, :, :high], v[row, :, :high] = k[last, :, :high], v[last, :, :high]
                 self.full_mask[row] = self.full_mask[last]
                 order[row], self.starts[row] = order[last], self.starts[last]
             order.pop()
@@ -151,11 +158,11 @@ class BatchedDecoder:
     def _shift(self, offset: int) -> None:
         """Every row's keys `offset` positions later (negative: earlier), the timeline with them."""
         turn, length, n = turn_keys(self.model, offset), self.length, self.rows
-        lo = max(0, -offset)
+        lo, high = max(0, -offset), self.high
         for k, v in self.full:
             moved_k, moved_v = turn(k[:n, :, lo:length]), v[:n, :, lo:length].clone()
-            k[:n].zero_()
-            v[:n].zero_()
+            k[:n, :, :high].zero_()
+            v[:n, :, :high].zero_()
             k[:n, :, lo + offset : length + offset], v[:n, :, lo + offset : length + offset] = moved_k, moved_v
         moved = self.full_mask[:n, lo:length].clone()
         self.full_mask[:n] = False
@@ -175,6 +182,7 @@ class BatchedDecoder:
         self._shift(-unused)
 
     def _set_length(self, length: int) -> None:
+        self.high = max(self.high, length)
         for layer in self.cache.layers:
             layer.length = length
 

@@ -162,3 +162,33 @@ def test_a_layer_of_the_fixed_shape_step_rebuilds_no_mask_and_negates_nothing():
     assert {op: per_layer.get(op, 0) for op in ("arange", "le", "bitwise_and", "neg")} == dict.fromkeys(
         ("arange", "le", "bitwise_and", "neg"), 0
     ), per_layer
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_prompts_joining_together_are_prefilled_in_batches_and_each_computes_what_it_computes_alone(static):
+    """Arrivals prefilled together (right-padded, grouped by length: here two groups, out of the prompts' order)
+    take the next rows in their own order and decode as each does alone, beside a row already in flight."""
+    from tierlm.rollout.batching import _like_lengths
+
+    model = _model(64)
+    prompts = [list(range(20, 31)), [5, 9, 13], [7], [3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 70))]
+    assert _like_lengths([len(p) for p in prompts]) == [[2, 1, 3, 0], [4]]
+    steps = 12
+    expected = [_alone(model, p, steps) for p in [[8, 8, 2], *prompts]]
+    batch = BatchedDecoder(model, max_rows=8, static=static)
+    first = batch.join([8, 8, 2])
+    logits = batch.step(first.argmax()[None])  # the timeline has moved on when the others join
+    got, seen = [[int(first.argmax()), int(logits[0].argmax())]], [[first, logits[0].clone()]]
+    joined = batch.join_many(prompts)
+    assert batch.rows == 1 + len(prompts) and joined.shape == (len(prompts), model.config.vocab_size)
+    for row in joined:
+        got.append([int(row.argmax())])
+        seen.append([row])
+    for _ in range(steps):
+        logits = batch.step(torch.tensor([tokens[-1] for tokens in got]))
+        for i, row in enumerate(logits):
+            got[i].append(int(row.argmax()))
+            seen[i].append(row.clone())
+    for (tokens, alone_logits), mine, logits in zip(expected, got, seen):
+        assert mine[:steps] == tokens[:steps]
+        torch.testing.assert_close(torch.stack(logits[:steps]), alone_logits[:steps], atol=1e-4, rtol=1e-4)

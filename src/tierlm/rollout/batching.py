@@ -67,12 +67,34 @@ class BatchedDecoder:
 
     @torch.no_grad()
     def join(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Prefill `prompt_ids` alone, add its row; the logits (V,) of its first new token."""
-        assert self.rows < self.max_rows, f"the batch is full ({self.max_rows} rows)"
-        size = len(prompt_ids)
-        assert 0 < size < self.capacity, f"a prompt of {size} tokens does not fit a context of {self.capacity}"
-        alone = KVCache(self.model.config, 1, size, self.full_mask.device, self.full[0][0].dtype)
-        logits = self.model(torch.tensor([prompt_ids], device=self.full_mask.device), cache=alone)[0, -1]
+        """Prefill `prompt_ids`, add its row; the logits (V,) of its first new token."""
+        return self.join_many([prompt_ids])[0]
+
+    @torch.no_grad()
+    def join_many(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill `prompts` and add a row for each, in order; the logits (len(prompts), V) of their first new tokens.
+        Prompts of like lengths are prefilled as one batch, right-padded to the longest (causal attention keeps every
+        prompt's tokens from seeing the padding after them: each computes what it computes alone); a group's padding
+        stays below its tokens."""
+        assert self.rows + len(prompts) <= self.max_rows, f"the batch is full ({self.max_rows} rows)"
+        for prompt in prompts:
+            assert 0 < len(prompt) < self.capacity, f"a prompt of {len(prompt)} tokens does not fit {self.capacity}"
+        device, dtype = self.full_mask.device, self.full[0][0].dtype
+        prefilled: dict[int, tuple[torch.Tensor, KVCache, int]] = {}  # prompt -> (its logits, its group's cache, row)
+        for group in _like_lengths([len(p) for p in prompts]):
+            longest = max(len(prompts[i]) for i in group)
+            ids = torch.tensor([prompts[i] + [0] * (longest - len(prompts[i])) for i in group], device=device)
+            last = torch.tensor([len(prompts[i]) - 1 for i in group], device=device)
+            cache = KVCache(self.model.config, len(group), longest, device, dtype)
+            logits = self.model(ids, cache=cache, logits_at=last)
+            prefilled.update({i: (logits[j], cache, j) for j, i in enumerate(group)})
+        for i, prompt in enumerate(prompts):  # the rows in the prompts' order
+            self._place(prefilled[i][1], prefilled[i][2], len(prompt))
+        return torch.stack([prefilled[i][0] for i in range(len(prompts))])
+
+    def _place(self, prefilled: KVCache, index: int, size: int) -> None:
+        """Row `index` of a prefill's cache (its first `size` positions) as the batch's next row, its keys ending where
+        the timeline is."""
         if self.rows == 0:
             self._set_length(0)
         if size > self.length:
@@ -81,17 +103,16 @@ class BatchedDecoder:
             self._compact()
         start, row, turn = self.length - size, self.rows, turn_keys(self.model, self.length - size)
         high = self.high
-        for (k, v), mine in zip(self.full, alone.layers):
+        for (k, v), mine in zip(self.full, prefilled.layers):
             k[row, :, :high].zero_()
             v[row, :, :high].zero_()
-            k[row, :, start : self.length] = turn(mine.k[0, :, :size])
-            v[row, :, start : self.length] = mine.v[0, :, :size]
+            k[row, :, start : self.length] = turn(mine.k[index, :, :size])
+            v[row, :, start : self.length] = mine.v[index, :, :size]
         self.full_mask[row] = False
         self.full_mask[row, start : self.length] = True
         self.starts.append(start)
         self.rows += 1
         self._views()
-        return logits
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,6 +208,23 @@ class BatchedDecoder:
             layer.length = length
 
 
+def _like_lengths(sizes: list[int]) -> list[list[int]]:
+    """Indices of `sizes` in groups prefilled together: by length, each group's padding to its longest below its
+    tokens.
+
+    >>> _like_lengths([30, 5, 28, 6, 7, 200])
+    [[1, 3, 4], [2, 0], [5]]
+    """
+    groups: list[list[int]] = []
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * sizes[i] <= 2 * (sum(sizes[j] for j in group) + sizes[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 @dataclass
 class Request:
     """One sequence to generate through a `BatchScheduler`: its prompt and sampling, `on_token(completion)` after
@@ -272,8 +310,8 @@ class BatchScheduler:
                 while self.waiting and len(self.rows) + len(arrivals) < self.decoder.max_rows:
                     arrivals.append(self.waiting.popleft())
             arrivals = [r for r in arrivals if not self._stopped(r)]
-            if arrivals:  # each joins between two steps; its first logits join the batch's
-                firsts = torch.stack([self.decoder.join(request.prompt_ids) for request in arrivals])
+            if arrivals:  # they join between two steps, prefilled together; their first logits join the batch's
+                firsts = self.decoder.join_many([request.prompt_ids for request in arrivals])
                 logits = firsts if logits is None else torch.cat([logits, firsts])
                 self.rows = self.rows + arrivals
             if not self.rows:

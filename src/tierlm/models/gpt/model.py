@@ -351,6 +351,7 @@ class GPT(nn.Module):
         loss_weights: torch.Tensor | None = None,
         routes: torch.Tensor | None = None,
         replay: bool = False,
+        logits_at: torch.Tensor | None = None,
     ):
         """Logits (B, T, V) for token ids (B, T); with `labels`, the loss instead.
 
@@ -363,6 +364,8 @@ class GPT(nn.Module):
         With `routes` (B, T, MoE layers, k): the experts a sampler chose for each token (-1 where unknown), each
         mixture-of-experts layer counts where its own choice agrees (`routing_agreement`) and, with `replay`, uses
         them instead (rollout routing replay).
+        With `logits_at` (B,): the logits of that one position of each row only, (B, V) — the last prompt tokens of a
+        prefill, without the (B, T, V) of every position.
         """
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
@@ -385,9 +388,12 @@ class GPT(nn.Module):
         with self._sampled_routes(routes, replay):
             for i, block in enumerate(self.blocks):
                 x = block(x, cos, sin, mask, cache.layers[i]) if cache is not None else block(x, cos, sin, mask)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
         x = self.norm(x)
         if labels is None:
             return self.lm_head(x)
+        assert logits_at is None, "logits_at picks logits: no labels with it"
         weights = loss_weights.flatten() if loss_weights is not None else None
         total, losses = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
         if self.training and self.config.moe is not None:  # the routers' terms, per trained token like the loss

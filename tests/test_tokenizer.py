@@ -26,6 +26,24 @@ def test_bpe_round_trip_and_digits_split(tiny_tokenizer):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode("168")[:1]) == "1"  # every digit is its own token
 
 
+def test_decode_is_transformers_decode(tiny_tokenizer, tmp_path):
+    """`Tokenizer.decode` (the Rust tokenizer's own where transformers adds nothing) gives transformers' text, special
+    tokens kept or skipped, for a BPE and a character tokenizer; with spaces cleaned up, through transformers'."""
+    chars = train_char_tokenizer(["What is 12 + 3? It is 15 ."])
+    for tokenizer in (tiny_tokenizer, chars):
+        ids = tokenizer.render_for_completion([{"role": "user", "content": "What is 12 + 3 ?"}]) + tokenizer.encode(
+            "It is 15 ."
+        )
+        for skip in (False, True):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)
+    cleaning = load_tokenizer(tiny_tokenizer.save(tmp_path))
+    cleaning.hf.clean_up_tokenization_spaces = True
+    calls, decode = [], cleaning.hf.decode
+    cleaning.hf.decode = lambda *args, **kwargs: calls.append(args) or decode(*args, **kwargs)
+    cleaning.decode(tiny_tokenizer.encode("It is 15 ."))
+    assert len(calls) == 1
+
+
 def test_masks_exactly_assistant_content_and_end_of_turn(tiny_tokenizer):
     ids, mask = tiny_tokenizer.render_conversation(CONVERSATION)
     pieces = [tiny_tokenizer.decode([i]) for i in ids]

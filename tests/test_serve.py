@@ -170,6 +170,44 @@ def _outcomes(httpx, url: str) -> dict[str, float]:
     }
 
 
+def test_pieces_put_while_held_reach_the_event_loop_with_one_wake_up():
+    """A batched step's pieces (one per reply, `BatchScheduler.handing` = `Answers.holding`) wait while held, even
+    with the event loop free to take them, then go with one wake-up; a piece put outside a hold wakes the loop."""
+    import asyncio
+
+    from tierlm.commands.admission import Answers, Outbox
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        answers = Answers(None, 1, 1.0)
+        outbox = answers.outboxes[loop] = Outbox(loop)
+        queue, wakes, schedule = asyncio.Queue(), [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda callback, *args: wakes.append(callback) or schedule(callback, *args)
+        put, released = threading.Event(), threading.Event()
+
+        def step():
+            with answers.holding():
+                for piece in range(5):
+                    outbox.put(queue, piece)
+                put.set()
+                released.wait()
+
+        worker = threading.Thread(target=step)
+        worker.start()
+        await asyncio.to_thread(put.wait)
+        await asyncio.sleep(0.05)
+        held = (queue.qsize(), wakes.count(outbox._flush))
+        released.set()
+        await asyncio.to_thread(worker.join)
+        await asyncio.sleep(0.01)
+        after = (queue.qsize(), wakes.count(outbox._flush))
+        await asyncio.to_thread(outbox.put, queue, 5)
+        await asyncio.sleep(0.01)
+        return held, after, (queue.qsize(), wakes.count(outbox._flush))
+
+    assert asyncio.run(main()) == ((0, 0), (5, 1), (6, 2))
+
+
 def test_a_crowd_is_queued_refused_timed_out_and_cancelled(bot, guarded):
     httpx = pytest.importorskip("httpx")
     key = {"Authorization": "Bearer k"}

@@ -4,6 +4,7 @@ OpenAI's body (`Answers`)."""
 
 # No `from __future__ import annotations`, as in serve.py: FastAPI reads annotations at run time.
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -86,16 +87,25 @@ class Gate:
 class Outbox:
     """Pieces handed from generating threads to the event loop's queues with one wake-up for all that arrive
     together (a batched step hands one piece per reply: one `call_soon_threadsafe` each would wake the loop as many
-    times)."""
+    times), or, while `held`, for all that arrive until `release()`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items, self.scheduled = loop, deque(), False
+        self.loop, self.items, self.scheduled, self.held = loop, deque(), False, False
 
     def put(self, queue: asyncio.Queue, item) -> None:
         self.items.append((queue, item))
-        if not self.scheduled:  # read after the append: a flush that cleared the flag has not drained yet
-            self.scheduled = True
-            self.loop.call_soon_threadsafe(self._flush)
+        if not self.scheduled and not self.held:  # read after the append: a flush or release has not drained it yet
+            self._schedule()
+
+    def release(self) -> None:
+        """End a hold: what arrived meanwhile goes with one wake-up."""
+        self.held = False
+        if self.items and not self.scheduled:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        self.scheduled = True
+        self.loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
         self.scheduled = False
@@ -216,6 +226,19 @@ class Answers:
         self.outboxes: dict[
             asyncio.AbstractEventLoop, Outbox
         ] = {}  # one per event loop (a test client may run several)
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Pieces put meanwhile reach each event loop with one wake-up at the end (a batched step's, one per reply:
+        `BatchScheduler.handing`)."""
+        outboxes = list(self.outboxes.values())
+        for outbox in outboxes:
+            outbox.held = True
+        try:
+            yield
+        finally:
+            for outbox in outboxes:
+                outbox.release()
 
     async def __call__(self, request, bodies: Bodies, produce, choices: int, stream: bool):
         from fastapi.responses import StreamingResponse

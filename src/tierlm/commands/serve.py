@@ -107,6 +107,8 @@ def create_app(bot: Chatbot, max_queue: int = 16, timeout_s: float = 120.0, api_
     add_pages(app, bot, gate, api_key, authorized)
 
     answer = Answers(gate, max_queue, timeout_s)
+    if bot.scheduler is not None:  # a batched step's pieces, one per reply, reach the event loop with one wake-up
+        bot.scheduler.handing = answer.holding
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, request: Request):

@@ -12,6 +12,9 @@ class LayerCache:
         self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0
+        self.first = 0
+        """Positions before it hold nothing any row attends to (a continuous batch's rows that all started later):
+        attention reads the keys from here on. Without a `position` only."""
         self.mask: torch.Tensor | None = None
         """(B, max_len) bool, which positions hold each row's own keys: rows of a continuous batch start at different
         positions (`tierlm.rollout.batching`); None: every row holds every position. With a `position`, marked ahead
@@ -26,7 +29,7 @@ class LayerCache:
     def over(cls, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, position: torch.Tensor | None):
         """A layer cache over given keys and values (views of a larger cache's, say): nothing allocated."""
         layer = cls.__new__(cls)
-        layer.k, layer.v, layer.length, layer.mask, layer.position = k, v, 0, mask, position
+        layer.k, layer.v, layer.length, layer.first, layer.mask, layer.position = k, v, 0, 0, mask, position
         return layer
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,15 +47,15 @@ class LayerCache:
         if self.mask is not None:
             self.mask[:, self.length : end] = True
         self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        return self.k[:, :, self.first : end], self.v[:, :, self.first : end]
 
     def attention_mask(self) -> torch.Tensor | None:
-        """The keys each row's new query may see, (B, 1, 1, length); None when every row holds them all. With a
-        `position`: (B or 1, 1, 1, max_len), the positions up to it."""
+        """The keys each row's new query may see, (B, 1, 1, length - first); None when every row holds them all. With
+        a `position`: (B or 1, 1, 1, max_len), the positions up to it."""
         if self.position is not None:
             seen = torch.arange(self.k.shape[2], device=self.k.device) <= self.position
             return (seen if self.mask is None else self.mask & seen).view(-1, 1, 1, self.k.shape[2])
-        return None if self.mask is None else self.mask[:, None, None, : self.length]
+        return None if self.mask is None else self.mask[:, None, None, self.first : self.length]
 
     def repeat(self, n: int) -> None:
         """Copy each row n times (a prompt prefilled once, then sampled n ways)."""

@@ -13,6 +13,7 @@ sequence longer than the timeline so far pushes everyone right the same way.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class BatchedDecoder:
         if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):
             self._compact()  # at the context, or once most of the timeline is positions no row uses
         if self.steps is None:
+            for layer in self.cache.layers:  # attention skips the positions no row uses
+                layer.first = self._unused()
             logits = self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
             self.high = max(self.high, self.length)
             return logits
@@ -260,6 +263,9 @@ class BatchScheduler:
         self.waiting: deque[Request] = deque()
         self.rows: list[Request] = []  # in flight, in the decoder's row order
         self.wake, self.closed = threading.Condition(), False
+        self.handing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """The context a step's tokens are handed out in (every row's `on_token`): a server holds its event loop's
+        wake-ups there, to send the step's pieces with one."""
         self.thread = threading.Thread(target=self._run, daemon=True, name="tierlm-batch")
         self.thread.start()
 
@@ -319,7 +325,8 @@ class BatchScheduler:
                 continue
             assert logits is not None and logits.shape[0] == len(self.rows), "one row of logits per request"
             sampled = self._sample(logits)
-            tokens = [self._next(request, sampled[i]) for i, request in enumerate(self.rows)]
+            with self.handing():
+                tokens = [self._next(request, sampled[i]) for i, request in enumerate(self.rows)]
             ended = [i for i, request in enumerate(self.rows) if request.reason is not None]
             if ended:
                 order = self.decoder.leave(ended)  # the rows left, in the decoder's new order

@@ -66,6 +66,27 @@ def test_engine_greedy_equals_full_recompute(tiny_gpt_config, kind):
     torch.testing.assert_close(torch.tensor(completions[0].logprobs), expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["native", "gpt2", "transformers"])
+def test_a_prefill_computes_the_last_positions_logits_only(tiny_gpt_config, kind):
+    """The engine's prefill (`family.prefill`) runs the LM head on each row's last position (`logits_at`, transformers'
+    `logits_to_keep`), not on every position of a long prompt: (B, V) logits, those of the full forward."""
+    from tierlm.models import family_of
+    from tierlm.models.gpt2.model import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    models = _models(tiny_gpt_config)
+    models["gpt2"] = GPT2(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=32)).eval()
+    model = models[kind]
+    head, rows = model.get_output_embeddings() if kind == "transformers" else model.lm_head, []
+    hook = head.register_forward_hook(lambda module, args, out: rows.append(args[0][..., 0].numel()))
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        logits, _ = family_of(model).prefill(model, ids, 16)
+    hook.remove()
+    assert rows == [2]  # one position a row went through the head
+    torch.testing.assert_close(logits, forward_logits(model, {"input_ids": ids})[:, -1], atol=1e-5, rtol=1e-5)
+
+
 def test_engine_sampling_is_seeded_and_stops(tiny_gpt_config):
     model = _models(tiny_gpt_config)["native"]
     engine = Engine(model, stop_ids=[7])

@@ -171,8 +171,9 @@ class NativeFamily(ModelFamily):
 
 class NativeCausalLM(NativeFamily):
     """A native family whose module follows tierlm's forward: `model(input_ids, position_ids=, cache=,
-    labels=, loss_weights=)` (logits, or the fused head + loss with labels), a `config` with `depth`,
-    `num_kv_heads`, `head_dim` and `max_seq_len`, so it runs with the shared `KVCache`."""
+    labels=, loss_weights=, logits_at=)` (logits, or the fused head + loss with labels; with `logits_at` (B,), the
+    logits of that position of each row only, (B, V)), a `config` with `depth`, `num_kv_heads`, `head_dim` and
+    `max_seq_len`, so it runs with the shared `KVCache`."""
 
     def logits(self, model, batch):
         return model(batch["input_ids"], **self.model_inputs(batch))
@@ -189,7 +190,8 @@ class NativeCausalLM(NativeFamily):
 
     def prefill(self, model, ids, max_len):
         cache = KVCache(model.config, ids.shape[0], max_len, ids.device, next(model.parameters()).dtype)
-        return model(ids, cache=cache)[:, -1], cache
+        last = torch.full((ids.shape[0],), ids.shape[1] - 1, device=ids.device)  # not (B, T, V) for every position
+        return model(ids, cache=cache, logits_at=last), cache
 
     def decode(self, model, tokens, cache):
         return model(tokens[:, None], cache=cache)[:, -1]

@@ -294,10 +294,12 @@ class GPT2(nn.Module):
         cache: KVCache | None = None,
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ):
         """Logits (B, T, V) for token ids (B, T); with `labels` (-100 not trained) and optional
         `loss_weights`, (sum of weighted cross-entropy, per-token cross-entropy (B, T)) from the head
-        fused into the loss. `position_ids` mark packed documents; a `cache` continues decoding."""
+        fused into the loss. `position_ids` mark packed documents; a `cache` continues decoding. With `logits_at`
+        (B,): the logits of that one position of each row only, (B, V)."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         assert start + T <= self.config.block_size, f"sequence length {start + T} > block_size {self.config.block_size}"
@@ -311,9 +313,12 @@ class GPT2(nn.Module):
         coupling = self.coupling.scale if self.coupling is not None else None
         for i, block in enumerate(self.h):
             x = block(x, mask, cache.layers[i] if cache is not None else None, coupling)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
         x = self.ln_f(x)
         if labels is None:
             return self.lm_head(x)
+        assert logits_at is None, "logits_at picks logits: no labels with it"
         weights = loss_weights.flatten() if loss_weights is not None else None
         total, losses = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, labels.flatten(), weights)
         return total, losses.view(labels.shape)

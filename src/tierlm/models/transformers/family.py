@@ -22,15 +22,19 @@ from tierlm.primitives.models import tied_names
 
 def _cache_keyword(model: nn.Module) -> str:
     """What the model's forward calls its KV cache: `cache` in recent transformers (5.25 here, which deprecates
-    `past_key_values` for removal in 5.40), `past_key_values` before (5.19 names only it). A PEFT wrapper's forward
-    takes anything: its base model's says."""
-    return _cache_keyword_of(type(model.get_base_model() if hasattr(model, "get_base_model") else model))
+    `past_key_values` for removal in 5.40), `past_key_values` before (5.19 names only it)."""
+    return "cache" if "cache" in _forward_names(model) else "past_key_values"
+
+
+def _forward_names(model: nn.Module) -> frozenset[str]:
+    """The arguments the model's forward names. A PEFT wrapper's forward takes anything: its base model's says."""
+    return _forward_names_of(type(model.get_base_model() if hasattr(model, "get_base_model") else model))
 
 
 @functools.cache
-def _cache_keyword_of(model_class: type) -> str:
+def _forward_names_of(model_class: type) -> frozenset[str]:
     """Per class, once: reading a signature costs ~20 us, and the engine asks at every decode step."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 # -- transformers models ---------------------------------------------------------------------
@@ -94,7 +98,10 @@ class TransformersFamily(ModelFamily):
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        return model(input_ids=ids, use_cache=True, **{_cache_keyword(model): cache}).logits[:, -1], cache
+        inputs = {_cache_keyword(model): cache}
+        if "logits_to_keep" in _forward_names(model):  # the last position's logits, not (B, T, V) for every one
+            inputs["logits_to_keep"] = 1
+        return model(input_ids=ids, use_cache=True, **inputs).logits[:, -1], cache
 
     def decode(self, model, tokens, cache):
         return model(input_ids=tokens[:, None], use_cache=True, **{_cache_keyword(model): cache}).logits[:, -1]

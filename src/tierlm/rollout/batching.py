@@ -124,8 +124,9 @@ class BatchedDecoder:
         if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):
             self._compact()  # at the context, or once most of the timeline is positions no row uses
         if self.steps is None:
+            first = self._unused()
             for layer in self.cache.layers:  # attention skips the positions no row uses
-                layer.first = self._unused()
+                layer.first = first
             logits = self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
             self.high = max(self.high, self.length)
             return logits

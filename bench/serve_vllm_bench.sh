@@ -5,7 +5,7 @@
 # prompts, so every reply runs to its 64 tokens). Prints vLLM's summary lines: throughput, TTFT, TPOT, end to end.
 #
 #   bash scripts/setup_vllm.sh                                # once: vLLM's CPU build in .venv-vllm
-#   bash bench/serve_vllm_bench.sh [runs/tiny_sft] [--vllm]   # ~2.5 min on 2 cores (~6 with --vllm)
+#   bash bench/serve_vllm_bench.sh [runs/tiny_sft] [--vllm]   # ~2.5 min on 2 cores (~4.5 with --vllm)
 #
 # Contenders: tierlm serve --max-batch 1 (one reply at a time), --max-batch 32 (continuous batching), --max-batch 32
 # --compile (its steps compiled: a first round of the same requests warms every bucket's compile, untimed), and with

@@ -36,14 +36,19 @@ def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
     return rows, logits
 
 
-@pytest.mark.parametrize("static,device", [(False, "cpu"), (True, "cpu"), (None, "cuda")])
+@pytest.mark.parametrize("static,device", [(False, "cpu"), (True, "cpu"), ("compiled", "cpu"), (None, "cuda")])
 def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(static, device, monkeypatch):
     """`static`: the step with fixed shapes that CUDA captures in graphs (on CPU run eagerly, its logits returned in
     one buffer overwritten each step as a graph's are): rows and positions rounded up to buckets over views of the
-    cache, a tensor position, attention masked over the whole bucket. On CUDA (scripts/gpu_checks.sh) the decoder's
-    own choice: those steps, each a CUDA graph."""
+    cache, a tensor position, attention masked over the whole bucket. "compiled": that step compiled on a CPU, over
+    the rows in flight and the positions in use (no buckets). On CUDA (scripts/gpu_checks.sh) the decoder's own
+    choice: those steps, each a CUDA graph."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    compiled = static == "compiled"
+    if compiled:
+        monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")  # dynamo's trace, without Inductor's wait
+        static = None
     if static and device == "cpu":
         run = static_decode.FixedStep.run
 
@@ -60,9 +65,14 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
     lengths = {"a": 30, "b": 12, "c": 40, "d": 6}
     expected = {name: _alone(model, prompts[name], lengths[name]) for name in prompts}
 
-    batch, rows, got, logits_seen = BatchedDecoder(model, max_rows=4, static=static), [], {}, {}
+    batch, rows, got, logits_seen = BatchedDecoder(model, max_rows=4, static=static, compile=compiled), [], {}, {}
     fixed = batch.steps is not None
     assert fixed == (static is not False) and (device == "cpu" or batch.steps.graph)
+    assert batch.buckets == (fixed and not compiled)
+    made = []
+    kept = batch.steps.kept if fixed else None
+    if fixed:  # the shapes of the steps made: buckets, or the rows in flight and the positions in use
+        batch.steps.kept = lambda key, make: (made.append((key, batch.rows, batch.length)), kept(key, make))[1]
     moves: list[int] = []
     shift = batch._shift
     batch._shift = lambda offset: (moves.append(offset), shift(offset))[1]
@@ -91,6 +101,11 @@ def test_sequences_joining_and_leaving_a_batch_compute_what_each_computes_alone(
                 assert not held[:, batch.high :].any() and batch.high <= batch.capacity
     assert batch.rows == 0
     assert not fixed or len(batch.steps.decoders) >= 2  # several buckets of rows
+    for (rows, positions), in_flight, length in made:
+        if compiled:
+            assert rows == in_flight and length < positions <= length + 16, (rows, positions, in_flight, length)
+        else:
+            assert (rows, positions) == static_decode.bucket(in_flight, length + 1, 48)
     assert any(m > 0 for m in moves) and any(m < 0 for m in moves), moves  # pushed right by b, compacted later
     for name, (tokens, logits) in expected.items():
         assert got[name] == tokens, name

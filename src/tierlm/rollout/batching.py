@@ -28,6 +28,10 @@ from tierlm.rollout import static_decode
 from tierlm.rollout.engine import Completion, ToolCalls
 from tierlm.rollout.sampling import sample_rows
 
+POSITION_STEP = 16
+"""A compiled CPU step's positions are those in use rounded up to a multiple of this (a new step object each time they
+cross one, not each token)."""
+
 
 class BatchedDecoder:
     """The KV cache of every sequence in flight and the model step over them. `join(prompt)` returns the logits of
@@ -59,6 +63,11 @@ class BatchedDecoder:
         """With fixed shapes (on CUDA, when compiled, or `static`): a step per (rows, positions) bucket over views of
         the cache, each one CUDA graph on CUDA (`tierlm.rollout.static_decode`); None: the step slices the cache to
         the rows and the positions in use."""
+        self.buckets = fixed and (on_cuda or not compile)
+        """Fixed steps round the rows and positions up to `static_decode.bucket`s (a CUDA graph each: few of them).
+        Compiled on a CPU they take the rows in flight and the positions in use to `POSITION_STEP`: dynamo makes the
+        step's shapes dynamic after its first few compiles, and attention reads every padded row and position (at
+        32 rows it is most of the compiled step)."""
         self.position = torch.zeros(1, dtype=torch.long, device=parameter.device)
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=parameter.device)
 
@@ -131,8 +140,11 @@ class BatchedDecoder:
             self.high = max(self.high, self.length)
             return logits
         length = self.length
-        rows, positions = static_decode.bucket(self.rows, length + 1, self.capacity)
-        rows = min(rows, self.max_rows)
+        if self.buckets:
+            rows, positions = static_decode.bucket(self.rows, length + 1, self.capacity)
+            rows = min(rows, self.max_rows)
+        else:
+            rows, positions = self.rows, min(-(-(length + 1) // POSITION_STEP) * POSITION_STEP, self.capacity)
         self.full_mask[:rows, length] = True  # the new token's place, in the bucket's padding rows too (none empty)
         self.position.fill_(length)
         self.tokens[: self.rows].copy_(tokens)

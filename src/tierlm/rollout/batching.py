@@ -1,14 +1,15 @@
 """Continuous batching for the native GPT: sequences join a running batch between decode steps and leave it when they
 finish, so one forward pass per step serves every request in flight (`tierlm serve`'s crowd).
 
-The rows share one timeline of cache positions. A sequence that joins when the timeline is at L is prefilled alone
-and its keys placed at positions [L - P, L), the positions before them masked off for that row; every row then
-decodes at L, L + 1, ... together. Rotary embeddings make attention depend only on the distance between a query and
-a key, so a key computed at position p and turned by d more (one more rotation: R(p + d) = R(d) R(p)) is the key the
-row would hold had it started d later — a row's logits are what it computes alone (to float rounding). When the
-timeline reaches the model's context, or once most of it is positions no row uses (which every step would attend
-over for nothing), it is compacted: every row's keys move left by the room nobody uses, turned back by as much. A
-sequence longer than the timeline so far pushes everyone right the same way.
+The rows share one timeline of cache positions. A sequence that joins when the timeline is at L is prefilled (with
+those joining at the same step, right-padded: `BatchedDecoder.join_many`) and its keys placed at positions [L - P,
+L), the positions before them masked off for that row; every row then decodes at L, L + 1, ... together. Rotary
+embeddings make attention depend only on the distance between a query and a key, so a key computed at position p and
+turned by d more (one more rotation: R(p + d) = R(d) R(p)) is the key the row would hold had it started d later — a
+row's logits are what it computes alone (to float rounding). When the timeline reaches the model's context, or once
+most of it is positions no row uses (which every step would attend over for nothing), it is compacted: every row's
+keys move left by the room nobody uses, turned back by as much. A sequence longer than the timeline so far pushes
+everyone right the same way.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ cross one, not each token)."""
 
 class BatchedDecoder:
     """The KV cache of every sequence in flight and the model step over them. `join(prompt)` returns the logits of
-    its first new token and gives it the next row; `step(tokens)` feeds one token per row and returns each row's next
-    logits; `leave(rows)` drops rows. The cache is allocated once for `max_rows` rows: the rows in flight are its
-    first ones, so joining writes one row and leaving moves the last rows into the freed places (never the whole
-    cache)."""
+    its first new token and gives it the next row (`join_many(prompts)`: several, prefilled together); `step(tokens)`
+    feeds one token per row and returns each row's next logits; `leave(rows)` drops rows. The cache is allocated once
+    for `max_rows` rows: the rows in flight are its first ones, so joining writes one row and leaving moves the last
+    rows into the freed places (never the whole cache)."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int = 32, static: bool | None = None, compile: bool = False):
         self.model = unwrap_model(model)

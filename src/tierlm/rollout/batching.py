@@ -134,10 +134,14 @@ class BatchedDecoder:
         if self.length + 1 > self.capacity or (unused >= 64 and unused >= self.length // 2):
             self._compact()  # at the context, or once most of the timeline is positions no row uses
         if self.steps is None:
-            first = self._unused()
+            first, length = self._unused(), self.length
+            alone = max(self.starts) == first  # every row holds every position from `first` (one row, say)
+            mask = None if alone else self.full_mask[: self.rows]  # then attention reads no mask
             for layer in self.cache.layers:  # attention skips the positions no row uses
-                layer.first = first
+                layer.first, layer.mask = first, mask
             logits = self.model(tokens[:, None].to(self.full_mask.device), cache=self.cache)[:, -1]
+            if alone:
+                self.full_mask[: self.rows, length] = True  # the new token's place, as the cache marks with a mask
             self.high = max(self.high, self.length)
             return logits
         length = self.length

@@ -181,6 +181,29 @@ def test_a_layer_of_the_fixed_shape_step_rebuilds_no_mask_and_negates_nothing():
     ), per_layer
 
 
+def test_a_fixed_shape_batch_looks_at_the_weights_as_sequences_join_not_every_step():
+    """Walking a 20-layer model's parameters costs about a step of the GPU's (~0.8 ms): the batch checks whether the
+    weights moved (which drops its steps: a CUDA graph reads them where they were) as sequences join."""
+    model = _model(48).eval()
+    batch = BatchedDecoder(model, max_rows=4, static=True)
+    walks = []
+    parameters = model.parameters
+    model.parameters = lambda *a, **k: (walks.append(1), parameters(*a, **k))[1]
+    batch.join([5, 9, 13])
+    fed = [5, 9, 13, 1]
+    walks.clear()
+    for _ in range(5):
+        fed.append(int(batch.step(torch.tensor(fed[-1:])).argmax()))
+    assert not walks
+    with torch.no_grad():  # a new tensor where the head's was: the steps made on the old one are dropped at a join
+        model.lm_head.weight = torch.nn.Parameter(2 * model.lm_head.weight)
+    batch.join([7])
+    assert walks
+    logits = batch.step(torch.tensor([fed[-1], 2]))[0]
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(torch.tensor([fed]))[0, -1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_prompts_joining_together_are_prefilled_in_batches_and_each_computes_what_it_computes_alone(static):
     """Arrivals prefilled together (right-padded, grouped by length: here two groups, out of the prompts' order)

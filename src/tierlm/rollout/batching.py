@@ -90,6 +90,8 @@ class BatchedDecoder:
         assert self.rows + len(prompts) <= self.max_rows, f"the batch is full ({self.max_rows} rows)"
         for prompt in prompts:
             assert 0 < len(prompt) < self.capacity, f"a prompt of {len(prompt)} tokens does not fit {self.capacity}"
+        if self.steps is not None:  # the weights a step reads are looked at as sequences join, not every step
+            self.steps.check_weights()
         device, dtype = self.full_mask.device, self.full[0][0].dtype
         prefilled: dict[int, tuple[torch.Tensor, KVCache, int]] = {}  # prompt -> (its logits, its group's cache, row)
         for group in _like_lengths([len(p) for p in prompts]):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tierlm.models import GPTConfig, build_gpt
-from tierlm.rollout import static_decode
+from tierlm.rollout import static_decode, together
 from tierlm.rollout.batching import BatchedDecoder
 from tierlm.rollout.engine import Engine
 
@@ -208,11 +208,9 @@ def test_a_fixed_shape_batch_looks_at_the_weights_as_sequences_join_not_every_st
 def test_prompts_joining_together_are_prefilled_in_batches_and_each_computes_what_it_computes_alone(static):
     """Arrivals prefilled together (right-padded, grouped by length: here two groups, out of the prompts' order)
     take the next rows in their own order and decode as each does alone, beside a row already in flight."""
-    from tierlm.rollout.batching import _like_lengths
-
     model = _model(64)
     prompts = [list(range(20, 31)), [5, 9, 13], [7], [3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 70))]
-    assert _like_lengths([len(p) for p in prompts]) == [[2, 1, 3, 0], [4]]
+    assert together.like_lengths([len(p) for p in prompts]) == [[2, 1, 3, 0], [4]]
     steps = 12
     expected = [_alone(model, p, steps) for p in [[8, 8, 2], *prompts]]
     batch = BatchedDecoder(model, max_rows=8, static=static)

@@ -79,6 +79,14 @@ class KVCache:
         cache.layers = layers
         return cache
 
+    def rows(self, start: int, end: int, length: int | None = None) -> KVCache:
+        """Rows [start, end) of this cache, every layer's keys and values viewed (nothing copied), holding `length`
+        positions (None: this cache's)."""
+        layers = [LayerCache.over(layer.k[start:end], layer.v[start:end], None, None) for layer in self.layers]
+        for layer in layers:
+            layer.length = self.length if length is None else length
+        return KVCache.over(layers)
+
     @property
     def length(self) -> int:
         return self.layers[0].length

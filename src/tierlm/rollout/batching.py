@@ -25,7 +25,7 @@ import torch
 from tierlm.models import unwrap_model
 from tierlm.models.gpt.model import GPT, turn_keys
 from tierlm.models.kv_cache import KVCache, LayerCache
-from tierlm.rollout import static_decode
+from tierlm.rollout import static_decode, together
 from tierlm.rollout.engine import Completion, ToolCalls
 from tierlm.rollout.sampling import sample_rows
 
@@ -84,30 +84,22 @@ class BatchedDecoder:
     @torch.no_grad()
     def join_many(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill `prompts` and add a row for each, in order; the logits (len(prompts), V) of their first new tokens.
-        Prompts of like lengths are prefilled as one batch, right-padded to the longest (causal attention keeps every
-        prompt's tokens from seeing the padding after them: each computes what it computes alone); a group's padding
-        stays below its tokens."""
+        Prompts of like lengths are prefilled as one batch, right-padded to the longest (`together.prefill`: each
+        computes what it computes alone)."""
         assert self.rows + len(prompts) <= self.max_rows, f"the batch is full ({self.max_rows} rows)"
         for prompt in prompts:
             assert 0 < len(prompt) < self.capacity, f"a prompt of {len(prompt)} tokens does not fit {self.capacity}"
         if self.steps is not None:  # the weights a step reads are looked at as sequences join, not every step
             self.steps.check_weights()
-        device, dtype = self.full_mask.device, self.full[0][0].dtype
-        prefilled: dict[int, tuple[torch.Tensor, KVCache, int]] = {}  # prompt -> (its logits, its group's cache, row)
-        for group in _like_lengths([len(p) for p in prompts]):
-            longest = max(len(prompts[i]) for i in group)
-            ids = torch.tensor([prompts[i] + [0] * (longest - len(prompts[i])) for i in group], device=device)
-            last = torch.tensor([len(prompts[i]) - 1 for i in group], device=device)
-            cache = KVCache(self.model.config, len(group), longest, device, dtype)
-            logits = self.model(ids, cache=cache, logits_at=last)
-            prefilled.update({i: (logits[j], cache, j) for j, i in enumerate(group)})
-        for i, prompt in enumerate(prompts):  # the rows in the prompts' order
-            self._place(prefilled[i][1], prefilled[i][2], len(prompt))
-        return torch.stack([prefilled[i][0] for i in range(len(prompts))])
+        device = self.full_mask.device
+        prefilled = together.prefill(self.model, [torch.tensor([prompt], device=device) for prompt in prompts])
+        for (_, cache), prompt in zip(prefilled, prompts):  # the rows in the prompts' order
+            self._place(cache, len(prompt))
+        return torch.cat([logits for logits, _ in prefilled])
 
-    def _place(self, prefilled: KVCache, index: int, size: int) -> None:
-        """Row `index` of a prefill's cache (its first `size` positions) as the batch's next row, its keys ending where
-        the timeline is."""
+    def _place(self, prefilled: KVCache, size: int) -> None:
+        """A prefill's one-row cache (its first `size` positions) as the batch's next row, its keys ending where the
+        timeline is."""
         if self.rows == 0:
             self._set_length(0)
         if size > self.length:
@@ -119,8 +111,8 @@ class BatchedDecoder:
         for (k, v), mine in zip(self.full, prefilled.layers):
             k[row, :, :high].zero_()
             v[row, :, :high].zero_()
-            k[row, :, start : self.length] = turn(mine.k[index, :, :size])
-            v[row, :, start : self.length] = mine.v[index, :, :size]
+            k[row, :, start : self.length] = turn(mine.k[0, :, :size])
+            v[row, :, start : self.length] = mine.v[0, :, :size]
         self.full_mask[row] = False
         self.full_mask[row, start : self.length] = True
         self.starts.append(start)
@@ -229,23 +221,6 @@ class BatchedDecoder:
         self.high = max(self.high, length)
         for layer in self.cache.layers:
             layer.length = length
-
-
-def _like_lengths(sizes: list[int]) -> list[list[int]]:
-    """Indices of `sizes` in groups prefilled together: by length, each group's padding to its longest below its
-    tokens.
-
-    >>> _like_lengths([30, 5, 28, 6, 7, 200])
-    [[1, 3, 4], [2, 0], [5]]
-    """
-    groups: list[list[int]] = []
-    for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
-        group = groups[-1] if groups else None
-        if group is not None and (len(group) + 1) * sizes[i] <= 2 * (sum(sizes[j] for j in group) + sizes[i]):
-            group.append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 @dataclass

@@ -2,10 +2,11 @@
 `Engine.extend_many`): an RL step's prompts in one model step where they took one step each.
 
 Each part — a prompt sampled n ways, or a partial rollout's rows (its prompt and each row's tokens so far) — is
-prefilled alone; the decoder right-aligns them to the longest, each shorter one's keys turned by the rotary offset and
-the positions before it masked (`tierlm.rollout.static_decode.StaticDecoder.load`), so each row computes what it would
-alone to float rounding. Each part's rows draw from its own generator exactly as they would alone, and no more once
-they have all stopped (`Engine._decode_rows`' groups). Parts go together only where that holds: each has its own
+prefilled with the others of like length (`prefill`: one forward, right-padded); the decoder right-aligns them to the
+longest, each shorter one's keys turned by the rotary offset and the positions before it masked
+(`tierlm.rollout.static_decode.StaticDecoder.load`), so each row computes what it would alone to float rounding. Each
+part's rows draw from its own generator exactly as they would alone, and no more once they have all stopped
+(`Engine._decode_rows`' groups). Parts go together only where that holds: each has its own
 generator (or sampling is greedy), they take the same number of steps, and the longest prefix leaves room for them.
 """
 
@@ -14,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from tierlm.models.kv_cache import KVCache
 
 BATCH_ROWS = 64
 """The most rows decoded together: an RL step's 8 prompts x 8 samples in one batch. The KV cache grows with the rows:
@@ -62,6 +66,58 @@ def runs(items: list[Item], context: int, temperature: float) -> list[list[int]]
     return out
 
 
+def like_lengths(sizes: list[int]) -> list[list[int]]:
+    """Indices of `sizes` in groups prefilled together: by length, a group growing while its padding to its longest
+    stays below its tokens.
+
+    >>> like_lengths([30, 5, 28, 6, 7, 200])
+    [[1, 3, 4], [2, 0], [5]]
+    """
+    groups: list[list[int]] = []
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * sizes[i] <= 2 * (sum(sizes[j] for j in group) + sizes[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+@torch.no_grad()
+def prefill(model, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, KVCache]]:
+    """Prefill `prompts` — each (rows, T) token ids of the native GPT, its rows of one length — a forward for each
+    group of like lengths (`like_lengths`), right-padded to its longest: causal attention keeps every row from the
+    padding after it, so each computes what it computes alone (to float rounding). Per prompt: the logits of its last
+    position (rows, V) and a cache of its rows (views of its group's) at its length.
+
+    On a GPU an eager prefill is host-bound — 14-24 ms at batch 1 for the 478 M bench model on an H200, a few
+    hundred kernel launches whatever the prompt's length (docs/benchmarks.md) — so an RL step's prompts pay one or
+    two of them, not one each.
+
+    >>> from tierlm.models import GPTConfig, build_gpt
+    >>> model = build_gpt(GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=100, max_seq_len=64)).eval()
+    >>> (logits, cache), (more, theirs) = prefill(model, [torch.tensor([[5, 9, 13]]), torch.tensor([[7, 8]] * 3)])
+    >>> logits.shape, cache.length, more.shape, theirs.length, theirs.layers[0].k.shape[0]
+    (torch.Size([1, 100]), 3, torch.Size([3, 100]), 2, 3)
+    >>> torch.allclose(logits, model(torch.tensor([[5, 9, 13]]))[:, -1], atol=1e-5)
+    True
+    """
+    out: list = [None] * len(prompts)
+    dtype = next(model.parameters()).dtype
+    for group in like_lengths([prompt.shape[1] for prompt in prompts]):
+        longest = max(prompts[i].shape[1] for i in group)
+        ids = torch.cat([F.pad(prompts[i], (0, longest - prompts[i].shape[1])) for i in group])
+        last = torch.cat([torch.full((prompts[i].shape[0],), prompts[i].shape[1] - 1) for i in group])
+        cache = KVCache(model.config, ids.shape[0], longest, ids.device, dtype)
+        logits = model(ids, cache=cache, logits_at=last.to(ids.device))
+        row = 0
+        for i in group:
+            rows, size = prompts[i].shape
+            out[i] = (logits[row : row + rows], cache.rows(row, row + rows, size))
+            row += rows
+    return out
+
+
 @torch.no_grad()
 def decode(engine, parts: list[Part], steps: int, temperature: float, top_k, top_p) -> None:
     """`steps` tokens (at most) for every unfinished row of `parts`, in place, as one batch of `engine`'s
@@ -70,14 +126,11 @@ def decode(engine, parts: list[Part], steps: int, temperature: float, top_k, top
     was_training = engine.model.training
     engine.model.eval()
     try:
-        prefilled, firsts = [], []
-        for part in parts:
-            logits, cache = engine.family.prefill(engine.model, part.ids, part.ids.shape[1])
-            prefilled.append((cache, len(part.rows)))
-            firsts.append(logits.expand(len(part.rows), -1))
+        prefilled = prefill(engine.model, [part.ids for part in parts])
+        firsts = [logits.expand(len(part.rows), -1) for (logits, _), part in zip(prefilled, parts)]
         rows = [row for part in parts for row in part.rows]
         decoder = engine.decoders.get(len(rows), max(part.ids.shape[1] for part in parts) + steps)
-        decoder.load(prefilled)
+        decoder.load([(cache, len(part.rows)) for (_, cache), part in zip(prefilled, parts)])
         calls = [call for part in parts for call in part.calls]
         groups = [(len(part.rows), part.generator) for part in parts]
         engine._decode_rows(torch.cat(firsts), decoder, rows, calls, steps, temperature, top_k, top_p, None,

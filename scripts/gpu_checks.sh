@@ -56,8 +56,8 @@ wheels() {
 }
 
 check() {
-    local dry=()
-    [ -z "${DRY:-}" ] || dry=(--dry-run)
+    local dry=() gpu=cuda few="" clients=""
+    [ -z "${DRY:-}" ] || dry=(--dry-run) gpu=cpu few=1 clients=1,8  # a dry run: tiny sizes, on this CPU
     case "$1" in
         tests) timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line -rf "tests/test_distributed.py::test_fsdp_bf16_on_one_gpu" \
             "tests/test_primitives.py::test_fp8_trains_on_a_gpu" "tests/test_ablate.py::test_forked_runs_train_on_a_gpu" \
@@ -92,12 +92,12 @@ check() {
             | grep -v Warning | tail -2 ;;  # nanochat's batch a GPU for its depth-20 run: 32 x 2048
         profile) timeout 150 python3 bench/gpu_mfu.py "${dry[@]}" --modes compiled --steps 5 --profile 2>&1 | grep -v Warning \
             | tail -24 ;;
-        decode) timeout 60 python3 bench/serve_load.py --checkpoint runs/tiny_sft --decode-step --device-type cuda 2>&1 \
+        decode) timeout 60 python3 bench/serve_load.py --checkpoint runs/tiny_sft --decode-step --device-type "$gpu" 2>&1 \
             | tail -3 ;;
-        serve_cuda) timeout 170 python3 bench/serve_load.py --checkpoint runs/tiny_sft --random-weights --requests 4 \
-            --device-type cuda 2>&1 | grep -v Warn | tail -10 ;;
-        serve_cpu) timeout 150 python3 bench/serve_load.py --checkpoint runs/tiny_sft --random-weights --requests 8 2>&1 \
-            | grep -v Warn | tail -10 ;;
+        serve_cuda) timeout 170 python3 bench/serve_load.py --checkpoint runs/tiny_sft --random-weights \
+            --requests "${few:-4}" --clients "${clients:-1,8,32}" --device-type "$gpu" 2>&1 | grep -v Warn | tail -10 ;;
+        serve_cpu) timeout 150 python3 bench/serve_load.py --checkpoint runs/tiny_sft --random-weights \
+            --requests "${few:-8}" --clients "${clients:-1,8,32}" 2>&1 | grep -v Warn | tail -10 ;;
     esac
 }
 

@@ -6,8 +6,8 @@ prefilled with the others of like length (`prefill`: one forward, right-padded);
 longest, each shorter one's keys turned by the rotary offset and the positions before it masked
 (`tierlm.rollout.static_decode.StaticDecoder.load`), so each row computes what it would alone to float rounding. Each
 part's rows draw from its own generator exactly as they would alone, and no more once they have all stopped
-(`Engine._decode_rows`' groups). Parts go together only where that holds: each has its own
-generator (or sampling is greedy), they take the same number of steps, and the longest prefix leaves room for them.
+(`Engine._decode_rows`' groups). Parts go together only where that holds: each has its own generator (or sampling is
+greedy), they take the same number of steps, and the longest prefix leaves room for them.
 """
 
 from __future__ import annotations

@@ -55,6 +55,23 @@ def test_masks_exactly_assistant_content_and_end_of_turn(tiny_tokenizer):
     )
 
 
+def test_conversations_and_answers_look_their_tokens_up_once(tiny_tokenizer, tmp_path):
+    """transformers' `get_vocab()` builds the whole vocabulary each call (120-150 ms at 151k tokens): rendering many
+    conversations and reading many answers looks the tool markers up once, with the same masks and texts."""
+    from tierlm.rollout.text import answer_text
+
+    fresh = load_tokenizer(tiny_tokenizer.save(tmp_path))
+    calls, get_vocab = [], fresh.hf.get_vocab
+    fresh.hf.get_vocab = lambda: calls.append(1) or get_vocab()
+    call = "<|tool_call_start|>2 + 2<|tool_call_end|><|tool_start|>4<|tool_end|> It is 4"
+    conversation = [*CONVERSATION[:2], {"role": "assistant", "content": call}]
+    for _ in range(5):
+        ids, mask = fresh.render_conversation(conversation)
+        assert _trained(fresh, ids, mask) == "<|tool_call_start|>2 + 2<|tool_call_end|> It is 4<|assistant_end|>"
+        assert answer_text(fresh, fresh.encode(call)) == " It is 4"
+    assert len(calls) <= 3  # the stop tokens, and the tool result's two markers: once each
+
+
 def test_train_on_settings(tiny_tokenizer):
     ids, mask = tiny_tokenizer.render_conversation(CONVERSATION, train_on="last_assistant")
     assert _trained(tiny_tokenizer, ids, mask) == "6<|assistant_end|>"

@@ -8,8 +8,7 @@ from tierlm.rollout.tools import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END
 
 def answer_text(tokenizer, tokens: list[int]) -> str:
     """What the model answered, for rewards: the text after its last tool result (all of it without tools)."""
-    vocab = tokenizer.hf.get_vocab()
-    end = vocab.get(TOOL_RESULT_END)
+    end = tokenizer.token_id(TOOL_RESULT_END)
     last = max((i for i, t in enumerate(tokens) if t == end), default=-1) if end is not None else -1
     return tokenizer.decode(tokens[last + 1 :], skip_special_tokens=True)
 

@@ -1,0 +1,83 @@
+"""A conversation's training tokens and a completion's answer text at a large vocabulary.
+
+    .venv/bin/python bench/chat_rendering.py [--checkpoint runs/tiny_sft] [--vocab 151000]
+
+SFT renders every conversation to ids and a mask (`Tokenizer.render_conversation`), RL reads every completion's answer
+(`tierlm.rollout.text.answer_text`): per item, so anything per call that grows with the vocabulary is paid once per
+conversation or completion. The checkpoint's tokenizer (its chat template, special tokens and merges) is timed as it
+is and with its vocabulary padded to `--vocab` entries (tokens no text produces: the ids of every text stay the same,
+as checked), Qwen3's size by default. Prints milliseconds per call, the best of 3 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from tokenizers import Tokenizer as RustTokenizer
+from transformers import PreTrainedTokenizerFast
+
+from tierlm.data.tokenizer import Tokenizer, load_tokenizer
+from tierlm.rollout.text import answer_text
+from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START
+
+CONVERSATION = [
+    {"role": "user", "content": "What is 23 + 45?"},
+    {
+        "role": "assistant",
+        "content": f"{TOOL_CALL_START}23 + 45{TOOL_CALL_END}{TOOL_RESULT_START}68{TOOL_RESULT_END} 23 + 45 = 68",
+    },
+]
+
+
+def padded(tokenizer: Tokenizer, size: int) -> Tokenizer:
+    """`tokenizer` with its model's vocabulary padded to `size` entries that no merge produces."""
+    spec = json.loads(tokenizer.hf.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    first = len(vocab) + len(tokenizer.hf.added_tokens_encoder)
+    for i in range(size - len(tokenizer.hf)):
+        vocab[f"\u4e00{i}"] = first + i
+    special = {k: getattr(tokenizer.hf, k) for k in ("bos_token", "eos_token", "pad_token") if getattr(tokenizer.hf, k)}
+    hf = PreTrainedTokenizerFast(tokenizer_object=RustTokenizer.from_str(json.dumps(spec)), **special)
+    hf.chat_template = tokenizer.hf.chat_template
+    return Tokenizer(hf)
+
+
+def best_ms(call, rounds: int = 3, n: int = 20) -> float:
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        best = min(best, (time.perf_counter() - start) / n * 1000)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default="runs/tiny_sft", help="a run or model folder with a chat tokenizer")
+    parser.add_argument("--vocab", type=int, default=151_000)
+    args = parser.parse_args()
+    small = load_tokenizer(f"{args.checkpoint}/model" if not args.checkpoint.endswith("model") else args.checkpoint)
+    large = padded(small, args.vocab)
+    ids, mask = small.render_conversation(CONVERSATION)
+    answer = small.encode(CONVERSATION[1]["content"])
+    assert large.render_conversation(CONVERSATION) == (ids, mask) and large.encode(CONVERSATION[1]["content"]) == answer
+    for tokenizer in (small, large):
+        rendering = best_ms(lambda: tokenizer.render_conversation(CONVERSATION))
+        reading = best_ms(lambda: answer_text(tokenizer, answer))
+        print(
+            json.dumps(
+                {
+                    "vocab": len(tokenizer.hf),
+                    "render_conversation_ms": round(rendering, 3),
+                    "answer_text_ms": round(reading, 4),
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -56,7 +56,7 @@ def test_masks_exactly_assistant_content_and_end_of_turn(tiny_tokenizer):
 
 
 def test_conversations_and_answers_look_their_tokens_up_once(tiny_tokenizer, tmp_path):
-    """transformers' `get_vocab()` builds the whole vocabulary each call (120-150 ms at 151k tokens): rendering many
+    """transformers' `get_vocab()` builds the whole vocabulary each call (~150 ms at 151k tokens): rendering many
     conversations and reading many answers looks the tool markers up once, with the same masks and texts."""
     from tierlm.rollout.text import answer_text
 

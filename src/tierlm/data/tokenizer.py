@@ -166,7 +166,7 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         """The id of `token` (added tokens included), None where the vocabulary has no such token; each token looked
-        up once. transformers' `get_vocab()` builds the whole vocabulary every call — 120-150 ms at a 151k-token
+        up once. transformers' `get_vocab()` builds the whole vocabulary every call — ~150 ms at a 151k-token
         vocabulary — which a per-conversation or per-completion lookup paid every time.
 
         >>> tok = train_char_tokenizer(["abc"])

@@ -18,6 +18,7 @@ import time
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import PreTrainedTokenizerFast
 
+from tierlm.checkpoint.load import resolve_model_location
 from tierlm.data.tokenizer import Tokenizer, load_tokenizer
 from tierlm.rollout.text import answer_text
 from tierlm.special_tokens import TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START
@@ -57,10 +58,10 @@ def best_ms(call, rounds: int = 3, n: int = 20) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default="runs/tiny_sft", help="a run or model folder with a chat tokenizer")
+    parser.add_argument("--checkpoint", default="runs/tiny_sft", help="a run, checkpoint or model folder")
     parser.add_argument("--vocab", type=int, default=151_000)
     args = parser.parse_args()
-    small = load_tokenizer(f"{args.checkpoint}/model" if not args.checkpoint.endswith("model") else args.checkpoint)
+    small = load_tokenizer(resolve_model_location(args.checkpoint))
     large = padded(small, args.vocab)
     ids, mask = small.render_conversation(CONVERSATION)
     answer = small.encode(CONVERSATION[1]["content"])

@@ -262,11 +262,11 @@ def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config
         requests = [(prompt, n, g) for (prompt, n), g in zip(prompts, generators)]
         if together:
             assert engine._runs([(len(p), n, 40, g) for p, n, g in requests], temperature) == [[0, 1, 2, 3]]
-            prefills = []  # forwards of more than one token: the prompts, prefilled in two groups of like lengths
-            hook = model.register_forward_pre_hook(lambda _, args: prefills.append(args[0].shape[1] > 1 or None))
+            fed = []  # tokens a row of each forward: the prompts' prefills (in two groups of like lengths), then steps
+            hook = model.register_forward_pre_hook(lambda _, args: fed.append(args[0].shape[1]))
             out = engine.generate_many(requests, 40, temperature, top_k, top_p)
             hook.remove()
-            assert prefills.count(True) == len(like_lengths([len(p) for p, _ in prompts])) == 2
+            assert sum(n > 1 for n in fed) == len(like_lengths([len(p) for p, _ in prompts])) == 2
         else:
             out = [engine.generate(p, n, 40, temperature, top_k, top_p, g) for p, n, g in requests]
         return out, [torch.rand(3, generator=g) for g in generators]

@@ -68,7 +68,7 @@ def runs(items: list[Item], context: int, temperature: float) -> list[list[int]]
 
 def like_lengths(sizes: list[int]) -> list[list[int]]:
     """Indices of `sizes` in groups prefilled together: by length, a group growing while its padding to its longest
-    stays below its tokens.
+    stays below its tokens (each size counted once: a part of several rows of one length weighs as one row).
 
     >>> like_lengths([30, 5, 28, 6, 7, 200])
     [[1, 3, 4], [2, 0], [5]]

@@ -297,15 +297,53 @@ def test_sharegpt_conversations(tmp_path, tiny_tokenizer):
     ]
     path = tmp_path / "sharegpt.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    trains, _ = open_splits(_config(path, "data.messages_column=conversations"), "chat", tiny_tokenizer)
-    assert trains[0][0][2] == [
+    expected = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "2+1?"},
         {"role": "assistant", "content": "3"},
     ]
+    trains, _ = open_splits(_config(path, "data.messages_column=conversations"), "chat", tiny_tokenizer)
+    assert trains[0][0][2] == expected
+    trains, _ = open_splits(_config(path), "chat", tiny_tokenizer)  # ShareGPT's column name needs no setting
+    assert trains[0][0][2] == expected
     path.write_text(json.dumps({"conversations": [{"from": "wizard", "value": "x"}]}) + "\n")
     with pytest.raises(DataError, match="from 'wizard'; known speakers"):
         open_splits(_config(path, "data.messages_column=conversations"), "chat", tiny_tokenizer)
+
+
+def test_conversational_prompt_completion_trains_the_completion_only(tmp_path, tiny_tokenizer):
+    """TRL's conversational prompt/completion rows (as the Hub's parquet holds them): the prompt's messages, then the
+    completion's; the loss on the completion only (TRL's completion-only loss: every token after the prompt rendered
+    with its generation prompt), even where the prompt holds an earlier assistant turn."""
+    import datasets
+
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": f"{i}+1?"},
+                {"role": "assistant", "content": f"{i + 1}"},
+                {"role": "user", "content": "and +2?"},
+            ],
+            "completion": [{"role": "assistant", "content": f"{i + 2}"}],
+        }
+        for i in range(10)
+    ]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "pc.parquet")
+    trains, _ = open_splits(_config(tmp_path / "pc.parquet"), "chat", tiny_tokenizer)
+    chat = trains[0][0][3]
+    assert [m["content"] for m in chat] == ["be brief", "3+1?", "4", "and +2?", "5"]
+    ids, mask = tiny_tokenizer.render_conversation(chat, "all_assistant")
+    prompt = tiny_tokenizer.hf.apply_chat_template(rows[3]["prompt"], tokenize=False, add_generation_prompt=True)
+    prompt_ids = tiny_tokenizer.hf(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[: len(prompt_ids)] == prompt_ids
+    assert mask == [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
+    ids, mask = tiny_tokenizer.render_conversation(list(chat), "all_assistant")  # as one conversation: both answers
+    assert sum(mask) > len(ids) - len(prompt_ids)
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "completion": [{"role": "user", "content": "4"}]}) + "\n")
+    with pytest.raises(DataError, match="completion must open with an assistant turn"):
+        open_splits(_config(path), "chat", tiny_tokenizer)
 
 
 def test_data_files(tmp_path, tiny_tokenizer):

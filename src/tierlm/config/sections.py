@@ -99,11 +99,13 @@ class DataConfig(Section):
     text_column: str = "text"
     """JSONL field holding a pretraining document."""
     messages_column: str = "messages"
-    """JSONL field holding a conversation (a list of {role, content})."""
+    """JSONL field holding a conversation (a list of {role, content}, or ShareGPT's {from, value}); while it is
+    "messages", a row without one is read from ShareGPT's `conversations`."""
     prompt_column: str = "prompt"
-    """JSONL field holding a prompt (with completion_column, an alternative to messages)."""
+    """JSONL field holding a prompt (with completion_column, an alternative to messages): a string or messages."""
     completion_column: str = "completion"
-    """JSONL field holding the completion that answers prompt_column."""
+    """JSONL field holding the completion that answers prompt_column (a string or messages); SFT trains on it
+    alone (TRL's completion-only loss)."""
     chosen_column: str = "chosen"
     """DPO: the preferred reply (a string answering prompt_column, or a conversation)."""
     rejected_column: str = "rejected"

@@ -68,11 +68,12 @@ class UnpairedExample:
 
 class Conversation(list):
     """A conversation (a list of messages) with the `tools` (function schemas) it may call, which the
-    chat template renders (see `tierlm.data.chat_templates`)."""
+    chat template renders (see `tierlm.data.chat_templates`), and `prompt_turns`: how many of its first messages are
+    a prompt given to the model, never trained on (a prompt/completion row's prompt, as TRL's completion-only loss)."""
 
-    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None, prompt_turns: int = 0):
         super().__init__(messages)
-        self.tools = tools
+        self.tools, self.prompt_turns = tools, prompt_turns
 
 
 def read_tools(value: Any, where: str) -> list[dict] | None:
@@ -154,14 +155,43 @@ def row_to_text(row: dict, fields: Fields, where: str) -> str:
     return str(_column(row, fields.text, where, "set data.text_column"))
 
 
-def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
+def _messages_field(row: dict, fields: Fields) -> str | None:
+    """The row's conversation column: `fields.messages`, or ShareGPT's `conversations` while the default name is
+    in use (Axolotl's and LLaMA-Factory's ShareGPT layouts, and the datasets made for them, name it so)."""
     if fields.messages in row:
-        messages = as_messages(row[fields.messages], where)
+        return fields.messages
+    return "conversations" if fields.messages == "messages" and "conversations" in row else None
+
+
+def _prompt_messages(prompt: Any, where: str) -> list[dict]:
+    """A prompt column's value as messages: a string is the user's turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else as_messages(prompt, where)
+
+
+def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
+    """A chat row as the conversation to train on: a messages list (OpenAI's or ShareGPT's form), TRL's
+    prompt/completion (strings, or conversational: the prompt's messages, then the completion's, only the
+    completion trained, as TRL's completion-only loss), or a task's row (GSM8K, MATH, ...) with its solution.
+
+    >>> row = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+    >>> chat = row_to_conversation(row, Fields(), "row 0")
+    >>> [m["content"] for m in chat], chat.prompt_turns
+    (['hi', 'yo'], 1)
+    """
+    prompt_turns = 0
+    if (column := _messages_field(row, fields)) is not None:
+        messages = as_messages(row[column], where)
     elif fields.prompt in row and fields.completion in row:
-        messages = [
-            {"role": "user", "content": row[fields.prompt]},
-            {"role": "assistant", "content": row[fields.completion]},
-        ]
+        prompt = _checked(_prompt_messages(row[fields.prompt], where), where, needs_assistant=False)
+        completion = row[fields.completion]
+        if isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+        completion = as_messages(completion, where)
+        if not (isinstance(completion, list) and completion and isinstance(completion[0], dict)):
+            raise DataError(f"{where}: the completion must be a string or a list of messages, got {completion!r:.60}")
+        if completion[0].get("role") != "assistant":
+            raise DataError(f"{where}: the completion must open with an assistant turn, got {completion[0]!r:.60}")
+        messages, prompt_turns = prompt + completion, len(prompt)
     elif (solved := task_conversation(row, where, fields.task_format)) is not None:  # GSM8K, ARC, MMLU, MATH, code
         messages = solved
     else:
@@ -171,7 +201,7 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
             "or give rows in a task layout: GSM8K, MATH, ARC, MMLU, HumanEval, MBPP)"
         )
     tools = read_tools(row.get(fields.tools), where)
-    return _checked(Conversation(messages, tools) if tools else messages, where)
+    return _checked(Conversation(messages, tools, prompt_turns) if tools or prompt_turns else messages, where)
 
 
 def _reply(value: Any, prompt: list[dict] | None, where: str) -> list[dict]:
@@ -229,7 +259,7 @@ def row_to_unpaired(row: dict, fields: Fields, where: str) -> UnpairedExample:
         )
     if not isinstance(row["label"], bool):
         raise DataError(f"{where}: label must be true or false, got {row['label']!r}")
-    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else as_messages(prompt, where)
+    prompt = _prompt_messages(prompt, where)
     conversation = _checked(_reply(completion, _checked(prompt, where, needs_assistant=False), where), where)
     if conversation[-1]["role"] != "assistant":
         raise DataError(f"{where}: the completion must end with an assistant turn")
@@ -266,10 +296,9 @@ def _task_example(row: dict, fields: Fields, where: str) -> TaskExample:
             task_format = "number"  # its question column and extraction rule were named: read them
     if task_format != "number":
         return READERS[task_format](row, where)
-    for name in (fields.question, fields.prompt, fields.messages):
+    for name in (fields.question, fields.prompt, _messages_field(row, fields)):
         if name in row:
-            value = row[name]
-            messages = [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value, where)
+            messages = _prompt_messages(row[name], where)
             break
     else:
         raise DataError(

@@ -288,7 +288,8 @@ class Tokenizer:
         """Token ids and a 0/1 mask of the tokens to train on.
 
         Trained: each assistant message's content and its end-of-turn token (and with
-        `train_on="last_assistant"` only the last one's; with "everything" all tokens). The
+        `train_on="last_assistant"` only the last one's; with "everything" all tokens), except those
+        of a `Conversation`'s prompt (its first `prompt_turns` messages, a prompt/completion row's). The
         rendering is the chat template's, so it is the same one sampling uses.
 
         >>> tok = train_char_tokenizer(["What is 1+1? 2"])
@@ -304,11 +305,11 @@ class Tokenizer:
             )
         if train_on not in TRAIN_ON:
             raise DataError(f"train_on must be one of {list(TRAIN_ON)}, got {train_on!r}")
-        tools = getattr(messages, "tools", None)
+        tools, prompt_turns = getattr(messages, "tools", None), getattr(messages, "prompt_turns", 0)
         full = self._render(messages, tools=tools)
         spans = []  # character spans of assistant turns (content + end of turn), with their prompt
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < prompt_turns:
                 continue
             prefix = self._render(messages[:i], add_generation_prompt=True, tools=tools)
             upto = full if i == len(messages) - 1 else self._render(messages[: i + 1], tools=tools)

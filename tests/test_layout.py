@@ -164,6 +164,29 @@ def test_the_command_line_answers_help_without_importing_torch():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_building_a_model_imports_no_torch_dynamo():
+    """A model built for `tierlm sample/chat/serve` skips the modules' own initialisation on the meta device
+    (`tierlm.primitives.models.on_meta`): `normal_` on a meta tensor runs through torch's reference ops, whose first
+    use imports torch._dynamo (1-2 s of the command's start). The weights, and the random state after them, are
+    those of the same build under a plain `torch.device("meta")`."""
+    probe = (
+        "import sys, torch\n"
+        "from tierlm.models.gpt.model import GPT, GPTConfig, build_gpt\n"
+        "config = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=97, max_seq_len=64)\n"
+        "torch.manual_seed(0)\n"
+        "built, after = build_gpt(config), torch.rand(3)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "torch.manual_seed(0)\n"
+        "with torch.device('meta'):\n"
+        "    plain = GPT(config)\n"
+        "plain = plain.to_empty(device='cpu'); plain.tie_weights(); plain.init_weights()\n"
+        "same = all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), plain.state_dict().values()))\n"
+        "print(same and torch.equal(after, torch.rand(3)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr[-2000:]
+
+
 def test_a_warning_raised_from_tierlms_code_fails_the_test():
     """pyproject's filterwarnings: a warning attributed to a tierlm module (its own, or a library's warning about the
     tierlm line that called it) is an error in the suite; a library's warning about its own code is not."""

@@ -194,6 +194,11 @@ def row_to_conversation(row: dict, fields: Fields, where: str) -> list[dict]:
         messages, prompt_turns = prompt + completion, len(prompt)
     elif (solved := task_conversation(row, where, fields.task_format)) is not None:  # GSM8K, ARC, MMLU, MATH, code
         messages = solved
+    elif fields.text in row:  # TRL's SFTTrainer trains such rows as language modelling: tierlm's pretrain stage
+        raise DataError(
+            f"{where}: holds plain text ({fields.text!r}), not a conversation; train on text with `tierlm pretrain` "
+            "(model.model_name_or_path continues from a model), or give SFT a 'messages' list or prompt/completion"
+        )
     else:
         raise DataError(
             f"{where}: needs a {fields.messages!r} list or {fields.prompt!r}/{fields.completion!r} fields; "

@@ -4,9 +4,11 @@
 
 SFT renders every conversation to ids and a mask (`Tokenizer.render_conversation`), RL reads every completion's answer
 (`tierlm.rollout.text.answer_text`): per item, so anything per call that grows with the vocabulary is paid once per
-conversation or completion. The checkpoint's tokenizer (its chat template, special tokens and merges) is timed as it
-is and with its vocabulary padded to `--vocab` entries (tokens no text produces: the ids of every text stay the same,
-as checked), Qwen3's size by default. Prints milliseconds per call, the best of 3 rounds.
+conversation or completion, and anything that grows with a conversation's length times its turns is paid by the
+long multi-turn conversations of real SFT data (timed too: ten exchanges, each answer calling the calculator, 4,411
+tokens with the main job's tokenizer). The checkpoint's tokenizer (its chat template, special tokens and merges) is
+timed as it is and with its vocabulary padded to `--vocab` entries (tokens no text produces: the ids of every text
+stay the same, as checked), Qwen3's size by default. Prints milliseconds per call, the best of 3 rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ CONVERSATION = [
         "role": "assistant",
         "content": f"{TOOL_CALL_START}23 + 45{TOOL_CALL_END}{TOOL_RESULT_START}68{TOOL_RESULT_END} 23 + 45 = 68",
     },
+]
+
+LONG = [
+    message
+    for turn in range(10)
+    for message in (
+        {"role": "user", "content": f"What is {turn}23 + 456? " * 20},
+        {
+            "role": "assistant",
+            "content": (
+                f"{TOOL_CALL_START}{turn}23 + 456{TOOL_CALL_END}{TOOL_RESULT_START}{turn}579{TOOL_RESULT_END} "
+                + f"{turn}23 + 456 = {turn}579. " * 10
+            ),
+        },
+    )
 ]
 
 
@@ -68,12 +85,15 @@ def main() -> None:
     assert large.render_conversation(CONVERSATION) == (ids, mask) and large.encode(CONVERSATION[1]["content"]) == answer
     for tokenizer in (small, large):
         rendering = best_ms(lambda: tokenizer.render_conversation(CONVERSATION))
+        long = best_ms(lambda: tokenizer.render_conversation(LONG), n=5)
         reading = best_ms(lambda: answer_text(tokenizer, answer))
         print(
             json.dumps(
                 {
                     "vocab": len(tokenizer.hf),
                     "render_conversation_ms": round(rendering, 3),
+                    "long_conversation_ms": round(long, 2),
+                    "long_conversation_tokens": len(tokenizer.render_conversation(LONG)[0]),
                     "answer_text_ms": round(reading, 4),
                 }
             )

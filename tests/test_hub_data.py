@@ -346,6 +346,30 @@ def test_conversational_prompt_completion_trains_the_completion_only(tmp_path, t
         open_splits(_config(path), "chat", tiny_tokenizer)
 
 
+def test_openai_content_parts_and_the_developer_role(tmp_path, tiny_tokenizer):
+    """Messages as OpenAI's API writes them: text parts joined by newlines, `developer` read as `system` (as `tierlm
+    serve` reads a request, so training and serving render the same prompt); a part that is not text is one line."""
+    row = {
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+            {"role": "user", "content": [{"type": "text", "text": "2+1?"}, {"type": "text", "text": "digits only"}]},
+            {"role": "assistant", "content": "3"},
+        ]
+    }
+    path = tmp_path / "parts.jsonl"
+    path.write_text((json.dumps(row) + "\n") * 10)
+    trains, _ = open_splits(_config(path), "chat", tiny_tokenizer)
+    assert trains[0][0][0] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+1?\ndigits only"},
+        {"role": "assistant", "content": "3"},
+    ]
+    row["messages"][1]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
+    path.write_text((json.dumps(row) + "\n") * 10)
+    with pytest.raises(DataError, match="message 1 has image_url content parts"):
+        open_splits(_config(path), "chat", tiny_tokenizer)
+
+
 def test_data_files(tmp_path, tiny_tokenizer):
     """datasets' data_files: which files of a folder make which split, or a builder name with its files."""
     folder = tmp_path / "files"

@@ -107,10 +107,13 @@ SHAREGPT_ROLES = {
 
 
 def as_messages(value: Any, where: str) -> list[dict]:
-    """A conversation in OpenAI form (`role`/`content`); ShareGPT turns (`from`/`value`) are converted.
+    """A conversation in OpenAI form (`role`/`content`); ShareGPT turns (`from`/`value`) are converted, and OpenAI's
+    text content parts joined and its `developer` role read as `system`, as `tierlm serve` reads a request's.
 
     >>> as_messages([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "row 0")
     [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]
+    >>> as_messages([{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "")
+    [{'role': 'system', 'content': 'a\\nb'}]
     """
     if isinstance(value, list) and value and all(isinstance(m, dict) and "from" in m and "value" in m for m in value):
         out = []
@@ -123,8 +126,21 @@ def as_messages(value: Any, where: str) -> list[dict]:
             out.append({"role": role, "content": turn["value"]})
         return out
     if isinstance(value, list):  # keep only what a chat template reads (datasets adds None for absent keys)
-        return [_without_nones(m) if isinstance(m, dict) else m for m in value]
+        return [_openai_message(_without_nones(m), i, where) if isinstance(m, dict) else m for i, m in enumerate(value)]
     return value
+
+
+def _openai_message(message: dict, i: int, where: str) -> dict:
+    """Text content parts joined by newlines (vLLM's and `tierlm serve`'s reading), `developer` as `system`."""
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+        if kinds:
+            raise DataError(f"{where}: message {i} has {', '.join(kinds)} content parts; tierlm trains on text parts")
+        message = {**message, "content": "\n".join(str(part.get("text", "")) for part in content)}
+    if message.get("role") == "developer":
+        message = {**message, "role": "system"}
+    return message
 
 
 def _without_nones(value: Any) -> Any:

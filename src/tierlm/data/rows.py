@@ -112,7 +112,8 @@ def as_messages(value: Any, where: str) -> list[dict]:
 
     >>> as_messages([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "row 0")
     [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]
-    >>> as_messages([{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "")
+    >>> parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    >>> as_messages([{"role": "developer", "content": parts}], "row 0")
     [{'role': 'system', 'content': 'a\\nb'}]
     """
     if isinstance(value, list) and value and all(isinstance(m, dict) and "from" in m and "value" in m for m in value):

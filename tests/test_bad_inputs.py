@@ -531,12 +531,6 @@ CASES = [
         hub_layout("uc"),
     ),
     Case(
-        "sft-plain-text-rows",
-        ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "data.dataset_name=t.jsonl"],
-        "train on text with `tierlm pretrain`",
-        write("t.jsonl", '{"text": "a document"}\n'),
-    ),
-    Case(
         "sft-sharegpt-unknown-speaker",
         [
             "sft",

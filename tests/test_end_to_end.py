@@ -295,8 +295,9 @@ def test_mixture_with_an_eval_dataset_trains_on_every_component(tmp_path):
         ('{"messages": []}\n', "bad.jsonl:1: a conversation must be a non-empty list"),
         (
             '{"text": "not a chat"}\n',
-            "bad.jsonl:1: needs a 'messages' list or 'prompt'/'completion' fields; fields present: ['text']",
+            "bad.jsonl:1: holds plain text ('text'), not a conversation; train on text with `tierlm pretrain`",
         ),
+        ('{"question": "q"}\n', "bad.jsonl:1: needs a 'messages' list or 'prompt'/'completion' fields"),
         (
             '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{oops\n',
             "bad.jsonl:2: malformed JSON",

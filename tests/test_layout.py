@@ -166,7 +166,7 @@ def test_the_command_line_answers_help_without_importing_torch():
 
 def test_building_a_model_imports_no_torch_dynamo():
     """A model built for `tierlm sample/chat/serve` skips the modules' own initialisation on the meta device
-    (`tierlm.primitives.models.on_meta`): `normal_` on a meta tensor runs through torch's reference ops, whose first
+    (`tierlm.primitives.models.meta_device`): `normal_` on a meta tensor runs through torch's reference ops, whose first
     use imports torch._dynamo (1-2 s of the command's start). The weights, and the random state after them, are
     those of the same build under a plain `torch.device("meta")`."""
     probe = (

@@ -22,7 +22,7 @@ from tierlm.models import (
 )
 from tierlm.models.lora import apply_lora, qlora_quantization_config
 from tierlm.primitives import parse_dtype
-from tierlm.primitives.models import on_meta
+from tierlm.primitives.models import meta_device
 
 
 def new_model(config: TierlmConfig, vocab_size: int, device, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -43,7 +43,7 @@ def describe_model(config: TierlmConfig, vocab_size: int, pretrained: Path | str
     if pretrained is None:
         return new_model(config, vocab_size, "meta")
     if isinstance(pretrained, Path):
-        with on_meta():
+        with meta_device():
             return family_for_folder(pretrained).build_from_folder(pretrained)
     return None
 
@@ -78,7 +78,7 @@ def build_model(
     LoRA; `on_meta`: only its shapes, on the meta device (infra.cpu_ram_efficient_loading's other ranks)."""
     m, dtype = config.model, parse_dtype(config.model.dtype)
     if on_meta:
-        with on_meta():
+        with meta_device():
             return family_for_folder(pretrained).build_from_folder(pretrained, dtype=dtype)
     family = family_named(m.architecture)
     check_lora_request(config, device, pretrained)

@@ -25,7 +25,7 @@ from tierlm.errors import ModelLoadError, first_line
 from tierlm.models.kv_cache import KVCache
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, ModelFamily, native_description
 from tierlm.primitives.losses import get_labels
-from tierlm.primitives.models import on_meta
+from tierlm.primitives.models import meta_device
 
 
 class NativeFamily(ModelFamily):
@@ -69,7 +69,7 @@ class NativeFamily(ModelFamily):
             model.tie_weights()
             model.init_weights()  # as the real path: some families fill buffers (rotary tables) here
             return model
-        with on_meta():
+        with meta_device():
             model = self.model_class(config)
         if torch.device(device).type == "meta":
             return model

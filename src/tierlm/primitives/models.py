@@ -33,13 +33,13 @@ class _NoInitOnMeta(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def on_meta() -> Iterator[None]:
+def meta_device() -> Iterator[None]:
     """`torch.device("meta")` for describing a model that is allocated and initialised afterwards (`to_empty`, then
     its own `init_weights`), with the modules' own initialisation at construction skipped. Beyond doing no work,
     this keeps `normal_` off meta tensors: there it runs through torch's Python reference ops, whose first use
     imports torch._dynamo, 1-2 s of the ~5 s `tierlm sample` took to start on 2 cores.
 
-    >>> with on_meta():
+    >>> with meta_device():
     ...     layer = nn.Linear(4, 3)
     >>> layer.weight.is_meta, tuple(layer.weight.shape)
     (True, (3, 4))

@@ -39,7 +39,7 @@ from tierlm.models.gpt.documents import (
 from tierlm.models.kv_cache import KVCache, LayerCache
 from tierlm.models.moe import MoE, MoEConfig, SwiGLU
 from tierlm.primitives.losses import linear_cross_entropy
-from tierlm.primitives.models import on_meta
+from tierlm.primitives.models import meta_device
 
 
 @dataclass
@@ -464,7 +464,7 @@ def build_gpt(config: GPTConfig, device: torch.device | str = "cpu", dtype: torc
     >>> build_gpt(GPTConfig(depth=1, aspect_ratio=16, head_dim=16, vocab_size=10, max_seq_len=8)).num_params()
     4496
     """
-    with on_meta():
+    with meta_device():
         model = GPT(config)
     model = model.to_empty(device=device)
     model.tie_weights()

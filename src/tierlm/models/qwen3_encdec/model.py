@@ -25,7 +25,7 @@ from torch import nn
 
 from tierlm.models.gpt.model import MLP, Attention, Block, LayerCache, fill_rotary
 from tierlm.primitives.losses import linear_cross_entropy
-from tierlm.primitives.models import on_meta
+from tierlm.primitives.models import meta_device
 
 
 @dataclass
@@ -307,7 +307,7 @@ def build_qwen3_encdec(
     >>> model(torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 5))).shape
     torch.Size([2, 5, 50])
     """
-    with on_meta():
+    with meta_device():
         model = Qwen3ForSeq2SeqLM(config)
     model = model.to_empty(device=device)
     model.tie_weights()

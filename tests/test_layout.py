@@ -165,17 +165,18 @@ def test_the_command_line_answers_help_without_importing_torch():
 
 
 def test_building_a_model_imports_no_torch_dynamo():
-    """A model built for `tierlm sample/chat/serve` skips the modules' own initialisation on the meta device
-    (`tierlm.primitives.models.meta_device`): `normal_` on a meta tensor runs through torch's reference ops, whose first
-    use imports torch._dynamo (1-2 s of the command's start). The weights, and the random state after them, are
-    those of the same build under a plain `torch.device("meta")`."""
+    """A model built for `tierlm sample/chat/serve` skips the modules' own initialisation on the meta device and
+    gets its storage by `torch.empty` (`tierlm.primitives.models.meta_device`, `materialize`): on meta tensors
+    `normal_` and `empty_like` run through torch's reference ops, whose first use imports torch._dynamo, sympy and
+    torch's symbolic shapes (2-3 s of the command's start). The weights, and the random state after them, are those
+    of the same build under a plain `torch.device("meta")` and `to_empty`."""
     probe = (
         "import sys, torch\n"
         "from tierlm.models.gpt.model import GPT, GPTConfig, build_gpt\n"
         "config = GPTConfig(depth=2, aspect_ratio=32, head_dim=16, vocab_size=97, max_seq_len=64)\n"
         "torch.manual_seed(0)\n"
         "built, after = build_gpt(config), torch.rand(3)\n"
-        "print('torch._dynamo' in sys.modules)\n"
+        "print(any(m in sys.modules for m in ('torch._dynamo', 'sympy', 'torch.fx.experimental.symbolic_shapes')))\n"
         "torch.manual_seed(0)\n"
         "with torch.device('meta'):\n"
         "    plain = GPT(config)\n"

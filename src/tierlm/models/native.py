@@ -25,7 +25,7 @@ from tierlm.errors import ModelLoadError, first_line
 from tierlm.models.kv_cache import KVCache
 from tierlm.models.registry import NATIVE_CONFIG_FILE, WEIGHTS_FILE, ModelFamily, native_description
 from tierlm.primitives.losses import get_labels
-from tierlm.primitives.models import meta_device
+from tierlm.primitives.models import materialize, meta_device
 
 
 class NativeFamily(ModelFamily):
@@ -73,7 +73,7 @@ class NativeFamily(ModelFamily):
             model = self.model_class(config)
         if torch.device(device).type == "meta":
             return model
-        model = model.to_empty(device=device)
+        model = materialize(model, device)
         model.tie_weights()  # to_empty allocates every parameter anew; shared ones must be shared again
         model.init_weights()
         return model.to(dtype=dtype) if dtype != torch.float32 else model

@@ -14,9 +14,12 @@ from tierlm.errors import ModelLoadError, first_line
 from tierlm.primitives.hub import HubUnreachable, hub_access
 
 
-class _NoInitOnMeta(TorchFunctionMode):
-    """Parameter initialisation (`torch.nn.init`'s functions and the in-place fills they use) on meta tensors is
-    skipped: a meta tensor has no values to fill."""
+class _FromMeta(TorchFunctionMode):
+    """What a model described on the meta device needs of torch, without torch's Python reference ops (a meta
+    tensor's `normal_` and `empty_like` run through them; their first use imports torch._dynamo, sympy and torch's
+    symbolic shapes, 2-3 s of a command's start on 2 cores): initialisation (`torch.nn.init`'s functions and the
+    in-place fills they use) is skipped, a meta tensor having no values to fill; `empty_like` of a contiguous meta
+    tensor onto a device is `torch.empty` of its shape there."""
 
     INIT = frozenset(
         "normal_ uniform_ fill_ zero_ trunc_normal_ kaiming_uniform_ kaiming_normal_ xavier_uniform_ xavier_normal_ "
@@ -29,23 +32,39 @@ class _NoInitOnMeta(TorchFunctionMode):
             tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes it by name
             if getattr(tensor, "is_meta", False):
                 return tensor
+        if func is torch.empty_like and args and args[0].is_meta and args[0].is_contiguous() and len(kwargs) == 1:
+            if (device := kwargs.get("device")) is not None and torch.device(device).type != "meta":
+                return torch.empty(args[0].shape, dtype=args[0].dtype, device=device)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def meta_device() -> Iterator[None]:
-    """`torch.device("meta")` for describing a model that is allocated and initialised afterwards (`to_empty`, then
-    its own `init_weights`), with the modules' own initialisation at construction skipped. Beyond doing no work,
-    this keeps `normal_` off meta tensors: there it runs through torch's Python reference ops, whose first use
-    imports torch._dynamo, 1-2 s of the ~5 s `tierlm sample` took to start on 2 cores.
+    """`torch.device("meta")` for describing a model that is allocated and initialised afterwards (`materialize`,
+    then its own `init_weights`), with the modules' own initialisation at construction skipped: it would fill
+    nothing, and on meta tensors it runs through torch's reference ops (`_FromMeta`).
 
     >>> with meta_device():
     ...     layer = nn.Linear(4, 3)
     >>> layer.weight.is_meta, tuple(layer.weight.shape)
     (True, (3, 4))
     """
-    with torch.device("meta"), _NoInitOnMeta():
+    with torch.device("meta"), _FromMeta():
         yield
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """`model.to_empty(device=device)`: a model described on the meta device given uninitialised storage on `device`
+    (then its own init, or loaded weights, fill it), without torch's reference ops (`_FromMeta`).
+
+    >>> with meta_device():
+    ...     layer = nn.Linear(4, 3)
+    >>> layer = materialize(layer, "cpu")
+    >>> layer.weight.device.type, tuple(layer.weight.shape), layer.weight.requires_grad
+    ('cpu', (3, 4), True)
+    """
+    with _FromMeta():
+        return model.to_empty(device=device)
 
 
 def load_hf_model(

@@ -39,7 +39,7 @@ from tierlm.models.gpt.documents import (
 from tierlm.models.kv_cache import KVCache, LayerCache
 from tierlm.models.moe import MoE, MoEConfig, SwiGLU
 from tierlm.primitives.losses import linear_cross_entropy
-from tierlm.primitives.models import meta_device
+from tierlm.primitives.models import materialize, meta_device
 
 
 @dataclass
@@ -466,7 +466,7 @@ def build_gpt(config: GPTConfig, device: torch.device | str = "cpu", dtype: torc
     """
     with meta_device():
         model = GPT(config)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     model.tie_weights()
     model.init_weights()
     return model.to(dtype=dtype) if dtype != torch.float32 else model

@@ -25,7 +25,7 @@ from torch import nn
 
 from tierlm.models.gpt.model import MLP, Attention, Block, LayerCache, fill_rotary
 from tierlm.primitives.losses import linear_cross_entropy
-from tierlm.primitives.models import meta_device
+from tierlm.primitives.models import materialize, meta_device
 
 
 @dataclass
@@ -309,7 +309,7 @@ def build_qwen3_encdec(
     """
     with meta_device():
         model = Qwen3ForSeq2SeqLM(config)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     model.tie_weights()
     model.init_weights()
     return model.to(dtype=dtype) if dtype != torch.float32 else model

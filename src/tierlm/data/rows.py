@@ -253,10 +253,8 @@ def row_to_preference(row: dict, fields: Fields, where: str) -> PreferencePair:
     chosen = _column(row, fields.chosen, where, "set data.chosen_column")
     rejected = _column(row, fields.rejected, where, "set data.rejected_column")
     prompt = row.get(fields.prompt)
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    elif prompt is not None:
-        prompt = _checked(as_messages(prompt, where), where, needs_assistant=False)
+    if prompt is not None:
+        prompt = _checked(_prompt_messages(prompt, where), where, needs_assistant=False)
     sides = []
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         conversation = _checked(_reply(value, prompt, where), where)

@@ -168,7 +168,7 @@ def test_building_a_model_imports_no_torch_dynamo():
     """A model built for `tierlm sample/chat/serve` skips the modules' own initialisation on the meta device and
     gets its storage by `torch.empty` (`tierlm.primitives.models.meta_device`, `materialize`): on meta tensors
     `normal_` and `empty_like` run through torch's reference ops, whose first use imports torch._dynamo, sympy and
-    torch's symbolic shapes (2-3 s of the command's start). The weights, and the random state after them, are those
+    torch's symbolic shapes (1.6-2.3 s of the command's start). The weights, and the random state after them, are those
     of the same build under a plain `torch.device("meta")` and `to_empty`."""
     probe = (
         "import sys, torch\n"

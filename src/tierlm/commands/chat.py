@@ -47,7 +47,6 @@ class Chatbot:
         from tierlm.errors import ConfigError
         from tierlm.models import load_pretrained_model
         from tierlm.primitives import resolve_device
-        from tierlm.rollout.tools import TOOL_CALL_START
 
         if compile and engine != "native":
             raise ConfigError(f"--compile compiles tierlm's own decode step, not --engine {engine}'s: drop it")
@@ -61,7 +60,7 @@ class Chatbot:
                 f"sample --raw`)"
             )
         model = load_pretrained_model(location, device=resolve_device(device_type)).eval()
-        with_tools = tools and TOOL_CALL_START in self.tokenizer.hf.get_vocab()
+        with_tools = tools and self.tokenizer.tool_ids() is not None
         if vllm_url is not None and (engine != "vllm" or not vllm_url.startswith(("http://", "https://"))):
             raise ConfigError(f"--vllm-url names a vLLM server (http://host:port) for --engine vllm, got {vllm_url!r}")
         section = EngineConfig(kind=engine, vllm_url=vllm_url, compile=compile)  # the engine section, from the flags

@@ -37,7 +37,6 @@ def run(args: argparse.Namespace) -> None:
     from tierlm.rollout.engine import Engine
     from tierlm.rollout.text import encoder_prompt_tokens, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
-    from tierlm.special_tokens import TOOL_CALL_START
     from tierlm.stages import STAGES
 
     location = verified_model_location(args.checkpoint)
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> None:
         chat, prompt_ids = False, encoder_prompt_tokens(tokenizer, args.prompt)
     else:
         prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
-    tools = [Calculator()] if chat and TOOL_CALL_START in tokenizer.hf.get_vocab() else []
+    tools = [Calculator()] if chat and tokenizer.tool_ids() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=args.compile)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
     completion = engine.generate(

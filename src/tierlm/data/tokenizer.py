@@ -31,6 +31,8 @@ from tierlm.special_tokens import (  # noqa: F401  (BOS, PAD, UNK, SPECIAL_TOKEN
     UNK,
 )
 
+TOOL_MARKERS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END)
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -177,6 +179,17 @@ class Tokenizer:
         if token not in self._token_ids:
             self._token_ids[token] = self.hf.get_vocab().get(token)
         return self._token_ids[token]
+
+    def tool_ids(self) -> tuple[int, int, int, int] | None:
+        """The ids of the four tool markers — call start, call end, result start, result end — or None where the
+        vocabulary lacks any of them (a model that never learnt to call tools).
+
+        >>> tok = train_char_tokenizer(["abc"])
+        >>> tok.tool_ids() == tuple(tok.hf.get_vocab()[t] for t in TOOL_MARKERS)
+        True
+        """
+        ids = tuple(self.token_id(t) for t in TOOL_MARKERS)
+        return None if None in ids else ids
 
     @property
     def bos_id(self) -> int | None:

@@ -23,10 +23,6 @@ from tierlm.rollout import static_decode, together
 from tierlm.rollout.adapters import ADAPTER_VERSION, stamped_adapters
 from tierlm.rollout.sampling import default_generator, sample_groups, sample_next_token
 from tierlm.rollout.tools import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    TOOL_RESULT_END,
-    TOOL_RESULT_START,
     Tool,
     call_tool,
 )
@@ -172,13 +168,9 @@ class Engine:
         """The optimizer steps behind the weights it samples with (recorded with every rollout batch)."""
         if self.tools:
             assert tokenizer is not None, "tools need the tokenizer to read calls and write results"
-            vocab = tokenizer.hf.get_vocab()
-            missing = [
-                t for t in (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESULT_START, TOOL_RESULT_END) if t not in vocab
-            ]
-            assert not missing, f"the tokenizer lacks the tool tokens {missing}"
-            self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
-            self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
+            ids = tokenizer.tool_ids()
+            assert ids is not None, "the tokenizer lacks the tool tokens"
+            self.call_start, self.call_end, self.result_start, self.result_end = ids
 
     def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
         """The policy after `version` optimizer steps: `state` (its whole weights, or a LoRA policy's adapters alone

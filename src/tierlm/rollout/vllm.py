@@ -33,10 +33,6 @@ from tierlm.models.lora import has_lora, lora_layers, lora_scalings, merged_stat
 from tierlm.rollout.adapters import ADAPTER_VERSION, adapter_payload, stamped_adapters
 from tierlm.rollout.engine import Completion
 from tierlm.rollout.tools import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    TOOL_RESULT_END,
-    TOOL_RESULT_START,
     Tool,
     call_tool,
 )
@@ -89,9 +85,9 @@ class VLLMEngine:
         self.device = torch.device("cpu")  # the callers' generators only seed vLLM's own
         self.weight_version = 0
         if self.tools:
-            vocab = tokenizer.hf.get_vocab()
-            self.call_start, self.call_end = vocab[TOOL_CALL_START], vocab[TOOL_CALL_END]
-            self.result_start, self.result_end = vocab[TOOL_RESULT_START], vocab[TOOL_RESULT_END]
+            ids = tokenizer.tool_ids()
+            assert ids is not None, "the tokenizer lacks the tool tokens"
+            self.call_start, self.call_end, self.result_start, self.result_end = ids
         server = VLLMServer(url, max_len) if url else None  # reached (or vLLM imported) before anything is written
         self._max_len = server.max_len if server is not None else max_len
         vllm = None if url else import_vllm()

@@ -119,6 +119,18 @@ def test_text_names_the_real_thing_not_the_design_documents():
     assert not cited, cited
 
 
+def test_getting_started_prints_the_readmes_main_job():
+    """docs/getting-started.md repeats the README's account of the main job (what it does, its time, its figures and
+    their band): one is updated when a band is re-measured, and the other must not go on printing the old one."""
+
+    def main_job(text: str) -> str:
+        text = text.replace("(docs/benchmarks.md#", "(benchmarks.md#")  # the same link from either folder
+        return text[text.index("**The main job** needs") : text.index("**Set-up details.**")]
+
+    readme, page = (REPO / "README.md").read_text(), (REPO / "docs" / "getting-started.md").read_text()
+    assert main_job(page) == main_job(readme)
+
+
 def test_no_compatibility_aliases_for_old_module_names():
     """The CLI, config keys, run folders and checkpoints are the public surface; module names of earlier layouts
     are not kept alive by aliases (a meta-path finder, module `__getattr__` tables)."""

@@ -33,6 +33,11 @@ def test_every_field_is_documented():
         (["training.lr_scheduler_type=step"], "training.lr_scheduler_type must be one of"),
         (["trainig.learning_rate=1"], "unknown key trainig (did you mean training?)"),
         (["training.learnin_rate=1"], "unknown key training.learnin_rate (did you mean training.learning_rate?)"),
+        (["training.output_dir=x"], "unknown key training.output_dir (did you mean infra.output_dir?)"),
+        (["training.max_steps=5"], "(TRL's max_steps is training.num_train_steps in tierlm)"),
+        (["rl.beta=0.1"], "(TRL's beta is rl.kl_coef in tierlm)"),
+        (["training.beta=0.1"], "(TRL's beta is dpo.beta or rl.kl_coef in tierlm)"),
+        (["data.lora_r=8"], "(Axolotl's lora_r is model.lora.r in tierlm)"),
         (["training.warmup_steps=5000"], "training.warmup_steps (5000) must be < training.num_train_steps"),
         (["model.depth"], "override 'model.depth' must look like section.key=value"),
     ],
@@ -41,6 +46,15 @@ def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
         TierlmConfig.load(None, overrides)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_other_name_points_at_a_key_of_the_config():
+    """The hints for TRL's and Axolotl's names name keys that exist."""
+    from tierlm.config.aliases import OTHER_NAMES
+    from tierlm.config.files import _known_keys
+
+    known = set(_known_keys(TierlmConfig))
+    assert not [t for _, targets in OTHER_NAMES.values() for t in targets if t not in known]
 
 
 def test_bad_yaml_and_missing_file(tmp_path):

@@ -5,7 +5,8 @@ from before the engine section (rl.engine, rl.vllm_url, rl.vllm_gpu_memory_utili
 folders load.
 
 Each name moves to the tierlm field that means the same; one that the config also sets under tierlm's own name, to
-another value, is refused in one line.
+another value, is refused in one line. TRL's and Axolotl's names are not read, but named in the line that refuses
+them (`OTHER_NAMES`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,63 @@ MOVED = {
     ("rl", "vllm_gpu_memory_utilization"): ("engine", "gpu_memory_utilization"),
 }
 """(section, the other name) -> (section, tierlm's name)."""
+
+
+OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # TRL (its configs are transformers' TrainingArguments and more): docs/from-trl-axolotl has the whole map
+    "max_steps": ("TRL", ("training.num_train_steps",)),
+    "optim": ("TRL", ("training.optimizer",)),
+    "gradient_checkpointing": ("TRL", ("infra.activation_checkpointing",)),
+    "torch_compile": ("TRL", ("infra.compile",)),
+    "max_length": ("TRL", ("data.max_seq_length",)),
+    "max_seq_length": ("TRL", ("data.max_seq_length",)),
+    "dataset_text_field": ("TRL", ("data.text_column",)),
+    "dataset_num_proc": ("TRL", ("data.preprocessing_num_workers",)),
+    "assistant_only_loss": ("TRL", ("data.train_on",)),
+    "completion_only_loss": ("TRL", ("data.train_on",)),
+    "beta": ("TRL", ("dpo.beta", "rl.kl_coef")),
+    "loss_type": ("TRL", ("dpo.loss_type", "rl.loss")),
+    "num_generations": ("TRL", ("rl.group_size",)),
+    "max_completion_length": ("TRL", ("rl.max_new_tokens",)),
+    "num_iterations": ("TRL", ("rl.ppo_epochs",)),
+    "scale_rewards": ("TRL", ("rl.normalize_std",)),
+    "epsilon": ("TRL", ("rl.clip_range",)),
+    "epsilon_high": ("TRL", ("rl.clip_high",)),
+    "use_vllm": ("TRL", ("engine.kind",)),
+    # Axolotl
+    "base_model": ("Axolotl", ("model.model_name_or_path",)),
+    "sequence_len": ("Axolotl", ("data.max_seq_length",)),
+    "micro_batch_size": ("Axolotl", ("training.per_device_train_batch_size",)),
+    "num_epochs": ("Axolotl", ("training.num_train_epochs",)),
+    "lr_scheduler": ("Axolotl", ("training.lr_scheduler_type",)),
+    "val_set_size": ("Axolotl", ("data.val_fraction",)),
+    "train_on_inputs": ("Axolotl", ("data.train_on",)),
+    "lora_r": ("Axolotl", ("model.lora.r",)),
+    "lora_alpha": ("Axolotl", ("model.lora.alpha",)),
+    "lora_dropout": ("Axolotl", ("model.lora.dropout",)),
+    "lora_target_modules": ("Axolotl", ("model.lora.target_modules",)),
+    "dpo_beta": ("Axolotl", ("dpo.beta",)),
+}
+"""Names TRL's and Axolotl's configs give fields that tierlm names otherwise -> (whose, tierlm's keys): not read
+as aliases (TRL's `beta` is DPO's beta or GRPO's KL coefficient, and tierlm's sections differ), but named in the
+line that refuses the unknown key."""
+
+
+def other_name_hint(key: str) -> str | None:
+    """What an unknown `key` is called in tierlm where its last part is TRL's or Axolotl's name for a field; the key
+    in the typed key's own section where the name means one thing there.
+
+    >>> other_name_hint("training.max_steps")
+    "TRL's max_steps is training.num_train_steps in tierlm"
+    >>> other_name_hint("rl.beta"), other_name_hint("beta")
+    ("TRL's beta is rl.kl_coef in tierlm", "TRL's beta is dpo.beta or rl.kl_coef in tierlm")
+    """
+    section, _, name = key.rpartition(".")
+    if name not in OTHER_NAMES:
+        return None
+    whose, targets = OTHER_NAMES[name]
+    here = [t for t in targets if section and t.startswith(f"{section}.")]
+    return f"{whose}'s {name} is {' or '.join(here or targets)} in tierlm"
 
 
 def _put(raw: dict[str, Any], source: str, target: tuple[str, str], value: Any) -> None:

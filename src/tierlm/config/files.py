@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from tierlm.config.aliases import alias_overrides, translate_aliases
+from tierlm.config.aliases import alias_overrides, other_name_hint, translate_aliases
 from tierlm.errors import ConfigError, first_line
 
 
@@ -113,9 +113,14 @@ def describe_error(error: dict, root: type[BaseModel]) -> str:
     key = ".".join(str(part) for part in error["loc"])
     value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}
     if kind == "extra_forbidden":
-        same_depth = [k for k in _known_keys(root) if k.count(".") == key.count(".")]
-        close = difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
-        return f"unknown key {key}" + (f" (did you mean {close[0]}?)" if close else "")
+        if hint := other_name_hint(key):
+            return f"unknown key {key} ({hint})"
+        known = _known_keys(root)
+        # The same name in another section (training.output_dir: infra.output_dir), else a near spelling.
+        elsewhere = [k for k in known if k.rpartition(".")[2] == key.rpartition(".")[2] and k != key][:3]
+        same_depth = [k for k in known if k.count(".") == key.count(".")]
+        close = elsewhere or difflib.get_close_matches(key, same_depth, n=1, cutoff=0.6)
+        return f"unknown key {key}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))

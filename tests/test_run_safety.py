@@ -254,7 +254,9 @@ def test_a_line_cut_short_is_ignored_with_one_warning_on_resume(tiny_runs, tmp_p
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"type": "train", "step": 4, "lo')  # killed mid-write
     assert _pretrain(run, "training.num_train_steps=5", "training.logging_steps=1") == 0
-    assert "ignored 1 unreadable line" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "ignored 1 unreadable line" in said.err
+    assert f"resuming from {run / 'checkpoints' / 'step_3'} (step 3 of 5)" in said.out.splitlines()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # every line whole
     assert [r["step"] for r in records if r["type"] == "train"] == [3, 4, 5]
 

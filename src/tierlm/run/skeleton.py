@@ -363,6 +363,12 @@ class Run:
         chosen = self.latest if self.config.training.resume_from_checkpoint is not None else None
         self.resumed = trainer.resume(chosen) if self.latest is not None else None
         if self.is_main:
+            if self.resumed is not None:  # a run that continues says so, and from where
+                print(
+                    f"resuming from {self.resumed} (step {trainer.state.step} of "
+                    f"{self.config.training.num_train_steps})",
+                    flush=True,
+                )
             metrics = self.output_dir / "metrics.jsonl"
             if self.resumed is None and metrics.exists():  # a fresh start never appends to an old run's lines
                 print(

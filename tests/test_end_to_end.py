@@ -126,9 +126,12 @@ def test_cli_pretrain_sft_sample(tmp_path):
         "infra.device_type=cpu",
     )
     assert result.returncode == 0, result.stderr
-    assert (
-        f"pass@1 {evals[-1]['pass@1']:.3f}, pass@4 {evals[-1]['pass@k']:.3f} over 3 held-out problems" in result.stdout
-    )
+    last = f"pass@1 {evals[-1]['pass@1']:.3f}, pass@4 {evals[-1]['pass@k']:.3f} over 3 held-out problems"
+    assert last in result.stdout
+    # Without --config it reads the run's own config.yaml (problems, tools, sampling): the same line, saying so.
+    result = run_main("eval", "--checkpoint", rl / "model")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(last) and f"{rl / 'config.yaml'}, the RL run's own settings" in result.stdout
     # Rewound to step 2 and resumed, RL repeats steps 3 and 4 exactly (rollouts are seeded by step).
     import shutil
 

@@ -160,7 +160,9 @@ def arguments(evaluate: argparse.ArgumentParser) -> None:
         "--chat-template", action="store_true", help="harness: render prompts with the model's chat template"
     )
     evaluate.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
-    add_config_args(evaluate, required=False)
+    add_config_args(
+        evaluate, required=False, omitted="the config.yaml of the RL run --checkpoint is in, else the embedded defaults"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -219,15 +221,40 @@ def pass_at_k_line(args: argparse.Namespace) -> str:
         if "infra.device_type" in map(override_key, overrides):
             raise ConfigError("give the device once: --device-type or infra.device_type")
         overrides.append(f"infra.device_type={args.device_type}")
-    config = TierlmConfig.load(args.config, overrides)
+    own = None if args.config else rl_run_config(args.checkpoint)
+    config = TierlmConfig.load(args.config or own, overrides)
     placed = {"model.model_name_or_path": "the model is --checkpoint"}
     check_overrides("eval", args.overrides, ("rl", "engine", "data"), EVAL_KEYS, placed=placed)
     result = run_eval(config, args.checkpoint)
     tools = " with the calculator" if "calculator" in config.rl.tools else ""
+    settings = f"; {own}, the RL run's own settings" if own else ""
     return (
         f"pass@1 {result['pass@1']:.3f}, pass@{result['k']} {result['pass@k']:.3f} over {result['eval_problems']} "
-        f"held-out problems{tools} (tool use {result['eval_tool_use']:.3f})"
+        f"held-out problems of {config.data.dataset_name}{tools} (tool use {result['eval_tool_use']:.3f}{settings})"
     )
+
+
+def rl_run_config(checkpoint: str) -> Path | None:
+    """The config.yaml of the RL run that `checkpoint` (its folder, a checkpoint of it, or a model folder in either)
+    belongs to, so that `tierlm eval` without --config scores the problems, tools and sampling the run evaluated
+    with; None for other stages' runs and for folders outside a run.
+
+    >>> rl_run_config("no/such/run") is None
+    True
+    """
+    import json
+
+    from tierlm.run.directory import RUN_FILE
+
+    path = Path(checkpoint)
+    for run in (path, path.parent, path.parent.parent, path.parent.parent.parent):
+        if (run / RUN_FILE).is_file() and (run / "config.yaml").is_file():
+            try:
+                stage = json.loads((run / RUN_FILE).read_text()).get("stage")
+            except (OSError, ValueError, AttributeError):
+                return None  # an unreadable record: the embedded defaults, as for a folder outside a run
+            return run / "config.yaml" if stage == "rl" else None
+    return None
 
 
 COMMAND = Command(arguments, run)

@@ -134,10 +134,10 @@ def probability(text: str) -> float:
     return value
 
 
-def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument(
-        "--config", required=required, help="YAML config file (see configs/); omitted: the embedded defaults"
-    )
+def add_config_args(
+    parser: argparse.ArgumentParser, required: bool = True, omitted: str = "the embedded defaults"
+) -> None:
+    parser.add_argument("--config", required=required, help=f"YAML config file (see configs/); omitted: {omitted}")
     parser.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. training.learning_rate=3e-4"
     )

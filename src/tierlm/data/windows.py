@@ -151,7 +151,8 @@ def eval_protocol(loader: PackedLoader, batches: list[dict[str, torch.Tensor]]) 
             f"the first {scored:,} of the {targets:,} targets of the token stream held out (windows of {width}; "
             "training.eval_batches=all: all)"
         )
-    return f"{scored:,} tokens in {len(batches)} batches of rows packed from held-out documents"
+    batch_word = "batch" if len(batches) == 1 else "batches"
+    return f"{scored:,} tokens in {len(batches)} {batch_word} of rows packed from held-out documents"
 
 
 class Prefetcher:

@@ -166,6 +166,7 @@ def cfg(name: str) -> str:
     return str(REPO / name)
 
 
+NEFTUNE = ["training.neftune_noise_alpha=5"]
 CASES = [
     # -- config files and overrides (through `config show` and the stages) ---------------
     Case("config-missing-file", ["config", "show", "--config", "nope.yaml"], "does not exist"),
@@ -1680,6 +1681,25 @@ CASES = [
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.core_bundle=b", "infra.tensor_parallel_size=2"],
         "training.core_bundle scores a decoder-only model",
     ),
+    Case(
+        "neftune-in-dpo",
+        ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", *NEFTUNE],
+        "training.neftune_noise_alpha noises the embeddings of supervised fine-tuning; dpo does not take it",
+    ),
+    Case(
+        "neftune-tensor-parallel",
+        [
+            "sft",
+            "--config",
+            cfg(SFT_CFG),
+            *CHAT,
+            "model.model_name_or_path={pre}",
+            *NEFTUNE,
+            "infra.tensor_parallel_size=2",
+        ],
+        "training.neftune_noise_alpha noises a PyTorch model's embedding table whole on each rank",
+    ),
+    Case("neftune-not-positive", ["config", "show", "training.neftune_noise_alpha=0"], "must be > 0"),
     Case(
         "core-steps-negative",
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.core_steps=-1"],

@@ -401,3 +401,26 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
     )
     wrong = run_main("speedrun", "--depth", "2", "--out", out, *small)
     assert wrong.returncode == 2 and "depth-1 speedrun" in wrong.stderr
+
+
+def test_sft_with_neftune_trains_on_noisy_embeddings_and_evaluates_without(tiny_runs, tmp_path):
+    """training.neftune_noise_alpha changes what a training step sees (its first loss), not what evaluation sees (the
+    evaluation before the first step); without it two runs are equal, so the difference is the noise's."""
+    from conftest import CHAT
+
+    def sft(name: str, *extra: str) -> list[dict]:
+        out = tmp_path / name
+        overrides = [*CHAT, f"model.model_name_or_path={tiny_runs / 'pre'}", "training.num_train_steps=1"]
+        overrides += ["training.eval_steps=1", "training.logging_steps=1", f"infra.output_dir={out}", *extra]
+        run_stage(TierlmConfig.load("configs/tiny_sft.yaml", overrides), "sft")
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    plain, again, noisy = sft("plain"), sft("again"), sft("noisy", "training.neftune_noise_alpha=15")
+
+    def first(records, kind, key):
+        return next(r[key] for r in records if r["type"] == kind)
+
+    assert first(plain, "train", "loss") == first(again, "train", "loss")
+    assert first(noisy, "train", "loss") != first(plain, "train", "loss")
+    assert first(noisy, "eval", "val_loss") == first(plain, "eval", "val_loss")
+    assert first(plain, "eval", "step") == 0

@@ -166,3 +166,34 @@ def test_sliding_window_inside_packed_documents_equals_each_document_alone():
         together = model(packed, position_ids=positions)
         torch.testing.assert_close(together[:, :12], model(a), atol=1e-5, rtol=0)
         torch.testing.assert_close(together[:, 12:], model(b), atol=1e-5, rtol=0)
+
+
+def test_neftune_noise_follows_transformers_rule():
+    """`add_embedding_noise` draws what transformers' own NEFTune hook draws from the same random state (the
+    noise's scale alpha / sqrt(L d) written out as theirs computes it), only while training; off once removed."""
+    try:
+        from transformers.integrations.neftune import neftune_post_forward_hook
+    except ImportError:  # transformers before 5.0 kept it here
+        from transformers.trainer_utils import neftune_post_forward_hook
+
+    from tierlm.models.neftune import add_embedding_noise
+
+    model = build_gpt(GPTConfig(depth=1, aspect_ratio=32, head_dim=16, vocab_size=64, max_seq_len=32))
+    theirs = torch.nn.Embedding(64, 32)
+    theirs.load_state_dict(model.embed.state_dict())
+    theirs.neftune_noise_alpha = 5.0
+    theirs.register_forward_hook(neftune_post_forward_hook)
+    ids = torch.randint(0, 64, (3, 20))
+    handle = add_embedding_noise(model, 5.0)
+    torch.manual_seed(7)
+    ours_noisy = model.embed(ids)
+    torch.manual_seed(7)
+    theirs_noisy = theirs(ids)
+    noise = ours_noisy - model.embed.weight[ids]
+    assert 0 < noise.abs().max() <= 5.0 / (20 * 32) ** 0.5
+    torch.testing.assert_close(ours_noisy, theirs_noisy, rtol=0, atol=1e-6)
+    model.eval()
+    assert torch.equal(model.embed(ids), model.embed.weight[ids])
+    model.train()
+    handle.remove()
+    assert torch.equal(model.embed(ids), model.embed.weight[ids])

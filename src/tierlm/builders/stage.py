@@ -55,6 +55,8 @@ class Stage:
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
     measures_core = True
     """training.core_bundle can measure CORE during its training (the `Trainer`'s loop, a model that writes text)."""
+    noisy_embeddings = False
+    """It trains with NEFTune's noisy embeddings when training.neftune_noise_alpha asks (SFT)."""
     deepspeed = False
     """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
     reference or sampler beside the partitioned weights)."""
@@ -107,6 +109,8 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
     """
     if config.training.core_bundle is not None:
         _check_core(config, stage)
+    if config.training.neftune_noise_alpha is not None:
+        _check_neftune(config, stage)
     return stage.parallelism(stage.resolve_section(config), launched).frozen()
 
 
@@ -127,3 +131,19 @@ def _check_core(config: TierlmConfig, stage: Stage) -> None:
             "parallelism): drop it, or score the saved model with tierlm eval --core"
         )
     bundle_files(config.training.core_bundle)
+
+
+def _check_neftune(config: TierlmConfig, stage: Stage) -> None:
+    """training.neftune_noise_alpha where the noise can be added: one line (a ConfigError) otherwise."""
+    from tierlm.errors import ConfigError
+
+    if not stage.noisy_embeddings:
+        raise ConfigError(
+            f"training.neftune_noise_alpha noises the embeddings of supervised fine-tuning; {stage.name} does not "
+            "take it: drop it"
+        )
+    if config.infra.backend == "jax" or config.infra.model_parallel:
+        raise ConfigError(
+            "training.neftune_noise_alpha noises a PyTorch model's embedding table whole on each rank (no JAX "
+            "backend, no tensor, pipeline or context parallelism): drop it, or train without those"
+        )

@@ -288,6 +288,9 @@ class TrainingConfig(Section):
     fp8: bool = False
     """FP8 matmuls (torchao Float8Linear, tensorwise scaling) in the hidden linear layers on H100-class
     GPUs; evaluation runs them in bf16. Refused elsewhere."""
+    neftune_noise_alpha: float | None = Field(None, gt=0)
+    """SFT: NEFTune's noise on the token embeddings while training (`tierlm.models.neftune`; TRL's name, and its
+    value: the paper tries 5, 10 and 15); null: none."""
     fused_cross_entropy: bool = True
     """Cross-entropy stages: the LM head fused into the loss, a chunk of rows at a time (trained rows
     only on CPU), so the (B, T, V) logits never exist. The native GPT, and transformers models with a

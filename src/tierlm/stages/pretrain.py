@@ -9,6 +9,7 @@ from tierlm.builders.loaders import build_loaders
 from tierlm.builders.model import build_model, loads_on_rank0_only
 from tierlm.builders.stage import Stage
 from tierlm.data import RankSlice
+from tierlm.models.neftune import add_embedding_noise
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
 from tierlm.strategies import PretrainStrategy, Seq2SeqStrategy
@@ -39,6 +40,8 @@ def train_on_rows(run: Run, strategy_class, callbacks: list) -> dict:
         run.note(f"infra.cpu_ram_efficient_loading: the weights were read on rank 0 alone, for {run.world_size} ranks")
     if auto_rows and confirm_batch_size(run, model):  # CUDA: halved after an out-of-memory
         train_loader, eval_loader = build_loaders(run.config, run.stage, tokenizer, run.data_parallel_size, run.seq2seq)
+    if config.training.neftune_noise_alpha is not None:  # SFT's, checked when the config was resolved
+        add_embedding_noise(model, config.training.neftune_noise_alpha)
     run.resolve(model, train_loader)
     if run.ctx is not None:
         train_loader = RankSlice(train_loader, run.data_rank, run.data_parallel_size)

@@ -25,6 +25,7 @@ class SFT(Stage):
     chat = True
     packing = "pad"
     isolate_documents = True
+    noisy_embeddings = True
 
     def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
         batch, loss = super().trace_batch(config, rows, tokens)

@@ -53,6 +53,39 @@ def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
     assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]  # the second turn sees the first
 
 
+def test_a_system_message_opens_every_terminal_conversation(bot):
+    """`tierlm chat --system TEXT`: the message opens the conversation and the one after /reset."""
+    lines = iter([QUESTION, "/reset", QUESTION, "/quit"])
+    seen: list[list[dict]] = []
+    reply = bot.reply
+
+    def recording_reply(messages, *args, **kwargs):
+        seen.append([dict(m) for m in messages])
+        return reply(messages, *args, **kwargs)
+
+    bot.reply = recording_reply
+    try:
+        terminal_chat(bot, 0.0, 4, read=lambda prompt: next(lines), write=lambda text: None, system="Be brief.")
+    finally:
+        del bot.reply
+    assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]] * 2
+
+
+def test_sample_renders_the_system_message_before_the_prompt(tiny_runs, capsys):
+    """`tierlm sample --system TEXT` samples what the chat engine answers to [system, user] (greedy); a model
+    sampled as plain text refuses it in one line."""
+    from tierlm.commands.cli import main
+
+    want = Chatbot(tiny_runs / "sft", "cpu").reply(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}], 0.0, 12
+    )
+    args = ["sample", "--checkpoint", str(tiny_runs / "sft"), "--prompt", QUESTION, "--max-new-tokens", "12"]
+    assert main([*args, "--system", "Be brief.", "--device-type", "cpu"]) == 0
+    assert capsys.readouterr().out.strip() == want.text.strip()
+    assert main([*args, "--system", "Be brief.", "--raw"]) == 2
+    assert "--system is a chat model's system message" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def server(bot):
     pytest.importorskip("fastapi")

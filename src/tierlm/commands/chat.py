@@ -201,13 +201,16 @@ def terminal_chat(
     max_new_tokens: int = 128,
     read: Callable[[str], str] = input,
     write: Callable[[str], None] | None = None,
+    system: str | None = None,
 ) -> None:
-    """The terminal loop: each answer streams as it is generated; /reset, /temperature T, /quit."""
+    """The terminal loop: each answer streams as it is generated; /reset, /temperature T, /quit. A `system` message
+    opens every conversation (a /reset one too)."""
 
     def out(text: str) -> None:
         (write or (lambda t: (sys.stdout.write(t), sys.stdout.flush())))(text)
 
-    messages: list[dict] = []
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    messages: list[dict] = list(opening)
     out(f"chatting with {bot.name} (temperature {temperature}); {HELP}\n")
     while True:
         try:
@@ -220,7 +223,7 @@ def terminal_chat(
         if line in ("/quit", "/exit"):
             return
         if line == "/reset":
-            messages = []
+            messages = list(opening)
             out("(new conversation)\n")
             continue
         if line.startswith("/temperature"):
@@ -253,13 +256,14 @@ def arguments(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     chat.add_argument("--temperature", type=temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
     chat.add_argument("--max-new-tokens", type=positive_int, default=128)
+    chat.add_argument("--system", default=None, help="a system message that opens each conversation")
     chat.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
     chat.add_argument("--compile", action="store_true", help=COMPILE_HELP)
 
 
 def run(args: argparse.Namespace) -> None:
     bot = Chatbot(args.checkpoint, args.device_type, compile=args.compile)
-    terminal_chat(bot, args.temperature, args.max_new_tokens)
+    terminal_chat(bot, args.temperature, args.max_new_tokens, system=args.system)
 
 
 COMMAND = Command(arguments, run)

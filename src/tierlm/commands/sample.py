@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, probability, temperature
-from tierlm.errors import TierlmError
+from tierlm.errors import ConfigError, TierlmError
 
 
 def arguments(sample: argparse.ArgumentParser) -> None:
     sample.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder, or a hub id")
     sample.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
+    sample.add_argument("--system", default=None, help="a chat model's system message, before the prompt")
     sample.add_argument("--max-new-tokens", type=positive_int, default=64)
     sample.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy")
     sample.add_argument("--top-k", type=positive_int, default=None)
@@ -51,9 +52,16 @@ def run(args: argparse.Namespace) -> None:
         args.chat if args.chat is not None else (stage in STAGES and STAGES[stage].chat and tokenizer.has_chat_template)
     )
     if family_of(model).seq2seq:  # the prompt goes to the encoder
-        chat, prompt_ids = False, encoder_prompt_tokens(tokenizer, args.prompt)
+        chat = False
+    if args.system is not None and not chat:
+        raise ConfigError(
+            f"--system is a chat model's system message, and {args.checkpoint} is sampled as plain text: drop "
+            "--system (or --raw), or give --chat to render the prompt as a conversation"
+        )
+    if family_of(model).seq2seq:
+        prompt_ids = encoder_prompt_tokens(tokenizer, args.prompt)
     else:
-        prompt_ids = prompt_tokens(tokenizer, args.prompt, chat)
+        prompt_ids = prompt_tokens(tokenizer, args.prompt, chat, args.system)
     tools = [Calculator()] if chat and tokenizer.tool_ids() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=args.compile)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)

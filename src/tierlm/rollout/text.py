@@ -13,11 +13,13 @@ def answer_text(tokenizer, tokens: list[int]) -> str:
     return tokenizer.decode(tokens[last + 1 :], skip_special_tokens=True)
 
 
-def prompt_tokens(tokenizer, text: str, chat: bool) -> list[int]:
-    """A prompt as the model is fed it: a user turn ready for the assistant's answer (chat models),
-    or the raw text after the document separator (base models)."""
+def prompt_tokens(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
+    """A prompt as the model is fed it: a user turn (after the `system` message, if any) ready for the assistant's
+    answer (chat models), or the raw text after the document separator (base models)."""
     if chat:
-        return tokenizer.render_for_completion([{"role": "user", "content": text}])
+        system_turn = [{"role": "system", "content": system}] if system is not None else []
+        return tokenizer.render_for_completion([*system_turn, {"role": "user", "content": text}])
+    assert system is None, "a system message is a chat model's"
     return [tokenizer.document_separator_id] + tokenizer.encode(text)
 
 

@@ -1699,6 +1699,17 @@ CASES = [
         ],
         "training.neftune_noise_alpha noises a PyTorch model's embedding table whole on each rank",
     ),
+    Case("profile-steps-backwards", ["config", "show", "training.profile_steps=[3,2]"], "1 <= first <= last"),
+    Case(
+        "profile-steps-past-the-end",
+        ["config", "show", "training.num_train_steps=5", "training.warmup_steps=0", "training.profile_steps=[4,6]"],
+        "training.profile_steps ends at step 6, after the run's last",
+    ),
+    Case(
+        "profile-steps-jax",
+        ["pretrain", "--config", "tiny_pretrain", *TINY, "infra.backend=jax", "training.profile_steps=[1,1]"],
+        "training.profile_steps traces PyTorch's operators",
+    ),
     Case("neftune-not-positive", ["config", "show", "training.neftune_noise_alpha=0"], "must be > 0"),
     Case(
         "core-steps-negative",

@@ -424,3 +424,30 @@ def test_sft_with_neftune_trains_on_noisy_embeddings_and_evaluates_without(tiny_
     assert first(noisy, "train", "loss") != first(plain, "train", "loss")
     assert first(noisy, "eval", "val_loss") == first(plain, "eval", "val_loss")
     assert first(plain, "eval", "step") == 0
+
+
+def test_profile_steps_trace_the_named_steps(tiny_runs, tmp_path, capsys):
+    """training.profile_steps=[2,3] writes the rank's timeline (steps 2 and 3 as ranges, the warm-up step 1 not in it,
+    the matmuls inside them) and its operator table, and says where they are; resumed inside the range, a run traces
+    from where it resumed."""
+    import gzip
+
+    from conftest import TINY as SHARED_TINY
+
+    def pretrain(out, *extra):
+        overrides = [*SHARED_TINY, "training.num_train_steps=3", f"infra.output_dir={out}", *extra]
+        run_stage(TierlmConfig.load("configs/tiny_pretrain.yaml", overrides), "pretrain")
+
+    out = tmp_path / "run"
+    pretrain(out, "training.profile_steps=[2,3]")
+    events = json.loads(gzip.open(out / "profile" / "trace_rank0.json.gz").read())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"step 2", "step 3", "aten::mm"} <= names and "step 1" not in names
+    assert (out / "profile" / "summary_rank0.txt").read_text().startswith("steps 2-3 (torch.profiler")
+    assert f"profile: steps 2-3 traced to {out / 'profile' / 'trace_rank0.json.gz'}" in capsys.readouterr().out
+
+    first = tmp_path / "first"
+    pretrain(first, "training.num_train_steps=2", "training.save_steps=1")
+    resumed = tmp_path / "resumed"
+    pretrain(resumed, "training.profile_steps=[1,3]", f"training.resume_from_checkpoint={first}/checkpoints/step_1")
+    assert (resumed / "profile" / "summary_rank0.txt").read_text().startswith("steps 2-3 (torch.profiler")

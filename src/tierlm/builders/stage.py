@@ -111,6 +111,12 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
         _check_core(config, stage)
     if config.training.neftune_noise_alpha is not None:
         _check_neftune(config, stage)
+    if config.training.profile_steps is not None and config.infra.backend == "jax":
+        from tierlm.errors import ConfigError
+
+        raise ConfigError(
+            "training.profile_steps traces PyTorch's operators; the JAX backend's are JAX's (jax.profiler): drop it"
+        )
     return stage.parallelism(stage.resolve_section(config), launched).frozen()
 
 

@@ -331,6 +331,10 @@ class TrainingConfig(Section):
     """With core_bundle: the first N items of each task (nanochat's in-training figure: 500; null: every item)."""
     logging_steps: int = Field(10, gt=0)
     """Write a train line to metrics.jsonl every N steps."""
+    profile_steps: tuple[int, int] | None = None
+    """[first, last]: trace steps first..last (inclusive) with torch.profiler, the step before warming it up:
+    <output_dir>/profile/trace_rank{R}.json.gz (a timeline for https://ui.perfetto.dev) and summary_rank{R}.txt (the
+    operators by time); null: no profiling."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
     """Extra metric sinks besides metrics.jsonl (each continues the same run when the run resumes)."""
     logging_dir: str | None = None
@@ -408,6 +412,11 @@ class TrainingConfig(Section):
                 f"training.warmup_ratio and training.warmup_steps ({self.warmup_steps}) each set the warm-up: keep one "
                 "(training.warmup_steps=0 with the ratio)"
             )
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(
+                f"training.profile_steps is [first, last] of the steps to trace, 1 <= first <= last; got "
+                f"{list(self.profile_steps)}"
+            )
         if self.num_train_epochs is not None:
             if self.target_param_data_ratio is not None:
                 raise ValueError(
@@ -422,6 +431,11 @@ class TrainingConfig(Section):
             raise ValueError(
                 "training.num_train_steps=null derives the steps from the token horizon: set "
                 "training.target_param_data_ratio"
+            )
+        if not derived and self.profile_steps is not None and self.profile_steps[1] > self.num_train_steps:
+            raise ValueError(
+                f"training.profile_steps ends at step {self.profile_steps[1]}, after the run's last "
+                f"(training.num_train_steps={self.num_train_steps})"
             )
         if not derived and self.warmup_steps >= self.num_train_steps:  # a derived horizon is checked once known
             raise ValueError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -30,6 +31,7 @@ from tierlm.checkpoint.load import checkpoint_metric
 from tierlm.config import TrainingConfig
 from tierlm.errors import CheckpointError
 from tierlm.loops.monitor import RunMonitor, injected_fault
+from tierlm.loops.profiling import StepProfiler
 from tierlm.loops.signals import GracefulStop, RunInterrupted
 from tierlm.metrics import MetricsLogger
 
@@ -49,6 +51,8 @@ class Watch:
     """The caught stop signals: one ends the loop after a saved step."""
     monitor: RunMonitor | None = None
     """Told each phase as it begins (the hang watchdog, the progress file; `tierlm.loops.monitor`)."""
+    profiler: StepProfiler | None = None
+    """Traces the steps training.profile_steps names (`tierlm.loops.profiling`)."""
 
 
 class Loop(Protocol):
@@ -107,7 +111,7 @@ def due(every: int, step: int) -> bool:
 
 def run_loop(loop: Loop) -> None:
     """Train `loop` from its state's step to training.num_train_steps."""
-    cfg, state, monitor = loop.config, loop.state, loop.watch.monitor
+    cfg, state, monitor, profiler = loop.config, loop.state, loop.watch.monitor, loop.watch.profiler
 
     def enter(what: str) -> None:
         if monitor is not None:
@@ -122,7 +126,8 @@ def run_loop(loop: Loop) -> None:
         enter(f"step {state.step + 1}")
         if monitor is not None:
             injected_fault(monitor.rank, state.step + 1)
-        metrics = loop.loop_step()
+        with profiler.step(state.step + 1) if profiler is not None else nullcontext():
+            metrics = loop.loop_step()
         state.step += 1
         state.elapsed_s = time.perf_counter() - start
         last = state.step == cfg.num_train_steps
@@ -144,6 +149,8 @@ def run_loop(loop: Loop) -> None:
             stop_if_signalled(loop, saved)
     enter("waiting for the last save")
     wait_for_saves(loop)
+    if profiler is not None:  # a range past the run's end (its length derived): what was traced
+        profiler.close()
 
 
 def best_saved_metric(loop: Loop) -> float | None:

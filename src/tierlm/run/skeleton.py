@@ -46,6 +46,7 @@ from tierlm.data import Tokenizer
 from tierlm.errors import ConfigError, DataError
 from tierlm.loops.cadence import Watch
 from tierlm.loops.monitor import RunMonitor, gather_hosts
+from tierlm.loops.profiling import PROFILE_DIRNAME, StepProfiler
 from tierlm.loops.signals import GracefulStop, RunInterrupted
 from tierlm.metrics import JSONLSink, MetricsLogger, MLflowSink, TensorBoardSink, WandbSink
 from tierlm.models import save_model_folder, unwrap_model
@@ -378,6 +379,13 @@ class Run:
                 )
         return self.resumed
 
+    def profiler(self, rank: int) -> StepProfiler | None:
+        """training.profile_steps' profiler for this rank (each rank writes its own trace), or None."""
+        steps = self.config.training.profile_steps
+        if steps is None:
+            return None
+        return StepProfiler(*steps, self.output_dir / PROFILE_DIRNAME, rank, announce=self.is_main)
+
     def train(self, trainer) -> dict[str, Any]:
         """The stage's loop (after `begin`), logging from the step it resumed at, with the stop signals caught (they
         end it after a saved step), watched for hangs and reporting its progress (`tierlm.loops.monitor`)."""
@@ -398,7 +406,7 @@ class Run:
         status = "failed"
         try:
             with self.stop:
-                summary = trainer.train(Watch(logger, self.stop, monitor))
+                summary = trainer.train(Watch(logger, self.stop, monitor, self.profiler(rank)))
             status = "finished"
             return summary
         except RunInterrupted:

@@ -451,3 +451,21 @@ def test_profile_steps_trace_the_named_steps(tiny_runs, tmp_path, capsys):
     resumed = tmp_path / "resumed"
     pretrain(resumed, "training.profile_steps=[1,3]", f"training.resume_from_checkpoint={first}/checkpoints/step_1")
     assert (resumed / "profile" / "summary_rank0.txt").read_text().startswith("steps 2-3 (torch.profiler")
+
+    import os
+    import signal
+
+    import tierlm
+    from tierlm.loops.signals import RunInterrupted
+
+    class StopAtStep3:  # SIGTERM, as a scheduler's pre-emption, inside the traced range
+        def on_log(self, record):
+            if record["step"] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    stopped = tmp_path / "stopped"
+    overrides = [*SHARED_TINY, "training.num_train_steps=6", "training.logging_steps=1", "training.profile_steps=[2,5]"]
+    overrides.append(f"infra.output_dir={stopped}")
+    with pytest.raises(RunInterrupted):
+        tierlm.train("tiny_pretrain", "pretrain", overrides, callbacks=[StopAtStep3()])
+    assert (stopped / "profile" / "summary_rank0.txt").read_text().startswith("steps 2-3 (torch.profiler")

@@ -149,8 +149,6 @@ def run_loop(loop: Loop) -> None:
             stop_if_signalled(loop, saved)
     enter("waiting for the last save")
     wait_for_saves(loop)
-    if profiler is not None:  # a range past the run's end (its length derived): what was traced
-        profiler.close()
 
 
 def best_saved_metric(loop: Loop) -> float | None:

@@ -403,16 +403,19 @@ class Run:
             hosts,
             self.checkpoint_dir,
         )
+        profiler = self.profiler(rank)
         status = "failed"
         try:
             with self.stop:
-                summary = trainer.train(Watch(logger, self.stop, monitor, self.profiler(rank)))
+                summary = trainer.train(Watch(logger, self.stop, monitor, profiler))
             status = "finished"
             return summary
         except RunInterrupted:
             status = "interrupted"
             raise
         finally:
+            if profiler is not None:  # stopped, or its range past a derived end: what it traced is written
+                profiler.close()
             monitor.close(status)
             logger.close()
 

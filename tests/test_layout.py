@@ -225,3 +225,45 @@ def test_the_test_command_measures_and_prints_coverage():
     assert '< <(grep -l "pytest.mark.serial" tests/test_*.py)' in script
     for path in [*(REPO / "tests").rglob("*.py"), *(REPO / "src").rglob("*.py")]:
         assert not re.search(r"mark\.serial\b(?<!pytest\.mark\.serial)|add_marker\(.*serial", path.read_text()), path
+
+
+def test_the_version_line_names_tierlm_torch_and_transformers_without_importing_them():
+    """`tierlm --version`: one line for a bug report, made without importing torch or transformers (seconds)."""
+    from importlib.metadata import version
+
+    import tierlm
+
+    probe = (
+        "import sys\n"
+        "from tierlm.commands.cli import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    line, imported = out.stdout.strip().splitlines()
+    assert line.startswith(f"tierlm {tierlm.__version__}") and imported == "[]"
+    assert f"torch {version('torch')}, transformers {version('transformers')}, Python " in line
+
+
+def test_the_commit_is_tierlms_own_or_none(tmp_path):
+    """`source_commit` names the checkout tierlm runs from, and nothing for a copy installed in a virtual
+    environment inside another project's repository (that repository's commit is not tierlm's)."""
+    import shutil
+
+    from tierlm.version import source_commit
+
+    if (REPO / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        assert source_commit() == head.stdout.strip()
+    other = tmp_path / "project"
+    installed = other / ".venv" / "lib" / "site-packages" / "tierlm"
+    installed.mkdir(parents=True)
+    shutil.copy(SRC / "version.py", installed / "version.py")
+    for command in (
+        ["init", "-q"],
+        ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"],
+    ):
+        subprocess.run(["git", *command], cwd=other, check=True, capture_output=True)
+    probe = "import runpy, sys; print(runpy.run_path(sys.argv[1])['source_commit']())"
+    out = subprocess.run([sys.executable, "-c", probe, installed / "version.py"], capture_output=True, text=True)
+    assert out.stdout.strip() == "None", out

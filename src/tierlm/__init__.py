@@ -17,7 +17,7 @@ From Python, a whole stage is one call, as the CLI runs it:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from tierlm.version import __version__  # noqa: F401
 
 
 def train(config, stage: str = "pretrain", overrides: list[str] | None = None, callbacks: list | None = None) -> dict:

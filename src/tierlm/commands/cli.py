@@ -16,6 +16,7 @@ here, pointing at `STAGE`. A command's module is imported only when it runs: `ti
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -86,12 +87,26 @@ def build_parser(chosen: str | None = None) -> Parser:
     """The parser of every command; the options of `chosen` alone (the others' modules are not imported). None:
     every command's."""
     parser = Parser(prog="tierlm", description="Train language models: tokenizer, pretrain, SFT, DPO, RL.")
+    parser.add_argument("--version", action=_Version, help="tierlm's version and commit, torch's, transformers'")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, listing in COMMANDS.items():
         sub = commands.add_parser(name, help=listing.about, description=listing.about)
         if chosen is None or name == chosen:
             listing.load(name).arguments(sub)
     return parser
+
+
+class _Version(argparse.Action):
+    """`tierlm --version`: the line is made when asked (it runs git), not each time the parser is built."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from tierlm.version import version_line
+
+        print(version_line())
+        parser.exit()
 
 
 def _chosen(argv: list[str]) -> str | None:

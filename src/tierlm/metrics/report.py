@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -179,19 +178,10 @@ def hardware() -> str:
 
 
 def git_commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                cwd=Path(__file__).parent,
-            ).stdout.strip()
-            or "unknown"
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """The tierlm checkout's commit for a report ("unknown" outside one: `tierlm.source_commit`)."""
+    from tierlm.version import source_commit
+
+    return source_commit() or "unknown"
 
 
 def draw_panels(runs: dict[str, list[dict]], plots: Path) -> list[Path]:

@@ -390,3 +390,20 @@ def test_the_server_takes_the_thread_count_its_model_steps_fastest_on(tiny_gpt_c
         assert list(times) == [1, 2, 3] and all(ms > 0 for ms in times.values()) and threads in times
     finally:
         torch.set_num_threads(before)
+
+
+def test_sample_says_why_a_base_model_printed_nothing(tiny_runs, capsys, monkeypatch):
+    """A base model whose first token ends the document prints an empty line; `tierlm sample` says why on stderr, and
+    only then."""
+    from tierlm.commands.cli import main
+    from tierlm.data import load_tokenizer
+    from tierlm.rollout.engine import Completion, Engine
+
+    bos = load_tokenizer(tiny_runs / "pre" / "model").bos_id
+    answers = iter([[bos], [bos + 1, bos]])
+    monkeypatch.setattr(Engine, "generate", lambda *a, **k: [Completion(tokens=next(answers), finished=True)])
+    args = ["sample", "--checkpoint", str(tiny_runs / "pre"), "--prompt", "ROMEO:", "--device-type", "cpu"]
+    assert main(args) == 0
+    assert "the model ended the text at once (its first token, <|bos|>, ends a document)" in capsys.readouterr().err
+    assert main(args) == 0
+    assert "ended the text at once" not in capsys.readouterr().err

@@ -236,8 +236,9 @@ def pass_at_k_line(args: argparse.Namespace) -> str:
 
 def rl_run_config(checkpoint: str) -> Path | None:
     """The config.yaml of the RL run that `checkpoint` (its folder, a checkpoint of it, or a model folder in either)
-    belongs to, so that `tierlm eval` without --config scores the problems, tools and sampling the run evaluated
-    with; None for other stages' runs and for folders outside a run.
+    belongs to — a run of a stage that trains on task rows, whose config names held-out problems — so that `tierlm
+    eval` without --config scores the problems, tools and sampling the run evaluated with; None for other stages'
+    runs and for folders outside a run.
 
     >>> rl_run_config("no/such/run") is None
     True
@@ -245,6 +246,7 @@ def rl_run_config(checkpoint: str) -> Path | None:
     import json
 
     from tierlm.run.directory import RUN_FILE
+    from tierlm.stages import STAGES
 
     path = Path(checkpoint)
     for run in (path, path.parent, path.parent.parent, path.parent.parent.parent):
@@ -253,7 +255,7 @@ def rl_run_config(checkpoint: str) -> Path | None:
                 stage = json.loads((run / RUN_FILE).read_text()).get("stage")
             except (OSError, ValueError, AttributeError):
                 return None  # an unreadable record: the embedded defaults, as for a folder outside a run
-            return run / "config.yaml" if stage == "rl" else None
+            return run / "config.yaml" if stage in STAGES and STAGES[stage].example_kind == "task" else None
     return None
 
 

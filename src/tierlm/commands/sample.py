@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, probability, temperature
@@ -69,6 +70,14 @@ def run(args: argparse.Namespace) -> None:
         prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator
     )[0]
     print(readable_text(tokenizer, completion.tokens))
+    if completion.finished and len(completion.tokens) == 1 and not chat:  # an empty line alone would say nothing
+        first = tokenizer.hf.convert_ids_to_tokens(completion.tokens[0])
+        print(
+            f"tierlm: note: the model ended the text at once (its first token, {first}, ends a document). A prompt "
+            "whose last characters training saw only inside a longer token (a colon and the new line after it, say) "
+            "often does: end the prompt with the space or new line that follows, or sample with --temperature 1",
+            file=sys.stderr,
+        )
 
 
 COMMAND = Command(arguments, run)

@@ -38,7 +38,11 @@ class HubUnreachable(ModelLoadError):
 
 
 def is_hub_id(spec: str | Path) -> bool:
-    """Could `spec` name a Hub repository (and is not a local path)?"""
+    """Could `spec` name a Hub repository (and is not a local path)?
+
+    >>> is_hub_id("Qwen/Qwen3-0.6B"), is_hub_id("gpt2"), is_hub_id("./runs/x"), is_hub_id("a/b/c")
+    (True, True, False, False)
+    """
     text = str(spec)
     return bool(HUB_ID.match(text)) and not text.startswith(".") and not Path(text).exists()
 
@@ -48,7 +52,13 @@ def _truthy(value: str | None) -> bool:
 
 
 def offline_requested() -> bool:
-    """The user has said the machine is offline (one of `OFFLINE_VARIABLES`)."""
+    """The user has said the machine is offline (one of `OFFLINE_VARIABLES`).
+
+    >>> import unittest.mock
+    >>> with unittest.mock.patch.dict(os.environ, {"HF_HUB_OFFLINE": "1"}):
+    ...     offline_requested()
+    True
+    """
     return any(_truthy(os.environ.get(name)) for name in OFFLINE_VARIABLES)
 
 

@@ -19,7 +19,11 @@ LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], "torch.Tensor | tu
 
 
 def get_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The batch's `labels`, or its `targets` (the nanoGPT name) when there are no labels."""
+    """The batch's `labels`, or its `targets` (the nanoGPT name) when there are no labels.
+
+    >>> get_labels({"input_ids": torch.tensor([[5, 6]]), "targets": torch.tensor([[6, 7]])})
+    tensor([[6, 7]])
+    """
     if "labels" in batch:
         return batch["labels"]
     assert "targets" in batch, f"batch needs 'labels' or 'targets', has {sorted(batch)}"
@@ -27,7 +31,11 @@ def get_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def token_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token weight (B, T) in fp32: 0 where the label is ignored, else `loss_mask` (or 1)."""
+    """Per-token weight (B, T) in fp32: 0 where the label is ignored, else `loss_mask` (or 1).
+
+    >>> token_weights(torch.tensor([[4, -100, 2]]), torch.tensor([[0.5, 1.0, 1.0]]))
+    tensor([[0.5000, 0.0000, 1.0000]])
+    """
     weights = (labels != IGNORE_INDEX).float()
     if loss_mask is not None:
         weights = weights * loss_mask.float()
@@ -48,6 +56,10 @@ def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
 
     Given per-token losses (B, T) already (a fused LM head computed them, see
     `label_cross_entropy_only`), returns them as they are.
+
+    >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]])  # position 0 uniform, position 1 unlabelled
+    >>> per_token_cross_entropy(logits, torch.tensor([[1, -100]])).round(decimals=4)  # ln 2, then 0
+    tensor([[0.6931, 0.0000]])
     """
     if logits.dim() == labels.dim():
         return logits
@@ -90,7 +102,12 @@ def label_cross_entropy_only(fn: Callable) -> Callable:
 
 
 def reads_label_cross_entropy_only(fn: Callable | None) -> bool:
-    """True for a function marked by `label_cross_entropy_only` (bound methods included)."""
+    """True for a function marked by `label_cross_entropy_only` (bound methods included).
+
+    >>> marked = label_cross_entropy_only(lambda logits, batch: None)
+    >>> reads_label_cross_entropy_only(marked), reads_label_cross_entropy_only(None)
+    (True, False)
+    """
     return bool(getattr(fn, "label_cross_entropy_only", False))
 
 
@@ -238,13 +255,22 @@ def create_cross_entropy_loss() -> LossFn:
 
 def vocab_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature) over the vocabulary (B, T, V), in float32 (temperature 0 or 1: the logits
-    as they are)."""
+    as they are).
+
+    >>> vocab_logprobs(torch.log(torch.tensor([[[1.0, 3.0]]])), temperature=0.5).exp()  # p^2, renormalised
+    tensor([[[0.1000, 0.9000]]])
+    """
     scaled = logits.float() / temperature if temperature not in (0.0, 1.0) else logits.float()
     return torch.log_softmax(scaled, dim=-1)
 
 
 def label_logprobs(vocab: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The log-probs (B, T) of `labels` in `vocab` (`vocab_logprobs`'); 0 where unlabelled."""
+    """The log-probs (B, T) of `labels` in `vocab` (`vocab_logprobs`'); 0 where unlabelled.
+
+    >>> vocab = torch.log(torch.tensor([[[0.2, 0.8], [0.5, 0.5]]]))
+    >>> label_logprobs(vocab, torch.tensor([[1, -100]])).exp()  # p(1) = 0.8, then exp(0)
+    tensor([[0.8000, 1.0000]])
+    """
     return vocab.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != IGNORE_INDEX)
 
 

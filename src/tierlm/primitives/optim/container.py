@@ -196,7 +196,12 @@ class OptimizerContainer(Optimizer):
 
 
 def inner_optimizers(optimizer: Optimizer) -> list[Optimizer]:
-    """The optimizers a step drives: a container's, or the optimizer itself."""
+    """The optimizers a step drives: a container's, or the optimizer itself.
+
+    >>> sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    >>> inner_optimizers(sgd) == [sgd]
+    True
+    """
     return list(optimizer.optimizers) if isinstance(optimizer, OptimizerContainer) else [optimizer]
 
 
@@ -266,7 +271,13 @@ def _check_lrs(settings: RoleSettings) -> None:
 
 
 def build_adamw(model: nn.Module, settings: RoleSettings) -> Optimizer:
-    """AdamW over every role, each role a parameter group with its own LR."""
+    """AdamW over every role, each role a parameter group with its own LR.
+
+    >>> model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    >>> settings = RoleSettings(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5, weight_decay=0.1)
+    >>> [(g["role"], g["lr"], g["weight_decay"]) for g in build_adamw(model, settings).param_groups]
+    [('matrix', 0.02, 0.1), ('embedding', 0.2, 0.0), ('scalar', 0.5, 0.0)]
+    """
     _check_lrs(settings)
     groups = _role_groups(parameter_roles(model), settings, ROLES)
     if not groups:
@@ -275,7 +286,13 @@ def build_adamw(model: nn.Module, settings: RoleSettings) -> Optimizer:
 
 
 def build_muon(model: nn.Module, settings: RoleSettings) -> Optimizer:
-    """Muon over the hidden matrices, AdamW over embeddings, the head and scalars: one container."""
+    """Muon over the hidden matrices, AdamW over embeddings, the head and scalars: one container.
+
+    >>> model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    >>> settings = RoleSettings(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5)
+    >>> [type(o).__name__ for o in inner_optimizers(build_muon(model, settings))]
+    ['Muon', 'AdamW']
+    """
     _check_lrs(settings)
     roles = parameter_roles(model)
     if not roles["matrix"]:

@@ -57,7 +57,21 @@ def _shifted(input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(
-    "loss_type, extra", [("sigmoid", {}), ("hinge", {}), ("ipo", {}), ("robust", {"label_smoothing": 0.2})]
+    "loss_type, extra",
+    [
+        ("sigmoid", {}),
+        ("hinge", {}),
+        ("ipo", {}),
+        ("robust", {"label_smoothing": 0.2}),
+        ("sigmoid_norm", {}),
+        ("exo_pair", {"label_smoothing": 1e-3}),
+        ("nca_pair", {}),
+        ("bco_pair", {}),
+        ("sppo_hard", {}),
+        ("apo_zero", {}),
+        ("apo_down", {}),
+        ("discopop", {"discopop_tau": 0.3}),
+    ],
 )
 def test_preference_losses_equal_trls_dpo_trainer(tiny_tokenizer, tmp_path, loss_type, extra):
     from trl import DPOConfig as TRLDPOConfig

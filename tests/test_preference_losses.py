@@ -43,10 +43,33 @@ def _logsig(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
-def reference(loss_type: str, c: float, r: float, rc: float, rr: float, beta: float, e: float, gamma: float) -> float:
-    h = (c - rc) - (r - rr)
-    if loss_type == "sigmoid":  # DPO (Rafailov et al., 2023)
+def _sig(x: float) -> float:
+    return math.exp(_logsig(x))
+
+
+def reference(
+    loss_type: str, c: float, r: float, rc: float, rr: float, beta: float, e: float, gamma: float, tau: float = 0.05
+) -> float:
+    lc, lr = c - rc, r - rr  # the log-ratios
+    h = lc - lr
+    if loss_type in ("sigmoid", "sigmoid_norm"):  # DPO (Rafailov et al., 2023); sigmoid_norm on averaged log-probs
         return -_logsig(beta * h)
+    if loss_type == "exo_pair":  # EXO (Ji et al., 2024), eq. 16: KL(q || (1 - e, e)), q = sigmoid(beta h)
+        q = _sig(beta * h)
+        return q * (math.log(q) - math.log(1 - e)) + (1 - q) * (math.log(1 - q) - math.log(e))
+    if loss_type == "nca_pair":  # NCA (Chen et al., 2024)
+        return -_logsig(beta * lc) - 0.5 * _logsig(-beta * lc) - 0.5 * _logsig(-beta * lr)
+    if loss_type == "bco_pair":  # BCO (Jung et al., 2024), pairwise, without its reward shift
+        return -_logsig(beta * lc) - _logsig(-beta * lr)
+    if loss_type == "sppo_hard":  # SPPO (Wu et al., 2024): win probability 1 for chosen, 0 for rejected
+        return (lc - 1 / (2 * beta)) ** 2 + (lr + 1 / (2 * beta)) ** 2
+    if loss_type == "apo_zero":  # APO (D'Oosterlinck et al., 2024), eq. 7
+        return 1 - _sig(beta * lc) + _sig(beta * lr)
+    if loss_type == "apo_down":  # APO, eq. 8
+        return _sig(beta * lc) + 1 - _sig(beta * h)
+    if loss_type == "discopop":  # DiscoPOP (Lu et al., 2024), eq. 5
+        blend = _sig(beta * h / tau)
+        return (1 - blend) * -_logsig(beta * h) + blend * math.exp(-beta * h)
     if loss_type == "robust":  # rDPO (Chowdhury et al., 2024)
         return (-(1 - e) * _logsig(beta * h) + e * _logsig(-beta * h)) / (1 - 2 * e)
     if loss_type == "hinge":  # SLiC-HF (Zhao et al., 2023)
@@ -67,6 +90,14 @@ CASES = [
     ("ipo", {}),
     ("simpo", {"simpo_gamma": 0.7, "beta": 2.0}),
     ("orpo", {}),
+    ("sigmoid_norm", {}),
+    ("exo_pair", {"label_smoothing": 1e-3}),
+    ("nca_pair", {}),
+    ("bco_pair", {}),
+    ("sppo_hard", {}),
+    ("apo_zero", {}),
+    ("apo_down", {}),
+    ("discopop", {"discopop_tau": 0.3}),
 ]
 
 
@@ -79,11 +110,11 @@ def test_each_preference_loss_equals_its_formula(loss_type, overrides):
         {"labels": labels, "ref_logps": ref} if loss_type not in ("simpo", "orpo") else {"labels": labels}
     )
     total, count = strategy.compute_loss(logits, batch)
-    logps = _logps(logits, labels, averaged=loss_type in ("ipo", "simpo", "orpo"))
-    gamma = dpo.simpo_gamma or 0.5
+    logps = _logps(logits, labels, averaged=loss_type in ("ipo", "simpo", "orpo", "sigmoid_norm"))
+    gamma, tau = dpo.simpo_gamma or 0.5, dpo.discopop_tau or 0.05
     expected = [
         reference(loss_type, logps[i], logps[N + i], float(ref[i]), float(ref[N + i]), dpo.beta,
-                  dpo.label_smoothing, gamma)
+                  dpo.label_smoothing, gamma, tau)
         for i in range(N)
     ]  # fmt: skip
     assert count == N
@@ -116,6 +147,8 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "robust"}, "robust DPO's assumed flip rate"),
         ({"label_smoothing": 0.1}, "robust DPO's assumed flip rate"),
         ({"loss_type": "ipo", "simpo_gamma": 1.0}, "does not read it"),
+        ({"loss_type": "exo_pair"}, "and EXO's epsilon"),
+        ({"loss_type": "sigmoid", "discopop_tau": 0.1}, "dpo.discopop_tau is DiscoPOP's"),
         ({"loss_type": "simpo", "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "robust", "label_smoothing": 0.5}, "less than 0.5"),
         ({"desirable_weight": 2.0}, "are KTO's"),

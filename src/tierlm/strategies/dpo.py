@@ -9,6 +9,17 @@ h = (pi_c - ref_c) - (pi_r - ref_r):
     hinge (SLiC):    max(0, 1 - beta h)
     ipo:             (h - 1 / (2 beta))^2, on log-probs averaged over each response's tokens
 
+and, as TRL's DPOTrainer computes them, with the log-ratios l_c = pi_c - ref_c, l_r = pi_r - ref_r (h = l_c - l_r):
+
+    sigmoid_norm:    sigmoid on log-probs averaged over each response's tokens
+    exo_pair (EXO):  q log(q / (1 - e)) + (1 - q) log((1 - q) / e), q = sigmoid(beta h), e = dpo.label_smoothing
+    nca_pair (NCA):  -log sigmoid(beta l_c) - 1/2 log sigmoid(-beta l_c) - 1/2 log sigmoid(-beta l_r)
+    bco_pair (BCO):  -log sigmoid(beta l_c) - log sigmoid(-beta l_r)
+    sppo_hard:       (l_c - 1 / (2 beta))^2 + (l_r + 1 / (2 beta))^2
+    apo_zero (APO):  1 - sigmoid(beta l_c) + sigmoid(beta l_r)
+    apo_down (APO):  sigmoid(beta l_c) + 1 - sigmoid(beta h)
+    discopop:        (1 - m) (-log sigmoid(beta h)) + m exp(-beta h), m = sigmoid(beta h / tau), tau = dpo.discopop_tau
+
 and two without a reference model (none is loaded), on averaged log-probs a_c, a_r:
 
     simpo:           -log sigmoid(beta (a_c - a_r) - gamma), gamma = dpo.simpo_gamma
@@ -67,8 +78,9 @@ class PreferenceSettings:
     """What a preference loss reads from the dpo section."""
 
     beta: float = 0.1
-    label_smoothing: float = 0.0  # robust: the assumed flip rate
+    label_smoothing: float = 0.0  # robust: the assumed flip rate; exo_pair: EXO's epsilon
     simpo_gamma: float = 0.5  # simpo: the target margin
+    discopop_tau: float = 0.05  # discopop: the blend's temperature
 
 
 def _rewards(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings):
@@ -100,6 +112,58 @@ def ipo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chose
     """IPO (Azar et al., 2023): (h - 1 / (2 beta))^2 on log-probs averaged over each response's tokens."""
     h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
     return (h - 1 / (2 * s.beta)) ** 2, rc, rr
+
+
+def exo_pair(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """EXO (Ji et al., 2024, eq. 16): KL(softmax of beta h over the pair || (1 - e, e)), e = dpo.label_smoothing."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    e = torch.tensor(s.label_smoothing)
+    win, lose = s.beta * h, -s.beta * h
+    loss = torch.sigmoid(win) * (F.logsigmoid(win) - torch.log1p(-e)) + torch.sigmoid(lose) * (
+        F.logsigmoid(lose) - torch.log(e)
+    )
+    return loss, rc, rr
+
+
+def nca_pair(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """NCA (Chen et al., 2024): -log sig(beta l_c) - 1/2 log sig(-beta l_c) - 1/2 log sig(-beta l_r)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return -F.logsigmoid(rc) - 0.5 * F.logsigmoid(-rc) - 0.5 * F.logsigmoid(-rr), rc, rr
+
+
+def bco_pair(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """BCO's pairwise form (Jung et al., 2024) as TRL's DPOTrainer has it: -log sig(beta l_c) - log sig(-beta l_r)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return -F.logsigmoid(rc) - F.logsigmoid(-rr), rc, rr
+
+
+def sppo_hard(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """SPPO (Wu et al., 2024) with hard win probabilities: (l_c - 1 / (2 beta))^2 + (l_r + 1 / (2 beta))^2."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    lc, lr = chosen - ref_chosen, rejected - ref_rejected
+    return (lc - 0.5 / s.beta) ** 2 + (lr + 0.5 / s.beta) ** 2, rc, rr
+
+
+def apo_zero(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """APO-zero (D'Oosterlinck et al., 2024, eq. 7; chosen replies better than the model's): 1 - sig(beta l_c) +
+    sig(beta l_r)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return 1 - torch.sigmoid(rc) + torch.sigmoid(rr), rc, rr
+
+
+def apo_down(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """APO-down (D'Oosterlinck et al., 2024, eq. 8; chosen replies worse than the model's): sig(beta l_c) + 1 -
+    sig(beta h)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return torch.sigmoid(rc) + 1 - torch.sigmoid(s.beta * h), rc, rr
+
+
+def discopop(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """DiscoPOP (Chris Lu et al., 2024, eq. 5): the logistic and exponential losses blended by sig(beta h / tau)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    margin = s.beta * h
+    blend = torch.sigmoid(margin / s.discopop_tau)
+    return -F.logsigmoid(margin) * (1 - blend) + torch.exp(-margin) * blend, rc, rr
 
 
 def simpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
@@ -135,8 +199,14 @@ class PreferenceLoss(Variant):
     """The JAX backend trains it (`tierlm.primitives.jax_losses.dpo_loss`)."""
 
 
+SMOOTHING = (
+    "dpo.label_smoothing is robust DPO's assumed flip rate and EXO's epsilon: set dpo.loss_type=robust or exo_pair "
+    "with 0 < dpo.label_smoothing < 0.5, or neither"
+)
+
 PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
     "sigmoid": PreferenceLoss("DPO (Rafailov et al., 2023)", sigmoid, jax=True),
+    "sigmoid_norm": PreferenceLoss("DPO on per-token averaged log-probs", sigmoid, averaged=True),
     "ipo": PreferenceLoss("IPO (Azar et al., 2023), on per-token averaged log-probs", ipo, averaged=True),
     "hinge": PreferenceLoss("SLiC's hinge (Zhao et al., 2023)", hinge),
     "robust": PreferenceLoss(
@@ -144,9 +214,26 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
         robust,
         needs=("label_smoothing",),
         reads=("label_smoothing",),
-        why="dpo.label_smoothing is robust DPO's assumed flip rate: set dpo.loss_type=robust with 0 < "
-        "dpo.label_smoothing < 0.5, or neither",
+        why=SMOOTHING,
     ),
+    "exo_pair": PreferenceLoss(
+        "EXO (Ji et al., 2024), the pairwise form",
+        exo_pair,
+        needs=("label_smoothing",),
+        reads=("label_smoothing",),
+        why=SMOOTHING,
+    ),  # fmt: skip
+    "nca_pair": PreferenceLoss("NCA (Chen et al., 2024), the pairwise form", nca_pair),
+    "bco_pair": PreferenceLoss("BCO (Jung et al., 2024), the pairwise form of TRL's DPOTrainer", bco_pair),
+    "sppo_hard": PreferenceLoss("SPPO (Wu et al., 2024) with hard win probabilities", sppo_hard),
+    "apo_zero": PreferenceLoss("APO-zero (D'Oosterlinck et al., 2024): chosen better than the model's", apo_zero),
+    "apo_down": PreferenceLoss("APO-down (D'Oosterlinck et al., 2024): chosen worse than the model's", apo_down),
+    "discopop": PreferenceLoss(
+        "DiscoPOP (Lu et al., 2024), a discovered blend of logistic and exponential losses",
+        discopop,
+        reads=("discopop_tau",),
+        why="dpo.discopop_tau is DiscoPOP's; dpo.loss_type={name} does not read it",
+    ),  # fmt: skip
     "simpo": PreferenceLoss(
         "SimPO (Meng et al., 2024), reference-free",
         simpo,
@@ -196,7 +283,8 @@ def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
     if not PREFERENCE_LOSSES[dpo.loss_type].paired:
         return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
-    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma)
+    tau = dpo.discopop_tau if dpo.discopop_tau is not None else PreferenceSettings.discopop_tau
+    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau)
 
 
 def preference_loss(
@@ -209,6 +297,7 @@ def preference_loss(
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
     chosen_nll: torch.Tensor | None = None,
+    discopop_tau: float = 0.05,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair (loss, chosen reward, rejected reward) of `loss_type` (the module's docstring has the formulas).
     `chosen` / `rejected` are the policy's sequence log-probs (averaged per token for ipo, simpo and orpo); ORPO
@@ -219,7 +308,7 @@ def preference_loss(
     >>> loss.item()   # max(0, 1 - 0.25 * 2)
     0.5
     """
-    settings = PreferenceSettings(beta, label_smoothing, simpo_gamma)
+    settings = PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
     return PREFERENCE_LOSSES[loss_type].fn(chosen, rejected, ref_chosen, ref_rejected, settings, chosen_nll)
 
 
@@ -234,12 +323,13 @@ class DPOStrategy:
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         simpo_gamma: float = 0.5,
+        discopop_tau: float = 0.05,
     ):
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
         when batches carry precomputed `ref_logps`, or for a reference-free loss."""
         assert beta > 0, f"beta must be > 0, got {beta}"
         self.reference, self.loss_type, self.row = reference, loss_type, PREFERENCE_LOSSES[loss_type]
-        self.beta, self.settings = beta, PreferenceSettings(beta, label_smoothing, simpo_gamma)
+        self.beta, self.settings = beta, PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         out = dict(batch)

@@ -292,3 +292,17 @@ def test_off_policy_corrections_equal_trls(tiny_tokenizer, tmp_path, loss, corre
     theirs_kwargs, ours_kwargs = next((t, o) for name, t, o in GRPO_CASES if name == loss)
     ours, theirs = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs, correction)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo", "sapo", "vespo"])
+def test_top_entropy_quantile_equals_trls(tiny_tokenizer, tmp_path, loss):
+    """rl.top_entropy_quantile=0.25 (Wang et al., 2025): the loss of the highest-entropy quarter of the completion
+    tokens, normalised as before, as TRL's `top_entropy_quantile` computes it, under a token-level, a sequence-level
+    and VESPO's loss."""
+    theirs_kwargs, ours_kwargs = next((t, o) for name, t, o in GRPO_CASES if name == loss)
+    trl_top = {**theirs_kwargs, "top_entropy_quantile": 0.25}
+    ours, theirs = _grpo_against_trl(
+        tiny_tokenizer, tmp_path, loss, trl_top, {**ours_kwargs, "top_entropy_quantile": 0.25}
+    )
+    everything, _ = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, trl_top, ours_kwargs)  # every token trained
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and ours != pytest.approx(everything, rel=1e-3)

@@ -162,6 +162,10 @@ class RLConfig(Section):
     """rl.importance: the band's lower end (None: no lower end; IcePop uses 0.5)."""
     importance_cap: float | None = Field(2.0, gt=0)
     """rl.importance: the band's upper end (None: no upper end; IcePop uses 5, TRL's vLLM correction 3)."""
+    top_entropy_quantile: float = Field(1.0, gt=0, le=1)
+    """Train only on this share of each micro-batch's completion tokens, those of highest entropy (Wang et al., 2025,
+    "Beyond the 80/20 rule": 0.2; TRL's top_entropy_quantile); the loss's normaliser still counts every token. 1: all
+    of them."""
     off_policy_mask: float | None = Field(None, gt=0)
     """DeepSeek-V3.2's off-policy sequence mask: a sequence with a negative advantage whose mean KL(sampler || policy)
     per token exceeds this trains nothing (None: off; e.g. 0.5)."""

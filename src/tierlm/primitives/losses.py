@@ -274,6 +274,16 @@ def label_logprobs(vocab: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return vocab.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != IGNORE_INDEX)
 
 
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy (B, T) of softmax(logits / temperature) at every position, in float32.
+
+    >>> token_entropy(torch.log(torch.tensor([[[0.5, 0.5], [1.0, 1e-30]]]))).round(decimals=4)  # ln 2, then ~0
+    tensor([[0.6931, 0.0000]])
+    """
+    logprobs = vocab_logprobs(logits, temperature)
+    return -(logprobs.exp() * logprobs).sum(dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(label) at every position (B, T) under softmax(logits / temperature); 0 where unlabelled.
 

@@ -52,8 +52,11 @@ def off_policy_weight(logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, 
     """What multiplies each token's loss besides the loss's own ratio: the importance weights (`batch["importance"]`,
     `importance_weights`) times, with rl.off_policy_mask = `delta`, DeepSeek-V3.2's off-policy sequence mask (a row
     with a negative advantage whose mean KL(sampler || policy), log p_sampler - log p per trained token, exceeds
-    `delta` trains nothing; as TRL's `off_policy_mask_threshold`). None when neither applies."""
-    weight = batch.get("importance")
+    `delta` trains nothing; as TRL's `off_policy_mask_threshold`), times the tokens rl.top_entropy_quantile keeps
+    (`batch["token_keep"]`). None when none applies."""
+    weight, keep_tokens = batch.get("importance"), batch.get("token_keep")
+    if keep_tokens is not None:
+        weight = keep_tokens if weight is None else weight * keep_tokens
     if delta is None:
         return weight
     maskf = mask.float()
@@ -72,3 +75,21 @@ def importance_mode(rl) -> str:
     across steps (partial rollouts), else none."""
     ahead = rl.max_off_policy_steps or rl.partial_rollouts
     return rl.importance or ("token_truncate" if ahead else "none")
+
+
+def high_entropy_tokens(logits: torch.Tensor, mask: torch.Tensor, share: float, temperature: float = 1.0):
+    """The trained tokens (`mask`) whose entropy is at or above the (1 - `share`) quantile of theirs, as float 0/1
+    (B, T): rl.top_entropy_quantile's tokens (Wang et al., 2025; TRL's `get_high_entropy_mask`, over this rank's
+    micro-batch).
+
+    >>> logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.99, 0.01], [0.6, 0.4]]]))
+    >>> high_entropy_tokens(logits, torch.tensor([[True, True, False, True]]), share=0.5)
+    tensor([[1., 0., 0., 1.]])
+    """
+    from tierlm.primitives.losses import token_entropy
+
+    entropy = token_entropy(logits.detach(), temperature)
+    if not mask.any():
+        return torch.zeros_like(entropy)
+    threshold = torch.quantile(entropy[mask], 1.0 - share)
+    return ((entropy >= threshold) & mask).float()

@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs, vocab_logprobs  # noqa: F401  (token_logprobs: also this module's name)
+from tierlm.strategies.off_policy import high_entropy_tokens
 from tierlm.strategies.rl_losses import RL_LOSSES, LossSettings, loss_settings, token_loss
 
 Batch = Mapping[str, torch.Tensor]
@@ -238,6 +239,9 @@ class PolicyGradientStrategy:
     @splits_by_rows(1)  # every loss of `rl_losses` sums over rows (its normaliser too)
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
+        if (share := self.settings.top_entropy_quantile) < 1:  # the high-entropy tokens alone carry the loss
+            keep = high_entropy_tokens(logits, labels != IGNORE_INDEX, share, self.temperature)
+            batch = {**batch, "token_keep": keep}
         if self.spec.vocab:  # the whole vocabulary's log-probs (distill_topk)
             inputs = vocab_logprobs(logits, self.temperature)
         else:

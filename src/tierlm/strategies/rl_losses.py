@@ -42,6 +42,7 @@ class LossSettings:
     max_new_tokens: int = 32  # Dr. GRPO's constant normaliser per row
     normalise: str = "tokens"  # what the loss averages over: tokens, sequences, rows or constant
     off_policy_mask: float | None = None  # DeepSeek-V3.2's sequence mask: the KL past which a negative sequence drops
+    top_entropy_quantile: float = 1.0  # the share of a micro-batch's tokens trained, those of highest entropy
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's gate temperatures for A > 0 and A <= 0
     vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # VESPO's k, lambda for A >= 0, then A < 0
 
@@ -211,7 +212,7 @@ def vespo(logprobs, batch, mask, s: LossSettings) -> Result:
         lam = torch.where(adv >= 0, lam_pos, lam_neg).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     loss = -phi * per_token(batch["advantages"], logprobs) * logprobs
-    if s.off_policy_mask is not None:
+    if s.off_policy_mask is not None or batch.get("token_keep") is not None:  # importance is in phi already
         loss = loss * off_policy_weight(logprobs, {**batch, "importance": None}, mask, s.off_policy_mask)
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
@@ -435,6 +436,11 @@ def resolve_rl(rl, jax: bool = False):
         raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
     if jax and rl.off_policy_mask is not None:
         raise ConfigError("rl.off_policy_mask is applied by the PyTorch losses: train it with infra.backend=pytorch")
+    if rl.top_entropy_quantile < 1 and (jax or spec.vocab):
+        raise ConfigError(
+            f"rl.top_entropy_quantile picks the sampled tokens a PyTorch policy-gradient loss trains; rl.loss={rl.loss}"
+            f"{' on infra.backend=jax' if jax else ''} has none to pick: drop it"
+        )
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
     dynamic = rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling
     if dynamic and rl.partial_rollouts:
@@ -462,6 +468,7 @@ def loss_settings(rl) -> LossSettings:
         rl.kl_coef,
         rl.max_new_tokens,
         off_policy_mask=rl.off_policy_mask,
+        top_entropy_quantile=rl.top_entropy_quantile,
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo_shape=(rl.vespo_k_pos, rl.vespo_lambda_pos, rl.vespo_k_neg, rl.vespo_lambda_neg),
     )

@@ -285,6 +285,24 @@ CHAT = [
 ]
 RL = [*CHAT, "rl.prompts_per_step=2", "rl.group_size=2", "rl.eval_problems=2", "rl.eval_k=2", "rl.max_new_tokens=4"]
 
+PREFERENCE_CASES = [  # dpo.loss_type and its settings: each is tested against its formula and (but for the
+    # reference-free simpo and orpo, which TRL's DPOTrainer does not compute) against TRL's DPOTrainer
+    ("sigmoid", {}),
+    ("robust", {"label_smoothing": 0.2}),
+    ("hinge", {}),
+    ("ipo", {}),
+    ("simpo", {"simpo_gamma": 0.7, "beta": 2.0}),
+    ("orpo", {}),
+    ("sigmoid_norm", {}),
+    ("exo_pair", {"label_smoothing": 1e-3}),
+    ("nca_pair", {}),
+    ("bco_pair", {}),
+    ("sppo_hard", {}),
+    ("apo_zero", {}),
+    ("apo_down", {}),
+    ("discopop", {"discopop_tau": 0.3}),
+]
+
 
 def _pretrain_and_sft(root: Path, *pretrain: str) -> Path:
     """`root`/pre (tiny_pretrain with TINY and `pretrain`) and `root`/sft (tiny_sft from it)."""

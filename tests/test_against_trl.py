@@ -15,6 +15,7 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForSequenceClassification, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+from conftest import PREFERENCE_CASES  # noqa: E402
 from tierlm.config import DPOConfig  # noqa: E402
 from tierlm.models import forward_logits, save_model_folder  # noqa: E402
 from tierlm.models.reward import add_score_head  # noqa: E402
@@ -56,23 +57,7 @@ def _shifted(input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Ten
     return {"input_ids": input_ids[:, :-1], "labels": input_ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)}
 
 
-@pytest.mark.parametrize(
-    "loss_type, extra",
-    [
-        ("sigmoid", {}),
-        ("hinge", {}),
-        ("ipo", {}),
-        ("robust", {"label_smoothing": 0.2}),
-        ("sigmoid_norm", {}),
-        ("exo_pair", {"label_smoothing": 1e-3}),
-        ("nca_pair", {}),
-        ("bco_pair", {}),
-        ("sppo_hard", {}),
-        ("apo_zero", {}),
-        ("apo_down", {}),
-        ("discopop", {"discopop_tau": 0.3}),
-    ],
-)
+@pytest.mark.parametrize("loss_type, extra", [case for case in PREFERENCE_CASES if case[0] not in ("simpo", "orpo")])
 def test_preference_losses_equal_trls_dpo_trainer(tiny_tokenizer, tmp_path, loss_type, extra):
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import PREFERENCE_CASES
 from tierlm.config import DPOConfig, TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.primitives.losses import IGNORE_INDEX
@@ -83,22 +84,7 @@ def reference(
     return -c - beta * _logsig(odds(c) - odds(r))
 
 
-CASES = [
-    ("sigmoid", {}),
-    ("robust", {"label_smoothing": 0.2}),
-    ("hinge", {}),
-    ("ipo", {}),
-    ("simpo", {"simpo_gamma": 0.7, "beta": 2.0}),
-    ("orpo", {}),
-    ("sigmoid_norm", {}),
-    ("exo_pair", {"label_smoothing": 1e-3}),
-    ("nca_pair", {}),
-    ("bco_pair", {}),
-    ("sppo_hard", {}),
-    ("apo_zero", {}),
-    ("apo_down", {}),
-    ("discopop", {"discopop_tau": 0.3}),
-]
+CASES = PREFERENCE_CASES
 
 
 @pytest.mark.parametrize("loss_type, overrides", CASES)

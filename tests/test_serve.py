@@ -32,11 +32,11 @@ def test_a_streamed_reply_is_the_reply(bot):
     assert again.text == reply.text  # greedy: the same answer
 
 
-def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
-    lines = iter([QUESTION, "/temperature 0", "/temperature hot", "and 4 + 4?", "/reset", "/bogus", "/quit"])
+def _chat_in_terminal(bot, lines: list[str], **options) -> tuple[str, list[list[dict]]]:
+    """`terminal_chat` fed `lines`: what it wrote, and the messages each reply was asked for."""
     out: list[str] = []
     seen: list[list[dict]] = []
-    reply = bot.reply
+    reply, typed = bot.reply, iter(lines)
 
     def recording_reply(messages, *args, **kwargs):
         seen.append([dict(m) for m in messages])
@@ -44,10 +44,15 @@ def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
 
     bot.reply = recording_reply
     try:
-        terminal_chat(bot, temperature=0.0, max_new_tokens=8, read=lambda prompt: next(lines), write=out.append)
+        terminal_chat(bot, temperature=0.0, read=lambda prompt: next(typed), write=out.append, **options)
     finally:
         del bot.reply
-    text = "".join(out)
+    return "".join(out), seen
+
+
+def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
+    lines = [QUESTION, "/temperature 0", "/temperature hot", "and 4 + 4?", "/reset", "/bogus", "/quit"]
+    text, seen = _chat_in_terminal(bot, lines, max_new_tokens=8)
     assert text.count("assistant> ") == 2 and "(temperature 0.0)" in text and "usage: /temperature" in text
     assert "(new conversation)" in text and "unknown command" in text
     assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]  # the second turn sees the first
@@ -55,19 +60,7 @@ def test_the_terminal_chat_keeps_the_conversation_and_its_commands(bot):
 
 def test_a_system_message_opens_every_terminal_conversation(bot):
     """`tierlm chat --system TEXT`: the message opens the conversation and the one after /reset."""
-    lines = iter([QUESTION, "/reset", QUESTION, "/quit"])
-    seen: list[list[dict]] = []
-    reply = bot.reply
-
-    def recording_reply(messages, *args, **kwargs):
-        seen.append([dict(m) for m in messages])
-        return reply(messages, *args, **kwargs)
-
-    bot.reply = recording_reply
-    try:
-        terminal_chat(bot, 0.0, 4, read=lambda prompt: next(lines), write=lambda text: None, system="Be brief.")
-    finally:
-        del bot.reply
+    _, seen = _chat_in_terminal(bot, [QUESTION, "/reset", QUESTION, "/quit"], max_new_tokens=4, system="Be brief.")
     assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]] * 2
 
 

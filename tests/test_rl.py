@@ -1060,3 +1060,58 @@ def test_check_parity_reports_the_gap_and_writes_nothing(tiny_runs, tmp_path):
     gap = float(line.split("are ")[1].split(" per token")[0])
     assert gap < 1e-5, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("loss", ["dapo", "grpo"])
+def test_mask_truncated_trains_the_finished_completions_alone(tiny_gpt_config, loss):
+    """rl.mask_truncated (DAPO's overlong filtering): a completion cut before its end carries no loss and counts in
+    no normaliser, so the step's loss is that of the finished completions alone, with the advantages their group
+    gave them (the cut one's reward still in its baseline)."""
+    from tierlm.config import RLConfig
+    from tierlm.rollout.engine import Completion
+    from tierlm.strategies.rl import policy_gradient_strategy
+    from tierlm.strategies.rl_losses import resolve_rl
+
+    model = _models(tiny_gpt_config)["native"]
+    completions = [
+        Completion(tokens=[9, 10, 3], logprobs=[-1.0] * 3, mask=[1, 1, 1], finished=True),
+        Completion(tokens=[11, 12, 13, 14], logprobs=[-1.0] * 4, mask=[1, 1, 1, 1], finished=False),
+        Completion(tokens=[15, 3], logprobs=[-1.0] * 2, mask=[1, 1], finished=True),
+    ]
+    rollouts = [Rollout([5, 6, 7], c, 0.0, "") for c in completions]
+    advantages = torch.tensor([1.0, -0.5, -0.5])
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss=loss, max_new_tokens=4)))
+
+    def loss_of(batch):
+        with torch.no_grad():
+            total, count = strategy.compute_loss(forward_logits(model, batch), batch)
+        return float(total / count)
+
+    masked = rollout_batch(rollouts, advantages, 0, mask_truncated=True)
+    assert (masked["labels"][1] == IGNORE_INDEX).all() and (masked["labels"][0] != IGNORE_INDEX).sum() == 3
+    kept = [0, 2]
+    alone = rollout_batch([rollouts[i] for i in kept], advantages[kept], 0)
+    assert loss_of(masked) == pytest.approx(loss_of(alone), rel=1e-6)
+    assert loss_of(rollout_batch(rollouts, advantages, 0)) != pytest.approx(loss_of(alone), rel=1e-3)
+
+
+def test_the_rl_loop_masks_truncated_completions_when_asked(tiny_runs, tmp_path, monkeypatch):
+    """Completions cut at rl.max_new_tokens=2, rewarded by their text's length (so that a group's advantages
+    differ): with rl.mask_truncated a step whose completions were all cut trains nothing (gradient 0), without it
+    the same step (the same seeded rollouts) trains them."""
+    (tmp_path / "by_length.py").write_text("def reward(prompt, completion, reference):\n    return len(completion)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from conftest import REPO, RL
+    from tierlm.config import TierlmConfig
+    from tierlm.stages import run_stage
+
+    def steps(name, *extra):
+        overrides = [*RL, f"model.model_name_or_path={tiny_runs / 'sft'}", "rl.max_new_tokens=2"]
+        overrides += ["rl.reward=by_length:reward", "training.logging_steps=1", f"infra.output_dir={tmp_path / name}"]
+        run_stage(TierlmConfig.load(REPO / "configs/tiny_rl.yaml", [*overrides, *extra]), "rl")
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["finished_frac"], r["grad_norm"]) for r in records if r["type"] == "train"]
+
+    masked, trained = steps("masked", "rl.mask_truncated=true"), steps("trained")
+    all_cut = [i for i, (finished, _) in enumerate(masked) if finished == 0]
+    assert all_cut and all(masked[i][1] == 0 and trained[i][1] > 0 for i in all_cut)

@@ -90,6 +90,9 @@ class RLConfig(Section):
     overlong_buffer: int = Field(0, ge=0)
     """DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_buffer loses reward
     linearly, down to -1 at max_new_tokens (0: off)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering (TRL's mask_truncated_completions): a completion cut at rl.max_new_tokens (or the
+    context) before it ended trains nothing; its reward still counts in its group's baseline."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt (the group whose mean reward is the baseline)."""
     prompts_per_step: int = Field(8, gt=0)

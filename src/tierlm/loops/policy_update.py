@@ -24,12 +24,19 @@ ROUTE_COUNTS = ("route_tokens", "route_tokens_agree", "route_decisions", "route_
 
 
 def rollout_batch(
-    rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int, replay: bool = False
+    rollouts: list[Rollout], advantages: torch.Tensor, pad_id: int, replay: bool = False, mask_truncated: bool = False
 ) -> dict[str, torch.Tensor]:
     """Rows of prompt + completion: labels only on tokens the model sampled (prompt, tool results and
-    padding are -100), with each row's advantage and the sampler's log-probs aligned to the labels. When every
+    padding are -100; with `mask_truncated`, none on a completion that ran out of tokens before it ended: DAPO's
+    overlong filtering), with each row's advantage and the sampler's log-probs aligned to the labels. When every
     completion carries its sampler's expert routes, they come too (-1 on padding): as `routes`, replayed by the
-    trainer's forward (`replay`: rollout routing replay), else as `sampler_routes`, only compared with its own."""
+    trainer's forward (`replay`: rollout routing replay), else as `sampler_routes`, only compared with its own.
+
+    >>> from tierlm.rollout.engine import Completion
+    >>> cut = Completion(tokens=[7, 8], logprobs=[-1.0, -1.0], mask=[1, 1], finished=False)
+    >>> rollout_batch([Rollout([1, 2], cut, 0.0, "")], torch.zeros(1), 0, mask_truncated=True)["labels"]
+    tensor([[-100, -100, -100]])
+    """
     width = max(len(r.prompt_ids) + len(r.completion.tokens) for r in rollouts) - 1
     n = len(rollouts)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -39,6 +46,8 @@ def rollout_batch(
         ids = r.prompt_ids + r.completion.tokens
         input_ids[row, : len(ids) - 1] = torch.tensor(ids[:-1])
         start = len(r.prompt_ids) - 1  # position whose next token is the first completion token
+        if mask_truncated and not r.completion.finished:
+            continue
         for j, (token, trained, logp) in enumerate(zip(r.completion.tokens, r.completion.mask, r.completion.logprobs)):
             if trained:
                 labels[row, start + j] = token

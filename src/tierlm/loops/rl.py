@@ -219,7 +219,7 @@ class RLTrainer:
         trained, balance = (rollouts, advantages, rewards), {}
         if self.world_size > 1 and rl.balance_ranks:  # the rows dealt over the ranks by their cost
             trained, balance = self._balanced(rollouts, advantages, rewards)
-        batch = rollout_batch(trained[0], trained[1], self.tokenizer.pad_id, rl.routing_replay)
+        batch = rollout_batch(trained[0], trained[1], self.tokenizer.pad_id, rl.routing_replay, rl.mask_truncated)
         if self.teacher is not None:  # each row's teacher, by its prompt's domain
             batch["teacher"] = torch.tensor([self.teacher.route(r.domain) for r in trained[0]])
         micro = self.update.micro_batches(batch)

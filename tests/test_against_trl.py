@@ -291,3 +291,14 @@ def test_top_entropy_quantile_equals_trls(tiny_tokenizer, tmp_path, loss):
     )
     everything, _ = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, trl_top, ours_kwargs)  # every token trained
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and ours != pytest.approx(everything, rel=1e-3)
+
+
+@pytest.mark.parametrize("loss, delta", [("grpo", 1.2), ("dapo", 1.2), ("bnpo", 1.2), ("gspo", 1.01), ("luspo", 1.01)])
+def test_two_sided_clip_equals_trls_delta(tiny_tokenizer, tmp_path, loss, delta):
+    """rl.two_sided_clip (INTELLECT-2): the ratio capped before PPO's surrogate, as TRL's `delta` caps it, under
+    token-level and sequence-level ratios; the cap bites here (the loss differs from the uncapped one)."""
+    theirs_kwargs, ours_kwargs = next((t, o) for name, t, o in GRPO_CASES if name == loss)
+    capped = {**theirs_kwargs, "delta": delta}
+    ours, theirs = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, capped, {**ours_kwargs, "two_sided_clip": delta})
+    uncapped, _ = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, capped, ours_kwargs)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and ours != pytest.approx(uncapped, rel=1e-4)

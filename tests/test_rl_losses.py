@@ -263,6 +263,9 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
         ({"importance_floor": 0}, "importance_floor"),
         ({"off_policy_mask": -0.5}, "off_policy_mask"),
         ({"top_entropy_quantile": 0}, "top_entropy_quantile"),
+        ({"two_sided_clip": 0.9}, "two_sided_clip"),
+        ({"loss": "cispo", "two_sided_clip": 4.0}, "rl.loss=cispo has none"),
+        ({"loss": "reinforce", "two_sided_clip": 4.0}, "rl.loss=reinforce has none"),
         ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
         ({"loss": "distill_topk", "teacher": "t", "top_entropy_quantile": 0.2}, "rl.loss=distill_topk has none"),
     ],
@@ -281,6 +284,8 @@ def test_the_importance_correction_resolves_from_the_run_and_jax_refuses_the_seq
         resolve_rl(RLConfig(loss="grpo", off_policy_mask=0.5), jax=True)
     with pytest.raises(ConfigError, match="rl.loss=sapo has no JAX twin"):
         resolve_rl(RLConfig(loss="sapo"), jax=True)
+    with pytest.raises(ConfigError, match="rl.two_sided_clip is applied by the PyTorch losses"):
+        resolve_rl(RLConfig(loss="grpo", two_sided_clip=4.0), jax=True)
     with pytest.raises(ConfigError, match="rl.loss=grpo on infra.backend=jax has none to pick"):
         resolve_rl(RLConfig(loss="grpo", top_entropy_quantile=0.2), jax=True)
 

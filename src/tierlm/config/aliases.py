@@ -50,6 +50,7 @@ OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "epsilon_high": ("TRL", ("rl.clip_high",)),
     "use_vllm": ("TRL", ("engine.kind",)),
     "mask_truncated_completions": ("TRL", ("rl.mask_truncated",)),
+    "delta": ("TRL", ("rl.two_sided_clip",)),
     # Axolotl
     "base_model": ("Axolotl", ("model.model_name_or_path",)),
     "sequence_len": ("Axolotl", ("data.max_seq_length",)),

@@ -165,6 +165,11 @@ class RLConfig(Section):
     """rl.importance: the band's lower end (None: no lower end; IcePop uses 0.5)."""
     importance_cap: float | None = Field(2.0, gt=0)
     """rl.importance: the band's upper end (None: no upper end; IcePop uses 5, TRL's vLLM correction 3)."""
+    two_sided_clip: float | None = Field(None, gt=1)
+    """INTELLECT-2's two-sided clipping (TRL's delta): the importance ratio is capped at this before PPO's clipped
+    surrogate, which bounds a token's loss when its advantage is negative (the clip alone leaves r A unbounded
+    there); above 1 + rl.clip_high. None: off. For the losses with a clipped ratio (grpo, dapo, dr_grpo,
+    rloo, reinforce_pp, bnpo, ppo, gspo, luspo)."""
     top_entropy_quantile: float = Field(1.0, gt=0, le=1)
     """Train only on this share of each micro-batch's completion tokens, those of highest entropy (Wang et al., 2025,
     "Beyond the 80/20 rule": 0.2; TRL's top_entropy_quantile); the loss's normaliser still counts every token. 1: all

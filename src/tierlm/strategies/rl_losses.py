@@ -43,6 +43,7 @@ class LossSettings:
     normalise: str = "tokens"  # what the loss averages over: tokens, sequences, rows or constant
     off_policy_mask: float | None = None  # DeepSeek-V3.2's sequence mask: the KL past which a negative sequence drops
     top_entropy_quantile: float = 1.0  # the share of a micro-batch's tokens trained, those of highest entropy
+    ratio_cap: float | None = None  # INTELLECT-2's two-sided clip: the ratio's cap before PPO's clipped surrogate
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's gate temperatures for A > 0 and A <= 0
     vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # VESPO's k, lambda for A >= 0, then A < 0
 
@@ -60,10 +61,11 @@ def ratio_to_old(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, low: float | None, high: float | None
+    ratio: torch.Tensor, advantages: torch.Tensor, low: float | None, high: float | None, cap: float | None = None
 ) -> torch.Tensor:
-    """PPO's pessimistic surrogate, per element: -min(r A, clip(r, 1 - low, 1 + high) A)."""
-    unclipped = ratio * advantages
+    """PPO's pessimistic surrogate, per element: -min(r A, clip(r, 1 - low, 1 + high) A), with r capped at `cap` in
+    the first term (INTELLECT-2's two-sided clipping: a negative advantage's loss is bounded too)."""
+    unclipped = (ratio.clamp(max=cap) if cap is not None else ratio) * advantages
     if low is None and high is None:
         return -unclipped
     lower = None if low is None else 1.0 - low
@@ -115,7 +117,7 @@ def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
     (clip bounds, normaliser, baseline)."""
     ratio = ratio_to_old(logprobs, batch)
     adv = per_token(batch["advantages"], logprobs)
-    loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high)
+    loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high, s.ratio_cap)
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
     kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
@@ -148,7 +150,7 @@ def sequence_surrogate(logprobs, batch, mask, s: LossSettings):
     seq_ratio = torch.exp(delta.sum(dim=1) / lengths)
     adv = batch["advantages"].float()
     assert adv.dim() == 1, "a sequence-level loss takes one advantage per sequence"
-    loss = clipped_surrogate(seq_ratio, adv, s.clip_low, s.clip_high)
+    loss = clipped_surrogate(seq_ratio, adv, s.clip_low, s.clip_high, s.ratio_cap)
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * (weight * maskf).sum(dim=1) / lengths
     kl, stats = kl_term(logprobs, batch, maskf, s.kl_coef)
@@ -270,6 +272,11 @@ class RLLoss(Variant):
     "batch" (the whole step's rewards, normalised)."""
     dynamic_sampling: bool = False
     """rl.dynamic_sampling's default: drop signal-free groups and draw more prompts."""
+
+    @property
+    def clips_ratio(self) -> bool:
+        """It takes PPO's clipped surrogate of the importance ratio (what rl.two_sided_clip caps)."""
+        return self.fn in (token_loss, gspo, luspo) and self.clip != NO_CLIP
 
 
 NO_CLIP = (None, None)
@@ -436,6 +443,12 @@ def resolve_rl(rl, jax: bool = False):
         raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
     if jax and rl.off_policy_mask is not None:
         raise ConfigError("rl.off_policy_mask is applied by the PyTorch losses: train it with infra.backend=pytorch")
+    if rl.two_sided_clip is not None and not spec.clips_ratio:
+        raise ConfigError(
+            f"rl.two_sided_clip caps the ratio in PPO's clipped surrogate; rl.loss={rl.loss} has none: drop it"
+        )
+    if rl.two_sided_clip is not None and jax:
+        raise ConfigError("rl.two_sided_clip is applied by the PyTorch losses: train it with infra.backend=pytorch")
     if rl.top_entropy_quantile < 1 and (jax or spec.vocab):
         raise ConfigError(
             f"rl.top_entropy_quantile picks the sampled tokens a PyTorch policy-gradient loss trains; rl.loss={rl.loss}"
@@ -469,6 +482,7 @@ def loss_settings(rl) -> LossSettings:
         rl.max_new_tokens,
         off_policy_mask=rl.off_policy_mask,
         top_entropy_quantile=rl.top_entropy_quantile,
+        ratio_cap=rl.two_sided_clip,
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo_shape=(rl.vespo_k_pos, rl.vespo_lambda_pos, rl.vespo_k_neg, rl.vespo_lambda_neg),
     )

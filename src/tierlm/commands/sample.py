@@ -52,14 +52,14 @@ def run(args: argparse.Namespace) -> None:
     chat = (
         args.chat if args.chat is not None else (stage in STAGES and STAGES[stage].chat and tokenizer.has_chat_template)
     )
-    if family_of(model).seq2seq:  # the prompt goes to the encoder
-        chat = False
+    seq2seq = family_of(model).seq2seq  # the prompt goes to the encoder, as text
+    chat = chat and not seq2seq
     if args.system is not None and not chat:
         raise ConfigError(
             f"--system is a chat model's system message, and {args.checkpoint} is sampled as plain text: drop "
             "--system (or --raw), or give --chat to render the prompt as a conversation"
         )
-    if family_of(model).seq2seq:
+    if seq2seq:
         prompt_ids = encoder_prompt_tokens(tokenizer, args.prompt)
     else:
         prompt_ids = prompt_tokens(tokenizer, args.prompt, chat, args.system)

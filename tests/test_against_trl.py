@@ -302,3 +302,31 @@ def test_two_sided_clip_equals_trls_delta(tiny_tokenizer, tmp_path, loss, delta)
     ours, theirs = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, capped, {**ours_kwargs, "two_sided_clip": delta})
     uncapped, _ = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, capped, ours_kwargs)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and ours != pytest.approx(uncapped, rel=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "apo_zero"])
+def test_ld_alpha_equals_trls(tiny_tokenizer, tmp_path, loss_type):
+    """dpo.ld_alpha (LD-DPO): the tails past a pair's shorter response weighted by alpha in the policy's and the
+    reference's log-probs, as TRL's `ld_alpha` weights them (the pairs' responses differ in length here)."""
+    from trl import DPOConfig as TRLDPOConfig
+    from trl import DPOTrainer
+
+    hf = tiny_tokenizer.hf
+    policy, reference = _model(hf, 0), _model(hf, 1)
+    args = _args(TRLDPOConfig, tmp_path, beta=0.3, loss_type=[loss_type], max_length=None, ld_alpha=0.4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=hf)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        theirs = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False)
+        ours_batch = _shifted(batch["input_ids"], batch["completion_mask"])
+
+        def ours(ld_alpha):
+            strategy = preference_strategy(DPOConfig(loss_type=loss_type, beta=0.3, ld_alpha=ld_alpha))
+            ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
+            total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
+            return float(total / count)
+
+        assert ours(0.4) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+        assert ours(0.4) != pytest.approx(ours(None), rel=1e-4)  # the tails are there, and weighed

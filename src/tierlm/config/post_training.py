@@ -268,6 +268,10 @@ class DPOConfig(Section):
     TRL's format, instead of pairs)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """robust: the assumed share of pairs whose preference is flipped; exo_pair: EXO's epsilon (its paper: 1e-3)."""
+    ld_alpha: float | None = Field(None, ge=0, le=1)
+    """LD-DPO (Liu et al., 2024; TRL's ld_alpha): each response's tokens past the shorter response of its pair count
+    this much in its log-prob (policy's and reference's alike), so a longer answer is not preferred for its length; 1:
+    plain DPO, 0: only the shared length. None: off. For the pairwise losses with a reference model."""
     discopop_tau: float | None = Field(None, gt=0)
     """discopop: the temperature of DiscoPOP's blend of the logistic and exponential losses (None: 0.05, TRL's)."""
     simpo_gamma: float | None = Field(None, ge=0)

@@ -54,6 +54,22 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return token_logprobs(logits, labels).sum(dim=-1)
 
 
+def length_desensitised(labels: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's token weights (B, T) for N chosen rows then their N rejected rows: 1 on each response's first
+    tokens, as many as the pair's shorter response has, `alpha` on the rest, 0 off the responses.
+
+    >>> labels = torch.tensor([[-100, 5, 6, 7], [-100, 8, -100, -100]])  # a 3-token chosen, a 1-token rejected reply
+    >>> length_desensitised(labels, 0.5)
+    tensor([[0.0000, 1.0000, 0.5000, 0.5000],
+            [0.0000, 1.0000, 0.0000, 0.0000]])
+    """
+    trained = labels != IGNORE_INDEX
+    order, lengths = trained.cumsum(dim=-1), trained.sum(dim=-1)
+    n = lengths.shape[0] // 2
+    shared = torch.minimum(lengths[:n], lengths[n:]).repeat(2)[:, None]
+    return torch.where(order <= shared, 1.0, alpha) * trained
+
+
 def dpo_loss(
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
@@ -274,6 +290,16 @@ def resolve_dpo(dpo):
     row = check_variant(dpo, "loss_type", PREFERENCE_LOSSES, "dpo")
     if not row.reference and dpo.reference == "precomputed":
         raise ConfigError(f"dpo.loss_type={dpo.loss_type} uses no reference: drop dpo.reference=precomputed")
+    if dpo.ld_alpha is not None and not (row.paired and row.reference):
+        raise ConfigError(
+            f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
+            f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
+        )
+    if dpo.ld_alpha is not None and dpo.reference == "precomputed":
+        raise ConfigError(
+            "dpo.ld_alpha weights the reference's log-probs too, and precomputed ones are whole sums: use "
+            "dpo.reference=frozen, or drop dpo.ld_alpha"
+        )
     return dpo
 
 
@@ -284,7 +310,7 @@ def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
         return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
     tau = dpo.discopop_tau if dpo.discopop_tau is not None else PreferenceSettings.discopop_tau
-    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau)
+    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha)
 
 
 def preference_loss(
@@ -324,10 +350,13 @@ class DPOStrategy:
         label_smoothing: float = 0.0,
         simpo_gamma: float = 0.5,
         discopop_tau: float = 0.05,
+        ld_alpha: float | None = None,
     ):
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
-        when batches carry precomputed `ref_logps`, or for a reference-free loss."""
+        when batches carry precomputed `ref_logps`, or for a reference-free loss. `ld_alpha`: LD-DPO's weight of
+        the tokens past the pair's shorter response."""
         assert beta > 0, f"beta must be > 0, got {beta}"
+        self.ld_alpha = ld_alpha
         self.reference, self.loss_type, self.row = reference, loss_type, PREFERENCE_LOSSES[loss_type]
         self.beta, self.settings = beta, PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
 
@@ -341,7 +370,11 @@ class DPOStrategy:
         return out
 
     def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        logps = sequence_logprobs(logits, batch["labels"])
+        if self.ld_alpha is None:
+            logps = sequence_logprobs(logits, batch["labels"])
+        else:
+            weights = length_desensitised(batch["labels"], self.ld_alpha)
+            logps = (token_logprobs(logits, batch["labels"]) * weights).sum(dim=-1)
         if self.row.averaged:
             logps = logps / (batch["labels"] != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
         return {"logps": logps}

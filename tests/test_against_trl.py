@@ -330,3 +330,28 @@ def test_ld_alpha_equals_trls(tiny_tokenizer, tmp_path, loss_type):
 
         assert ours(0.4) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
         assert ours(0.4) != pytest.approx(ours(None), rel=1e-4)  # the tails are there, and weighed
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_rpo_alpha_equals_trls_added_sft_loss(tiny_tokenizer, tmp_path, loss_type):
+    """dpo.rpo_alpha (RPO): the chosen responses' token-mean NLL added to the pairwise loss, as TRL adds its "sft"
+    loss type with loss_weights [1, alpha]."""
+    from trl import DPOConfig as TRLDPOConfig
+    from trl import DPOTrainer
+
+    hf = tiny_tokenizer.hf
+    policy, reference = _model(hf, 0), _model(hf, 1)
+    args = _args(
+        TRLDPOConfig, tmp_path, beta=0.3, loss_type=[loss_type, "sft"], loss_weights=[1.0, 0.7], max_length=None
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=hf)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        theirs = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False)
+        strategy = preference_strategy(DPOConfig(loss_type=loss_type, beta=0.3, rpo_alpha=0.7))
+        ours_batch = _shifted(batch["input_ids"], batch["completion_mask"])
+        ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
+        total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
+    assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)

@@ -138,6 +138,8 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "simpo", "ld_alpha": 0.5}, "dpo.loss_type=simpo has no reference"),
         ({"ld_alpha": 0.5, "reference": "precomputed"}, "precomputed ones are whole sums"),
         ({"ld_alpha": 1.5}, "ld_alpha"),
+        ({"loss_type": "orpo", "rpo_alpha": 1.0}, "dpo.loss_type=orpo has its own NLL term"),
+        ({"loss_type": "kto", "rpo_alpha": 1.0}, "dpo.loss_type=kto has no pairs"),
         ({"loss_type": "sigmoid", "discopop_tau": 0.1}, "dpo.discopop_tau is DiscoPOP's"),
         ({"loss_type": "simpo", "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "robust", "label_smoothing": 0.5}, "less than 0.5"),

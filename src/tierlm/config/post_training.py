@@ -272,6 +272,10 @@ class DPOConfig(Section):
     """LD-DPO (Liu et al., 2024; TRL's ld_alpha): each response's tokens past the shorter response of its pair count
     this much in its log-prob (policy's and reference's alike), so a longer answer is not preferred for its length; 1:
     plain DPO, 0: only the shared length. None: off. For the pairwise losses with a reference model."""
+    rpo_alpha: float = Field(0.0, ge=0)
+    """RPO (Pang et al., 2024, iterative reasoning preference optimisation): adds this times the chosen responses'
+    token-mean NLL to the pairwise loss (TRL's loss_type [..., "sft"] with loss_weights [1, rpo_alpha]; its paper
+    uses 1). 0: off."""
     discopop_tau: float | None = Field(None, gt=0)
     """discopop: the temperature of DiscoPOP's blend of the logistic and exponential losses (None: 0.05, TRL's)."""
     simpo_gamma: float | None = Field(None, ge=0)

@@ -37,8 +37,10 @@ class DPO(Stage):
     def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
         """dpo.* checked against its loss's row (`resolve_dpo`); the JAX backend trains the losses with a twin."""
         dpo = resolve_dpo(config.dpo)
-        if config.infra.backend == "jax" and dpo.ld_alpha is not None:
-            raise ConfigError("dpo.ld_alpha weights the PyTorch strategy's log-probs: needs infra.backend=pytorch")
+        if config.infra.backend == "jax" and (dpo.ld_alpha is not None or dpo.rpo_alpha):
+            raise ConfigError(
+                "dpo.ld_alpha and dpo.rpo_alpha are the PyTorch strategy's: drop them, or set infra.backend=pytorch"
+            )
         if config.infra.backend == "jax" and not PREFERENCE_LOSSES[dpo.loss_type].jax:
             twins = [name for name, row in PREFERENCE_LOSSES.items() if row.jax]
             raise ConfigError(

@@ -295,6 +295,11 @@ def resolve_dpo(dpo):
             f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
             f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
         )
+    if dpo.rpo_alpha and (not row.paired or dpo.loss_type == "orpo"):
+        raise ConfigError(
+            f"dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type={dpo.loss_type} "
+            f"{'has no pairs' if not row.paired else 'has its own NLL term'}: drop it"
+        )
     if dpo.ld_alpha is not None and dpo.reference == "precomputed":
         raise ConfigError(
             "dpo.ld_alpha weights the reference's log-probs too, and precomputed ones are whole sums: use "
@@ -310,7 +315,7 @@ def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
         return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
     tau = dpo.discopop_tau if dpo.discopop_tau is not None else PreferenceSettings.discopop_tau
-    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha)
+    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha, dpo.rpo_alpha)
 
 
 def preference_loss(
@@ -351,12 +356,13 @@ class DPOStrategy:
         simpo_gamma: float = 0.5,
         discopop_tau: float = 0.05,
         ld_alpha: float | None = None,
+        rpo_alpha: float = 0.0,
     ):
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
         when batches carry precomputed `ref_logps`, or for a reference-free loss. `ld_alpha`: LD-DPO's weight of
-        the tokens past the pair's shorter response."""
+        the tokens past the pair's shorter response; `rpo_alpha`: RPO's weight of the chosen responses' NLL."""
         assert beta > 0, f"beta must be > 0, got {beta}"
-        self.ld_alpha = ld_alpha
+        self.ld_alpha, self.rpo_alpha = ld_alpha, rpo_alpha
         self.reference, self.loss_type, self.row = reference, loss_type, PREFERENCE_LOSSES[loss_type]
         self.beta, self.settings = beta, PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
 
@@ -370,23 +376,33 @@ class DPOStrategy:
         return out
 
     def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        if self.ld_alpha is None:
-            logps = sequence_logprobs(logits, batch["labels"])
-        else:
-            weights = length_desensitised(batch["labels"], self.ld_alpha)
-            logps = (token_logprobs(logits, batch["labels"]) * weights).sum(dim=-1)
+        return {"logps": self._sequences(token_logprobs(logits, batch["labels"]), batch["labels"])}
+
+    def _sequences(self, token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's response log-prob from its tokens': summed (LD-DPO: the tails weighted), or averaged."""
+        weights = (
+            (labels != IGNORE_INDEX).float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
+        )
+        logps = (token_logps * weights).sum(dim=-1)
         if self.row.averaged:
-            logps = logps / (batch["labels"] != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
-        return {"logps": logps}
+            logps = logps / (labels != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
+        return logps
 
     def _pairs(self, logits: torch.Tensor, batch: Batch):
-        policy = self._logps(logits, batch)["logps"]
+        labels = batch["labels"]
+        token_logps = token_logprobs(logits, labels)
+        policy = self._sequences(token_logps, labels)
         n = policy.shape[0] // 2
         ref = batch["ref_logps"].to(policy.device) if self.row.reference else None
         ref_chosen, ref_rejected = (None, None) if ref is None else (ref[:n], ref[n:])
         nll = -policy[:n]  # the chosen rows' mean token NLL (ORPO's: its log-probs are averaged)
-        losses = self.row.fn(policy[:n], policy[n:], ref_chosen, ref_rejected, self.settings, nll)
-        return policy[:n], policy[n:], *losses
+        loss, chosen_rewards, rejected_rewards = self.row.fn(
+            policy[:n], policy[n:], ref_chosen, ref_rejected, self.settings, nll
+        )
+        if self.rpo_alpha:  # RPO: the chosen responses' token-mean NLL over the micro-batch, on every pair
+            chosen = labels[:n] != IGNORE_INDEX
+            loss = loss - self.rpo_alpha * (token_logps[:n] * chosen).sum() / chosen.sum().clamp(min=1)
+        return policy[:n], policy[n:], loss, chosen_rewards, rejected_rewards
 
     @splits_by_rows(2)  # N chosen rows, then their N rejected rows
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -355,3 +355,18 @@ def test_rpo_alpha_equals_trls_added_sft_loss(tiny_tokenizer, tmp_path, loss_typ
         ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
         total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
     assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss, quantile", [("grpo", 1.0), ("dapo", 1.0), ("gspo", 1.0), ("dapo", 0.25)])
+def test_entropy_bonus_equals_trls(tiny_tokenizer, tmp_path, loss, quantile):
+    """rl.entropy_coef: the loss less coef x the mean entropy over the trained tokens (the high-entropy ones with
+    rl.top_entropy_quantile), as TRL's fixed entropy_coef computes it."""
+    theirs_kwargs, ours_kwargs = next((t, o) for name, t, o in GRPO_CASES if name == loss)
+    bonus = {"entropy_coef": 0.05, "top_entropy_quantile": quantile}
+    ours, theirs = _grpo_against_trl(
+        tiny_tokenizer, tmp_path, loss, {**theirs_kwargs, **bonus}, {**ours_kwargs, **bonus}
+    )
+    plain, _ = _grpo_against_trl(
+        tiny_tokenizer, tmp_path, loss, theirs_kwargs, {**ours_kwargs, "top_entropy_quantile": quantile}
+    )
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and ours < plain

@@ -264,6 +264,7 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
         ({"off_policy_mask": -0.5}, "off_policy_mask"),
         ({"top_entropy_quantile": 0}, "top_entropy_quantile"),
         ({"two_sided_clip": 0.9}, "two_sided_clip"),
+        ({"loss": "distill_topk", "teacher": "t", "entropy_coef": 0.01}, "rl.loss=distill_topk takes none"),
         ({"loss": "cispo", "two_sided_clip": 4.0}, "rl.loss=cispo has none"),
         ({"loss": "reinforce", "two_sided_clip": 4.0}, "rl.loss=reinforce has none"),
         ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
@@ -284,6 +285,8 @@ def test_the_importance_correction_resolves_from_the_run_and_jax_refuses_the_seq
         resolve_rl(RLConfig(loss="grpo", off_policy_mask=0.5), jax=True)
     with pytest.raises(ConfigError, match="rl.loss=sapo has no JAX twin"):
         resolve_rl(RLConfig(loss="sapo"), jax=True)
+    with pytest.raises(ConfigError, match="rl.loss=grpo on infra.backend=jax takes none"):
+        resolve_rl(RLConfig(loss="grpo", entropy_coef=0.01), jax=True)
     with pytest.raises(ConfigError, match="rl.two_sided_clip is applied by the PyTorch losses"):
         resolve_rl(RLConfig(loss="grpo", two_sided_clip=4.0), jax=True)
     with pytest.raises(ConfigError, match="rl.loss=grpo on infra.backend=jax has none to pick"):
@@ -478,3 +481,27 @@ def test_a_new_loss_is_one_function_and_one_row(tiny_runs, tmp_path, monkeypatch
     assert main([*args, "infra.backend=jax", f"infra.output_dir={tmp_path / 'jax'}"]) == 2
     assert "rl.loss=toy has no JAX twin" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists() and not (tmp_path / "jax").exists()
+
+
+def test_the_entropy_bonus_has_the_gradient_of_the_mean_entropy():
+    """rl.entropy_coef subtracts coef x the trained tokens' mean entropy, gradient included: the gradient of the loss
+    with the bonus, less the one without, is -coef x the gradient of the entropy written out here."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[0, :2] = -100
+    batch = {"labels": labels, "advantages": torch.tensor([0.5, -1.0])}
+
+    def gradient(coef):
+        strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="dapo", entropy_coef=coef)))
+        x = logits.clone().requires_grad_(True)
+        total, count = strategy.compute_loss(x, batch)
+        (total / count).backward()
+        return x.grad
+
+    x = logits.clone().requires_grad_(True)
+    p = torch.softmax(x, dim=-1)
+    trained = (labels != -100).float()
+    mean_entropy = (-(p * p.log()).sum(dim=-1) * trained).sum() / trained.sum()
+    mean_entropy.backward()
+    torch.testing.assert_close(gradient(0.1) - gradient(0.0), -0.1 * x.grad, rtol=1e-4, atol=1e-6)

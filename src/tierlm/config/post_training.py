@@ -165,6 +165,10 @@ class RLConfig(Section):
     """rl.importance: the band's lower end (None: no lower end; IcePop uses 0.5)."""
     importance_cap: float | None = Field(2.0, gt=0)
     """rl.importance: the band's upper end (None: no upper end; IcePop uses 5, TRL's vLLM correction 3)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """An entropy bonus: the loss less this times the mean entropy of the policy over each micro-batch's trained
+    completion tokens (those rl.top_entropy_quantile keeps), at the sampling temperature; TRL's entropy_coef (its
+    fixed form). 0: off. When on, the train lines show the entropy (entropy_mean)."""
     two_sided_clip: float | None = Field(None, gt=1)
     """INTELLECT-2's two-sided clipping (TRL's delta): the importance ratio is capped at this before PPO's clipped
     surrogate, which bounds a token's loss when its advantage is negative (the clip alone leaves r A unbounded

@@ -264,14 +264,16 @@ class PolicyUpdate:
 
 def loss_figures(totals: dict[str, float], rl: RLConfig) -> dict[str, float]:
     """What makes the loss visible in the train lines: the share of tokens (GSPO: sequences) whose gradient each
-    side of the clip removed, GSPO's mean sequence ratio, VESPO's mean sequence weight, dynamic sampling's dropped
-    groups and extra draws, DAPO's overlong-shaped completions."""
+    side of the clip removed, GSPO's mean sequence ratio, VESPO's mean sequence weight, the entropy the bonus read,
+    dynamic sampling's dropped groups and extra draws, DAPO's overlong-shaped completions."""
     out = {}
     if totals.get("loss_clip_n_sum"):
         n = totals["loss_clip_n_sum"]
         out.update(clip_low_frac=totals["loss_clip_low_sum"] / n, clip_high_frac=totals["loss_clip_high_sum"] / n)
     if totals.get("loss_rows_sum") and "loss_seq_ratio_sum" in totals:
         out["seq_ratio_mean"] = totals["loss_seq_ratio_sum"] / totals["loss_rows_sum"]
+    if totals.get("loss_entropy_n_sum"):
+        out["entropy_mean"] = totals["loss_entropy_sum"] / totals["loss_entropy_n_sum"]
     if totals.get("loss_rows_sum") and "loss_vespo_phi_sum" in totals:
         out["vespo_weight_mean"] = totals["loss_vespo_phi_sum"] / totals["loss_rows_sum"]
     if rl.dynamic_sampling:

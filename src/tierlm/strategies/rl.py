@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs, vocab_logprobs  # noqa: F401  (token_logprobs: also this module's name)
+from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_entropy, token_logprobs, vocab_logprobs  # noqa: F401  (token_logprobs: also this module's name)
 from tierlm.strategies.off_policy import high_entropy_tokens
 from tierlm.strategies.rl_losses import RL_LOSSES, LossSettings, loss_settings, token_loss
 
@@ -247,6 +247,12 @@ class PolicyGradientStrategy:
         else:
             inputs = token_logprobs(logits, labels, self.temperature)
         total, count, stats = self.spec.fn(inputs, batch, labels != IGNORE_INDEX, self.settings)
+        if coef := self.settings.entropy_coef:  # the bonus: the mean entropy over the tokens the loss trains
+            trained = (labels != IGNORE_INDEX).float() * batch.get("token_keep", 1.0)
+            entropy = token_entropy(logits, self.temperature)
+            mean_entropy = (entropy * trained).sum() / trained.sum().clamp(min=1)
+            total = total - coef * mean_entropy * count
+            stats = {**stats, "entropy_sum": (entropy.detach() * trained).sum(), "entropy_n_sum": trained.sum()}
         self._stats.append({k: v.detach() for k, v in stats.items()})
         return total, count
 

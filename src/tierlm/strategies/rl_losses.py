@@ -44,6 +44,7 @@ class LossSettings:
     off_policy_mask: float | None = None  # DeepSeek-V3.2's sequence mask: the KL past which a negative sequence drops
     top_entropy_quantile: float = 1.0  # the share of a micro-batch's tokens trained, those of highest entropy
     ratio_cap: float | None = None  # INTELLECT-2's two-sided clip: the ratio's cap before PPO's clipped surrogate
+    entropy_coef: float = 0.0  # the entropy bonus's weight, on the micro-batch's mean token entropy
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's gate temperatures for A > 0 and A <= 0
     vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # VESPO's k, lambda for A >= 0, then A < 0
 
@@ -449,6 +450,11 @@ def resolve_rl(rl, jax: bool = False):
         )
     if rl.two_sided_clip is not None and jax:
         raise ConfigError("rl.two_sided_clip is applied by the PyTorch losses: train it with infra.backend=pytorch")
+    if rl.entropy_coef and (jax or spec.vocab):
+        raise ConfigError(
+            f"rl.entropy_coef adds the policy's entropy to a PyTorch policy-gradient loss; rl.loss={rl.loss}"
+            f"{' on infra.backend=jax' if jax else ''} takes none: drop it"
+        )
     if rl.top_entropy_quantile < 1 and (jax or spec.vocab):
         raise ConfigError(
             f"rl.top_entropy_quantile picks the sampled tokens a PyTorch policy-gradient loss trains; rl.loss={rl.loss}"
@@ -483,6 +489,7 @@ def loss_settings(rl) -> LossSettings:
         off_policy_mask=rl.off_policy_mask,
         top_entropy_quantile=rl.top_entropy_quantile,
         ratio_cap=rl.two_sided_clip,
+        entropy_coef=rl.entropy_coef,
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo_shape=(rl.vespo_k_pos, rl.vespo_lambda_pos, rl.vespo_k_neg, rl.vespo_lambda_neg),
     )

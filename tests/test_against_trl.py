@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -57,25 +58,39 @@ def _shifted(input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Ten
     return {"input_ids": input_ids[:, :-1], "labels": input_ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)}
 
 
-@pytest.mark.parametrize("loss_type, extra", [case for case in PREFERENCE_CASES if case[0] not in ("simpo", "orpo")])
-def test_preference_losses_equal_trls_dpo_trainer(tiny_tokenizer, tmp_path, loss_type, extra):
+def _dpo_against_trl(tiny_tokenizer, tmp_path, trl_kwargs: dict, ours: dict) -> tuple[float, Callable, float]:
+    """TRL's `DPOTrainer._compute_loss` on the batch it collates from PAIRS (beta 0.3, `trl_kwargs`), and tierlm's
+    strategy of `DPOConfig(beta=0.3, **ours, **changes)` on the same rows: (the first with `ours`, a function of
+    `changes` giving the others, TRL's)."""
     from trl import DPOConfig as TRLDPOConfig
     from trl import DPOTrainer
 
     hf = tiny_tokenizer.hf
     policy, reference = _model(hf, 0), _model(hf, 1)
-    args = _args(TRLDPOConfig, tmp_path, beta=0.3, loss_type=[loss_type], max_length=None, **extra)
+    args = _args(TRLDPOConfig, tmp_path, beta=0.3, max_length=None, **trl_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = DPOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=hf)
     batch = next(iter(trainer.get_train_dataloader()))  # [chosen rows, rejected rows], right-padded
-    with torch.no_grad():
-        theirs = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False)
-        strategy = preference_strategy(DPOConfig(loss_type=loss_type, beta=0.3, **extra))
-        ours_batch = _shifted(batch["input_ids"], batch["completion_mask"])
-        ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
+    rows = _shifted(batch["input_ids"], batch["completion_mask"])
+
+    @torch.no_grad()
+    def tierlm_loss(**changes) -> float:
+        strategy = preference_strategy(DPOConfig(beta=0.3, **{**ours, **changes}))
+        ours_batch = {**rows, "ref_logps": strategy._logps(forward_logits(reference, rows), rows)["logps"]}
         total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
-    assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+        return float(total / count)
+
+    with torch.no_grad():
+        theirs = float(trainer._compute_loss(trainer.model, dict(batch), return_outputs=False))
+    return tierlm_loss(), tierlm_loss, theirs
+
+
+@pytest.mark.parametrize("loss_type, extra", [case for case in PREFERENCE_CASES if case[0] not in ("simpo", "orpo")])
+def test_preference_losses_equal_trls_dpo_trainer(tiny_tokenizer, tmp_path, loss_type, extra):
+    ours, _, theirs = _dpo_against_trl(tiny_tokenizer, tmp_path, {"loss_type": [loss_type], **extra},
+                                       {"loss_type": loss_type, **extra})  # fmt: skip
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
 
 
 def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path):
@@ -308,53 +323,19 @@ def test_two_sided_clip_equals_trls_delta(tiny_tokenizer, tmp_path, loss, delta)
 def test_ld_alpha_equals_trls(tiny_tokenizer, tmp_path, loss_type):
     """dpo.ld_alpha (LD-DPO): the tails past a pair's shorter response weighted by alpha in the policy's and the
     reference's log-probs, as TRL's `ld_alpha` weights them (the pairs' responses differ in length here)."""
-    from trl import DPOConfig as TRLDPOConfig
-    from trl import DPOTrainer
-
-    hf = tiny_tokenizer.hf
-    policy, reference = _model(hf, 0), _model(hf, 1)
-    args = _args(TRLDPOConfig, tmp_path, beta=0.3, loss_type=[loss_type], max_length=None, ld_alpha=0.4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DPOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=hf)
-    batch = next(iter(trainer.get_train_dataloader()))
-    with torch.no_grad():
-        theirs = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False)
-        ours_batch = _shifted(batch["input_ids"], batch["completion_mask"])
-
-        def ours(ld_alpha):
-            strategy = preference_strategy(DPOConfig(loss_type=loss_type, beta=0.3, ld_alpha=ld_alpha))
-            ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
-            total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
-            return float(total / count)
-
-        assert ours(0.4) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
-        assert ours(0.4) != pytest.approx(ours(None), rel=1e-4)  # the tails are there, and weighed
+    trl = {"loss_type": [loss_type], "ld_alpha": 0.4}
+    ours, other, theirs = _dpo_against_trl(tiny_tokenizer, tmp_path, trl, {"loss_type": loss_type, "ld_alpha": 0.4})
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    assert ours != pytest.approx(other(ld_alpha=None), rel=1e-4)  # the tails are there, and weighed
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_rpo_alpha_equals_trls_added_sft_loss(tiny_tokenizer, tmp_path, loss_type):
     """dpo.rpo_alpha (RPO): the chosen responses' token-mean NLL added to the pairwise loss, as TRL adds its "sft"
     loss type with loss_weights [1, alpha]."""
-    from trl import DPOConfig as TRLDPOConfig
-    from trl import DPOTrainer
-
-    hf = tiny_tokenizer.hf
-    policy, reference = _model(hf, 0), _model(hf, 1)
-    args = _args(
-        TRLDPOConfig, tmp_path, beta=0.3, loss_type=[loss_type, "sft"], loss_weights=[1.0, 0.7], max_length=None
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DPOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=hf)
-    batch = next(iter(trainer.get_train_dataloader()))
-    with torch.no_grad():
-        theirs = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False)
-        strategy = preference_strategy(DPOConfig(loss_type=loss_type, beta=0.3, rpo_alpha=0.7))
-        ours_batch = _shifted(batch["input_ids"], batch["completion_mask"])
-        ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
-        total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
-    assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
+    trl = {"loss_type": [loss_type, "sft"], "loss_weights": [1.0, 0.7]}
+    ours, _, theirs = _dpo_against_trl(tiny_tokenizer, tmp_path, trl, {"loss_type": loss_type, "rpo_alpha": 0.7})
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("loss, quantile", [("grpo", 1.0), ("dapo", 1.0), ("gspo", 1.0), ("dapo", 0.25)])

@@ -77,18 +77,17 @@ def importance_mode(rl) -> str:
     return rl.importance or ("token_truncate" if ahead else "none")
 
 
-def high_entropy_tokens(logits: torch.Tensor, mask: torch.Tensor, share: float, temperature: float = 1.0):
-    """The trained tokens (`mask`) whose entropy is at or above the (1 - `share`) quantile of theirs, as float 0/1
-    (B, T): rl.top_entropy_quantile's tokens (Wang et al., 2025; TRL's `get_high_entropy_mask`, over this rank's
+def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, share: float) -> torch.Tensor:
+    """The trained tokens (`mask`) whose `entropy` (B, T) is at or above the (1 - `share`) quantile of theirs, as float
+    0/1 (B, T): rl.top_entropy_quantile's tokens (Wang et al., 2025; TRL's `get_high_entropy_mask`, over this rank's
     micro-batch).
 
+    >>> from tierlm.primitives.losses import token_entropy
     >>> logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.99, 0.01], [0.6, 0.4]]]))
-    >>> high_entropy_tokens(logits, torch.tensor([[True, True, False, True]]), share=0.5)
+    >>> high_entropy_tokens(token_entropy(logits), torch.tensor([[True, True, False, True]]), share=0.5)
     tensor([[1., 0., 0., 1.]])
     """
-    from tierlm.primitives.losses import token_entropy
-
-    entropy = token_entropy(logits.detach(), temperature)
+    entropy = entropy.detach()
     if not mask.any():
         return torch.zeros_like(entropy)
     threshold = torch.quantile(entropy[mask], 1.0 - share)

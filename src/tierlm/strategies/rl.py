@@ -239,17 +239,19 @@ class PolicyGradientStrategy:
     @splits_by_rows(1)  # every loss of `rl_losses` sums over rows (its normaliser too)
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
-        if (share := self.settings.top_entropy_quantile) < 1:  # the high-entropy tokens alone carry the loss
-            keep = high_entropy_tokens(logits, labels != IGNORE_INDEX, share, self.temperature)
-            batch = {**batch, "token_keep": keep}
+        share, coef = self.settings.top_entropy_quantile, self.settings.entropy_coef
+        # The policy's entropy per token, once: what picks the tokens trained and what the bonus raises (its gradient
+        # kept only for the bonus).
+        entropy = token_entropy(logits if coef else logits.detach(), self.temperature) if share < 1 or coef else None
+        if share < 1:  # the high-entropy tokens alone carry the loss
+            batch = {**batch, "token_keep": high_entropy_tokens(entropy, labels != IGNORE_INDEX, share)}
         if self.spec.vocab:  # the whole vocabulary's log-probs (distill_topk)
             inputs = vocab_logprobs(logits, self.temperature)
         else:
             inputs = token_logprobs(logits, labels, self.temperature)
         total, count, stats = self.spec.fn(inputs, batch, labels != IGNORE_INDEX, self.settings)
-        if coef := self.settings.entropy_coef:  # the bonus: the mean entropy over the tokens the loss trains
+        if coef:  # the bonus: the mean entropy over the tokens the loss trains
             trained = (labels != IGNORE_INDEX).float() * batch.get("token_keep", 1.0)
-            entropy = token_entropy(logits, self.temperature)
             mean_entropy = (entropy * trained).sum() / trained.sum().clamp(min=1)
             total = total - coef * mean_entropy * count
             stats = {**stats, "entropy_sum": (entropy.detach() * trained).sum(), "entropy_n_sum": trained.sum()}

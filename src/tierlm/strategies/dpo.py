@@ -258,14 +258,24 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
         reads=("simpo_gamma",),
         why="dpo.simpo_gamma is SimPO's margin; dpo.loss_type={name} does not read it",
     ),
-    "orpo": PreferenceLoss("ORPO (Hong et al., 2024), reference-free", orpo, reference=False, averaged=True),
+    "orpo": PreferenceLoss(
+        "ORPO (Hong et al., 2024), reference-free",
+        orpo,
+        reference=False,
+        averaged=True,
+        fixed={"rpo_alpha": 0.0},
+        why="dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type=orpo has its own NLL "
+        "term: drop it",
+    ),  # fmt: skip
     "kto": PreferenceLoss(
         "KTO (Ethayarajh et al., 2024) on unpaired judged replies",
         paired=False,
-        fixed={"reference": "frozen"},
+        fixed={"reference": "frozen", "rpo_alpha": 0.0},
         reads=("desirable_weight", "undesirable_weight"),
         why={
             "reference": "dpo.loss_type=kto computes its reference log-probs (and the KL rows'): drop dpo.reference",
+            "rpo_alpha": "dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type=kto has no "
+            "pairs: drop it",
             "desirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
             "read them",
             "undesirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
@@ -294,11 +304,6 @@ def resolve_dpo(dpo):
         raise ConfigError(
             f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
             f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
-        )
-    if dpo.rpo_alpha and (not row.paired or dpo.loss_type == "orpo"):
-        raise ConfigError(
-            f"dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type={dpo.loss_type} "
-            f"{'has no pairs' if not row.paired else 'has its own NLL term'}: drop it"
         )
     if dpo.ld_alpha is not None and dpo.reference == "precomputed":
         raise ConfigError(

@@ -44,7 +44,7 @@ def _rl_losses() -> str:
 
 
 def _preference_losses() -> str:
-    from tierlm.strategies.dpo import PREFERENCE_LOSSES
+    from tierlm.strategies.preference_losses import PREFERENCE_LOSSES
 
     rows = [
         [f"`{name}`", row.about, "yes" if row.reference else "none", "averaged" if row.averaged else "summed"]

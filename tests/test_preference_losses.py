@@ -12,7 +12,8 @@ from conftest import PREFERENCE_CASES
 from tierlm.config import DPOConfig, TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.strategies.dpo import preference_strategy, resolve_dpo
+from tierlm.strategies.dpo import preference_strategy
+from tierlm.strategies.preference_losses import resolve_dpo
 
 N, T, V = 3, 7, 11  # pairs, positions, vocabulary
 

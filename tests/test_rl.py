@@ -25,7 +25,8 @@ from tierlm.rollout.engine import Engine, Rollout
 from tierlm.rollout.text import answer_text
 from tierlm.rollout.together import like_lengths
 from tierlm.rollout.tools import Calculator
-from tierlm.strategies.dpo import DPOStrategy, dpo_loss
+from tierlm.strategies.dpo import DPOStrategy
+from tierlm.strategies.preference_losses import dpo_loss
 from tierlm.strategies.rl import ReinforceStrategy, group_advantages, kl_penalty, policy_gradient_loss, token_logprobs
 from tierlm.tasks import exact_number_reward
 

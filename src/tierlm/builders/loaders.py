@@ -34,7 +34,7 @@ from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.data.windows import ConcatTokens
 from tierlm.errors import ConfigError, DataError
-from tierlm.strategies.dpo import PREFERENCE_LOSSES
+from tierlm.strategies.preference_losses import PREFERENCE_LOSSES
 from tierlm.tasks import synthetic_name
 
 

@@ -264,11 +264,11 @@ class DPOConfig(Section):
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
     ref_rejected_logp."""
     loss_type: str = "sigmoid"
-    """The preference loss, a row of `tierlm.strategies.dpo.PREFERENCE_LOSSES`: sigmoid (DPO), sigmoid_norm (DPO on
-    per-token averaged log-probs), ipo (IPO's squared loss on them), hinge (SLiC's), robust (DPO under label noise,
-    dpo.label_smoothing), exo_pair (EXO, dpo.label_smoothing its epsilon), nca_pair, bco_pair, sppo_hard, apo_zero,
-    apo_down, discopop (dpo.discopop_tau) — each as TRL's DPOTrainer computes it —, simpo and orpo
-    (reference-free: no reference model is loaded), kto (KTO on unpaired replies: {prompt, completion, label} rows,
+    """The preference loss, a row of `tierlm.strategies.preference_losses.PREFERENCE_LOSSES`: sigmoid (DPO),
+    sigmoid_norm (DPO on per-token averaged log-probs), ipo (IPO's squared loss on them), hinge (SLiC's), robust (DPO
+    under label noise, dpo.label_smoothing), exo_pair (EXO, dpo.label_smoothing its epsilon), nca_pair, bco_pair,
+    sppo_hard, apo_zero, apo_down, discopop (dpo.discopop_tau) — each as TRL's DPOTrainer computes it —, simpo and
+    orpo (reference-free: no reference model is loaded), kto (KTO on unpaired replies: {prompt, completion, label} rows,
     TRL's format, instead of pairs)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """robust: the assumed share of pairs whose preference is flipped; exo_pair: EXO's epsilon (its paper: 1e-3)."""

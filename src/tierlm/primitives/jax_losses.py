@@ -113,7 +113,7 @@ _fused_loss.defvjp(_fused_forward, _fused_backward)
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float):
-    """Per-pair (loss, chosen reward, rejected reward), as `tierlm.strategies.dpo.dpo_loss`."""
+    """Per-pair (loss, chosen reward, rejected reward), as `tierlm.strategies.preference_losses.dpo_loss`."""
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     return -jax.nn.log_sigmoid(chosen - rejected), chosen, rejected
 

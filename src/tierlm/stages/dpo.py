@@ -16,7 +16,8 @@ from tierlm.config import TierlmConfig
 from tierlm.errors import ConfigError
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
-from tierlm.strategies.dpo import PREFERENCE_LOSSES, preference_strategy, resolve_dpo
+from tierlm.strategies.dpo import preference_strategy
+from tierlm.strategies.preference_losses import PREFERENCE_LOSSES, resolve_dpo
 from tierlm.tasks import synthetic_name
 
 

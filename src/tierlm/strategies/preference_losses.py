@@ -1,0 +1,331 @@
+"""The preference losses `dpo.loss_type` names, each one small function over the same inputs, with its reference.
+
+A batch holds N chosen rows then N rejected rows (`input_ids`, `labels` with -100 off the
+response). With policy and reference sequence log-probs (summed over response tokens) and
+h = (pi_c - ref_c) - (pi_r - ref_r):
+
+    sigmoid (DPO):   -log sigmoid(beta h)
+    robust:          (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e), e = dpo.label_smoothing
+    hinge (SLiC):    max(0, 1 - beta h)
+    ipo:             (h - 1 / (2 beta))^2, on log-probs averaged over each response's tokens
+
+and, as TRL's DPOTrainer computes them, with the log-ratios l_c = pi_c - ref_c, l_r = pi_r - ref_r (h = l_c - l_r):
+
+    sigmoid_norm:    sigmoid on log-probs averaged over each response's tokens
+    exo_pair (EXO):  q log(q / (1 - e)) + (1 - q) log((1 - q) / e), q = sigmoid(beta h), e = dpo.label_smoothing
+    nca_pair (NCA):  -log sigmoid(beta l_c) - 1/2 log sigmoid(-beta l_c) - 1/2 log sigmoid(-beta l_r)
+    bco_pair (BCO):  -log sigmoid(beta l_c) - log sigmoid(-beta l_r)
+    sppo_hard:       (l_c - 1 / (2 beta))^2 + (l_r + 1 / (2 beta))^2
+    apo_zero (APO):  1 - sigmoid(beta l_c) + sigmoid(beta l_r)
+    apo_down (APO):  sigmoid(beta l_c) + 1 - sigmoid(beta h)
+    discopop:        (1 - m) (-log sigmoid(beta h)) + m exp(-beta h), m = sigmoid(beta h / tau), tau = dpo.discopop_tau
+
+and two without a reference model (none is loaded), on averaged log-probs a_c, a_r:
+
+    simpo:           -log sigmoid(beta (a_c - a_r) - gamma), gamma = dpo.simpo_gamma
+    orpo:            NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r)), odds(a) = e^a / (1 - e^a)
+
+and KTO (Ethayarajh et al., 2024) on unpaired replies judged alone, with r = pi - ref per reply and z the batch's
+KL estimate (mean pi - ref over mismatched prompt / reply rows, clamped at 0, no gradient; TRL's KTOTrainer's):
+
+    kto:             desirable: w_d (1 - sigmoid(beta (r - z)));  undesirable: w_u (1 - sigmoid(beta (z - r)))
+
+The strategies that train them (the reference's log-probs, the per-token weights, the metrics) are in
+`tierlm.strategies.dpo`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tierlm.errors import ConfigError
+from tierlm.primitives.losses import IGNORE_INDEX
+from tierlm.strategies.base import Variant, check_variant
+
+
+def length_desensitised(labels: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's token weights (B, T) for N chosen rows then their N rejected rows: 1 on each response's first
+    tokens, as many as the pair's shorter response has, `alpha` on the rest, 0 off the responses.
+
+    >>> labels = torch.tensor([[-100, 5, 6, 7], [-100, 8, -100, -100]])  # a 3-token chosen, a 1-token rejected reply
+    >>> length_desensitised(labels, 0.5)
+    tensor([[0.0000, 1.0000, 0.5000, 0.5000],
+            [0.0000, 1.0000, 0.0000, 0.0000]])
+    """
+    trained = labels != IGNORE_INDEX
+    order, lengths = trained.cumsum(dim=-1), trained.sum(dim=-1)
+    n = lengths.shape[0] // 2
+    shared = torch.minimum(lengths[:n], lengths[n:]).repeat(2)[:, None]
+    return torch.where(order <= shared, 1.0, alpha) * trained
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair (loss, chosen reward, rejected reward); rewards are beta * (policy - reference).
+
+    >>> loss, c, r = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]),
+    ...     beta=0.5)
+    >>> round(loss.item(), 4), c.item(), r.item()   # -log sigmoid(0.5 * (1 - (-1)))
+    (0.3133, 0.5, -0.5)
+    """
+    chosen_rewards = beta * (policy_chosen - ref_chosen)
+    rejected_rewards = beta * (policy_rejected - ref_rejected)
+    return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """What a preference loss reads from the dpo section."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # robust: the assumed flip rate; exo_pair: EXO's epsilon
+    simpo_gamma: float = 0.5  # simpo: the target margin
+    discopop_tau: float = 0.05  # discopop: the blend's temperature
+
+
+def _rewards(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings):
+    """(h, chosen rewards, rejected rewards): h = (pi_c - ref_c) - (pi_r - ref_r); rewards beta (pi - ref)."""
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    return h, s.beta * (chosen - ref_chosen), s.beta * (rejected - ref_rejected)
+
+
+def sigmoid(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """DPO (Rafailov et al., 2023): -log sigmoid(beta h)."""
+    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, s.beta)
+
+
+def robust(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """Robust DPO (Chowdhury et al., 2024) under a flip rate e: (-(1 - e) log sig(beta h) + e log sig(-beta h)) /
+    (1 - 2e)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    e = s.label_smoothing
+    return (-(1 - e) * F.logsigmoid(s.beta * h) + e * F.logsigmoid(-s.beta * h)) / (1 - 2 * e), rc, rr
+
+
+def hinge(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """SLiC's hinge (Zhao et al., 2023): max(0, 1 - beta h)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return torch.relu(1 - s.beta * h), rc, rr
+
+
+def ipo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """IPO (Azar et al., 2023): (h - 1 / (2 beta))^2 on log-probs averaged over each response's tokens."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return (h - 1 / (2 * s.beta)) ** 2, rc, rr
+
+
+def exo_pair(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """EXO (Ji et al., 2024, eq. 16): KL(softmax of beta h over the pair || (1 - e, e)), e = dpo.label_smoothing."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    e = torch.tensor(s.label_smoothing)
+    win, lose = s.beta * h, -s.beta * h
+    loss = torch.sigmoid(win) * (F.logsigmoid(win) - torch.log1p(-e)) + torch.sigmoid(lose) * (
+        F.logsigmoid(lose) - torch.log(e)
+    )
+    return loss, rc, rr
+
+
+def nca_pair(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """NCA (Chen et al., 2024): -log sig(beta l_c) - 1/2 log sig(-beta l_c) - 1/2 log sig(-beta l_r)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return -F.logsigmoid(rc) - 0.5 * F.logsigmoid(-rc) - 0.5 * F.logsigmoid(-rr), rc, rr
+
+
+def bco_pair(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """BCO's pairwise form (Jung et al., 2024) as TRL's DPOTrainer has it: -log sig(beta l_c) - log sig(-beta l_r)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return -F.logsigmoid(rc) - F.logsigmoid(-rr), rc, rr
+
+
+def sppo_hard(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """SPPO (Wu et al., 2024) with hard win probabilities: (l_c - 1 / (2 beta))^2 + (l_r + 1 / (2 beta))^2."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    lc, lr = chosen - ref_chosen, rejected - ref_rejected
+    return (lc - 0.5 / s.beta) ** 2 + (lr + 0.5 / s.beta) ** 2, rc, rr
+
+
+def apo_zero(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """APO-zero (D'Oosterlinck et al., 2024, eq. 7; chosen replies better than the model's): 1 - sig(beta l_c) +
+    sig(beta l_r)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return 1 - torch.sigmoid(rc) + torch.sigmoid(rr), rc, rr
+
+
+def apo_down(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """APO-down (D'Oosterlinck et al., 2024, eq. 8; chosen replies worse than the model's): sig(beta l_c) + 1 -
+    sig(beta h)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return torch.sigmoid(rc) + 1 - torch.sigmoid(s.beta * h), rc, rr
+
+
+def discopop(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """DiscoPOP (Chris Lu et al., 2024, eq. 5): the logistic and exponential losses blended by sig(beta h / tau)."""
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    margin = s.beta * h
+    blend = torch.sigmoid(margin / s.discopop_tau)
+    return -F.logsigmoid(margin) * (1 - blend) + torch.exp(-margin) * blend, rc, rr
+
+
+def simpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """SimPO (Meng et al., 2024), reference-free: -log sigmoid(beta (a_c - a_r) - gamma)."""
+    rewards = s.beta * chosen.detach(), s.beta * rejected.detach()
+    return -F.logsigmoid(s.beta * (chosen - rejected) - s.simpo_gamma), *rewards
+
+
+def orpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """ORPO (Hong et al., 2024), reference-free: NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r))."""
+    assert chosen_nll is not None, "ORPO adds the chosen responses' NLL"
+    log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+    return chosen_nll - s.beta * F.logsigmoid(log_odds), s.beta * chosen.detach(), s.beta * rejected.detach()
+
+
+@dataclass(frozen=True)
+class PreferenceLoss(Variant):
+    """One `dpo.loss_type`: its per-pair function and what makes it itself, read by `resolve_dpo`, the strategy
+    factory (`preference_strategy`), the DPO stage and its loaders. Adding one is a function and a row of
+    `PREFERENCE_LOSSES`."""
+
+    about: str
+    fn: Callable | None = None
+    """(chosen, rejected, ref chosen, ref rejected log-probs (N,), PreferenceSettings, chosen NLL) -> per pair
+    (loss, chosen reward, rejected reward); None: KTO's own strategy (`KTOStrategy`)."""
+    reference: bool = True
+    """It compares with a reference model (frozen, or the data's precomputed log-probs); False: none is loaded."""
+    averaged: bool = False
+    """Its log-probs are averaged over each response's tokens (the others sum them)."""
+    paired: bool = True
+    """It reads chosen / rejected pairs; False: unpaired judged replies (KTO's), with a KL estimate's rows."""
+    jax: bool = False
+    """The JAX backend trains it (`tierlm.primitives.jax_losses.dpo_loss`)."""
+
+
+SMOOTHING = (
+    "dpo.label_smoothing is robust DPO's assumed flip rate and EXO's epsilon: set dpo.loss_type=robust or exo_pair "
+    "with 0 < dpo.label_smoothing < 0.5, or neither"
+)
+
+PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
+    "sigmoid": PreferenceLoss("DPO (Rafailov et al., 2023)", sigmoid, jax=True),
+    "sigmoid_norm": PreferenceLoss("DPO on per-token averaged log-probs", sigmoid, averaged=True),
+    "ipo": PreferenceLoss("IPO (Azar et al., 2023), on per-token averaged log-probs", ipo, averaged=True),
+    "hinge": PreferenceLoss("SLiC's hinge (Zhao et al., 2023)", hinge),
+    "robust": PreferenceLoss(
+        "robust DPO under label noise (Chowdhury et al., 2024)",
+        robust,
+        needs=("label_smoothing",),
+        reads=("label_smoothing",),
+        why=SMOOTHING,
+    ),
+    "exo_pair": PreferenceLoss(
+        "EXO (Ji et al., 2024), the pairwise form",
+        exo_pair,
+        needs=("label_smoothing",),
+        reads=("label_smoothing",),
+        why=SMOOTHING,
+    ),  # fmt: skip
+    "nca_pair": PreferenceLoss("NCA (Chen et al., 2024), the pairwise form", nca_pair),
+    "bco_pair": PreferenceLoss("BCO (Jung et al., 2024), the pairwise form of TRL's DPOTrainer", bco_pair),
+    "sppo_hard": PreferenceLoss("SPPO (Wu et al., 2024) with hard win probabilities", sppo_hard),
+    "apo_zero": PreferenceLoss("APO-zero (D'Oosterlinck et al., 2024): chosen better than the model's", apo_zero),
+    "apo_down": PreferenceLoss("APO-down (D'Oosterlinck et al., 2024): chosen worse than the model's", apo_down),
+    "discopop": PreferenceLoss(
+        "DiscoPOP (Lu et al., 2024), a discovered blend of logistic and exponential losses",
+        discopop,
+        reads=("discopop_tau",),
+        why="dpo.discopop_tau is DiscoPOP's; dpo.loss_type={name} does not read it",
+    ),  # fmt: skip
+    "simpo": PreferenceLoss(
+        "SimPO (Meng et al., 2024), reference-free",
+        simpo,
+        reference=False,
+        averaged=True,
+        reads=("simpo_gamma",),
+        why="dpo.simpo_gamma is SimPO's margin; dpo.loss_type={name} does not read it",
+    ),
+    "orpo": PreferenceLoss(
+        "ORPO (Hong et al., 2024), reference-free",
+        orpo,
+        reference=False,
+        averaged=True,
+        fixed={"rpo_alpha": 0.0},
+        why="dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type=orpo has its own NLL "
+        "term: drop it",
+    ),  # fmt: skip
+    "kto": PreferenceLoss(
+        "KTO (Ethayarajh et al., 2024) on unpaired judged replies",
+        paired=False,
+        fixed={"reference": "frozen", "rpo_alpha": 0.0},
+        reads=("desirable_weight", "undesirable_weight"),
+        why={
+            "reference": "dpo.loss_type=kto computes its reference log-probs (and the KL rows'): drop dpo.reference",
+            "rpo_alpha": "dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type=kto has no "
+            "pairs: drop it",
+            "desirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
+            "read them",
+            "undesirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
+            "read them",
+        },
+    ),
+}
+"""dpo.loss_type -> what it is: the one place a preference loss is named."""
+
+
+def resolve_dpo(dpo):
+    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it). Done once, when
+    a run's config is resolved.
+
+    >>> from tierlm.config import DPOConfig
+    >>> resolve_dpo(DPOConfig(loss_type="simpo", simpo_gamma=1.0)).simpo_gamma
+    1.0
+    >>> resolve_dpo(DPOConfig(loss_type="simpo", reference="precomputed"))
+    Traceback (most recent call last):
+    tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
+    """
+    row = check_variant(dpo, "loss_type", PREFERENCE_LOSSES, "dpo")
+    if not row.reference and dpo.reference == "precomputed":
+        raise ConfigError(f"dpo.loss_type={dpo.loss_type} uses no reference: drop dpo.reference=precomputed")
+    if dpo.ld_alpha is not None and not (row.paired and row.reference):
+        raise ConfigError(
+            f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
+            f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
+        )
+    if dpo.ld_alpha is not None and dpo.reference == "precomputed":
+        raise ConfigError(
+            "dpo.ld_alpha weights the reference's log-probs too, and precomputed ones are whole sums: use "
+            "dpo.reference=frozen, or drop dpo.ld_alpha"
+        )
+    return dpo
+
+
+def preference_loss(
+    loss_type: str,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor | None,
+    ref_rejected: torch.Tensor | None,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    chosen_nll: torch.Tensor | None = None,
+    discopop_tau: float = 0.05,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair (loss, chosen reward, rejected reward) of `loss_type` (the module's docstring has the formulas).
+    `chosen` / `rejected` are the policy's sequence log-probs (averaged per token for ipo, simpo and orpo); ORPO
+    also takes the chosen responses' mean token NLL.
+
+    >>> loss, _, _ = preference_loss("hinge", torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]),
+    ...     torch.tensor([-2.0]), beta=0.25)
+    >>> loss.item()   # max(0, 1 - 0.25 * 2)
+    0.5
+    """
+    settings = PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
+    return PREFERENCE_LOSSES[loss_type].fn(chosen, rejected, ref_chosen, ref_rejected, settings, chosen_nll)

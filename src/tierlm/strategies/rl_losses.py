@@ -425,6 +425,15 @@ RL_LOSSES: dict[str, RLLoss] = {
 """rl.loss -> what it is: the one place a policy-gradient loss is named."""
 
 
+PYTORCH_ONLY: dict[str, Callable] = {
+    "off_policy_mask": lambda rl: rl.off_policy_mask is not None,
+    "two_sided_clip": lambda rl: rl.two_sided_clip is not None,
+    "entropy_coef": lambda rl: bool(rl.entropy_coef),
+    "top_entropy_quantile": lambda rl: rl.top_entropy_quantile < 1,
+}
+"""rl.<setting> -> whether a run turns it on: what the PyTorch losses apply and the JAX twins do not."""
+
+
 def resolve_rl(rl, jax: bool = False):
     """The `rl` section with its loss's defaults filled in (clip bounds, std division, dynamic sampling), refusing
     in one line (a ConfigError) what the loss fixes, needs or does not read (and, for the JAX backend, a loss
@@ -442,23 +451,22 @@ def resolve_rl(rl, jax: bool = False):
     spec = check_variant(rl, "loss", RL_LOSSES, "rl")
     if jax and spec.jax is None:
         raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
-    if jax and rl.off_policy_mask is not None:
-        raise ConfigError("rl.off_policy_mask is applied by the PyTorch losses: train it with infra.backend=pytorch")
+    for name, on in PYTORCH_ONLY.items():
+        if jax and on(rl):
+            raise ConfigError(f"rl.{name} is applied by the PyTorch losses: train it with infra.backend=pytorch")
     if rl.two_sided_clip is not None and not spec.clips_ratio:
         raise ConfigError(
             f"rl.two_sided_clip caps the ratio in PPO's clipped surrogate; rl.loss={rl.loss} has none: drop it"
         )
-    if rl.two_sided_clip is not None and jax:
-        raise ConfigError("rl.two_sided_clip is applied by the PyTorch losses: train it with infra.backend=pytorch")
-    if rl.entropy_coef and (jax or spec.vocab):
+    if rl.entropy_coef and spec.vocab:
         raise ConfigError(
-            f"rl.entropy_coef adds the policy's entropy to a PyTorch policy-gradient loss; rl.loss={rl.loss}"
-            f"{' on infra.backend=jax' if jax else ''} takes none: drop it"
+            f"rl.entropy_coef adds the policy's entropy to a policy-gradient loss; rl.loss={rl.loss} takes none: "
+            "drop it"
         )
-    if rl.top_entropy_quantile < 1 and (jax or spec.vocab):
+    if rl.top_entropy_quantile < 1 and spec.vocab:
         raise ConfigError(
-            f"rl.top_entropy_quantile picks the sampled tokens a PyTorch policy-gradient loss trains; rl.loss={rl.loss}"
-            f"{' on infra.backend=jax' if jax else ''} has none to pick: drop it"
+            f"rl.top_entropy_quantile picks the sampled tokens a policy-gradient loss trains; rl.loss={rl.loss} has "
+            "none to pick: drop it"
         )
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
     dynamic = rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling

@@ -216,6 +216,11 @@ CASES = [
         "infra.compile is true .each block., false or model",
     ),
     Case(
+        "std-unknown-scope",
+        ["config", "show", "rl.normalize_std=global"],
+        r"rl.normalize_std is true or group .each group's std., batch .the step's. or false, got 'global'",
+    ),
+    Case(
         "compile-model-with-fsdp",
         ["config", "show", "infra.compile=model", "infra.distributed_type=fsdp"],
         r"infra.compile=model compiles the whole forward in one process or under DDP, not with "
@@ -969,6 +974,19 @@ CASES = [
         "rl-sapo-with-a-clip",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=sapo", "rl.clip_high=0.3"],
         "rl.loss=sapo gates the ratio softly instead of clipping it",
+    ),
+    Case(
+        "rl-batch-std-on-its-own-baseline",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.loss=rloo",
+            "rl.normalize_std=batch",
+        ],
+        r"rl.loss=rloo has its own baseline .leave-one-out.: drop rl.normalize_std",
     ),
     Case(
         "rl-vespo-shape-without-vespo",

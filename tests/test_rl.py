@@ -15,6 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from episode_checks import episodes_train_the_ids_sampled
 from tierlm.backends import PyTorchTrainingBackend
 from tierlm.builders.tasks import open_task
+from tierlm.config import RLConfig
 from tierlm.errors import DataError
 from tierlm.loops.evaluation import pass_at_k
 from tierlm.loops.policy_update import rollout_batch
@@ -27,7 +28,15 @@ from tierlm.rollout.together import like_lengths
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.dpo import DPOStrategy
 from tierlm.strategies.preference_losses import dpo_loss
-from tierlm.strategies.rl import ReinforceStrategy, group_advantages, kl_penalty, policy_gradient_loss, token_logprobs
+from tierlm.strategies.rl import (
+    ReinforceStrategy,
+    group_advantages,
+    kl_penalty,
+    policy_gradient_loss,
+    policy_gradient_strategy,
+    token_logprobs,
+)
+from tierlm.strategies.rl_losses import resolve_rl
 from tierlm.tasks import exact_number_reward
 
 
@@ -532,6 +541,29 @@ def test_group_advantages_against_hand_computation():
     std = group_advantages(rewards, group_size=4, normalize_std=True)
     torch.testing.assert_close(std[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5, rtol=0)
     torch.testing.assert_close(std[4:], (rewards[4:] - 0.75) / math.sqrt(0.1875), atol=1e-5, rtol=0)
+
+
+def test_batch_scaled_advantages_divide_by_the_whole_steps_std_over_every_rank():
+    """Lite PPO's (TRL's scale_rewards="batch"): the group's mean off, the step's population std divided out; two
+    ranks, each with half the groups and `total` summing their moments, give the one-process figures."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0])
+    group_mean = rewards.view(-1, 4).mean(dim=1).repeat_interleave(4)
+    expected = (rewards - group_mean) / (rewards.std(unbiased=False) + 1e-6)
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch"), expected)
+    assert not torch.allclose(expected, group_advantages(rewards, 4, "group"))  # not the groups' stds
+    halves = rewards[:8], rewards[8:]
+
+    def total(_mine):  # what the loop's all-reduce of each rank's {n, sum, squares} returns
+        return {
+            "n": 12.0,
+            "sum": float(rewards.double().sum()),
+            "squares": float((rewards.double() ** 2).sum()),
+        }
+
+    per_rank = torch.cat([group_advantages(h, 4, "batch", total=total) for h in halves])
+    torch.testing.assert_close(per_rank, expected)
+    loop = policy_gradient_strategy(resolve_rl(RLConfig(loss="grpo", normalize_std="batch")))
+    torch.testing.assert_close(loop.advantages(rewards, 4), expected)
 
 
 @pytest.mark.parametrize(

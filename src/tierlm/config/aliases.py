@@ -45,7 +45,7 @@ OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "num_generations": ("TRL", ("rl.group_size",)),
     "max_completion_length": ("TRL", ("rl.max_new_tokens",)),
     "num_iterations": ("TRL", ("rl.ppo_epochs",)),
-    "scale_rewards": ("TRL", ("rl.normalize_std",)),
+    "scale_rewards": ("TRL", ("rl.normalize_std",)),  # group, batch, none: true, batch, false
     "epsilon": ("TRL", ("rl.clip_range",)),
     "epsilon_high": ("TRL", ("rl.clip_high",)),
     "use_vllm": ("TRL", ("engine.kind",)),

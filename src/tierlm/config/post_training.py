@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tierlm.config.model import Section
 
@@ -121,8 +121,10 @@ class RLConfig(Section):
     """PPO/GRPO ratio clip epsilon."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen starting model (0: no reference model is kept)."""
-    normalize_std: bool | None = None
-    """Divide advantages by the group's std (None: true for grpo, false otherwise)."""
+    normalize_std: bool | Literal["group", "batch"] | None = None
+    """Divide the group-mean advantages by a std: true or group, each group's (GRPO); batch, the whole step's
+    rewards' over every rank (Lite PPO, Liu et al., 2025; TRL's scale_rewards="batch"); false, none (None: the
+    loss's default, true for grpo, dapo, gspo, cispo, bnpo and the like)."""
     micro_batch_size: int = Field(64, gt=0)
     """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
     balance_ranks: bool = True
@@ -220,6 +222,19 @@ class RLConfig(Section):
     """Samples per held-out problem: pass@1 is their mean accuracy, pass@k whether any is right."""
     eval_temperature: float = Field(1.0, ge=0)
     """Sampling temperature for pass@k (0: greedy, then pass@1 == pass@k)."""
+
+    @field_validator("normalize_std", mode="before")
+    @classmethod
+    def _std_scope(cls, value):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if value is None or value in ("group", "batch"):
+            return value
+        raise ValueError(
+            f"rl.normalize_std is true or group (each group's std), batch (the step's) or false, got {value!r}"
+        )
 
     @model_validator(mode="after")
     def _check_loss(self) -> "RLConfig":

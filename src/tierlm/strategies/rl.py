@@ -24,20 +24,29 @@ Batch = Mapping[str, torch.Tensor]
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-6
+    rewards: torch.Tensor, group_size: int, normalize_std: bool | str = False, eps: float = 1e-6, total=None
 ) -> torch.Tensor:
-    """Reward minus its group's mean (groups: consecutive `group_size` samples of one prompt);
-    GRPO also divides by the group's standard deviation.
+    """Reward minus its group's mean (groups: consecutive `group_size` samples of one prompt); GRPO also divides
+    by the group's standard deviation (`normalize_std` true or "group"), Lite PPO (Liu et al., 2025; TRL's
+    `scale_rewards="batch"`) by the whole step's (`"batch"`; `total` sums a dict of floats over the ranks, None:
+    this batch is the step). Both stds are population ones.
 
     >>> group_advantages(torch.tensor([1., 0., 0., 1., 1., 1., 1., 0.]), group_size=4).tolist()
     [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]
     >>> group_advantages(torch.tensor([1., 1., 1.]), group_size=3, normalize_std=True).tolist()  # no signal
     [0.0, 0.0, 0.0]
+    >>> rewards = torch.tensor([1., 0., 1., 1.])
+    >>> [round(a, 4) for a in group_advantages(rewards, 2, normalize_std="group").tolist()]
+    [1.0, -1.0, 0.0, 0.0]
+    >>> [round(a, 4) for a in group_advantages(rewards, 2, normalize_std="batch").tolist()]  # 0.5 / std(1, 0, 1, 1)
+    [1.1547, -1.1547, 0.0, 0.0]
     """
     assert rewards.numel() % group_size == 0, f"{rewards.numel()} rewards do not split into groups of {group_size}"
     groups = rewards.float().view(-1, group_size)
     advantages = groups - groups.mean(dim=1, keepdim=True)
-    if normalize_std:
+    if normalize_std == "batch":
+        advantages = advantages / (step_moments(rewards, total)[1] + eps)
+    elif normalize_std:
         advantages = advantages / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)
     return advantages.view(-1)
 
@@ -54,13 +63,9 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Te
     return (groups - others).view(-1)
 
 
-def batch_advantages(rewards: torch.Tensor, total=None, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++'s advantages: the rewards normalised by the mean and std of the whole step's rewards; `total` sums
-    a dict of floats over the ranks (None: this batch is the step).
-
-    >>> [round(a, 4) for a in batch_advantages(torch.tensor([1., 0., 0., 1.])).tolist()]
-    [1.0, -1.0, -1.0, 1.0]
-    """
+def step_moments(rewards: torch.Tensor, total=None) -> tuple[float, float]:
+    """(mean, population std) of the whole step's rewards; `total` sums a dict of floats over the ranks (None: this
+    batch is the step)."""
     sums = {
         "n": float(rewards.numel()),
         "sum": float(rewards.double().sum()),
@@ -68,7 +73,17 @@ def batch_advantages(rewards: torch.Tensor, total=None, eps: float = 1e-6) -> to
     }
     sums = total(sums) if total is not None else sums
     mean = sums["sum"] / sums["n"]
-    std = math.sqrt(max(sums["squares"] / sums["n"] - mean**2, 0.0))
+    return mean, math.sqrt(max(sums["squares"] / sums["n"] - mean**2, 0.0))
+
+
+def batch_advantages(rewards: torch.Tensor, total=None, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++'s advantages: the rewards normalised by the mean and std of the whole step's rewards; `total` sums
+    a dict of floats over the ranks (None: this batch is the step).
+
+    >>> [round(a, 4) for a in batch_advantages(torch.tensor([1., 0., 0., 1.])).tolist()]
+    [1.0, -1.0, -1.0, 1.0]
+    """
+    mean, std = step_moments(rewards, total)
     return (rewards.float() - mean) / (std + eps)
 
 
@@ -181,15 +196,15 @@ class PolicyGradientStrategy:
     """What the RL loop optimises, as a strategy: `compute_loss` for updates (the function of the `rl.loss` row of
     `tierlm.strategies.rl_losses.RL_LOSSES`), `compute_metrics` for the trainer-side log-probs of a rollout batch
     (old log-probs and the parity check), `advantages` from the rewards (the row's baseline: the group's mean,
-    divided by its std with `normalize_std`; leave-one-out; the whole step's), and `token_advantages` (GAE with
-    `gamma` and `lam`) when a critic trains beside the policy. `take_stats()` hands the loop the statistics of the
-    loss calls since the last one (clip fractions, GSPO's sequence ratios)."""
+    divided by the group's or the step's std with `normalize_std`; leave-one-out; the whole step's), and
+    `token_advantages` (GAE with `gamma` and `lam`) when a critic trains beside the policy. `take_stats()` hands
+    the loop the statistics of the loss calls since the last one (clip fractions, GSPO's sequence ratios)."""
 
     def __init__(
         self,
         loss: str = "ppo",
         settings: LossSettings | None = None,
-        normalize_std: bool = False,
+        normalize_std: bool | str = False,
         temperature: float = 1.0,
         gamma: float = 1.0,
         lam: float = 0.95,
@@ -209,7 +224,7 @@ class PolicyGradientStrategy:
             return leave_one_out_advantages(rewards, group_size)
         if self.baseline == "batch":
             return batch_advantages(rewards, total)
-        return group_advantages(rewards, group_size, self.normalize_std)
+        return group_advantages(rewards, group_size, self.normalize_std, total=total)
 
     def token_advantages(
         self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, total=None

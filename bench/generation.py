@@ -59,6 +59,7 @@ def _time(fn, batch: int, new_tokens: int, calls: int = 5) -> dict:
 def tierlm(args, hf: bool) -> dict:
     from tierlm.models import load_native_model
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import SamplingParams
 
     if hf:
         from transformers import AutoModelForCausalLM
@@ -70,7 +71,7 @@ def tierlm(args, hf: bool) -> dict:
     g = torch.Generator().manual_seed(0)
 
     def go():
-        out = engine.generate(prompt, args.batch, args.new_tokens, temperature=1.0, generator=g)
+        out = engine.generate(prompt, args.batch, args.new_tokens, SamplingParams(1.0), g)
         assert all(len(c.tokens) == args.new_tokens for c in out)
 
     return _time(go, args.batch, args.new_tokens)

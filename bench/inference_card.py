@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tierlm.metrics.flops import memory_bandwidth
 from tierlm.models import GPTConfig, build_gpt, load_native_model, save_model_folder
 from tierlm.rollout.engine import Engine
+from tierlm.rollout.sampling import SamplingParams
 
 PROMPT = list(range(10, 26))
 
@@ -116,7 +117,7 @@ def engine_generate(engine: Engine, batch: int, device: torch.device, attention:
 
     def generate(new_tokens: int):
         with attending(attention):
-            out = engine.generate(PROMPT, batch, new_tokens, temperature=1.0, generator=generator)
+            out = engine.generate(PROMPT, batch, new_tokens, SamplingParams(1.0), generator)
         assert all(len(c.tokens) == new_tokens for c in out)
 
     return generate

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tierlm.rollout.engine import Engine
+from tierlm.rollout.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from inference_card import card_config, chosen_device, random_gpt, timed  # noqa: E402
@@ -54,12 +55,12 @@ def main() -> None:
         return [(text, samples, torch.Generator(device).manual_seed(i)) for i, text in enumerate(texts)]
 
     def together():
-        out = engine.generate_many(requests(), new_tokens, 1.0)
+        out = engine.generate_many(requests(), new_tokens, SamplingParams(1.0))
         assert all(len(c.tokens) == new_tokens for group in out for c in group)
 
     def alone():
         for text, n, generator in requests():
-            engine.generate(text, n, new_tokens, 1.0, generator=generator)
+            engine.generate(text, n, new_tokens, SamplingParams(1.0), generator)
 
     rows = prompts * samples
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()})"

@@ -39,6 +39,7 @@ from tierlm.data.ul2_loader import create_ul2_dataset  # noqa: E402
 from tierlm.models import forward_cross_entropy, load_pretrained_model  # noqa: E402
 from tierlm.primitives.losses import IGNORE_INDEX, token_weights  # noqa: E402
 from tierlm.rollout.engine import Engine  # noqa: E402
+from tierlm.rollout.sampling import GREEDY  # noqa: E402
 from tierlm.stages import run_stage  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def infill(model, tokenizer, texts: list[str], seed: int = 0) -> list[dict]:
         # token); leaving a lone space before the sentinel asks for a fill no training span ever had.
         a -= a > 0 and text[a - 1] == " "
         left, right = tokenizer.encode(text[:a]), tokenizer.encode(text[b:])
-        tokens = engine.generate(masked_prompt(tokenizer, left, right), 1, 12, temperature=0.0)[0].tokens
+        tokens = engine.generate(masked_prompt(tokenizer, left, right), 1, 12, GREEDY)[0].tokens
         fill = tokenizer.decode(
             [t for t in tokens if t not in tokenizer.sentinel_ids and t != tokenizer.hf.eos_token_id]
         )

@@ -30,6 +30,7 @@ from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
 from tierlm.data import load_tokenizer
 from tierlm.models import load_pretrained_model
+from tierlm.rollout.sampling import SamplingParams
 from tierlm.rollout.text import answer_text
 
 
@@ -55,7 +56,9 @@ def main() -> int:
             example = task.example(index)
             generator = torch.Generator().manual_seed(config.training.seed * 1_000_003 + index)
             prompt = tokenizer.render_for_completion(example.messages)
-            completions = engine.generate(prompt, args.samples, config.rl.max_new_tokens, 1.0, generator=generator)
+            completions = engine.generate(
+                prompt, args.samples, config.rl.max_new_tokens, SamplingParams(1.0), generator
+            )
             scored = [
                 (c, task.reward(example.prompt, answer_text(tokenizer, c.tokens), example.reference))
                 for c in completions

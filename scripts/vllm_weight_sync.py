@@ -23,6 +23,7 @@ import torch
 from tierlm.data import load_tokenizer
 from tierlm.models import load_pretrained_model
 from tierlm.rollout.engine import Engine
+from tierlm.rollout.sampling import GREEDY, SamplingParams
 from tierlm.rollout.vllm import VLLMEngine
 
 
@@ -43,7 +44,7 @@ def main() -> int:
     load_s = time.perf_counter() - start
 
     def greedy(engine):
-        return engine.generate_many([(p, 1, None) for p in prompts], 16, 0.0)
+        return engine.generate_many([(p, 1, None) for p in prompts], 16, GREEDY)
 
     def gap(a, b):
         return max(abs(x - y) for ca, cb in zip(a, b) for x, y in zip(ca[0].logprobs, cb[0].logprobs))
@@ -58,7 +59,7 @@ def main() -> int:
     after_native, after_vllm = greedy(native), greedy(vllm)
     tokens = lambda batch: [c[0].tokens for c in batch]  # noqa: E731
     seeded = [
-        [c.tokens for c in vllm.generate(prompts[0], 4, 16, 1.0, generator=torch.Generator().manual_seed(7))]
+        [c.tokens for c in vllm.generate(prompts[0], 4, 16, SamplingParams(1.0), torch.Generator().manual_seed(7))]
         for _ in range(2)
     ]
     report = {

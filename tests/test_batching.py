@@ -10,6 +10,7 @@ from tierlm.models import GPTConfig, build_gpt
 from tierlm.rollout import static_decode, together
 from tierlm.rollout.batching import BatchedDecoder
 from tierlm.rollout.engine import Engine
+from tierlm.rollout.sampling import GREEDY
 
 
 def _model(max_seq_len: int):
@@ -28,7 +29,7 @@ def _model(max_seq_len: int):
 def _alone(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and their logits, the sequence alone (the engine's own cache)."""
     engine, rows = Engine(model), []
-    out = engine.generate(prompt, 1, steps, temperature=0.0, on_token=lambda r, c: None)[0]
+    out = engine.generate(prompt, 1, steps, GREEDY, on_token=lambda r, c: None)[0]
     ids = torch.tensor([prompt + out.tokens[:-1]], device=next(model.parameters()).device)
     with torch.no_grad():
         logits = model(ids)[0, len(prompt) - 1 :]
@@ -124,7 +125,7 @@ def test_requests_from_many_threads_get_what_each_gets_alone():
     model = _model(64)
     engine = Engine(model, stop_ids=[3])
     prompts = [[5, 9, 13], list(range(20, 31)), [7], [8, 8, 8, 2]]
-    alone = [engine.generate(p, 1, 20, temperature=0.0)[0] for p in prompts]
+    alone = [engine.generate(p, 1, 20, GREEDY)[0] for p in prompts]
     scheduler = BatchScheduler(engine, max_rows=2)  # four requests, two rows: two wait their turn
     try:
         requests = [Request(p, 20, temperature=0.0) for p in prompts]

@@ -115,11 +115,12 @@ def test_rolling_scores_match_the_harness_own_hf_model(lm, tiny_runs):
 
 def test_generation_is_the_engines_greedy_text_cut_at_the_stop_string(lm):
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import GREEDY
 
     (text,) = lm.generate_until(instances("generate_until", [("What is 2 + 3?", {"until": ["="], "max_gen_toks": 8})]))
     tokens = (
         Engine(lm.model, sorted({*lm.tokenizer.stop_ids, lm.eot_token_id}))
-        .generate(lm.tok_encode("What is 2 + 3?"), 1, 8, temperature=0.0)[0]
+        .generate(lm.tok_encode("What is 2 + 3?"), 1, 8, GREEDY)[0]
         .tokens
     )
     full = lm.tokenizer.decode([t for t in tokens if t not in lm.tokenizer.stop_ids], skip_special_tokens=True)

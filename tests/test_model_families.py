@@ -161,12 +161,13 @@ def test_gpt2_packed_documents_compute_what_they_would_alone():
 
 def test_gpt2_cached_greedy_decoding_equals_recomputation():
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import GREEDY
 
     model = GPT2_FAMILY.build_from_config(
         GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=32)
     ).eval()
     prompt = [3, 14, 15, 9]
-    tokens = Engine(model).generate(prompt, 1, 10, temperature=0.0)[0].tokens
+    tokens = Engine(model).generate(prompt, 1, 10, GREEDY)[0].tokens
     assert tokens == _greedy_by_recomputation(model, prompt, 10)
 
 
@@ -555,8 +556,9 @@ def test_the_learned_keep_ratio_gets_a_gradient():
 
 def test_pruned_models_generate_as_they_recompute():
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import GREEDY
 
     model = _gpt2(kv_prune=True, kv_recency=2, kv_keep_ratio=0.3)
     prompt = [3, 14, 15, 9, 2, 6]
-    tokens = Engine(model).generate(prompt, 2, 8, temperature=0.0)[0].tokens
+    tokens = Engine(model).generate(prompt, 2, 8, GREEDY)[0].tokens
     assert tokens == _greedy_by_recomputation(model, prompt, 8)

@@ -191,12 +191,13 @@ def test_a_gpt_with_experts_saves_as_transformers_qwen3_moe_with_the_same_logits
 def test_a_gpt_with_experts_decodes_with_its_cache_as_it_recomputes():
     from tierlm.rollout import generate
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import GREEDY
 
     gpt = _moe_gpt(seed=2)
     prompt = [3, 14, 15, 9]
     engine = Engine(gpt)
     assert engine.decoders is None  # routing sizes the experts' batches on the host: never the fixed-shape step
-    assert engine.generate(prompt, 2, 16, temperature=0.0)[0].tokens == generate(gpt, prompt, 16, temperature=0.0)
+    assert engine.generate(prompt, 2, 16, GREEDY)[0].tokens == generate(gpt, prompt, 16, GREEDY)
 
 
 def test_gpt_experts_refuse_what_qwen3_moe_cannot_hold():

@@ -41,6 +41,21 @@ def client(sft):
     return client_of(sft)
 
 
+def test_vllms_top_k_and_min_p_are_honoured(sft, client):
+    """vLLM's sampling extensions: top_k 1, or min_p 1, leave the likeliest token alone, so a sampled reply is the
+    greedy one; their no-op values (-1, 0) sample what a request without them samples under the same seed."""
+    ask = dict(model=sft.name, messages=QUESTION, max_tokens=16)
+    greedy = client.chat.completions.create(**ask, temperature=0).choices[0].message.content
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = client.chat.completions.create(**ask, temperature=1.5, seed=3, n=2, extra_body=extra)
+        assert [c.message.content for c in hot.choices] == [greedy, greedy]
+    sampled = dict(ask, temperature=1.0, seed=11, n=3)
+    plain = client.chat.completions.create(**sampled).choices
+    off = client.chat.completions.create(**sampled, extra_body={"top_k": -1, "min_p": 0}).choices
+    assert [c.message.content for c in off] == [c.message.content for c in plain]
+    assert len({c.message.content for c in plain}) > 1  # sampling, not greedy
+
+
 def test_n_seed_and_stop_in_both_endpoints(sft, client):
     greedy = client.chat.completions.create(model=sft.name, messages=QUESTION, temperature=0, max_tokens=24)
     text = greedy.choices[0].message.content

@@ -13,6 +13,7 @@ from tierlm.config import RLConfig
 from tierlm.loops.partial import PartialRollouts
 from tierlm.models import build_gpt, forward_logits
 from tierlm.rollout.engine import Completion, Engine, Rollout
+from tierlm.rollout.sampling import GREEDY, SamplingParams
 from tierlm.rollout.tools import Calculator
 
 
@@ -32,13 +33,13 @@ def test_extend_goes_on_under_new_weights_with_their_logprobs_and_versions(tiny_
     model = _random_gpt(tiny_gpt_config)
     engine, prompt = Engine(model), [1, 2, 3]
     generator = torch.Generator().manual_seed(3)
-    rows = engine.generate(prompt, 3, 4, temperature=1.0, generator=generator)
+    rows = engine.generate(prompt, 3, 4, SamplingParams(1.0), generator=generator)
     before = [list(r.logprobs) for r in rows]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
     engine.load_weights(None, 1)
-    engine.extend(prompt, rows, 5, temperature=1.0, generator=generator)
+    engine.extend(prompt, rows, 5, SamplingParams(1.0), generator=generator)
     for r, old in zip(rows, before):
         assert len(r.tokens) == 9 and r.versions == [0] * 4 + [1] * 5 and r.weight_version == 0
         assert r.logprobs[:4] == old
@@ -62,10 +63,10 @@ def test_a_tool_result_cut_by_a_chunk_is_forced_first_in_the_next(tiny_tokenizer
 
     script = call + filler + answer
     engine = ScriptedEngine(script, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()])
-    [row] = engine.generate([1, 2], 1, len(call) + 2, temperature=0.0)
+    [row] = engine.generate([1, 2], 1, len(call) + 2, GREEDY)
     assert row.tokens == call + result[:2] and row.forced == result[2:] and not row.finished
     engine.load_weights(None, 1)
-    engine.extend([1, 2], [row], 64, temperature=0.0)
+    engine.extend([1, 2], [row], 64, GREEDY)
     assert row.tokens == call + result + answer and row.finished and row.tool_calls == 1 and not row.forced
     assert row.mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
     assert row.versions == [0] * (len(call) + 2) + [1] * (len(result) - 2 + len(answer))
@@ -86,7 +87,7 @@ class LengthEngine:
     def max_len(self) -> int:
         return 1000
 
-    def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None):
+    def generate_many(self, requests, max_new_tokens, params):
         out = []
         for prompt, n, _ in requests:
             rows = [Completion(weight_version=self.weight_version) for _ in range(n)]
@@ -94,7 +95,7 @@ class LengthEngine:
             out.append(rows)
         return out
 
-    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None):
+    def extend_many(self, requests, max_new_tokens, params, budget=None):
         for prompt, rows, _ in requests:
             self._grow(prompt[0], rows, min(max_new_tokens, budget - len(rows[0].tokens)))
 

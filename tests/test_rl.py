@@ -23,6 +23,7 @@ from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout import generate
 from tierlm.rollout.engine import Engine, Rollout
+from tierlm.rollout.sampling import GREEDY, SamplingParams
 from tierlm.rollout.text import answer_text
 from tierlm.rollout.together import like_lengths
 from tierlm.rollout.tools import Calculator
@@ -65,10 +66,10 @@ def _models(tiny_gpt_config):
 def test_engine_greedy_equals_full_recompute(tiny_gpt_config, kind):
     model = _models(tiny_gpt_config)[kind]
     prompt = [3, 14, 15, 92, 65]
-    reference = generate(model, prompt, max_new_tokens=24, temperature=0.0)  # full recompute, no cache
+    reference = generate(model, prompt, max_new_tokens=24, params=GREEDY)  # full recompute, no cache
     with warnings.catch_warnings():  # a deprecated argument (transformers' past_key_values since 5.25) fails it
         warnings.simplefilter("error", FutureWarning)
-        completions = Engine(model).generate(prompt, num_samples=3, max_new_tokens=24, temperature=0.0)
+        completions = Engine(model).generate(prompt, num_samples=3, max_new_tokens=24, params=GREEDY)
     assert all(c.tokens == reference for c in completions)
     # The sampler's log-probs are the model's, recomputed over the whole sequence.
     ids = torch.tensor([prompt + reference])
@@ -101,8 +102,8 @@ def test_a_prefill_computes_the_last_positions_logits_only(tiny_gpt_config, kind
 def test_engine_sampling_is_seeded_and_stops(tiny_gpt_config):
     model = _models(tiny_gpt_config)["native"]
     engine = Engine(model, stop_ids=[7])
-    a = engine.generate([1, 2, 3], 4, 20, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))
-    b = engine.generate([1, 2, 3], 4, 20, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))
+    a = engine.generate([1, 2, 3], 4, 20, SamplingParams(1.0, top_k=20), torch.Generator().manual_seed(5))
+    b = engine.generate([1, 2, 3], 4, 20, SamplingParams(1.0, top_k=20), torch.Generator().manual_seed(5))
     assert [c.tokens for c in a] == [c.tokens for c in b]
     for c in a:
         assert c.finished == (7 in c.tokens) and (not c.finished or c.tokens[-1] == 7)
@@ -132,7 +133,9 @@ def test_the_fixed_shape_decode_step_samples_what_the_slicing_step_samples(tiny_
 
     def run(engine):
         return [
-            engine.generate(prompt, samples, 30, temperature, top_k, generator=torch.Generator().manual_seed(seed))
+            engine.generate(
+                prompt, samples, 30, SamplingParams(temperature, top_k), torch.Generator().manual_seed(seed)
+            )
             for prompt, seed in (([3, 14, 15, 92, 65], 1), ([9, 2], 2))
         ]
 
@@ -150,9 +153,9 @@ def test_fixed_shape_decoding_continues_partial_rollouts_as_the_slicing_step(tin
     model = _models(tiny_gpt_config)["native"]
 
     def run(engine):
-        rows = engine.generate([1, 2, 3], 3, 4, 1.0, generator=torch.Generator().manual_seed(0))
+        rows = engine.generate([1, 2, 3], 3, 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
         rows = [r for r in rows if not r.finished]
-        engine.extend([1, 2, 3], rows, 12, 1.0, generator=torch.Generator().manual_seed(1))
+        engine.extend([1, 2, 3], rows, 12, SamplingParams(1.0), torch.Generator().manual_seed(1))
         return rows
 
     _same_samples(*_static_and_slicing(model, run))
@@ -171,7 +174,7 @@ def test_packed_projections_are_the_weights_themselves_through_training_and_infe
     apart.decoders = Decoders(model, graph=False, pack=False)
 
     def sample(engine, seed=3):
-        return engine.generate([3, 14, 15], 3, 20, 1.0, generator=torch.Generator().manual_seed(seed))
+        return engine.generate([3, 14, 15], 3, 20, SamplingParams(1.0), torch.Generator().manual_seed(seed))
 
     with torch.inference_mode():
         first = sample(engine)
@@ -211,7 +214,7 @@ def test_lora_projections_stay_apart_in_the_packed_step(tiny_gpt_config):
     assert {name for _, name, _ in projections(model)} == {"gate_up_weight"}
 
     def sample(engine):
-        return engine.generate([3, 14, 15], 3, 20, 1.0, generator=torch.Generator().manual_seed(3))
+        return engine.generate([3, 14, 15], 3, 20, SamplingParams(1.0), torch.Generator().manual_seed(3))
 
     _same_samples(sample(Engine(model, stop_ids=[7], static=True)), sample(Engine(model, stop_ids=[7], static=False)))
 
@@ -230,13 +233,15 @@ def test_sampling_ahead_of_the_host_changes_nothing(tiny_gpt_config, static):
         streamed, generator = [], torch.Generator().manual_seed(1)
         torch.manual_seed(3)
         out = [
-            engine.generate([3, 14, 15], 6, 40, 1.0, generator=generator, on_token=lambda r, c: streamed.append(r)),
-            engine.generate([9, 2], 4, 30, 0.7, top_p=0.9),  # torch's own generator
-            engine.generate([5, 6], 2, 20, 0.0),
+            engine.generate(
+                [3, 14, 15], 6, 40, SamplingParams(1.0), generator, on_token=lambda r, c: streamed.append(r)
+            ),
+            engine.generate([9, 2], 4, 30, SamplingParams(0.7, top_p=0.9)),  # torch's own generator
+            engine.generate([5, 6], 2, 20, GREEDY),
         ]
-        partial = engine.generate([1, 2, 3], 5, 2, 1.0, generator=generator)
+        partial = engine.generate([1, 2, 3], 5, 2, SamplingParams(1.0), generator)
         rows = [r for r in partial if not r.finished]
-        engine.extend([1, 2, 3], rows, 30, 1.0, generator=generator)
+        engine.extend([1, 2, 3], rows, 30, SamplingParams(1.0), generator)
         return out + [partial], streamed, torch.rand(4, generator=generator), torch.rand(4)
 
     steady = run(1)
@@ -270,15 +275,16 @@ def test_prompts_decoded_together_sample_what_each_samples_alone(tiny_gpt_config
         engine.ahead = ahead if together else 1  # alone: the step-by-step loop
         generators = [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
         requests = [(prompt, n, g) for (prompt, n), g in zip(prompts, generators)]
+        params = SamplingParams(temperature, top_k, top_p)
         if together:
-            assert engine._runs([(len(p), n, 40, g) for p, n, g in requests], temperature) == [[0, 1, 2, 3]]
+            assert engine._runs([(len(p), n, 40, g) for p, n, g in requests], params) == [[0, 1, 2, 3]]
             fed = []  # tokens a row of each forward: the prompts' prefills (in two groups of like lengths), then steps
             hook = model.register_forward_pre_hook(lambda _, args: fed.append(args[0].shape[1]))
-            out = engine.generate_many(requests, 40, temperature, top_k, top_p)
+            out = engine.generate_many(requests, 40, params)
             hook.remove()
             assert sum(n > 1 for n in fed) == len(like_lengths([len(p) for p, _ in prompts])) == 2
         else:
-            out = [engine.generate(p, n, 40, temperature, top_k, top_p, g) for p, n, g in requests]
+            out = [engine.generate(p, n, 40, params, g) for p, n, g in requests]
         return out, [torch.rand(3, generator=g) for g in generators]
 
     (together, after), (alone, expected) = run(True), run(False)
@@ -296,7 +302,7 @@ def test_prompts_decode_together_only_where_each_would_have_its_budget_and_its_g
     def runs(steps, generators=g, temperature=1.0, engine=engine):
         items = [(10, 30, steps[0], generators[0]), (20, 30, steps[1], generators[1]), (40, 2, steps[2], generators[2]),
                  (5, 4, steps[3], generators[3])]  # fmt: skip
-        return engine._runs(items, temperature)
+        return engine._runs(items, SamplingParams(temperature))
 
     # 64 rows at most; the longest prefix and the steps within the context; the same steps
     assert runs([20] * 4) == [[0, 1, 2], [3]]  # 62 rows, then 66
@@ -322,7 +328,7 @@ def test_partial_rollouts_continued_together_get_what_each_gets_alone(tiny_gpt_c
         engine.ahead = ahead if static is None else 1
         requests, generators = [], []
         for i, prompt in enumerate(prompts):  # first chunks, of different lengths: 4 tokens, the last one 6
-            rows = engine.generate(prompt, 3, 6 if i == 3 else 4, 1.0, generator=torch.Generator().manual_seed(i))
+            rows = engine.generate(prompt, 3, 6 if i == 3 else 4, SamplingParams(1.0), torch.Generator().manual_seed(i))
             generators.append(torch.Generator().manual_seed(10 + i))
             requests.append((prompt, [r for r in rows if not r.finished], generators[-1]))
         requests = [r for r in requests if r[1]]
@@ -330,7 +336,7 @@ def test_partial_rollouts_continued_together_get_what_each_gets_alone(tiny_gpt_c
         engine.load_weights(None, 1)
         alone, extend = [], engine.extend
         engine.extend = lambda prompt, *args: (alone.append(prompt), extend(prompt, *args))[1]
-        engine.extend_many(requests, 12, 1.0, budget=16)  # the last group's room: 16 - 6 = 10
+        engine.extend_many(requests, 12, SamplingParams(1.0), budget=16)  # the last group's room: 16 - 6 = 10
         assert alone == (prompts[3:] if static is None else prompts)  # the first three together
         return [rows for _, rows, _ in requests], [torch.rand(2, generator=g) for g in generators]
 
@@ -359,7 +365,7 @@ def test_the_compiled_decode_step_samples_what_the_eager_step_samples(tiny_gpt_c
     engines = compiled, eager = Engine(model, stop_ids=[7], compile=True), Engine(model, stop_ids=[7], static=True)
     assert compiled.decoders.compile and not eager.decoders.compile
     for prompt, samples in (([3, 14, 15], 3), ([9, 2], 5), ([1] * 30, 2), ([4, 5], 16)):  # row buckets 4, 8, 2, 16
-        a, b = (e.generate(prompt, samples, 30, 1.0, generator=torch.Generator().manual_seed(2)) for e in engines)
+        a, b = (e.generate(prompt, samples, 30, SamplingParams(1.0), torch.Generator().manual_seed(2)) for e in engines)
         _same_samples(a, b)
     assert len(compiled.decoders.decoders) == 4 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
@@ -378,7 +384,7 @@ def test_compile_options_reach_torch_compile_and_sample_the_eager_tokens(tiny_gp
     torch._dynamo.reset()
     model = _models(tiny_gpt_config)["native"]
     engines = Engine(model, compile="max-autotune"), Engine(model, static=True)
-    a, b = (e.generate([3, 14, 15], 3, 12, 1.0, generator=torch.Generator().manual_seed(2)) for e in engines)
+    a, b = (e.generate([3, 14, 15], 3, 12, SamplingParams(1.0), torch.Generator().manual_seed(2)) for e in engines)
     _same_samples(a, b)
     assert options == [{"max_autotune": True, "coordinate_descent_tuning": True}]
     static_decode.compiled_decode_step.cache_clear()
@@ -454,7 +460,7 @@ def test_cuda_graph_decoding_equals_the_eager_step(tiny_gpt_config):
         slicing = Engine(model, stop_ids=[7], static=False)
         for samples in (1, 6):
             a, b, c = (
-                e.generate([3, 14, 15], samples, 40, 1.0, generator=torch.Generator("cuda").manual_seed(4))
+                e.generate([3, 14, 15], samples, 40, SamplingParams(1.0), torch.Generator("cuda").manual_seed(4))
                 for e in (graphed, eager, slicing)
             )
             assert [x.tokens for x in a] == [x.tokens for x in b] and [x.logprobs for x in a] == [x.logprobs for x in b]
@@ -473,7 +479,7 @@ def test_cuda_decoding_compiled_ahead_and_batched_samples_the_eager_tokens(tiny_
     assert compiled.ahead == 8 and compiled.decoders.graph and compiled.decoders.compile
     for samples in (1, 6):
         a, b, c, d = (
-            e.generate([3, 14, 15], samples, 40, 1.0, generator=torch.Generator("cuda").manual_seed(4))
+            e.generate([3, 14, 15], samples, 40, SamplingParams(1.0), torch.Generator("cuda").manual_seed(4))
             for e in (compiled, eager, every_step, Engine(model, [7]))
         )
         _same_samples(a, b)
@@ -482,9 +488,9 @@ def test_cuda_decoding_compiled_ahead_and_batched_samples_the_eager_tokens(tiny_
     def requests():
         return [(p, n, torch.Generator("cuda").manual_seed(n)) for p, n in (([3, 14, 15], 3), ([9, 2, 6, 5, 3], 5))]
 
-    together = Engine(model, [7]).generate_many(requests(), 40, 1.0)
+    together = Engine(model, [7]).generate_many(requests(), 40, SamplingParams(1.0))
     for a, (p, n, g) in zip(together, requests()):
-        _same_samples(a, every_step.generate(p, n, 40, 1.0, generator=g))
+        _same_samples(a, every_step.generate(p, n, 40, SamplingParams(1.0), g))
 
 
 class ScriptedEngine(Engine):
@@ -521,7 +527,7 @@ def test_calculator_result_is_spliced_in_and_masked(tiny_tokenizer):
     engine = ScriptedEngine(
         call + filler + answer, tok.vocab_size, stop_ids=tok.stop_ids, tokenizer=tok, tools=[Calculator()]
     )
-    [completion] = engine.generate([1, 2], 1, 64, temperature=0.0)
+    [completion] = engine.generate([1, 2], 1, 64, GREEDY)
     assert completion.tokens == call + result + answer and completion.finished and completion.tool_calls == 1
     assert completion.mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
     assert all(lp == 0.0 for lp, m in zip(completion.logprobs, completion.mask) if not m)
@@ -636,7 +642,7 @@ def test_parity_of_trainer_and_sampler_logprobs_through_the_backend(tiny_gpt_con
     backend = PyTorchTrainingBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), None, tmp_path, "cpu")
     engine = Engine(model)
     prompt = [5, 6, 7]
-    completions = engine.generate(prompt, 3, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    completions = engine.generate(prompt, 3, 12, SamplingParams(1.0), torch.Generator().manual_seed(0))
     batch = rollout_batch([Rollout(prompt, c, 0.0, "") for c in completions], torch.zeros(3), 0)
     trainer_logprobs = backend.forward(batch, ReinforceStrategy().compute_metrics).wait()["logprobs"]
     trained = batch["labels"] != IGNORE_INDEX
@@ -847,18 +853,95 @@ def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
 
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(20000, 1)
     g = torch.Generator().manual_seed(0)
-    freq = torch.bincount(sample_next_token(logits, 1.0, generator=g), minlength=4).float() / 20000
+    freq = torch.bincount(sample_next_token(logits, SamplingParams(1.0), g), minlength=4).float() / 20000
     torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.01, rtol=0)
-    top2 = torch.bincount(sample_next_token(logits, 1.0, top_k=2, generator=g), minlength=4).float() / 20000
+    top2 = torch.bincount(sample_next_token(logits, SamplingParams(1.0, top_k=2), g), minlength=4).float() / 20000
     torch.testing.assert_close(
         top2,
         torch.tensor([0.0, 1.0, 2.0, -1.0])[[1, 2]].softmax(-1).new_tensor([0, 0.2689, 0.7311, 0]),
         atol=0.01,
         rtol=0,
     )
-    assert set(sample_next_token(logits, 1.0, top_p=0.5, generator=g).tolist()) == {
+    assert set(sample_next_token(logits, SamplingParams(1.0, top_p=0.5), g).tolist()) == {
         2
     }  # the top token alone covers 0.64
+
+
+def test_sample_takes_min_p_and_top_k(tiny_runs):
+    """`tierlm sample --min-p 1` (or `--top-k 1`) keeps the likeliest token alone: what greedy decoding prints."""
+    from conftest import run_main
+
+    args = ["sample", "--checkpoint", str(tiny_runs / "sft"), "--prompt", "What is 2 + 3?", "--max-new-tokens", "12"]
+    greedy = run_main(*args, "--temperature", "0")
+    assert greedy.returncode == 0 and greedy.stdout.strip(), greedy.stderr[-2000:]
+    for extra in (["--min-p", "1"], ["--top-k", "1"]):
+        hot = run_main(*args, "--temperature", "1.5", "--seed", "4", *extra)
+        assert hot.returncode == 0 and hot.stdout == greedy.stdout, hot.stderr[-2000:]
+    free = [run_main(*args, "--temperature", "1.5", "--seed", str(seed)).stdout for seed in range(4)]
+    assert any(out != greedy.stdout for out in free)  # unfiltered, that temperature strays
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(1.0, None, None, 0.1), (0.7, None, 0.9, None), (1.3, 20, 0.8, 0.05), (0.5, 5, None, 0.2), (1.0, 3, 0.95, 0.5)],
+)
+def test_the_sampling_filters_are_transformers_own_warpers(temperature, top_k, top_p, min_p):
+    """Temperature, top-k, top-p, min-p, in transformers' order (`GenerationMixin._get_logits_processor`): the same
+    tokens dropped and the same logits kept."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = 3 * torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    for on, warper in ((top_k, TopKLogitsWarper), (top_p, TopPLogitsWarper), (min_p, MinPLogitsWarper)):
+        expected = warper(on)(None, expected) if on is not None else expected
+    got = SamplingParams(temperature, top_k, top_p, min_p).filter(logits)
+    kept = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), kept) and 0 < int(kept.sum()) < kept.numel()
+    torch.testing.assert_close(got[kept], expected[kept])
+
+
+def test_min_p_reaches_the_engine_and_every_token_it_draws_passes_it(tiny_gpt_config, tiny_tokenizer):
+    """`rl.min_p` as the RL sampler hands it to the engine (an evaluation's temperature in place of the step's),
+    and each token the engine draws under it at least min_p times as likely as the step's likeliest token."""
+    from dataclasses import replace
+
+    from tierlm.loops.sampling import RolloutSampler
+
+    model = _models(replace(tiny_gpt_config, vocab_size=tiny_tokenizer.vocab_size, max_seq_len=256))["native"]
+    engine = Engine(model, tiny_tokenizer.stop_ids, tiny_tokenizer)
+    asked = []
+    generate_many = engine.generate_many
+    engine.generate_many = lambda requests, budget, params: (
+        asked.append(params) or generate_many(requests, budget, params)
+    )
+    rl = RLConfig(max_new_tokens=8, temperature=1.3, top_k=40, min_p=0.2)
+    task = open_task("synthetic:arithmetic", "val", 2, seed=0)
+    sampler = RolloutSampler(engine, tiny_tokenizer, rl)
+    sampler.groups(task, [0, 1], [torch.Generator().manual_seed(i) for i in range(2)], 2, rl.temperature)
+    sampler.groups(task, [0], [torch.Generator().manual_seed(0)], 1, 0.0)
+    assert asked == [SamplingParams(1.3, 40, None, 0.2), SamplingParams(0.0, 40, None, 0.2)]
+
+    prompt, params = [3, 14, 15], SamplingParams(1.0, min_p=0.3)
+    for completion in engine.generate(prompt, 6, 20, params, torch.Generator().manual_seed(1)):
+        ids = torch.tensor([prompt + completion.tokens])
+        probs = forward_logits(model, {"input_ids": ids}).float().softmax(-1)[0, len(prompt) - 1 : -1]
+        drawn = probs.gather(1, torch.tensor(completion.tokens)[:, None]).squeeze(1)
+        assert (drawn >= 0.3 * probs.max(dim=-1).values - 1e-6).all()
+    unfiltered = engine.generate(prompt, 6, 20, SamplingParams(1.0), torch.Generator().manual_seed(1))
+    assert any(  # the filter bites: without it some draws fall below the bar
+        float(p) < 0.3 * float(m) for c in unfiltered for p, m in zip(*_drawn_and_max(model, prompt, c.tokens))
+    )
+
+
+def _drawn_and_max(model, prompt, tokens):
+    probs = forward_logits(model, {"input_ids": torch.tensor([prompt + tokens])}).float().softmax(-1)
+    probs = probs[0, len(prompt) - 1 : -1]
+    return probs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1), probs.max(dim=-1).values
 
 
 def test_ppo_step_with_kl_reference_runs_its_inner_epochs(tiny_tokenizer, tmp_path):

@@ -298,6 +298,7 @@ def test_transformers_generate_stops_at_the_end_of_turn(tiny_runs, tmp_path):
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model, save_model_folder
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import GREEDY
     from tierlm.run import write_model_extras
 
     tokenizer = load_tokenizer(tiny_runs / "sft" / "model")
@@ -316,7 +317,7 @@ def test_transformers_generate_stops_at_the_end_of_turn(tiny_runs, tmp_path):
         for current, following in zip(chain, chain[1:]):
             model.lm_head.weight[following] = 20 * normed[current] / normed[current].norm()
     prompt = tokenizer.render_for_completion([{"role": "user", "content": "hi"}])
-    engine_tokens = Engine(model, tokenizer.stop_ids, tokenizer).generate(prompt, 1, 12, temperature=0.0)[0].tokens
+    engine_tokens = Engine(model, tokenizer.stop_ids, tokenizer).generate(prompt, 1, 12, GREEDY)[0].tokens
     assert engine_tokens == chain[1:], engine_tokens
 
     folder = tmp_path / "model"

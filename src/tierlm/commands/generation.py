@@ -33,6 +33,22 @@ class Sampling:
     ignore_eos: bool = False
     """A stop token ends nothing: each choice runs to `max_new_tokens` or a stop string (what load generators ask for,
     so every reply is as long as they planned)."""
+    top_k: int | None = None
+    min_p: float | None = None
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a filter drops tokens (top-k, top-p, min-p): the continuous batch samples each row at its own
+        temperature only, so such a request is generated alone."""
+        return bool(self.top_k and self.top_k > 0) or self.top_p is not None and self.top_p < 1 or bool(self.min_p)
+
+    def params(self):
+        """The engine's `SamplingParams` (a filter at its no-op value is off)."""
+        from tierlm.rollout.sampling import SamplingParams
+
+        top_k = self.top_k if self.top_k and self.top_k > 0 else None
+        top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
+        return SamplingParams(self.temperature, top_k, top_p, self.min_p or None)
 
 
 @dataclass
@@ -158,10 +174,7 @@ def alone(engine, lock, prompt: list[int], s: Sampling, choices: list[Choice], s
         raise Busy(f"the model stayed busy for {wait_s:.0f} s")
     try:
         generator = generators(engine.device, s.seed, 1)[0]
-        top_p = s.top_p if s.top_p is not None and s.top_p < 1 else None
-        out = engine.generate(
-            prompt, s.n, s.max_new_tokens, s.temperature, top_p=top_p, generator=generator, on_token=stream
-        )
+        out = engine.generate(prompt, s.n, s.max_new_tokens, s.params(), generator, on_token=stream)
         return [(c, "stop" if c.finished else "length") for c in out]
     except _Stopped as stopped:
         from tierlm.rollout.engine import Completion

@@ -161,6 +161,7 @@ class TierlmLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from tierlm.rollout.engine import Engine
+        from tierlm.rollout.sampling import SamplingParams
 
         engine = Engine(self.model, sorted({*self.tokenizer.stop_ids, self.eot_token_id}), self.tokenizer)
         out = []
@@ -172,7 +173,7 @@ class TierlmLM(TemplateLM):
             max_new = int(options.get("max_gen_toks", 256))
             temperature = float(options.get("temperature", 0.0)) if options.get("do_sample", False) else 0.0
             prompt = self.tok_encode(context)[-max(1, self.max_length - max_new) :]
-            tokens = engine.generate(prompt, 1, max_new, temperature=temperature)[0].tokens
+            tokens = engine.generate(prompt, 1, max_new, SamplingParams(temperature))[0].tokens
             text = self.tokenizer.decode([t for t in tokens if t not in engine.stop_ids], skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0] if stop else text

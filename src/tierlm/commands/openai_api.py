@@ -15,7 +15,7 @@ What each field does (the docs' serving page has the table):
 - chat messages' `content` as a string or a list of text parts (joined by newlines, as vLLM joins them), and the
   `developer` role as the system turn it replaces;
 - vLLM's extensions that its benchmark client sends: `ignore_eos` (a choice runs to `max_tokens` or a stop string),
-  `repetition_penalty` (1 only);
+  `repetition_penalty` (1 only); and its sampling filters `top_k` (-1 or 0: off) and `min_p` (0: off);
 - `presence_penalty`, `frequency_penalty`, `best_of`: their no-op values only;
   `tools`, `logit_bias`, `suffix`, `response_format`, ...: refused (a 400 naming the field), never silently dropped.
 """
@@ -50,6 +50,8 @@ class Common(BaseModel):
     max_tokens: int | None = Field(None, ge=0, le=8192)
     temperature: float = Field(1.0, ge=0, le=5)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's and SGLang's extension: -1 or 0 is off
+    min_p: float | None = Field(None, ge=0, le=1)  # theirs too: 0 is off
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -198,6 +200,8 @@ def chat_sampling(body) -> Sampling:
         body.seed,
         body.top_logprobs_count(),
         ignore_eos=body.ignore_eos,
+        top_k=body.top_k,
+        min_p=body.min_p,
     )
 
 
@@ -206,7 +210,17 @@ def completion_sampling(body) -> Sampling:
     top_p = body.top_p if body.top_p < 1 else None
     stops = tuple(body.stops())
     return Sampling(
-        body.max_tokens, body.temperature, top_p, body.n, stops, body.seed, body.logprobs, body.echo, body.ignore_eos
+        body.max_tokens,
+        body.temperature,
+        top_p,
+        body.n,
+        stops,
+        body.seed,
+        body.logprobs,
+        body.echo,
+        body.ignore_eos,
+        body.top_k,
+        body.min_p,
     )
 
 

@@ -20,6 +20,12 @@ def arguments(sample: argparse.ArgumentParser) -> None:
     sample.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy")
     sample.add_argument("--top-k", type=positive_int, default=None)
     sample.add_argument("--top-p", type=probability, default=None)
+    sample.add_argument(
+        "--min-p",
+        type=probability,
+        default=None,
+        help="min-p sampling: tokens at least this share of the most likely one's probability",
+    )
     sample.add_argument("--seed", type=int, default=0)
     mode = sample.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")
@@ -37,6 +43,7 @@ def run(args: argparse.Namespace) -> None:
     from tierlm.models import family_of, load_pretrained_model
     from tierlm.primitives import resolve_device
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import SamplingParams
     from tierlm.rollout.text import encoder_prompt_tokens, prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
     from tierlm.stages import STAGES
@@ -66,9 +73,8 @@ def run(args: argparse.Namespace) -> None:
     tools = [Calculator()] if chat and tokenizer.tool_ids() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=args.compile)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
-    completion = engine.generate(
-        prompt_ids, 1, args.max_new_tokens, args.temperature, args.top_k, args.top_p, generator
-    )[0]
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    completion = engine.generate(prompt_ids, 1, args.max_new_tokens, params, generator)[0]
     print(readable_text(tokenizer, completion.tokens))
     if completion.finished and len(completion.tokens) == 1 and not chat:  # an empty line alone would say nothing
         first = tokenizer.hf.convert_ids_to_tokens(completion.tokens[0])

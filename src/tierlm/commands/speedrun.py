@@ -133,6 +133,7 @@ def _sample_conversations(rl_dir: Path) -> list[tuple[str, str]]:
     from tierlm.data import load_tokenizer
     from tierlm.models import load_pretrained_model
     from tierlm.rollout.engine import Engine
+    from tierlm.rollout.sampling import GREEDY
     from tierlm.rollout.text import prompt_tokens, readable_text
     from tierlm.rollout.tools import Calculator
 
@@ -141,7 +142,7 @@ def _sample_conversations(rl_dir: Path) -> list[tuple[str, str]]:
     answers = []
     for question in SAMPLE_QUESTIONS:
         ids = prompt_tokens(tokenizer, question, chat=True)
-        answers.append((question, readable_text(tokenizer, engine.generate(ids, 1, 32, temperature=0.0)[0].tokens)))
+        answers.append((question, readable_text(tokenizer, engine.generate(ids, 1, 32, GREEDY)[0].tokens)))
     return answers
 
 

@@ -105,6 +105,9 @@ class RLConfig(Section):
     """Sample only from the k most likely tokens (None: all)."""
     top_p: float | None = Field(None, gt=0, le=1)
     """Nucleus sampling threshold (None: off)."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    """Min-p sampling (Nguyen et al., 2024): only tokens at least min_p times as likely as the most likely one, after
+    the temperature and (as transformers orders them) top-k / top-p; vLLM applies it before them (None: off)."""
     critic: bool = False
     """ppo: train a value model beside the policy (a copy of it with a one-column head) for per-token
     GAE advantages and a clipped value loss, instead of the group-mean baseline."""

@@ -18,6 +18,7 @@ import torch
 
 from tierlm.config import RLConfig
 from tierlm.rollout.engine import Completion, Rollout, SamplingEngine
+from tierlm.rollout.sampling import SamplingParams
 from tierlm.rollout.text import answer_text
 from tierlm.tasks import Environment
 
@@ -75,7 +76,7 @@ def run_episodes(
             break
         max_new = min(rl.max_new_tokens, min(map(room, active)) - 1)
         turns = engine.generate_many(
-            [(e.sequence, 1, e.generator) for e in active], max_new, temperature, rl.top_k, rl.top_p
+            [(e.sequence, 1, e.generator) for e in active], max_new, SamplingParams.of(rl, temperature)
         )
         for e, [turn] in zip(active, turns):
             for name in ("tokens", "logprobs", "mask"):

@@ -31,6 +31,7 @@ import torch
 from tierlm.config import RLConfig
 from tierlm.loops.off_policy import decode_completion, decode_rollout, encode_completion, encode_rollout
 from tierlm.rollout.engine import Completion, Rollout, SamplingEngine
+from tierlm.rollout.sampling import SamplingParams
 
 
 @dataclass
@@ -109,10 +110,10 @@ class PartialRollouts:
         going = [g for g in self.in_flight if g.rows]
         if going:  # first, so a round's work does not depend on which groups just started
             requests = [(g.prompt_ids, [r for r in g.rows if not self._done(g, r)], g.generator) for g in going]
-            engine.extend_many(requests, chunk, rl.temperature, rl.top_k, rl.top_p, budget=rl.max_new_tokens)
+            engine.extend_many(requests, chunk, SamplingParams.of(rl), budget=rl.max_new_tokens)
         if new:
             requests = [(g.prompt_ids, rl.group_size, g.generator) for g in new]
-            for g, rows in zip(new, engine.generate_many(requests, chunk, rl.temperature, rl.top_k, rl.top_p)):
+            for g, rows in zip(new, engine.generate_many(requests, chunk, SamplingParams.of(rl))):
                 g.rows, g.born = rows, engine.weight_version
         done = [all(self._done(g, r) for r in g.rows) for g in self.in_flight]
         self._finish([g for g, d in zip(self.in_flight, done) if d])

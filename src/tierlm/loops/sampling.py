@@ -14,6 +14,7 @@ from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops.episodes import episode_generators, run_episodes
 from tierlm.loops.rewards import score
 from tierlm.rollout.engine import Rollout, SamplingEngine
+from tierlm.rollout.sampling import SamplingParams
 from tierlm.rollout.text import answer_text
 from tierlm.tasks import Environment, Task, is_environment
 
@@ -49,9 +50,7 @@ class RolloutSampler:
         batches = self.engine.generate_many(
             [(prompt, size, generator) for prompt, generator in zip(prompts, generators)],
             rl.max_new_tokens,
-            temperature,
-            rl.top_k,
-            rl.top_p,
+            SamplingParams.of(rl, temperature),
         )
         return self.scored(task, examples, prompts, batches)
 

@@ -1,7 +1,7 @@
 """Batched generation with a KV cache, for the native GPT and transformers models.
 
 `Engine.generate(prompt_ids, num_samples)` prefills the prompt once, copies its cache to
-`num_samples` rows, then decodes one token per row per step: temperature / top-k / top-p,
+`num_samples` rows, then decodes one token per row per step (`SamplingParams`: temperature, top-k, top-p, min-p),
 stop tokens, and the log-probability of every sampled token under the distribution it was
 drawn from. A row that calls a tool (`<|tool_call_start|> 23 + 45 <|tool_call_end|>`) gets the
 result spliced in as forced tokens (`<|tool_start|>68<|tool_end|>`), marked so training masks
@@ -21,7 +21,7 @@ from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
 from tierlm.rollout import static_decode, together
 from tierlm.rollout.adapters import ADAPTER_VERSION, stamped_adapters
-from tierlm.rollout.sampling import default_generator, sample_groups, sample_next_token
+from tierlm.rollout.sampling import SamplingParams, default_generator, sample_groups, sample_next_token
 from tierlm.rollout.tools import (
     Tool,
     call_tool,
@@ -95,22 +95,12 @@ class SamplingEngine(Protocol):
     def max_len(self) -> int: ...
 
     def generate(
-        self,
-        prompt_ids,
-        num_samples=1,
-        max_new_tokens=64,
-        temperature=1.0,
-        top_k=None,
-        top_p=None,
-        generator=None,
-        on_token=None,
+        self, prompt_ids, num_samples=1, max_new_tokens=64, params=SamplingParams(), generator=None, on_token=None
     ) -> list[Completion]: ...
 
-    def generate_many(
-        self, requests, max_new_tokens, temperature, top_k=None, top_p=None
-    ) -> list[list[Completion]]: ...
+    def generate_many(self, requests, max_new_tokens, params) -> list[list[Completion]]: ...
 
-    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None: ...
+    def extend_many(self, requests, max_new_tokens, params, budget=None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -269,9 +259,7 @@ class Engine:
         prompt_ids: list[int],
         num_samples: int = 1,
         max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        params: SamplingParams = SamplingParams(),
         generator: torch.Generator | None = None,
         on_token=None,
     ) -> list[Completion]:
@@ -288,26 +276,23 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompt_ids, num_samples, max_len, temperature, top_k, top_p, generator, on_token)
+            return self._generate(prompt_ids, num_samples, max_len, params, generator, on_token)
         finally:  # also when on_token stops it (a server's cancelled request)
             self.model.train(was_training)
 
-    def _generate(self, prompt_ids, num_samples, max_len, temperature, top_k, top_p, generator, on_token):
+    def _generate(self, prompt_ids, num_samples, max_len, params, generator, on_token):
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, cache = self._prefill(ids, num_samples, max_len)
         prefix = self._routes(1)
         out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
         calls = [ToolCalls() for _ in range(num_samples)]
-        fed = self._decode_rows(logits, cache, out, calls, max_len - len(prompt_ids), temperature, top_k, top_p,
-                                generator, on_token)  # fmt: skip
+        fed = self._decode_rows(logits, cache, out, calls, max_len - len(prompt_ids), params, generator, on_token)
         self._keep_routes(out, prefix, fed, len(prompt_ids))
         for completion, pending in zip(out, calls):  # a result the budget cut: a partial rollout forces it next
             completion.forced = pending.forced
         return out
 
-    def _decode_rows(
-        self, logits, cache, out, calls, steps, temperature, top_k, top_p, generator, on_token=None, groups=None
-    ):
+    def _decode_rows(self, logits, cache, out, calls, steps, params, generator, on_token=None, groups=None):
         """Up to `steps` tokens for every unfinished row of `out` (its `calls` in flight), from the next-token
         `logits` and the `cache` behind them. Returns the experts of each token fed back, one (rows, 1, L, k) a step
         (empty for a model that routes nothing). `groups`: `(rows, generator)` of consecutive rows, each group
@@ -332,11 +317,11 @@ class Engine:
                     logits = self._decode(sampled[-1], cache)
                     self._feed_routes(fed, len(out))
                 if len(groups) == 1:  # its generator may be None, torch's own (to sample_groups None draws nothing)
-                    sampled.append(sample_next_token(logits, temperature, top_k, top_p, groups[0][1]))
+                    sampled.append(sample_next_token(logits, params, groups[0][1]))
                 else:
                     drawing = [(rows, g if alive else None) for (rows, g), alive in zip(groups, live)]
-                    sampled.append(sample_groups(logits, temperature, top_k, top_p, drawing))
-                scaled = logits.float() / temperature if temperature > 0 else logits.float()
+                    sampled.append(sample_groups(logits, params, drawing))
+                scaled = logits.float() / params.temperature if not params.greedy else logits.float()
                 logprobs.append(torch.log_softmax(scaled, dim=-1).gather(1, sampled[-1][:, None]).squeeze(1))
                 if run > 1:
                     states.append([rng.get_state() if alive else None for rng, alive in zip(rngs, live)])
@@ -370,7 +355,7 @@ class Engine:
             fed.append(routes)
 
     @torch.no_grad()
-    def extend(self, prompt_ids, rows, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
+    def extend(self, prompt_ids, rows, max_new_tokens, params=SamplingParams(), generator=None):
         """Continue `rows` — unfinished completions of `prompt_ids` sampled together, so of one length — by up to
         `max_new_tokens` tokens each, in place, under the weights loaded now (a partial rollout's next chunk,
         `tierlm.loops.partial`). The prompt and each row's tokens are prefilled afresh: a cache made by older
@@ -399,7 +384,7 @@ class Engine:
             logits, cache = self._prefill(ids, 1, max_len)
             prefix = self._routes(len(rows))  # the earlier tokens rerouted by these weights, as they are now cached
             steps = max_len - len(prompt_ids) - length
-            fed = self._decode_rows(logits, cache, rows, calls, steps, temperature, top_k, top_p, generator)
+            fed = self._decode_rows(logits, cache, rows, calls, steps, params, generator)
             self._keep_routes(rows, prefix, fed, len(prompt_ids))
             for r, c in zip(rows, calls):
                 r.forced = c.forced
@@ -419,7 +404,7 @@ class Engine:
         start = len(tokens) - 1 - tokens[::-1].index(self.call_start)
         return None if self.call_end in tokens[start:] else start + 1
 
-    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None:
+    def extend_many(self, requests, max_new_tokens, params, budget=None) -> None:
         """`extend` every `(prompt_ids, rows, generator)`, none past `budget` tokens in all (None: no bound). With the
         fixed-shape decoder, consecutive groups taking the same steps continue as one batch (`tierlm.rollout.together`):
         each row gets what it gets alone."""
@@ -431,29 +416,29 @@ class Engine:
             if room > 0 and steps > 0:
                 todo.append((prompt, rows, generator, room, steps))
         items = [(len(p) + len(rows[0].tokens), len(rows), steps, g) for p, rows, g, _, steps in todo]
-        for run in self._runs(items, temperature):
+        for run in self._runs(items, params):
             if len(run) == 1:
                 prompt, rows, generator, room, _ = todo[run[0]]
-                self.extend(prompt, rows, room, temperature, top_k, top_p, generator)
+                self.extend(prompt, rows, room, params, generator)
                 continue
             parts = []
             for prompt, rows, generator, _, _ in (todo[i] for i in run):
                 assert all(not r.finished for r in rows), "extend unfinished rows"
                 ids, calls = self._continuation(prompt, rows)
                 parts.append(together.Part(ids, rows, calls, generator))
-            together.decode(self, parts, todo[run[0]][4], temperature, top_k, top_p)
+            together.decode(self, parts, todo[run[0]][4], params)
 
-    def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:
+    def generate_many(self, requests, max_new_tokens, params) -> list[list[Completion]]:
         """Completions of every `(prompt_ids, num_samples, generator)`. With the fixed-shape decoder, consecutive
         prompts decode as one batch (`tierlm.rollout.together`): each prompt's samples are what it gets alone — its
         generator drawn as alone, its logits to float rounding — for one step of the model where it took one per
         prompt. Without it, one prompt at a time (each has its cache)."""
         out: list[list[Completion]] = []
         items = [(len(prompt), n, max_new_tokens, generator) for prompt, n, generator in requests]
-        for run in self._runs(items, temperature):
+        for run in self._runs(items, params):
             if len(run) == 1:
                 prompt, n, generator = requests[run[0]]
-                out.append(self.generate(prompt, n, max_new_tokens, temperature, top_k, top_p, generator))
+                out.append(self.generate(prompt, n, max_new_tokens, params, generator))
                 continue
             parts = []
             for prompt, n, generator in (requests[i] for i in run):
@@ -461,15 +446,15 @@ class Engine:
                 ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
                 rows = [Completion(weight_version=self.weight_version) for _ in range(n)]
                 parts.append(together.Part(ids, rows, [ToolCalls() for _ in range(n)], generator))
-            together.decode(self, parts, max_new_tokens, temperature, top_k, top_p)
+            together.decode(self, parts, max_new_tokens, params)
             out.extend(part.rows for part in parts)
         return out
 
-    def _runs(self, items, temperature: float) -> list[list[int]]:
+    def _runs(self, items, params: SamplingParams) -> list[list[int]]:
         """`tierlm.rollout.together.runs` with this engine's context; each alone without the fixed-shape decoder."""
         if self.decoders is None:
             return [[i] for i in range(len(items))]
-        return together.runs(items, self.max_len(), temperature)
+        return together.runs(items, self.max_len(), params.greedy)
 
     def close(self) -> None:
         pass

@@ -3,67 +3,102 @@ KV-cache `Engine` is tested against."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from tierlm.models import forward_logits, model_max_seq_len
 
 
-def sample_next_token(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next token ids (B,) from last-position logits (B, V). Temperature 0 is greedy.
+@dataclass(frozen=True)
+class SamplingParams:
+    """How each next token is drawn, named as vLLM's and transformers' settings are: `temperature` (0: greedy), and
+    the filters applied after it in transformers' order — `top_k` (the k most likely tokens), `top_p` (nucleus: the
+    smallest set reaching p), `min_p` (tokens at least min_p times as likely as the most likely one; Nguyen et al.,
+    2024) — each None when off.
 
-    >>> sample_next_token(torch.tensor([[0.1, 3.0, 0.2]]), temperature=0.0)
+    >>> SamplingParams(0.7, top_p=0.9).greedy, GREEDY.greedy
+    (False, True)
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    @classmethod
+    def of(cls, section, temperature: float | None = None) -> "SamplingParams":
+        """The settings of a config section that names them (`rl`), at `temperature` if given (an evaluation's).
+
+        >>> from types import SimpleNamespace
+        >>> SamplingParams.of(SimpleNamespace(temperature=1.0, top_k=None, top_p=0.95, min_p=0.05), temperature=0.0)
+        SamplingParams(temperature=0.0, top_k=None, top_p=0.95, min_p=0.05)
+        """
+        temperature = section.temperature if temperature is None else temperature
+        return cls(temperature, section.top_k, section.top_p, section.min_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def filter(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) in float32 over the temperature, those each filter drops set to -inf.
+
+        >>> SamplingParams(1.0, min_p=0.5).filter(torch.tensor([[0.0, -0.5, -1.0]])).tolist()  # p / p_max: 1, .61, .37
+        [[0.0, -0.5, -inf]]
+        """
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and 0.0 < self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative - sorted_logits.softmax(dim=-1) > self.top_p  # keep the smallest set reaching top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        if self.min_p is not None and self.min_p > 0.0:
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < self.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        return logits
+
+
+GREEDY = SamplingParams(0.0)
+
+
+def sample_next_token(
+    logits: torch.Tensor, params: SamplingParams = SamplingParams(), generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V).
+
+    >>> sample_next_token(torch.tensor([[0.1, 3.0, 0.2]]), GREEDY)
     tensor([1])
     """
-    if temperature == 0.0:
+    if params.greedy:
         return logits.argmax(dim=-1)
-    logits = filtered_logits(logits, temperature, top_k, top_p)
     uniform = torch.rand(logits.shape[:-1] + (1,), generator=generator, device=logits.device, dtype=torch.float32)
-    return inverse_cdf(logits, uniform)
-
-
-def filtered_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Logits (B, V) in float32 over `temperature`, those outside each row's top-k and top-p set to -inf."""
-    logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
+    return inverse_cdf(params.filter(logits), uniform)
 
 
 def sample_groups(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    groups: list[tuple[int, torch.Generator | None]],
+    logits: torch.Tensor, params: SamplingParams, groups: list[tuple[int, torch.Generator | None]]
 ) -> torch.Tensor:
     """`sample_next_token` of each group of consecutive rows of `logits` (B, V), `(rows, generator)` in order, each
     with its own generator, in one pass: a group's tokens are those it draws alone. A group given None draws nothing
     (a group whose rows have all stopped: its tokens are read by nobody).
 
     >>> logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
-    >>> alone = [sample_next_token(logits[:2], 0.9, generator=torch.Generator().manual_seed(1)),
-    ...          sample_next_token(logits[2:], 0.9, generator=torch.Generator().manual_seed(2))]
-    >>> together = sample_groups(logits, 0.9, None, None, [(2, torch.Generator().manual_seed(1)),
-    ...                                                    (3, torch.Generator().manual_seed(2))])
+    >>> params = SamplingParams(0.9)
+    >>> alone = [sample_next_token(logits[:2], params, torch.Generator().manual_seed(1)),
+    ...          sample_next_token(logits[2:], params, torch.Generator().manual_seed(2))]
+    >>> together = sample_groups(logits, params, [(2, torch.Generator().manual_seed(1)),
+    ...                                           (3, torch.Generator().manual_seed(2))])
     >>> torch.equal(together, torch.cat(alone))
     True
     """
-    if temperature == 0.0:
+    if params.greedy:
         return logits.argmax(dim=-1)
-    logits = filtered_logits(logits, temperature, top_k, top_p)
+    logits = params.filter(logits)
     uniform = [
         torch.rand((rows, 1), generator=g, device=logits.device, dtype=torch.float32)
         if g is not None
@@ -99,7 +134,7 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], generators: lis
 
     >>> logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
     >>> seeds = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    >>> alone = [int(sample_next_token(logits[i:i+1], t, generator=torch.Generator().manual_seed(s)))
+    >>> alone = [int(sample_next_token(logits[i:i+1], SamplingParams(t), torch.Generator().manual_seed(s)))
     ...          for i, (t, s) in enumerate([(0.7, 1), (0.0, 2), (1.3, 3)])]
     >>> sample_rows(logits, [0.7, 0.0, 1.3], seeds) == alone
     True
@@ -119,9 +154,7 @@ def generate(
     model: nn.Module,
     prompt_ids: list[int],
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    params: SamplingParams = GREEDY,
     stop_ids: list[int] | tuple[int, ...] = (),
     seed: int = 0,
 ) -> list[int]:
@@ -136,7 +169,7 @@ def generate(
     new: list[int] = []
     for _ in range(max_new_tokens):
         logits = forward_logits(model, {"input_ids": ids[:, -context:]})[:, -1, :]  # (1, V)
-        token = sample_next_token(logits, temperature, top_k, top_p, generator)
+        token = sample_next_token(logits, params, generator)
         new.append(int(token))
         if new[-1] in stop_ids:
             break

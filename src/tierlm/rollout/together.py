@@ -39,19 +39,19 @@ Item = tuple[int, int, int, "torch.Generator | None"]
 """(prefix length, rows, steps, generator) of one part to decode."""
 
 
-def runs(items: list[Item], context: int, temperature: float) -> list[list[int]]:
+def runs(items: list[Item], context: int, greedy: bool = False) -> list[list[int]]:
     """Indices of `items` — `(prefix length, rows, steps, generator)` each — decoded together: consecutive ones of
     the same steps, up to `BATCH_ROWS` rows, whose longest prefix leaves the steps within `context`; each alone when
     they share a generator (their draws would interleave) unless sampling is greedy.
 
     >>> g = [torch.Generator() for _ in range(4)]
-    >>> runs([(10, 30, 20, g[0]), (20, 30, 20, g[1]), (40, 2, 20, g[2]), (5, 4, 20, g[3])], 64, 1.0)
+    >>> runs([(10, 30, 20, g[0]), (20, 30, 20, g[1]), (40, 2, 20, g[2]), (5, 4, 20, g[3])], 64)
     [[0, 1, 2], [3]]
-    >>> runs([(10, 30, 20, g[0]), (20, 30, 9, g[1])], 64, 1.0), runs([(10, 2, 5, g[0]), (9, 2, 5, g[0])], 64, 1.0)
+    >>> runs([(10, 30, 20, g[0]), (20, 30, 9, g[1])], 64), runs([(10, 2, 5, g[0]), (9, 2, 5, g[0])], 64)
     ([[0], [1]], [[0], [1]])
     """
     generators = [id(g) for *_, g in items if g is not None]
-    if temperature != 0 and len(set(generators)) != len(items):
+    if not greedy and len(set(generators)) != len(items):
         return [[i] for i in range(len(items))]
     out: list[list[int]] = []
     rows = longest = 0
@@ -119,7 +119,7 @@ def prefill(model, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, KVCa
 
 
 @torch.no_grad()
-def decode(engine, parts: list[Part], steps: int, temperature: float, top_k, top_p) -> None:
+def decode(engine, parts: list[Part], steps: int, params) -> None:
     """`steps` tokens (at most) for every unfinished row of `parts`, in place, as one batch of `engine`'s
     fixed-shape decoder; a tool result the budget cut is left in its row's `forced` (a partial rollout forces it
     next)."""
@@ -133,8 +133,7 @@ def decode(engine, parts: list[Part], steps: int, temperature: float, top_k, top
         decoder.load([(cache, len(part.rows)) for (_, cache), part in zip(prefilled, parts)])
         calls = [call for part in parts for call in part.calls]
         groups = [(len(part.rows), part.generator) for part in parts]
-        engine._decode_rows(torch.cat(firsts), decoder, rows, calls, steps, temperature, top_k, top_p, None,
-                            groups=groups)  # fmt: skip
+        engine._decode_rows(torch.cat(firsts), decoder, rows, calls, steps, params, None, groups=groups)
     finally:
         engine.model.train(was_training)
     for row, pending in zip(rows, calls):

@@ -32,6 +32,7 @@ from tierlm.models.io import save_model_config
 from tierlm.models.lora import has_lora, lora_layers, lora_scalings, merged_state, save_adapter, split_state
 from tierlm.rollout.adapters import ADAPTER_VERSION, adapter_payload, stamped_adapters
 from tierlm.rollout.engine import Completion
+from tierlm.rollout.sampling import SamplingParams
 from tierlm.rollout.tools import (
     Tool,
     call_tool,
@@ -173,19 +174,9 @@ class VLLMEngine:
                 shutil.rmtree(old, ignore_errors=True)
 
     def generate(
-        self,
-        prompt_ids,
-        num_samples=1,
-        max_new_tokens=64,
-        temperature=1.0,
-        top_k=None,
-        top_p=None,
-        generator=None,
-        on_token=None,
+        self, prompt_ids, num_samples=1, max_new_tokens=64, params=SamplingParams(), generator=None, on_token=None
     ):
-        completions = self.generate_many(
-            [(prompt_ids, num_samples, generator)], max_new_tokens, temperature, top_k, top_p
-        )
+        completions = self.generate_many([(prompt_ids, num_samples, generator)], max_new_tokens, params)
         if on_token is not None:  # vLLM answers whole completions: replayed token by token
             for row, completion in enumerate(completions[0]):
                 full = completion.tokens
@@ -194,7 +185,7 @@ class VLLMEngine:
                     on_token(row, completion)
         return completions[0]
 
-    def generate_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None) -> list[list[Completion]]:
+    def generate_many(self, requests, max_new_tokens, params) -> list[list[Completion]]:
         """Completions of every `(prompt_ids, num_samples, generator)` in one vLLM batch. A row that calls a tool
         stops at the call's end, gets the result spliced in as forced tokens and goes on in the next round."""
         rows, queue = [], []
@@ -209,10 +200,10 @@ class VLLMEngine:
             rows.append([Completion(weight_version=self.weight_version) for _ in range(n)])
             queue.append((index, None, list(prompt), n, seed))
         limits = [[max_new_tokens] * len(r) for r in rows]
-        self._sample(queue, [list(p) for p, _, _ in requests], rows, limits, max_new_tokens, temperature, top_k, top_p)
+        self._sample(queue, [list(p) for p, _, _ in requests], rows, limits, max_new_tokens, params)
         return rows
 
-    def extend_many(self, requests, max_new_tokens, temperature, top_k=None, top_p=None, budget=None) -> None:
+    def extend_many(self, requests, max_new_tokens, params, budget=None) -> None:
         """Continue the unfinished `rows` of every `(prompt_ids, rows, generator)` by up to `max_new_tokens` tokens
         each, in place, in one vLLM batch (a partial rollout's next chunk, `tierlm.loops.partial`): each row goes in
         as its prompt and tokens so far, a request of its own (vLLM 0.32's LLM has no pause / resume of a running
@@ -227,9 +218,9 @@ class VLLMEngine:
             for r, row in enumerate(group):
                 row_seed = None if seed is None else (seed * 31 + 7 * r) % 2**62
                 queue.append((index, r, list(prompt) + row.tokens, 1, row_seed))
-        self._sample(queue, prompts, rows, limits, budget or max_new_tokens, temperature, top_k, top_p)
+        self._sample(queue, prompts, rows, limits, budget or max_new_tokens, params)
 
-    def _sample(self, queue, prompts, rows, limits, budget, temperature, top_k, top_p) -> None:
+    def _sample(self, queue, prompts, rows, limits, budget, params) -> None:
         """Sample every ask of `queue` — `(request, row or None for all n rows, ids, n, seed)` — into `rows`, each row
         up to its limit; a row that calls a tool gets the result (up to `budget` tokens in all) and goes on."""
         stop = self.stop_ids + ([self.call_end] if self.tools else [])
@@ -240,7 +231,7 @@ class VLLMEngine:
                 for i, row, ids, n, seed in queue
             ]
             version = f"{self.tag}/base" if self.takes_adapters else f"{self.tag}/{self.weight_version}"
-            answers = self.transport.sample(asks, temperature, top_k, top_p, stop, version, self.adapter)
+            answers = self.transport.sample(asks, params, stop, version, self.adapter)
             follow = []
             for (i, row, ids, n, seed), samples in zip(queue, answers):
                 for j, (tokens, logprobs, stopped) in enumerate(samples):
@@ -329,15 +320,16 @@ class _InProcess:
         self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
 
-    def sample(self, asks, temperature, top_k, top_p, stop, version, adapter=None):
+    def sample(self, asks, params, stop, version, adapter=None):
         self._wake()
-        params = [
+        settings = [
             self.vllm.SamplingParams(
                 n=n,
                 max_tokens=max_tokens,
-                temperature=temperature,
-                top_k=top_k or 0,
-                top_p=top_p or 1.0,
+                temperature=params.temperature,
+                top_k=params.top_k or 0,
+                top_p=params.top_p or 1.0,
+                min_p=params.min_p or 0.0,
                 seed=seed,
                 logprobs=0,
                 stop_token_ids=stop,
@@ -351,7 +343,7 @@ class _InProcess:
 
             lora = LoRARequest(adapter.name, adapter.id, adapter.path)
         prompts = [{"prompt_token_ids": ids} for ids, *_ in asks]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        outputs = self.llm.generate(prompts, settings, use_tqdm=False, lora_request=lora)
         if lora is not None and any(
             o.lora_request is None or o.lora_request.lora_name != lora.lora_name for o in outputs
         ):

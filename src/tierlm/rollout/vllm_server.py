@@ -135,16 +135,17 @@ class VLLMServer:
         if previous is not None:
             self._call("POST", "/v1/unload_lora_adapter", {"lora_name": previous.name})
 
-    def _complete(self, ask, temperature, top_k, top_p, stop, adapter=None):
+    def _complete(self, ask, params, stop, adapter=None):
         ids, n, seed, max_tokens = ask
         body = {
             "model": adapter.name if adapter is not None else self.model,
             "prompt": ids,
             "n": n,
             "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_k": top_k or 0,
-            "top_p": top_p or 1.0,
+            "temperature": params.temperature,
+            "top_k": params.top_k or 0,
+            "top_p": params.top_p or 1.0,
+            "min_p": params.min_p or 0.0,
             "seed": seed,
             "logprobs": 0,
             "stop_token_ids": stop,
@@ -158,8 +159,8 @@ class VLLMServer:
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         return [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "stop") for c in choices]
 
-    def sample(self, asks, temperature, top_k, top_p, stop, version, adapter=None):
-        answers = list(self.pool.map(lambda ask: self._complete(ask, temperature, top_k, top_p, stop, adapter), asks))
+    def sample(self, asks, params, stop, version, adapter=None):
+        answers = list(self.pool.map(lambda ask: self._complete(ask, params, stop, adapter), asks))
         now = self._call("GET", "/weight_info").get("weight_version")
         if now != version:
             raise ConfigError(

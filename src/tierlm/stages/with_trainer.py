@@ -29,6 +29,7 @@ from tierlm.models import forward_cross_entropy
 from tierlm.plan.batch import auto_find_batch_size, throughput_knee
 from tierlm.primitives.optim import optimizer_metrics
 from tierlm.rollout.engine import Engine
+from tierlm.rollout.sampling import GREEDY
 from tierlm.rollout.text import prompt_tokens, readable_text
 from tierlm.run import Run, extras_writer
 
@@ -115,7 +116,7 @@ def eval_sampler(config: TierlmConfig, tokenizer: Tokenizer, stage: Stage, kind:
                 "prompt": text,
                 "completion": readable_text(
                     tokenizer,
-                    engine.generate(ids, 1, min(tr.sample_max_new_tokens, room - len(ids)), temperature=0.0)[0].tokens,
+                    engine.generate(ids, 1, min(tr.sample_max_new_tokens, room - len(ids)), GREEDY)[0].tokens,
                 ),
             }
             for text, ids in prompts

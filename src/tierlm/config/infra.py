@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tierlm.config.model import Section
+from tierlm.config.model import Section, true_false_or
 
 
 class InfraConfig(Section):
@@ -148,13 +148,10 @@ class InfraConfig(Section):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_scope(cls, value):
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if value != "model":
-            raise ValueError(f"infra.compile is true (each block), false or model (the whole forward), got {value!r}")
-        return value
+        scopes = "infra.compile is true (each block), false or model (the whole forward)"
+        if value is None:
+            raise ValueError(f"{scopes}, got None")
+        return true_false_or(value, ("model",), scopes)
 
     @model_validator(mode="after")
     def _check_whole_model_compile(self) -> "InfraConfig":

@@ -8,6 +8,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
+def true_false_or(value, choices: tuple, message: str):
+    """A setting that is a boolean or one of `choices` (infra.compile's model, rl.normalize_std's group / batch), as a
+    `mode="before"` validator reads it: "true" / "false" and 1 / 0 (an override's spellings) as booleans, None
+    as it is, anything else a ValueError of `message` and the value.
+
+    >>> true_false_or("False", ("model",), "infra.compile is ..."), true_false_or("model", ("model",), "...")
+    (False, 'model')
+    """
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if value is None or value in choices:
+        return value
+    raise ValueError(f"{message}, got {value!r}")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
     _frozen: bool = PrivateAttr(False)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tierlm.config.model import Section
+from tierlm.config.model import Section, true_false_or
 
 
 class EngineConfig(Section):
@@ -229,14 +229,10 @@ class RLConfig(Section):
     @field_validator("normalize_std", mode="before")
     @classmethod
     def _std_scope(cls, value):
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if value is None or value in ("group", "batch"):
-            return value
-        raise ValueError(
-            f"rl.normalize_std is true or group (each group's std), batch (the step's) or false, got {value!r}"
+        return true_false_or(
+            value,
+            ("group", "batch"),
+            "rl.normalize_std is true or group (each group's std), batch (the step's) or false",
         )
 
     @model_validator(mode="after")

@@ -855,6 +855,19 @@ CASES = [
         "dpo.loss_type=simpo uses no reference",
     ),
     Case(
+        "dpo-reference-sync-under-lora",
+        [
+            "dpo",
+            "--config",
+            cfg(DPO_CFG),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "dpo.reference_sync_steps=4",
+            "model.lora.r=4",
+        ],
+        "under model.lora the reference is the base with the adapters off, no copy",
+    ),  # fmt: skip
+    Case(
         "dpo-synthetic-1e12",
         ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.num_synthetic_examples=1e12"],
         "needs at least",

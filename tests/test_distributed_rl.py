@@ -128,3 +128,21 @@ def test_rl_and_dpo_at_two_ranks(tiny_runs, tmp_path, monkeypatch):
         for key in ("loss", "val_loss", "pref_acc", "reward_margin"):
             if key in a:
                 assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+
+    # TR-DPO under DDP: each rank mixes its whole copy of the policy into its reference, as one process does.
+    synced = [*dpo, "training.save_steps=4", "dpo.reference_sync_steps=2", "dpo.reference_mixup_alpha=0.5"]
+    out2, out1 = tmp_path / "tr2", tmp_path / "tr1"
+    result = ranks("-m", "tierlm", *synced, "infra.distributed_type=ddp", "training.per_device_train_batch_size=4",
+                   f"infra.output_dir={out2}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_main(*synced, "training.per_device_train_batch_size=8", f"infra.output_dir={out1}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    two, one = ([r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                 if r["type"] in ("train", "eval")] for run in (out2, out1))  # fmt: skip
+    assert [(r["type"], r["step"]) for r in two] == [(r["type"], r["step"]) for r in one]
+    for a, b in zip(two, one):
+        for key in ("loss", "val_loss", "reward_margin"):
+            if key in a:
+                assert abs(a[key] - b[key]) < 1e-4, (key, a, b)
+    refs = [load_file(run / "checkpoints" / "step_4" / "reference.safetensors") for run in (out2, out1)]
+    assert refs[0].keys() == refs[1].keys() and all(torch.allclose(refs[0][k], refs[1][k], atol=1e-5) for k in refs[1])

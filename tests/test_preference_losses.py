@@ -141,6 +141,10 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"ld_alpha": 1.5}, "ld_alpha"),
         ({"loss_type": "orpo", "rpo_alpha": 1.0}, "dpo.loss_type=orpo has its own NLL term"),
         ({"loss_type": "kto", "rpo_alpha": 1.0}, "dpo.loss_type=kto has no pairs"),
+        ({"loss_type": "simpo", "reference_sync_steps": 8}, "dpo.loss_type=simpo has no reference: drop it"),
+        ({"reference": "precomputed", "reference_sync_steps": 8}, "precomputed log-probs, which cannot move"),
+        ({"reference_mixup_alpha": 0.5}, "set dpo.reference_sync_steps, or drop it"),
+        ({"reference_sync_steps": 8, "reference_mixup_alpha": 0.0}, "reference_mixup_alpha"),
         ({"loss_type": "sigmoid", "discopop_tau": 0.1}, "dpo.discopop_tau is DiscoPOP's"),
         ({"loss_type": "simpo", "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "robust", "label_smoothing": 0.5}, "less than 0.5"),
@@ -219,3 +223,53 @@ def test_kto_run_resumes_bit_exact(tiny_runs, tmp_path):
     resume_from_checkpoint(args, out, 2, in_process=True)
     resumed = load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.slow
+def test_tr_dpo_reference_is_trls_mix_of_the_policy_and_resumes_bit_exact(tiny_runs, tmp_path):
+    """dpo.reference_sync_steps=2 with alpha 0.5 over 6 steps, saved every 2: each checkpoint's reference is TRL's
+    own mix (`SyncRefModelCallback._sync_target_model`) of the policies of steps 2, 4 and 6 into the SFT model the
+    run starts from; rolled back to step 4 (two mixes in) and resumed, the run ends with the straight run's weights
+    and reference."""
+    from safetensors.torch import load_file
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    from conftest import CHAT, resume_from_checkpoint
+    from tierlm.commands.cli import main
+    from tierlm.models import load_pretrained_model
+
+    out, sft = tmp_path / "tr_dpo", tiny_runs / "sft"
+    args = ["dpo", "--config", "tiny_dpo", f"model.model_name_or_path={sft}", *CHAT, "training.num_train_steps=6"]
+    args += ["training.save_steps=2", "training.eval_steps=3", "dpo.reference_sync_steps=2"]
+    args += ["dpo.reference_mixup_alpha=0.5"]
+    assert main([*args, f"infra.output_dir={out}"]) == 0
+    reference = load_pretrained_model(sft / "model")
+    for step in (2, 4, 6):
+        policy = load_pretrained_model(out / "checkpoints" / f"step_{step}" / "model")
+        SyncRefModelCallback._sync_target_model(policy, reference, 0.5)
+        saved = load_file(out / "checkpoints" / f"step_{step}" / "reference.safetensors")
+        assert saved.keys() == dict(reference.named_parameters()).keys()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(saved[name], p.detach(), rtol=0, atol=1e-7)
+    moved = load_file(out / "checkpoints" / "step_6" / "reference.safetensors")
+    start = dict(load_pretrained_model(sft / "model").named_parameters())
+    assert any(not torch.equal(moved[k], start[k]) for k in moved)  # it followed the policy
+    straight = load_file(out / "model" / "model.safetensors")
+    resume_from_checkpoint(args, out, 4, in_process=True)
+    resumed = load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    again = load_file(out / "checkpoints" / "step_6" / "reference.safetensors")
+    assert all(torch.equal(moved[k], again[k]) for k in moved)
+
+
+def test_tr_dpo_under_torchrun_needs_whole_weights_on_each_rank():
+    """The policy is mixed into each rank's reference from that rank's own weights: DDP's, never FSDP2's shards."""
+    from tierlm.stages import STAGES
+
+    stage = STAGES["dpo"]
+    synced = TierlmConfig.from_dict({"dpo": {"reference_sync_steps": 4}})
+    with pytest.raises(ConfigError, match="each rank must hold them whole: set infra.distributed_type=ddp"):
+        stage.parallelism(synced, launched=True)  # "auto" under torchrun: FSDP2
+    ddp = synced.model_copy(update={"infra": synced.infra.model_copy(update={"distributed_type": "ddp"})})
+    assert stage.parallelism(ddp, launched=True) is ddp
+    assert stage.parallelism(synced, launched=False) is synced  # one process

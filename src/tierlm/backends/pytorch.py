@@ -115,6 +115,68 @@ class AdapterFreeReference(FrozenReference):
             self.model.train(was_training)
 
 
+class SyncedReference(FrozenReference):
+    """A reference that follows the policy (TR-DPO, Gorbatovski et al., 2024): after every `every` optimizer steps
+    of `backend` (the policy's, given by `follow`), ref <- alpha policy + (1 - alpha) ref, parameter by parameter
+    as TRL's `SyncRefModelCallback` mixes them. The mix happens at the next use (the next step's scoring, an
+    evaluation) or the next checkpoint, whichever comes first, and checkpoints carry the reference's weights
+    (`snapshot` / `load`, a `tierlm.loops.cadence.Kept`) so a resumed run mixes from where it stopped. The policy's
+    weights must be whole on each rank (one process, DDP)."""
+
+    FILE = "reference.safetensors"
+
+    def __init__(self, model: nn.Module, device, autocast_dtype=None, every: int = 512, alpha: float = 0.6):
+        super().__init__(model, device, autocast_dtype)
+        assert every > 0 and 0 < alpha <= 1, f"every={every}, alpha={alpha}"
+        self.every, self.alpha, self.backend, self.synced = every, alpha, None, 0
+
+    def follow(self, backend: TrainingBackend) -> None:
+        """The policy's backend: its model and its count of optimizer steps."""
+        self.backend = backend
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Mix in the policy once per `every` steps passed since the last mix."""
+        assert self.backend is not None, "SyncedReference.follow(backend) first"
+        due = self.backend.step // self.every * self.every
+        if due <= self.synced:
+            return
+        policy = [p.to(self.device) for p in unwrap_model(self.backend.model).parameters()]
+        mine = list(self.model.parameters())
+        assert len(mine) == len(policy), "the reference and the policy have different parameters"
+        torch._foreach_mul_(mine, 1.0 - self.alpha)
+        torch._foreach_add_(mine, policy, alpha=self.alpha)
+        self.synced = due
+
+    def forward(self, batch: Batch, fn: Callable) -> TrainFuture[dict]:
+        self.sync()
+        return super().forward(batch, fn)
+
+    def snapshot(self) -> Callable[[Path], None]:
+        """The reference as it is now (mixed up to this step), written into a checkpoint folder by the result."""
+        from safetensors.torch import save_file
+
+        self.sync()
+        weights = {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+        synced = self.synced
+        return lambda folder: save_file(weights, str(Path(folder) / self.FILE), {"synced_step": str(synced)})
+
+    @torch.no_grad()
+    def load(self, folder: Path) -> None:
+        """The reference a checkpoint carries; a checkpoint saved without it leaves the reference as it is, mixing
+        from the next sync step on."""
+        from safetensors import safe_open
+
+        path = Path(folder) / self.FILE
+        if not path.is_file():
+            self.synced = self.backend.step // self.every * self.every if self.backend is not None else 0
+            return
+        with safe_open(str(path), framework="pt") as f:
+            for name, p in self.model.named_parameters():
+                p.copy_(f.get_tensor(name))
+            self.synced = int(f.metadata()["synced_step"])
+
+
 def frozen_reference(
     model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None
 ) -> FrozenReference:

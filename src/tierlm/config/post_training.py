@@ -298,6 +298,12 @@ class DPOConfig(Section):
     """discopop: the temperature of DiscoPOP's blend of the logistic and exponential losses (None: 0.05, TRL's)."""
     simpo_gamma: float | None = Field(None, ge=0)
     """simpo: the target reward margin gamma (None: 0.5). SimPO's paper uses beta about 2 (dpo.beta)."""
+    reference_sync_steps: int | None = Field(None, gt=0)
+    """TR-DPO (Gorbatovski et al., 2024; TRL's sync_ref_model with ref_model_sync_steps): every this many optimizer
+    steps the frozen reference moves toward the policy, ref <- alpha policy + (1 - alpha) ref (alpha:
+    dpo.reference_mixup_alpha); checkpoints then carry the reference's weights. None: the reference never moves."""
+    reference_mixup_alpha: float | None = Field(None, gt=0, le=1)
+    """dpo.reference_sync_steps' alpha (None: 0.6, TRL's); 1 copies the policy (TR-DPO's hard update)."""
 
     desirable_weight: float = Field(1.0, gt=0)
     """kto: the weight of desirable replies' losses (KTO's lambda_D; raise it when they are outnumbered)."""

@@ -55,6 +55,20 @@ class Watch:
     """Traces the steps training.profile_steps names (`tierlm.loops.profiling`)."""
 
 
+class Kept(Protocol):
+    """Something a checkpoint carries beside the loop's model and state (a reference that follows the policy:
+    `tierlm.backends.pytorch.SyncedReference`)."""
+
+    def snapshot(self) -> Callable[[Path], None]:
+        """Its state now (copied: the save may be written on another thread), as a writer of its files into a
+        checkpoint folder."""
+        ...
+
+    def load(self, folder: Path) -> None:
+        """Its state from a checkpoint folder its `snapshot` wrote into."""
+        ...
+
+
 class Loop(Protocol):
     """What `run_loop` asks of a training loop."""
 
@@ -66,6 +80,8 @@ class Loop(Protocol):
     """The logger, the stop signals and the monitor of the run (`Watch`)."""
     write_extra: Callable[[Path], None] | None
     """What a checkpoint carries besides weights (tokenizer, config; `tierlm.run.extras_writer`)."""
+    kept: list[Kept]
+    """What else its checkpoints carry, and its resumes restore."""
     evaluates: bool
     """Whether it has anything to evaluate."""
 
@@ -171,7 +187,9 @@ def save(loop: Loop) -> Path:
         if main:
             prune_checkpoints(companion.checkpoint_dir, loop.config.save_total_limit)
     path = loop.backend.checkpoint_dir / f"step_{step}"
-    loop.backend.save_checkpoint(step, trainer_state, loop.write_extra, metric)
+    writers = [w for w in (loop.write_extra, *(kept.snapshot() for kept in loop.kept)) if w is not None]
+    write_extra = (lambda folder: [write(folder) for write in writers]) if writers else None
+    loop.backend.save_checkpoint(step, trainer_state, write_extra, metric)
     if main:  # retention only ever sees complete checkpoints: a save still being written is not counted yet
         prune_checkpoints(path.parent, loop.config.save_total_limit)
         loop.on_save(path)
@@ -223,6 +241,8 @@ def resume(loop: Loop, chosen: Path | None = None) -> Path | None:
         return None
     path, trainer_state = found
     loop.load_trainer_state(trainer_state)
+    for kept in loop.kept:
+        kept.load(path)
     for companion in loop.companions():  # the same step's, beside it (a missing one is a CheckpointError)
         companion.load_checkpoint(path.parent.parent / companion.checkpoint_dir.name / path.name).wait()
     return path

@@ -66,6 +66,7 @@ class RLTrainer:
     reward_model: Any = None  # rl.reward_model: scores each prompt + completion (`score(sequences)`)
     critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
+    kept: list = field(default_factory=list)  # what else checkpoints carry (`tierlm.loops.cadence.Kept`)
     state: RLState = field(default_factory=RLState)
     watch: Watch = field(default_factory=Watch)  # the run's logger, stop signals and monitor, from `train(watch)`
     off_policy: OffPolicyRollouts | None = None  # rl.max_off_policy_steps > 0: the background sampler

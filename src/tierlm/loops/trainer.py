@@ -97,6 +97,7 @@ class Trainer:
         batches_per_epoch: int | None = None,
         optimizer: Any = None,
         core: CoreSchedule | None = None,
+        kept: list | None = None,
     ):
         """`optimizer`: a functional optimizer (`init(params)`, `update(grads, state, params)`: PyTorchAdam,
         FunctionalMuon, JaxAdam, JaxMuon, an optax transformation) that `train_step` updates with in place of the
@@ -105,7 +106,8 @@ class Trainer:
         `on_eval(metrics)` and `on_save(path)`, called on the main rank (Hugging Face's TrainerCallback, in three
         methods).
         `batches_per_epoch` (the global micro-batches of one pass over the data, when known) puts the epoch reached
-        in every train line and the summary. `core`: CORE measured at its steps ("core" lines; the summary's `core`)."""
+        in every train line and the summary. `core`: CORE measured at its steps ("core" lines; the summary's `core`).
+        `kept`: what else checkpoints carry and resumes restore (`tierlm.loops.cadence.Kept`)."""
         self.backend, self.strategy, self.config = backend, strategy, config or TrainingConfig()
         self.optimizer = optimizer
         if optimizer is not None:
@@ -119,7 +121,7 @@ class Trainer:
         self.sampler = sampler  # model -> [{"prompt", "completion"}], run by rank 0 at each evaluation
         self.callbacks = list(callbacks or [])
         self.batches_per_epoch = batches_per_epoch
-        self.core = core
+        self.core, self.kept = core, list(kept or [])
         self.state = LoopState()
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1

@@ -43,10 +43,12 @@ def train_with_trainer(
     callbacks: list,
     on_backend=None,
     broadcast_weights: bool = False,
+    kept: list | None = None,
 ) -> dict:
     """Put `model` on the config's backend and train it with `strategy` through the `Trainer`; returns the
     summary. `on_backend(backend)` runs once the backend exists (DPO's JAX reference comes from it);
-    `broadcast_weights`: rank 0 alone holds the weights (infra.cpu_ram_efficient_loading)."""
+    `broadcast_weights`: rank 0 alone holds the weights (infra.cpu_ram_efficient_loading); `kept`: what else its
+    checkpoints carry (`tierlm.loops.cadence.Kept`)."""
     config, tokenizer = run.config, run.tokenizer
     backend = build_backend(config, model, run.checkpoint_dir, run.device, run.ctx, broadcast_weights)
     if on_backend is not None:
@@ -67,6 +69,7 @@ def train_with_trainer(
         callbacks=callbacks,
         batches_per_epoch=run.plan.batches_per_epoch if run.plan is not None else None,
         core=CoreSchedule.of(config.training, tokenizer),
+        kept=kept,
     )
     protocol = eval_protocol(eval_loader, trainer.eval_set) if isinstance(eval_loader, PackedLoader) else None
     if protocol is not None:

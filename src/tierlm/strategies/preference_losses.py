@@ -280,12 +280,14 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 
 
 def resolve_dpo(dpo):
-    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it). Done once, when
-    a run's config is resolved.
+    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it), TR-DPO's alpha
+    filled in. Done once, when a run's config is resolved.
 
     >>> from tierlm.config import DPOConfig
     >>> resolve_dpo(DPOConfig(loss_type="simpo", simpo_gamma=1.0)).simpo_gamma
     1.0
+    >>> resolve_dpo(DPOConfig(reference_sync_steps=64)).reference_mixup_alpha
+    0.6
     >>> resolve_dpo(DPOConfig(loss_type="simpo", reference="precomputed"))
     Traceback (most recent call last):
     tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
@@ -298,11 +300,22 @@ def resolve_dpo(dpo):
             f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
             f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
         )
+    if dpo.reference_mixup_alpha is not None and dpo.reference_sync_steps is None:
+        raise ConfigError("dpo.reference_mixup_alpha is how far each dpo.reference_sync_steps sync moves the "
+                          "reference: set dpo.reference_sync_steps, or drop it")  # fmt: skip
+    if dpo.reference_sync_steps is not None and not (row.reference and dpo.reference == "frozen"):
+        has = "precomputed log-probs, which cannot move" if row.reference else "no reference"
+        raise ConfigError(
+            f"dpo.reference_sync_steps moves the reference model toward the policy; dpo.loss_type={dpo.loss_type} "
+            f"{'with dpo.reference=precomputed ' if row.reference else ''}has {has}: drop it"
+        )
     if dpo.ld_alpha is not None and dpo.reference == "precomputed":
         raise ConfigError(
             "dpo.ld_alpha weights the reference's log-probs too, and precomputed ones are whole sums: use "
             "dpo.reference=frozen, or drop dpo.ld_alpha"
         )
+    if dpo.reference_sync_steps is not None and dpo.reference_mixup_alpha is None:
+        return dpo.model_copy(update={"reference_mixup_alpha": 0.6})  # TRL's
     return dpo
 
 

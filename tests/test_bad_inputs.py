@@ -1002,6 +1002,20 @@ CASES = [
         r"rl.loss=rloo has its own baseline .leave-one-out.: drop rl.normalize_std",
     ),
     Case(
+        "rl-reference-sync-under-lora",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.kl_coef=0.1",
+            "rl.reference_sync_steps=2",
+            "model.lora.r=4",
+        ],
+        "rl.reference_sync_steps moves a reference copy toward the policy; under model.lora",
+    ),  # fmt: skip
+    Case(
         "rl-vespo-shape-without-vespo",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.loss=dapo", "rl.vespo_k_pos=1"],
         "shape VESPO's sequence weights: set rl.loss=vespo",

@@ -262,14 +262,20 @@ def test_tr_dpo_reference_is_trls_mix_of_the_policy_and_resumes_bit_exact(tiny_r
     assert all(torch.equal(moved[k], again[k]) for k in moved)
 
 
-def test_tr_dpo_under_torchrun_needs_whole_weights_on_each_rank():
-    """The policy is mixed into each rank's reference from that rank's own weights: DDP's, never FSDP2's shards."""
+def test_a_following_reference_under_torchrun_needs_whole_weights_on_each_rank():
+    """The policy is mixed into each rank's reference from that rank's own weights: DDP's, never FSDP2's shards (DPO's
+    "auto" under torchrun); RL's "auto" is DDP."""
+    from tierlm.builders.stage import resolve_config
     from tierlm.stages import STAGES
 
-    stage = STAGES["dpo"]
-    synced = TierlmConfig.from_dict({"dpo": {"reference_sync_steps": 4}})
+    dpo = TierlmConfig.from_dict({"dpo": {"reference_sync_steps": 4}})
     with pytest.raises(ConfigError, match="each rank must hold them whole: set infra.distributed_type=ddp"):
-        stage.parallelism(synced, launched=True)  # "auto" under torchrun: FSDP2
-    ddp = synced.model_copy(update={"infra": synced.infra.model_copy(update={"distributed_type": "ddp"})})
-    assert stage.parallelism(ddp, launched=True) is ddp
-    assert stage.parallelism(synced, launched=False) is synced  # one process
+        resolve_config(dpo, STAGES["dpo"], launched=True)
+    ddp = dpo.model_copy(update={"infra": dpo.infra.model_copy(update={"distributed_type": "ddp"})})
+    assert resolve_config(ddp, STAGES["dpo"], launched=True).dpo.reference_mixup_alpha == 0.6
+    assert resolve_config(dpo, STAGES["dpo"], launched=False).dpo.reference_sync_steps == 4  # one process
+    rl = TierlmConfig.from_dict({"rl": {"kl_coef": 0.1, "reference_sync_steps": 4}})
+    assert resolve_config(rl, STAGES["rl"], launched=True).infra.distributed_type == "ddp"
+    fsdp = rl.model_copy(update={"infra": rl.infra.model_copy(update={"distributed_type": "fsdp"})})
+    with pytest.raises(ConfigError, match="rl.reference_sync_steps mixes the policy's weights"):
+        resolve_config(fsdp, STAGES["rl"], launched=True)

@@ -1231,3 +1231,47 @@ def test_the_rl_loop_masks_truncated_completions_when_asked(tiny_runs, tmp_path,
     masked, trained = steps("masked", "rl.mask_truncated=true"), steps("trained")
     all_cut = [i for i, (finished, _) in enumerate(masked) if finished == 0]
     assert all_cut and all(masked[i][1] == 0 and trained[i][1] > 0 for i in all_cut)
+
+
+@pytest.mark.slow
+def test_a_kl_reference_that_follows_the_policy_is_trls_mix_and_resumes_exactly(tiny_runs, tmp_path, monkeypatch):
+    """rl.reference_sync_steps=1 with alpha 0.5 under a KL penalty: each step's checkpoint carries TRL's own mix
+    (`SyncRefModelCallback._sync_target_model`) of that step's policy into the reference before it; rolled back to
+    step 2 (two mixes in) and resumed, the run ends with the straight run's weights, KL and reference. (A reward for
+    digits: with the task's own the tiny model earns 0, no step moves the weights, and no mix moves the reference.)"""
+    import json
+
+    from safetensors.torch import load_file
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    from conftest import digits_reward, resume_from_checkpoint, run_main
+    from tierlm.models import load_pretrained_model
+
+    out, reward = tmp_path / "synced", digits_reward(tmp_path, monkeypatch)
+    args = [*_tiny_rl(tiny_runs), reward, "rl.kl_coef=0.5", "rl.reference_sync_steps=1", "rl.reference_mixup_alpha=0.5"]
+    args += ["rl.group_size=2", "rl.max_new_tokens=6", "training.num_train_steps=3", "training.save_steps=1"]
+    result = run_main(*args, f"infra.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = load_pretrained_model(tiny_runs / "sft" / "model")
+    for step in (1, 2, 3):
+        folder = out / "checkpoints" / f"step_{step}"
+        SyncRefModelCallback._sync_target_model(load_pretrained_model(folder / "model"), reference, 0.5)
+        saved = load_file(folder / "reference.safetensors")
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(saved[name], p.detach(), rtol=0, atol=1e-7)
+    moved = load_file(out / "checkpoints" / "step_3" / "reference.safetensors")
+    start = dict(load_pretrained_model(tiny_runs / "sft" / "model").named_parameters())
+    assert any(not torch.equal(moved[k], start[k]) for k in moved)  # it followed the policy
+
+    def lines(run):
+        records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"], r["kl"]) for r in records if r["type"] == "train"]
+
+    straight, weights = lines(out), load_file(out / "model" / "model.safetensors")
+    assert any(kl != 0 for *_, kl in straight[1:])  # the penalty is in play
+    resume_from_checkpoint(args, out, 2, in_process=True)
+    assert lines(out)[-1] == straight[-1]
+    resumed = load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+    again = load_file(out / "checkpoints" / "step_3" / "reference.safetensors")
+    assert all(torch.equal(moved[k], again[k]) for k in moved)

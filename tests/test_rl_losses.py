@@ -269,6 +269,8 @@ def test_advantage_helpers_and_the_whole_batch_over_ranks():
         ({"loss": "reinforce", "two_sided_clip": 4.0}, "rl.loss=reinforce has none"),
         ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
         ({"loss": "distill_topk", "teacher": "t", "top_entropy_quantile": 0.2}, "rl.loss=distill_topk has none"),
+        ({"reference_sync_steps": 4}, "with rl.kl_coef=0 there is none: set rl.kl_coef > 0, or drop it"),
+        ({"kl_coef": 0.1, "reference_mixup_alpha": 0.5}, "set rl.reference_sync_steps, or drop it"),
     ],
 )
 def test_loss_settings_that_contradict_are_refused(overrides, message):

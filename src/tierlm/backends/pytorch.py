@@ -177,11 +177,27 @@ class SyncedReference(FrozenReference):
             self.synced = int(f.metadata()["synced_step"])
 
 
+def follow_policy(reference, backend: TrainingBackend) -> list:
+    """What a loop's checkpoints carry for its `reference` (`kept`): a `SyncedReference`, now following the policy of
+    `backend`; nothing for any other."""
+    if not isinstance(reference, SyncedReference):
+        return []
+    reference.follow(backend)
+    return [reference]
+
+
 def frozen_reference(
-    model: nn.Module, device: torch.device | str, autocast_dtype: torch.dtype | None = None
+    model: nn.Module,
+    device: torch.device | str,
+    autocast_dtype: torch.dtype | None = None,
+    sync_every: int | None = None,
+    alpha: float | None = None,
 ) -> FrozenReference:
     """What DPO and RL's KL term compare against: the model as training starts (a copy), or for a LoRA
-    model its base with the adapters off."""
+    model its base with the adapters off; with `sync_every`, a copy that follows the policy (`SyncedReference`)."""
+    if sync_every is not None:
+        assert not has_lora(model), "a LoRA model's reference is its base, no copy to mix the policy into"
+        return SyncedReference(copy.deepcopy(model), device, autocast_dtype, sync_every, alpha)
     if has_lora(model):
         return AdapterFreeReference(model, device, autocast_dtype)
     return FrozenReference(copy.deepcopy(model), device, autocast_dtype)

@@ -37,7 +37,9 @@ def beside_policy(
         backend = build_backend(config, value_model(model), critic_dir, device, ctx)
         critic = Critic(backend, ValueStrategy(rl.value_clip_range))
     return {
-        "reference": frozen_reference(model, device) if rl.kl_coef > 0 else None,
+        "reference": frozen_reference(model, device, sync_every=rl.reference_sync_steps, alpha=rl.reference_mixup_alpha)
+        if rl.kl_coef > 0
+        else None,
         "teacher": load_teachers(rl, tokenizer, device),
         "critic": critic,
         "reward_model": load_reward_model(rl, tokenizer, device),

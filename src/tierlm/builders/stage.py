@@ -117,7 +117,34 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
         raise ConfigError(
             "training.profile_steps traces PyTorch's operators; the JAX backend's are JAX's (jax.profiler): drop it"
         )
-    return stage.parallelism(stage.resolve_section(config), launched).frozen()
+    config = stage.parallelism(stage.resolve_section(config), launched)
+    _check_reference_sync(config, stage.section, launched)
+    return config.frozen()
+
+
+def _check_reference_sync(config: TierlmConfig, section: str | None, launched: bool) -> None:
+    """A reference that follows the policy (the stage's `<section>.reference_sync_steps`: DPO's, RL's) where it
+    can: not under model.lora (the reference is the base with the adapters off, no copy), nor on the JAX backend,
+    nor under torchrun where a rank does not hold the whole policy (only DDP's do); one line (a ConfigError)
+    otherwise."""
+    from tierlm.errors import ConfigError
+
+    if section is None or getattr(getattr(config, section, None), "reference_sync_steps", None) is None:
+        return
+    infra, key = config.infra, f"{section}.reference_sync_steps"
+    if config.model.lora.r:
+        raise ConfigError(
+            f"{key} moves a reference copy toward the policy; under model.lora the reference is the base with the "
+            "adapters off, no copy: drop one of them"
+        )
+    if infra.backend == "jax":
+        raise ConfigError(f"{key} mixes PyTorch models: drop it, or set infra.backend=pytorch")
+    whole = infra.distributed_type == "ddp" and not infra.model_parallel and infra.expert_parallel_size == 1
+    if launched and not whole:
+        raise ConfigError(
+            f"{key} mixes the policy's weights into the reference on every rank, so each rank must hold them whole: "
+            "set infra.distributed_type=ddp (without model or expert parallelism), or drop it"
+        )
 
 
 def _check_core(config: TierlmConfig, stage: Stage) -> None:

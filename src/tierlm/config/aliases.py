@@ -51,9 +51,9 @@ OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "use_vllm": ("TRL", ("engine.kind",)),
     "mask_truncated_completions": ("TRL", ("rl.mask_truncated",)),
     "delta": ("TRL", ("rl.two_sided_clip",)),
-    "sync_ref_model": ("TRL", ("dpo.reference_sync_steps",)),
-    "ref_model_sync_steps": ("TRL", ("dpo.reference_sync_steps",)),
-    "ref_model_mixup_alpha": ("TRL", ("dpo.reference_mixup_alpha",)),
+    "sync_ref_model": ("TRL", ("dpo.reference_sync_steps", "rl.reference_sync_steps")),
+    "ref_model_sync_steps": ("TRL", ("dpo.reference_sync_steps", "rl.reference_sync_steps")),
+    "ref_model_mixup_alpha": ("TRL", ("dpo.reference_mixup_alpha", "rl.reference_mixup_alpha")),
     # Axolotl
     "base_model": ("Axolotl", ("model.model_name_or_path",)),
     "sequence_len": ("Axolotl", ("data.max_seq_length",)),

@@ -124,6 +124,12 @@ class RLConfig(Section):
     """PPO/GRPO ratio clip epsilon."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen starting model (0: no reference model is kept)."""
+    reference_sync_steps: int | None = Field(None, gt=0)
+    """The KL reference follows the policy (TRL's sync_ref_model with ref_model_sync_steps; TR-DPO's update): every
+    this many optimizer steps ref <- alpha policy + (1 - alpha) ref (alpha: rl.reference_mixup_alpha); checkpoints
+    then carry the reference's weights. None: the reference stays the starting model."""
+    reference_mixup_alpha: float | None = Field(None, gt=0, le=1)
+    """rl.reference_sync_steps' alpha (None: 0.6, TRL's)."""
     normalize_std: bool | Literal["group", "batch"] | None = None
     """Divide the group-mean advantages by a std: true or group, each group's (GRPO); batch, the whole step's
     rewards' over every rank (Lite PPO, Liu et al., 2025; TRL's scale_rewards="batch"); false, none (None: the

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tierlm.backends.pytorch import follow_policy
 from tierlm.config import RLConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops import cadence
@@ -79,6 +80,7 @@ class RLTrainer:
     def __post_init__(self) -> None:
         self.sampler = RolloutSampler(self.engine, self.tokenizer, self.rl, self.config.seed)
         companions = dict(reference=self.reference, teacher=self.teacher, critic=self.critic)
+        self.kept = [*self.kept, *follow_policy(self.reference, self.backend)]  # rl.reference_sync_steps
         self.update = PolicyUpdate(self.backend, self.strategy, self.rl, self._sum_over_ranks, **companions)
         if self.rl.partial_rollouts:
             self.partial = PartialRollouts(

@@ -6,11 +6,9 @@ rejected one, against a frozen reference (or reference log-probs stored with the
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from tierlm.backends.pytorch import SyncedReference, frozen_reference
+from tierlm.backends.pytorch import follow_policy, frozen_reference
 from tierlm.builders.loaders import build_pair_loaders
 from tierlm.builders.model import build_model
 from tierlm.builders.stage import Stage
@@ -40,15 +38,9 @@ class DPO(Stage):
     def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
         """dpo.* checked against its loss's row (`resolve_dpo`); the JAX backend trains the losses with a twin."""
         dpo = resolve_dpo(config.dpo)
-        if config.infra.backend == "jax" and (dpo.ld_alpha is not None or dpo.rpo_alpha or dpo.reference_sync_steps):
+        if config.infra.backend == "jax" and (dpo.ld_alpha is not None or dpo.rpo_alpha):
             raise ConfigError(
-                "dpo.ld_alpha, dpo.rpo_alpha and dpo.reference_sync_steps are the PyTorch strategy's: drop them, or "
-                "set infra.backend=pytorch"
-            )
-        if dpo.reference_sync_steps and config.model.lora.r:
-            raise ConfigError(
-                "dpo.reference_sync_steps moves a reference copy toward the policy; under model.lora the reference is "
-                "the base with the adapters off, no copy: drop one of them"
+                "dpo.ld_alpha and dpo.rpo_alpha are the PyTorch strategy's: drop them, or set infra.backend=pytorch"
             )
         if config.infra.backend == "jax" and not PREFERENCE_LOSSES[dpo.loss_type].jax:
             twins = [name for name, row in PREFERENCE_LOSSES.items() if row.jax]
@@ -62,12 +54,6 @@ class DPO(Stage):
         """Pipeline stages run the loss one micro-batch of whole pairs at a time: the pairs must split evenly, and
         KTO's KL estimate is the whole batch's."""
         infra, pairs = config.infra, config.training.per_device_train_batch_size
-        whole = infra.distributed_type == "ddp" and not infra.model_parallel and infra.expert_parallel_size == 1
-        if config.dpo.reference_sync_steps and launched and not whole:
-            raise ConfigError(
-                "dpo.reference_sync_steps mixes the policy's weights into the reference on every rank, so each rank "
-                "must hold them whole: set infra.distributed_type=ddp (without model or expert parallelism), or drop it"
-            )
         if infra.pipeline_parallel_size > 1:
             pieces = infra.pipeline_pieces
             if not PREFERENCE_LOSSES[config.dpo.loss_type].paired:
@@ -114,21 +100,18 @@ class DPO(Stage):
         config = run.resolve(model, train_loader)
         jax = config.infra.backend == "jax"
         frozen = uses_frozen_reference(config)  # never for simpo / orpo: they compare the policy with itself
-        dpo = config.dpo
-        if dpo.reference_sync_steps:  # TR-DPO: a copy that follows the policy, kept in every checkpoint
-            every, alpha = dpo.reference_sync_steps, dpo.reference_mixup_alpha
-            reference = SyncedReference(copy.deepcopy(model), run.device, every=every, alpha=alpha)
-        else:
-            reference = frozen_reference(model, run.device) if frozen and not jax else None
+        dpo = config.dpo  # TR-DPO (dpo.reference_sync_steps): a copy that follows the policy, kept in every checkpoint
+        follows = dict(sync_every=dpo.reference_sync_steps, alpha=dpo.reference_mixup_alpha)
+        reference = frozen_reference(model, run.device, **follows) if frozen and not jax else None
         strategy = preference_strategy(dpo, reference)
+
+        kept = []  # a reference that follows the policy: every checkpoint carries it
 
         def reference_from(backend) -> None:  # JAX's reference: the initial parameters, run by JAX too
             if frozen and jax:
                 strategy.reference = backend.frozen_reference()
-            if isinstance(reference, SyncedReference):
-                reference.follow(backend)
+            kept.extend(follow_policy(reference, backend))
 
-        kept = [reference] if isinstance(reference, SyncedReference) else []
         return train_with_trainer(
             run, model, strategy, train_loader, eval_loader, callbacks or [], on_backend=reference_from, kept=kept
         )

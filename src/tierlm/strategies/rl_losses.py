@@ -435,10 +435,10 @@ PYTORCH_ONLY: dict[str, Callable] = {
 
 
 def resolve_rl(rl, jax: bool = False):
-    """The `rl` section with its loss's defaults filled in (clip bounds, std division, dynamic sampling), refusing
-    in one line (a ConfigError) what the loss fixes, needs or does not read (and, for the JAX backend, a loss
-    without a JAX twin). Done once, when a run's config is resolved; the strategy factory and the RL loop read the
-    filled fields.
+    """The `rl` section with its loss's defaults filled in (clip bounds, std division, dynamic sampling) and the
+    reference's mixup alpha, refusing in one line (a ConfigError) what the loss fixes, needs or does not read (and,
+    for the JAX backend, a loss without a JAX twin). Done once, when a run's config is resolved; the strategy
+    factory and the RL loop read the filled fields.
 
     >>> from tierlm.config import RLConfig
     >>> rl = resolve_rl(RLConfig(loss="dapo"))
@@ -451,6 +451,14 @@ def resolve_rl(rl, jax: bool = False):
     spec = check_variant(rl, "loss", RL_LOSSES, "rl")
     if jax and spec.jax is None:
         raise ConfigError(f"rl.loss={rl.loss} has no JAX twin: train it with infra.backend=pytorch")
+    if rl.reference_mixup_alpha is not None and rl.reference_sync_steps is None:
+        raise ConfigError("rl.reference_mixup_alpha is how far each rl.reference_sync_steps sync moves the reference: "
+                          "set rl.reference_sync_steps, or drop it")  # fmt: skip
+    if rl.reference_sync_steps is not None and not rl.kl_coef:
+        raise ConfigError(
+            "rl.reference_sync_steps moves the KL penalty's reference toward the policy; with rl.kl_coef=0 there is "
+            "none: set rl.kl_coef > 0, or drop it"
+        )
     for name, on in PYTORCH_ONLY.items():
         if jax and on(rl):
             raise ConfigError(f"rl.{name} is applied by the PyTorch losses: train it with infra.backend=pytorch")
@@ -468,6 +476,7 @@ def resolve_rl(rl, jax: bool = False):
             f"rl.top_entropy_quantile picks the sampled tokens a policy-gradient loss trains; rl.loss={rl.loss} has "
             "none to pick: drop it"
         )
+    alpha = 0.6 if rl.reference_sync_steps and rl.reference_mixup_alpha is None else rl.reference_mixup_alpha  # TRL's
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
     dynamic = rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling
     if dynamic and rl.partial_rollouts:
@@ -483,6 +492,7 @@ def resolve_rl(rl, jax: bool = False):
             "normalize_std": rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std,
             "dynamic_sampling": dynamic,
             "importance": importance_mode(rl),
+            "reference_mixup_alpha": alpha,
         }
     )
 

@@ -56,6 +56,22 @@ def test_vllms_top_k_and_min_p_are_honoured(sft, client):
     assert len({c.message.content for c in plain}) > 1  # sampling, not greedy
 
 
+def test_penalties_are_honoured_as_the_engine_draws_them(sft, client):
+    """presence / frequency penalties (OpenAI's) and repetition_penalty (vLLM's): the reply is what tierlm's engine
+    draws with them, not the unpenalised one."""
+    from tierlm.rollout.sampling import SamplingParams
+
+    ask = dict(model=sft.name, messages=QUESTION, max_tokens=24, temperature=0)
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    prompt = sft.tokenizer.render_for_completion(QUESTION)
+    for penalties in ({"frequency_penalty": 2.0, "presence_penalty": 1.0}, {"repetition_penalty": 2.0}):
+        reply = client.chat.completions.create(**ask, extra_body=penalties).choices[0].message.content
+        assert reply != plain, penalties
+        mine = sft.chat_choices(QUESTION, Sampling(24, 0.0, **penalties))[0]
+        [drawn] = sft.engine.generate(prompt, 1, 24, SamplingParams(0.0, **penalties))
+        assert mine.text == reply and mine.tokens and drawn.tokens[: len(mine.tokens)] == mine.tokens
+
+
 def test_n_seed_and_stop_in_both_endpoints(sft, client):
     greedy = client.chat.completions.create(model=sft.name, messages=QUESTION, temperature=0, max_tokens=24)
     text = greedy.choices[0].message.content
@@ -172,7 +188,7 @@ def test_vllm_bench_serve_request_bodies(sft, tiny_runs):
         sft.engine.stop_ids = batched.engine.stop_ids = stop_ids
         batched.close()
 
-    refused = http.post("/v1/completions", json={**completions, "repetition_penalty": 1.2})
+    refused = http.post("/v1/completions", json={**completions, "repetition_penalty": 2.5})  # vLLM's range: (0, 2]
     assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("repetition_penalty")
 
 
@@ -181,7 +197,7 @@ def test_vllm_bench_serve_request_bodies(sft, tiny_runs):
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range: [-2, 2]
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 99}, "n"),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import warnings
@@ -865,6 +866,44 @@ def test_sampler_draws_from_the_softmax_with_top_k_and_top_p():
     assert set(sample_next_token(logits, SamplingParams(1.0, top_p=0.5), g).tolist()) == {
         2
     }  # the top token alone covers 0.64
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"presence_penalty": 0.8, "frequency_penalty": 0.6},
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": -0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3},
+    ],
+)
+def test_penalised_draws_are_the_formula_over_the_tokens_so_far(tiny_gpt_config, penalties):
+    """`Engine.generate` with penalties (KV cache, tokens fed back ahead of the host) draws, greedy and seeded, what a
+    full-recompute loop draws with the penalties written out here as vLLM applies them: repetition on the prompt's
+    and the output's tokens, then frequency and presence on the output's, before the temperature."""
+    from tierlm.rollout.sampling import sample_next_token
+
+    model, prompt = _models(tiny_gpt_config)["native"], [3, 14, 15, 92, 65, 3]
+    rep = penalties.get("repetition_penalty", 1.0)
+    freq, presence = penalties.get("frequency_penalty", 0.0), penalties.get("presence_penalty", 0.0)
+
+    def reference(temperature: float, seed: int) -> list[int]:
+        generator, new = torch.Generator().manual_seed(seed), []
+        for _ in range(20):
+            logits = forward_logits(model, {"input_ids": torch.tensor([prompt + new])})[0, -1].float()
+            for token in set(prompt) | set(new):
+                logits[token] = logits[token] / rep if logits[token] > 0 else logits[token] * rep
+            for token in set(new):
+                logits[token] -= freq * new.count(token) + presence
+            new.append(int(sample_next_token(logits[None], SamplingParams(temperature), generator)))
+        return new
+
+    for (temperature, seed), ahead in itertools.product(((0.0, 0), (1.0, 5)), (1, 8)):  # 8: a GPU's runs of steps
+        engine = Engine(model)
+        engine.ahead = ahead
+        params, generator = SamplingParams(temperature, **penalties), torch.Generator().manual_seed(seed)
+        [drawn] = engine.generate(prompt, 1, 20, params, generator)
+        assert drawn.tokens == reference(temperature, seed), (temperature, ahead, penalties)
+    assert Engine(model).generate(prompt, 1, 20, GREEDY)[0].tokens != reference(0.0, 0)  # they change the draws
 
 
 def test_sample_takes_min_p_and_top_k(tiny_runs):

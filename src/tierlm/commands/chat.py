@@ -154,7 +154,7 @@ class Chatbot:
             from tierlm.rollout.engine import Completion
 
             ended = [(Completion(), "length") for _ in choices]
-        elif self.scheduler is not None and not s.filtered:  # joins the replies in flight
+        elif self.scheduler is not None and s.plain:  # joins the replies in flight
             ended = generation.batched(self.scheduler, prompt, s, choices, should_stop)
         else:
             ended = generation.alone(self.engine, self.lock, prompt, s, choices, should_stop, wait_s)

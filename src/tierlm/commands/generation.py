@@ -35,12 +35,9 @@ class Sampling:
     so every reply is as long as they planned)."""
     top_k: int | None = None
     min_p: float | None = None
-
-    @property
-    def filtered(self) -> bool:
-        """Whether a filter drops tokens (top-k, top-p, min-p): the continuous batch samples each row at its own
-        temperature only, so such a request is generated alone."""
-        return bool(self.top_k and self.top_k > 0) or self.top_p is not None and self.top_p < 1 or bool(self.min_p)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def params(self):
         """The engine's `SamplingParams` (a filter at its no-op value is off)."""
@@ -48,7 +45,14 @@ class Sampling:
 
         top_k = self.top_k if self.top_k and self.top_k > 0 else None
         top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
-        return SamplingParams(self.temperature, top_k, top_p, self.min_p or None)
+        penalties = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        return SamplingParams(self.temperature, top_k, top_p, self.min_p or None, *penalties)
+
+    @property
+    def plain(self) -> bool:
+        """Temperature alone, no filter and no penalty: what the continuous batch samples (each row at its own
+        temperature); a request with more is generated on its own."""
+        return self.params() == type(self.params())(self.temperature)
 
 
 @dataclass

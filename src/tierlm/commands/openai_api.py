@@ -14,9 +14,10 @@ What each field does (the docs' serving page has the table):
   events `usage: null`), as OpenAI's does;
 - chat messages' `content` as a string or a list of text parts (joined by newlines, as vLLM joins them), and the
   `developer` role as the system turn it replaces;
-- vLLM's extensions that its benchmark client sends: `ignore_eos` (a choice runs to `max_tokens` or a stop string),
-  `repetition_penalty` (1 only); and its sampling filters `top_k` (-1 or 0: off) and `min_p` (0: off);
-- `presence_penalty`, `frequency_penalty`, `best_of`: their no-op values only;
+- `presence_penalty`, `frequency_penalty` (-2 to 2, on the tokens generated so far, as OpenAI's and vLLM's);
+- vLLM's extensions: `ignore_eos` (a choice runs to `max_tokens` or a stop string), `repetition_penalty` (CTRL's,
+  on the prompt's and the generated tokens), and its sampling filters `top_k` (-1 or 0: off) and `min_p` (0: off);
+- `best_of`: its no-op value only;
   `tools`, `logit_bias`, `suffix`, `response_format`, ...: refused (a 400 naming the field), never silently dropped.
 """
 
@@ -57,9 +58,9 @@ class Common(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's and SGLang's extension (their benchmark clients send 1.0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)  # vLLM's and SGLang's extension (CTRL's penalty)
     ignore_eos: bool = False  # theirs too: `vllm bench serve` sends true with its random prompts
     user: str | None = None  # the caller's name for its end user: nothing to do with it
 
@@ -71,15 +72,6 @@ class Common(BaseModel):
             raise ValueError(f"stop takes up to {MAX_STOP} non-empty strings")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty")
-    @classmethod
-    def _no_penalty(cls, value, info):
-        none = 1.0 if info.field_name == "repetition_penalty" else 0.0
-        if value != none:
-            message = f"{info.field_name} is not supported (only {none:g})"
-            raise ValueError(f"{message}: the engine samples without penalties")
-        return value
-
     @field_validator("stream_options")
     @classmethod
     def _with_a_stream(cls, value, info):
@@ -89,6 +81,13 @@ class Common(BaseModel):
 
     def stops(self) -> list[str]:
         return list(self.stop or [])
+
+    def penalties(self) -> dict[str, float]:
+        return dict(
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
 
     def usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -202,6 +201,7 @@ def chat_sampling(body) -> Sampling:
         ignore_eos=body.ignore_eos,
         top_k=body.top_k,
         min_p=body.min_p,
+        **body.penalties(),
     )
 
 
@@ -221,6 +221,7 @@ def completion_sampling(body) -> Sampling:
         body.ignore_eos,
         body.top_k,
         body.min_p,
+        **body.penalties(),
     )
 
 

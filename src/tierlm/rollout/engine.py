@@ -21,7 +21,7 @@ from tierlm.models import family_of, unwrap_model
 from tierlm.models.lora import is_adapter_key
 from tierlm.rollout import static_decode, together
 from tierlm.rollout.adapters import ADAPTER_VERSION, stamped_adapters
-from tierlm.rollout.sampling import SamplingParams, default_generator, sample_groups, sample_next_token
+from tierlm.rollout.sampling import Penalties, SamplingParams, default_generator, sample_groups, sample_next_token
 from tierlm.rollout.tools import (
     Tool,
     call_tool,
@@ -286,18 +286,26 @@ class Engine:
         prefix = self._routes(1)
         out = [Completion(weight_version=self.weight_version) for _ in range(num_samples)]
         calls = [ToolCalls() for _ in range(num_samples)]
-        fed = self._decode_rows(logits, cache, out, calls, max_len - len(prompt_ids), params, generator, on_token)
+        penalties = (
+            Penalties(params, prompt_ids, num_samples, logits.shape[-1], self.device) if params.penalised else None
+        )
+        fed = self._decode_rows(
+            logits, cache, out, calls, max_len - len(prompt_ids), params, generator, on_token, penalties=penalties
+        )
         self._keep_routes(out, prefix, fed, len(prompt_ids))
         for completion, pending in zip(out, calls):  # a result the budget cut: a partial rollout forces it next
             completion.forced = pending.forced
         return out
 
-    def _decode_rows(self, logits, cache, out, calls, steps, params, generator, on_token=None, groups=None):
+    def _decode_rows(
+        self, logits, cache, out, calls, steps, params, generator, on_token=None, groups=None, penalties=None
+    ):
         """Up to `steps` tokens for every unfinished row of `out` (its `calls` in flight), from the next-token
         `logits` and the `cache` behind them. Returns the experts of each token fed back, one (rows, 1, L, k) a step
         (empty for a model that routes nothing). `groups`: `(rows, generator)` of consecutive rows, each group
         drawing from its own generator as it would alone, and no more once its rows have stopped (prompts decoded
-        together: `generate_many`); None: one group, every row, `generator`.
+        together: `generate_many`); None: one group, every row, `generator`. `penalties`: the counts a penalised
+        draw reads (`Penalties`: one prompt's rows, `generate`'s), fed each token as the model is.
 
         Steps go in runs of `ahead` (one with tools, whose forced tokens must be known before the next step):
         each step's tokens fed back on the device, read by the host once per run. A group whose rows all stop inside
@@ -309,18 +317,20 @@ class Engine:
         starts = [sum(rows for rows, _ in groups[:g]) for g in range(len(groups) + 1)]
         live = [True] * len(groups)
         rngs = [g if g is not None or ahead == 1 else default_generator(self.device) for _, g in groups]
+        assert penalties is None or len(groups) == 1, "penalties count one prompt's rows"
         while True:
             run = min(ahead, steps - done)
             sampled, logprobs, states = [], [], []
             for j in range(run):
                 if j:  # the run's earlier token, fed back without leaving the device
-                    logits = self._decode(sampled[-1], cache)
+                    logits = self._decode(self._fed(sampled[-1], penalties), cache)
                     self._feed_routes(fed, len(out))
+                drawn = penalties.apply(logits) if penalties is not None else logits
                 if len(groups) == 1:  # its generator may be None, torch's own (to sample_groups None draws nothing)
-                    sampled.append(sample_next_token(logits, params, groups[0][1]))
+                    sampled.append(sample_next_token(drawn, params, groups[0][1]))
                 else:
                     drawing = [(rows, g if alive else None) for (rows, g), alive in zip(groups, live)]
-                    sampled.append(sample_groups(logits, params, drawing))
+                    sampled.append(sample_groups(drawn, params, drawing))
                 scaled = logits.float() / params.temperature if not params.greedy else logits.float()
                 logprobs.append(torch.log_softmax(scaled, dim=-1).gather(1, sampled[-1][:, None]).squeeze(1))
                 if run > 1:
@@ -346,8 +356,16 @@ class Engine:
             if done == steps:
                 return fed
             # The sampled ids stay on the device unless a forced tool token replaced one (no copy from the host).
-            logits = self._decode(sampled[-1] if step == tokens[-1] else torch.tensor(step, device=self.device), cache)
+            last = sampled[-1] if step == tokens[-1] else torch.tensor(step, device=self.device)
+            logits = self._decode(self._fed(last, penalties), cache)
             self._feed_routes(fed, len(out))
+
+    @staticmethod
+    def _fed(tokens: torch.Tensor, penalties) -> torch.Tensor:
+        """`tokens`, fed to the model next, counted by the `penalties` (if any) first."""
+        if penalties is not None:
+            penalties.add(tokens)
+        return tokens
 
     def _feed_routes(self, fed: list[torch.Tensor], rows: int) -> None:
         routes = self._routes(rows)
@@ -369,6 +387,7 @@ class Engine:
         >>> [len(r.tokens) for r in rows], rows[0].versions
         ([5, 5], [0, 0, 0, 1, 1])
         """
+        assert not params.penalised, "penalties are for one prompt's generation (serve, sample), not rollouts"
         assert rows and all(not r.finished for r in rows), "extend unfinished rows"
         if self.family.seq2seq:
             raise DataError("partial rollouts continue a decoder's own sequence; an encoder-decoder's is not one")
@@ -408,6 +427,7 @@ class Engine:
         """`extend` every `(prompt_ids, rows, generator)`, none past `budget` tokens in all (None: no bound). With the
         fixed-shape decoder, consecutive groups taking the same steps continue as one batch (`tierlm.rollout.together`):
         each row gets what it gets alone."""
+        assert not params.penalised, "penalties are for one prompt's generation (serve, sample), not rollouts"
         todo = []
         for prompt, rows, generator in requests:
             room = max_new_tokens if budget is None else min(max_new_tokens, budget - len(rows[0].tokens))
@@ -433,6 +453,7 @@ class Engine:
         prompts decode as one batch (`tierlm.rollout.together`): each prompt's samples are what it gets alone — its
         generator drawn as alone, its logits to float rounding — for one step of the model where it took one per
         prompt. Without it, one prompt at a time (each has its cache)."""
+        assert not params.penalised, "penalties are for one prompt's generation (serve, sample), not rollouts"
         out: list[list[Completion]] = []
         items = [(len(prompt), n, max_new_tokens, generator) for prompt, n, generator in requests]
         for run in self._runs(items, params):

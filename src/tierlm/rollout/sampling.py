@@ -16,7 +16,9 @@ class SamplingParams:
     """How each next token is drawn, named as vLLM's and transformers' settings are: `temperature` (0: greedy), and
     the filters applied after it in transformers' order — `top_k` (the k most likely tokens), `top_p` (nucleus: the
     smallest set reaching p), `min_p` (tokens at least min_p times as likely as the most likely one; Nguyen et al.,
-    2024) — each None when off.
+    2024) — each None when off — and, before all of them, the penalties OpenAI's and vLLM's servers take (0, 0, 1:
+    off; `Penalties`): `presence_penalty` and `frequency_penalty` on the tokens generated so far,
+    `repetition_penalty` (CTRL's, Keskar et al., 2019) on those and the prompt's.
 
     >>> SamplingParams(0.7, top_p=0.9).greedy, GREEDY.greedy
     (False, True)
@@ -26,14 +28,18 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def of(cls, section, temperature: float | None = None) -> "SamplingParams":
         """The settings of a config section that names them (`rl`), at `temperature` if given (an evaluation's).
 
         >>> from types import SimpleNamespace
-        >>> SamplingParams.of(SimpleNamespace(temperature=1.0, top_k=None, top_p=0.95, min_p=0.05), temperature=0.0)
-        SamplingParams(temperature=0.0, top_k=None, top_p=0.95, min_p=0.05)
+        >>> params = SamplingParams.of(SimpleNamespace(temperature=1.0, top_k=None, top_p=0.95, min_p=0.05), 0.0)
+        >>> params.temperature, params.top_p, params.min_p
+        (0.0, 0.95, 0.05)
         """
         temperature = section.temperature if temperature is None else temperature
         return cls(temperature, section.top_k, section.top_p, section.min_p)
@@ -41,6 +47,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     def filter(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) in float32 over the temperature, those each filter drops set to -inf.
@@ -64,6 +74,36 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(0.0)
+
+
+class Penalties:
+    """The penalties of `params` over `rows` rows continuing `prompt_ids`, as vLLM applies them to the logits
+    before the temperature: a token the prompt or a row's output holds has its logit divided by
+    `repetition_penalty` if positive (multiplied if not); then each output token's logit loses
+    `frequency_penalty` times its count and `presence_penalty` once. `add` counts the tokens each row is fed.
+
+    >>> p = Penalties(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0), [0], 1, 4,
+    ...               torch.device("cpu"))
+    >>> p.add(torch.tensor([2])); p.add(torch.tensor([2]))
+    >>> p.apply(torch.tensor([[1.0, 1.0, 1.0, -1.0]])).tolist()  # 0: the prompt's; 2: twice in the output
+    [[0.5, 1.0, -0.5, -1.0]]
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids, rows: int, vocab: int, device: torch.device):
+        self.params = params
+        self.counts = torch.zeros(rows, vocab, device=device)
+        self.prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.prompt[torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+
+    def add(self, tokens: torch.Tensor) -> None:
+        self.counts.scatter_add_(1, tokens.view(-1, 1), torch.ones_like(tokens, dtype=self.counts.dtype).view(-1, 1))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        p, logits, generated = self.params, logits.float(), self.counts > 0
+        if p.repetition_penalty != 1.0:
+            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(generated | self.prompt, penalised, logits)
+        return logits - p.frequency_penalty * self.counts - p.presence_penalty * generated.float()
 
 
 def sample_next_token(

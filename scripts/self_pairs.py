@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.builders.engine import build_engine
+from tierlm.builders.engine import EngineSettings, build_engine
 from tierlm.builders.tasks import open_task
 from tierlm.checkpoint.folders import verified_model_location
 from tierlm.config import TierlmConfig
@@ -48,7 +48,7 @@ def main() -> int:
     tokenizer = load_tokenizer(location)
     model = load_pretrained_model(location).eval()
     task = open_task(config.data.dataset_name, "train", args.problems, config.training.seed)
-    engine = build_engine(config.rl, model, tokenizer, args.out.parent / "self_pairs_sampler")
+    engine = build_engine(EngineSettings.of(config), model, tokenizer, args.out.parent / "self_pairs_sampler")
     stop = set(tokenizer.stop_ids)
     pairs = 0
     with args.out.open("w") as f:

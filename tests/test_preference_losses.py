@@ -279,3 +279,23 @@ def test_a_following_reference_under_torchrun_needs_whole_weights_on_each_rank()
     fsdp = rl.model_copy(update={"infra": rl.infra.model_copy(update={"distributed_type": "fsdp"})})
     with pytest.raises(ConfigError, match="rl.reference_sync_steps mixes the policy's weights"):
         resolve_config(fsdp, STAGES["rl"], launched=True)
+
+
+def test_self_pairs_script_samples_scores_and_reports(tiny_runs, tmp_path):
+    """scripts/self_pairs.py (docs/rl.md: DPO pairs from the model's own answers, a right one over a wrong one) runs
+    end to end on the tiny SFT run: it samples and scores every problem and says how many pairs it wrote (the tiny
+    model answers nothing right, so none: exit 1, an empty file); any row it writes is one question's two replies."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    out = tmp_path / "pairs.jsonl"
+    script = [sys.executable, str(REPO / "scripts" / "self_pairs.py"), str(tiny_runs / "sft"), "--problems", "6"]
+    done = subprocess.run([*script, "--out", str(out)], capture_output=True, text=True, env=cli_env())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert f"{len(rows)} pairs from 6 problems (4 replies each)" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == (0 if rows else 1) and "Traceback" not in done.stderr
+    for row in rows:
+        assert row["chosen"][0] == row["rejected"][0] and row["chosen"][0]["role"] == "user"

@@ -1391,6 +1391,11 @@ CASES = [
         "temperature",
     ),
     Case("sample-top-p-above-one", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--top-p", "2"], "top-p"),
+    Case(
+        "sample-repetition-penalty-out-of-range",
+        ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--repetition-penalty", "0"],
+        r"--repetition-penalty: must be in \(0, 2\]",
+    ),
     Case("sample-top-k-zero", ["sample", "--checkpoint", "{sft}", "--prompt", "hi", "--top-k", "0"], "top-k"),
     Case(
         "sample-prompt-longer-than-context", ["sample", "--checkpoint", "{sft}", "--prompt", "w " * 3000], "longer than"

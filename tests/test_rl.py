@@ -906,7 +906,7 @@ def test_penalised_draws_are_the_formula_over_the_tokens_so_far(tiny_gpt_config,
     assert Engine(model).generate(prompt, 1, 20, GREEDY)[0].tokens != reference(0.0, 0)  # they change the draws
 
 
-def test_sample_takes_min_p_and_top_k(tiny_runs):
+def test_sample_takes_min_p_top_k_and_a_repetition_penalty(tiny_runs):
     """`tierlm sample --min-p 1` (or `--top-k 1`) keeps the likeliest token alone: what greedy decoding prints."""
     from conftest import run_main
 
@@ -918,6 +918,8 @@ def test_sample_takes_min_p_and_top_k(tiny_runs):
         assert hot.returncode == 0 and hot.stdout == greedy.stdout, hot.stderr[-2000:]
     free = [run_main(*args, "--temperature", "1.5", "--seed", str(seed)).stdout for seed in range(4)]
     assert any(out != greedy.stdout for out in free)  # unfiltered, that temperature strays
+    penalised = run_main(*args, "--temperature", "0", "--repetition-penalty", "2")
+    assert penalised.returncode == 0 and penalised.stdout != greedy.stdout, penalised.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,13 @@ def temperature(text: str) -> float:
     return value
 
 
+def repetition_penalty(text: str) -> float:
+    value = number(text)
+    if not 0 < value <= 2:  # vLLM's range
+        raise argparse.ArgumentTypeError(f"must be in (0, 2] (1 is off; above 1 discourages repeats), got {text}")
+    return value
+
+
 def probability(text: str) -> float:
     value = number(text)
     if not 0 < value <= 1:

@@ -8,7 +8,15 @@ import json
 import sys
 from pathlib import Path
 
-from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, probability, temperature
+from tierlm.commands.options import (
+    COMPILE_HELP,
+    DEVICE_TYPES,
+    Command,
+    positive_int,
+    probability,
+    repetition_penalty,
+    temperature,
+)
 from tierlm.errors import ConfigError, TierlmError
 
 
@@ -25,6 +33,12 @@ def arguments(sample: argparse.ArgumentParser) -> None:
         type=probability,
         default=None,
         help="min-p sampling: tokens at least this share of the most likely one's probability",
+    )
+    sample.add_argument(
+        "--repetition-penalty",
+        type=repetition_penalty,
+        default=1.0,
+        help="CTRL's penalty on the prompt's and the generated tokens (1: off; above 1 discourages repeats)",
     )
     sample.add_argument("--seed", type=int, default=0)
     mode = sample.add_mutually_exclusive_group()
@@ -73,7 +87,9 @@ def run(args: argparse.Namespace) -> None:
     tools = [Calculator()] if chat and tokenizer.tool_ids() else []
     engine = Engine(model, tokenizer.stop_ids, tokenizer, tools, compile=args.compile)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    params = SamplingParams(
+        args.temperature, args.top_k, args.top_p, args.min_p, repetition_penalty=args.repetition_penalty
+    )
     completion = engine.generate(prompt_ids, 1, args.max_new_tokens, params, generator)[0]
     print(readable_text(tokenizer, completion.tokens))
     if completion.finished and len(completion.tokens) == 1 and not chat:  # an empty line alone would say nothing

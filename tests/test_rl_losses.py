@@ -507,3 +507,50 @@ def test_the_entropy_bonus_has_the_gradient_of_the_mean_entropy():
     mean_entropy = (-(p * p.log()).sum(dim=-1) * trained).sum() / trained.sum()
     mean_entropy.backward()
     torch.testing.assert_close(gradient(0.1) - gradient(0.0), -0.1 * x.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_as_losses_have_the_gradients_they_are_said_to(estimator):
+    """Each rl.kl_estimator as a loss term on on-policy samples, its expectation over the policy taken exactly (the
+    sum over the vocabulary weighted by the detached probabilities, what sampling averages to): its value is
+    KL(policy || reference) but for k2 (a second-order approximation), and its gradient is 0 (k1), the reverse KL's
+    (k2) or KL(reference || policy)'s (k3), each by autograd of the divergence written out here."""
+    from tierlm.strategies.rl_losses import KL_ESTIMATORS
+
+    theta = torch.randn(7, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(7, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    expected = (logp.exp().detach() * KL_ESTIMATORS[estimator](logp, ref)).sum()
+    (grad,) = torch.autograd.grad(expected, theta)
+    logp = torch.log_softmax(theta, 0)  # afresh: the graph above is spent
+    p, q = logp.exp(), ref.exp()
+    reverse, forward = (p * (logp - ref)).sum(), (q * (ref - logp)).sum()
+    if estimator != "k2":
+        torch.testing.assert_close(expected, reverse)  # k1 and k3 are unbiased
+    if estimator == "k1":
+        torch.testing.assert_close(grad, torch.zeros_like(grad))
+    else:
+        (want,) = torch.autograd.grad(reverse if estimator == "k2" else forward, theta)
+        torch.testing.assert_close(grad, want)
+        assert grad.abs().max() > 1e-3
+
+
+def test_the_kl_estimator_reaches_the_loss_and_the_reported_kl_stays_k3s():
+    """rl.kl_estimator swaps the penalty's per-token term in every loss (here grpo's) and nothing else; the `kl_sum`
+    statistic is k3's either way."""
+    from tierlm.strategies.rl_losses import KL_ESTIMATORS
+
+    g = torch.Generator().manual_seed(0)
+    logprobs, ref = -torch.rand(3, 5, generator=g) * 3, -torch.rand(3, 5, generator=g) * 3
+    batch = {"advantages": torch.tensor([1.0, -0.5, 0.2]), "ref_logprobs": ref}
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    results = {}
+    for estimator in ("k1", "k2", "k3"):
+        strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="grpo", kl_coef=0.3, kl_estimator=estimator)))
+        results[estimator] = strategy.spec.fn(logprobs, batch, mask, strategy.settings)
+    for estimator in ("k1", "k2"):
+        (total, count, stats), (base, base_count, base_stats) = results[estimator], results["k3"]
+        per_row = ((KL_ESTIMATORS[estimator](logprobs, ref) - KL_ESTIMATORS["k3"](logprobs, ref)) * mask).sum(1)
+        shift = 0.3 * (per_row / mask.sum(1)).sum()  # grpo: each sequence's token mean, summed over rows
+        torch.testing.assert_close(total - base, shift)
+        assert count == base_count and torch.equal(stats["kl_sum"], base_stats["kl_sum"])

@@ -124,6 +124,11 @@ class RLConfig(Section):
     """PPO/GRPO ratio clip epsilon."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the frozen starting model (0: no reference model is kept)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The penalty's per-token estimate of KL(policy || reference) on the sampled tokens (Schulman, 2020): k3 =
+    ref/p - 1 - log(ref/p) (TRL's, DeepSeekMath's GRPO), k2 = log(p/ref)^2 / 2, k1 = log(p/ref). As a loss on
+    on-policy samples k2's gradient is the reverse KL's own, k3's is KL(reference || policy)'s, k1's is 0 in
+    expectation (its variance alone)."""
     reference_sync_steps: int | None = Field(None, gt=0)
     """The KL reference follows the policy (TRL's sync_ref_model with ref_model_sync_steps; TR-DPO's update): every
     this many optimizer steps ref <- alpha policy + (1 - alpha) ref (alpha: rl.reference_mixup_alpha); checkpoints

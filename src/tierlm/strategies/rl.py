@@ -18,7 +18,7 @@ import torch
 
 from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_entropy, token_logprobs, vocab_logprobs  # noqa: F401  (token_logprobs: also this module's name)
 from tierlm.strategies.off_policy import high_entropy_tokens
-from tierlm.strategies.rl_losses import RL_LOSSES, LossSettings, loss_settings, token_loss
+from tierlm.strategies.rl_losses import KL_ESTIMATORS, RL_LOSSES, LossSettings, loss_settings, token_loss
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -100,8 +100,7 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate k3 = exp(r - p) - (r - p) - 1 (>= 0, unbiased)."""
-    delta = ref_logprobs - logprobs
-    return delta.exp() - delta - 1.0
+    return KL_ESTIMATORS["k3"](logprobs, ref_logprobs)
 
 
 def policy_gradient_loss(

@@ -39,6 +39,7 @@ class LossSettings:
     clip_low: float | None = 0.2  # the ratio's lower bound is 1 - clip_low (None: not clipped)
     clip_high: float | None = 0.2  # its upper bound 1 + clip_high (None: not clipped)
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # the penalty's per-token estimate of KL(policy || reference): KL_ESTIMATORS
     max_new_tokens: int = 32  # Dr. GRPO's constant normaliser per row
     normalise: str = "tokens"  # what the loss averages over: tokens, sequences, rows or constant
     off_policy_mask: float | None = None  # DeepSeek-V3.2's sequence mask: the KL past which a negative sequence drops
@@ -86,14 +87,27 @@ def clip_statistics(ratio, advantages, mask, low, high) -> dict[str, torch.Tenso
     }
 
 
-def kl_term(logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, coef: float) -> tuple[torch.Tensor | float, dict]:
-    """`coef` x the k3 estimate of KL(policy || reference) per token (0 without a reference), and its summed KL."""
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": lambda logprobs, ref: logprobs - ref,
+    "k2": lambda logprobs, ref: 0.5 * (logprobs - ref) ** 2,
+    "k3": lambda logprobs, ref: (ref - logprobs).exp() - (ref - logprobs) - 1.0,
+}
+"""rl.kl_estimator -> the per-token estimate of KL(policy || reference) from the sampled tokens' log-probs (Schulman,
+2020: k1 = log p/ref, k2 = (log p/ref)^2 / 2, k3 = ref/p - 1 - log ref/p). As a loss on on-policy samples their
+gradients differ: k1's is 0 in expectation, k2's is the reverse KL's, k3's is KL(reference || policy)'s
+(`tests/test_rl_losses.py` checks each against the exact gradients)."""
+
+
+def kl_term(
+    logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, s: LossSettings
+) -> tuple[torch.Tensor | float, dict]:
+    """`s.kl_coef` x the `s.kl_estimator` estimate of KL(policy || reference) per token (0 without a reference), and
+    the summed KL (k3's, whichever estimator the penalty uses: unbiased, never negative)."""
     ref = batch.get("ref_logprobs")
-    if ref is None or not coef:
+    if ref is None or not s.kl_coef:
         return 0.0, {}
-    delta = ref - logprobs
-    kl = delta.exp() - delta - 1.0
-    return coef * kl, {"kl_sum": (kl.detach() * mask.float()).sum()}
+    kl = KL_ESTIMATORS["k3"](logprobs.detach(), ref)
+    return s.kl_coef * KL_ESTIMATORS[s.kl_estimator](logprobs, ref), {"kl_sum": (kl * mask.float()).sum()}
 
 
 def normalise(per_tok: torch.Tensor, mask: torch.Tensor, how: str, max_new_tokens: int = 0):
@@ -121,7 +135,7 @@ def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high, s.ratio_cap)
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
-    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    kl, stats = kl_term(logprobs, batch, mask, s)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, {**stats, **clip_statistics(ratio.detach(), adv, mask, s.clip_low, s.clip_high)}
 
@@ -135,7 +149,7 @@ def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = -weight * adv * logprobs
     if (correction := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * correction
-    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    kl, stats = kl_term(logprobs, batch, mask, s)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, {**stats, **clip_statistics(ratio, adv, mask, None, s.clip_high)}
 
@@ -154,7 +168,7 @@ def sequence_surrogate(logprobs, batch, mask, s: LossSettings):
     loss = clipped_surrogate(seq_ratio, adv, s.clip_low, s.clip_high, s.ratio_cap)
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * (weight * maskf).sum(dim=1) / lengths
-    kl, stats = kl_term(logprobs, batch, maskf, s.kl_coef)
+    kl, stats = kl_term(logprobs, batch, maskf, s)
     if torch.is_tensor(kl):
         loss = loss + (kl * maskf).sum(dim=1) / lengths
     rows = (maskf.sum(dim=1) > 0).float()
@@ -188,7 +202,7 @@ def sapo(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
-    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    kl, stats = kl_term(logprobs, batch, mask, s)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, stats
 
@@ -217,7 +231,7 @@ def vespo(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = -phi * per_token(batch["advantages"], logprobs) * logprobs
     if s.off_policy_mask is not None or batch.get("token_keep") is not None:  # importance is in phi already
         loss = loss * off_policy_weight(logprobs, {**batch, "importance": None}, mask, s.off_policy_mask)
-    kl, stats = kl_term(logprobs, batch, mask, s.kl_coef)
+    kl, stats = kl_term(logprobs, batch, mask, s)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     rows = (maskf.sum(dim=1) > 0).float()
     return total, count, {**stats, "vespo_phi_sum": (phi[:, 0] * rows).sum(), "rows_sum": rows.sum()}
@@ -430,6 +444,7 @@ PYTORCH_ONLY: dict[str, Callable] = {
     "two_sided_clip": lambda rl: rl.two_sided_clip is not None,
     "entropy_coef": lambda rl: bool(rl.entropy_coef),
     "top_entropy_quantile": lambda rl: rl.top_entropy_quantile < 1,
+    "kl_estimator": lambda rl: rl.kl_estimator != "k3",
 }
 """rl.<setting> -> whether a run turns it on: what the PyTorch losses apply and the JAX twins do not."""
 
@@ -503,6 +518,7 @@ def loss_settings(rl) -> LossSettings:
         rl.clip_low,
         rl.clip_high,
         rl.kl_coef,
+        rl.kl_estimator,
         rl.max_new_tokens,
         off_policy_mask=rl.off_policy_mask,
         top_entropy_quantile=rl.top_entropy_quantile,

@@ -301,6 +301,12 @@ PREFERENCE_CASES = [  # dpo.loss_type and its settings: each is tested against i
     ("apo_zero", {}),
     ("apo_down", {}),
     ("discopop", {"discopop_tau": 0.3}),
+    # f-DPO (TRL's f_divergence_type) under the losses that read it
+    ("sigmoid", {"f_divergence_type": "js_divergence"}),
+    ("hinge", {"f_divergence_type": "forward_kl"}),
+    ("robust", {"label_smoothing": 0.2, "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+    ("exo_pair", {"label_smoothing": 1e-3, "f_divergence_type": "js_divergence"}),
+    ("discopop", {"discopop_tau": 0.3, "f_divergence_type": "alpha_divergence"}),
 ]
 
 

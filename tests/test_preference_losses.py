@@ -49,11 +49,28 @@ def _sig(x: float) -> float:
     return math.exp(_logsig(x))
 
 
+F_PRIME = {  # f-DPO (Wang et al., 2023): f'(u) of each divergence, of the log-ratio lr = log u, u = pi / ref
+    "reverse_kl": lambda lr, a: lr,
+    "forward_kl": lambda lr, a: 1 - math.exp(-lr),
+    "js_divergence": lambda lr, a: math.log(2 * math.exp(lr) / (1 + math.exp(lr))),
+    "alpha_divergence": lambda lr, a: (math.exp(lr) ** (a - 1) - 1) / (a - 1),
+}
+
+
 def reference(
-    loss_type: str, c: float, r: float, rc: float, rr: float, beta: float, e: float, gamma: float, tau: float = 0.05
+    loss_type: str,
+    c: float,
+    r: float,
+    rc: float,
+    rr: float,
+    beta: float,
+    e: float,
+    gamma: float,
+    tau: float = 0.05,
+    f=F_PRIME["reverse_kl"],
 ) -> float:
     lc, lr = c - rc, r - rr  # the log-ratios
-    h = lc - lr
+    h = f(lc) - f(lr)  # DPO's h, f-DPO's for the losses that read dpo.f_divergence_type
     if loss_type in ("sigmoid", "sigmoid_norm"):  # DPO (Rafailov et al., 2023); sigmoid_norm on averaged log-probs
         return -_logsig(beta * h)
     if loss_type == "exo_pair":  # EXO (Ji et al., 2024), eq. 16: KL(q || (1 - e, e)), q = sigmoid(beta h)
@@ -99,9 +116,11 @@ def test_each_preference_loss_equals_its_formula(loss_type, overrides):
     total, count = strategy.compute_loss(logits, batch)
     logps = _logps(logits, labels, averaged=loss_type in ("ipo", "simpo", "orpo", "sigmoid_norm"))
     gamma, tau = dpo.simpo_gamma or 0.5, dpo.discopop_tau or 0.05
+    alpha = dpo.f_alpha_divergence_coef
+    f = lambda logratio: F_PRIME[dpo.f_divergence_type](logratio, alpha)  # noqa: E731
     expected = [
         reference(loss_type, logps[i], logps[N + i], float(ref[i]), float(ref[N + i]), dpo.beta,
-                  dpo.label_smoothing, gamma, tau)
+                  dpo.label_smoothing, gamma, tau, f)
         for i in range(N)
     ]  # fmt: skip
     assert count == N

@@ -124,9 +124,9 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
 
 def _check_reference_sync(config: TierlmConfig, section: str | None, launched: bool) -> None:
     """A reference that follows the policy (the stage's `<section>.reference_sync_steps`: DPO's, RL's) where it
-    can: not under model.lora (the reference is the base with the adapters off, no copy), nor on the JAX backend,
-    nor under torchrun where a rank does not hold the whole policy (only DDP's do); one line (a ConfigError)
-    otherwise."""
+    can: not under model.lora (the reference is the base with the adapters off, no copy), nor under torchrun where a
+    rank does not hold the whole policy (only DDP's do); one line (a ConfigError) otherwise. (The JAX backend refuses
+    it with its section's other PyTorch-only settings.)"""
     from tierlm.errors import ConfigError
 
     if section is None or getattr(getattr(config, section, None), "reference_sync_steps", None) is None:
@@ -137,8 +137,6 @@ def _check_reference_sync(config: TierlmConfig, section: str | None, launched: b
             f"{key} moves a reference copy toward the policy; under model.lora the reference is the base with the "
             "adapters off, no copy: drop one of them"
         )
-    if infra.backend == "jax":
-        raise ConfigError(f"{key} mixes PyTorch models: drop it, or set infra.backend=pytorch")
     whole = infra.distributed_type == "ddp" and not infra.model_parallel and infra.expert_parallel_size == 1
     if launched and not whole:
         raise ConfigError(

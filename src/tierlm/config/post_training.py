@@ -309,6 +309,13 @@ class DPOConfig(Section):
     """discopop: the temperature of DiscoPOP's blend of the logistic and exponential losses (None: 0.05, TRL's)."""
     simpo_gamma: float | None = Field(None, ge=0)
     """simpo: the target reward margin gamma (None: 0.5). SimPO's paper uses beta about 2 (dpo.beta)."""
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    """f-DPO (Wang et al., 2023; TRL's name): the divergence to the reference whose f' scores each response's
+    policy / reference ratio u, h = f'(u_chosen) - f'(u_rejected): reverse_kl log u (DPO), forward_kl 1 - 1/u,
+    js_divergence log(2u / (1 + u)), alpha_divergence (u^(alpha - 1) - 1) / (alpha - 1). For sigmoid, hinge, robust,
+    exo_pair and discopop."""
+    f_alpha_divergence_coef: float = 0.5
+    """alpha_divergence's alpha (TRL's default; 1 is the reverse KL)."""
     reference_sync_steps: int | None = Field(None, gt=0)
     """TR-DPO (Gorbatovski et al., 2024; TRL's sync_ref_model with ref_model_sync_steps): every this many optimizer
     steps the frozen reference moves toward the policy, ref <- alpha policy + (1 - alpha) ref (alpha:

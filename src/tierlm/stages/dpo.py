@@ -37,17 +37,7 @@ class DPO(Stage):
 
     def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
         """dpo.* checked against its loss's row (`resolve_dpo`); the JAX backend trains the losses with a twin."""
-        dpo = resolve_dpo(config.dpo)
-        if config.infra.backend == "jax" and (dpo.ld_alpha is not None or dpo.rpo_alpha):
-            raise ConfigError(
-                "dpo.ld_alpha and dpo.rpo_alpha are the PyTorch strategy's: drop them, or set infra.backend=pytorch"
-            )
-        if config.infra.backend == "jax" and not PREFERENCE_LOSSES[dpo.loss_type].jax:
-            twins = [name for name, row in PREFERENCE_LOSSES.items() if row.jax]
-            raise ConfigError(
-                f"the JAX backend trains dpo.loss_type={' / '.join(twins)}; dpo.loss_type={dpo.loss_type} needs "
-                "infra.backend=pytorch"
-            )
+        dpo = resolve_dpo(config.dpo, jax=config.infra.backend == "jax")
         return config.model_copy(update={"dpo": dpo})
 
     def parallelism(self, config: TierlmConfig, launched: bool) -> TierlmConfig:

@@ -31,7 +31,10 @@ def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
         return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
     tau = dpo.discopop_tau if dpo.discopop_tau is not None else PreferenceSettings.discopop_tau
-    return DPOStrategy(dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha, dpo.rpo_alpha)
+    f_divergence = dict(f_divergence=dpo.f_divergence_type, f_alpha=dpo.f_alpha_divergence_coef)
+    return DPOStrategy(
+        dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha, dpo.rpo_alpha, **f_divergence
+    )
 
 
 class DPOStrategy:
@@ -48,14 +51,18 @@ class DPOStrategy:
         discopop_tau: float = 0.05,
         ld_alpha: float | None = None,
         rpo_alpha: float = 0.0,
+        f_divergence: str = "reverse_kl",
+        f_alpha: float = 0.5,
     ):
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
         when batches carry precomputed `ref_logps`, or for a reference-free loss. `ld_alpha`: LD-DPO's weight of
-        the tokens past the pair's shorter response; `rpo_alpha`: RPO's weight of the chosen responses' NLL."""
+        the tokens past the pair's shorter response; `rpo_alpha`: RPO's weight of the chosen responses' NLL;
+        `f_divergence` / `f_alpha`: f-DPO's divergence (`tierlm.strategies.preference_losses.F_DIVERGENCES`)."""
         assert beta > 0, f"beta must be > 0, got {beta}"
         self.ld_alpha, self.rpo_alpha = ld_alpha, rpo_alpha
         self.reference, self.loss_type, self.row = reference, loss_type, PREFERENCE_LOSSES[loss_type]
-        self.beta, self.settings = beta, PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
+        settings = PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau, f_divergence, f_alpha)
+        self.beta, self.settings = beta, settings
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
         out = dict(batch)

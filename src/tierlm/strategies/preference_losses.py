@@ -20,6 +20,10 @@ and, as TRL's DPOTrainer computes them, with the log-ratios l_c = pi_c - ref_c, 
     apo_down (APO):  sigmoid(beta l_c) + 1 - sigmoid(beta h)
     discopop:        (1 - m) (-log sigmoid(beta h)) + m exp(-beta h), m = sigmoid(beta h / tau), tau = dpo.discopop_tau
 
+and f-DPO (Wang et al., 2023; TRL's f_divergence_type) beside sigmoid, hinge, robust, exo_pair and discopop: h =
+f'(u_c) - f'(u_r) of the policy / reference ratios u = e^l, f' of `dpo.f_divergence_type` (`F_DIVERGENCES`: the
+reverse KL's log u is plain DPO's h);
+
 and two without a reference model (none is loaded), on averaged log-probs a_c, a_r:
 
     simpo:           -log sigmoid(beta (a_c - a_r) - gamma), gamma = dpo.simpo_gamma
@@ -36,6 +40,7 @@ The strategies that train them (the reference's log-probs, the per-token weights
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,17 +95,39 @@ class PreferenceSettings:
     label_smoothing: float = 0.0  # robust: the assumed flip rate; exo_pair: EXO's epsilon
     simpo_gamma: float = 0.5  # simpo: the target margin
     discopop_tau: float = 0.05  # discopop: the blend's temperature
+    f_divergence: str = "reverse_kl"  # f-DPO: the divergence whose f' scores each log-ratio (F_DIVERGENCES)
+    f_alpha: float = 0.5  # alpha_divergence's alpha
+
+
+def _alpha_score(logratio: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The alpha-divergence's f'(u) = (u^(alpha - 1) - 1) / (alpha - 1) of u = e^logratio (log u at alpha = 1), its
+    exponent capped at 80 as TRL caps it."""
+    if abs(alpha - 1.0) < 1e-6:
+        return logratio
+    return (torch.exp(torch.clamp((alpha - 1.0) * logratio.float(), max=80.0)) - 1.0).to(logratio.dtype) / (alpha - 1.0)
+
+
+F_DIVERGENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "reverse_kl": lambda logratio, alpha: logratio,
+    "forward_kl": lambda logratio, alpha: 1.0 - torch.exp(-logratio),
+    "js_divergence": lambda logratio, alpha: math.log(2.0) + F.logsigmoid(logratio),
+    "alpha_divergence": _alpha_score,
+}
+"""dpo.f_divergence_type -> f'(u) of the policy / reference ratio u, from log u: the score f-DPO's h subtracts."""
 
 
 def _rewards(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings):
-    """(h, chosen rewards, rejected rewards): h = (pi_c - ref_c) - (pi_r - ref_r); rewards beta (pi - ref)."""
-    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    """(h, chosen rewards, rejected rewards): h = f'(u_c) - f'(u_r), u = pi / ref (f' of `s.f_divergence`; the reverse
+    KL's: h = (pi_c - ref_c) - (pi_r - ref_r)); rewards beta (pi - ref)."""
+    score = F_DIVERGENCES[s.f_divergence]
+    h = score(chosen - ref_chosen, s.f_alpha) - score(rejected - ref_rejected, s.f_alpha)
     return h, s.beta * (chosen - ref_chosen), s.beta * (rejected - ref_rejected)
 
 
 def sigmoid(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
     """DPO (Rafailov et al., 2023): -log sigmoid(beta h)."""
-    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, s.beta)
+    h, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    return -F.logsigmoid(s.beta * h), rc, rr
 
 
 def robust(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
@@ -212,25 +239,31 @@ SMOOTHING = (
     "dpo.label_smoothing is robust DPO's assumed flip rate and EXO's epsilon: set dpo.loss_type=robust or exo_pair "
     "with 0 < dpo.label_smoothing < 0.5, or neither"
 )
+F_DIVERGENCE = ("f_divergence_type", "f_alpha_divergence_coef")  # f-DPO's settings, read by the losses of h alone
+F_WHY = dict.fromkeys(
+    F_DIVERGENCE,
+    "dpo.f_divergence_type reshapes h for sigmoid, hinge, robust, exo_pair and discopop (TRL's: on summed log-probs; "
+    "the averaging losses differ from it there): dpo.loss_type={name} does not read it, drop it",
+)
 
 PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
-    "sigmoid": PreferenceLoss("DPO (Rafailov et al., 2023)", sigmoid, jax=True),
+    "sigmoid": PreferenceLoss("DPO (Rafailov et al., 2023)", sigmoid, jax=True, reads=F_DIVERGENCE, why=F_WHY),
     "sigmoid_norm": PreferenceLoss("DPO on per-token averaged log-probs", sigmoid, averaged=True),
     "ipo": PreferenceLoss("IPO (Azar et al., 2023), on per-token averaged log-probs", ipo, averaged=True),
-    "hinge": PreferenceLoss("SLiC's hinge (Zhao et al., 2023)", hinge),
+    "hinge": PreferenceLoss("SLiC's hinge (Zhao et al., 2023)", hinge, reads=F_DIVERGENCE, why=F_WHY),
     "robust": PreferenceLoss(
         "robust DPO under label noise (Chowdhury et al., 2024)",
         robust,
         needs=("label_smoothing",),
-        reads=("label_smoothing",),
-        why=SMOOTHING,
+        reads=("label_smoothing", *F_DIVERGENCE),
+        why={"label_smoothing": SMOOTHING, **F_WHY},
     ),
     "exo_pair": PreferenceLoss(
         "EXO (Ji et al., 2024), the pairwise form",
         exo_pair,
         needs=("label_smoothing",),
-        reads=("label_smoothing",),
-        why=SMOOTHING,
+        reads=("label_smoothing", *F_DIVERGENCE),
+        why={"label_smoothing": SMOOTHING, **F_WHY},
     ),  # fmt: skip
     "nca_pair": PreferenceLoss("NCA (Chen et al., 2024), the pairwise form", nca_pair),
     "bco_pair": PreferenceLoss("BCO (Jung et al., 2024), the pairwise form of TRL's DPOTrainer", bco_pair),
@@ -240,8 +273,8 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
     "discopop": PreferenceLoss(
         "DiscoPOP (Lu et al., 2024), a discovered blend of logistic and exponential losses",
         discopop,
-        reads=("discopop_tau",),
-        why="dpo.discopop_tau is DiscoPOP's; dpo.loss_type={name} does not read it",
+        reads=("discopop_tau", *F_DIVERGENCE),
+        why={"discopop_tau": "dpo.discopop_tau is DiscoPOP's; dpo.loss_type={name} does not read it", **F_WHY},
     ),  # fmt: skip
     "simpo": PreferenceLoss(
         "SimPO (Meng et al., 2024), reference-free",
@@ -279,9 +312,18 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 """dpo.loss_type -> what it is: the one place a preference loss is named."""
 
 
-def resolve_dpo(dpo):
-    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it), TR-DPO's alpha
-    filled in. Done once, when a run's config is resolved.
+PYTORCH_ONLY: dict[str, Callable] = {
+    "ld_alpha": lambda dpo: dpo.ld_alpha is not None,
+    "rpo_alpha": lambda dpo: bool(dpo.rpo_alpha),
+    "f_divergence_type": lambda dpo: dpo.f_divergence_type != "reverse_kl",
+    "reference_sync_steps": lambda dpo: dpo.reference_sync_steps is not None,
+}
+"""dpo.<setting> -> whether a run turns it on: what the PyTorch strategy applies and the JAX twin does not."""
+
+
+def resolve_dpo(dpo, jax: bool = False):
+    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it; on the JAX backend,
+    what its twin lacks), TR-DPO's alpha filled in. Done once, when a run's config is resolved.
 
     >>> from tierlm.config import DPOConfig
     >>> resolve_dpo(DPOConfig(loss_type="simpo", simpo_gamma=1.0)).simpo_gamma
@@ -293,12 +335,25 @@ def resolve_dpo(dpo):
     tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
     """
     row = check_variant(dpo, "loss_type", PREFERENCE_LOSSES, "dpo")
+    for name, on in PYTORCH_ONLY.items():
+        if jax and on(dpo):
+            raise ConfigError(f"dpo.{name} is applied by the PyTorch strategy: drop it, or set infra.backend=pytorch")
+    if jax and not row.jax:
+        twins = [name for name, other in PREFERENCE_LOSSES.items() if other.jax]
+        raise ConfigError(
+            f"the JAX backend trains dpo.loss_type={' / '.join(twins)}; dpo.loss_type={dpo.loss_type} needs "
+            "infra.backend=pytorch"
+        )
     if not row.reference and dpo.reference == "precomputed":
         raise ConfigError(f"dpo.loss_type={dpo.loss_type} uses no reference: drop dpo.reference=precomputed")
     if dpo.ld_alpha is not None and not (row.paired and row.reference):
         raise ConfigError(
             f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
             f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
+        )
+    if dpo.f_alpha_divergence_coef != 0.5 and dpo.f_divergence_type != "alpha_divergence":
+        raise ConfigError(
+            "dpo.f_alpha_divergence_coef is the alpha of dpo.f_divergence_type=alpha_divergence: set that, or drop it"
         )
     if dpo.reference_mixup_alpha is not None and dpo.reference_sync_steps is None:
         raise ConfigError("dpo.reference_mixup_alpha is how far each dpo.reference_sync_steps sync moves the "

@@ -445,6 +445,7 @@ PYTORCH_ONLY: dict[str, Callable] = {
     "entropy_coef": lambda rl: bool(rl.entropy_coef),
     "top_entropy_quantile": lambda rl: rl.top_entropy_quantile < 1,
     "kl_estimator": lambda rl: rl.kl_estimator != "k3",
+    "reference_sync_steps": lambda rl: rl.reference_sync_steps is not None,
 }
 """rl.<setting> -> whether a run turns it on: what the PyTorch losses apply and the JAX twins do not."""
 

@@ -64,6 +64,29 @@ def test_a_system_message_opens_every_terminal_conversation(bot):
     assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]] * 2
 
 
+def test_the_terminal_chat_draws_with_its_filters_and_penalty(bot):
+    """`tierlm chat --top-p / --min-p / --repetition-penalty`: every reply of the conversation asks for them, and
+    a penalised greedy reply is the engine's penalised draw, not the plain one."""
+    asked = []
+    reply = bot.reply
+
+    def recording(messages, *args, **kwargs):
+        asked.append(kwargs)
+        return reply(messages, *args, **kwargs)
+
+    bot.reply = recording
+    try:
+        filters = {"top_p": 0.9, "min_p": 0.05, "repetition_penalty": 2.0}
+        typed = iter([QUESTION, QUESTION, "/quit"])
+        terminal_chat(bot, 0.0, 12, read=lambda prompt: next(typed), write=lambda text: None, filters=filters)
+    finally:
+        del bot.reply
+    assert [{k: a[k] for k in filters} for a in asked] == [filters, filters]
+    question = [{"role": "user", "content": QUESTION}]
+    plain, penalised = (bot.reply(question, 0.0, 24, repetition_penalty=p).text for p in (1.0, 2.0))
+    assert penalised != plain
+
+
 def test_sample_renders_the_system_message_before_the_prompt(tiny_runs, capsys):
     """`tierlm sample --system TEXT` samples what the chat engine answers to [system, user] (greedy); a model
     sampled as plain text refuses it in one line."""

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 from tierlm.commands.generation import Reply, Sampling
-from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, temperature
+from tierlm.commands.options import (
+    COMPILE_HELP,
+    DEVICE_TYPES,
+    Command,
+    positive_int,
+    probability,
+    repetition_penalty,
+    temperature,
+)
 from tierlm.errors import DataError
 
 
@@ -106,12 +114,13 @@ class Chatbot:
         seed: int | None = None,
         should_stop: Callable[[], str | None] | None = None,
         wait_s: float | None = None,
+        **filters,
     ) -> Reply:
         """The assistant's next turn after `messages` (OpenAI role/content dicts); `on_text(piece)` streams it.
         `should_stop()`, asked after every token, names a reason to stop early ("cancelled", "timeout"): the reply so
         far comes back with that finish reason. `wait_s`: how long to wait for the model (busy with other replies)
-        before raising `Busy`."""
-        sampling = Sampling(max_new_tokens, temperature, seed=seed)
+        before raising `Busy`. `filters`: `Sampling`'s top_p, top_k, min_p and penalties."""
+        sampling = Sampling(max_new_tokens, temperature, seed=seed, **filters)
         stream = (lambda index, piece: on_text(piece)) if on_text is not None else None
         return self.chat_choices(messages, sampling, stream, should_stop, wait_s)[0]
 
@@ -202,9 +211,10 @@ def terminal_chat(
     read: Callable[[str], str] = input,
     write: Callable[[str], None] | None = None,
     system: str | None = None,
+    filters: dict | None = None,
 ) -> None:
     """The terminal loop: each answer streams as it is generated; /reset, /temperature T, /quit. A `system` message
-    opens every conversation (a /reset one too)."""
+    opens every conversation (a /reset one too); `filters` (top_p, min_p, repetition_penalty) shape every draw."""
 
     def out(text: str) -> None:
         (write or (lambda t: (sys.stdout.write(t), sys.stdout.flush())))(text)
@@ -242,7 +252,7 @@ def terminal_chat(
         messages.append({"role": "user", "content": line})
         out("assistant> ")
         try:
-            reply = bot.reply(messages, temperature, max_new_tokens, on_text=out)
+            reply = bot.reply(messages, temperature, max_new_tokens, on_text=out, **(filters or {}))
         except DataError as e:
             messages.pop()
             out(f"\n({e})\n")
@@ -256,6 +266,9 @@ def arguments(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     chat.add_argument("--temperature", type=temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
     chat.add_argument("--max-new-tokens", type=positive_int, default=128)
+    chat.add_argument("--top-p", type=probability, default=None)
+    chat.add_argument("--min-p", type=probability, default=None)
+    chat.add_argument("--repetition-penalty", type=repetition_penalty, default=1.0, help="1: off (as tierlm sample)")
     chat.add_argument("--system", default=None, help="a system message that opens each conversation")
     chat.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
     chat.add_argument("--compile", action="store_true", help=COMPILE_HELP)
@@ -263,7 +276,8 @@ def arguments(chat: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     bot = Chatbot(args.checkpoint, args.device_type, compile=args.compile)
-    terminal_chat(bot, args.temperature, args.max_new_tokens, system=args.system)
+    filters = dict(top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    terminal_chat(bot, args.temperature, args.max_new_tokens, system=args.system, filters=filters)
 
 
 COMMAND = Command(arguments, run)

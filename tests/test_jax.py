@@ -26,7 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 from conftest import REPO  # noqa: E402
 from tierlm.backends.jax_backend import JaxTrainingBackend  # noqa: E402
 from tierlm.backends.options import BackendOptions  # noqa: E402
-from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend  # noqa: E402
+from tierlm.backends.pytorch import PyTorchTrainingBackend  # noqa: E402
+from tierlm.backends.references import FrozenReference  # noqa: E402
 from tierlm.models import GPTConfig, build_gpt  # noqa: E402
 from tierlm.primitives.optim import RoleSettings, build_adamw  # noqa: E402
 from tierlm.primitives.schedules import create_warmup_scheduler  # noqa: E402

@@ -107,7 +107,7 @@ def test_peft_loads_the_exported_adapter_onto_the_exported_base(tiny_runs, tmp_p
 
 
 def test_the_reference_is_the_base_with_adapters_off(tiny_runs):
-    from tierlm.backends.pytorch import AdapterFreeReference, frozen_reference
+    from tierlm.backends.references import AdapterFreeReference, frozen_reference
 
     model = _adapted(tiny_runs).train()
     reference = frozen_reference(model, "cpu")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tierlm.backends.pytorch import FrozenReference
+from tierlm.backends.references import FrozenReference
 from tierlm.loops.teachers import Teachers
 from tierlm.models import build_gpt, forward_logits
 from tierlm.primitives.losses import token_logprobs

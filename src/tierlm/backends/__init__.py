@@ -18,7 +18,8 @@ from tierlm.backends.factory import (
 )
 from tierlm.backends.options import BackendOptions
 from tierlm.backends.protocol import TrainFuture, TrainingBackend
-from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, loss_sum_and_count
+from tierlm.backends.pytorch import PyTorchTrainingBackend, loss_sum_and_count
+from tierlm.backends.references import FrozenReference
 from tierlm.backends.state import GradientInfo, ModelState
 from tierlm.primitives import (
     compute_device_map_single_gpu,

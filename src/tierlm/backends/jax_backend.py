@@ -410,7 +410,7 @@ class JaxTrainingBackend(TrainingBackend):
 
 
 class JaxFrozenReference:
-    """The `forward` half of the protocol over fixed parameters (as `tierlm.backends.pytorch.FrozenReference`)."""
+    """The `forward` half of the protocol over fixed parameters (as `tierlm.backends.references.FrozenReference`)."""
 
     def __init__(self, backend: JaxTrainingBackend, params: dict):
         self.backend, self.params = backend, params

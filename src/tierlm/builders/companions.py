@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tierlm.backends.pytorch import frozen_reference
+from tierlm.backends.references import frozen_reference
 from tierlm.builders.backend import build_backend
 from tierlm.builders.model import load_reward_model, load_teacher
 from tierlm.config import TierlmConfig

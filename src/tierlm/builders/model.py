@@ -180,7 +180,7 @@ def check_same_vocabulary(location, tokenizer: Tokenizer, what: str, why: str) -
 def load_teacher(spec: str, tokenizer: Tokenizer, device: torch.device):
     """On-policy distillation's teacher (rl.teacher): any tierlm or transformers model folder, run or hub id sharing
     the student's tokenizer, loaded once and frozen (it only scores the student's samples)."""
-    from tierlm.backends.pytorch import FrozenReference
+    from tierlm.backends.references import FrozenReference
     from tierlm.checkpoint.folders import verified_model_location
     from tierlm.models import load_pretrained_model
 

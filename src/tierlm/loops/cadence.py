@@ -57,7 +57,7 @@ class Watch:
 
 class Kept(Protocol):
     """Something a checkpoint carries beside the loop's model and state (a reference that follows the policy:
-    `tierlm.backends.pytorch.SyncedReference`)."""
+    `tierlm.backends.references.SyncedReference`)."""
 
     def snapshot(self) -> Callable[[Path], None]:
         """Its state now (copied: the save may be written on another thread), as a writer of its files into a

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tierlm.backends.pytorch import follow_policy
+from tierlm.backends.references import follow_policy
 from tierlm.config import RLConfig, TrainingConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops import cadence

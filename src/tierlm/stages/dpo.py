@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.backends.pytorch import follow_policy, frozen_reference
+from tierlm.backends.references import follow_policy, frozen_reference
 from tierlm.builders.loaders import build_pair_loaders
 from tierlm.builders.model import build_model
 from tierlm.builders.stage import Stage

@@ -30,7 +30,8 @@ from torch import nn
 from tierlm.backends.distributed import DDPTrainingBackend, FSDPTrainingBackend, prepare_model
 from tierlm.backends.expert_parallel import ExpertParallelFSDPTrainingBackend, ExpertParallelTrainingBackend
 from tierlm.backends.model_parallel import ModelParallelTrainingBackend
-from tierlm.backends.pytorch import FrozenReference, PyTorchTrainingBackend, frozen_reference
+from tierlm.backends.pytorch import PyTorchTrainingBackend
+from tierlm.backends.references import FrozenReference, frozen_reference
 from tierlm.backends.zero import DeepSpeedTrainingBackend
 from tierlm.builders.backend import backend_options
 from tierlm.builders.model import describe_model, new_model

@@ -15,15 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from tierlm.commands.generation import Reply, Sampling
-from tierlm.commands.options import (
-    COMPILE_HELP,
-    DEVICE_TYPES,
-    Command,
-    positive_int,
-    probability,
-    repetition_penalty,
-    temperature,
-)
+from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, sampling_filters, temperature
 from tierlm.errors import DataError
 
 
@@ -266,9 +258,7 @@ def arguments(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--checkpoint", required=True, help="a run directory, checkpoint or model folder")
     chat.add_argument("--temperature", type=temperature, default=0.7, help="0 is greedy (/temperature T changes it)")
     chat.add_argument("--max-new-tokens", type=positive_int, default=128)
-    chat.add_argument("--top-p", type=probability, default=None)
-    chat.add_argument("--min-p", type=probability, default=None)
-    chat.add_argument("--repetition-penalty", type=repetition_penalty, default=1.0, help="1: off (as tierlm sample)")
+    sampling_filters(chat)
     chat.add_argument("--system", default=None, help="a system message that opens each conversation")
     chat.add_argument("--device-type", default="auto", choices=DEVICE_TYPES)
     chat.add_argument("--compile", action="store_true", help=COMPILE_HELP)

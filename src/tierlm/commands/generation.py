@@ -52,7 +52,8 @@ class Sampling:
     def plain(self) -> bool:
         """Temperature alone, no filter and no penalty: what the continuous batch samples (each row at its own
         temperature); a request with more is generated on its own."""
-        return self.params() == type(self.params())(self.temperature)
+        params = self.params()
+        return params == type(params)(params.temperature)
 
 
 @dataclass

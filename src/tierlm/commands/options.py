@@ -141,6 +141,23 @@ def probability(text: str) -> float:
     return value
 
 
+def sampling_filters(parser: argparse.ArgumentParser) -> None:
+    """`--top-p`, `--min-p` and `--repetition-penalty`, as `tierlm sample` and `tierlm chat` take them."""
+    parser.add_argument("--top-p", type=probability, default=None, help="nucleus sampling: the smallest set reaching P")
+    parser.add_argument(
+        "--min-p",
+        type=probability,
+        default=None,
+        help="min-p sampling: tokens at least this share of the most likely one's probability",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=repetition_penalty,
+        default=1.0,
+        help="CTRL's penalty on the prompt's and the generated tokens (1: off; above 1 discourages repeats)",
+    )
+
+
 def add_config_args(
     parser: argparse.ArgumentParser, required: bool = True, omitted: str = "the embedded defaults"
 ) -> None:

@@ -8,15 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from tierlm.commands.options import (
-    COMPILE_HELP,
-    DEVICE_TYPES,
-    Command,
-    positive_int,
-    probability,
-    repetition_penalty,
-    temperature,
-)
+from tierlm.commands.options import COMPILE_HELP, DEVICE_TYPES, Command, positive_int, sampling_filters, temperature
 from tierlm.errors import ConfigError, TierlmError
 
 
@@ -27,19 +19,7 @@ def arguments(sample: argparse.ArgumentParser) -> None:
     sample.add_argument("--max-new-tokens", type=positive_int, default=64)
     sample.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy")
     sample.add_argument("--top-k", type=positive_int, default=None)
-    sample.add_argument("--top-p", type=probability, default=None)
-    sample.add_argument(
-        "--min-p",
-        type=probability,
-        default=None,
-        help="min-p sampling: tokens at least this share of the most likely one's probability",
-    )
-    sample.add_argument(
-        "--repetition-penalty",
-        type=repetition_penalty,
-        default=1.0,
-        help="CTRL's penalty on the prompt's and the generated tokens (1: off; above 1 discourages repeats)",
-    )
+    sampling_filters(sample)
     sample.add_argument("--seed", type=int, default=0)
     mode = sample.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="render the prompt as a user turn")

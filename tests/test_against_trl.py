@@ -351,3 +351,33 @@ def test_entropy_bonus_equals_trls(tiny_tokenizer, tmp_path, loss, quantile):
         tiny_tokenizer, tmp_path, loss, theirs_kwargs, {**ours_kwargs, "top_entropy_quantile": quantile}
     )
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6) and ours < plain
+
+
+@pytest.mark.parametrize(
+    "trl, ours",
+    [
+        # MPO (Wang et al., 2024): TRL's documented mix, DPO's preference, BCO's quality and the SFT generation terms
+        ({"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]}, {}),
+        ({"loss_type": ["ipo", "sigmoid"], "loss_weights": [0.5, 1.5]}, {}),  # averaged beside summed log-probs
+        ({"loss_type": ["sft"]}, {}),
+        ({"loss_type": ["aot"], "label_smoothing": 0.1}, {}),
+        ({"loss_type": ["aot_unpaired"]}, {}),
+        ({"loss_type": ["sigmoid", "aot"]}, {}),
+        ({"loss_type": ["sigmoid"], "use_weighting": True}, {}),  # WPO
+        # (TRL's WPO fails on its sft term, which it weighs in place on an expanded tensor; tierlm weighs it too)
+        ({"loss_type": ["ipo", "bco_pair"], "loss_weights": [1.0, 0.5], "use_weighting": True}, {}),
+    ],
+)
+def test_combined_losses_aot_and_wpo_equal_trls(tiny_tokenizer, tmp_path, trl, ours):
+    """dpo.loss_type lists with dpo.loss_weights, AOT's sorted batches and WPO's weights (dpo.use_weighting) as
+    TRL's DPOTrainer computes them; each differs from the loss without what it adds."""
+    ours = {**trl, **ours}
+    if len(ours["loss_type"]) == 1:
+        ours["loss_type"] = ours["loss_type"][0]
+    mine, other, theirs = _dpo_against_trl(tiny_tokenizer, tmp_path, trl, ours)
+    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    first = trl["loss_type"][0]
+    if len(trl["loss_type"]) > 1:
+        assert mine != pytest.approx(other(loss_type=first, loss_weights=None, use_weighting=False), rel=1e-4)
+    if trl.get("use_weighting"):
+        assert mine != pytest.approx(other(use_weighting=False), rel=1e-4)

@@ -1955,6 +1955,19 @@ CASES = [
         "does not run under DeepSpeed",
     ),
     Case(
+        "dpo-loss-weights-one-short",
+        [
+            "dpo",
+            "--config",
+            cfg(DPO_CFG),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "dpo.loss_type=[sigmoid,bco_pair,sft]",
+            "dpo.loss_weights=[0.8,0.2]",
+        ],
+        "dpo.loss_weights has 2 weights for the 3 losses of dpo.loss_type=sigmoid,bco_pair,sft",
+    ),
+    Case(
         "kto-under-pipeline-stages",
         [
             "dpo",
@@ -1965,7 +1978,7 @@ CASES = [
             "dpo.loss_type=kto",
             "infra.pipeline_parallel_size=2",
         ],
-        "estimates its KL from the whole batch",
+        "compares the rows of the whole batch",
     ),
     Case(
         "dpo-pairs-that-do-not-split-into-pipeline-pieces",

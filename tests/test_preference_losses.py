@@ -114,17 +114,59 @@ def test_each_preference_loss_equals_its_formula(loss_type, overrides):
         {"labels": labels, "ref_logps": ref} if loss_type not in ("simpo", "orpo") else {"labels": labels}
     )
     total, count = strategy.compute_loss(logits, batch)
-    logps = _logps(logits, labels, averaged=loss_type in ("ipo", "simpo", "orpo", "sigmoid_norm"))
+    averaged = loss_type in ("ipo", "simpo", "orpo", "sigmoid_norm")
+    logps = _logps(logits, labels, averaged)
+    # the data's reference log-probs are sums: the averaging losses divide them by the response's length
+    refs = [float(ref[row]) / (int((labels[row] != IGNORE_INDEX).sum()) if averaged else 1) for row in range(2 * N)]
     gamma, tau = dpo.simpo_gamma or 0.5, dpo.discopop_tau or 0.05
     alpha = dpo.f_alpha_divergence_coef
     f = lambda logratio: F_PRIME[dpo.f_divergence_type](logratio, alpha)  # noqa: E731
     expected = [
-        reference(loss_type, logps[i], logps[N + i], float(ref[i]), float(ref[N + i]), dpo.beta,
-                  dpo.label_smoothing, gamma, tau, f)
+        reference(loss_type, logps[i], logps[N + i], refs[i], refs[N + i], dpo.beta, dpo.label_smoothing, gamma,
+                  tau, f)
         for i in range(N)
     ]  # fmt: skip
     assert count == N
     assert abs(float(total) - sum(expected)) < 1e-5 * max(1.0, abs(sum(expected))), (float(total), expected)
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "sigmoid_norm", ["sigmoid", "ipo"]])
+def test_precomputed_reference_sums_equal_a_frozen_reference_for_averaging_losses(loss_type):
+    """The data's ref_chosen_logp / ref_rejected_logp are whole sums: the averaging losses divide them by each
+    response's length, as they divide the frozen reference's (they were once read as averages)."""
+
+    logits, labels, _ = _batch()
+    ref_logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7))
+
+    class Frozen:
+        def forward(self, batch, fn):
+            out = fn(ref_logits, batch)
+            return type("Done", (), {"wait": lambda self: out})()
+
+    frozen = preference_strategy(DPOConfig(loss_type=loss_type), Frozen())
+    sums = torch.tensor(_logps(ref_logits, labels, averaged=False))
+    precomputed = preference_strategy(DPOConfig(loss_type=loss_type, reference="precomputed"))
+    want, _ = frozen.compute_loss(logits, frozen.prepare_batch({"labels": labels}))
+    got, _ = precomputed.compute_loss(logits, precomputed.prepare_batch({"labels": labels, "ref_logps": sums}))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_a_list_of_losses_from_the_command_line_trains(tiny_runs, tmp_path):
+    """MPO's list as a command-line override (`dpo.loss_type=[sigmoid,bco_pair,sft]`) reaches the strategy and a run
+    of the DPO stage trains and evaluates with it."""
+    from conftest import CHAT, REPO
+    from tierlm.stages import run_stage
+
+    config = TierlmConfig.load(
+        REPO / "configs/tiny_dpo.yaml",
+        [*CHAT, f"model.model_name_or_path={tiny_runs / 'sft'}", "dpo.loss_type=[sigmoid,bco_pair,sft]",
+         "dpo.loss_weights=[0.8,0.2,1.0]", "dpo.use_weighting=true", f"infra.output_dir={tmp_path / 'mpo'}"],
+    )  # fmt: skip
+    assert config.dpo.loss_type == ["sigmoid", "bco_pair", "sft"]
+    strategy = preference_strategy(config.dpo)
+    assert [weight for _, weight in strategy.terms] == [0.8, 0.2, 1.0] and strategy.use_weighting
+    summary = run_stage(config, "dpo")
+    assert summary["step"] == 2 and math.isfinite(summary["val_loss"]) and "pref_acc" in summary
 
 
 def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_path):
@@ -153,7 +195,18 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "robust"}, "robust DPO's assumed flip rate"),
         ({"label_smoothing": 0.1}, "robust DPO's assumed flip rate"),
         ({"loss_type": "ipo", "simpo_gamma": 1.0}, "does not read it"),
-        ({"loss_type": "exo_pair"}, "and EXO's epsilon"),
+        ({"loss_type": "exo_pair"}, "EXO's epsilon"),
+        ({"loss_type": "sigmoid", "label_smoothing": 0.1}, "AOT's smoothing"),
+        ({"loss_type": ["sigmoid", "kto"]}, "combines with no other loss"),
+        ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "1 weights for the 2 losses"),
+        ({"loss_type": "sigmoid", "loss_weights": [1.0, 0.5]}, "2 weights for the 1 losses"),
+        ({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}, "put its weight in dpo.loss_weights"),
+        ({"loss_type": "aot", "use_weighting": True}, "compares the pairs of a batch"),
+        ({"loss_type": ["sigmoid", "aot_unpaired"], "use_weighting": True}, "compares the pairs of a batch"),
+        ({"loss_type": ["sigmoid", "dpo"]}, "dpo.loss_type=dpo is not one of"),
+        ({"loss_type": []}, "name a preference loss"),
+        ({"loss_type": ["sigmoid", "sft"], "discopop_tau": 0.1}, "dpo.discopop_tau is DiscoPOP's"),
+        ({"loss_type": ["sft"], "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "kto", "ld_alpha": 0.5}, "dpo.loss_type=kto has no pairs"),
         ({"loss_type": "simpo", "ld_alpha": 0.5}, "dpo.loss_type=simpo has no reference"),
         ({"ld_alpha": 0.5, "reference": "precomputed"}, "precomputed ones are whole sums"),

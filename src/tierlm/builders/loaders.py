@@ -34,7 +34,7 @@ from tierlm.data.streaming import StreamingLoader
 from tierlm.data.ul2_loader import UL2Loader, create_ul2_dataset
 from tierlm.data.windows import ConcatTokens
 from tierlm.errors import ConfigError, DataError
-from tierlm.strategies.preference_losses import PREFERENCE_LOSSES
+from tierlm.strategies.preference_losses import preference_row
 from tierlm.tasks import synthetic_name
 
 
@@ -421,7 +421,7 @@ def build_pair_loaders(
         raise ConfigError(
             "DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming"
         )
-    kto = not PREFERENCE_LOSSES[config.dpo.loss_type].paired  # unpaired judged replies
+    kto = not preference_row(config.dpo).paired  # unpaired judged replies
     trains, vals = open_splits(config, "unpaired" if kto else "preference", tokenizer)
     train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
     what = "replies" if kto else "pairs"

@@ -288,13 +288,21 @@ class DPOConfig(Section):
     reference: Literal["frozen", "precomputed"] = "frozen"
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
     ref_rejected_logp."""
-    loss_type: str = "sigmoid"
+    loss_type: str | list[str] = "sigmoid"
     """The preference loss, a row of `tierlm.strategies.preference_losses.PREFERENCE_LOSSES`: sigmoid (DPO),
     sigmoid_norm (DPO on per-token averaged log-probs), ipo (IPO's squared loss on them), hinge (SLiC's), robust (DPO
     under label noise, dpo.label_smoothing), exo_pair (EXO, dpo.label_smoothing its epsilon), nca_pair, bco_pair,
-    sppo_hard, apo_zero, apo_down, discopop (dpo.discopop_tau) — each as TRL's DPOTrainer computes it —, simpo and
-    orpo (reference-free: no reference model is loaded), kto (KTO on unpaired replies: {prompt, completion, label} rows,
-    TRL's format, instead of pairs)."""
+    sppo_hard, aot and aot_unpaired (AOT: the batch's sorted margins), apo_zero, apo_down, discopop
+    (dpo.discopop_tau), sft (the chosen responses' NLL) — each as TRL's DPOTrainer computes it —, simpo and orpo
+    (reference-free: no reference model is loaded), kto (KTO on unpaired replies: {prompt, completion, label} rows,
+    TRL's format, instead of pairs). A list trains the losses together, added with dpo.loss_weights (TRL's lists:
+    MPO is [sigmoid, bco_pair, sft] with weights [0.8, 0.2, 1.0])."""
+    loss_weights: list[float] | None = None
+    """The weight of each loss of a dpo.loss_type list, in its order (None: 1 each)."""
+    use_weighting: bool = False
+    """WPO (Zhou et al., 2024; TRL's use_weighting): each pair's loss weighed by how likely the policy finds its two
+    responses now, exp of each response's mean token log-prob under the policy's renormalised distribution
+    (log p - log sum p^2), chosen times rejected, without gradient: off-policy pairs count less."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """robust: the assumed share of pairs whose preference is flipped; exo_pair: EXO's epsilon (its paper: 1e-3)."""
     ld_alpha: float | None = Field(None, ge=0, le=1)
@@ -327,6 +335,13 @@ class DPOConfig(Section):
     """kto: the weight of desirable replies' losses (KTO's lambda_D; raise it when they are outnumbered)."""
     undesirable_weight: float = Field(1.0, gt=0)
     """kto: the weight of undesirable replies' losses (lambda_U)."""
+
+    @field_validator("loss_type")
+    @classmethod
+    def _some_loss(cls, loss_type):
+        if not loss_type:
+            raise ValueError("name a preference loss, or a list of them")
+        return loss_type
 
 
 class RewardModelConfig(Section):

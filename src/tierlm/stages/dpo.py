@@ -17,12 +17,12 @@ from tierlm.errors import ConfigError
 from tierlm.run import Run
 from tierlm.stages.with_trainer import confirm_batch_size, train_with_trainer
 from tierlm.strategies.dpo import preference_strategy
-from tierlm.strategies.preference_losses import PREFERENCE_LOSSES, resolve_dpo
+from tierlm.strategies.preference_losses import loss_name, preference_row, resolve_dpo
 from tierlm.tasks import synthetic_name
 
 
 def uses_frozen_reference(config: TierlmConfig) -> bool:
-    return config.dpo.reference == "frozen" and PREFERENCE_LOSSES[config.dpo.loss_type].reference
+    return config.dpo.reference == "frozen" and preference_row(config.dpo).reference
 
 
 class DPO(Stage):
@@ -46,9 +46,9 @@ class DPO(Stage):
         infra, pairs = config.infra, config.training.per_device_train_batch_size
         if infra.pipeline_parallel_size > 1:
             pieces = infra.pipeline_pieces
-            if not PREFERENCE_LOSSES[config.dpo.loss_type].paired:
+            if preference_row(config.dpo).whole_batch:
                 raise ConfigError(
-                    f"dpo.loss_type={config.dpo.loss_type} estimates its KL from the whole batch, which pipeline "
+                    f"dpo.loss_type={loss_name(config.dpo)} compares the rows of the whole batch, which pipeline "
                     "stages see one micro-batch at a time: drop infra.pipeline_parallel_size (tensor parallelism or "
                     "FSDP2 run it)"
                 )
@@ -64,7 +64,7 @@ class DPO(Stage):
 
     def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
         batch, _ = super().trace_batch(config, rows, tokens)
-        row = PREFERENCE_LOSSES[config.dpo.loss_type]
+        row = preference_row(config.dpo)
         if row.reference:
             batch["ref_logps"] = torch.zeros(rows)
         if not row.paired:  # half the rows are the KL estimate's

@@ -56,23 +56,43 @@ def check_variant(section, key: str, table: Mapping[str, Variant], prefix: str) 
     Traceback (most recent call last):
     tierlm.errors.ConfigError: width is b's: set kind=b
     """
-    name = getattr(section, key)
-    if name not in table:
-        raise ConfigError(f"{prefix}.{key}={name} is not one of {', '.join(table)}: pick one of them")
-    row, fields = table[name], type(section).model_fields
+    return check_variants(section, key, table, prefix)[0]
+
+
+def check_variants(section, key: str, table: Mapping[str, Variant], prefix: str) -> list[Variant]:
+    """`check_variant` where `section.<key>` may name several rows that run together (a list: TRL's combined
+    preference losses): each row's fixed and needed settings hold, and a setting is refused only when none of
+    them reads it.
+
+    >>> from pydantic import BaseModel
+    >>> class Section(BaseModel):
+    ...     kind: str | list[str] = "a"
+    ...     width: int = 0
+    >>> table = {"a": Variant(), "b": Variant(reads=("width",), why="width is b's: set kind=b")}
+    >>> len(check_variants(Section(kind=["a", "b"], width=3), "kind", table, "s"))
+    2
+    """
+    names = getattr(section, key)
+    names = [names] if isinstance(names, str) else list(names)
+    for name in names:
+        if name not in table:
+            raise ConfigError(f"{prefix}.{key}={name} is not one of {', '.join(table)}: pick one of them")
+    rows, fields, shown = [table[name] for name in names], type(section).model_fields, ",".join(names)
     default = lambda setting: fields[setting].get_default(call_default_factory=True)  # noqa: E731
-    for setting, value in row.fixed.items():
-        if getattr(section, setting) not in (default(setting), value):
-            raise ConfigError(row.line(setting, name))
-    for need in row.needs:
-        settings = need.split("|")
-        if all(getattr(section, setting) == default(setting) for setting in settings):
-            raise ConfigError(row.line(settings[0], name))
+    for name, row in zip(names, rows):
+        for setting, value in row.fixed.items():
+            if getattr(section, setting) not in (default(setting), value):
+                raise ConfigError(row.line(setting, name))
+        for need in row.needs:
+            settings = need.split("|")
+            if all(getattr(section, setting) == default(setting) for setting in settings):
+                raise ConfigError(row.line(settings[0], name))
+    read = {setting for row in rows for setting in row.reads}
     for other in table.values():
-        for setting in set(other.reads) - set(row.reads):
+        for setting in set(other.reads) - read:
             if getattr(section, setting) != default(setting):
-                raise ConfigError(other.line(setting, name))
-    return row
+                raise ConfigError(other.line(setting, shown))
+    return rows
 
 
 @runtime_checkable

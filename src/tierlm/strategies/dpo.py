@@ -9,12 +9,18 @@ N judged replies then N mismatched prompt / reply rows for its KL estimate. Refe
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
 from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_logprobs
-from tierlm.strategies.preference_losses import PREFERENCE_LOSSES, PreferenceSettings, length_desensitised
+from tierlm.strategies.preference_losses import (
+    PREFERENCE_LOSSES,
+    PreferenceSettings,
+    combined,
+    length_desensitised,
+    preference_row,
+)
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -25,27 +31,44 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
-    """The strategy of a `dpo` section: its loss's row (pairs, or KTO's unpaired replies) and settings; `reference`
-    is the frozen reference model (None: precomputed log-probs, or a reference-free loss)."""
-    if not PREFERENCE_LOSSES[dpo.loss_type].paired:
+    """The strategy of a `dpo` section: its losses' rows (pairs, or KTO's unpaired replies) and settings;
+    `reference` is the frozen reference model (None: precomputed log-probs, or a reference-free loss)."""
+    if not preference_row(dpo).paired:
         return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
     tau = dpo.discopop_tau if dpo.discopop_tau is not None else PreferenceSettings.discopop_tau
     f_divergence = dict(f_divergence=dpo.f_divergence_type, f_alpha=dpo.f_alpha_divergence_coef)
     return DPOStrategy(
-        dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha, dpo.rpo_alpha, **f_divergence
-    )
+        dpo.beta, reference, dpo.loss_type, dpo.label_smoothing, gamma, tau, dpo.ld_alpha, dpo.rpo_alpha,
+        loss_weights=dpo.loss_weights, use_weighting=dpo.use_weighting, **f_divergence,
+    )  # fmt: skip
+
+
+def wpo_weights(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """WPO's weight of each row (B,), without gradient: exp of the mean over its labelled tokens of log p(y) - log
+    sum_v p(v)^2, the token's log-prob under the policy's distribution renormalised as p^2 / sum p^2 (TRL's
+    use_weighting); 1 for a row without labels.
+
+    >>> logits = torch.zeros(1, 2, 4)   # uniform over 4 tokens: p = 1/4, sum p^2 = 1/4, so each token's term is 0
+    >>> wpo_weights(logits, torch.tensor([[1, 2]]))
+    tensor([1.])
+    """
+    with torch.no_grad():
+        mask = labels != IGNORE_INDEX
+        log_sq = torch.stack([torch.logsumexp(2 * row.float().log_softmax(-1), dim=-1) for row in logits])
+        terms = (token_logprobs(logits, labels).float() - log_sq) * mask
+        return torch.exp(terms.sum(-1) / mask.sum(-1).clamp(min=1))
 
 
 class DPOStrategy:
-    """DPO (or `loss_type`) as a strategy for the ordinary `Trainer`: losses are summed per pair and counted in
-    pairs."""
+    """DPO (or `loss_type`, or several added) as a strategy for the ordinary `Trainer`: losses are summed per pair
+    and counted in pairs."""
 
     def __init__(
         self,
         beta: float = 0.1,
         reference=None,
-        loss_type: str = "sigmoid",
+        loss_type: str | Sequence[str] = "sigmoid",
         label_smoothing: float = 0.0,
         simpo_gamma: float = 0.5,
         discopop_tau: float = 0.05,
@@ -53,14 +76,24 @@ class DPOStrategy:
         rpo_alpha: float = 0.0,
         f_divergence: str = "reverse_kl",
         f_alpha: float = 0.5,
+        loss_weights: Sequence[float] | None = None,
+        use_weighting: bool = False,
     ):
         """`reference`: anything with the protocol's `forward(batch, fn)` (a `FrozenReference`); None
-        when batches carry precomputed `ref_logps`, or for a reference-free loss. `ld_alpha`: LD-DPO's weight of
-        the tokens past the pair's shorter response; `rpo_alpha`: RPO's weight of the chosen responses' NLL;
-        `f_divergence` / `f_alpha`: f-DPO's divergence (`tierlm.strategies.preference_losses.F_DIVERGENCES`)."""
+        when batches carry precomputed `ref_logps`, or for a reference-free loss. `loss_type`: a row of
+        `PREFERENCE_LOSSES`, or a list of them added with `loss_weights` (1 each by default). `ld_alpha`: LD-DPO's
+        weight of the tokens past the pair's shorter response; `rpo_alpha`: RPO's weight of the chosen responses'
+        NLL (an added "sft" loss); `f_divergence` / `f_alpha`: f-DPO's divergence
+        (`tierlm.strategies.preference_losses.F_DIVERGENCES`); `use_weighting`: WPO's weights (`wpo_weights`)."""
         assert beta > 0, f"beta must be > 0, got {beta}"
-        self.ld_alpha, self.rpo_alpha = ld_alpha, rpo_alpha
-        self.reference, self.loss_type, self.row = reference, loss_type, PREFERENCE_LOSSES[loss_type]
+        names = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+        weights = list(loss_weights) if loss_weights is not None else [1.0] * len(names)
+        assert len(weights) == len(names), "one weight per loss"
+        if rpo_alpha:
+            names, weights = [*names, "sft"], [*weights, rpo_alpha]
+        self.terms = [(PREFERENCE_LOSSES[name], weight) for name, weight in zip(names, weights)]
+        self.row = combined([row for row, _ in self.terms])
+        self.ld_alpha, self.use_weighting, self.reference = ld_alpha, use_weighting, reference
         settings = PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau, f_divergence, f_alpha)
         self.beta, self.settings = beta, settings
 
@@ -74,32 +107,35 @@ class DPOStrategy:
         return out
 
     def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"logps": self._sequences(token_logprobs(logits, batch["labels"]), batch["labels"])}
-
-    def _sequences(self, token_logps: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Each row's response log-prob from its tokens': summed (LD-DPO: the tails weighted), or averaged."""
+        """Each row's summed response log-prob (LD-DPO: the tails weighted), as precomputed ones are."""
+        labels = batch["labels"]
         weights = (
             (labels != IGNORE_INDEX).float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
         )
-        logps = (token_logps * weights).sum(dim=-1)
-        if self.row.averaged:
-            logps = logps / (labels != IGNORE_INDEX).sum(dim=-1).clamp(min=1)
-        return logps
+        return {"logps": (token_logprobs(logits, labels) * weights).sum(dim=-1)}
 
     def _pairs(self, logits: torch.Tensor, batch: Batch):
         labels = batch["labels"]
-        token_logps = token_logprobs(logits, labels)
-        policy = self._sequences(token_logps, labels)
-        n = policy.shape[0] // 2
-        ref = batch["ref_logps"].to(policy.device) if self.row.reference else None
-        ref_chosen, ref_rejected = (None, None) if ref is None else (ref[:n], ref[n:])
-        nll = -policy[:n]  # the chosen rows' mean token NLL (ORPO's: its log-probs are averaged)
-        loss, chosen_rewards, rejected_rewards = self.row.fn(
-            policy[:n], policy[n:], ref_chosen, ref_rejected, self.settings, nll
-        )
-        if self.rpo_alpha:  # RPO: the chosen responses' token-mean NLL over the micro-batch, on every pair
-            chosen = labels[:n] != IGNORE_INDEX
-            loss = loss - self.rpo_alpha * (token_logps[:n] * chosen).sum() / chosen.sum().clamp(min=1)
+        token_logps, mask = token_logprobs(logits, labels), labels != IGNORE_INDEX
+        weights = mask.float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
+        sums, counts = (token_logps * weights).sum(dim=-1), mask.sum(dim=-1).clamp(min=1)
+        n = sums.shape[0] // 2
+        ref = batch["ref_logps"].to(sums.device) if self.row.reference else None
+        # the sft loss: each pair's share of the chosen tokens' mean NLL over the micro-batch (their mean is it)
+        nll = -(token_logps[:n] * mask[:n]).sum(dim=-1) * n / mask[:n].sum().clamp(min=1)
+        loss, shown = 0.0, None
+        for row, weight in self.terms:
+            policy = sums / counts if row.averaged else sums  # averaged: each response's mean token log-prob
+            reference = None if ref is None or not row.reference else ref / counts if row.averaged else ref
+            ref_chosen, ref_rejected = (None, None) if reference is None else (reference[:n], reference[n:])
+            term = row.fn(policy[:n], policy[n:], ref_chosen, ref_rejected, self.settings, nll)
+            loss = loss + weight * term[0]
+            if shown is None or (row.reference and not shown[0].reference):  # metrics: the first loss against the
+                shown = (row, policy, term[1], term[2])  # reference (rewards beta (pi - ref)), else the first
+        if self.use_weighting:  # WPO: both responses' weights, per pair
+            wpo = wpo_weights(logits, labels).to(sums.dtype)
+            loss = loss * wpo[:n] * wpo[n:]
+        _, policy, chosen_rewards, rejected_rewards = shown
         return policy[:n], policy[n:], loss, chosen_rewards, rejected_rewards
 
     @splits_by_rows(2)  # N chosen rows, then their N rejected rows

@@ -19,6 +19,13 @@ and, as TRL's DPOTrainer computes them, with the log-ratios l_c = pi_c - ref_c, 
     apo_zero (APO):  1 - sigmoid(beta l_c) + sigmoid(beta l_r)
     apo_down (APO):  sigmoid(beta l_c) + 1 - sigmoid(beta h)
     discopop:        (1 - m) (-log sigmoid(beta h)) + m exp(-beta h), m = sigmoid(beta h / tau), tau = dpo.discopop_tau
+    aot (AOT):       -(1 - e) log sigmoid(beta d) - e log sigmoid(-beta d), d = sort(pi_c - pi_r) - sort(ref_c - ref_r)
+                     over the micro-batch's pairs (quantile by quantile); aot_unpaired: d = sort(l_c) - sort(l_r)
+    sft:             the chosen responses' token-mean NLL over the micro-batch (RPO's and MPO's generation term)
+
+A list of them in dpo.loss_type trains them added, each times its dpo.loss_weights weight (TRL's lists: MPO is
+[sigmoid, bco_pair, sft] with [0.8, 0.2, 1.0]); WPO (dpo.use_weighting) multiplies each pair's loss by its two
+responses' off-policy weights (`tierlm.strategies.dpo.wpo_weights`).
 
 and f-DPO (Wang et al., 2023; TRL's f_divergence_type) beside sigmoid, hinge, robust, exo_pair and discopop: h =
 f'(u_c) - f'(u_r) of the policy / reference ratios u = e^l, f' of `dpo.f_divergence_type` (`F_DIVERGENCES`: the
@@ -49,7 +56,7 @@ import torch.nn.functional as F
 
 from tierlm.errors import ConfigError
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.strategies.base import Variant, check_variant
+from tierlm.strategies.base import Variant, check_variants
 
 
 def length_desensitised(labels: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -209,10 +216,39 @@ def simpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, cho
 
 
 def orpo(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
-    """ORPO (Hong et al., 2024), reference-free: NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r))."""
-    assert chosen_nll is not None, "ORPO adds the chosen responses' NLL"
+    """ORPO (Hong et al., 2024), reference-free: NLL(chosen) - beta log sigmoid(log odds(a_c) - log odds(a_r)); the
+    NLL is each chosen response's mean token NLL, -a_c."""
     log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
-    return chosen_nll - s.beta * F.logsigmoid(log_odds), s.beta * chosen.detach(), s.beta * rejected.detach()
+    return -chosen - s.beta * F.logsigmoid(log_odds), s.beta * chosen.detach(), s.beta * rejected.detach()
+
+
+def sft(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """The chosen responses' NLL (TRL's "sft" loss type): `chosen_nll` is each pair's share of the batch's token-mean
+    NLL over the chosen tokens (their mean over the pairs is it)."""
+    assert chosen_nll is not None, "the sft loss is the chosen responses' NLL"
+    return chosen_nll, s.beta * chosen.detach(), s.beta * rejected.detach()
+
+
+def _smoothed(delta: torch.Tensor, s: PreferenceSettings) -> torch.Tensor:
+    e = s.label_smoothing
+    return -F.logsigmoid(s.beta * delta) * (1 - e) - F.logsigmoid(-s.beta * delta) * e
+
+
+def aot(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """AOT (Melnyk et al., 2024), paired: the batch's policy margins pi_c - pi_r, sorted, against the reference's,
+    sorted — DPO's logistic loss on the quantiles (label-smoothed by dpo.label_smoothing), so the policy's margins
+    dominate the reference's in distribution."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    delta = torch.sort(chosen - rejected).values - torch.sort(ref_chosen - ref_rejected).values
+    return _smoothed(delta, s), rc, rr
+
+
+def aot_unpaired(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettings, chosen_nll=None):
+    """AOT (Melnyk et al., 2024), unpaired: the batch's chosen log-ratios l_c, sorted, against its rejected ones l_r,
+    sorted (the chosen rewards' distribution dominates the rejected's; pairs need not match)."""
+    _, rc, rr = _rewards(chosen, rejected, ref_chosen, ref_rejected, s)
+    delta = torch.sort(chosen - ref_chosen).values - torch.sort(rejected - ref_rejected).values
+    return _smoothed(delta, s), rc, rr
 
 
 @dataclass(frozen=True)
@@ -231,13 +267,16 @@ class PreferenceLoss(Variant):
     """Its log-probs are averaged over each response's tokens (the others sum them)."""
     paired: bool = True
     """It reads chosen / rejected pairs; False: unpaired judged replies (KTO's), with a KL estimate's rows."""
+    whole_batch: bool = False
+    """Its per-pair losses read the other pairs of the micro-batch (AOT sorts them, KTO estimates its KL from them):
+    pipeline stages, which see pieces of a micro-batch, cannot run it, and WPO cannot weigh it pair by pair."""
     jax: bool = False
     """The JAX backend trains it (`tierlm.primitives.jax_losses.dpo_loss`)."""
 
 
 SMOOTHING = (
-    "dpo.label_smoothing is robust DPO's assumed flip rate and EXO's epsilon: set dpo.loss_type=robust or exo_pair "
-    "with 0 < dpo.label_smoothing < 0.5, or neither"
+    "dpo.label_smoothing is robust DPO's assumed flip rate, EXO's epsilon and AOT's smoothing: set dpo.loss_type="
+    "robust, exo_pair, aot or aot_unpaired with 0 < dpo.label_smoothing < 0.5, or none of them"
 )
 F_DIVERGENCE = ("f_divergence_type", "f_alpha_divergence_coef")  # f-DPO's settings, read by the losses of h alone
 F_WHY = dict.fromkeys(
@@ -270,6 +309,20 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
     "sppo_hard": PreferenceLoss("SPPO (Wu et al., 2024) with hard win probabilities", sppo_hard),
     "apo_zero": PreferenceLoss("APO-zero (D'Oosterlinck et al., 2024): chosen better than the model's", apo_zero),
     "apo_down": PreferenceLoss("APO-down (D'Oosterlinck et al., 2024): chosen worse than the model's", apo_down),
+    "aot": PreferenceLoss(
+        "AOT (Melnyk et al., 2024), the paired form: the batch's sorted margins against the reference's",
+        aot,
+        whole_batch=True,
+        reads=("label_smoothing",),
+        why={"label_smoothing": SMOOTHING},
+    ),
+    "aot_unpaired": PreferenceLoss(
+        "AOT (Melnyk et al., 2024), the unpaired form: the batch's sorted chosen log-ratios against its rejected",
+        aot_unpaired,
+        whole_batch=True,
+        reads=("label_smoothing",),
+        why={"label_smoothing": SMOOTHING},
+    ),
     "discopop": PreferenceLoss(
         "DiscoPOP (Lu et al., 2024), a discovered blend of logistic and exponential losses",
         discopop,
@@ -293,9 +346,15 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
         why="dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type=orpo has its own NLL "
         "term: drop it",
     ),  # fmt: skip
+    "sft": PreferenceLoss(
+        "the chosen responses' NLL (TRL's sft; beside a pairwise loss in dpo.loss_type, RPO's and MPO's term)",
+        sft,
+        reference=False,
+    ),
     "kto": PreferenceLoss(
         "KTO (Ethayarajh et al., 2024) on unpaired judged replies",
         paired=False,
+        whole_batch=True,
         fixed={"reference": "frozen", "rpo_alpha": 0.0},
         reads=("desirable_weight", "undesirable_weight"),
         why={
@@ -317,8 +376,43 @@ PYTORCH_ONLY: dict[str, Callable] = {
     "rpo_alpha": lambda dpo: bool(dpo.rpo_alpha),
     "f_divergence_type": lambda dpo: dpo.f_divergence_type != "reverse_kl",
     "reference_sync_steps": lambda dpo: dpo.reference_sync_steps is not None,
+    "loss_weights": lambda dpo: dpo.loss_weights is not None,
+    "use_weighting": lambda dpo: dpo.use_weighting,
 }
 """dpo.<setting> -> whether a run turns it on: what the PyTorch strategy applies and the JAX twin does not."""
+
+
+def loss_names(dpo) -> list[str]:
+    """The losses `dpo.loss_type` names: one, or several added with `dpo.loss_weights` (TRL's MPO-style lists)."""
+    return [dpo.loss_type] if isinstance(dpo.loss_type, str) else list(dpo.loss_type)
+
+
+def loss_name(dpo) -> str:
+    """`dpo.loss_type` as a line names it: sigmoid, or sigmoid,bco_pair,sft."""
+    return ",".join(loss_names(dpo))
+
+
+def combined(rows: list[PreferenceLoss]) -> PreferenceLoss:
+    """What several rows trained together are, as one row: a reference when any needs one, pairs and the JAX twin
+    when all have them, the whole batch when any reads it.
+
+    >>> combined([PREFERENCE_LOSSES["sigmoid"], PREFERENCE_LOSSES["sft"]]).reference
+    True
+    """
+    if len(rows) == 1:
+        return rows[0]
+    return PreferenceLoss(
+        " + ".join(row.about for row in rows),
+        reference=any(row.reference for row in rows),
+        paired=all(row.paired for row in rows),
+        whole_batch=any(row.whole_batch for row in rows),
+        jax=all(row.jax for row in rows),
+    )
+
+
+def preference_row(dpo) -> PreferenceLoss:
+    """The row (`combined`, for a list) of a resolved dpo section: whether it loads a reference, reads pairs."""
+    return combined([PREFERENCE_LOSSES[name] for name in loss_names(dpo)])
 
 
 def resolve_dpo(dpo, jax: bool = False):
@@ -334,22 +428,42 @@ def resolve_dpo(dpo, jax: bool = False):
     Traceback (most recent call last):
     tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
     """
-    row = check_variant(dpo, "loss_type", PREFERENCE_LOSSES, "dpo")
-    for name, on in PYTORCH_ONLY.items():
+    rows, name = check_variants(dpo, "loss_type", PREFERENCE_LOSSES, "dpo"), loss_name(dpo)
+    row = combined(rows)
+    for setting, on in PYTORCH_ONLY.items():
         if jax and on(dpo):
-            raise ConfigError(f"dpo.{name} is applied by the PyTorch strategy: drop it, or set infra.backend=pytorch")
-    if jax and not row.jax:
+            raise ConfigError(
+                f"dpo.{setting} is applied by the PyTorch strategy: drop it, or set infra.backend=pytorch"
+            )
+    if jax and not (row.jax and len(rows) == 1):
         twins = [name for name, other in PREFERENCE_LOSSES.items() if other.jax]
         raise ConfigError(
-            f"the JAX backend trains dpo.loss_type={' / '.join(twins)}; dpo.loss_type={dpo.loss_type} needs "
+            f"the JAX backend trains dpo.loss_type={' / '.join(twins)} alone; dpo.loss_type={name} needs "
             "infra.backend=pytorch"
         )
+    if len(rows) > 1 and not row.paired:
+        raise ConfigError(f"dpo.loss_type={name}: kto trains on unpaired replies and combines with no other loss")
+    if dpo.loss_weights is not None and len(dpo.loss_weights) != len(rows):
+        raise ConfigError(
+            f"dpo.loss_weights has {len(dpo.loss_weights)} weights for the {len(rows)} losses of dpo.loss_type="
+            f"{name}: give one weight per loss"
+        )
+    if dpo.rpo_alpha and any(r.fn is sft for r in rows):
+        raise ConfigError(
+            "dpo.rpo_alpha is the weight of an added sft loss, and dpo.loss_type already has one: put its weight in "
+            "dpo.loss_weights and drop dpo.rpo_alpha"
+        )
+    if dpo.use_weighting and row.whole_batch:
+        raise ConfigError(
+            f"dpo.use_weighting (WPO) weighs each pair's loss, and dpo.loss_type={name} compares the pairs of a "
+            "batch with each other: drop one of them"
+        )
     if not row.reference and dpo.reference == "precomputed":
-        raise ConfigError(f"dpo.loss_type={dpo.loss_type} uses no reference: drop dpo.reference=precomputed")
+        raise ConfigError(f"dpo.loss_type={name} uses no reference: drop dpo.reference=precomputed")
     if dpo.ld_alpha is not None and not (row.paired and row.reference):
         raise ConfigError(
             f"dpo.ld_alpha weights the tails of a pair's responses against a reference; dpo.loss_type="
-            f"{dpo.loss_type} has {'no pairs' if not row.paired else 'no reference'}: drop it"
+            f"{name} has {'no pairs' if not row.paired else 'no reference'}: drop it"
         )
     if dpo.f_alpha_divergence_coef != 0.5 and dpo.f_divergence_type != "alpha_divergence":
         raise ConfigError(
@@ -361,7 +475,7 @@ def resolve_dpo(dpo, jax: bool = False):
     if dpo.reference_sync_steps is not None and not (row.reference and dpo.reference == "frozen"):
         has = "precomputed log-probs, which cannot move" if row.reference else "no reference"
         raise ConfigError(
-            f"dpo.reference_sync_steps moves the reference model toward the policy; dpo.loss_type={dpo.loss_type} "
+            f"dpo.reference_sync_steps moves the reference model toward the policy; dpo.loss_type={name} "
             f"{'with dpo.reference=precomputed ' if row.reference else ''}has {has}: drop it"
         )
     if dpo.ld_alpha is not None and dpo.reference == "precomputed":

@@ -371,3 +371,24 @@ def test_self_pairs_script_samples_scores_and_reports(tiny_runs, tmp_path):
     assert done.returncode == (0 if rows else 1) and "Traceback" not in done.stderr
     for row in rows:
         assert row["chosen"][0] == row["rejected"][0] and row["chosen"][0]["role"] == "user"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"ld_alpha": 0.5}, "dpo.ld_alpha is applied by the PyTorch strategy"),
+        ({"rpo_alpha": 1.0}, "dpo.rpo_alpha is applied by the PyTorch strategy"),
+        ({"f_divergence_type": "forward_kl"}, "dpo.f_divergence_type is applied by the PyTorch strategy"),
+        ({"reference_sync_steps": 8}, "dpo.reference_sync_steps is applied by the PyTorch strategy"),
+        ({"use_weighting": True}, "dpo.use_weighting is applied by the PyTorch strategy"),
+        ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, "dpo.loss_weights is applied by"),
+        ({"loss_type": ["sigmoid", "sigmoid"]}, "trains dpo.loss_type=sigmoid alone"),
+        ({"loss_type": "ipo"}, "dpo.loss_type=ipo needs infra.backend=pytorch"),
+    ],
+)
+def test_what_the_jax_twin_lacks_is_refused_on_the_jax_backend(overrides, message):
+    """The JAX backend's DPO twin is plain sigmoid DPO: every setting the PyTorch strategy adds is refused there in
+    one line, and allowed on PyTorch."""
+    with pytest.raises(ConfigError, match=message):
+        resolve_dpo(DPOConfig(**overrides), jax=True)
+    resolve_dpo(DPOConfig(**overrides))

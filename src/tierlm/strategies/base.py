@@ -95,6 +95,21 @@ def check_variants(section, key: str, table: Mapping[str, Variant], prefix: str)
     return rows
 
 
+def refuse_on_jax(section, prefix: str, pytorch_only: Mapping[str, Any], what: str) -> None:
+    """Refuse in one line (a ConfigError) the first setting of `pytorch_only` (name -> whether `section` turns it
+    on) that a run on the JAX backend sets: `what` (the PyTorch losses, the PyTorch strategy) applies it, the JAX
+    twins do not.
+
+    >>> from types import SimpleNamespace
+    >>> refuse_on_jax(SimpleNamespace(bonus=1.0), "rl", {"bonus": lambda rl: bool(rl.bonus)}, "the PyTorch losses")
+    Traceback (most recent call last):
+    tierlm.errors.ConfigError: rl.bonus is applied by the PyTorch losses: drop it, or set infra.backend=pytorch
+    """
+    for name, on in pytorch_only.items():
+        if on(section):
+            raise ConfigError(f"{prefix}.{name} is applied by {what}: drop it, or set infra.backend=pytorch")
+
+
 @runtime_checkable
 class TrainingStrategy(Protocol):
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:

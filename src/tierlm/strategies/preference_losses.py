@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from tierlm.errors import ConfigError
 from tierlm.primitives.losses import IGNORE_INDEX
-from tierlm.strategies.base import Variant, check_variants
+from tierlm.strategies.base import Variant, check_variants, refuse_on_jax
 
 
 def length_desensitised(labels: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -430,11 +430,8 @@ def resolve_dpo(dpo, jax: bool = False):
     """
     rows, name = check_variants(dpo, "loss_type", PREFERENCE_LOSSES, "dpo"), loss_name(dpo)
     row = combined(rows)
-    for setting, on in PYTORCH_ONLY.items():
-        if jax and on(dpo):
-            raise ConfigError(
-                f"dpo.{setting} is applied by the PyTorch strategy: drop it, or set infra.backend=pytorch"
-            )
+    if jax:
+        refuse_on_jax(dpo, "dpo", PYTORCH_ONLY, "the PyTorch strategy")
     if jax and not (row.jax and len(rows) == 1):
         twins = [name for name, other in PREFERENCE_LOSSES.items() if other.jax]
         raise ConfigError(

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 
 from tierlm.errors import ConfigError
-from tierlm.strategies.base import Variant, check_variant
+from tierlm.strategies.base import Variant, check_variant, refuse_on_jax
 from tierlm.strategies.off_policy import importance_mode, off_policy_weight
 
 Batch = Mapping[str, torch.Tensor]
@@ -475,9 +475,8 @@ def resolve_rl(rl, jax: bool = False):
             "rl.reference_sync_steps moves the KL penalty's reference toward the policy; with rl.kl_coef=0 there is "
             "none: set rl.kl_coef > 0, or drop it"
         )
-    for name, on in PYTORCH_ONLY.items():
-        if jax and on(rl):
-            raise ConfigError(f"rl.{name} is applied by the PyTorch losses: train it with infra.backend=pytorch")
+    if jax:
+        refuse_on_jax(rl, "rl", PYTORCH_ONLY, "the PyTorch losses")
     if rl.two_sided_clip is not None and not spec.clips_ratio:
         raise ConfigError(
             f"rl.two_sided_clip caps the ratio in PPO's clipped surrogate; rl.loss={rl.loss} has none: drop it"

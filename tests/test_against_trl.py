@@ -77,7 +77,7 @@ def _dpo_against_trl(tiny_tokenizer, tmp_path, trl_kwargs: dict, ours: dict) -> 
     @torch.no_grad()
     def tierlm_loss(**changes) -> float:
         strategy = preference_strategy(DPOConfig(beta=0.3, **{**ours, **changes}))
-        ours_batch = {**rows, "ref_logps": strategy._logps(forward_logits(reference, rows), rows)["logps"]}
+        ours_batch = {**rows, "ref_logps": strategy.reference_logps(forward_logits(reference, rows), rows)["logps"]}
         total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
         return float(total / count)
 
@@ -119,7 +119,7 @@ def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path):
         strategy = preference_strategy(
             DPOConfig(loss_type="kto", beta=0.3, desirable_weight=1.3, undesirable_weight=0.8)
         )
-        ours_batch["ref_logps"] = strategy._logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
+        ours_batch["ref_logps"] = strategy.reference_logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
         total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))
     assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
 

@@ -392,3 +392,57 @@ def test_what_the_jax_twin_lacks_is_refused_on_the_jax_backend(overrides, messag
     with pytest.raises(ConfigError, match=message):
         resolve_dpo(DPOConfig(**overrides), jax=True)
     resolve_dpo(DPOConfig(**overrides))
+
+
+def _metrics(folder):
+    import json
+
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    keys = ("loss", "grad_norm", "val_loss", "reward_margin", "pref_acc")
+    return [(r["step"], {k: r[k] for k in keys if k in r}) for r in rows if any(k in r for k in keys)]
+
+
+def test_precomputed_reference_without_columns_is_scored_once_and_trains_as_a_frozen_one(
+    monkeypatch, tiny_runs, tmp_path
+):
+    """dpo.reference=precomputed over pairs that carry no reference log-probs (TRL's precompute_ref_log_probs): the
+    starting model scores them before training, no reference model is built, and the run takes the frozen
+    reference's steps (losses, gradient norms, evaluations); on 2 ranks each scores half and they gather the rest."""
+    from conftest import CHAT, run_main
+    from forked import ranks
+    from tierlm.stages import dpo as stage_module
+
+    args = ["dpo", "--config", "configs/tiny_dpo.yaml", *CHAT, f"model.model_name_or_path={tiny_runs / 'sft'}",
+            "training.eval_steps=1", "training.logging_steps=1", "training.per_device_eval_batch_size=4"]  # fmt: skip
+    assert (result := run_main(*args, f"infra.output_dir={tmp_path / 'frozen'}")).returncode == 0, result.stderr
+    with monkeypatch.context() as patch:
+        patch.setattr(stage_module, "frozen_reference", lambda *a, **k: pytest.fail("a reference model was built"))
+        result = run_main(*args, "dpo.reference=precomputed", f"infra.output_dir={tmp_path / 'scored'}")
+    assert result.returncode == 0, result.stderr
+    assert "the starting model scored 72 pairs before training" in result.stdout  # 64 training pairs, 8 held out
+    frozen, scored = _metrics(tmp_path / "frozen"), _metrics(tmp_path / "scored")
+    assert len(frozen) >= 4 and scored == frozen
+    two = ranks("-m", "tierlm", *args, "dpo.reference=precomputed", "training.per_device_train_batch_size=2",
+                f"infra.output_dir={tmp_path / 'two'}")  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    for (step, a), (same, b) in zip(_metrics(tmp_path / "two"), frozen, strict=True):
+        assert step == same and a == pytest.approx(b, rel=1e-4, abs=1e-6), (step, a, b)
+
+
+def test_pairs_that_carry_reference_logps_for_some_only_are_refused(tiny_tokenizer):
+    """Some pairs with ref_chosen_logp / ref_rejected_logp and others without: one line, before any scoring."""
+    from tierlm.data.preferences import PairLoader, PreferencePair
+    from tierlm.errors import DataError
+
+    def pair(ref):
+        chosen = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+        rejected = [chosen[0], {"role": "assistant", "content": "3"}]
+        return PreferencePair(chosen, rejected, *(ref or (None, None)))
+
+    loader = PairLoader([pair((-1.0, -2.0)), pair(None), pair(None)], tiny_tokenizer, 1, 64)
+    with pytest.raises(DataError, match="1 of 3 pairs carry ref_chosen_logp / ref_rejected_logp"):
+        loader.unscored()
+    whole = PairLoader([pair(None), pair(None)], tiny_tokenizer, 1, 64)
+    assert whole.unscored() == [0, 1] and "ref_logps" not in whole.pairs([0, 1])
+    whole.set_reference({0: (-1.0, -2.0), 1: (-3.0, -4.0)})
+    assert whole.unscored() == [] and whole.pairs([1, 0])["ref_logps"].tolist() == [-3.0, -1.0, -4.0, -2.0]

@@ -1,13 +1,15 @@
 """What an RL run holds beside its policy, built before the policy is wrapped and handed to the `RLTrainer` whole:
-the frozen reference (a KL penalty), the teacher (on-policy distillation), PPO's critic and a reward model."""
+the frozen reference (a KL penalty), the teacher (on-policy distillation), PPO's critic and a reward model; and
+DPO's reference log-probs, scored once before training (`precompute_reference`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from tierlm.backends.references import frozen_reference
+from tierlm.backends.references import AdapterFreeReference, frozen_reference
 from tierlm.builders.backend import build_backend
 from tierlm.builders.model import load_reward_model, load_teacher
 from tierlm.config import TierlmConfig
@@ -66,3 +68,27 @@ def load_teachers(rl, tokenizer: Tokenizer, device: torch.device) -> Teachers | 
         top_k=rl.distill_top_k if "distill_top_k" in RL_LOSSES[rl.loss].reads else None,
         temperature=rl.temperature,
     )
+
+
+def precompute_reference(model: torch.nn.Module, loaders: list, strategy, device: torch.device) -> int:
+    """dpo.reference=precomputed where the pairs' data carry no reference log-probs (TRL's precompute_ref_log_probs):
+    the starting model (a LoRA model's base: its adapters off) scores each loader's pairs once, before training, as a
+    frozen reference would score them in each step, so that training holds no second model. The ranks score a share
+    each and gather the rest; the count of pairs scored is returned (0: the data carried them all)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    reference = AdapterFreeReference(model, device)  # the model itself, in eval mode for the pass: no copy
+    scored = 0
+    for loader in loaders:
+        missing = loader.unscored()
+        mine, logps = missing[rank::world], {}
+        for start in range(0, len(mine), loader.batch_size):
+            chunk = mine[start : start + loader.batch_size]
+            sums = reference.forward(loader.pairs(chunk), strategy.reference_logps).wait()["logps"].tolist()
+            logps.update({i: (sums[k], sums[len(chunk) + k]) for k, i in enumerate(chunk)})
+        if world > 1:
+            shares = [None] * world
+            dist.all_gather_object(shares, logps)
+            logps = {i: refs for share in shares for i, refs in share.items()}
+        loader.set_reference(logps)
+        scored += len(missing)
+    return scored

@@ -287,7 +287,8 @@ class DPOConfig(Section):
     """Strength of the implicit KL constraint: rewards are beta * (policy - reference) log-probs."""
     reference: Literal["frozen", "precomputed"] = "frozen"
     """frozen: a copy of the starting model scores every batch; precomputed: the data's ref_chosen_logp /
-    ref_rejected_logp."""
+    ref_rejected_logp, or where the data carry none, the starting model scores every pair once before training
+    (TRL's precompute_ref_log_probs): training then holds no second model."""
     loss_type: str | list[str] = "sigmoid"
     """The preference loss, a row of `tierlm.strategies.preference_losses.PREFERENCE_LOSSES`: sigmoid (DPO),
     sigmoid_norm (DPO on per-token averaged log-probs), ipo (IPO's squared loss on them), hinge (SLiC's), robust (DPO

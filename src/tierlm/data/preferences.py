@@ -126,6 +126,27 @@ class PairLoader(BatchIterable):
     def stats(self) -> dict[str, float]:
         return {"pairs_dropped": float(self.dropped), "epoch": self.passes_read()}
 
+    def unscored(self) -> list[int]:
+        """The pairs whose data gave no reference log-probs (refused when some gave them and others not)."""
+        missing = [i for i, row in enumerate(self.rows) if row[1] is None]
+        if 0 < len(missing) < len(self.rows):
+            raise DataError(
+                f"{len(self.rows) - len(missing)} of {len(self.rows)} pairs carry ref_chosen_logp / "
+                "ref_rejected_logp: give both for every pair, or for none (dpo.reference=precomputed then scores the "
+                "pairs with the starting model before training)"
+            )
+        return missing
+
+    def pairs(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The batch of the pairs `indices`, in their order (their chosen rows, then their rejected rows)."""
+        return self._batch([self.rows[i] for i in indices])
+
+    def set_reference(self, logps: dict[int, tuple[float, float]]) -> None:
+        """Pair index -> its (chosen, rejected) reference log-probs, as if the data had carried them."""
+        for i, refs in logps.items():
+            rendered, _, margin = self.rows[i]
+            self.rows[i] = (rendered, refs, margin)
+
 
 class UnpairedLoader(PairLoader):
     """KTO's batches: `batch_size` unpaired examples (rows 0..N-1, `kto_label` 1 for a desirable reply) then, for

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tierlm.backends.references import follow_policy, frozen_reference
+from tierlm.builders.companions import precompute_reference
 from tierlm.builders.loaders import build_pair_loaders
 from tierlm.builders.model import build_model
 from tierlm.builders.stage import Stage
@@ -94,6 +95,9 @@ class DPO(Stage):
         follows = dict(sync_every=dpo.reference_sync_steps, alpha=dpo.reference_mixup_alpha)
         reference = frozen_reference(model, run.device, **follows) if frozen and not jax else None
         strategy = preference_strategy(dpo, reference)
+        if dpo.reference == "precomputed" and preference_row(dpo).reference:  # the data's, else scored here once
+            if scored := precompute_reference(model, [train_loader, eval_loader], strategy, run.device):
+                run.note(f"dpo.reference=precomputed: the starting model scored {scored} pairs before training")
 
         kept = []  # a reference that follows the policy: every checkpoint carries it
 

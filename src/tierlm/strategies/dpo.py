@@ -103,11 +103,12 @@ class DPOStrategy:
             return out
         if "ref_logps" not in out:
             assert self.reference is not None, "DPO needs a reference model or precomputed ref_logps in the batch"
-            out["ref_logps"] = self.reference.forward(out, self._logps).wait()["logps"]
+            out["ref_logps"] = self.reference.forward(out, self.reference_logps).wait()["logps"]
         return out
 
-    def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """Each row's summed response log-prob (LD-DPO: the tails weighted), as precomputed ones are."""
+    def reference_logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """{"logps": each row's summed response log-prob (LD-DPO: the tails weighted)}: what a reference model's
+        `logits` give the batch's `ref_logps`, as precomputed ones are."""
         labels = batch["labels"]
         weights = (
             (labels != IGNORE_INDEX).float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
@@ -156,7 +157,7 @@ class DPOStrategy:
         }
 
     # -- the JAX backend's twins (tierlm.primitives.jax_losses.jax_twin), tested equal to the methods above --------
-    def jax_logps(self, logits, batch):
+    def jax_reference_logps(self, logits, batch):
         from tierlm.primitives.jax_losses import token_logprobs
 
         return {"logps": token_logprobs(logits, batch["labels"]).sum(axis=-1)}
@@ -164,7 +165,7 @@ class DPOStrategy:
     def _jax_pairs(self, logits, batch):
         from tierlm.primitives.jax_losses import dpo_loss as jax_dpo_loss
 
-        policy = self.jax_logps(logits, batch)["logps"]
+        policy = self.jax_reference_logps(logits, batch)["logps"]
         ref, n = batch["ref_logps"], policy.shape[0] // 2
         return policy[:n], policy[n:], *jax_dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.beta)
 
@@ -211,14 +212,15 @@ class KTOStrategy:
         out = dict(batch)
         if "ref_logps" not in out:
             assert self.reference is not None, "KTO needs a reference model"
-            out["ref_logps"] = self.reference.forward(out, self._logps).wait()["logps"]
+            out["ref_logps"] = self.reference.forward(out, self.reference_logps).wait()["logps"]
         return out
 
-    def _logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+    def reference_logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """{"logps": each row's summed response log-prob}: the policy's, and a reference model's for `ref_logps`."""
         return {"logps": sequence_logprobs(logits, batch["labels"])}
 
     def _terms(self, logits: torch.Tensor, batch: Batch):
-        policy = self._logps(logits, batch)["logps"]
+        policy = self.reference_logps(logits, batch)["logps"]
         ref = batch["ref_logps"].to(policy.device)
         n = policy.shape[0] // 2
         kl = (policy[n:].detach() - ref[n:]).mean().clamp(min=0)

@@ -459,7 +459,8 @@ def test_a_new_loss_is_one_function_and_one_row(tiny_runs, tmp_path, monkeypatch
     import json
 
     from tierlm.commands.cli import main
-    from tierlm.strategies.rl_losses import RLLoss, normalise
+    from tierlm.strategies.rl_losses import RLLoss
+    from tierlm.strategies.rl_terms import normalise
 
     calls = []
 
@@ -515,7 +516,7 @@ def test_kl_estimators_as_losses_have_the_gradients_they_are_said_to(estimator):
     sum over the vocabulary weighted by the detached probabilities, what sampling averages to): its value is
     KL(policy || reference) but for k2 (a second-order approximation), and its gradient is 0 (k1), the reverse KL's
     (k2) or KL(reference || policy)'s (k3), each by autograd of the divergence written out here."""
-    from tierlm.strategies.rl_losses import KL_ESTIMATORS
+    from tierlm.strategies.rl_terms import KL_ESTIMATORS
 
     theta = torch.randn(7, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
     ref = torch.log_softmax(torch.randn(7, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)
@@ -538,7 +539,7 @@ def test_kl_estimators_as_losses_have_the_gradients_they_are_said_to(estimator):
 def test_the_kl_estimator_reaches_the_loss_and_the_reported_kl_stays_k3s():
     """rl.kl_estimator swaps the penalty's per-token term in every loss (here grpo's) and nothing else; the `kl_sum`
     statistic is k3's either way."""
-    from tierlm.strategies.rl_losses import KL_ESTIMATORS
+    from tierlm.strategies.rl_terms import KL_ESTIMATORS
 
     g = torch.Generator().manual_seed(0)
     logprobs, ref = -torch.rand(3, 5, generator=g) * 3, -torch.rand(3, 5, generator=g) * 3

@@ -483,28 +483,3 @@ def resolve_dpo(dpo, jax: bool = False):
     if dpo.reference_sync_steps is not None and dpo.reference_mixup_alpha is None:
         return dpo.model_copy(update={"reference_mixup_alpha": 0.6})  # TRL's
     return dpo
-
-
-def preference_loss(
-    loss_type: str,
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    ref_chosen: torch.Tensor | None,
-    ref_rejected: torch.Tensor | None,
-    beta: float,
-    label_smoothing: float = 0.0,
-    simpo_gamma: float = 0.5,
-    chosen_nll: torch.Tensor | None = None,
-    discopop_tau: float = 0.05,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair (loss, chosen reward, rejected reward) of `loss_type` (the module's docstring has the formulas).
-    `chosen` / `rejected` are the policy's sequence log-probs (averaged per token for ipo, simpo and orpo); ORPO
-    also takes the chosen responses' mean token NLL.
-
-    >>> loss, _, _ = preference_loss("hinge", torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]),
-    ...     torch.tensor([-2.0]), beta=0.25)
-    >>> loss.item()   # max(0, 1 - 0.25 * 2)
-    0.5
-    """
-    settings = PreferenceSettings(beta, label_smoothing, simpo_gamma, discopop_tau)
-    return PREFERENCE_LOSSES[loss_type].fn(chosen, rejected, ref_chosen, ref_rejected, settings, chosen_nll)

@@ -18,7 +18,8 @@ import torch
 
 from tierlm.primitives.losses import IGNORE_INDEX, splits_by_rows, token_entropy, token_logprobs, vocab_logprobs  # noqa: F401  (token_logprobs: also this module's name)
 from tierlm.strategies.off_policy import high_entropy_tokens
-from tierlm.strategies.rl_losses import KL_ESTIMATORS, RL_LOSSES, LossSettings, loss_settings, token_loss
+from tierlm.strategies.rl_losses import RL_LOSSES, loss_settings, token_loss
+from tierlm.strategies.rl_terms import KL_ESTIMATORS, LossSettings
 
 Batch = Mapping[str, torch.Tensor]
 

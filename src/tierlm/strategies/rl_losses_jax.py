@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tierlm.strategies.rl_losses import LossSettings
+from tierlm.strategies.rl_terms import LossSettings
 
 Result = tuple[jax.Array, jax.Array]
 

@@ -208,10 +208,9 @@ def _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs
         per_device_train_batch_size=B,
         num_generations=4,
         max_completion_length=C,
-        beta=0.0,
         bf16=False,
-        **theirs_kwargs,
-    )  # fmt: skip  (TRL's GRPO defaults to bf16 autocast)
+        **{**theirs_kwargs, "beta": 0.0},
+    )  # fmt: skip  (TRL's GRPO defaults to bf16 autocast; its beta is set below, where it loads no reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(
@@ -252,6 +251,10 @@ def _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs
             "num_items_in_batch": completion_mask.sum(),
         }
         batch["old_logprobs"], batch["sampler_logprobs"] = full(old), full(sampler)
+        if theirs_kwargs.get("beta"):  # a KL penalty: the reference's log-probs, given to both
+            trainer.beta = theirs_kwargs["beta"]
+            reference = current + 0.2 * torch.randn(B, C, generator=g)
+            inputs["ref_per_token_logps"], batch["ref_logprobs"] = reference, full(reference)
         mode, floor, cap, mask_kl = correction or (None, None, None, None)
         if mode is not None:  # TRL's vLLM correction: its ratio written out, ours made as the RL loop makes it
             trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
@@ -273,6 +276,32 @@ def _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs
         strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss=loss, max_new_tokens=C, **ours_kwargs)))
         total, count = strategy.compute_loss(forward_logits(policy, batch), batch)
     return float(total / count), float(theirs)
+
+
+KL_CASES = [  # the KL penalty (beta), plain and weighted by the importance ratio (DeepSeek-V3.2's unbiased estimate)
+    (loss, {**theirs, "beta": 0.1, "use_bias_correction_kl": unbiased},
+     {**ours, "kl_coef": 0.1, "unbiased_kl": unbiased})
+    for loss, theirs, ours in GRPO_CASES[:5] + GRPO_CASES[6:7] + GRPO_CASES[8:9]  # grpo, dapo, dr_grpo, cispo,
+    for unbiased in (False, True)  # gspo, sapo, vespo
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loss, theirs_kwargs, ours_kwargs", KL_CASES, ids=[f"{c[0]}-{c[2]['unbiased_kl']}" for c in KL_CASES]
+)
+def test_kl_penalty_and_its_unbiased_estimate_equal_trls(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs):
+    """rl.kl_coef's k3 penalty as TRL adds it (beta), and rl.unbiased_kl's, weighted by the loss's importance ratio
+    (TRL's use_bias_correction_kl; the sequence's ratio for GSPO), off-policy where the two differ."""
+    ours, theirs = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, ours_kwargs)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    plain, _ = _grpo_against_trl(tiny_tokenizer, tmp_path, loss, theirs_kwargs, {**ours_kwargs, "kl_coef": 0.0,
+                                                                                 "unbiased_kl": False})  # fmt: skip
+    assert ours != pytest.approx(plain, rel=1e-4)  # the penalty is there
+    if ours_kwargs["unbiased_kl"]:  # and weighted
+        biased, _ = _grpo_against_trl(
+            tiny_tokenizer, tmp_path, loss, theirs_kwargs, {**ours_kwargs, "unbiased_kl": False}
+        )
+        assert ours != pytest.approx(biased, rel=1e-4)
 
 
 @pytest.mark.parametrize("loss, theirs_kwargs, ours_kwargs", GRPO_CASES, ids=[c[0] for c in GRPO_CASES])

@@ -555,3 +555,34 @@ def test_the_kl_estimator_reaches_the_loss_and_the_reported_kl_stays_k3s():
         shift = 0.3 * (per_row / mask.sum(1)).sum()  # grpo: each sequence's token mean, summed over rows
         torch.testing.assert_close(total - base, shift)
         assert count == base_count and torch.equal(stats["kl_sum"], base_stats["kl_sum"])
+
+
+def test_the_unbiased_kl_estimate_has_the_reverse_kls_gradient_on_policy():
+    """rl.unbiased_kl (DeepSeek-V3.2): k3 times the on-policy importance ratio (1, with its gradient), in expectation
+    over the policy taken exactly as in the test above: the value is still KL(policy || reference), the gradient
+    becomes the reverse KL's (k3 alone has KL(reference || policy)'s)."""
+    from tierlm.strategies.rl_terms import LossSettings, kl_term, ratio_to_old
+
+    theta = torch.randn(7, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(7, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)[None]
+    settings = LossSettings(kl_coef=1.0, unbiased_kl=True)
+    penalty, _ = kl_term(logp, {"ref_logprobs": ref[None]}, torch.ones(1, 7), settings, ratio_to_old(logp, {}))
+    expected = (logp.exp().detach() * penalty).sum()
+    (grad,) = torch.autograd.grad(expected, theta)
+    logp = torch.log_softmax(theta, 0)
+    reverse = (logp.exp() * (logp - ref)).sum()
+    torch.testing.assert_close(expected, reverse)
+    (want,) = torch.autograd.grad(reverse, theta)
+    torch.testing.assert_close(grad, want)
+    logp = torch.log_softmax(theta, 0)
+    penalty, _ = kl_term(logp[None], {"ref_logprobs": ref[None]}, torch.ones(1, 7), LossSettings(kl_coef=1.0))
+    (biased,) = torch.autograd.grad((logp.exp().detach() * penalty).sum(), theta)
+    assert (biased - want).abs().max() > 1e-3  # without the ratio, another gradient
+
+
+def test_unbiased_kl_needs_a_kl_penalty_and_the_pytorch_losses():
+    with pytest.raises(ConfigError, match="rl.unbiased_kl weights the KL penalty"):
+        resolve_rl(RLConfig(unbiased_kl=True))
+    with pytest.raises(ConfigError, match="rl.unbiased_kl is applied by the PyTorch losses"):
+        resolve_rl(RLConfig(loss="grpo", kl_coef=0.1, unbiased_kl=True), jax=True)

@@ -51,6 +51,7 @@ OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "use_vllm": ("TRL", ("engine.kind",)),
     "mask_truncated_completions": ("TRL", ("rl.mask_truncated",)),
     "delta": ("TRL", ("rl.two_sided_clip",)),
+    "use_bias_correction_kl": ("TRL", ("rl.unbiased_kl",)),
     "sync_ref_model": ("TRL", ("dpo.reference_sync_steps", "rl.reference_sync_steps")),
     "ref_model_sync_steps": ("TRL", ("dpo.reference_sync_steps", "rl.reference_sync_steps")),
     "ref_model_mixup_alpha": ("TRL", ("dpo.reference_mixup_alpha", "rl.reference_mixup_alpha")),

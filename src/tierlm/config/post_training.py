@@ -129,6 +129,11 @@ class RLConfig(Section):
     ref/p - 1 - log(ref/p) (TRL's, DeepSeekMath's GRPO), k2 = log(p/ref)^2 / 2, k1 = log(p/ref). As a loss on
     on-policy samples k2's gradient is the reverse KL's own, k3's is KL(reference || policy)'s, k1's is 0 in
     expectation (its variance alone)."""
+    unbiased_kl: bool = False
+    """The KL penalty weighted by the loss's importance ratio to the sampling policy, p / p_old per token (the
+    sequence's ratio for gspo and luspo), its gradient kept: DeepSeek-V3.2's unbiased KL estimate (TRL's
+    use_bias_correction_kl, on by default there): k3's gradient becomes the reverse KL's own, on-policy too (the
+    ratio is 1 there, its gradient adds k3 x grad log p). Needs rl.kl_coef > 0."""
     reference_sync_steps: int | None = Field(None, gt=0)
     """The KL reference follows the policy (TRL's sync_ref_model with ref_model_sync_steps; TR-DPO's update): every
     this many optimizer steps ref <- alpha policy + (1 - alpha) ref (alpha: rl.reference_mixup_alpha); checkpoints

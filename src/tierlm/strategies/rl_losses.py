@@ -51,7 +51,7 @@ def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = clipped_surrogate(ratio, adv, s.clip_low, s.clip_high, s.ratio_cap)
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
-    kl, stats = kl_term(logprobs, batch, mask, s)
+    kl, stats = kl_term(logprobs, batch, mask, s, ratio)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, {**stats, **clip_statistics(ratio.detach(), adv, mask, s.clip_low, s.clip_high)}
 
@@ -59,15 +59,15 @@ def token_loss(logprobs, batch, mask, s: LossSettings) -> Result:
 def cispo(logprobs, batch, mask, s: LossSettings) -> Result:
     """CISPO (MiniMax-M1, 2025): every token keeps its gradient; the importance ratio is clipped from above at
     1 + rl.clip_high and detached, weighting -A log p; the token-level mean."""
-    ratio = ratio_to_old(logprobs, batch).detach()
-    weight = ratio.clamp(max=1.0 + s.clip_high) if s.clip_high is not None else ratio
+    ratio = ratio_to_old(logprobs, batch)  # its gradient reaches the KL penalty alone (rl.unbiased_kl)
+    weight = ratio.detach().clamp(max=1.0 + s.clip_high) if s.clip_high is not None else ratio.detach()
     adv = per_token(batch["advantages"], logprobs)
     loss = -weight * adv * logprobs
     if (correction := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * correction
-    kl, stats = kl_term(logprobs, batch, mask, s)
+    kl, stats = kl_term(logprobs, batch, mask, s, ratio)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
-    return total, count, {**stats, **clip_statistics(ratio, adv, mask, None, s.clip_high)}
+    return total, count, {**stats, **clip_statistics(ratio.detach(), adv, mask, None, s.clip_high)}
 
 
 def sequence_surrogate(logprobs, batch, mask, s: LossSettings):
@@ -84,7 +84,7 @@ def sequence_surrogate(logprobs, batch, mask, s: LossSettings):
     loss = clipped_surrogate(seq_ratio, adv, s.clip_low, s.clip_high, s.ratio_cap)
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * (weight * maskf).sum(dim=1) / lengths
-    kl, stats = kl_term(logprobs, batch, maskf, s)
+    kl, stats = kl_term(logprobs, batch, maskf, s, seq_ratio)
     if torch.is_tensor(kl):
         loss = loss + (kl * maskf).sum(dim=1) / lengths
     rows = (maskf.sum(dim=1) > 0).float()
@@ -118,7 +118,7 @@ def sapo(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     if (weight := off_policy_weight(logprobs, batch, mask, s.off_policy_mask)) is not None:
         loss = loss * weight
-    kl, stats = kl_term(logprobs, batch, mask, s)
+    kl, stats = kl_term(logprobs, batch, mask, s, ratio)
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     return total, count, stats
 
@@ -147,7 +147,7 @@ def vespo(logprobs, batch, mask, s: LossSettings) -> Result:
     loss = -phi * per_token(batch["advantages"], logprobs) * logprobs
     if s.off_policy_mask is not None or batch.get("token_keep") is not None:  # importance is in phi already
         loss = loss * off_policy_weight(logprobs, {**batch, "importance": None}, mask, s.off_policy_mask)
-    kl, stats = kl_term(logprobs, batch, mask, s)
+    kl, stats = kl_term(logprobs, batch, mask, s, ratio_to_old(logprobs, batch))
     total, count = normalise(loss + kl, mask, s.normalise, s.max_new_tokens)
     rows = (maskf.sum(dim=1) > 0).float()
     return total, count, {**stats, "vespo_phi_sum": (phi[:, 0] * rows).sum(), "rows_sum": rows.sum()}
@@ -361,6 +361,7 @@ PYTORCH_ONLY: dict[str, Callable] = {
     "entropy_coef": lambda rl: bool(rl.entropy_coef),
     "top_entropy_quantile": lambda rl: rl.top_entropy_quantile < 1,
     "kl_estimator": lambda rl: rl.kl_estimator != "k3",
+    "unbiased_kl": lambda rl: rl.unbiased_kl,
     "reference_sync_steps": lambda rl: rl.reference_sync_steps is not None,
 }
 """rl.<setting> -> whether a run turns it on: what the PyTorch losses apply and the JAX twins do not."""
@@ -386,6 +387,11 @@ def resolve_rl(rl, jax: bool = False):
     if rl.reference_mixup_alpha is not None and rl.reference_sync_steps is None:
         raise ConfigError("rl.reference_mixup_alpha is how far each rl.reference_sync_steps sync moves the reference: "
                           "set rl.reference_sync_steps, or drop it")  # fmt: skip
+    if rl.unbiased_kl and not rl.kl_coef:
+        raise ConfigError(
+            "rl.unbiased_kl weights the KL penalty by the importance ratio; with rl.kl_coef=0 there is none: set "
+            "rl.kl_coef > 0, or drop it"
+        )
     if rl.reference_sync_steps is not None and not rl.kl_coef:
         raise ConfigError(
             "rl.reference_sync_steps moves the KL penalty's reference toward the policy; with rl.kl_coef=0 there is "
@@ -435,6 +441,7 @@ def loss_settings(rl) -> LossSettings:
         rl.clip_high,
         rl.kl_coef,
         rl.kl_estimator,
+        rl.unbiased_kl,
         rl.max_new_tokens,
         off_policy_mask=rl.off_policy_mask,
         top_entropy_quantile=rl.top_entropy_quantile,

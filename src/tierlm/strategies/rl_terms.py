@@ -21,6 +21,7 @@ class LossSettings:
     clip_high: float | None = 0.2  # its upper bound 1 + clip_high (None: not clipped)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"  # the penalty's per-token estimate of KL(policy || reference): KL_ESTIMATORS
+    unbiased_kl: bool = False  # the penalty times the loss's importance ratio to the sampling policy (DeepSeek-V3.2)
     max_new_tokens: int = 32  # Dr. GRPO's constant normaliser per row
     normalise: str = "tokens"  # what the loss averages over: tokens, sequences, rows or constant
     off_policy_mask: float | None = None  # DeepSeek-V3.2's sequence mask: the KL past which a negative sequence drops
@@ -79,15 +80,22 @@ gradients differ: k1's is 0 in expectation, k2's is the reverse KL's, k3's is KL
 
 
 def kl_term(
-    logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, s: LossSettings
+    logprobs: torch.Tensor, batch: Batch, mask: torch.Tensor, s: LossSettings, ratio: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | float, dict]:
     """`s.kl_coef` x the `s.kl_estimator` estimate of KL(policy || reference) per token (0 without a reference), and
-    the summed KL (k3's, whichever estimator the penalty uses: unbiased, never negative)."""
+    the summed KL (k3's, whichever estimator the penalty uses: unbiased, never negative). With `s.unbiased_kl`, the
+    penalty is weighted by the loss's `ratio` to the sampling policy (per token (B, T), or per sequence (B,)), with
+    its gradient: DeepSeek-V3.2's unbiased KL estimate, whose gradient is the reverse KL's even off-policy (on-policy
+    the ratio is 1 and adds k x grad log p)."""
     ref = batch.get("ref_logprobs")
     if ref is None or not s.kl_coef:
         return 0.0, {}
     kl = KL_ESTIMATORS["k3"](logprobs.detach(), ref)
-    return s.kl_coef * KL_ESTIMATORS[s.kl_estimator](logprobs, ref), {"kl_sum": (kl * mask.float()).sum()}
+    penalty = s.kl_coef * KL_ESTIMATORS[s.kl_estimator](logprobs, ref)
+    if s.unbiased_kl:
+        assert ratio is not None, "the unbiased KL estimate weights the penalty by the loss's importance ratio"
+        penalty = penalty * per_token(ratio, logprobs)
+    return penalty, {"kl_sum": (kl * mask.float()).sum()}
 
 
 def normalise(per_tok: torch.Tensor, mask: torch.Tensor, how: str, max_new_tokens: int = 0):

@@ -1316,3 +1316,52 @@ def test_a_kl_reference_that_follows_the_policy_is_trls_mix_and_resumes_exactly(
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)
     again = load_file(out / "checkpoints" / "step_3" / "reference.safetensors")
     assert all(torch.equal(moved[k], again[k]) for k in moved)
+
+
+def test_reward_terms_are_added_to_the_task_reward_and_logged_apart(tiny_runs, tmp_path, monkeypatch):
+    """rl.reward_terms (TRL's reward_funcs with reward_weights): a built-in reward and the user's function, each
+    called with (prompt, answer, reference) and weighed, added to the task's (weighed by rl.task_reward_weight, 0
+    here); each term's mean is logged apart and the step's reward is their weighted sum, while pass@k still counts
+    the task's own answers."""
+    (tmp_path / "shaping.py").write_text(
+        "SEEN = []\n\ndef bonus(prompt, completion, reference):\n    SEEN.append((prompt, completion, reference))\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from conftest import REPO, RL
+    from tierlm.config import TierlmConfig
+    from tierlm.stages import run_stage
+
+    overrides = [*RL, f"model.model_name_or_path={tiny_runs / 'sft'}", "training.logging_steps=1",
+                 "rl.task_reward_weight=0", "rl.reward_terms={number: 1.0, 'shaping:bonus': 0.5}",
+                 f"infra.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    config = TierlmConfig.load(REPO / "configs/tiny_rl.yaml", overrides)
+    assert config.rl.reward_terms == {"number": 1.0, "shaping:bonus": 0.5}
+    run_stage(config, "rl")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert train and all(r["reward_shaping.bonus"] == 1.0 for r in train)
+    for r in train:
+        assert r["reward_mean"] == pytest.approx(r["reward_number"] + 0.5, abs=1e-9)
+    import shaping
+
+    prompts = {prompt for prompt, _, _ in shaping.SEEN}
+    assert len(shaping.SEEN) >= 2 * 2 * len(train) and all(isinstance(p, str) and p for p in prompts)
+    assert any(r.get("pass@1") is not None for r in records)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rl.reward_terms={formats: 1.0}"], "rl.reward_terms names 'formats'"),
+        (["rl.reward_terms={'no_such_module:f': 1.0}"], "rl.reward_terms no_such_module:f: cannot import"),
+        (["rl.task_reward_weight=0.5"], "rl.task_reward_weight weighs the task's reward"),
+        (["data.dataset_name=synthetic:arithmetic_chain", "rl.reward_terms={number: 1.0}"], "is an environment"),
+    ],
+)
+def test_reward_terms_refused_in_one_line(tiny_runs, overrides, message):
+    from conftest import REPO, RL, run_main
+
+    args = ["rl", "--config", REPO / "configs/tiny_rl.yaml", *RL, f"model.model_name_or_path={tiny_runs / 'sft'}"]
+    result = run_main(*args, *overrides)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

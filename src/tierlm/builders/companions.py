@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tierlm.backends.references import AdapterFreeReference, frozen_reference
 from tierlm.builders.backend import build_backend
 from tierlm.builders.model import load_reward_model, load_teacher
+from tierlm.builders.tasks import reward_terms
 from tierlm.config import TierlmConfig
 from tierlm.data.tokenizer import Tokenizer
 from tierlm.loops.critic import Critic, value_model
@@ -31,8 +32,9 @@ def beside_policy(
 ) -> dict:
     """The `RLTrainer` arguments of the models beside `model` (the policy, not yet wrapped): `reference`
     (rl.kl_coef > 0), `teacher` (rl.teacher / rl.teachers: `load_teachers`), `critic` (rl.critic: a copy of the
-    policy with a value head, its own backend checkpointing into `critic_dir`) and `reward_model`
-    (rl.reward_model); None where the config has none."""
+    policy with a value head, its own backend checkpointing into `critic_dir`), `reward_model` (rl.reward_model)
+    and the added reward functions (rl.reward_terms: `tierlm.builders.tasks.reward_terms`); None where the config
+    has none."""
     rl = config.rl
     critic = None
     if rl.critic:  # a copy of the policy, made before the policy is wrapped
@@ -45,6 +47,7 @@ def beside_policy(
         "teacher": load_teachers(rl, tokenizer, device),
         "critic": critic,
         "reward_model": load_reward_model(rl, tokenizer, device),
+        "reward_terms": reward_terms(rl) or None,
     }
 
 

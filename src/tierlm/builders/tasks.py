@@ -44,6 +44,11 @@ def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environ
         raise ConfigError(
             "RL reads the prompts of one data.dataset_name into memory: drop data.mixture / data.streaming"
         )
+    if config.rl.reward_terms and (verifiers_name(d.dataset_name) or is_environment_spec(d.dataset_name)):
+        raise ConfigError(
+            f"rl.reward_terms score a task's completions; {d.dataset_name} is an environment that scores its own "
+            "episodes: drop rl.reward_terms"
+        )
     if verifiers_name(d.dataset_name) is not None:
         eval_name = d.eval_dataset_name
         if eval_name is not None and verifiers_name(eval_name) is None:
@@ -63,10 +68,13 @@ def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environ
     reward = task_reward(config.rl, train.fetch([0])[0].format if len(train) else "number")
     if ":" in config.rl.reward and len(val):  # the user's function, tried before anything is printed or written
         try_reward(reward, val.fetch([0])[0], config.rl.reward)
+    for spec, (term, _) in reward_terms(config.rl).items():
+        if ":" in spec and len(val):
+            try_reward(term, val.fetch([0])[0], spec, "rl.reward_terms")
     return ExamplesTask(train, reward), ExamplesTask(val, reward)
 
 
-def try_reward(reward, example, spec: str) -> None:
+def try_reward(reward, example, spec: str, setting: str = "rl.reward") -> None:
     """Call the user's reward once on a held-out example (its reference as the completion): what it raises or
     returns wrongly is one line now, not at the first step of a run already under way."""
     try:
@@ -75,9 +83,13 @@ def try_reward(reward, example, spec: str) -> None:
         raise
     except Exception as e:  # the user's code: whatever it raises is theirs to fix
         raise ConfigError(
-            f"rl.reward {spec} raised {type(e).__name__}: {first_line(e)} when tried on a held-out example "
+            f"{setting} {spec} raised {type(e).__name__}: {first_line(e)} when tried on a held-out example "
             f"(prompt {example.prompt[:60]!r})"
         ) from None
+
+
+REWARD_NAMES = ("number", "math", "choice", "code")
+"""The rewards of the task formats (`tierlm.tasks.rewards.format_reward`), by name."""
 
 
 def task_reward(rl: RLConfig, task_format: str):
@@ -85,12 +97,31 @@ def task_reward(rl: RLConfig, task_format: str):
     if ":" in rl.reward:
         return user_reward(rl.reward)
     name = task_format if rl.reward == "auto" else rl.reward
-    if name not in ("number", "math", "choice", "code"):
+    if name not in REWARD_NAMES:
         raise ConfigError(f"rl.reward must be auto, number, math, choice, code or module:function, got {rl.reward!r}")
     return format_reward(name, rl.sandbox_workers)
 
 
-def user_reward(spec: str):
+def reward_terms(rl: RLConfig) -> dict[str, tuple]:
+    """rl.reward_terms: each spec -> (its reward function, its weight); a name of `REWARD_NAMES` or the user's
+    `module:function`, checked as rl.reward's (`user_reward`).
+
+    >>> from tierlm.config import RLConfig
+    >>> fn, weight = reward_terms(RLConfig(reward_terms={"number": 0.5}))["number"]
+    >>> fn("What is 2 + 2?", "4", 4), weight
+    (1.0, 0.5)
+    """
+    terms = {}
+    for spec, weight in rl.reward_terms.items():
+        if ":" not in spec and spec not in REWARD_NAMES:
+            raise ConfigError(
+                f"rl.reward_terms names {spec!r}: give number, math, choice, code or a module:function of yours"
+            )
+        terms[spec] = (user_reward(spec, "rl.reward_terms") if ":" in spec else format_reward(spec), weight)
+    return terms
+
+
+def user_reward(spec: str, setting: str = "rl.reward"):
     """`module:function` (importable from the working folder or the installed packages), checked once: it must
     take (prompt, completion, reference); each value it returns must be a number."""
     module_name, _, name = spec.partition(":")
@@ -98,12 +129,12 @@ def user_reward(spec: str):
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # the user's module: any error while importing it is theirs to fix
-        raise ConfigError(f"rl.reward {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"{setting} {spec}: cannot import {module_name} ({type(e).__name__}: {e})") from None
     finally:
         sys.path.remove(os.getcwd())
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(f"rl.reward {spec}: {module_name} has no function {name!r}")
+        raise ConfigError(f"{setting} {spec}: {module_name} has no function {name!r}")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: trusted as called
@@ -113,13 +144,13 @@ def user_reward(spec: str):
             signature.bind("prompt", "completion", "reference")
         except TypeError:
             raise ConfigError(
-                f"rl.reward {spec}: {name}{signature} must take (prompt, completion, reference) and return a float"
+                f"{setting} {spec}: {name}{signature} must take (prompt, completion, reference) and return a float"
             ) from None
 
     def reward(prompt: str, completion: str, reference) -> float:
         value = fn(prompt, completion, reference)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DataError(f"rl.reward {spec} returned {value!r} ({type(value).__name__}); it must return a float")
+            raise DataError(f"{setting} {spec} returned {value!r} ({type(value).__name__}); it must return a float")
         return float(value)
 
     return reward

@@ -73,8 +73,13 @@ class RLConfig(Section):
     reward_model_weight: float = Field(1.0, gt=0)
     """rl.reward_model: the weight of its score in the reward."""
     task_reward_weight: float = Field(1.0, ge=0)
-    """The weight of the task's own (rule) reward: 0 trains on the reward model alone (pass@k still checks the
-    task's answers)."""
+    """The weight of the task's own (rule) reward: 0 trains on the reward model (or rl.reward_terms) alone (pass@k
+    still checks the task's answers)."""
+    reward_terms: dict[str, float] = Field(default_factory=dict)
+    """More rewards added to the task's, each times its weight (TRL's reward_funcs with reward_weights), e.g.
+    {mymodule:format_bonus: 0.2}: a reward rl.reward names (number, math, choice, code) or your own
+    module:function(prompt, completion, reference) -> float. Train lines log each one's mean (reward_<function>);
+    pass@k still counts the task's own answers. For tasks, not multi-turn environments."""
     algorithm: Literal["reinforce", "grpo", "ppo"] | None = None
     """The older name of rl.loss (its first three values)."""
     clip_low: float | None = Field(None, gt=0, lt=1)
@@ -279,10 +284,14 @@ class RLConfig(Section):
                 f"rl.rollout_window ({self.rollout_window}) must hold a step's groups (rl.prompts_per_step "
                 f"{self.prompts_per_step})"
             )
-        if self.reward_model is None and (self.reward_model_weight != 1.0 or self.task_reward_weight != 1.0):
+        if self.reward_model is None and self.reward_model_weight != 1.0:
             raise ValueError(
-                "rl.reward_model_weight / rl.task_reward_weight weigh a reward model's score against the task's "
-                "reward: give rl.reward_model=FOLDER, or drop them"
+                "rl.reward_model_weight weighs a reward model's score: give rl.reward_model=FOLDER, or drop it"
+            )
+        if self.reward_model is None and not self.reward_terms and self.task_reward_weight != 1.0:
+            raise ValueError(
+                "rl.task_reward_weight weighs the task's reward against a reward model's score or rl.reward_terms: "
+                "give one of them, or drop it"
             )
         return self
 

@@ -43,3 +43,24 @@ def reward_model_figures(totals: dict[str, float]) -> dict[str, float]:
     if totals["rm_pairs"]:
         out["rm_accuracy"] = totals["rm_agree"] / totals["rm_pairs"]
     return out
+
+
+def reward_term_sums(rollouts: list[Rollout], terms: dict | None) -> dict[str, float]:
+    """Each rl.reward_terms function's summed values over `rollouts` (before its weight), keyed `term:<spec>`.
+
+    >>> from tierlm.rollout.engine import Completion
+    >>> rows = [Rollout([], Completion(), 1.2, "", terms={"m:fmt": 1.0}),
+    ...         Rollout([], Completion(), 0.0, "", terms={"m:fmt": 0.0})]
+    >>> reward_term_sums(rows, {"m:fmt": (None, 0.2)})
+    {'term:m:fmt': 1.0}
+    """
+    return {f"term:{spec}": float(sum(r.terms[spec] for r in rollouts)) for spec in terms or {}}
+
+
+def reward_term_figures(totals: dict[str, float]) -> dict[str, float]:
+    """The train line's mean of each added reward function, `reward_<module.function>` (`reward_term_sums`)."""
+    return {
+        f"reward_{key.removeprefix('term:').replace(':', '.')}": value / totals["rows"]
+        for key, value in totals.items()
+        if key.startswith("term:")
+    }

@@ -27,7 +27,7 @@ from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
 from tierlm.loops.partial import Group, PartialRollouts
 from tierlm.loops.policy_update import PolicyUpdate, balanced_shares, loss_figures, merged, rollout_batch
-from tierlm.loops.rewards import reward_model_figures, reward_model_sums
+from tierlm.loops.rewards import reward_model_figures, reward_model_sums, reward_term_figures, reward_term_sums
 from tierlm.loops.rl_figures import partial_figures, progress_line
 from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
@@ -65,6 +65,7 @@ class RLTrainer:
     reference: Any = None
     teacher: Any = None  # on-policy distillation: the teachers scoring the samples (`tierlm.loops.teachers.Teachers`)
     reward_model: Any = None  # rl.reward_model: scores each prompt + completion (`score(sequences)`)
+    reward_terms: dict | None = None  # rl.reward_terms: spec -> (function(prompt, completion, reference), weight)
     critic: Any = None  # PPO's value model (tierlm.loops.critic.Critic), trained beside the policy
     write_extra: Callable[[Path], None] | None = None
     kept: list = field(default_factory=list)  # what else checkpoints carry (`tierlm.loops.cadence.Kept`)
@@ -148,21 +149,33 @@ class RLTrainer:
         """Partial rollouts' finished groups, scored as the plain run scores its own."""
         examples = [self.train_task.example(g.index) for g in groups]
         prompts, rows = [g.prompt_ids for g in groups], [g.rows for g in groups]
-        scored = self.sampler.scored(self.train_task, examples, prompts, rows)
-        return self._with_reward_model(scored) if self.reward_model is not None else scored
+        return self._shaped(self.sampler.scored(self.train_task, examples, prompts, rows), examples)
 
     def _groups(self, indices: list[int], generators: list[torch.Generator]) -> list[list[Rollout]]:
         groups = self.sampler.groups(self.train_task, indices, generators, self.rl.group_size, self.rl.temperature)
-        return self._with_reward_model(groups) if self.reward_model is not None else groups
+        if self.reward_model is None and not self.reward_terms:
+            return groups
+        return self._shaped(groups, [self.train_task.example(i) for i in indices])
 
-    def _with_reward_model(self, groups: list[list[Rollout]]) -> list[list[Rollout]]:
-        """rl.reward_model: each reward becomes rl.task_reward_weight x the task's + rl.reward_model_weight x the
-        reward model's score of the prompt and completion (the two kept apart for the logs)."""
+    def _shaped(self, groups: list[list[Rollout]], examples: list) -> list[list[Rollout]]:
+        """The task's rewards with what the config adds, the parts kept apart for the logs: each reward becomes
+        rl.task_reward_weight x the task's + rl.reward_model_weight x the reward model's score of the prompt and
+        completion (rl.reward_model) + each rl.reward_terms function's value of (prompt, answer, reference) x its
+        weight."""
+        if self.reward_model is None and not self.reward_terms:
+            return groups
         rollouts = [r for g in groups for r in g]
-        scores = self.reward_model.score([r.prompt_ids + r.completion.tokens for r in rollouts])
-        for r, value in zip(rollouts, scores):
-            r.task_reward, r.score = r.reward, value
-            r.reward = self.rl.task_reward_weight * r.reward + self.rl.reward_model_weight * value
+        for r in rollouts:
+            r.task_reward, r.reward = r.reward, self.rl.task_reward_weight * r.reward
+        if self.reward_model is not None:
+            scores = self.reward_model.score([r.prompt_ids + r.completion.tokens for r in rollouts])
+            for r, value in zip(rollouts, scores):
+                r.score, r.reward = value, r.reward + self.rl.reward_model_weight * value
+        items = [(e.prompt, r.text, e.reference) for e, group in zip(examples, groups) for r in group]
+        for spec, (function, weight) in (self.reward_terms or {}).items():
+            for r, item in zip(rollouts, items):
+                r.terms[spec] = value = function(*item)
+                r.reward += weight * value
         return groups
 
     def _with_signal(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
@@ -255,6 +268,7 @@ class RLTrainer:
             **scoring,
             **balance,
             **reward_model_figures(totals),
+            **reward_term_figures(totals),
         }
 
     def _balanced(self, rollouts, advantages, rewards):
@@ -313,6 +327,7 @@ class RLTrainer:
                 "finished": float(sum(r.completion.finished for r in rollouts)),
                 "tool_calls": float(sum(r.completion.tool_calls for r in rollouts)),
                 **(reward_model_sums(groups) if self.reward_model is not None else {}),
+                **reward_term_sums(rollouts, self.reward_terms),
             }
         )
 

@@ -70,8 +70,8 @@ class Completion:
 
 @dataclass
 class Rollout:
-    """A completion of a prompt with its reward (and the answer text the reward read). With a reward model, `reward`
-    weighs its `score` against the task's own reward (`task_reward`)."""
+    """A completion of a prompt with its reward (and the answer text the reward read). With a reward model or added
+    reward functions, `reward` weighs its `score` and the functions' `terms` against the task's own (`task_reward`)."""
 
     prompt_ids: list[int]
     completion: Completion
@@ -80,6 +80,7 @@ class Rollout:
     task_reward: float | None = None
     score: float | None = None
     domain: str | None = None  # its prompt's domain (`TaskExample.domain`): which teacher scores it
+    terms: dict[str, float] = field(default_factory=dict)  # rl.reward_terms' values, before their weights
 
 
 class SamplingEngine(Protocol):

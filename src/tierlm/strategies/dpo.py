@@ -54,10 +54,12 @@ def wpo_weights(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     tensor([1.])
     """
     with torch.no_grad():
-        mask = labels != IGNORE_INDEX
-        log_sq = torch.stack([torch.logsumexp(2 * row.float().log_softmax(-1), dim=-1) for row in logits])
-        terms = (token_logprobs(logits, labels).float() - log_sq) * mask
-        return torch.exp(terms.sum(-1) / mask.sum(-1).clamp(min=1))
+        mask, terms = labels != IGNORE_INDEX, []
+        for row, targets in zip(logits, labels):  # a row's (T, V) log-probs at a time, not the batch's
+            logp = row.float().log_softmax(-1)
+            picked = logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+            terms.append(picked - torch.logsumexp(2 * logp, dim=-1))
+        return torch.exp((torch.stack(terms) * mask).sum(-1) / mask.sum(-1).clamp(min=1))
 
 
 class DPOStrategy:

@@ -111,17 +111,16 @@ class DPOStrategy:
     def reference_logps(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """{"logps": each row's summed response log-prob (LD-DPO: the tails weighted)}: what a reference model's
         `logits` give the batch's `ref_logps`, as precomputed ones are."""
-        labels = batch["labels"]
-        weights = (
-            (labels != IGNORE_INDEX).float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
-        )
-        return {"logps": (token_logprobs(logits, labels) * weights).sum(dim=-1)}
+        return {"logps": (token_logprobs(logits, batch["labels"]) * self._weights(batch["labels"])).sum(dim=-1)}
+
+    def _weights(self, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's weight in its response's log-prob: 1 on the response (LD-DPO: alpha on its tail), else 0."""
+        return (labels != IGNORE_INDEX).float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
 
     def _pairs(self, logits: torch.Tensor, batch: Batch):
         labels = batch["labels"]
         token_logps, mask = token_logprobs(logits, labels), labels != IGNORE_INDEX
-        weights = mask.float() if self.ld_alpha is None else length_desensitised(labels, self.ld_alpha)
-        sums, counts = (token_logps * weights).sum(dim=-1), mask.sum(dim=-1).clamp(min=1)
+        sums, counts = (token_logps * self._weights(labels)).sum(dim=-1), mask.sum(dim=-1).clamp(min=1)
         n = sums.shape[0] // 2
         ref = batch["ref_logps"].to(sums.device) if self.row.reference else None
         # the sft loss: each pair's share of the chosen tokens' mean NLL over the micro-batch (their mean is it)

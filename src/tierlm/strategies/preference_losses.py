@@ -278,6 +278,7 @@ SMOOTHING = (
     "dpo.label_smoothing is robust DPO's assumed flip rate, EXO's epsilon and AOT's smoothing: set dpo.loss_type="
     "robust, exo_pair, aot or aot_unpaired with 0 < dpo.label_smoothing < 0.5, or none of them"
 )
+AOT = dict(whole_batch=True, reads=("label_smoothing",), why={"label_smoothing": SMOOTHING})  # both forms'
 F_DIVERGENCE = ("f_divergence_type", "f_alpha_divergence_coef")  # f-DPO's settings, read by the losses of h alone
 F_WHY = dict.fromkeys(
     F_DIVERGENCE,
@@ -310,18 +311,12 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
     "apo_zero": PreferenceLoss("APO-zero (D'Oosterlinck et al., 2024): chosen better than the model's", apo_zero),
     "apo_down": PreferenceLoss("APO-down (D'Oosterlinck et al., 2024): chosen worse than the model's", apo_down),
     "aot": PreferenceLoss(
-        "AOT (Melnyk et al., 2024), the paired form: the batch's sorted margins against the reference's",
-        aot,
-        whole_batch=True,
-        reads=("label_smoothing",),
-        why={"label_smoothing": SMOOTHING},
+        "AOT (Melnyk et al., 2024), the paired form: the batch's sorted margins against the reference's", aot, **AOT
     ),
     "aot_unpaired": PreferenceLoss(
         "AOT (Melnyk et al., 2024), the unpaired form: the batch's sorted chosen log-ratios against its rejected",
         aot_unpaired,
-        whole_batch=True,
-        reads=("label_smoothing",),
-        why={"label_smoothing": SMOOTHING},
+        **AOT,
     ),
     "discopop": PreferenceLoss(
         "DiscoPOP (Lu et al., 2024), a discovered blend of logistic and exponential losses",

@@ -1365,3 +1365,27 @@ def test_reward_terms_refused_in_one_line(tiny_runs, overrides, message):
     args = ["rl", "--config", REPO / "configs/tiny_rl.yaml", *RL, f"model.model_name_or_path={tiny_runs / 'sft'}"]
     result = run_main(*args, *overrides)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_gdpo_takes_the_same_rollouts_to_other_advantages(tiny_runs, tmp_path, monkeypatch):
+    """rl.reward_aggregation=normalize_then_sum with a task reward and a bonus of small spread: step 1's rollouts and
+    rewards are the plain sum's (with the step's std as GDPO's), its update is not (GDPO gives the bonus its own
+    group scale)."""
+    (tmp_path / "spread.py").write_text("def short(prompt, completion, reference):\n    return -len(completion) / 99\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from conftest import REPO, RL
+    from tierlm.config import TierlmConfig
+    from tierlm.stages import run_stage
+
+    def first_step(name, *extra):
+        overrides = [*RL, f"model.model_name_or_path={tiny_runs / 'sft'}", "training.num_train_steps=1",
+                     "rl.reward_terms={'spread:short': 0.5}", f"infra.output_dir={tmp_path / name}"]  # fmt: skip
+        overrides += extra
+        run_stage(TierlmConfig.load(REPO / "configs/tiny_rl.yaml", overrides), "rl")
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return next(r for r in records if r["type"] == "train")
+
+    plain = first_step("sum", "rl.normalize_std=batch")  # GDPO's sum is divided by the step's std too
+    gdpo = first_step("gdpo", "rl.reward_aggregation=normalize_then_sum")
+    assert plain["reward_mean"] == gdpo["reward_mean"] and plain["reward_spread.short"] == gdpo["reward_spread.short"]
+    assert plain["grad_norm"] != pytest.approx(gdpo["grad_norm"], rel=1e-3)

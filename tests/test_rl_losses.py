@@ -5,6 +5,7 @@ split over micro-batches equals the whole batch (the backend sums losses and nor
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -586,3 +587,52 @@ def test_unbiased_kl_needs_a_kl_penalty_and_the_pytorch_losses():
         resolve_rl(RLConfig(unbiased_kl=True))
     with pytest.raises(ConfigError, match="rl.unbiased_kl is applied by the PyTorch losses"):
         resolve_rl(RLConfig(loss="grpo", kl_coef=0.1, unbiased_kl=True), jax=True)
+
+
+def test_gdpo_normalises_each_reward_in_its_group_then_the_sum_over_the_step():
+    """rl.reward_aggregation=normalize_then_sum, GDPO as TRL's multi_objective_aggregation computes it, written out
+    here (with tierlm's population stds): each reward's z-score in its group, weighted and summed, then the sum less
+    the step's mean over the step's std. A reward of small spread moves the advantages as much as a large one, which
+    the plain weighted sum does not."""
+    from tierlm.strategies.rl import decoupled_rewards
+
+    G, eps = 4, 1e-6
+    task = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    bonus = [0.02, 0.01, 0.03, 0.0, 0.0, 0.01, 0.02, 0.02]  # a format bonus of small spread
+    length = [-0.5, 0.0, -1.0, 0.0, 0.0, 0.0, -0.25, 0.0]
+    weights = [1.0, 0.5, 1.0]
+    summed = []
+    for row in range(8):
+        start = row // G * G
+        total = 0.0
+        for column, weight in zip((task, bonus, length), weights):
+            group = column[start : start + G]
+            mean = sum(group) / G
+            std = math.sqrt(sum((x - mean) ** 2 for x in group) / G)
+            total += weight * (column[row] - mean) / (std + eps)
+        summed.append(total)
+    mean = sum(summed) / 8
+    std = math.sqrt(sum((s - mean) ** 2 for s in summed) / 8)
+    expected = torch.tensor([(s - mean) / (std + eps) for s in summed])
+    components = torch.tensor([task, bonus, length]).T
+    got = group_advantages(decoupled_rewards(components, torch.tensor(weights), G), G, normalize_std="batch")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    plain = group_advantages((components * torch.tensor(weights)).sum(-1), G, normalize_std="batch")
+    assert (got - plain).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"loss": "rloo"}, "rl.loss=rloo has its own baseline (leave-one-out)"),
+        ({"loss": "ppo", "critic": True}, "rl.loss=ppo has a critic"),
+        ({"reward_terms": {}}, "the task's is the only one"),
+        ({"normalize_std": "group"}, "drop rl.normalize_std=group, or set it to batch"),
+    ],
+)
+def test_gdpo_is_refused_where_it_has_nothing_to_normalise(overrides, message):
+    rl = {"loss": "grpo", "reward_aggregation": "normalize_then_sum", "reward_terms": {"number": 1.0}, **overrides}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_rl(RLConfig(**rl))
+    if "normalize_std" in overrides:  # unset, it is the step's
+        assert resolve_rl(RLConfig(**{**rl, "normalize_std": None})).normalize_std == "batch"

@@ -149,6 +149,12 @@ class RLConfig(Section):
     """Divide the group-mean advantages by a std: true or group, each group's (GRPO); batch, the whole step's
     rewards' over every rank (Lite PPO, Liu et al., 2025; TRL's scale_rewards="batch"); false, none (None: the
     loss's default, true for grpo, dapo, gspo, cispo, bnpo and the like)."""
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """How several rewards (the task's beside rl.reward_terms, a reward model's score, DAPO's overlong penalty) become
+    advantages (TRL's multi_objective_aggregation): sum_then_normalize adds them, weighted, then takes the group
+    baseline; normalize_then_sum (GDPO, 2026) normalises each in its group (its own mean and std), adds them weighted,
+    and divides the sum by the whole step's std, so that a reward of small spread is not drowned by one of large
+    spread. For the group-baseline losses."""
     micro_batch_size: int = Field(64, gt=0)
     """Rollout rows per forward/backward (memory); the step's gradient is over all rollouts."""
     balance_ranks: bool = True

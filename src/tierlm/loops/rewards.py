@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tierlm.rollout.engine import Rollout
 from tierlm.tasks import Task
 
@@ -64,3 +66,28 @@ def reward_term_figures(totals: dict[str, float]) -> dict[str, float]:
         for key, value in totals.items()
         if key.startswith("term:")
     }
+
+
+def reward_components(rollouts: list[Rollout], shaping: list[float], rl) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rollout's rewards apart (N, K) and their weights (K,), what GDPO normalises one by one: the task's
+    (rl.task_reward_weight), a reward model's score (rl.reward_model_weight), each rl.reward_terms function's, and
+    DAPO's overlong penalty (`shaping`, weight 1) when rl.overlong_buffer is set.
+
+    >>> from tierlm.config import RLConfig
+    >>> from tierlm.rollout.engine import Completion
+    >>> rows = [Rollout([], Completion(), 1.5, "", task_reward=1.0, terms={"m:f": 1.0})]
+    >>> reward_components(rows, [0.0], RLConfig(reward_terms={"m:f": 0.5}))
+    (tensor([[1., 1.]]), tensor([1.0000, 0.5000]))
+    """
+    columns = [[r.reward if r.task_reward is None else r.task_reward for r in rollouts]]
+    weights = [rl.task_reward_weight]
+    if rl.reward_model is not None:
+        columns.append([r.score for r in rollouts])
+        weights.append(rl.reward_model_weight)
+    for spec, weight in rl.reward_terms.items():
+        columns.append([r.terms[spec] for r in rollouts])
+        weights.append(weight)
+    if rl.overlong_buffer:
+        columns.append(shaping)
+        weights.append(1.0)
+    return torch.tensor(columns).T, torch.tensor(weights)

@@ -27,7 +27,13 @@ from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
 from tierlm.loops.partial import Group, PartialRollouts
 from tierlm.loops.policy_update import PolicyUpdate, balanced_shares, loss_figures, merged, rollout_batch
-from tierlm.loops.rewards import reward_model_figures, reward_model_sums, reward_term_figures, reward_term_sums
+from tierlm.loops.rewards import (
+    reward_components,
+    reward_model_figures,
+    reward_model_sums,
+    reward_term_figures,
+    reward_term_sums,
+)
 from tierlm.loops.rl_figures import partial_figures, progress_line
 from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
@@ -37,7 +43,7 @@ from tierlm.models.lora import has_lora, is_adapter_key
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.adapters import adapter_payload
 from tierlm.rollout.engine import Rollout, SamplingEngine
-from tierlm.strategies.rl import PolicyGradientStrategy, overlong_penalty
+from tierlm.strategies.rl import PolicyGradientStrategy, decoupled_rewards, overlong_penalty
 from tierlm.tasks import Environment, Task
 
 
@@ -231,7 +237,10 @@ class RLTrainer:
         rl = self.rl
         shaping = [overlong_penalty(len(r.completion.tokens), rl.max_new_tokens, rl.overlong_buffer) for r in rollouts]
         rewards = torch.tensor([r.reward + p for r, p in zip(rollouts, shaping)])
-        advantages = self.strategy.advantages(rewards, rl.group_size, self._sum_over_ranks)
+        advanced = rewards  # GDPO: each reward normalised in its group before they are added
+        if rl.reward_aggregation == "normalize_then_sum":
+            advanced = decoupled_rewards(*reward_components(rollouts, shaping, rl), rl.group_size)
+        advantages = self.strategy.advantages(advanced, rl.group_size, self._sum_over_ranks)
         trained, balance = (rollouts, advantages, rewards), {}
         if self.world_size > 1 and rl.balance_ranks:  # the rows dealt over the ranks by their cost
             trained, balance = self._balanced(rollouts, advantages, rewards)

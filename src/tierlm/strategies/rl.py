@@ -52,6 +52,20 @@ def group_advantages(
     return advantages.view(-1)
 
 
+def decoupled_rewards(components: torch.Tensor, weights: torch.Tensor, group_size: int, eps: float = 1e-6):
+    """GDPO's rewards (TRL's multi_objective_aggregation="normalize_then_sum"): each reward of `components` (N, K)
+    normalised in its group (minus the group's mean, over its population std), then weighted by `weights` (K,) and
+    summed (N,). `group_advantages(..., normalize_std="batch")` of the sum then divides it by the step's std.
+
+    >>> task, bonus = [1., 0., 1., 1.], [0.1, 0.0, 0.1, 0.0]   # the bonus's small spread counts as much as the task's
+    >>> [round(x, 4) for x in decoupled_rewards(torch.tensor([task, bonus]).T, torch.ones(2), 2).tolist()]
+    [2.0, -2.0, 1.0, -1.0]
+    """
+    groups = components.float().view(-1, group_size, components.shape[1])
+    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, keepdim=True, unbiased=False)
+    return ((groups - mean) / (std + eps) * weights.float()).sum(dim=-1).view(-1)
+
+
 def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO's advantages: each reward minus the mean of its group's other rewards, r_i - (sum_j r_j - r_i) / (G - 1).
 

@@ -413,6 +413,9 @@ def resolve_rl(rl, jax: bool = False):
             f"rl.top_entropy_quantile picks the sampled tokens a policy-gradient loss trains; rl.loss={rl.loss} has "
             "none to pick: drop it"
         )
+    std = rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std
+    if rl.reward_aggregation == "normalize_then_sum":
+        std = gdpo_std(rl, spec)
     alpha = 0.6 if rl.reference_sync_steps and rl.reference_mixup_alpha is None else rl.reference_mixup_alpha  # TRL's
     low, high = (rl.clip_range, rl.clip_range) if spec.clip is UNSET else spec.clip
     dynamic = rl.dynamic_sampling if rl.dynamic_sampling is not None else spec.dynamic_sampling
@@ -426,12 +429,34 @@ def resolve_rl(rl, jax: bool = False):
         update={
             "clip_low": rl.clip_low if rl.clip_low is not None else low,
             "clip_high": rl.clip_high if rl.clip_high is not None else high,
-            "normalize_std": rl.normalize_std if rl.normalize_std is not None else spec.divides_by_std,
+            "normalize_std": std,
             "dynamic_sampling": dynamic,
             "importance": importance_mode(rl),
             "reference_mixup_alpha": alpha,
         }
     )
+
+
+def gdpo_std(rl, spec: RLLoss) -> str:
+    """rl.reward_aggregation=normalize_then_sum (GDPO) checked: a group-baseline loss without a critic, more than the
+    task's reward to normalise; its sum's advantages divide by the step's std ("batch")."""
+    if spec.baseline != "group" or rl.critic:
+        has = "a critic" if rl.critic else f"its own baseline ({spec.baseline.replace('_', '-')})"
+        raise ConfigError(
+            f"rl.reward_aggregation=normalize_then_sum normalises each reward in its group; rl.loss={rl.loss} has "
+            f"{has}: drop rl.reward_aggregation"
+        )
+    if not (rl.reward_terms or rl.reward_model or rl.overlong_buffer):
+        raise ConfigError(
+            "rl.reward_aggregation=normalize_then_sum normalises each of several rewards, and the task's is the only "
+            "one: add rl.reward_terms (or rl.reward_model), or drop rl.reward_aggregation"
+        )
+    if rl.normalize_std not in (None, "batch"):
+        raise ConfigError(
+            "rl.reward_aggregation=normalize_then_sum divides the summed rewards' advantages by the step's std: drop "
+            f"rl.normalize_std={rl.normalize_std}, or set it to batch"
+        )
+    return "batch"
 
 
 def loss_settings(rl) -> LossSettings:

@@ -1389,3 +1389,44 @@ def test_gdpo_takes_the_same_rollouts_to_other_advantages(tiny_runs, tmp_path, m
     gdpo = first_step("gdpo", "rl.reward_aggregation=normalize_then_sum")
     assert plain["reward_mean"] == gdpo["reward_mean"] and plain["reward_spread.short"] == gdpo["reward_spread.short"]
     assert plain["grad_norm"] != pytest.approx(gdpo["grad_norm"], rel=1e-3)
+
+
+def test_adaptive_entropy_control_follows_skywork_or1s_rule_and_resumes_exactly(tiny_runs, tmp_path, monkeypatch):
+    """rl.entropy_target (TRL's use_adaptive_entropy): no bonus in the first step; after each step the coefficient
+    moves by rl.entropy_coef_delta, up while the step's entropy (entropy_mean, every rank's trained tokens) is at or
+    below the target, down above it, within min..max; the next step applies it only after a step at or below the
+    target. Rolled back to step 2 and resumed, the run ends with the straight run's coefficient and weights."""
+    from conftest import digits_reward, resume_from_checkpoint, run_main
+    from tierlm.models import load_pretrained_model
+
+    reward = digits_reward(tmp_path, monkeypatch)
+    args = [*_tiny_rl(tiny_runs), reward, "rl.group_size=2", "rl.max_new_tokens=6", "training.num_train_steps=4",
+            "rl.entropy_coef=0.01", "rl.entropy_coef_delta=0.02", "rl.entropy_coef_max=0.04"]  # fmt: skip
+
+    def train_lines(out):
+        return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+    for target in (100.0, 1e-3):  # every step at or below the target, then every step above it
+        out = tmp_path / f"target_{target}"
+        result = run_main(*args, f"rl.entropy_target={target}", f"infra.output_dir={out}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = train_lines(out)
+        coef, last = 0.01, math.inf
+        for line in lines:
+            assert line["entropy_coef"] == pytest.approx(coef if last <= target else 0.0)
+            last = line["entropy_mean"]
+            coef = min(coef + 0.02, 0.04) if last <= target else max(coef - 0.02, 0.0)
+            assert line["entropy_coef_next"] == pytest.approx(coef)
+        assert [line["entropy_coef"] for line in lines] == (
+            pytest.approx([0.0, 0.03, 0.04, 0.04]) if target > 1 else [0.0] * 4
+        )
+    straight = tmp_path / "target_100.0"
+    resumed = tmp_path / "resumed"
+    result = run_main(*args, "rl.entropy_target=100", f"infra.output_dir={resumed}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resume_from_checkpoint(args + ["rl.entropy_target=100"], resumed, 2, in_process=True)
+    assert train_lines(resumed)[-1]["entropy_coef"] == train_lines(straight)[-1]["entropy_coef"]
+    a, b = (load_pretrained_model(folder / "model").state_dict() for folder in (straight, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    never = load_pretrained_model(tmp_path / "target_0.001" / "model").state_dict()  # no bonus in any step
+    assert not all(torch.equal(a[k], never[k]) for k in a)  # the applied bonus trained

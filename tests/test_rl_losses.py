@@ -636,3 +636,21 @@ def test_gdpo_is_refused_where_it_has_nothing_to_normalise(overrides, message):
         resolve_rl(RLConfig(**rl))
     if "normalize_std" in overrides:  # unset, it is the step's
         assert resolve_rl(RLConfig(**{**rl, "normalize_std": None})).normalize_std == "batch"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"entropy_coef_delta": 0.01}, "set rl.entropy_target, or drop them"),
+        ({"entropy_target": 0.5, "entropy_coef": 0.5, "entropy_coef_max": 0.1}, "keep it within rl.entropy_coef_min"),
+        ({"entropy_target": 0.5, "loss": "distill_topk", "teacher": "t"}, "takes none: drop it"),
+    ],
+)
+def test_adaptive_entropy_settings_that_contradict_are_refused(overrides, message):
+    with pytest.raises((ValueError, ConfigError), match=re.escape(message)):
+        resolve_rl(RLConfig(**overrides))
+
+
+def test_adaptive_entropy_is_the_pytorch_losses():
+    with pytest.raises(ConfigError, match="rl.entropy_target is applied by the PyTorch losses"):
+        resolve_rl(RLConfig(loss="grpo", entropy_target=0.5), jax=True)

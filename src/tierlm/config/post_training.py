@@ -200,7 +200,20 @@ class RLConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """An entropy bonus: the loss less this times the mean entropy of the policy over each micro-batch's trained
     completion tokens (those rl.top_entropy_quantile keeps), at the sampling temperature; TRL's entropy_coef (its
-    fixed form). 0: off. When on, the train lines show the entropy (entropy_mean)."""
+    fixed form; with rl.entropy_target, the adaptive control's first coefficient). 0: off. When on, the train lines
+    show the entropy (entropy_mean)."""
+    entropy_target: float | None = Field(None, gt=0)
+    """Adaptive entropy control (Skywork-OR1, He et al., 2025; TRL's use_adaptive_entropy with entropy_target): after
+    each step the coefficient rises by rl.entropy_coef_delta while the step's mean entropy over every rank (nats, the
+    trained tokens) is at or below this target and falls by it above, within rl.entropy_coef_min..max; the bonus
+    applies only in a step after one at or below the target (none in the first). Set it near the entropy of the first
+    steps (entropy_mean). None: the coefficient stays rl.entropy_coef."""
+    entropy_coef_delta: float = Field(0.005, gt=0)
+    """rl.entropy_target: the coefficient's step up or down (TRL's)."""
+    entropy_coef_min: float = Field(0.0, ge=0)
+    """rl.entropy_target: the coefficient's floor."""
+    entropy_coef_max: float = Field(1.0, gt=0)
+    """rl.entropy_target: the coefficient's ceiling."""
     two_sided_clip: float | None = Field(None, gt=1)
     """INTELLECT-2's two-sided clipping (TRL's delta): the importance ratio is capped at this before PPO's clipped
     surrogate, which bounds a token's loss when its advantage is negative (the clip alone leaves r A unbounded
@@ -289,6 +302,17 @@ class RLConfig(Section):
             raise ValueError(
                 f"rl.rollout_window ({self.rollout_window}) must hold a step's groups (rl.prompts_per_step "
                 f"{self.prompts_per_step})"
+            )
+        adaptive = ("entropy_coef_delta", 0.005), ("entropy_coef_min", 0.0), ("entropy_coef_max", 1.0)
+        if self.entropy_target is None and any(getattr(self, name) != default for name, default in adaptive):
+            raise ValueError(
+                "rl.entropy_coef_delta / min / max steer the adaptive entropy coefficient: set rl.entropy_target, or "
+                "drop them"
+            )
+        if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max and self.entropy_target:
+            raise ValueError(
+                f"rl.entropy_coef ({self.entropy_coef}) starts the adaptive coefficient: keep it within "
+                f"rl.entropy_coef_min..max ({self.entropy_coef_min}..{self.entropy_coef_max})"
             )
         if self.reward_model is None and self.reward_model_weight != 1.0:
             raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +43,12 @@ from tierlm.models.lora import has_lora, is_adapter_key
 from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.adapters import adapter_payload
 from tierlm.rollout.engine import Rollout, SamplingEngine
-from tierlm.strategies.rl import PolicyGradientStrategy, decoupled_rewards, overlong_penalty
+from tierlm.strategies.rl import (
+    PolicyGradientStrategy,
+    adapted_entropy_coef,
+    decoupled_rewards,
+    overlong_penalty,
+)
 from tierlm.tasks import Environment, Task
 
 
@@ -56,6 +61,8 @@ class RLState:
     rollout_tokens: int = 0
     last_eval: dict = field(default_factory=dict)  # the latest eval's figures: a run resumed at its end reports them
     last_eval_step: int = -1
+    entropy_coef: float | None = None  # rl.entropy_target: the adaptive coefficient for the next step (None: the first)
+    last_entropy: float = math.inf  # and the last step's mean entropy, which gates it
 
 
 @dataclass
@@ -250,9 +257,17 @@ class RLTrainer:
         micro = self.update.micro_batches(batch)
         parity, scoring = self.update.score(micro, batch, trained[2], step - version)
         t2 = time.perf_counter()
+        coef = self._entropy_bonus() if rl.entropy_target is not None else None
         update = self.update.apply(micro)
         t3 = time.perf_counter()
         totals = self._step_totals(step, groups, rollouts, rewards, shaping)
+        entropy_control = {}
+        if coef is not None:  # the next step's coefficient, from this step's entropy over every rank
+            entropy_control["entropy_coef"] = self.strategy.settings.entropy_coef  # this step's bonus
+            self.state.last_entropy = totals["loss_entropy_sum"] / max(totals["loss_entropy_n_sum"], 1.0)
+            self.state.entropy_coef = entropy_control["entropy_coef_next"] = adapted_entropy_coef(
+                coef, self.state.last_entropy, rl
+            )
         n, tokens = totals["rows"], totals["tokens"]
         self.state.rollout_tokens += int(tokens)
         reward_mean = totals["reward"] / n
@@ -278,7 +293,16 @@ class RLTrainer:
             **balance,
             **reward_model_figures(totals),
             **reward_term_figures(totals),
+            **entropy_control,
         }
+
+    def _entropy_bonus(self) -> float:
+        """rl.entropy_target: the adaptive coefficient (rl.entropy_coef at first), set as this step's entropy bonus
+        when the last step's entropy was at or below the target, else no bonus (nor in the first step); returned."""
+        coef = self.rl.entropy_coef if self.state.entropy_coef is None else self.state.entropy_coef
+        applied = coef if self.state.last_entropy <= self.rl.entropy_target else 0.0
+        self.strategy.settings = replace(self.strategy.settings, entropy_coef=applied)
+        return coef
 
     def _balanced(self, rollouts, advantages, rewards):
         """Every rank's rows (with their advantages and rewards) dealt over the ranks by their training FLOPs, each

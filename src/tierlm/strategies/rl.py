@@ -102,6 +102,21 @@ def batch_advantages(rewards: torch.Tensor, total=None, eps: float = 1e-6) -> to
     return (rewards.float() - mean) / (std + eps)
 
 
+def adapted_entropy_coef(coef: float, entropy: float, rl) -> float:
+    """Skywork-OR1's adaptive entropy control (TRL's use_adaptive_entropy), after a step whose mean entropy over
+    every rank was `entropy`: the coefficient up by rl.entropy_coef_delta at or below rl.entropy_target, down above,
+    within rl.entropy_coef_min..max.
+
+    >>> from tierlm.config import RLConfig
+    >>> rl = RLConfig(entropy_target=0.5, entropy_coef=0.01, entropy_coef_max=0.012)
+    >>> adapted_entropy_coef(0.01, 0.4, rl), adapted_entropy_coef(0.01, 0.6, rl), adapted_entropy_coef(0.003, 0.6, rl)
+    (0.012, 0.005, 0.0)
+    """
+    if entropy <= rl.entropy_target:
+        return min(coef + rl.entropy_coef_delta, rl.entropy_coef_max)
+    return max(coef - rl.entropy_coef_delta, rl.entropy_coef_min)
+
+
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
     """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falling linearly to -1 at the maximum.
 
@@ -269,9 +284,12 @@ class PolicyGradientStrategy:
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
         share, coef = self.settings.top_entropy_quantile, self.settings.entropy_coef
+        measured = bool(coef) or self.settings.measure_entropy
         # The policy's entropy per token, once: what picks the tokens trained and what the bonus raises (its gradient
         # kept only for the bonus).
-        entropy = token_entropy(logits if coef else logits.detach(), self.temperature) if share < 1 or coef else None
+        entropy = None
+        if share < 1 or measured:
+            entropy = token_entropy(logits if coef else logits.detach(), self.temperature)
         if share < 1:  # the high-entropy tokens alone carry the loss
             batch = {**batch, "token_keep": high_entropy_tokens(entropy, labels != IGNORE_INDEX, share)}
         if self.spec.vocab:  # the whole vocabulary's log-probs (distill_topk)
@@ -279,10 +297,10 @@ class PolicyGradientStrategy:
         else:
             inputs = token_logprobs(logits, labels, self.temperature)
         total, count, stats = self.spec.fn(inputs, batch, labels != IGNORE_INDEX, self.settings)
-        if coef:  # the bonus: the mean entropy over the tokens the loss trains
+        if measured:  # the bonus: the mean entropy over the tokens the loss trains
             trained = (labels != IGNORE_INDEX).float() * batch.get("token_keep", 1.0)
-            mean_entropy = (entropy * trained).sum() / trained.sum().clamp(min=1)
-            total = total - coef * mean_entropy * count
+            if coef:
+                total = total - coef * (entropy * trained).sum() / trained.sum().clamp(min=1) * count
             stats = {**stats, "entropy_sum": (entropy.detach() * trained).sum(), "entropy_n_sum": trained.sum()}
         self._stats.append({k: v.detach() for k, v in stats.items()})
         return total, count

@@ -362,6 +362,7 @@ PYTORCH_ONLY: dict[str, Callable] = {
     "top_entropy_quantile": lambda rl: rl.top_entropy_quantile < 1,
     "kl_estimator": lambda rl: rl.kl_estimator != "k3",
     "unbiased_kl": lambda rl: rl.unbiased_kl,
+    "entropy_target": lambda rl: rl.entropy_target is not None,
     "reference_sync_steps": lambda rl: rl.reference_sync_steps is not None,
 }
 """rl.<setting> -> whether a run turns it on: what the PyTorch losses apply and the JAX twins do not."""
@@ -403,7 +404,7 @@ def resolve_rl(rl, jax: bool = False):
         raise ConfigError(
             f"rl.two_sided_clip caps the ratio in PPO's clipped surrogate; rl.loss={rl.loss} has none: drop it"
         )
-    if rl.entropy_coef and spec.vocab:
+    if (rl.entropy_coef or rl.entropy_target is not None) and spec.vocab:
         raise ConfigError(
             f"rl.entropy_coef adds the policy's entropy to a policy-gradient loss; rl.loss={rl.loss} takes none: "
             "drop it"
@@ -472,6 +473,7 @@ def loss_settings(rl) -> LossSettings:
         top_entropy_quantile=rl.top_entropy_quantile,
         ratio_cap=rl.two_sided_clip,
         entropy_coef=rl.entropy_coef,
+        measure_entropy=rl.entropy_target is not None,
         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
         vespo_shape=(rl.vespo_k_pos, rl.vespo_lambda_pos, rl.vespo_k_neg, rl.vespo_lambda_neg),
     )

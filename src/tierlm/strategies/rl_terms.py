@@ -28,6 +28,7 @@ class LossSettings:
     top_entropy_quantile: float = 1.0  # the share of a micro-batch's tokens trained, those of highest entropy
     ratio_cap: float | None = None  # INTELLECT-2's two-sided clip: the ratio's cap before PPO's clipped surrogate
     entropy_coef: float = 0.0  # the entropy bonus's weight, on the micro-batch's mean token entropy
+    measure_entropy: bool = False  # the entropy's statistics without a bonus too (adaptive control reads them)
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's gate temperatures for A > 0 and A <= 0
     vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # VESPO's k, lambda for A >= 0, then A < 0
 

@@ -204,7 +204,7 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "aot", "use_weighting": True}, "compares the pairs of a batch"),
         ({"loss_type": ["sigmoid", "aot_unpaired"], "use_weighting": True}, "compares the pairs of a batch"),
         ({"loss_type": ["sigmoid", "dpo"]}, "dpo.loss_type=dpo is not one of"),
-        ({"loss_type": []}, "name a preference loss"),
+        ({"loss_type": []}, "dpo.loss_type is empty: name a preference loss"),
         ({"loss_type": ["sigmoid", "sft"], "discopop_tau": 0.1}, "dpo.discopop_tau is DiscoPOP's"),
         ({"loss_type": ["sft"], "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "kto", "ld_alpha": 0.5}, "dpo.loss_type=kto has no pairs"),

@@ -385,7 +385,7 @@ class DPOConfig(Section):
     @classmethod
     def _some_loss(cls, loss_type):
         if not loss_type:
-            raise ValueError("name a preference loss, or a list of them")
+            raise ValueError("dpo.loss_type is empty: name a preference loss, or a list of them")
         return loss_type
 
 

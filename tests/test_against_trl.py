@@ -93,9 +93,11 @@ def test_preference_losses_equal_trls_dpo_trainer(tiny_tokenizer, tmp_path, loss
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
 
 
-def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path):
-    """The KL rows TRL collates (each prompt with another example's reply) and its labels, through tierlm's
-    KTO: TRL's mean loss over the batch, with the same desirable / undesirable weights."""
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path, loss_type):
+    """The KL rows TRL collates (each prompt with another example's reply; none for apo_zero_unpaired) and its
+    labels, through tierlm's KTO strategy: TRL's mean loss over the batch, with the same desirable / undesirable
+    weights."""
     from trl import KTOConfig, KTOTrainer
 
     hf = tiny_tokenizer.hf
@@ -103,21 +105,25 @@ def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path):
     rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"} for p in PAIRS
             for side in ("chosen", "rejected")]  # fmt: skip
     args = _args(KTOConfig, tmp_path, per_device_train_batch_size=6, beta=0.3, desirable_weight=1.3,
-                 undesirable_weight=0.8, max_length=None)  # fmt: skip
+                 undesirable_weight=0.8, max_length=None, loss_type=loss_type)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = KTOTrainer(policy, reference, args=args, train_dataset=Dataset.from_list(rows), processing_class=hf)
     batch = next(iter(trainer.get_train_dataloader()))
     with torch.no_grad():
         theirs = trainer._compute_loss(trainer.model, dict(batch), return_outputs=False)
-        width = max(batch["input_ids"].shape[1], batch["KL_input_ids"].shape[1])
-        pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
-        ids = torch.cat([pad(batch["input_ids"], hf.pad_token_id), pad(batch["KL_input_ids"], hf.pad_token_id)])
-        mask = torch.cat([pad(batch["completion_mask"], 0), pad(batch["KL_completion_mask"], 0)])
+        if loss_type == "kto":  # its KL rows after the replies
+            width = max(batch["input_ids"].shape[1], batch["KL_input_ids"].shape[1])
+            pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
+            ids = torch.cat([pad(batch["input_ids"], hf.pad_token_id), pad(batch["KL_input_ids"], hf.pad_token_id)])
+            mask = torch.cat([pad(batch["completion_mask"], 0), pad(batch["KL_completion_mask"], 0)])
+        else:
+            assert "KL_input_ids" not in batch
+            ids, mask = batch["input_ids"], batch["completion_mask"]
         ours_batch = _shifted(ids, mask)
         ours_batch["kto_label"] = torch.as_tensor(batch["label"], dtype=torch.float)
         strategy = preference_strategy(
-            DPOConfig(loss_type="kto", beta=0.3, desirable_weight=1.3, undesirable_weight=0.8)
+            DPOConfig(loss_type=loss_type, beta=0.3, desirable_weight=1.3, undesirable_weight=0.8)
         )
         ours_batch["ref_logps"] = strategy.reference_logps(forward_logits(reference, ours_batch), ours_batch)["logps"]
         total, count = strategy.compute_loss(forward_logits(policy, ours_batch), strategy.prepare_batch(ours_batch))

@@ -197,7 +197,8 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "ipo", "simpo_gamma": 1.0}, "does not read it"),
         ({"loss_type": "exo_pair"}, "EXO's epsilon"),
         ({"loss_type": "sigmoid", "label_smoothing": 0.1}, "AOT's smoothing"),
-        ({"loss_type": ["sigmoid", "kto"]}, "combines with no other loss"),
+        ({"loss_type": ["sigmoid", "kto"]}, "combine with no other loss"),
+        ({"loss_type": "apo_zero_unpaired", "use_weighting": True}, "has no pairs: drop them"),
         ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "1 weights for the 2 losses"),
         ({"loss_type": "sigmoid", "loss_weights": [1.0, 0.5]}, "2 weights for the 1 losses"),
         ({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}, "put its weight in dpo.loss_weights"),
@@ -220,7 +221,7 @@ def test_reference_free_losses_load_no_reference(monkeypatch, tiny_runs, tmp_pat
         ({"loss_type": "sigmoid", "discopop_tau": 0.1}, "dpo.discopop_tau is DiscoPOP's"),
         ({"loss_type": "simpo", "reference": "precomputed"}, "uses no reference"),
         ({"loss_type": "robust", "label_smoothing": 0.5}, "less than 0.5"),
-        ({"desirable_weight": 2.0}, "are KTO's"),
+        ({"desirable_weight": 2.0}, "are the unpaired losses'"),
         ({"loss_type": "kto", "reference": "precomputed"}, "computes its reference log-probs"),
     ],
 )
@@ -295,6 +296,28 @@ def test_kto_run_resumes_bit_exact(tiny_runs, tmp_path):
     resume_from_checkpoint(args, out, 2, in_process=True)
     resumed = load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_apo_zero_unpaired_trains_on_the_replies_alone(tiny_runs, tmp_path):
+    """dpo.loss_type=apo_zero_unpaired (TRL's KTOTrainer's other loss): its batches hold the judged replies without
+    KTO's mismatched KL rows, and a run trains and evaluates with a KL estimate of 0."""
+    import json
+
+    from conftest import CHAT, REPO
+    from tierlm.builders.loaders import build_pair_loaders
+    from tierlm.commands.cli import main
+    from tierlm.data.tokenizer import load_tokenizer
+
+    args = ["dpo", "--config", "tiny_dpo", f"model.model_name_or_path={tiny_runs / 'sft'}", *CHAT]
+    args += ["dpo.loss_type=apo_zero_unpaired", "training.eval_steps=1", f"infra.output_dir={tmp_path / 'apo'}"]
+    config = TierlmConfig.load(REPO / "configs/tiny_dpo.yaml", args[3:])
+    train, _ = build_pair_loaders(config, load_tokenizer(tiny_runs / "sft" / "model"))
+    batch = train.next_batch()
+    assert batch["input_ids"].shape[0] == batch["kto_label"].shape[0] == 4  # the replies, no KL rows
+    assert main(args) == 0
+    evals = [r for r in map(json.loads, (tmp_path / "apo" / "metrics.jsonl").read_text().splitlines())
+             if r["type"] == "eval"]  # fmt: skip
+    assert len(evals) >= 2 and all(r["kl"] == 0 for r in evals) and evals[-1]["val_loss"] != evals[0]["val_loss"]
 
 
 @pytest.mark.slow

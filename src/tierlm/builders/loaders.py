@@ -7,6 +7,7 @@ data.streaming), UL2 examples for encoder-decoders, preference pairs for DPO."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -421,7 +422,8 @@ def build_pair_loaders(
         raise ConfigError(
             "DPO reads the pairs of one data.dataset_name into memory: drop data.mixture / data.streaming"
         )
-    kto = not preference_row(config.dpo).paired  # unpaired judged replies
+    row = preference_row(config.dpo)
+    kto = not row.paired  # unpaired judged replies
     trains, vals = open_splits(config, "unpaired" if kto else "preference", tokenizer)
     train, val = (examples.fetch(range(len(examples))) for examples in (trains[0][0], vals[0]))
     what = "replies" if kto else "pairs"
@@ -430,7 +432,7 @@ def build_pair_loaders(
             f"{len(train)} training {what} cannot fill one batch of {tr.per_device_train_batch_size} {what} x "
             f"{world} ranks; lower training.per_device_train_batch_size"
         )
-    loader = UnpairedLoader if kto else PairLoader
+    loader = functools.partial(UnpairedLoader, kl_rows=row.kl_rows) if kto else PairLoader
     return (
         loader(
             train,

@@ -155,9 +155,18 @@ class UnpairedLoader(PairLoader):
     mismatched replies are the batch's own, as the KTO paper asks. Shuffling, sharding over ranks and resuming
     are `PairLoader`'s."""
 
-    def __init__(self, examples: list[UnpairedExample], tokenizer: Tokenizer, batch_size: int, max_len: int, **kw):
-        assert batch_size >= 2, "KTO's KL rows pair each prompt with another example's reply: batch_size >= 2"
-        self.tokenizer, self.rows, self.dropped, self.max_len = tokenizer, [], 0, max_len
+    def __init__(
+        self,
+        examples: list[UnpairedExample],
+        tokenizer: Tokenizer,
+        batch_size: int,
+        max_len: int,
+        kl_rows: bool = True,
+        **kw,
+    ):
+        """`kl_rows`: the batches carry the mismatched rows (KTO's); False: the replies alone (apo_zero_unpaired)."""
+        assert batch_size >= 2 or not kl_rows, "KTO's KL rows pair each prompt with another reply: batch_size >= 2"
+        self.tokenizer, self.rows, self.dropped, self.max_len, self.kl_rows = tokenizer, [], 0, max_len, kl_rows
         for example in examples:
             rendered = tokenizer.render_conversation(example.conversation, train_on="last_assistant")
             if len(rendered[0]) > max_len + 1:
@@ -171,7 +180,7 @@ class UnpairedLoader(PairLoader):
     def _batch(self, picked: list) -> dict[str, torch.Tensor]:
         n = len(picked)
         mismatched = []
-        for i, (conversation, _, _) in enumerate(picked):
+        for i, (conversation, _, _) in enumerate(picked if self.kl_rows else []):
             reply = picked[(i - 1) % n][0][-1]
             ids, mask = self.tokenizer.render_conversation(conversation[:-1] + [reply], train_on="last_assistant")
             mismatched.append((ids[: self.max_len + 1], mask[: self.max_len + 1]))

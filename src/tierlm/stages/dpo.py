@@ -68,8 +68,8 @@ class DPO(Stage):
         row = preference_row(config.dpo)
         if row.reference:
             batch["ref_logps"] = torch.zeros(rows)
-        if not row.paired:  # half the rows are the KL estimate's
-            batch["kto_label"] = torch.ones(rows // 2)
+        if not row.paired:  # one label a reply (KTO: half the rows are the KL estimate's)
+            batch["kto_label"] = torch.ones(rows // 2 if row.kl_rows else rows)
         return batch, preference_strategy(config.dpo).compute_loss
 
     def memory_fixes(self, config: TierlmConfig) -> dict[str, str]:

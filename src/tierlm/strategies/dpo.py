@@ -9,7 +9,7 @@ N judged replies then N mismatched prompt / reply rows for its KL estimate. Refe
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from tierlm.strategies.preference_losses import (
     PREFERENCE_LOSSES,
     PreferenceSettings,
     combined,
+    kto,
     length_desensitised,
     preference_row,
 )
@@ -33,8 +34,8 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 def preference_strategy(dpo, reference=None) -> "DPOStrategy | KTOStrategy":
     """The strategy of a `dpo` section: its losses' rows (pairs, or KTO's unpaired replies) and settings;
     `reference` is the frozen reference model (None: precomputed log-probs, or a reference-free loss)."""
-    if not preference_row(dpo).paired:
-        return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight)
+    if not (row := preference_row(dpo)).paired:
+        return KTOStrategy(dpo.beta, reference, dpo.desirable_weight, dpo.undesirable_weight, row.fn, row.kl_rows)
     gamma = dpo.simpo_gamma if dpo.simpo_gamma is not None else PreferenceSettings.simpo_gamma
     tau = dpo.discopop_tau if dpo.discopop_tau is not None else PreferenceSettings.discopop_tau
     f_divergence = dict(f_divergence=dpo.f_divergence_type, f_alpha=dpo.f_alpha_divergence_coef)
@@ -199,14 +200,23 @@ class DPOStrategy:
 
 
 class KTOStrategy:
-    """KTO (`dpo.loss_type=kto`) for the `Trainer`, on `UnpairedLoader` batches (N replies then N mismatched rows for
-    the KL estimate, `kto_label` 1 for a desirable reply); losses are summed per reply and counted in replies. The
-    mismatched rows run through the policy with the others (their log-probs detached: the estimate is a baseline).
-    Under data parallelism each rank estimates the KL from its own rows (TRL averages the ranks' estimates)."""
+    """KTO (`dpo.loss_type=kto`; or `losses`, another unpaired row's) for the `Trainer`, on `UnpairedLoader` batches
+    (N replies, `kto_label` 1 for a desirable one, then with `kl_rows` N mismatched rows for the KL estimate); losses
+    are summed per reply and counted in replies. The mismatched rows run through the policy with the others (their
+    log-probs detached: the estimate is a baseline). Under data parallelism each rank estimates the KL from its own
+    rows (TRL averages the ranks' estimates)."""
 
-    def __init__(self, beta: float, reference=None, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+    def __init__(
+        self,
+        beta: float,
+        reference=None,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        losses: Callable = kto,
+        kl_rows: bool = True,
+    ):
         assert beta > 0, f"beta must be > 0, got {beta}"
-        self.beta, self.reference = beta, reference
+        self.beta, self.reference, self.losses, self.kl_rows = beta, reference, losses, kl_rows
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
 
     def prepare_batch(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -223,14 +233,11 @@ class KTOStrategy:
     def _terms(self, logits: torch.Tensor, batch: Batch):
         policy = self.reference_logps(logits, batch)["logps"]
         ref = batch["ref_logps"].to(policy.device)
-        n = policy.shape[0] // 2
-        kl = (policy[n:].detach() - ref[n:]).mean().clamp(min=0)
+        n = policy.shape[0] // 2 if self.kl_rows else policy.shape[0]
+        kl = (policy[n:].detach() - ref[n:]).mean().clamp(min=0) if self.kl_rows else policy.new_zeros(())
         ratio, desirable = policy[:n] - ref[:n], batch["kto_label"].to(policy.device) > 0
-        losses = torch.where(
-            desirable,
-            self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratio - kl))),
-            self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratio))),
-        )
+        as_desirable, as_undesirable = self.losses(ratio, kl, self.beta)
+        losses = torch.where(desirable, self.desirable_weight * as_desirable, self.undesirable_weight * as_undesirable)
         return ratio.detach(), desirable, kl, losses
 
     def compute_loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

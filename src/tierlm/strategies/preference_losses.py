@@ -40,6 +40,8 @@ and KTO (Ethayarajh et al., 2024) on unpaired replies judged alone, with r = pi 
 KL estimate (mean pi - ref over mismatched prompt / reply rows, clamped at 0, no gradient; TRL's KTOTrainer's):
 
     kto:             desirable: w_d (1 - sigmoid(beta (r - z)));  undesirable: w_u (1 - sigmoid(beta (z - r)))
+    apo_zero_unpaired (APO-zero unpaired, TRL's KTOTrainer's other loss; no KL estimate, no KL rows):
+                     desirable: w_d (1 - sigmoid(beta r));        undesirable: w_u sigmoid(beta r)
 
 The strategies that train them (the reference's log-probs, the per-token weights, the metrics) are in
 `tierlm.strategies.dpo`.
@@ -251,6 +253,18 @@ def aot_unpaired(chosen, rejected, ref_chosen, ref_rejected, s: PreferenceSettin
     return _smoothed(delta, s), rc, rr
 
 
+def kto(ratio: torch.Tensor, kl: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO's losses of replies whose policy / reference log-ratio is `ratio`, as desirable and as undesirable ones,
+    against the batch's KL estimate `kl` (Ethayarajh et al., 2024, eq. 7)."""
+    return 1 - torch.sigmoid(beta * (ratio - kl)), 1 - torch.sigmoid(beta * (kl - ratio))
+
+
+def apo_zero_unpaired(ratio: torch.Tensor, kl: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """APO-zero's unpaired form (D'Oosterlinck et al., 2024; TRL's KTOTrainer loss_type): a desirable reply's
+    likelihood raised, an undesirable one's lowered, each against the reference alone (`kl` unread)."""
+    return 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio)
+
+
 @dataclass(frozen=True)
 class PreferenceLoss(Variant):
     """One `dpo.loss_type`: its per-pair function and what makes it itself, read by `resolve_dpo`, the strategy
@@ -260,13 +274,16 @@ class PreferenceLoss(Variant):
     about: str
     fn: Callable | None = None
     """(chosen, rejected, ref chosen, ref rejected log-probs (N,), PreferenceSettings, chosen NLL) -> per pair
-    (loss, chosen reward, rejected reward); None: KTO's own strategy (`KTOStrategy`)."""
+    (loss, chosen reward, rejected reward); for unpaired replies (`KTOStrategy`), (log-ratios (N,), KL estimate,
+    beta) -> their (desirable, undesirable) losses."""
     reference: bool = True
     """It compares with a reference model (frozen, or the data's precomputed log-probs); False: none is loaded."""
     averaged: bool = False
     """Its log-probs are averaged over each response's tokens (the others sum them)."""
     paired: bool = True
     """It reads chosen / rejected pairs; False: unpaired judged replies (KTO's), with a KL estimate's rows."""
+    kl_rows: bool = False
+    """Unpaired: its batches carry KTO's mismatched prompt / reply rows, whose log-ratios estimate the KL."""
     whole_batch: bool = False
     """Its per-pair losses read the other pairs of the micro-batch (AOT sorts them, KTO estimates its KL from them):
     pipeline stages, which see pieces of a micro-batch, cannot run it, and WPO cannot weigh it pair by pair."""
@@ -278,7 +295,22 @@ SMOOTHING = (
     "dpo.label_smoothing is robust DPO's assumed flip rate, EXO's epsilon and AOT's smoothing: set dpo.loss_type="
     "robust, exo_pair, aot or aot_unpaired with 0 < dpo.label_smoothing < 0.5, or none of them"
 )
-AOT = dict(whole_batch=True, reads=("label_smoothing",), why={"label_smoothing": SMOOTHING})  # both forms'
+AOT = dict(whole_batch=True, reads=("label_smoothing",), why={"label_smoothing": SMOOTHING})  # both forms
+UNPAIRED = dict(
+    paired=False,
+    whole_batch=True,  # KTOStrategy's losses are not split by rows (and KTO's KL reads every row)
+    fixed={"reference": "frozen", "rpo_alpha": 0.0},
+    reads=("desirable_weight", "undesirable_weight"),
+    why={
+        "reference": "dpo.loss_type={name} computes its reference log-probs: drop dpo.reference",
+        "rpo_alpha": "dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type={name} has no "
+        "pairs: drop it",
+        "desirable_weight": "dpo.desirable_weight / undesirable_weight are the unpaired losses' (kto, "
+        "apo_zero_unpaired); dpo.loss_type={name} does not read them",
+        "undesirable_weight": "dpo.desirable_weight / undesirable_weight are the unpaired losses' (kto, "
+        "apo_zero_unpaired); dpo.loss_type={name} does not read them",
+    },
+)  # the unpaired losses' (kto, apo_zero_unpaired) settings, for `KTOStrategy`
 F_DIVERGENCE = ("f_divergence_type", "f_alpha_divergence_coef")  # f-DPO's settings, read by the losses of h alone
 F_WHY = dict.fromkeys(
     F_DIVERGENCE,
@@ -346,21 +378,11 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
         sft,
         reference=False,
     ),
-    "kto": PreferenceLoss(
-        "KTO (Ethayarajh et al., 2024) on unpaired judged replies",
-        paired=False,
-        whole_batch=True,
-        fixed={"reference": "frozen", "rpo_alpha": 0.0},
-        reads=("desirable_weight", "undesirable_weight"),
-        why={
-            "reference": "dpo.loss_type=kto computes its reference log-probs (and the KL rows'): drop dpo.reference",
-            "rpo_alpha": "dpo.rpo_alpha adds the chosen responses' NLL to a pairwise loss; dpo.loss_type=kto has no "
-            "pairs: drop it",
-            "desirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
-            "read them",
-            "undesirable_weight": "dpo.desirable_weight / undesirable_weight are KTO's; dpo.loss_type={name} does not "
-            "read them",
-        },
+    "kto": PreferenceLoss("KTO (Ethayarajh et al., 2024) on unpaired judged replies", kto, kl_rows=True, **UNPAIRED),
+    "apo_zero_unpaired": PreferenceLoss(
+        "APO-zero's unpaired form (TRL's KTOTrainer), on judged replies without a KL estimate",
+        apo_zero_unpaired,
+        **UNPAIRED,
     ),
 }
 """dpo.loss_type -> what it is: the one place a preference loss is named."""
@@ -434,7 +456,9 @@ def resolve_dpo(dpo, jax: bool = False):
             "infra.backend=pytorch"
         )
     if len(rows) > 1 and not row.paired:
-        raise ConfigError(f"dpo.loss_type={name}: kto trains on unpaired replies and combines with no other loss")
+        raise ConfigError(
+            f"dpo.loss_type={name}: kto and apo_zero_unpaired train on unpaired replies and combine with no other loss"
+        )
     if dpo.loss_weights is not None and len(dpo.loss_weights) != len(rows):
         raise ConfigError(
             f"dpo.loss_weights has {len(dpo.loss_weights)} weights for the {len(rows)} losses of dpo.loss_type="
@@ -444,6 +468,10 @@ def resolve_dpo(dpo, jax: bool = False):
         raise ConfigError(
             "dpo.rpo_alpha is the weight of an added sft loss, and dpo.loss_type already has one: put its weight in "
             "dpo.loss_weights and drop dpo.rpo_alpha"
+        )
+    if not row.paired and (dpo.use_weighting or dpo.loss_weights is not None):
+        raise ConfigError(
+            f"dpo.use_weighting and dpo.loss_weights weigh pairs' losses; dpo.loss_type={name} has no pairs: drop them"
         )
     if dpo.use_weighting and row.whole_batch:
         raise ConfigError(

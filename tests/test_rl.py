@@ -1430,3 +1430,70 @@ def test_adaptive_entropy_control_follows_skywork_or1s_rule_and_resumes_exactly(
     assert all(torch.equal(a[k], b[k]) for k in a)
     never = load_pretrained_model(tmp_path / "target_0.001" / "model").state_dict()  # no bonus in any step
     assert not all(torch.equal(a[k], never[k]) for k in a)  # the applied bonus trained
+
+
+def test_mini_batches_deal_each_pass_into_optimizer_steps():
+    """rl.mini_batches (TRL's steps_per_generation): each pass over the step's rows (rl.ppo_epochs of them) is that
+    many optimizer steps, share k holding rows i with i mod rl.mini_batches = k in micro-batches of
+    rl.micro_batch_size rows; every row trains once a pass, and the scoring's merged values land at their rows."""
+    from tierlm.loops.policy_update import PolicyUpdate, merged
+
+    class Recorder:  # the backend's protocol, recording which rows each forward-backward and step saw
+        def __init__(self):
+            self.calls = []
+
+        def forward_backward(self, batch, fn):
+            self.calls.append(sorted(int(a) for a in batch["advantages"]))
+
+        def optim_step(self):
+            self.calls.append("step")
+            return type("Done", (), {"wait": lambda self: {"loss": 0.0, "lr": 0.0, "grad_norm": 0.0, "skipped": 0}})()
+
+    rl = resolve_rl(RLConfig(loss="grpo", mini_batches=2, ppo_epochs=2, micro_batch_size=2))
+    labels = torch.full((8, 6), IGNORE_INDEX)
+    for row, width in enumerate([6, 2, 5, 3, 6, 4, 2, 5]):
+        labels[row, width - 1] = 1
+    batch = {"input_ids": torch.zeros(8, 6, dtype=torch.long), "labels": labels, "advantages": torch.arange(8.0)}
+    backend = Recorder()
+    update = PolicyUpdate(backend, policy_gradient_strategy(rl), rl, sum_over_ranks=lambda sums: sums)
+    micro = update.micro_batches(batch)
+    assert [mb.share for mb in micro] == [0, 0, 1, 1]
+    for mb in micro:
+        mb["old_logprobs"] = mb["advantages"][:, None].expand(-1, mb["labels"].shape[1])
+    torch.testing.assert_close(merged(micro, "old_logprobs", labels.shape)[:, 0], torch.arange(8.0))
+    update.apply(micro)
+    steps, rows = [], []
+    for call in backend.calls:  # the rows between one optimizer step and the next
+        if call == "step":
+            steps.append(sorted(rows))
+            rows = []
+        else:
+            rows += call
+    assert steps == [[0, 2, 4, 6], [1, 3, 5, 7]] * 2 and not rows  # 2 passes x 2 shares, each row once a pass
+
+
+def test_mini_batches_train_in_one_process_and_under_ddp(tiny_runs, tmp_path, monkeypatch):
+    """`tierlm rl rl.mini_batches=2`: one process and two DDP ranks (each rank's share of the rows dealt in two, DDP
+    synchronising on each optimizer step's last micro-batch) train; a share that does not divide the rows is one
+    line, exit 2."""
+    from conftest import digits_reward, run_main
+    from forked import ranks
+
+    args = [*_tiny_rl(tiny_runs), digits_reward(tmp_path, monkeypatch), "rl.prompts_per_step=4", "rl.group_size=2",
+            "rl.max_new_tokens=4", "rl.micro_batch_size=2"]  # fmt: skip
+    args += ["rl.mini_batches=2", "training.num_train_steps=2"]
+    result = run_main(*args, f"infra.output_dir={tmp_path / 'one'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = ranks("-m", "tierlm", *args, f"infra.output_dir={tmp_path / 'two'}")
+    assert two.returncode == 0, two.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["type"] == "train"] == [1, 2]
+    refused = run_main(*args[:-2], "rl.mini_batches=3", f"infra.output_dir={tmp_path / 'three'}")
+    assert refused.returncode == 2 and "make it a divisor of them" in refused.stderr, refused.stderr
+    from conftest import REPO
+    from tierlm.config import TierlmConfig
+    from tierlm.plan.scaling import optimizer_schedule
+
+    config = TierlmConfig.load(REPO / "configs/tiny_rl.yaml", [*args[4:], "rl.ppo_epochs=3"])
+    schedule = optimizer_schedule(config, world_size=2)  # the LR schedule counts every optimizer step
+    assert (schedule.num_train_steps, schedule.gradient_accumulation_steps) == (2 * 3 * 2, 1)  # 2 of 4 rows a share

@@ -162,6 +162,12 @@ def check_rl_sharing(rl, train_task, world: int) -> None:
     routed, every route taken: `check_routes`)."""
     if rl.prompts_per_step % world:
         raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
+    rows = rl.prompts_per_step // world * rl.group_size
+    if rows % rl.mini_batches:
+        raise ConfigError(
+            f"rl.mini_batches={rl.mini_batches} deals each rank's {rows} rollouts (rl.prompts_per_step / ranks x "
+            "rl.group_size) into equal shares: make it a divisor of them"
+        )
     if rl.partial_rollouts and is_environment(train_task):
         raise ConfigError(
             "rl.partial_rollouts continues a task's completions across steps; an environment's episodes are "

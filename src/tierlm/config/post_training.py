@@ -123,8 +123,13 @@ class RLConfig(Section):
     value_clip_range: float = Field(0.2, gt=0)
     """ppo with a critic: how far the value may move from its value at sampling time in the clipped loss."""
     ppo_epochs: int = Field(1, gt=0)
-    """Optimizer steps per rollout batch; after the first, the clipped ratio against the stored old log-probs
-    applies."""
+    """Passes over each rollout batch (rl.mini_batches optimizer steps each); after the first step, the clipped
+    ratio against the stored old log-probs applies."""
+    mini_batches: int = Field(1, gt=0)
+    """Optimizer steps per pass over a step's rollouts (TRL's steps_per_generation; verl's train batch over its
+    ppo_mini_batch_size): each rank's rows dealt into this many equal shares (row i to share i mod this), one
+    optimizer step each, so every share after the first trains off-policy and PPO's clip bites. The LR schedule counts
+    rl.ppo_epochs x rl.mini_batches optimizer steps per RL step."""
     clip_range: float = Field(0.2, gt=0)
     """PPO/GRPO ratio clip epsilon."""
     kl_coef: float = Field(0.0, ge=0)

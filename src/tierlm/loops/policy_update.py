@@ -62,9 +62,11 @@ def rollout_batch(
 
 
 class MicroBatch(dict):
-    """One micro-batch of a step's rollout batch: its tensors (its `rows` of the batch, cut to its own width)."""
+    """One micro-batch of a step's rollout batch: its tensors (its `rows` of the batch, cut to its own width), in
+    the optimizer step (`share`, of rl.mini_batches) that trains it."""
 
     rows: torch.Tensor
+    share: int = 0
 
 
 def micro_batches(batch: dict[str, torch.Tensor], size: int, by_length: bool, multiple: int = 16) -> list[MicroBatch]:
@@ -146,8 +148,20 @@ class PolicyUpdate:
     critic: Any = None
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[MicroBatch]:
-        """`batch` cut into rl.micro_batch_size rows, grouped by length with rl.group_by_length (`micro_batches`)."""
-        return micro_batches(batch, self.rl.micro_batch_size, self.rl.group_by_length)
+        """`batch` dealt into rl.mini_batches shares (row i to share i mod rl.mini_batches: each a mix of the step's
+        prompts and lengths), each cut into rl.micro_batch_size rows, grouped by length with rl.group_by_length
+        (`micro_batches`)."""
+        k, n = self.rl.mini_batches, batch["labels"].shape[0]
+        if k == 1:
+            return micro_batches(batch, self.rl.micro_batch_size, self.rl.group_by_length)
+        out = []
+        for share in range(k):
+            rows = torch.arange(share, n, k)
+            part = {key: value[rows] for key, value in batch.items()}
+            for mb in micro_batches(part, self.rl.micro_batch_size, self.rl.group_by_length):
+                mb.rows, mb.share = rows[mb.rows], share
+                out.append(mb)
+        return out
 
     def logprobs(self, micro_batch: dict[str, torch.Tensor], routing: dict[str, float] | None = None) -> torch.Tensor:
         """The policy's log-probs of `micro_batch`'s labels now; given the sampler's expert routes, the counts of
@@ -245,19 +259,21 @@ class PolicyUpdate:
             mb["advantages"], mb["returns"] = advantages[mb.rows, :width], returns[mb.rows, :width]
 
     def apply(self, micro: list[MicroBatch]) -> dict[str, float]:
-        """rl.ppo_epochs optimizer steps over the scored `micro` batches (the critic's beside them); the last
-        step's loss, lr, grad_norm and skipped (and value_loss with a critic). The strategy's loss statistics
-        from here on are this step's."""
+        """rl.ppo_epochs passes over the scored `micro` batches, one optimizer step per share of them (rl.mini_batches;
+        the critic's beside them); the last step's loss, lr, grad_norm and skipped (and value_loss with a critic).
+        The strategy's loss statistics from here on are this step's."""
         self.strategy.take_stats()
+        shares = [[mb for mb in micro if mb.share == share] for share in range(self.rl.mini_batches)]
         for _ in range(self.rl.ppo_epochs):
-            for mb in micro:
-                self.backend.forward_backward(
-                    {k: v for k, v in mb.items() if k not in SCORING_ONLY}, self.strategy.compute_loss
-                )
-                if self.critic is not None:
-                    self.critic.accumulate(mb)
-            update = self.backend.optim_step().wait()
-            value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
+            for share in shares:
+                for mb in share:
+                    self.backend.forward_backward(
+                        {k: v for k, v in mb.items() if k not in SCORING_ONLY}, self.strategy.compute_loss
+                    )
+                    if self.critic is not None:
+                        self.critic.accumulate(mb)
+                update = self.backend.optim_step().wait()
+                value_update = self.critic.backend.optim_step().wait() if self.critic is not None else None
         figures = {key: update[key] for key in ("loss", "lr", "grad_norm", "skipped")}
         return {**figures, **({"value_loss": value_update["loss"]} if value_update is not None else {})}
 

@@ -380,14 +380,16 @@ class PromptPasses:
 
 
 def optimizer_schedule(config: TierlmConfig, world_size: int):
-    """The training section as the optimizer sees it: each RL step makes rl.ppo_epochs optimizer steps (the LR
-    schedule counts optimizer steps), each over this rank's rollouts in micro-batches (DDP synchronises on the last)."""
+    """The training section as the optimizer sees it: each RL step makes rl.ppo_epochs x rl.mini_batches optimizer
+    steps (the LR schedule counts optimizer steps), each over a share of this rank's rollouts in micro-batches (DDP
+    synchronises on the last)."""
     tr, rl = config.training, config.rl
-    rows = rl.prompts_per_step // world_size * rl.group_size
+    rows = rl.prompts_per_step // world_size * rl.group_size // rl.mini_batches
+    steps = rl.ppo_epochs * rl.mini_batches
     return tr.model_copy(
         update={
-            "num_train_steps": tr.num_train_steps * rl.ppo_epochs,
-            "warmup_steps": tr.warmup_steps * rl.ppo_epochs,
+            "num_train_steps": tr.num_train_steps * steps,
+            "warmup_steps": tr.warmup_steps * steps,
             "gradient_accumulation_steps": -(-rows // rl.micro_batch_size),
         }
     )

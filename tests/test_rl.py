@@ -1348,6 +1348,16 @@ def test_reward_terms_are_added_to_the_task_reward_and_logged_apart(tiny_runs, t
     prompts = {prompt for prompt, _, _ in shaping.SEEN}
     assert len(shaping.SEEN) >= 2 * 2 * len(train) and all(isinstance(p, str) and p for p in prompts)
     assert any(r.get("pass@1") is not None for r in records)
+    import importlib
+    import sys
+
+    from conftest import run_main
+
+    (tmp_path / "shaping.py").unlink()  # `tierlm eval` of the run counts the task's answers: the terms need not import
+    monkeypatch.delitem(sys.modules, "shaping")
+    importlib.invalidate_caches()
+    result = run_main("eval", "--checkpoint", tmp_path / "run")
+    assert result.returncode == 0 and "pass@1" in result.stdout, result.stderr
 
 
 @pytest.mark.parametrize(

@@ -37,8 +37,9 @@ def open_task(spec: str, split: str, count: int, seed: int) -> Task | Environmen
     return ExamplesTask(open_examples(spec, SourceOptions(split=split, kind="task", synthetic_count=count, seed=seed)))
 
 
-def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environment]:
-    """(train, eval) tasks of an RL run or a pass@k evaluation."""
+def open_tasks(config: TierlmConfig, training: bool = True) -> tuple[Task | Environment, Task | Environment]:
+    """(train, eval) tasks of an RL run or, `training` False, a pass@k evaluation (which counts the task's own
+    answers: rl.reward_terms' functions are not tried, nor need they import)."""
     d, tr = config.data, config.training
     if d.mixture or d.streaming:
         raise ConfigError(
@@ -68,7 +69,7 @@ def open_tasks(config: TierlmConfig) -> tuple[Task | Environment, Task | Environ
     reward = task_reward(config.rl, train.fetch([0])[0].format if len(train) else "number")
     if ":" in config.rl.reward and len(val):  # the user's function, tried before anything is printed or written
         try_reward(reward, val.fetch([0])[0], config.rl.reward)
-    for spec, (term, _) in reward_terms(config.rl).items():
+    for spec, (term, _) in (reward_terms(config.rl) if training else {}).items():
         if ":" in spec and len(val):
             try_reward(term, val.fetch([0])[0], spec, "rl.reward_terms")
     return ExamplesTask(train, reward), ExamplesTask(val, reward)

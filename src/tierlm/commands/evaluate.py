@@ -38,7 +38,7 @@ def run_eval(config: TierlmConfig, checkpoint: str) -> dict:
         raise ConfigError(f"{checkpoint} has no chat template: pass@k evaluates chat models")
     torch.manual_seed(config.training.seed)
     model = load_pretrained_model(location, device=resolve_device(config.infra.device_type, config.infra.gpu_rank))
-    return held_out_pass_at_k(config, model, tokenizer, open_tasks(config)[1])
+    return held_out_pass_at_k(config, model, tokenizer, open_tasks(config, training=False)[1])
 
 
 def held_out_pass_at_k(config: TierlmConfig, model, tokenizer, eval_task) -> dict:
@@ -114,7 +114,7 @@ def run_chat_core(checkpoint: str, tasks: dict[str, str], limit: float | None, d
     for name, source in tasks.items():
         settings = [f"data.dataset_name={source}", f"data.eval_dataset_name={source}", "rl.eval_temperature=0"]
         config = TierlmConfig.load("tiny_rl", [*settings, "rl.eval_k=1"])  # its evaluation split, whole
-        eval_task = open_tasks(config)[1]
+        eval_task = open_tasks(config, training=False)[1]
         n = len(eval_task) if limit is None else min(int(limit), len(eval_task))
         config.rl.eval_problems = n
         chance = sum(chance_level(eval_task.example(i)) for i in range(n)) / max(n, 1)

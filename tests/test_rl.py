@@ -29,7 +29,7 @@ from tierlm.rollout.text import answer_text
 from tierlm.rollout.together import like_lengths
 from tierlm.rollout.tools import Calculator
 from tierlm.strategies.dpo import DPOStrategy
-from tierlm.strategies.preference_losses import dpo_loss
+from tierlm.strategies.preference_losses import PREFERENCE_LOSSES, PreferenceSettings
 from tierlm.strategies.rl import (
     ReinforceStrategy,
     group_advantages,
@@ -666,8 +666,8 @@ def test_dpo_loss_against_the_formula(tiny_gpt_config):
     ]
     assert count == 2
     assert total.item() == pytest.approx(sum(expected), rel=1e-5)
-    loss, chosen, rejected = dpo_loss(
-        torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), 0.1
+    loss, chosen, rejected = PREFERENCE_LOSSES["sigmoid"].fn(
+        torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([-1.0]), PreferenceSettings(0.1)
     )
     assert loss.item() == pytest.approx(math.log(2))
 

@@ -77,25 +77,6 @@ def length_desensitised(labels: torch.Tensor, alpha: float) -> torch.Tensor:
     return torch.where(order <= shared, 1.0, alpha) * trained
 
 
-def dpo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    beta: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair (loss, chosen reward, rejected reward); rewards are beta * (policy - reference).
-
-    >>> loss, c, r = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]),
-    ...     beta=0.5)
-    >>> round(loss.item(), 4), c.item(), r.item()   # -log sigmoid(0.5 * (1 - (-1)))
-    (0.3133, 0.5, -0.5)
-    """
-    chosen_rewards = beta * (policy_chosen - ref_chosen)
-    rejected_rewards = beta * (policy_rejected - ref_rejected)
-    return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
-
-
 @dataclass(frozen=True)
 class PreferenceSettings:
     """What a preference loss reads from the dpo section."""

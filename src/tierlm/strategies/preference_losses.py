@@ -23,10 +23,6 @@ and, as TRL's DPOTrainer computes them, with the log-ratios l_c = pi_c - ref_c, 
                      over the micro-batch's pairs (quantile by quantile); aot_unpaired: d = sort(l_c) - sort(l_r)
     sft:             the chosen responses' token-mean NLL over the micro-batch (RPO's and MPO's generation term)
 
-A list of them in dpo.loss_type trains them added, each times its dpo.loss_weights weight (TRL's lists: MPO is
-[sigmoid, bco_pair, sft] with [0.8, 0.2, 1.0]); WPO (dpo.use_weighting) multiplies each pair's loss by its two
-responses' off-policy weights (`tierlm.strategies.dpo.wpo_weights`).
-
 and f-DPO (Wang et al., 2023; TRL's f_divergence_type) beside sigmoid, hinge, robust, exo_pair and discopop: h =
 f'(u_c) - f'(u_r) of the policy / reference ratios u = e^l, f' of `dpo.f_divergence_type` (`F_DIVERGENCES`: the
 reverse KL's log u is plain DPO's h);
@@ -42,6 +38,10 @@ KL estimate (mean pi - ref over mismatched prompt / reply rows, clamped at 0, no
     kto:             desirable: w_d (1 - sigmoid(beta (r - z)));  undesirable: w_u (1 - sigmoid(beta (z - r)))
     apo_zero_unpaired (APO-zero unpaired, TRL's KTOTrainer's other loss; no KL estimate, no KL rows):
                      desirable: w_d (1 - sigmoid(beta r));        undesirable: w_u sigmoid(beta r)
+
+A list of the paired ones in dpo.loss_type trains them added, each times its dpo.loss_weights weight (TRL's lists:
+MPO is [sigmoid, bco_pair, sft] with [0.8, 0.2, 1.0]); WPO (dpo.use_weighting) multiplies each pair's loss by its two
+responses' off-policy weights (`tierlm.strategies.dpo.wpo_weights`).
 
 The strategies that train them (the reference's log-probs, the per-token weights, the metrics) are in
 `tierlm.strategies.dpo`.
@@ -413,29 +413,10 @@ def preference_row(dpo) -> PreferenceLoss:
     return combined([PREFERENCE_LOSSES[name] for name in loss_names(dpo)])
 
 
-def resolve_dpo(dpo, jax: bool = False):
-    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it; on the JAX backend,
-    what its twin lacks), TR-DPO's alpha filled in. Done once, when a run's config is resolved.
-
-    >>> from tierlm.config import DPOConfig
-    >>> resolve_dpo(DPOConfig(loss_type="simpo", simpo_gamma=1.0)).simpo_gamma
-    1.0
-    >>> resolve_dpo(DPOConfig(reference_sync_steps=64)).reference_mixup_alpha
-    0.6
-    >>> resolve_dpo(DPOConfig(loss_type="simpo", reference="precomputed"))
-    Traceback (most recent call last):
-    tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
-    """
-    rows, name = check_variants(dpo, "loss_type", PREFERENCE_LOSSES, "dpo"), loss_name(dpo)
+def _check_weighing(dpo, rows: list[PreferenceLoss], name: str) -> None:
+    """What weighs the losses of `rows` (dpo.loss_type's): dpo.loss_weights one per loss, RPO's weight or an sft row
+    (not both), WPO's per-pair weights only for losses of pairs that stand alone."""
     row = combined(rows)
-    if jax:
-        refuse_on_jax(dpo, "dpo", PYTORCH_ONLY, "the PyTorch strategy")
-    if jax and not (row.jax and len(rows) == 1):
-        twins = [name for name, other in PREFERENCE_LOSSES.items() if other.jax]
-        raise ConfigError(
-            f"the JAX backend trains dpo.loss_type={' / '.join(twins)} alone; dpo.loss_type={name} needs "
-            "infra.backend=pytorch"
-        )
     if len(rows) > 1 and not row.paired:
         raise ConfigError(
             f"dpo.loss_type={name}: kto and apo_zero_unpaired train on unpaired replies and combine with no other loss"
@@ -459,6 +440,32 @@ def resolve_dpo(dpo, jax: bool = False):
             f"dpo.use_weighting (WPO) weighs each pair's loss, and dpo.loss_type={name} compares the pairs of a "
             "batch with each other: drop one of them"
         )
+
+
+def resolve_dpo(dpo, jax: bool = False):
+    """The `dpo` section, checked against its loss's row (a ConfigError names what contradicts it; on the JAX backend,
+    what its twin lacks), TR-DPO's alpha filled in. Done once, when a run's config is resolved.
+
+    >>> from tierlm.config import DPOConfig
+    >>> resolve_dpo(DPOConfig(loss_type="simpo", simpo_gamma=1.0)).simpo_gamma
+    1.0
+    >>> resolve_dpo(DPOConfig(reference_sync_steps=64)).reference_mixup_alpha
+    0.6
+    >>> resolve_dpo(DPOConfig(loss_type="simpo", reference="precomputed"))
+    Traceback (most recent call last):
+    tierlm.errors.ConfigError: dpo.loss_type=simpo uses no reference: drop dpo.reference=precomputed
+    """
+    rows, name = check_variants(dpo, "loss_type", PREFERENCE_LOSSES, "dpo"), loss_name(dpo)
+    row = combined(rows)
+    if jax:
+        refuse_on_jax(dpo, "dpo", PYTORCH_ONLY, "the PyTorch strategy")
+    if jax and not (row.jax and len(rows) == 1):
+        twins = [twin for twin, other in PREFERENCE_LOSSES.items() if other.jax]
+        raise ConfigError(
+            f"the JAX backend trains dpo.loss_type={' / '.join(twins)} alone; dpo.loss_type={name} needs "
+            "infra.backend=pytorch"
+        )
+    _check_weighing(dpo, rows, name)
     if not row.reference and dpo.reference == "precomputed":
         raise ConfigError(f"dpo.loss_type={name} uses no reference: drop dpo.reference=precomputed")
     if dpo.ld_alpha is not None and not (row.paired and row.reference):

@@ -118,7 +118,8 @@ def reward_terms(rl: RLConfig) -> dict[str, tuple]:
             raise ConfigError(
                 f"rl.reward_terms names {spec!r}: give number, math, choice, code or a module:function of yours"
             )
-        terms[spec] = (user_reward(spec, "rl.reward_terms") if ":" in spec else format_reward(spec), weight)
+        reward = user_reward(spec, "rl.reward_terms") if ":" in spec else format_reward(spec, rl.sandbox_workers)
+        terms[spec] = (reward, weight)
     return terms
 
 

@@ -49,7 +49,7 @@ from tierlm.strategies.rl import (
     decoupled_rewards,
     overlong_penalty,
 )
-from tierlm.tasks import Environment, Task
+from tierlm.tasks import Environment, Task, reward_values
 
 
 @dataclass
@@ -186,9 +186,8 @@ class RLTrainer:
                 r.score, r.reward = value, r.reward + self.rl.reward_model_weight * value
         items = [(e.prompt, r.text, e.reference) for e, group in zip(examples, groups) for r in group]
         for spec, (function, weight) in (self.reward_terms or {}).items():
-            for r, item in zip(rollouts, items):
-                r.terms[spec] = value = function(*item)
-                r.reward += weight * value
+            for r, value in zip(rollouts, reward_values(function, items)):  # code: the batch in the sandbox's pool
+                r.terms[spec], r.reward = value, r.reward + weight * value
         return groups
 
     def _with_signal(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:

@@ -19,7 +19,16 @@ from __future__ import annotations
 from tierlm.errors import DataError
 from tierlm.tasks.answers import exact_number_reward, extract_answer, extract_final_number
 from tierlm.tasks.arithmetic import ArithmeticChain, ArithmeticTask, Problem, SumChainTask
-from tierlm.tasks.base import Environment, ExamplesTask, RewardFn, SingleTurn, Task, TaskExample, is_environment
+from tierlm.tasks.base import (
+    Environment,
+    ExamplesTask,
+    RewardFn,
+    SingleTurn,
+    Task,
+    TaskExample,
+    is_environment,
+    reward_values,
+)
 from tierlm.tasks.spelling import SpellingTask
 
 SYNTHETIC: dict[str, type] = {
@@ -71,6 +80,7 @@ __all__ = [
     "extract_answer",
     "extract_final_number",
     "is_environment",
+    "reward_values",
     "synthetic_generator",
     "synthetic_name",
     "synthetic_task",

@@ -104,8 +104,18 @@ class ExamplesTask:
 
     def rewards(self, items: list[tuple[str, str, Any]]) -> list[float]:
         """The rewards of (prompt, completion, reference) items, at once where the reward can."""
-        many = getattr(self._reward, "many", None)
-        return many(items) if many is not None else [self._reward(*item) for item in items]
+        return reward_values(self._reward, items)
+
+
+def reward_values(reward: RewardFn, items: list[tuple[str, str, Any]]) -> list[float]:
+    """`reward` of each (prompt, completion, reference) item, in one call where it scores batches (a `many(items)`
+    method: code run in the sandbox's pool).
+
+    >>> reward_values(exact_number_reward, [("", "it is 4", 4.0), ("", "5", 4.0)])
+    [1.0, 0.0]
+    """
+    many = getattr(reward, "many", None)
+    return many(items) if many is not None else [reward(*item) for item in items]
 
 
 class SingleTurn:

@@ -260,13 +260,7 @@ class RLTrainer:
         update = self.update.apply(micro)
         t3 = time.perf_counter()
         totals = self._step_totals(step, groups, rollouts, rewards, shaping)
-        entropy_control = {}
-        if coef is not None:  # the next step's coefficient, from this step's entropy over every rank
-            entropy_control["entropy_coef"] = self.strategy.settings.entropy_coef  # this step's bonus
-            self.state.last_entropy = totals["loss_entropy_sum"] / max(totals["loss_entropy_n_sum"], 1.0)
-            self.state.entropy_coef = entropy_control["entropy_coef_next"] = adapted_entropy_coef(
-                coef, self.state.last_entropy, rl
-            )
+        entropy_control = self._adapt_entropy(coef, totals) if coef is not None else {}
         n, tokens = totals["rows"], totals["tokens"]
         self.state.rollout_tokens += int(tokens)
         reward_mean = totals["reward"] / n
@@ -294,6 +288,14 @@ class RLTrainer:
             **reward_term_figures(totals),
             **entropy_control,
         }
+
+    def _adapt_entropy(self, coef: float, totals: dict[str, float]) -> dict[str, float]:
+        """rl.entropy_target: the next step's coefficient from `coef` and this step's entropy over every rank (in
+        `totals`), kept in the loop's state; the train line's figures (this step's bonus, the next coefficient)."""
+        applied = self.strategy.settings.entropy_coef
+        self.state.last_entropy = totals["loss_entropy_sum"] / max(totals["loss_entropy_n_sum"], 1.0)
+        self.state.entropy_coef = adapted_entropy_coef(coef, self.state.last_entropy, self.rl)
+        return {"entropy_coef": applied, "entropy_coef_next": self.state.entropy_coef}
 
     def _entropy_bonus(self) -> float:
         """rl.entropy_target: the adaptive coefficient (rl.entropy_coef at first), set as this step's entropy bonus

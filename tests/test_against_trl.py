@@ -130,6 +130,79 @@ def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path, loss_type):
     assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
 
 
+LONG_PAIRS = [  # (prompt, chosen, rejected): at 24 inputs (25 tokens) the first two are cut, the third's prompt fills
+    ("What is 2 + 3?", "5", "6 or so, since 2 + 3 is about 6"),  # 14 and 41 tokens
+    ("What is 10 - 4?", "6, since 10 - 4 = 6 and 6 + 4 = 10", "7"),  # 44 and 15
+    ("What is " + " + ".join(["1"] * 12) + "?", "12", "13"),  # a prompt of 42 tokens
+    ("What is 1 + 1?", "2", "3"),  # 14 and 14
+]
+
+
+def _long_pairs(tiny_tokenizer):
+    """LONG_PAIRS as tierlm's pairs, and as the token ids TRL's collators take (prompt, chosen and rejected apart)."""
+    from tierlm.data.preferences import PreferencePair
+
+    def conversation(prompt, reply):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+
+    pairs = [PreferencePair(conversation(p, c), conversation(p, r)) for p, c, r in LONG_PAIRS]
+    examples = []
+    for pair in pairs:
+        (chosen, chosen_mask), (rejected, rejected_mask) = [
+            tiny_tokenizer.render_conversation(side, train_on="last_assistant") for side in (pair.chosen, pair.rejected)
+        ]
+        start = chosen_mask.index(1)  # the reply and its end of turn, to the row's end
+        assert chosen_mask[start:] == [1] * (len(chosen) - start) and chosen[:start] == rejected[:start]
+        examples.append({"prompt_ids": chosen[:start], "chosen_ids": chosen[start:], "rejected_ids": rejected[start:]})
+    return pairs, examples
+
+
+def test_long_pairs_are_cut_and_dropped_as_trls_collators_do(tiny_tokenizer):
+    """data.long_conversations=truncate lays out over-long pairs as TRL's DataCollatorForPreference does with
+    truncation_mode=keep_start and max_length the row's tokens, after its DPOTrainer's filter (a prompt that fills
+    max_length is dropped); the unpaired replies as its DataCollatorForUnpairedPreference with KTOTrainer's filter;
+    drop (what tierlm rm uses) keeps the pairs TRL's RewardTrainer keeps (both sides within max_length)."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    from tierlm.data.preferences import PairLoader, UnpairedExample, UnpairedLoader
+
+    pairs, examples = _long_pairs(tiny_tokenizer)
+    max_len, pad = 24, tiny_tokenizer.pad_id
+
+    def same(ours, theirs):  # the same labels, and the same inputs before each row's last scored token
+        expected = _shifted(theirs["input_ids"], theirs["completion_mask"])
+        assert torch.equal(ours["labels"], expected["labels"])
+        read = (expected["labels"] != IGNORE_INDEX).flip(1).cummax(1).values.flip(1)
+        assert torch.equal(ours["input_ids"][read], expected["input_ids"][read])
+
+    kept = [e for e in examples if len(e["prompt_ids"]) < max_len + 1]  # DPOTrainer's filter under keep_start
+    loader = PairLoader(pairs, tiny_tokenizer, len(kept), max_len, shuffle=False)
+    same(loader.next_batch(), DataCollatorForPreference(pad_token_id=pad, max_length=max_len + 1)(kept))
+    assert loader.stats()["pairs_dropped"] == 1 and loader.stats()["pairs_truncated"] == 2
+
+    fits = [
+        e
+        for e in examples
+        if max(len(e["prompt_ids"]) + len(e[s]) for s in ("chosen_ids", "rejected_ids")) <= max_len + 1
+    ]
+    loader = PairLoader(pairs, tiny_tokenizer, len(fits), max_len, shuffle=False, long_conversations="drop")
+    same(loader.next_batch(), DataCollatorForPreference(pad_token_id=pad)(fits))
+    assert loader.stats()["pairs_dropped"] == 3 and loader.stats()["pairs_truncated"] == 0
+
+    replies = [UnpairedExample(pair.chosen, True) for pair in pairs] + [
+        UnpairedExample(p.rejected, False) for p in pairs
+    ]
+    unpaired = [{"prompt_ids": e["prompt_ids"], "completion_ids": e[side], "label": side == "chosen_ids"}
+                for side in ("chosen_ids", "rejected_ids") for e in kept]  # fmt: skip
+    loader = UnpairedLoader(replies, tiny_tokenizer, len(unpaired), max_len, kl_rows=False, shuffle=False)
+    theirs = DataCollatorForUnpairedPreference(pad_token_id=pad, max_length=max_len + 1)(unpaired)
+    ours = loader.next_batch()
+    same(ours, theirs)
+    assert ours["kto_label"].tolist() == [float(e["label"]) for e in unpaired]
+    assert loader.stats()["examples_dropped"] == 2 and loader.stats()["examples_truncated"] == 2
+
+
 def test_reward_model_loss_equals_trls_reward_trainer(tiny_tokenizer, tmp_path):
     """tierlm's reward model (a causal LM with a scalar head) saved as Qwen3ForSequenceClassification: TRL's
     RewardTrainer on that folder and tierlm's Bradley–Terry strategy on the tierlm model give one loss (margins and

@@ -807,6 +807,20 @@ CASES = [
         write("p.jsonl", (json.dumps({"prompt": "w " * 300, "chosen": "a", "rejected": "b"}) + "\n") * 40),
     ),
     Case(
+        "rm-replies-longer-than-context",  # DPO would keep their first tokens; a reward model drops such pairs
+        [
+            "rm",
+            "--config",
+            cfg("configs/tiny_rm.yaml"),
+            *CHAT,
+            "model.model_name_or_path={sft}",
+            "data.dataset_name=p.jsonl",
+            "data.max_seq_length=32",
+        ],  # fmt: skip
+        "fits in",
+        write("p.jsonl", (json.dumps({"prompt": "1 + 1?", "chosen": "2 " * 60, "rejected": "3 " * 60}) + "\n") * 40),
+    ),
+    Case(
         "dpo-streaming",
         ["dpo", "--config", cfg(DPO_CFG), *CHAT, "model.model_name_or_path={sft}", "data.streaming=true"],
         "drop data.mixture / data.streaming",

@@ -469,3 +469,30 @@ def test_pairs_that_carry_reference_logps_for_some_only_are_refused(tiny_tokeniz
     assert whole.unscored() == [0, 1] and "ref_logps" not in whole.pairs([0, 1])
     whole.set_reference({0: (-1.0, -2.0), 1: (-3.0, -4.0)})
     assert whole.unscored() == [] and whole.pairs([1, 0])["ref_logps"].tolist() == [-3.0, -1.0, -4.0, -2.0]
+
+
+def test_dpo_pairs_follow_data_long_conversations_and_precomputed_ones_are_never_cut(tiny_tokenizer, tmp_path):
+    """`tierlm dpo`'s loaders keep an over-long pair's first tokens (data.long_conversations=truncate, the default) or
+    drop it (drop); a pair that would be cut while carrying reference log-probs of its whole replies is refused."""
+    import json
+
+    from tierlm.builders.loaders import build_pair_loaders
+    from tierlm.errors import DataError
+
+    rows = [{"prompt": f"{i} + 1?", "chosen": f"{i + 1} " * (40 if i % 2 else 1), "rejected": "0"} for i in range(20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"dataset_name": str(tmp_path / "p.jsonl"), "max_seq_length": 24, "val_fraction": 0.5}
+    config = TierlmConfig.from_dict({"data": data, "training": {"per_device_train_batch_size": 2}})
+    train, val = build_pair_loaders(config, tiny_tokenizer)
+    assert (len(train), train.truncated, train.dropped) == (10, 5, 0) and val.truncated == 5
+    assert train.next_batch()["input_ids"].shape[1] == 24
+    dropped, _ = build_pair_loaders(config.model_copy(update={"data": config.data.model_copy(
+        update={"long_conversations": "drop"})}), tiny_tokenizer)  # fmt: skip
+    assert (len(dropped), dropped.truncated, dropped.dropped) == (5, 0, 5)
+    kept, _ = build_pair_loaders(config, tiny_tokenizer, long_conversations="drop")  # as tierlm rm asks
+    assert (len(kept), kept.dropped) == (5, 5)
+
+    scored = [{**r, "ref_chosen_logp": -1.0, "ref_rejected_logp": -2.0} for r in rows]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in scored))
+    with pytest.raises(DataError, match="carries ref_chosen_logp / ref_rejected_logp.*data.long_conversations=drop"):
+        build_pair_loaders(config, tiny_tokenizer)

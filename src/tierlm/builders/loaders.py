@@ -411,12 +411,13 @@ def stream_loaders(config: TierlmConfig, tokenizer: Tokenizer, world_size: int) 
 
 
 def build_pair_loaders(
-    config: TierlmConfig, tokenizer: Tokenizer, rank: int = 0, world: int = 1
+    config: TierlmConfig, tokenizer: Tokenizer, rank: int = 0, world: int = 1, long_conversations: str | None = None
 ) -> tuple[PairLoader, PairLoader]:
     """Preference pairs from the data pipeline's one path (any source; data.split / data.eval_split,
     data.eval_dataset_name, or a held-out data.val_fraction tail for evaluation), rendered once; `rank`
     reads its share of `world` (data-parallel) shares of each batch. KTO (dpo.loss_type=kto) reads unpaired
-    replies instead (`UnpairedLoader`)."""
+    replies instead (`UnpairedLoader`). Over-long pairs are truncated or dropped by `long_conversations` (None:
+    data.long_conversations)."""
     d, tr = config.data, config.training
     if d.mixture or d.streaming:
         raise ConfigError(
@@ -433,6 +434,7 @@ def build_pair_loaders(
             f"{world} ranks; lower training.per_device_train_batch_size"
         )
     loader = functools.partial(UnpairedLoader, kl_rows=row.kl_rows) if kto else PairLoader
+    loader = functools.partial(loader, long_conversations=long_conversations or d.long_conversations)
     return (
         loader(
             train,

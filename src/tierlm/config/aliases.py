@@ -36,6 +36,7 @@ OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "torch_compile": ("TRL", ("infra.compile",)),
     "max_length": ("TRL", ("data.max_seq_length",)),
     "max_seq_length": ("TRL", ("data.max_seq_length",)),
+    "truncation_mode": ("TRL", ("data.long_conversations",)),
     "dataset_text_field": ("TRL", ("data.text_column",)),
     "dataset_num_proc": ("TRL", ("data.preprocessing_num_workers",)),
     "assistant_only_loss": ("TRL", ("data.train_on",)),

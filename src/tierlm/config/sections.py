@@ -141,7 +141,11 @@ class DataConfig(Section):
     file whole, not paragraph by paragraph; a token file as it lies), as a plain GPT-2 script does.
     The held-out data.val_fraction is the stream's tail."""
     long_conversations: Literal["truncate", "drop"] = "truncate"
-    """SFT: what happens to a conversation longer than max_seq_length (counted in the metrics either way)."""
+    """SFT, DPO and KTO: what happens to a conversation longer than max_seq_length (counted in the metrics either
+    way): truncate keeps its first tokens (TRL's truncation_mode=keep_start), drop leaves it out. A preference pair or
+    KTO reply whose prompt alone fills the row is dropped (no reply token left to train on), as TRL's DPOTrainer
+    drops it. Reward models (`tierlm rm`) drop every over-long pair (TRL's RewardTrainer): a reward is read at the end
+    of a reply."""
     isolate_documents: bool | None = None
     """Packed documents get their own positions and never attend to each other. None: on for SFT, off for pretraining
     (nanochat)."""

@@ -6,9 +6,15 @@ Pairs come from any source of the data pipeline (`tierlm.data.sources.open_examp
 `synthetic:arithmetic`. The row forms are TRL's (`tierlm.data.rows.row_to_preference`); optional
 "ref_chosen_logp" / "ref_rejected_logp" carry precomputed reference log-probs, and "margin" how much better the
 chosen reply is (read by reward models).
+
+A row longer than the loader's `max_len` inputs is cut to its first tokens (`long_conversations="truncate"`, TRL's
+`truncation_mode="keep_start"`; a pair whose prompt alone fills the row, no reply token left to score, is dropped
+as TRL's DPOTrainer drops it) or dropped (`"drop"`, TRL's RewardTrainer); either is counted.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 import torch
@@ -20,6 +26,33 @@ from tierlm.errors import DataError
 from tierlm.primitives.losses import IGNORE_INDEX
 
 __all__ = ["PairLoader", "PreferencePair", "UnpairedExample", "UnpairedLoader"]
+
+Row = tuple[list[int], list[int]]
+_FILLED = {
+    "truncate": " (data.max_seq_length) with a token of its reply: every prompt fills it",
+    "drop": " (data.max_seq_length)",
+}
+
+
+def _cut(row: Row, max_len: int) -> Row | None:
+    """A rendered (ids, mask) row as its first `max_len` + 1 tokens (`max_len` inputs once shifted), or None when
+    none of the tokens it trains on is left.
+
+    >>> _cut(([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]), 3)
+    ([1, 2, 3, 4], [0, 0, 1, 1])
+    >>> _cut(([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), 2) is None
+    True
+    """
+    ids, mask = row[0][: max_len + 1], row[1][: max_len + 1]
+    return (ids, mask) if any(mask[1:]) else None
+
+
+def _fit(rows: list[Row], max_len: int, long_conversations: str) -> list[Row] | None:
+    """`rows` (a pair's two, or one reply) fitted into `max_len` inputs by the policy; None: the example is dropped."""
+    if max(len(ids) for ids, _ in rows) <= max_len + 1:
+        return rows
+    cut = [_cut(row, max_len) for row in rows] if long_conversations == "truncate" else [None]
+    return None if None in cut else cut
 
 
 def _rows_batch(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -39,7 +72,8 @@ class PairLoader(BatchIterable):
     `world_size` > 1, each rank's share of a global batch (pairs are never split across ranks).
 
     Each row is a whole rendered conversation; labels mark only the final assistant reply (and
-    its end-of-turn token). Pairs longer than `max_len` tokens are dropped and counted.
+    its end-of-turn token). A pair longer than `max_len` tokens is truncated or dropped (`long_conversations`, the
+    module's docstring) and counted.
     """
 
     def __init__(
@@ -52,19 +86,28 @@ class PairLoader(BatchIterable):
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        long_conversations: Literal["truncate", "drop"] = "truncate",
     ):
-        self.rows, self.dropped = [], 0
+        self.rows, self.dropped, self.truncated = [], 0, 0
         for pair in pairs:
-            rendered = [
-                tokenizer.render_conversation(c, train_on="last_assistant") for c in (pair.chosen, pair.rejected)
-            ]
-            if max(len(ids) for ids, _ in rendered) > max_len + 1:
+            whole = [tokenizer.render_conversation(c, train_on="last_assistant") for c in (pair.chosen, pair.rejected)]
+            rendered = _fit(whole, max_len, long_conversations)
+            refs = (pair.ref_chosen_logp, pair.ref_rejected_logp)
+            if rendered is None:
                 self.dropped += 1
                 continue
-            refs = (pair.ref_chosen_logp, pair.ref_rejected_logp)
+            if rendered is not whole:
+                self.truncated += 1
+                if None not in refs:
+                    raise DataError(
+                        f"a preference pair longer than data.max_seq_length ({max_len} tokens) carries "
+                        "ref_chosen_logp / ref_rejected_logp, the log-probs of its whole replies, and would be "
+                        "truncated: raise data.max_seq_length, set data.long_conversations=drop, or leave the columns "
+                        "out (dpo.reference=precomputed then scores the truncated pairs itself)"
+                    )
             self.rows.append((rendered, None if None in refs else refs, pair.margin))
         if not self.rows:
-            raise DataError(f"no preference pair fits in {max_len} tokens")
+            raise DataError(f"no preference pair fits in {max_len} tokens{_FILLED[long_conversations]}: raise it")
         self._setup(batch_size, tokenizer.pad_id, seed, shuffle, rank, world_size)
 
     def _setup(
@@ -124,7 +167,11 @@ class PairLoader(BatchIterable):
         return self.epoch + self.cursor / max(1, len(self.rows))
 
     def stats(self) -> dict[str, float]:
-        return {"pairs_dropped": float(self.dropped), "epoch": self.passes_read()}
+        return {
+            "pairs_dropped": float(self.dropped),
+            "pairs_truncated": float(self.truncated),
+            "epoch": self.passes_read(),
+        }
 
     def unscored(self) -> list[int]:
         """The pairs whose data gave no reference log-probs (refused when some gave them and others not)."""
@@ -162,19 +209,23 @@ class UnpairedLoader(PairLoader):
         batch_size: int,
         max_len: int,
         kl_rows: bool = True,
+        long_conversations: Literal["truncate", "drop"] = "truncate",
         **kw,
     ):
         """`kl_rows`: the batches carry the mismatched rows (KTO's); False: the replies alone (apo_zero_unpaired)."""
         assert batch_size >= 2 or not kl_rows, "KTO's KL rows pair each prompt with another reply: batch_size >= 2"
-        self.tokenizer, self.rows, self.dropped, self.max_len, self.kl_rows = tokenizer, [], 0, max_len, kl_rows
+        self.tokenizer, self.max_len, self.kl_rows = tokenizer, max_len, kl_rows
+        self.rows, self.dropped, self.truncated = [], 0, 0
         for example in examples:
-            rendered = tokenizer.render_conversation(example.conversation, train_on="last_assistant")
-            if len(rendered[0]) > max_len + 1:
+            whole = tokenizer.render_conversation(example.conversation, train_on="last_assistant")
+            rendered = _fit([whole], max_len, long_conversations)
+            if rendered is None:
                 self.dropped += 1
                 continue
-            self.rows.append((example.conversation, rendered, example.label))
+            self.truncated += rendered[0] is not whole
+            self.rows.append((example.conversation, rendered[0], example.label))
         if not self.rows:
-            raise DataError(f"no unpaired example fits in {max_len} tokens")
+            raise DataError(f"no unpaired example fits in {max_len} tokens{_FILLED[long_conversations]}: raise it")
         self._setup(batch_size, tokenizer.pad_id, **kw)
 
     def _batch(self, picked: list) -> dict[str, torch.Tensor]:
@@ -189,4 +240,8 @@ class UnpairedLoader(PairLoader):
         return batch
 
     def stats(self) -> dict[str, float]:
-        return {"examples_dropped": float(self.dropped), "epoch": self.passes_read()}
+        return {
+            "examples_dropped": float(self.dropped),
+            "examples_truncated": float(self.truncated),
+            "epoch": self.passes_read(),
+        }

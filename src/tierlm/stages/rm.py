@@ -48,7 +48,10 @@ class RewardModel(Stage):
         if config.infra.backend != "pytorch":
             raise ConfigError("tierlm rm runs on infra.backend=pytorch")
         model = add_score_head(build_model(config, tokenizer, run.device, run.pretrained), tokenizer.pad_id)
-        train_loader, eval_loader = build_pair_loaders(config, tokenizer, run.data_rank, run.data_parallel_size)
+        # a reward is read at a reply's last token: an over-long pair is dropped whole (TRL's RewardTrainer), never cut
+        train_loader, eval_loader = build_pair_loaders(
+            config, tokenizer, run.data_rank, run.data_parallel_size, long_conversations="drop"
+        )
         config = run.resolve(model, train_loader)
         strategy = RewardStrategy(tokenizer.pad_id, config.rm.center_rewards_coefficient)
         return train_with_trainer(run, model, strategy, train_loader, eval_loader, callbacks or [])

@@ -130,6 +130,35 @@ def test_kto_equals_trls_kto_trainer(tiny_tokenizer, tmp_path, loss_type):
     assert float(total / count) == pytest.approx(float(theirs), rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_losses_equal_trls_sft_trainer(tiny_tokenizer, tmp_path, loss_type):
+    """training.sft_loss's rows against TRL's `SFTTrainer.compute_loss` with its `loss_type` on the batch it collates
+    (prompt-completion rows: the completions are trained), the loss and its gradients; DFT differs from the plain
+    loss."""
+    from trl import SFTConfig, SFTTrainer
+
+    from tierlm.strategies.sft import SFT_LOSSES
+
+    hf = tiny_tokenizer.hf
+    model = _model(hf, 0)
+    rows = [{"prompt": p["prompt"], "completion": p["chosen"]} for p in PAIRS]
+    args = _args(SFTConfig, tmp_path, loss_type=loss_type, max_length=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = SFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows), processing_class=hf)
+    batch = next(iter(trainer.get_train_dataloader()))
+    ours = {"input_ids": batch["input_ids"][:, :-1], "labels": batch["labels"][:, 1:]}
+    theirs = trainer.compute_loss(trainer.model, dict(batch))
+    their_grads = torch.autograd.grad(theirs, list(model.parameters()))
+    logits = forward_logits(model, ours)
+    mean = {name: torch.div(*row().compute_loss(logits, ours)) for name, row in SFT_LOSSES.items()}
+    assert (ours["labels"] != IGNORE_INDEX).sum() > 6
+    assert float(mean[loss_type]) == pytest.approx(float(theirs), rel=1e-5, abs=1e-7)
+    for mine, their in zip(torch.autograd.grad(mean[loss_type], list(model.parameters())), their_grads, strict=True):
+        torch.testing.assert_close(mine, their, rtol=1e-4, atol=1e-7)
+    assert float(mean["dft"]) < 0.5 * float(mean["nll"])  # each token weighed by its probability, here well below 1/2
+
+
 LONG_PAIRS = [  # (prompt, chosen, rejected): at 24 inputs (25 tokens) the first two are cut, the third's prompt fills
     ("What is 2 + 3?", "5", "6 or so, since 2 + 3 is about 6"),  # 14 and 41 tokens
     ("What is 10 - 4?", "6, since 10 - 4 = 6 and 6 + 4 = 10", "7"),  # 44 and 15

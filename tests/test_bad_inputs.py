@@ -1776,6 +1776,16 @@ CASES = [
     ),
     Case("neftune-not-positive", ["config", "show", "training.neftune_noise_alpha=0"], "must be > 0"),
     Case(
+        "sft-loss-unknown",
+        ["sft", "--config", cfg(SFT_CFG), *CHAT, "model.model_name_or_path={pre}", "training.sft_loss=focal"],
+        "training.sft_loss=focal is not one of nll, dft",
+    ),
+    Case(
+        "sft-loss-in-pretraining",
+        ["pretrain", "--config", cfg(PRE), *TINY, "training.sft_loss=dft"],
+        "training.sft_loss is supervised fine-tuning's loss; pretrain does not take it",
+    ),
+    Case(
         "core-steps-negative",
         ["pretrain", "--config", "tiny_pretrain", *TINY, "training.core_steps=-1"],
         "core_steps",

@@ -403,9 +403,11 @@ def test_speedrun_writes_a_report_card_and_resumes(tmp_path):
     assert wrong.returncode == 2 and "depth-1 speedrun" in wrong.stderr
 
 
-def test_sft_with_neftune_trains_on_noisy_embeddings_and_evaluates_without(tiny_runs, tmp_path):
+def test_sft_with_neftune_or_dft_trains_on_noisy_embeddings_and_evaluates_without(tiny_runs, tmp_path):
     """training.neftune_noise_alpha changes what a training step sees (its first loss), not what evaluation sees (the
-    evaluation before the first step); without it two runs are equal, so the difference is the noise's."""
+    evaluation before the first step); without it two runs are equal, so the difference is the noise's.
+    training.sft_loss=dft trains Dynamic Fine-Tuning's loss (each token's cross-entropy times its probability, below
+    the plain loss) and evaluates the plain cross-entropy."""
     from conftest import CHAT
 
     def sft(name: str, *extra: str) -> list[dict]:
@@ -424,6 +426,9 @@ def test_sft_with_neftune_trains_on_noisy_embeddings_and_evaluates_without(tiny_
     assert first(noisy, "train", "loss") != first(plain, "train", "loss")
     assert first(noisy, "eval", "val_loss") == first(plain, "eval", "val_loss")
     assert first(plain, "eval", "step") == 0
+    dft = sft("dft", "training.sft_loss=dft")
+    assert 0 < first(dft, "train", "loss") < 0.9 * first(plain, "train", "loss")
+    assert first(dft, "eval", "val_loss") == first(plain, "eval", "val_loss")
 
 
 def test_profile_steps_trace_the_named_steps(tiny_runs, tmp_path, capsys):

@@ -383,6 +383,31 @@ def test_the_policy_gradient_losses_have_jax_twins(loss):
     )
 
 
+def test_dft_has_a_jax_twin():
+    """training.sft_loss=dft in jax.numpy equals PyTorch's, the loss and its gradient by the logits (the weight out of
+    both gradients), loss_mask included."""
+    import jax
+
+    from tierlm.primitives.jax_losses import jax_twin
+    from tierlm.strategies.sft import DFTStrategy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 6, generator=g)
+    labels = torch.randint(0, 6, (2, 4), generator=g)
+    labels[0, :2] = -100
+    batch = {"labels": labels, "loss_mask": torch.tensor([[1.0, 1.0, 0.5, 1.0], [1.0, 0.0, 1.0, 2.0]])}
+    strategy = DFTStrategy()
+    leaf = logits.clone().requires_grad_(True)
+    total, count = strategy.compute_loss(leaf, batch)
+    total.backward()
+    twin, jax_batch = jax_twin(strategy.compute_loss), {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
+    (jax_total, jax_count), grad = jax.value_and_grad(lambda x: twin(x, jax_batch), has_aux=True)(
+        jnp.asarray(logits.numpy())
+    )
+    assert float(jax_count) == float(count) and abs(float(jax_total) - float(total)) < 1e-6, (jax_total, total)
+    np.testing.assert_allclose(np.asarray(grad), leaf.grad.numpy(), atol=1e-6)
+
+
 @pytest.mark.slow
 def test_tierlm_rl_with_the_jax_backend_takes_the_pytorch_steps(tiny_runs, tmp_path, monkeypatch):
     """`tierlm rl infra.backend=jax` (GRPO, a KL reference): the rollouts (the sampler reads JAX's weights after each

@@ -55,8 +55,9 @@ class Stage:
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
     measures_core = True
     """training.core_bundle can measure CORE during its training (the `Trainer`'s loop, a model that writes text)."""
-    noisy_embeddings = False
-    """It trains with NEFTune's noisy embeddings when training.neftune_noise_alpha asks (SFT)."""
+    supervised = False
+    """It is supervised fine-tuning: it trains with training.sft_loss, and with NEFTune's noisy embeddings when
+    training.neftune_noise_alpha asks."""
     deepspeed = False
     """It trains under infra.distributed_type=deepspeed (one model, forward_backward and optim_step: no frozen
     reference or sampler beside the partitioned weights)."""
@@ -111,6 +112,10 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
         _check_core(config, stage)
     if config.training.neftune_noise_alpha is not None:
         _check_neftune(config, stage)
+    if config.training.sft_loss != type(config.training).model_fields["sft_loss"].default and not stage.supervised:
+        from tierlm.errors import ConfigError
+
+        raise ConfigError(f"training.sft_loss is supervised fine-tuning's loss; {stage.name} does not take it: drop it")
     if config.training.profile_steps is not None and config.infra.backend == "jax":
         from tierlm.errors import ConfigError
 
@@ -168,7 +173,7 @@ def _check_neftune(config: TierlmConfig, stage: Stage) -> None:
     """training.neftune_noise_alpha where the noise can be added: one line (a ConfigError) otherwise."""
     from tierlm.errors import ConfigError
 
-    if not stage.noisy_embeddings:
+    if not stage.supervised:
         raise ConfigError(
             f"training.neftune_noise_alpha noises the embeddings of supervised fine-tuning; {stage.name} does not "
             "take it: drop it"

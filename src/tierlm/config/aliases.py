@@ -42,7 +42,7 @@ OTHER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "assistant_only_loss": ("TRL", ("data.train_on",)),
     "completion_only_loss": ("TRL", ("data.train_on",)),
     "beta": ("TRL", ("dpo.beta", "rl.kl_coef")),
-    "loss_type": ("TRL", ("dpo.loss_type", "rl.loss")),
+    "loss_type": ("TRL", ("dpo.loss_type", "rl.loss", "training.sft_loss")),
     "num_generations": ("TRL", ("rl.group_size",)),
     "max_completion_length": ("TRL", ("rl.max_new_tokens",)),
     "num_iterations": ("TRL", ("rl.ppo_epochs",)),

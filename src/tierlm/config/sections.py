@@ -295,6 +295,10 @@ class TrainingConfig(Section):
     neftune_noise_alpha: float | None = Field(None, gt=0)
     """SFT: NEFTune's noise on the token embeddings while training (`tierlm.models.neftune`; TRL's name, and its
     value: the paper tries 5, 10 and 15); null: none."""
+    sft_loss: str = "nll"
+    """SFT: the loss, a row of `tierlm.strategies.sft.SFT_LOSSES` (TRL's SFTConfig loss_type): nll, the tokens'
+    cross-entropy; dft, Dynamic Fine-Tuning (Wu et al., 2025): each token's cross-entropy weighed by its probability
+    under the model, without gradient through the weight (it reads the logits: no fused LM head)."""
     fused_cross_entropy: bool = True
     """Cross-entropy stages: the LM head fused into the loss, a chunk of rows at a time (trained rows
     only on CPU), so the (B, T, V) logits never exist. The native GPT, and transformers models with a

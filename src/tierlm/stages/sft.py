@@ -13,9 +13,10 @@ import torch
 
 from tierlm.builders.stage import Stage
 from tierlm.config import TierlmConfig
+from tierlm.errors import ConfigError
 from tierlm.run import Run
 from tierlm.stages.pretrain import train_on_rows
-from tierlm.strategies import SFTStrategy
+from tierlm.strategies.sft import SFT_LOSSES
 
 
 class SFT(Stage):
@@ -25,12 +26,20 @@ class SFT(Stage):
     chat = True
     packing = "pad"
     isolate_documents = True
-    noisy_embeddings = True
+    supervised = True
 
     def trace_batch(self, config: TierlmConfig, rows: int, tokens: int):
         batch, loss = super().trace_batch(config, rows, tokens)
         batch["position_ids"] = torch.arange(tokens).expand(rows, tokens).contiguous()  # packed conversations
-        return batch, loss
+        strategy = SFT_LOSSES[config.training.sft_loss]()
+        return batch, strategy.compute_loss  # the planner fuses the LM head where the loss allows it
+
+    def resolve_section(self, config: TierlmConfig) -> TierlmConfig:
+        if config.training.sft_loss not in SFT_LOSSES:
+            raise ConfigError(
+                f"training.sft_loss={config.training.sft_loss} is not one of {', '.join(SFT_LOSSES)}: pick one of them"
+            )
+        return config
 
     def run(self, run: Run, callbacks: list | None = None) -> dict:
-        return train_on_rows(run, SFTStrategy, callbacks or [])
+        return train_on_rows(run, SFT_LOSSES[run.config.training.sft_loss], callbacks or [])

@@ -298,7 +298,9 @@ class TrainingConfig(Section):
     sft_loss: str = "nll"
     """SFT: the loss, a row of `tierlm.strategies.sft.SFT_LOSSES` (TRL's SFTConfig loss_type): nll, the tokens'
     cross-entropy; dft, Dynamic Fine-Tuning (Wu et al., 2025): each token's cross-entropy weighed by its probability
-    under the model, without gradient through the weight (it reads the logits: no fused LM head)."""
+    under the model, without gradient through the weight (it reads the logits: no fused LM head). DFT learns nothing
+    of tokens the model gives almost no probability: start it from a model that already writes the data's format
+    (docs/configuration.md has both cases measured)."""
     fused_cross_entropy: bool = True
     """Cross-entropy stages: the LM head fused into the loss, a chunk of rows at a time (trained rows
     only on CPU), so the (B, T, V) logits never exist. The native GPT, and transformers models with a

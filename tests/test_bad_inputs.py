@@ -1035,6 +1035,26 @@ CASES = [
         "shape VESPO's sequence weights: set rl.loss=vespo",
     ),
     Case(
+        "rl-kl-in-reward-without-kl",
+        ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.kl_in_reward=true"],
+        "rl.kl_in_reward moves the KL penalty into each completion's reward; with rl.kl_coef=0 there is none",
+    ),
+    Case(
+        "rl-kl-in-reward-with-a-critic",
+        [
+            "rl",
+            "--config",
+            cfg(RL_CFG),
+            *RL,
+            "model.model_name_or_path={sft}",
+            "rl.kl_in_reward=true",
+            "rl.kl_coef=0.1",
+            "rl.loss=ppo",
+            "rl.critic=true",
+        ],  # fmt: skip
+        "rl.loss=ppo's advantages are not the rewards'",
+    ),
+    Case(
         "rl-off-policy-mask-negative",
         ["rl", "--config", cfg(RL_CFG), *RL, "model.model_name_or_path={sft}", "rl.off_policy_mask=-1"],
         "off_policy_mask",

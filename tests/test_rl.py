@@ -1482,6 +1482,80 @@ def test_mini_batches_deal_each_pass_into_optimizer_steps():
     assert steps == [[0, 2, 4, 6], [1, 3, 5, 7]] * 2 and not rows  # 2 passes x 2 shares, each row once a pass
 
 
+def test_kl_in_reward_makes_the_advantages_as_trls_rloo_does(tiny_gpt_config):
+    """rl.kl_in_reward with rl.loss=rloo and rl.kl_estimator=k1 (TRL's RLOOTrainer): after scoring, each row's
+    advantage is its reward less beta x its summed log-ratio to the reference, against the leave-one-out mean of
+    its group's others, TRL's formula written out on the policy's and reference's own log-probs; the loss itself
+    then carries no KL term. Without rl.kl_in_reward scoring leaves the advantages as they were."""
+    from tierlm.loops.policy_update import PolicyUpdate
+    from tierlm.strategies.rl_losses import loss_settings
+
+    class Scorer:  # the backend protocol's forward, on a model of its own
+        def __init__(self, seed):
+            torch.manual_seed(seed)
+            self.model = build_gpt(tiny_gpt_config).eval()
+
+        def forward(self, batch, fn):
+            with torch.no_grad():
+                out = fn(forward_logits(self.model, batch), batch)
+            return SimpleNamespace(wait=lambda: out)
+
+    g, beta = torch.Generator().manual_seed(0), 0.3
+    labels = torch.randint(0, 97, (6, 7), generator=g)
+    labels[:, :3] = IGNORE_INDEX  # the prompts
+    labels[1, 5:] = labels[4, 4:] = IGNORE_INDEX  # shorter completions
+    batch = {"input_ids": torch.randint(0, 97, (6, 7), generator=g), "labels": labels, "advantages": torch.zeros(6)}
+    batch["sampler_logprobs"] = torch.zeros(6, 7)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    policy, reference = Scorer(1), Scorer(2)
+
+    def advantages(**settings):
+        rl = resolve_rl(RLConfig(loss="rloo", group_size=3, kl_coef=beta, micro_batch_size=4, **settings))
+        update = PolicyUpdate(policy, policy_gradient_strategy(rl), rl, lambda sums: sums, reference=reference)
+        micro = update.micro_batches({k: v.clone() for k, v in batch.items()})
+        _, figures = update.score(micro, batch, rewards, staleness=0)
+        rows = torch.zeros(6)
+        for mb in micro:
+            rows[mb.rows] = mb["advantages"]
+        return rows, figures, loss_settings(rl).kl_coef
+
+    ours, figures, loss_kl = advantages(kl_in_reward=True, kl_estimator="k1")
+    mask = labels != IGNORE_INDEX
+    with torch.no_grad():
+        old = torch.log_softmax(forward_logits(policy.model, batch).float(), -1)
+        ref = torch.log_softmax(forward_logits(reference.model, batch).float(), -1)
+    picked = lambda logp: logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # noqa: E731
+    kl = ((picked(old) - picked(ref)) * mask).sum(-1)  # TRL's RLOO: k1 summed over the completion
+    grouped = (rewards - beta * kl).view(-1, 3)
+    baselines = (grouped.sum(1, keepdim=True) - grouped) / 2
+    torch.testing.assert_close(ours, (grouped - baselines).view(-1), rtol=1e-5, atol=1e-6)
+    assert figures["kl_reward"] == pytest.approx(float(-beta * kl.mean()), rel=1e-5) and loss_kl == 0.0
+    plain, figures, loss_kl = advantages()
+    assert torch.equal(plain, torch.zeros(6)) and "kl_reward" not in figures and loss_kl == beta
+
+
+def test_kl_in_reward_trains_and_is_refused_where_rows_leave_their_rank(tiny_runs, tmp_path, monkeypatch):
+    """`tierlm rl` with TRL's RLOO settings (rl.kl_in_reward, k1) trains, its train lines carrying the KL reward
+    beside the KL; under torchrun, rl.balance_ranks would deal a group's rows to other ranks before its advantages
+    are made again: refused in one line."""
+    from conftest import digits_reward, run_main
+    from tierlm.builders.tasks import check_rl_sharing
+    from tierlm.errors import ConfigError
+
+    args = [*_tiny_rl(tiny_runs), digits_reward(tmp_path, monkeypatch), "rl.group_size=2", "rl.max_new_tokens=4"]
+    args += ["rl.loss=rloo", "rl.kl_coef=0.1", "rl.kl_in_reward=true", "rl.kl_estimator=k1"]
+    result = run_main(*args, "training.num_train_steps=2", f"infra.output_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r["type"] == "train"]
+    assert len(train) == 2 and all("kl_reward" in r and "kl" in r for r in train)
+    rl = RLConfig(loss="rloo", kl_coef=0.1, kl_in_reward=True, prompts_per_step=4)
+    with pytest.raises(ConfigError, match="set rl.balance_ranks=false"):
+        check_rl_sharing(rl, None, world=2)
+    check_rl_sharing(rl.model_copy(update={"balance_ranks": False}), None, world=2)
+    check_rl_sharing(rl, None, world=1)
+
+
 def test_mini_batches_train_in_one_process_and_under_ddp(tiny_runs, tmp_path, monkeypatch):
     """`tierlm rl rl.mini_batches=2`: one process and two DDP ranks (each rank's share of the rows dealt in two, DDP
     synchronising on each optimizer step's last micro-batch) train; a share that does not divide the rows is one

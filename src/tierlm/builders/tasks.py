@@ -164,6 +164,11 @@ def check_rl_sharing(rl, train_task, world: int) -> None:
     routed, every route taken: `check_routes`)."""
     if rl.prompts_per_step % world:
         raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must be divisible by the {world} ranks")
+    if world > 1 and rl.kl_in_reward and rl.balance_ranks:
+        raise ConfigError(
+            "rl.kl_in_reward makes each group's advantages again after scoring, on the rank that sampled it; "
+            "rl.balance_ranks deals the rows over the ranks first: set rl.balance_ranks=false"
+        )
     rows = rl.prompts_per_step // world * rl.group_size
     if rows % rl.mini_batches:
         raise ConfigError(

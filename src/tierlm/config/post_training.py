@@ -144,6 +144,13 @@ class RLConfig(Section):
     sequence's ratio for gspo and luspo), its gradient kept: DeepSeek-V3.2's unbiased KL estimate (TRL's
     use_bias_correction_kl, on by default there): k3's gradient becomes the reverse KL's own, on-policy too (the
     ratio is 1 there, its gradient adds k3 x grad log p). Needs rl.kl_coef > 0."""
+    kl_in_reward: bool = False
+    """The KL penalty as a reward instead of a loss term (TRL's RLOOTrainer, verl's algorithm.use_kl_in_reward, the
+    RLOO paper's and PPO-RLHF's form): each completion's reward less rl.kl_coef x its rl.kl_estimator estimate summed
+    over its sampled tokens (TRL's RLOO: k1, log p - log ref), taken before the baseline (group, leave-one-out or the
+    step's), so the KL moves the advantages and the loss has no KL term. Needs rl.kl_coef > 0; a loss whose
+    advantages come from rewards (no critic, no teacher); under torchrun, rl.balance_ranks=false (each group whole on
+    its rank)."""
     reference_sync_steps: int | None = Field(None, gt=0)
     """The KL reference follows the policy (TRL's sync_ref_model with ref_model_sync_steps; TR-DPO's update): every
     this many optimizer steps ref <- alpha policy + (1 - alpha) ref (alpha: rl.reference_mixup_alpha); checkpoints

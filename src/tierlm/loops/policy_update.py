@@ -17,6 +17,7 @@ from tierlm.primitives.losses import IGNORE_INDEX
 from tierlm.rollout.engine import Rollout
 from tierlm.strategies.off_policy import importance_mode, importance_weights
 from tierlm.strategies.rl import PolicyGradientStrategy, kl_penalty
+from tierlm.strategies.rl_terms import KL_ESTIMATORS
 
 Sums = Callable[[dict[str, float]], dict[str, float]]
 SCORING_ONLY = ("sampler_logprobs", "teacher_logprobs", "teacher", "sampler_routes")  # read by scoring, not the loss
@@ -218,6 +219,8 @@ class PolicyUpdate:
         old = merged(micro, "old_logprobs", trained.shape)
         computed = sum(mb["labels"].numel() for mb in micro)  # positions the forward passes compute
         figures = {"padding_frac": 1.0 - float(trained.sum()) / max(computed, 1), **self.routing_figures(routing)}
+        if self.rl.kl_in_reward:
+            figures["kl_reward"] = self._kl_in_reward(micro, rewards, old, trained)
         mode, rl = importance_mode(self.rl), self.rl
         if mode != "none":  # rl.importance's weights of the samples: stale, or from another sampler
             for mb in micro:
@@ -246,6 +249,19 @@ class PolicyUpdate:
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens
             figures["kl"] = mean(kl_penalty(old, merged(micro, "ref_logprobs", trained.shape)))
         return mean((old - batch["sampler_logprobs"]).abs()), figures
+
+    def _kl_in_reward(
+        self, micro: list[MicroBatch], rewards: torch.Tensor, old: torch.Tensor, trained: torch.Tensor
+    ) -> float:
+        """rl.kl_in_reward: each row's reward less rl.kl_coef x its rl.kl_estimator estimate summed over its sampled
+        tokens, and each micro-batch's advantages made again from those rewards by the loss's baseline (each group
+        whole on this rank). Returns the rows' mean KL reward."""
+        rl = self.rl
+        kl = (KL_ESTIMATORS[rl.kl_estimator](old, merged(micro, "ref_logprobs", trained.shape)) * trained).sum(-1)
+        advantages = self.strategy.advantages(rewards - rl.kl_coef * kl, rl.group_size, self.sum_over_ranks)
+        for mb in micro:
+            mb["advantages"] = advantages[mb.rows].to(mb["advantages"].dtype)
+        return -rl.kl_coef * float(kl.mean())
 
     def _critic_targets(self, micro: list[MicroBatch], rewards: torch.Tensor, trained: torch.Tensor) -> None:
         """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,

@@ -393,6 +393,8 @@ def resolve_rl(rl, jax: bool = False):
             "rl.unbiased_kl weights the KL penalty by the importance ratio; with rl.kl_coef=0 there is none: set "
             "rl.kl_coef > 0, or drop it"
         )
+    if rl.kl_in_reward:
+        check_kl_in_reward(rl, spec)
     if rl.reference_sync_steps is not None and not rl.kl_coef:
         raise ConfigError(
             "rl.reference_sync_steps moves the KL penalty's reference toward the policy; with rl.kl_coef=0 there is "
@@ -438,6 +440,19 @@ def resolve_rl(rl, jax: bool = False):
     )
 
 
+def check_kl_in_reward(rl, spec: RLLoss) -> None:
+    """rl.kl_in_reward where a reward can carry the KL: a reference (rl.kl_coef > 0), advantages from rewards."""
+    clash = [
+        (not rl.kl_coef, "with rl.kl_coef=0 there is none: set rl.kl_coef > 0"),
+        (rl.critic or spec.vocab or "teacher" in spec.reads, f"rl.loss={rl.loss}'s advantages are not the rewards'"),
+        (rl.unbiased_kl, "rl.unbiased_kl weighs a KL term of the loss, which it removes"),
+        (rl.reward_aggregation == "normalize_then_sum", "GDPO normalises the rewards apart, the KL not among them"),
+    ]
+    for refused, why in clash:
+        if refused:
+            raise ConfigError(f"rl.kl_in_reward moves the KL penalty into each completion's reward; {why}: drop it")
+
+
 def gdpo_std(rl, spec: RLLoss) -> str:
     """rl.reward_aggregation=normalize_then_sum (GDPO) checked: a group-baseline loss without a critic, more than the
     task's reward to normalise; its sum's advantages divide by the step's std ("batch")."""
@@ -465,7 +480,7 @@ def loss_settings(rl) -> LossSettings:
     return LossSettings(
         rl.clip_low,
         rl.clip_high,
-        rl.kl_coef,
+        0.0 if rl.kl_in_reward else rl.kl_coef,  # rl.kl_in_reward: the loop puts it in the rewards instead
         rl.kl_estimator,
         rl.unbiased_kl,
         rl.max_new_tokens,

@@ -1482,6 +1482,40 @@ def test_mini_batches_deal_each_pass_into_optimizer_steps():
     assert steps == [[0, 2, 4, 6], [1, 3, 5, 7]] * 2 and not rows  # 2 passes x 2 shares, each row once a pass
 
 
+def test_dropout_is_off_in_the_stages_that_score_the_model_they_train(tiny_tokenizer):
+    """training.disable_dropout resolves to TRL's defaults (on for dpo, rm and rl, off for pretrain and sft; a value
+    given is kept) and the built model then trains with the function that scores it: the GPT-2 family's dropout
+    (embeddings, the attention kernel's, residual branches) gives the same logits in training and evaluation mode."""
+    from tierlm.builders.model import build_model
+    from tierlm.builders.stage import resolve_config
+    from tierlm.config import TierlmConfig
+    from tierlm.stages import STAGES
+
+    model = {"architecture": "gpt2", "depth": 1, "aspect_ratio": 32, "head_dim": 16, "dropout": 0.2}
+    config = TierlmConfig.from_dict({"model": model, "rl": {"max_new_tokens": 8}})
+    resolved = {name: resolve_config(config, STAGES[name], launched=False) for name in STAGES}
+    assert {name: c.training.disable_dropout for name, c in resolved.items()} == {
+        "pretrain": False, "sft": False, "dpo": True, "rm": True, "rl": True,
+    }  # fmt: skip
+    kept = config.model_copy(update={"training": config.training.model_copy(update={"disable_dropout": False})})
+    assert resolve_config(kept, STAGES["rl"], launched=False).training.disable_dropout is False
+    ids = torch.randint(0, tiny_tokenizer.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    for name, same in (("rl", True), ("dpo", True), ("sft", False)):
+        torch.manual_seed(0)
+        built = build_model(resolved[name], tiny_tokenizer, torch.device("cpu"), None)
+        with torch.no_grad():
+            trained, scored = built.train()(ids), built.eval()(ids)
+        assert torch.equal(trained, scored) is same, name
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tierlm.models.dropout import disable_dropout
+
+    hub_like = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=300, attn_implementation="sdpa"))
+    assert disable_dropout(hub_like) == 4  # GPT-2's configs keep 0.1: embeddings, attention, residual, MLP
+    with torch.no_grad():
+        assert torch.equal(hub_like.train()(ids).logits, hub_like.eval()(ids).logits)
+
+
 def test_kl_in_reward_makes_the_advantages_as_trls_rloo_does(tiny_gpt_config):
     """rl.kl_in_reward with rl.loss=rloo and rl.kl_estimator=k1 (TRL's RLOOTrainer): after scoring, each row's
     advantage is its reward less beta x its summed log-ratio to the reference, against the leave-one-out mean of

@@ -20,6 +20,7 @@ from tierlm.models import (
     load_pretrained_model,
     model_max_seq_len,
 )
+from tierlm.models.dropout import disable_dropout
 from tierlm.models.lora import apply_lora, qlora_quantization_config
 from tierlm.primitives import parse_dtype
 from tierlm.primitives.models import meta_device
@@ -83,7 +84,7 @@ def build_model(
     family = family_named(m.architecture)
     check_lora_request(config, device, pretrained)
     if m.load_in_4bit:
-        return with_lora(config, load_4bit_model(config, pretrained, device))
+        return _trainable(config, load_4bit_model(config, pretrained, device))
     imported = None
     if pretrained is not None and family.native and isinstance(pretrained, Path) and not is_native_folder(pretrained):
         imported = family.import_transformers(
@@ -104,7 +105,16 @@ def build_model(
     max_len = model_max_seq_len(model)
     if max_len is not None and config.data.max_seq_length > max_len:
         raise ConfigError(f"data.max_seq_length ({config.data.max_seq_length}) exceeds the model's maximum ({max_len})")
-    return with_lora(config, model)
+    return _trainable(config, model)
+
+
+def _trainable(config: TierlmConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with the adapters model.lora asks for, its dropout off where training.disable_dropout says (resolved
+    by the stage: on for DPO, RM and RL)."""
+    model = with_lora(config, model)
+    if config.training.disable_dropout:
+        disable_dropout(model)
+    return model
 
 
 def check_lora_request(config: TierlmConfig, device: torch.device, pretrained) -> None:

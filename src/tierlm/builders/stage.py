@@ -55,6 +55,9 @@ class Stage:
     """The setting that sizes its micro-batches (only this one takes `auto`)."""
     measures_core = True
     """training.core_bundle can measure CORE during its training (the `Trainer`'s loop, a model that writes text)."""
+    no_dropout = False
+    """training.disable_dropout's default: it scores the model it trains in evaluation mode (RL's old log-probs, DPO's
+    reference beside it), so dropout in training would make the two forwards differ."""
     supervised = False
     """It is supervised fine-tuning: it trains with training.sft_loss, and with NEFTune's noisy embeddings when
     training.neftune_noise_alpha asks."""
@@ -122,6 +125,9 @@ def resolve_config(config: TierlmConfig, stage: Stage, launched: bool) -> Tierlm
         raise ConfigError(
             "training.profile_steps traces PyTorch's operators; the JAX backend's are JAX's (jax.profiler): drop it"
         )
+    if config.training.disable_dropout is None:
+        training = config.training.model_copy(update={"disable_dropout": stage.no_dropout})
+        config = config.model_copy(update={"training": training})
     config = stage.parallelism(stage.resolve_section(config), launched)
     _check_reference_sync(config, stage.section, launched)
     return config.frozen()

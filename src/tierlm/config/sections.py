@@ -292,6 +292,12 @@ class TrainingConfig(Section):
     fp8: bool = False
     """FP8 matmuls (torchao Float8Linear, tensorwise scaling) in the hidden linear layers on H100-class
     GPUs; evaluation runs them in bf16. Refused elsewhere."""
+    disable_dropout: bool | None = None
+    """Every dropout of the trained model set to 0 (TRL's disable_dropout; `tierlm.models.dropout`). None: on for dpo,
+    rm and rl (TRL's DPO, KTO, reward and GRPO trainers' default: they score the policy in evaluation mode, its old
+    log-probs or a reference beside it, and train it in training mode, which dropout would make another function),
+    off for pretrain and sft. Only models that carry dropout change: GPT-2's family with model.dropout, transformers
+    models whose configs keep some."""
     neftune_noise_alpha: float | None = Field(None, gt=0)
     """SFT: NEFTune's noise on the token embeddings while training (`tierlm.models.neftune`; TRL's name, and its
     value: the paper tries 5, 10 and 15); null: none."""

@@ -32,6 +32,7 @@ class DPO(Stage):
     example_kind = "preference"
     chat = True
     starts_from_trained = True
+    no_dropout = True
     packing = None
     token_rows = False
     rows_per_example = 2  # a pair's chosen and rejected rows

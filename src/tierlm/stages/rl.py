@@ -32,6 +32,7 @@ class RL(Stage):
     example_kind = "task"
     chat = True
     starts_from_trained = True
+    no_dropout = True
     needs_chat_template = True
     packing = None
     token_rows = False
@@ -100,8 +101,7 @@ class RL(Stage):
         if context is None:  # a hub id: its context is known once it is downloaded
             check_prompt_lengths(train_task, eval_task, tokenizer, model_max_seq_len(model), d.dataset_name)
         config = run.resolve(model, PromptPasses(len(train_task), rl.prompts_per_step))
-        schedule = optimizer_schedule(config, world)  # the LR schedule counts optimizer steps
-        parallel = config.model_copy(update={"training": schedule})
+        parallel = config.model_copy(update={"training": optimizer_schedule(config, world)})  # LR: optimizer steps
         beside = beside_policy(parallel, model, tokenizer, run.device, run.ctx, run.output_dir / "critic_checkpoints")
         sharded = parallel.infra.distributed_type == "fsdp"  # before the policy is wrapped: the engine may copy it
         sampling = EngineSettings.of(config)

@@ -27,6 +27,7 @@ class RewardModel(Stage):
     chat = True
     generates = False  # it scores text
     starts_from_trained = True
+    no_dropout = True
     packing = None
     token_rows = False
     rows_per_example = 2  # a pair's chosen and rejected rows

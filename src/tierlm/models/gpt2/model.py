@@ -143,7 +143,8 @@ class GPT2Config:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.n_head, self.head_dim, self.dropout = config.n_head, config.head_dim, config.dropout
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.attn_dropout = nn.Dropout(config.dropout)  # its p is the attention kernel's (`tierlm.models.dropout`)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -175,7 +176,7 @@ class CausalSelfAttention(nn.Module):
         new_v = v
         if cache is not None:
             k, v = cache.append(k, v)
-        p = self.dropout if self.training else 0.0
+        p = self.attn_dropout.p if self.training else 0.0
         if self.kv is not None:  # each query over its kept keys; decoding recomputes the sequence (gpt2_family)
             assert cache is None, (
                 "KV pruning scores keys with every earlier query: decode by recomputing, not with a KV cache"

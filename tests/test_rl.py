@@ -1590,6 +1590,36 @@ def test_kl_in_reward_trains_and_is_refused_where_rows_leave_their_rank(tiny_run
     check_rl_sharing(rl, None, world=1)
 
 
+def test_log_rollouts_writes_the_first_rollouts_of_each_logged_step(tiny_runs, tmp_path, monkeypatch):
+    """rl.log_rollouts=3 (2 prompts x 2 samples a step): each logged step's first three rollouts as "rollout" lines of
+    metrics.jsonl after its train line, the prompt and completion decoded, the reward the reward function gives the
+    answer it read, and the advantage each trained on; with all four logged, those are GRPO's advantages of the
+    logged rewards."""
+    from conftest import digits_reward, run_main
+
+    args = [*_tiny_rl(tiny_runs), digits_reward(tmp_path, monkeypatch), "rl.group_size=2", "rl.max_new_tokens=6"]
+    args += ["rl.loss=grpo", "rl.log_rollouts=3", "training.logging_steps=1", "training.num_train_steps=2"]
+    result = run_main(*args, f"infra.output_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kinds = [(r["type"], r["step"]) for r in lines if r["type"] in ("train", "rollout")]
+    assert kinds == [("train", 1), *[("rollout", 1)] * 3, ("train", 2), *[("rollout", 2)] * 3]
+    strategy = policy_gradient_strategy(resolve_rl(RLConfig(loss="grpo", group_size=2)))
+    for step in (1, 2):
+        rows = [r for r in lines if r["type"] == "rollout" and r["step"] == step]
+        assert [r["index"] for r in rows] == [0, 1, 2] and all(r["prompt"].count("What is") == 1 for r in rows)
+        assert all(r["reward"] == pytest.approx(0.25 * sum(c.isdigit() for c in r["answer"])) for r in rows)
+        assert all(0 < r["completion_tokens"] <= 6 and r["weight_version"] == step - 1 for r in rows)
+    result = run_main(*args, "rl.log_rollouts=4", f"infra.output_dir={tmp_path / 'all'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "all" / "metrics.jsonl").read_text().splitlines()]
+    logged = [[r for r in lines if r["type"] == "rollout" and r["step"] == step] for step in (1, 2)]
+    for rows in logged:
+        expected = strategy.advantages(torch.tensor([r["reward"] for r in rows]), 2)
+        assert [r["advantage"] for r in rows] == pytest.approx(expected.tolist(), abs=1e-6)
+    assert any(r["advantage"] != 0 for rows in logged for r in rows)
+
+
 def test_mini_batches_train_in_one_process_and_under_ddp(tiny_runs, tmp_path, monkeypatch):
     """`tierlm rl rl.mini_batches=2`: one process and two DDP ranks (each rank's share of the rows dealt in two, DDP
     synchronising on each optimizer step's last micro-batch) train; a share that does not divide the rows is one

@@ -271,6 +271,11 @@ class RLConfig(Section):
     environment_args: dict[str, Any] = Field(default_factory=dict)
     """A verifiers environment's settings (`data.dataset_name: verifiers:<id>`, or `rl.environment`): its taskset
     config's fields, as verifiers' `--env.taskset.*` takes them (e.g. {num_tasks: 200})."""
+    log_rollouts: int = Field(0, ge=0)
+    """The first this many rollouts of each logged step (training.logging_steps) written to metrics.jsonl as "rollout"
+    lines beside its train line (TRL's log_completions, verl's rollout_data_dir): the prompt and completion as text,
+    the answer the reward read, the reward and its parts, the advantage trained on, the tokens, whether it finished,
+    its tool calls and weight version. Rank 0's rollouts; 0: none."""
     eval_problems: int = Field(100, gt=0)
     """Held-out problems for pass@k."""
     eval_k: int = Field(4, gt=0)

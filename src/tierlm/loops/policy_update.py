@@ -102,6 +102,19 @@ def micro_batches(batch: dict[str, torch.Tensor], size: int, by_length: bool, mu
     return out
 
 
+def row_advantages(micro: list[MicroBatch], rows: int) -> list[float]:
+    """Each row's advantage as its micro-batch holds it after scoring (per-token ones, a critic's or a teacher's: the
+    mean over the row's trained tokens)."""
+    out = torch.zeros(rows)
+    for mb in micro:
+        advantages = mb["advantages"].float()
+        if advantages.dim() == 2:
+            trained = (mb["labels"] != IGNORE_INDEX).float()
+            advantages = (advantages * trained).sum(1) / trained.sum(1).clamp(min=1)
+        out[mb.rows] = advantages
+    return out.tolist()
+
+
 def balanced_shares(costs: list[float], sizes: list[int]) -> list[list[int]]:
     """The indices of `costs` dealt into shares of `sizes` rows (one per rank, each keeping its number of rows, so
     every rank runs as many micro-batches): the costliest first, each to the share with the least cost that has

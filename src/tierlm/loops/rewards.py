@@ -1,5 +1,6 @@
-"""What the RL loop reads off its rollouts' rewards: the task's rewards of a batch at once, and a reward model's
-figures (its mean score, and how often it orders a group's rollouts as the task's verifier does)."""
+"""What the RL loop reads off its rollouts' rewards: the task's rewards of a batch at once, what the config adds to
+them (a reward model's score, rl.reward_terms), and a reward model's figures (its mean score, and how often it
+orders a group's rollouts as the task's verifier does)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,35 @@ from typing import Any
 import torch
 
 from tierlm.rollout.engine import Rollout
-from tierlm.tasks import Task
+from tierlm.tasks import Task, reward_values
 
 
 def score(task: Task, items: list[tuple[str, str, Any]]) -> list[float]:
     """The task's rewards of (prompt, completion, reference) items, in one call where it scores batches."""
     many = getattr(task, "rewards", None)
     return many(items) if many is not None else [task.reward(*item) for item in items]
+
+
+def shape_rewards(groups: list[list[Rollout]], examples: list, loop: Any) -> list[list[Rollout]]:
+    """The task's rewards with what the config adds, the parts kept apart for the logs: each reward becomes
+    rl.task_reward_weight x the task's + rl.reward_model_weight x the reward model's score of the prompt and
+    completion (rl.reward_model) + each rl.reward_terms function's value of (prompt, answer, reference) x its
+    weight. `loop` is the RL loop (its `rl`, `reward_model` and `reward_terms`)."""
+    rl, reward_model, terms = loop.rl, loop.reward_model, loop.reward_terms
+    if reward_model is None and not terms:
+        return groups
+    rollouts = [r for g in groups for r in g]
+    for r in rollouts:
+        r.task_reward, r.reward = r.reward, rl.task_reward_weight * r.reward
+    if reward_model is not None:
+        scores = reward_model.score([r.prompt_ids + r.completion.tokens for r in rollouts])
+        for r, value in zip(rollouts, scores):
+            r.score, r.reward = value, r.reward + rl.reward_model_weight * value
+    items = [(e.prompt, r.text, e.reference) for e, group in zip(examples, groups) for r in group]
+    for spec, (function, weight) in (terms or {}).items():
+        for r, value in zip(rollouts, reward_values(function, items)):  # code: the batch in the sandbox's pool
+            r.terms[spec], r.reward = value, r.reward + weight * value
+    return groups
 
 
 def reward_model_sums(groups: list[list[Rollout]]) -> dict[str, float]:

@@ -26,15 +26,23 @@ from tierlm.loops.cadence import Watch
 from tierlm.loops.evaluation import evaluate_pass_at_k
 from tierlm.loops.off_policy import OffPolicyRollouts
 from tierlm.loops.partial import Group, PartialRollouts
-from tierlm.loops.policy_update import PolicyUpdate, balanced_shares, loss_figures, merged, rollout_batch
+from tierlm.loops.policy_update import (
+    PolicyUpdate,
+    balanced_shares,
+    loss_figures,
+    merged,
+    rollout_batch,
+    row_advantages,
+)
 from tierlm.loops.rewards import (
     reward_components,
     reward_model_figures,
     reward_model_sums,
     reward_term_figures,
     reward_term_sums,
+    shape_rewards,
 )
-from tierlm.loops.rl_figures import partial_figures, progress_line
+from tierlm.loops.rl_figures import partial_figures, progress_line, rollout_records
 from tierlm.loops.sampling import RolloutSampler
 from tierlm.metrics import MetricsLogger
 from tierlm.metrics.flops import flops_line
@@ -49,7 +57,7 @@ from tierlm.strategies.rl import (
     decoupled_rewards,
     overlong_penalty,
 )
-from tierlm.tasks import Environment, Task, reward_values
+from tierlm.tasks import Environment, Task
 
 
 @dataclass
@@ -88,6 +96,7 @@ class RLTrainer:
     partial: PartialRollouts | None = None  # rl.partial_rollouts: the groups in flight across steps
     _pending: list | None = None  # a checkpoint's pending rollouts (every rank's), until the sampler starts
     _sampling: dict = field(default_factory=dict)  # dynamic sampling's figures of each sampled step
+    _rollouts: list = field(default_factory=list)  # rl.log_rollouts: the latest step's records
     sampler: RolloutSampler = field(init=False)  # how prompts are sampled (tierlm.loops.sampling), from the above
     update: PolicyUpdate = field(init=False)  # how the policy learns from them (tierlm.loops.policy_update)
 
@@ -162,33 +171,13 @@ class RLTrainer:
         """Partial rollouts' finished groups, scored as the plain run scores its own."""
         examples = [self.train_task.example(g.index) for g in groups]
         prompts, rows = [g.prompt_ids for g in groups], [g.rows for g in groups]
-        return self._shaped(self.sampler.scored(self.train_task, examples, prompts, rows), examples)
+        return shape_rewards(self.sampler.scored(self.train_task, examples, prompts, rows), examples, self)
 
     def _groups(self, indices: list[int], generators: list[torch.Generator]) -> list[list[Rollout]]:
         groups = self.sampler.groups(self.train_task, indices, generators, self.rl.group_size, self.rl.temperature)
         if self.reward_model is None and not self.reward_terms:
             return groups
-        return self._shaped(groups, [self.train_task.example(i) for i in indices])
-
-    def _shaped(self, groups: list[list[Rollout]], examples: list) -> list[list[Rollout]]:
-        """The task's rewards with what the config adds, the parts kept apart for the logs: each reward becomes
-        rl.task_reward_weight x the task's + rl.reward_model_weight x the reward model's score of the prompt and
-        completion (rl.reward_model) + each rl.reward_terms function's value of (prompt, answer, reference) x its
-        weight."""
-        if self.reward_model is None and not self.reward_terms:
-            return groups
-        rollouts = [r for g in groups for r in g]
-        for r in rollouts:
-            r.task_reward, r.reward = r.reward, self.rl.task_reward_weight * r.reward
-        if self.reward_model is not None:
-            scores = self.reward_model.score([r.prompt_ids + r.completion.tokens for r in rollouts])
-            for r, value in zip(rollouts, scores):
-                r.score, r.reward = value, r.reward + self.rl.reward_model_weight * value
-        items = [(e.prompt, r.text, e.reference) for e, group in zip(examples, groups) for r in group]
-        for spec, (function, weight) in (self.reward_terms or {}).items():
-            for r, value in zip(rollouts, reward_values(function, items)):  # code: the batch in the sandbox's pool
-                r.terms[spec], r.reward = value, r.reward + weight * value
-        return groups
+        return shape_rewards(groups, [self.train_task.example(i) for i in indices], self)
 
     def _with_signal(self, step: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
         """DAPO's dynamic sampling: groups whose rewards are all equal give no gradient; they are replaced by groups
@@ -255,6 +244,10 @@ class RLTrainer:
             batch["teacher"] = torch.tensor([self.teacher.route(r.domain) for r in trained[0]])
         micro = self.update.micro_batches(batch)
         parity, scoring = self.update.score(micro, batch, trained[2], step - version)
+        if rl.log_rollouts and self.rank == 0:  # the first rollouts as trained, logged beside the step's line
+            self._rollouts = rollout_records(
+                trained[0], row_advantages(micro, len(trained[0])), self.tokenizer.decode, rl.log_rollouts
+            )
         t2 = time.perf_counter()
         coef = self._entropy_bonus() if rl.entropy_target is not None else None
         update = self.update.apply(micro)
@@ -460,6 +453,8 @@ class RLTrainer:
                 "epoch": state.step * self.rl.prompts_per_step / len(self.train_task),  # passes over the prompts
             }
         )
+        for record in self._rollouts:  # rl.log_rollouts
+            self.logger.log({"type": "rollout", "step": state.step, **record})
         if self.rank == 0:
             print(progress_line(state.step, self.config.num_train_steps, metrics), file=sys.stderr, flush=True)
 

@@ -1,12 +1,33 @@
-"""What the RL loop reports beside its train lines: the progress line of a logged step, the partial rollouts' figures
-and the parity pre-flight's verdict."""
+"""What the RL loop reports beside its train lines: the progress line of a logged step, the rollouts rl.log_rollouts
+logs, the partial rollouts' figures and the parity pre-flight's verdict."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from tierlm.config import RLConfig
 from tierlm.errors import ConfigError
+
+
+def rollout_records(rollouts: list, advantages: list[float], decode: Callable, n: int) -> list[dict[str, Any]]:
+    """The first `n` of a step's rollouts (with the advantage each trained on) as rl.log_rollouts logs them.
+
+    >>> from tierlm.rollout.engine import Completion, Rollout
+    >>> done = Rollout([1, 2], Completion(tokens=[3], finished=True), 1.0, "3", terms={"m:f": 0.5})
+    >>> rollout_records([done], [0.7], lambda ids: " ".join(map(str, ids)), 2)
+    [{'index': 0, 'prompt': '1 2', 'completion': '3', 'answer': '3', 'reward': 1.0, 'reward_terms': {'m:f': 0.5},
+      'advantage': 0.7, 'completion_tokens': 1, 'finished': True, 'tool_calls': 0, 'weight_version': 0}]
+    """
+    records = []
+    for index, (r, advantage) in enumerate(zip(rollouts[:n], advantages)):
+        c = r.completion
+        record = {"index": index, "prompt": decode(r.prompt_ids), "completion": decode(c.tokens), "answer": r.text}
+        record["reward"] = r.reward
+        parts = {"task_reward": r.task_reward, "rm_score": r.score, "reward_terms": dict(r.terms) or None}
+        record.update({key: value for key, value in parts.items() if value is not None})
+        record.update(advantage=advantage, completion_tokens=len(c.tokens), finished=c.finished)
+        records.append({**record, "tool_calls": c.tool_calls, "weight_version": c.weight_version})
+    return records
 
 
 def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:

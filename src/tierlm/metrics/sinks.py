@@ -20,6 +20,10 @@ from typing import Any
 
 from tierlm.errors import ConfigError
 
+PER_ITEM = ("rollout",)
+"""Records of one item each, several a step (rl.log_rollouts' rollouts): metrics.jsonl and W&B keep them; the scalar
+dashboards (TensorBoard, MLflow), whose series hold one value a step, leave them out."""
+
 
 class JSONLSink:
     """One JSON object per line in `<output_dir>/metrics.jsonl`; flushed every write."""
@@ -77,6 +81,8 @@ class TensorBoardSink:
 
     def log(self, record: dict[str, Any]) -> None:
         prefix, step = record.get("type", "train"), record.get("step", 0)
+        if prefix in PER_ITEM:
+            return
         for key, value in record.items():
             if key not in ("type", "step") and isinstance(value, (int, float)):
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
@@ -162,6 +168,8 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         step = int(record.get("step", 0))
+        if record.get("type") in PER_ITEM:
+            return
         if step <= self.logged_step and record.get("type") in ("train", "eval"):
             return  # replayed after a resume: MLflow already holds this step
         now = int(1000 * time.time())

@@ -1106,6 +1106,8 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
         "rl.group_size=2",
         "rl.max_new_tokens=6",
         "training.num_train_steps=4",
+        "rl.log_rollouts=2",
+        "training.logging_steps=1",
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out in (straight, resumed):
@@ -1123,6 +1125,10 @@ def test_ppo_with_a_critic_trains_saves_and_resumes_exactly(tiny_runs, tmp_path)
 
     assert all(math.isfinite(v) for _, _, v in lines(straight))
     assert lines(resumed)[-2:] == lines(straight)[-2:]
+    rollouts = [[r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "rollout"]
+                for run in (straight, resumed)]  # fmt: skip
+    assert [(r["step"], r["index"]) for r in rollouts[1]] == [(s, i) for s in (1, 2, 3, 4) for i in (0, 1)]
+    assert rollouts[1] == rollouts[0] and all(math.isfinite(r["advantage"]) for r in rollouts[0])  # the critic's
 
 
 def test_importance_weights_scale_each_tokens_policy_gradient_term():

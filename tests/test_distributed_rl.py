@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from tests.conftest import run_main
@@ -70,6 +71,8 @@ def test_rl_and_dpo_at_two_ranks(tiny_runs, tmp_path, monkeypatch):
             assert a.get("completion_len") == b.get("completion_len") and a.get("reward_mean") == b.get("reward_mean")
             for key in ("loss", "kl", "grad_norm", "pass@1", "pass@k"):
                 assert abs(a.get(key, 0.0) - b.get(key, 0.0)) < 1e-5, (kind, key, a, b)
+            if "kl" in b:  # every rank's tokens' mean, as one process's (not rank 0's alone)
+                assert a["kl"] == pytest.approx(b["kl"], rel=1e-4), (kind, a["kl"], b["kl"])
         train = [r for r in records if r["type"] == "train"]
         assert [r["weight_version"] for r in train] == [0, 1, 2]  # rollouts of step n: the weights after n updates
         # the rows dealt over the ranks by their FLOPs (rl.balance_ranks): never worse than as sampled

@@ -1576,9 +1576,10 @@ def test_kl_in_reward_makes_the_advantages_as_trls_rloo_does(tiny_gpt_config):
 
 def test_kl_in_reward_trains_and_is_refused_where_rows_leave_their_rank(tiny_runs, tmp_path, monkeypatch):
     """`tierlm rl` with TRL's RLOO settings (rl.kl_in_reward, k1) trains, its train lines carrying the KL reward
-    beside the KL; under torchrun, rl.balance_ranks would deal a group's rows to other ranks before its advantages
-    are made again: refused in one line."""
+    beside the KL, and two DDP ranks (rl.balance_ranks=false) take its steps; with rl.balance_ranks, which would deal
+    a group's rows to other ranks before its advantages are made again, it is refused in one line."""
     from conftest import digits_reward, run_main
+    from forked import ranks
     from tierlm.builders.tasks import check_rl_sharing
     from tierlm.errors import ConfigError
 
@@ -1589,6 +1590,13 @@ def test_kl_in_reward_trains_and_is_refused_where_rows_leave_their_rank(tiny_run
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["type"] == "train"]
     assert len(train) == 2 and all("kl_reward" in r and "kl" in r for r in train)
+    two = ranks("-m", "tierlm", *args, "training.num_train_steps=2", "rl.balance_ranks=false",
+                f"infra.output_dir={tmp_path / 'two'}")  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    for ours, one in zip([r for r in lines if r["type"] == "train"], train, strict=True):
+        for key in ("loss", "kl", "kl_reward", "reward_mean"):
+            assert ours[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (key, ours[key], one[key])
     rl = RLConfig(loss="rloo", kl_coef=0.1, kl_in_reward=True, prompts_per_step=4)
     with pytest.raises(ConfigError, match="set rl.balance_ranks=false"):
         check_rl_sharing(rl, None, world=2)

@@ -224,8 +224,9 @@ class PolicyUpdate:
                     mb["advantages"] = (scores["logprobs"] - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
         trained = batch["labels"] != IGNORE_INDEX
 
-        def mean(per_token: torch.Tensor) -> float:  # over the trained tokens
-            return float((per_token * trained).sum() / trained.sum().clamp(min=1))
+        def mean(per_token: torch.Tensor) -> float:  # over every rank's trained tokens
+            sums = self.sum_over_ranks({"sum": float((per_token * trained).sum()), "tokens": float(trained.sum())})
+            return sums["sum"] / max(sums["tokens"], 1.0)
 
         if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
             self._critic_targets(micro, rewards, trained)
@@ -254,11 +255,15 @@ class PolicyUpdate:
         if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0), each teacher's
             log_ratio = merged(micro, "teacher_logprobs", trained.shape) - old  # log p_teacher - log p_student
             figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
-            if len(self.teacher.models) > 1:
+            if len(self.teacher.models) > 1:  # each teacher's, over every rank's tokens it scored
+                k3, sums = log_ratio.exp() - log_ratio - 1.0, {}
                 for index, label in enumerate(self.teacher.labels):
                     rows = (batch["teacher"] == index)[:, None] & trained
-                    if rows.any():
-                        figures[f"teacher_kl_{label}"] = float((log_ratio.exp() - log_ratio - 1.0)[rows].mean())
+                    sums[f"{label}:kl"], sums[f"{label}:tokens"] = float(k3[rows].sum()), float(rows.sum())
+                sums = self.sum_over_ranks(sums)
+                for label in self.teacher.labels:
+                    if sums[f"{label}:tokens"]:
+                        figures[f"teacher_kl_{label}"] = sums[f"{label}:kl"] / sums[f"{label}:tokens"]
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens
             figures["kl"] = mean(kl_penalty(old, merged(micro, "ref_logprobs", trained.shape)))
         return mean((old - batch["sampler_logprobs"]).abs()), figures
@@ -268,13 +273,14 @@ class PolicyUpdate:
     ) -> float:
         """rl.kl_in_reward: each row's reward less rl.kl_coef x its rl.kl_estimator estimate summed over its sampled
         tokens, and each micro-batch's advantages made again from those rewards by the loss's baseline (each group
-        whole on this rank). Returns the rows' mean KL reward."""
+        whole on this rank). Returns the mean KL reward of every rank's rows."""
         rl = self.rl
         kl = (KL_ESTIMATORS[rl.kl_estimator](old, merged(micro, "ref_logprobs", trained.shape)) * trained).sum(-1)
         advantages = self.strategy.advantages(rewards - rl.kl_coef * kl, rl.group_size, self.sum_over_ranks)
         for mb in micro:
             mb["advantages"] = advantages[mb.rows].to(mb["advantages"].dtype)
-        return -rl.kl_coef * float(kl.mean())
+        sums = self.sum_over_ranks({"kl": float(kl.sum()), "rows": float(len(kl))})
+        return -rl.kl_coef * sums["kl"] / max(sums["rows"], 1.0)
 
     def _critic_targets(self, micro: list[MicroBatch], rewards: torch.Tensor, trained: torch.Tensor) -> None:
         """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,

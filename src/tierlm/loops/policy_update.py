@@ -224,15 +224,19 @@ class PolicyUpdate:
                     mb["advantages"] = (scores["logprobs"] - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
         trained = batch["labels"] != IGNORE_INDEX
 
-        def mean(per_token: torch.Tensor) -> float:  # over every rank's trained tokens
+        def mean(per_token: torch.Tensor, empty: float = 0.0) -> float:  # over every rank's trained tokens
             sums = self.sum_over_ranks({"sum": float((per_token * trained).sum()), "tokens": float(trained.sum())})
-            return sums["sum"] / max(sums["tokens"], 1.0)
+            return sums["sum"] / sums["tokens"] if sums["tokens"] else empty
 
         if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
             self._critic_targets(micro, rewards, trained)
         old = merged(micro, "old_logprobs", trained.shape)
         computed = sum(mb["labels"].numel() for mb in micro)  # positions the forward passes compute
-        figures = {"padding_frac": 1.0 - float(trained.sum()) / max(computed, 1), **self.routing_figures(routing)}
+        shares = self.sum_over_ranks({"trained": float(trained.sum()), "computed": float(computed)})
+        figures = {
+            "padding_frac": 1.0 - shares["trained"] / max(shares["computed"], 1.0),
+            **self.routing_figures(routing),
+        }
         if self.rl.kl_in_reward:
             figures["kl_reward"] = self._kl_in_reward(micro, rewards, old, trained)
         mode, rl = importance_mode(self.rl), self.rl
@@ -243,15 +247,14 @@ class PolicyUpdate:
                     mb["old_logprobs"], mb["sampler_logprobs"], trained_mb, mode, rl.importance_floor,
                     rl.importance_cap,
                 )  # fmt: skip
-            weights = merged(micro, "importance", trained.shape)[trained]
+            weights = merged(micro, "importance", trained.shape)
             figures["staleness"] = staleness
-            figures["importance_mean"] = float(weights.mean()) if weights.numel() else 1.0
+            figures["importance_mean"] = mean(weights, empty=1.0)
             low, high = rl.importance_floor or 0.0, rl.importance_cap or math.inf
             if mode.endswith("mask"):  # the share of trained tokens the band silences
-                figures["importance_masked"] = float((weights == 0).float().mean()) if weights.numel() else 0.0
+                figures["importance_masked"] = mean((weights == 0).float())
             else:  # the share held at an end of the band
-                held = (weights >= high) | (weights <= low)
-                figures["importance_capped"] = float(held.float().mean()) if weights.numel() else 0.0
+                figures["importance_capped"] = mean(((weights >= high) | (weights <= low)).float())
         if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0), each teacher's
             log_ratio = merged(micro, "teacher_logprobs", trained.shape) - old  # log p_teacher - log p_student
             figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)

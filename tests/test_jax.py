@@ -342,11 +342,28 @@ def test_tierlm_pretrain_with_the_jax_backend(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # the JAX run's checkpoint continues under PyTorch
 
 
+def _loss_and_gradient_equal_the_twins(strategy, logits: torch.Tensor, batch: dict, tolerance: float) -> None:
+    """`strategy.compute_loss` and its jax.numpy twin (`jax_twin`) give one (loss, count) and one gradient by the
+    logits."""
+    import jax
+
+    from tierlm.primitives.jax_losses import jax_twin
+
+    leaf = logits.clone().requires_grad_(True)
+    total, count = strategy.compute_loss(leaf, batch)
+    total.backward()
+    twin, jax_batch = jax_twin(strategy.compute_loss), {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
+    (jax_total, jax_count), grad = jax.value_and_grad(lambda x: twin(x, jax_batch), has_aux=True)(
+        jnp.asarray(logits.numpy())
+    )
+    assert float(jax_count) == float(count) and abs(float(jax_total) - float(total)) < tolerance, (jax_total, total)
+    np.testing.assert_allclose(np.asarray(grad[0] if isinstance(grad, tuple) else grad), leaf.grad.numpy(), atol=1e-6)
+
+
 @pytest.mark.parametrize("loss", ["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "distill"])
 def test_the_policy_gradient_losses_have_jax_twins(loss):
     """Each `rl.loss` in jax.numpy (the JAX backend's) equals PyTorch's, the loss and its gradient by the logits,
     with stale old log-probs, a KL reference and off-policy importance weights."""
-    import jax
 
     from tierlm.config import RLConfig
     from tierlm.primitives.jax_losses import jax_twin
@@ -368,15 +385,8 @@ def test_the_policy_gradient_losses_have_jax_twins(loss):
     teacher = {"teacher": "t"} if loss == "distill" else {}
     rl = resolve_rl(RLConfig(loss=loss, kl_coef=0.05, temperature=0.8, max_new_tokens=5, **teacher))
     strategy = policy_gradient_strategy(rl)
-    leaf = logits.clone().requires_grad_(True)
-    total, count = strategy.compute_loss(leaf, batch)
-    total.backward()
-    twin, jax_batch = jax_twin(strategy.compute_loss), {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
-    (jax_total, jax_count), grad = jax.value_and_grad(lambda x: twin(x, jax_batch), has_aux=True)(
-        jnp.asarray(logits.numpy())
-    )
-    assert float(jax_count) == float(count) and abs(float(jax_total) - float(total)) < 1e-5, (jax_total, total)
-    np.testing.assert_allclose(np.asarray(grad[0] if isinstance(grad, tuple) else grad), leaf.grad.numpy(), atol=1e-6)
+    _loss_and_gradient_equal_the_twins(strategy, logits, batch, 1e-5)
+    jax_batch = {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
     metrics = jax_twin(strategy.compute_metrics)(jnp.asarray(logits.numpy()), jax_batch)
     np.testing.assert_allclose(
         np.asarray(metrics["logprobs"]), strategy.compute_metrics(logits, batch)["logprobs"].numpy(), atol=1e-6
@@ -386,9 +396,7 @@ def test_the_policy_gradient_losses_have_jax_twins(loss):
 def test_dft_has_a_jax_twin():
     """training.sft_loss=dft in jax.numpy equals PyTorch's, the loss and its gradient by the logits (the weight out of
     both gradients), loss_mask included."""
-    import jax
 
-    from tierlm.primitives.jax_losses import jax_twin
     from tierlm.strategies.sft import DFTStrategy
 
     g = torch.Generator().manual_seed(0)
@@ -396,16 +404,7 @@ def test_dft_has_a_jax_twin():
     labels = torch.randint(0, 6, (2, 4), generator=g)
     labels[0, :2] = -100
     batch = {"labels": labels, "loss_mask": torch.tensor([[1.0, 1.0, 0.5, 1.0], [1.0, 0.0, 1.0, 2.0]])}
-    strategy = DFTStrategy()
-    leaf = logits.clone().requires_grad_(True)
-    total, count = strategy.compute_loss(leaf, batch)
-    total.backward()
-    twin, jax_batch = jax_twin(strategy.compute_loss), {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
-    (jax_total, jax_count), grad = jax.value_and_grad(lambda x: twin(x, jax_batch), has_aux=True)(
-        jnp.asarray(logits.numpy())
-    )
-    assert float(jax_count) == float(count) and abs(float(jax_total) - float(total)) < 1e-6, (jax_total, total)
-    np.testing.assert_allclose(np.asarray(grad), leaf.grad.numpy(), atol=1e-6)
+    _loss_and_gradient_equal_the_twins(DFTStrategy(), logits, batch, 1e-6)
 
 
 @pytest.mark.slow

@@ -396,7 +396,6 @@ def test_the_policy_gradient_losses_have_jax_twins(loss):
 def test_dft_has_a_jax_twin():
     """training.sft_loss=dft in jax.numpy equals PyTorch's, the loss and its gradient by the logits (the weight out of
     both gradients), loss_mask included."""
-
     from tierlm.strategies.sft import DFTStrategy
 
     g = torch.Generator().manual_seed(0)

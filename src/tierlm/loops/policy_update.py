@@ -223,22 +223,10 @@ class PolicyUpdate:
                 else:  # distill: each sampled token's advantage is log p_teacher - log p_student
                     mb["advantages"] = (scores["logprobs"] - mb["old_logprobs"]) * (mb["labels"] != IGNORE_INDEX)
         trained = batch["labels"] != IGNORE_INDEX
-
-        def mean(per_token: torch.Tensor, empty: float = 0.0) -> float:  # over every rank's trained tokens
-            sums = self.sum_over_ranks({"sum": float((per_token * trained).sum()), "tokens": float(trained.sum())})
-            return sums["sum"] / sums["tokens"] if sums["tokens"] else empty
-
         if self.critic is not None:  # per-token advantages from the critic's values (GAE), replacing the group baseline
             self._critic_targets(micro, rewards, trained)
         old = merged(micro, "old_logprobs", trained.shape)
-        computed = sum(mb["labels"].numel() for mb in micro)  # positions the forward passes compute
-        shares = self.sum_over_ranks({"trained": float(trained.sum()), "computed": float(computed)})
-        figures = {
-            "padding_frac": 1.0 - shares["trained"] / max(shares["computed"], 1.0),
-            **self.routing_figures(routing),
-        }
-        if self.rl.kl_in_reward:
-            figures["kl_reward"] = self._kl_in_reward(micro, rewards, old, trained)
+        kl_rows = self._kl_in_reward(micro, rewards, old, trained) if self.rl.kl_in_reward else None
         mode, rl = importance_mode(self.rl), self.rl
         if mode != "none":  # rl.importance's weights of the samples: stale, or from another sampler
             for mb in micro:
@@ -247,43 +235,64 @@ class PolicyUpdate:
                     mb["old_logprobs"], mb["sampler_logprobs"], trained_mb, mode, rl.importance_floor,
                     rl.importance_cap,
                 )  # fmt: skip
-            weights = merged(micro, "importance", trained.shape)
+        figures = self._figures(micro, batch, old, trained, mode, kl_rows)
+        figures.update(self.routing_figures(routing))
+        if mode != "none":
             figures["staleness"] = staleness
-            figures["importance_mean"] = mean(weights, empty=1.0)
-            low, high = rl.importance_floor or 0.0, rl.importance_cap or math.inf
+        return figures.pop("gap"), figures
+
+    def _figures(
+        self, micro: list[MicroBatch], batch, old: torch.Tensor, trained: torch.Tensor, mode: str, kl_rows
+    ) -> dict[str, float]:
+        """What scoring found, each figure over every rank's trained tokens (each teacher's: the tokens it scored;
+        the KL reward: the rows), their sums added over the ranks at once: the mean |trainer - sampler| log-prob
+        (`gap`), the padding's share of the positions computed, the KL to the reference, the importance weights'
+        mean and the share they silence or hold at the band's ends, the KL to the teachers."""
+        shape, rl = trained.shape, self.rl
+        means = {"gap": (old - batch["sampler_logprobs"]).abs()}  # name -> per-token values, averaged over tokens
+        if mode != "none":
+            weights, low, high = merged(micro, "importance", shape), rl.importance_floor or 0.0, rl.importance_cap
+            means["importance_mean"] = weights
             if mode.endswith("mask"):  # the share of trained tokens the band silences
-                figures["importance_masked"] = mean((weights == 0).float())
+                means["importance_masked"] = (weights == 0).float()
             else:  # the share held at an end of the band
-                figures["importance_capped"] = mean(((weights >= high) | (weights <= low)).float())
-        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0), each teacher's
-            log_ratio = merged(micro, "teacher_logprobs", trained.shape) - old  # log p_teacher - log p_student
-            figures["teacher_kl"] = mean(log_ratio.exp() - log_ratio - 1.0)
-            if len(self.teacher.models) > 1:  # each teacher's, over every rank's tokens it scored
-                k3, sums = log_ratio.exp() - log_ratio - 1.0, {}
-                for index, label in enumerate(self.teacher.labels):
-                    rows = (batch["teacher"] == index)[:, None] & trained
-                    sums[f"{label}:kl"], sums[f"{label}:tokens"] = float(k3[rows].sum()), float(rows.sum())
-                sums = self.sum_over_ranks(sums)
-                for label in self.teacher.labels:
-                    if sums[f"{label}:tokens"]:
-                        figures[f"teacher_kl_{label}"] = sums[f"{label}:kl"] / sums[f"{label}:tokens"]
+                means["importance_capped"] = ((weights >= (high or math.inf)) | (weights <= low)).float()
+        if self.teacher is not None:  # KL(student || teacher) on the sampled tokens (k3, >= 0)
+            log_ratio = merged(micro, "teacher_logprobs", shape) - old  # log p_teacher - log p_student
+            means["teacher_kl"] = log_ratio.exp() - log_ratio - 1.0
         if self.reference is not None:  # KL(policy || reference) on the sampled tokens
-            figures["kl"] = mean(kl_penalty(old, merged(micro, "ref_logprobs", trained.shape)))
-        return mean((old - batch["sampler_logprobs"]).abs()), figures
+            means["kl"] = kl_penalty(old, merged(micro, "ref_logprobs", shape))
+        sums = {name: float((values * trained).sum()) for name, values in means.items()}
+        sums.update(tokens=float(trained.sum()), computed=float(sum(mb["labels"].numel() for mb in micro)))
+        labels = self.teacher.labels if self.teacher is not None and len(self.teacher.models) > 1 else []
+        for index, label in enumerate(labels):  # each teacher's KL, over the tokens it scored
+            rows = (batch["teacher"] == index)[:, None] & trained
+            sums[f"{label}:kl"], sums[f"{label}:tokens"] = float(means["teacher_kl"][rows].sum()), float(rows.sum())
+        if kl_rows is not None:
+            sums.update(kl_reward=-rl.kl_coef * float(kl_rows.sum()), rows=float(len(kl_rows)))
+        totals = self.sum_over_ranks(sums)
+        tokens = totals["tokens"]
+        empty = {"importance_mean": 1.0}  # the figure with no trained token
+        figures = {name: totals[name] / tokens if tokens else empty.get(name, 0.0) for name in means}
+        figures["padding_frac"] = 1.0 - tokens / max(totals["computed"], 1.0)
+        figures.update({f"teacher_kl_{label}": totals[f"{label}:kl"] / totals[f"{label}:tokens"] for label in labels
+                        if totals[f"{label}:tokens"]})  # fmt: skip
+        if kl_rows is not None:
+            figures["kl_reward"] = totals["kl_reward"] / max(totals["rows"], 1.0)
+        return figures
 
     def _kl_in_reward(
         self, micro: list[MicroBatch], rewards: torch.Tensor, old: torch.Tensor, trained: torch.Tensor
     ) -> float:
         """rl.kl_in_reward: each row's reward less rl.kl_coef x its rl.kl_estimator estimate summed over its sampled
         tokens, and each micro-batch's advantages made again from those rewards by the loss's baseline (each group
-        whole on this rank). Returns the mean KL reward of every rank's rows."""
+        whole on this rank). Returns each row's summed estimate (the KL reward's figure, `_figures`)."""
         rl = self.rl
         kl = (KL_ESTIMATORS[rl.kl_estimator](old, merged(micro, "ref_logprobs", trained.shape)) * trained).sum(-1)
         advantages = self.strategy.advantages(rewards - rl.kl_coef * kl, rl.group_size, self.sum_over_ranks)
         for mb in micro:
             mb["advantages"] = advantages[mb.rows].to(mb["advantages"].dtype)
-        sums = self.sum_over_ranks({"kl": float(kl.sum()), "rows": float(len(kl))})
-        return -rl.kl_coef * sums["kl"] / max(sums["rows"], 1.0)
+        return kl
 
     def _critic_targets(self, micro: list[MicroBatch], rewards: torch.Tensor, trained: torch.Tensor) -> None:
         """Each micro-batch gets the critic's values at sampling time, the GAE returns and the per-token advantages,
